@@ -1,0 +1,18 @@
+#pragma once
+// What the CUDA runtime linked into kernels/ sees. Raw runtime calls only (no LibTorch), so
+// kernels/ compiles with any nvcc whatever CUDA version torch was built with.
+
+#include <string>
+
+namespace lorapipe::kernels {
+
+// True when this build compiled the CUDA kernels (LORAPIPE_CUDA found nvcc).
+bool built_with_cuda();
+
+// Number of CUDA devices the runtime can use; 0 without a driver or a GPU. Never throws.
+int cuda_device_count();
+
+// "NVIDIA H200 (sm_90, 139.8 GiB)" for device `index`; empty when there is no such device.
+std::string cuda_device_name(int index);
+
+}  // namespace lorapipe::kernels

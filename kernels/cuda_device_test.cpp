@@ -1,0 +1,30 @@
+// The CUDA runtime that kernels/ links must see the same devices LibTorch sees: if they
+// disagree, kernels would run on one device while tensors live on another.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "kernels/cuda_device.h"
+
+namespace lorapipe::kernels {
+namespace {
+
+TEST(KernelsCudaDevice, CountMatchesLibTorch) {
+  const int torch_count = static_cast<int>(torch::cuda::device_count());
+  if (built_with_cuda()) {
+    EXPECT_EQ(cuda_device_count(), torch_count);
+  } else {
+    EXPECT_EQ(cuda_device_count(), 0);
+  }
+}
+
+TEST(KernelsCudaDevice, DescribesEachDevice) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  for (int i = 0; i < cuda_device_count(); ++i) {
+    const std::string name = cuda_device_name(i);
+    EXPECT_NE(name.find("sm_"), std::string::npos) << name;
+  }
+  EXPECT_TRUE(cuda_device_name(cuda_device_count()).empty());
+}
+
+}  // namespace
+}  // namespace lorapipe::kernels
