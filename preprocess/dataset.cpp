@@ -1,0 +1,558 @@
+#include "preprocess/dataset.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace lorapipe::preprocess {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::string_view kLog = "preprocess";
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+bool is_caption_extension(const fs::path& path) {
+  const std::string ext = lower(path.extension().string());
+  return ext == ".txt" || ext == ".caption";
+}
+
+// kohya extract_dreambooth_params: "<N>_<class tokens>" with N an integer; tokens may contain
+// further underscores.
+bool parse_repeat_folder(const std::string& name, int* repeats, std::string* class_tokens) {
+  const size_t underscore = name.find('_');
+  const std::string head = name.substr(0, underscore);
+  int value = 0;
+  auto [end, ec] = std::from_chars(head.data(), head.data() + head.size(), value);
+  if (head.empty() || ec != std::errc() || end != head.data() + head.size() || value <= 0) {
+    return false;
+  }
+  *repeats = value;
+  *class_tokens = underscore == std::string::npos ? "" : name.substr(underscore + 1);
+  return true;
+}
+
+bool valid_utf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t n = 0;
+    uint32_t cp = 0;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c >> 5) == 0x6) {
+      n = 1, cp = c & 0x1f;
+    } else if ((c >> 4) == 0xe) {
+      n = 2, cp = c & 0x0f;
+    } else if ((c >> 3) == 0x1e) {
+      n = 3, cp = c & 0x07;
+    } else {
+      return false;
+    }
+    if (i + n >= s.size()) return false;
+    for (size_t k = 1; k <= n; ++k) {
+      const auto cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc >> 6) != 0x2) return false;
+      cp = (cp << 6) | (cc & 0x3f);
+    }
+    // Overlong forms, surrogates and values past U+10FFFF are not UTF-8.
+    if ((n == 1 && cp < 0x80) || (n == 2 && cp < 0x800) || (n == 3 && cp < 0x10000) ||
+        cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) {
+      return false;
+    }
+    i += n + 1;
+  }
+  return true;
+}
+
+std::string latin1_to_utf8(std::string_view s) {
+  std::string out;
+  out.reserve(s.size() * 2);
+  for (char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c < 0x80) {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out.push_back(static_cast<char>(0xc0 | (c >> 6)));
+      out.push_back(static_cast<char>(0x80 | (c & 0x3f)));
+    }
+  }
+  return out;
+}
+
+// Python str.strip() of ASCII whitespace.
+std::string strip(std::string_view s) {
+  const char* ws = " \t\r\n\v\f";
+  const size_t begin = s.find_first_not_of(ws);
+  if (begin == std::string_view::npos) return {};
+  const size_t end = s.find_last_not_of(ws);
+  return std::string(s.substr(begin, end - begin + 1));
+}
+
+// Sorted directory listing; errors while listing become one InputError naming the folder.
+std::vector<fs::directory_entry> list_sorted(const fs::path& dir) {
+  std::error_code ec;
+  fs::directory_iterator it(dir, ec);
+  if (ec) throw InputError("cannot list folder " + dir.string() + ": " + ec.message());
+  std::vector<fs::directory_entry> entries;
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) throw InputError("cannot list folder " + dir.string() + ": " + ec.message());
+    entries.push_back(*it);
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const auto& a, const auto& b) { return a.path() < b.path(); });
+  return entries;
+}
+
+void attach_caption(const SubsetOptions& subset, ImageEntry& entry, Discovery& out) {
+  std::vector<std::string> extensions{subset.caption_extension};
+  if (!subset.caption_extension_set && subset.caption_extension != ".caption") {
+    extensions.push_back(".caption");
+  }
+  for (const std::string& ext : extensions) {
+    fs::path caption_path = entry.path;
+    caption_path.replace_extension(ext);
+    std::error_code ec;
+    if (!fs::is_regular_file(caption_path, ec)) continue;
+    try {
+      Caption caption = read_caption_file(caption_path);
+      entry.caption = caption.text;
+      entry.caption_source = "file";
+      entry.caption_note = caption.note;
+      if (!caption.note.empty()) {
+        LP_LOG(kWarning, kLog) << caption_path.string() << ": " << caption.note;
+      }
+    } catch (const InputError& e) {
+      entry.caption_source = "none";
+      entry.caption_note = e.what();
+      LP_LOG(kWarning, kLog) << e.what();
+      break;
+    }
+    break;
+  }
+  if (entry.caption_source.empty() || entry.caption_source == "none") {
+    ++out.captions_missing;
+    if (!subset.class_tokens.empty()) {
+      entry.caption = subset.class_tokens;
+      entry.caption_source = "class_tokens";
+    } else {
+      entry.caption.clear();
+      entry.caption_source = "none";
+    }
+  }
+  // kohya process_caption: prefix and suffix joined with a space.
+  if (!subset.caption_prefix.empty()) entry.caption = subset.caption_prefix + " " + entry.caption;
+  if (!subset.caption_suffix.empty()) entry.caption = entry.caption + " " + subset.caption_suffix;
+}
+
+// Collects the images of one subset folder (not recursive, as kohya).
+void collect_subset(const fs::path& dir, size_t dataset, size_t subset_index,
+                    const SubsetOptions& subset, bool top_level, Discovery& out) {
+  for (const fs::directory_entry& entry : list_sorted(dir)) {
+    const fs::path& path = entry.path();
+    std::error_code ec;
+    const fs::file_status status = fs::status(path, ec);  // follows symlinks
+    if (ec) {
+      if (has_image_extension(path)) {
+        out.skipped.push_back({path.string(), "cannot open: " + ec.message()});
+      } else {
+        out.ignored.push_back({path.string(), "cannot open: " + ec.message()});
+      }
+      continue;
+    }
+    if (fs::is_directory(status)) {
+      if (top_level) continue;  // repeat folders are handled by the caller
+      out.ignored.push_back(
+          {path.string(), "subfolder of an image folder: kohya does not look into it"});
+      continue;
+    }
+    if (!has_image_extension(path)) {
+      if (!is_caption_extension(path)) {
+        out.ignored.push_back({path.string(), "not an image (unknown extension)"});
+      }
+      continue;
+    }
+    if (!fs::is_regular_file(status)) {
+      out.skipped.push_back({path.string(), "not a regular file"});
+      continue;
+    }
+    ImageEntry image;
+    image.path = path;
+    image.dataset = dataset;
+    image.subset = subset_index;
+    attach_caption(subset, image, out);
+    out.images.push_back(std::move(image));
+  }
+}
+
+// ----- TOML -------------------------------------------------------------------------------
+
+enum class KeyType { kInt, kFloat, kBool, kString, kResolution, kFloatPair };
+enum Level : unsigned { kGeneral = 1, kDataset = 2, kSubset = 4 };
+
+struct KeySpec {
+  KeyType type;
+  unsigned levels;
+  bool used;  // false: accepted for compatibility with kohya configs, not used by lorapipe yet
+};
+
+// kohya config_util.py schemas: subset keys may also sit in [general] and [[datasets]]
+// ("ascendable"); dataset keys may sit in [general].
+const std::map<std::string, KeySpec, std::less<>>& key_specs() {
+  constexpr unsigned kAll = kGeneral | kDataset | kSubset;
+  constexpr unsigned kUpper = kGeneral | kDataset;
+  static const std::map<std::string, KeySpec, std::less<>> specs{
+      // subset, ascendable
+      {"num_repeats", {KeyType::kInt, kAll, true}},
+      {"caption_extension", {KeyType::kString, kAll, true}},
+      {"class_tokens", {KeyType::kString, kAll, true}},
+      {"flip_aug", {KeyType::kBool, kAll, true}},
+      {"random_crop", {KeyType::kBool, kAll, true}},
+      {"shuffle_caption", {KeyType::kBool, kAll, true}},
+      {"keep_tokens", {KeyType::kInt, kAll, true}},
+      {"caption_dropout_rate", {KeyType::kFloat, kAll, true}},
+      {"caption_dropout_every_n_epochs", {KeyType::kInt, kAll, true}},
+      {"caption_tag_dropout_rate", {KeyType::kFloat, kAll, true}},
+      {"caption_prefix", {KeyType::kString, kAll, true}},
+      {"caption_suffix", {KeyType::kString, kAll, true}},
+      {"color_aug", {KeyType::kBool, kAll, false}},
+      {"face_crop_aug_range", {KeyType::kFloatPair, kAll, false}},
+      {"keep_tokens_separator", {KeyType::kString, kAll, false}},
+      {"secondary_separator", {KeyType::kString, kAll, false}},
+      {"enable_wildcard", {KeyType::kBool, kAll, false}},
+      {"token_warmup_min", {KeyType::kInt, kAll, false}},
+      {"token_warmup_step", {KeyType::kFloat, kAll, false}},
+      {"cache_info", {KeyType::kBool, kAll, false}},
+      // subset only
+      {"image_dir", {KeyType::kString, kSubset, true}},
+      {"is_reg", {KeyType::kBool, kSubset, true}},
+      {"alpha_mask", {KeyType::kBool, kSubset, false}},
+      // dataset, ascendable to general
+      {"resolution", {KeyType::kResolution, kUpper, true}},
+      {"batch_size", {KeyType::kInt, kUpper, true}},
+      {"enable_bucket", {KeyType::kBool, kUpper, true}},
+      {"min_bucket_reso", {KeyType::kInt, kUpper, true}},
+      {"max_bucket_reso", {KeyType::kInt, kUpper, true}},
+      {"bucket_reso_steps", {KeyType::kInt, kUpper, true}},
+      {"bucket_no_upscale", {KeyType::kBool, kUpper, true}},
+      {"network_multiplier", {KeyType::kFloat, kUpper, false}},
+      {"validation_seed", {KeyType::kInt, kUpper, false}},
+      {"validation_split", {KeyType::kFloat, kUpper, false}},
+  };
+  return specs;
+}
+
+const char* type_word(KeyType type) {
+  switch (type) {
+    case KeyType::kInt: return "an integer";
+    case KeyType::kFloat: return "a number";
+    case KeyType::kBool: return "true or false";
+    case KeyType::kString: return "a string";
+    case KeyType::kResolution: return "an integer or [width, height]";
+    case KeyType::kFloatPair: return "[low, high]";
+  }
+  return "?";
+}
+
+class TomlReader {
+ public:
+  explicit TomlReader(std::string name) : name_(std::move(name)) {}
+
+  [[noreturn]] void fail(const toml::node& node, const std::string& what) const {
+    throw InputError(name_ + ":" + std::to_string(node.source().begin.line) + ": " + what);
+  }
+
+  // Checks every key of `table` against the schema for `level`.
+  void check_keys(const toml::table& table, Level level, const std::string& where) const {
+    for (const auto& [key, node] : table) {
+      const std::string_view k = key.str();
+      if (level == kDataset && k == "subsets") continue;
+      if (level == kSubset && k == "metadata_file") {
+        fail(node, "'metadata_file' (kohya fine-tuning datasets) is not supported yet; use "
+                   "image_dir with caption files");
+      }
+      auto it = key_specs().find(k);
+      if (it == key_specs().end()) {
+        fail(node, "unknown key '" + std::string(k) + "' in " + where);
+      }
+      if ((it->second.levels & level) == 0) {
+        fail(node, "key '" + std::string(k) + "' is not allowed in " + where);
+      }
+      check_type(k, node, it->second.type);
+      if (!it->second.used) {
+        LP_LOG(kWarning, kLog) << name_ << ":" << node.source().begin.line << ": '" << k
+                               << "' is accepted but not used by lorapipe yet";
+      }
+    }
+  }
+
+  void check_type(std::string_view key, const toml::node& node, KeyType type) const {
+    bool ok = false;
+    switch (type) {
+      case KeyType::kInt: ok = node.is_integer(); break;
+      case KeyType::kFloat: ok = node.is_integer() || node.is_floating_point(); break;
+      case KeyType::kBool: ok = node.is_boolean(); break;
+      case KeyType::kString: ok = node.is_string(); break;
+      case KeyType::kResolution:
+        ok = node.is_integer() ||
+             (node.is_array() && node.as_array()->size() == 2 &&
+              node.as_array()->is_homogeneous(toml::node_type::integer));
+        break;
+      case KeyType::kFloatPair:
+        ok = node.is_array() && node.as_array()->size() == 2;
+        break;
+    }
+    if (!ok) {
+      fail(node, "key '" + std::string(key) + "' must be " + type_word(type));
+    }
+  }
+
+  static int64_t integer(const toml::node& node) { return node.value<int64_t>().value(); }
+  static double number(const toml::node& node) { return node.value<double>().value(); }
+
+  void apply_dataset(const toml::table& table, DatasetOptions& d) const {
+    for (const auto& [key, node] : table) {
+      const std::string_view k = key.str();
+      BucketOptions& b = d.buckets;
+      if (k == "resolution") {
+        if (node.is_integer()) {
+          b.resolution = {static_cast<int>(integer(node)), static_cast<int>(integer(node))};
+        } else {
+          const auto& arr = *node.as_array();
+          b.resolution = {static_cast<int>(integer(*arr.get(0))),
+                          static_cast<int>(integer(*arr.get(1)))};
+        }
+      } else if (k == "batch_size") {
+        d.batch_size = static_cast<int>(integer(node));
+      } else if (k == "enable_bucket") {
+        b.enable_bucket = *node.value<bool>();
+      } else if (k == "min_bucket_reso") {
+        b.min_bucket_reso = static_cast<int>(integer(node));
+      } else if (k == "max_bucket_reso") {
+        b.max_bucket_reso = static_cast<int>(integer(node));
+      } else if (k == "bucket_reso_steps") {
+        b.bucket_reso_steps = static_cast<int>(integer(node));
+      } else if (k == "bucket_no_upscale") {
+        b.bucket_no_upscale = *node.value<bool>();
+      }
+    }
+  }
+
+  void apply_subset(const toml::table& table, SubsetOptions& s) const {
+    for (const auto& [key, node] : table) {
+      const std::string_view k = key.str();
+      if (k == "num_repeats") {
+        s.num_repeats = static_cast<int>(integer(node));
+        if (s.num_repeats < 1) fail(node, "num_repeats must be at least 1");
+      } else if (k == "caption_extension") {
+        s.caption_extension = *node.value<std::string>();
+        s.caption_extension_set = true;
+      } else if (k == "class_tokens") {
+        s.class_tokens = *node.value<std::string>();
+      } else if (k == "flip_aug") {
+        s.flip_aug = *node.value<bool>();
+      } else if (k == "random_crop") {
+        s.random_crop = *node.value<bool>();
+      } else if (k == "shuffle_caption") {
+        s.shuffle_caption = *node.value<bool>();
+      } else if (k == "keep_tokens") {
+        s.keep_tokens = static_cast<int>(integer(node));
+      } else if (k == "caption_dropout_rate") {
+        s.caption_dropout_rate = number(node);
+      } else if (k == "caption_dropout_every_n_epochs") {
+        s.caption_dropout_every_n_epochs = static_cast<int>(integer(node));
+      } else if (k == "caption_tag_dropout_rate") {
+        s.caption_tag_dropout_rate = number(node);
+      } else if (k == "caption_prefix") {
+        s.caption_prefix = *node.value<std::string>();
+      } else if (k == "caption_suffix") {
+        s.caption_suffix = *node.value<std::string>();
+      } else if (k == "image_dir") {
+        s.image_dir = *node.value<std::string>();
+      } else if (k == "is_reg") {
+        s.is_reg = *node.value<bool>();
+      }
+    }
+  }
+
+ private:
+  std::string name_;
+};
+
+}  // namespace
+
+bool has_image_extension(const fs::path& path) {
+  static const std::set<std::string> kExtensions{
+      ".jpg", ".jpeg", ".jpe", ".png", ".webp", ".tif", ".tiff", ".gif",
+      ".bmp", ".heic", ".heif", ".avif", ".jxl", ".jp2", ".ppm", ".pgm"};
+  return kExtensions.count(lower(path.extension().string())) > 0;
+}
+
+Caption read_caption_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError("cannot read caption file " + path.string());
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw InputError("cannot read caption file " + path.string());
+  Caption caption;
+  if (bytes.rfind("\xef\xbb\xbf", 0) == 0) bytes.erase(0, 3);
+  if (!valid_utf8(bytes)) {
+    bytes = latin1_to_utf8(bytes);
+    caption.note = "caption is not valid UTF-8: read as Latin-1";
+  }
+  const size_t newline = bytes.find('\n');
+  caption.text = strip(std::string_view(bytes).substr(0, newline));
+  return caption;
+}
+
+Discovery discover_folder(const fs::path& data_dir, const Defaults& defaults) {
+  std::error_code ec;
+  if (!fs::is_directory(data_dir, ec)) {
+    throw InputError("--data_dir=" + data_dir.string() + " is not a folder");
+  }
+  Discovery out;
+  DatasetOptions dataset = defaults.dataset;
+  dataset.subsets.clear();
+  SubsetOptions top = defaults.subset;
+  top.image_dir = data_dir;
+  top.num_repeats = 1;
+  dataset.subsets.push_back(top);
+
+  std::vector<fs::path> repeat_folders;
+  for (const fs::directory_entry& entry : list_sorted(data_dir)) {
+    std::error_code status_ec;
+    if (!fs::is_directory(entry.path(), status_ec)) continue;
+    const std::string name = entry.path().filename().string();
+    int repeats = 0;
+    std::string tokens;
+    if (!parse_repeat_folder(name, &repeats, &tokens)) {
+      out.ignored.push_back({entry.path().string(),
+                             "folder is neither images nor a kohya repeat folder "
+                             "'<N>_<class tokens>' (N a positive number): not used"});
+      continue;
+    }
+    SubsetOptions subset = defaults.subset;
+    subset.image_dir = entry.path();
+    subset.num_repeats = repeats;
+    subset.class_tokens = tokens;
+    dataset.subsets.push_back(subset);
+  }
+  out.datasets.push_back(dataset);
+  const DatasetOptions& d = out.datasets.back();
+  for (size_t i = 0; i < d.subsets.size(); ++i) {
+    collect_subset(d.subsets[i].image_dir, 0, i, d.subsets[i], /*top_level=*/i == 0, out);
+  }
+  return out;
+}
+
+std::vector<DatasetOptions> parse_dataset_toml(const std::string& text, const std::string& name,
+                                               const Defaults& defaults) {
+  toml::table root;
+  try {
+    root = toml::parse(text, name);
+  } catch (const toml::parse_error& e) {
+    throw InputError(name + ":" + std::to_string(e.source().begin.line) +
+                     ": not valid TOML: " + std::string(e.description()));
+  }
+  TomlReader reader(name);
+  const toml::table* general = nullptr;
+  const toml::array* datasets = nullptr;
+  for (const auto& [key, node] : root) {
+    if (key.str() == "general") {
+      general = node.as_table();
+      if (general == nullptr) reader.fail(node, "'general' must be a table: [general]");
+    } else if (key.str() == "datasets") {
+      datasets = node.as_array();
+      if (datasets == nullptr || !datasets->is_homogeneous(toml::node_type::table)) {
+        reader.fail(node, "'datasets' must be an array of tables: [[datasets]]");
+      }
+    } else {
+      reader.fail(node, "unknown top-level key '" + std::string(key.str()) +
+                            "' (expected [general] and [[datasets]])");
+    }
+  }
+  if (datasets == nullptr || datasets->empty()) {
+    throw InputError(name + ": no [[datasets]]: nothing to train on");
+  }
+  if (general != nullptr) reader.check_keys(*general, kGeneral, "[general]");
+
+  std::vector<DatasetOptions> out;
+  for (size_t i = 0; i < datasets->size(); ++i) {
+    const toml::table& dataset_table = *datasets->get(i)->as_table();
+    reader.check_keys(dataset_table, kDataset, "[[datasets]]");
+    DatasetOptions dataset = defaults.dataset;
+    dataset.subsets.clear();
+    if (general != nullptr) reader.apply_dataset(*general, dataset);
+    reader.apply_dataset(dataset_table, dataset);
+
+    const toml::node* subsets_node = dataset_table.get("subsets");
+    const toml::array* subsets = subsets_node ? subsets_node->as_array() : nullptr;
+    if (subsets == nullptr || subsets->empty() ||
+        !subsets->is_homogeneous(toml::node_type::table)) {
+      if (subsets_node != nullptr) {
+        reader.fail(*subsets_node, "'subsets' must be an array of tables: [[datasets.subsets]]");
+      }
+      reader.fail(dataset_table, "this [[datasets]] has no [[datasets.subsets]]");
+    }
+    for (size_t j = 0; j < subsets->size(); ++j) {
+      const toml::table& subset_table = *subsets->get(j)->as_table();
+      reader.check_keys(subset_table, kSubset, "[[datasets.subsets]]");
+      if (!subset_table.contains("image_dir")) {
+        reader.fail(subset_table, "[[datasets.subsets]] needs 'image_dir'");
+      }
+      SubsetOptions subset = defaults.subset;
+      if (general != nullptr) reader.apply_subset(*general, subset);
+      reader.apply_subset(dataset_table, subset);
+      reader.apply_subset(subset_table, subset);
+      dataset.subsets.push_back(subset);
+    }
+    try {
+      validate(dataset.buckets);
+    } catch (const InputError& e) {
+      reader.fail(dataset_table, e.what());
+    }
+    out.push_back(std::move(dataset));
+  }
+  return out;
+}
+
+Discovery discover_toml(const fs::path& config, const Defaults& defaults) {
+  std::ifstream in(config, std::ios::binary);
+  if (!in) throw InputError("cannot read --dataset_config=" + config.string());
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  Discovery out;
+  out.datasets = parse_dataset_toml(text, config.string(), defaults);
+  for (size_t d = 0; d < out.datasets.size(); ++d) {
+    for (size_t s = 0; s < out.datasets[d].subsets.size(); ++s) {
+      SubsetOptions& subset = out.datasets[d].subsets[s];
+      if (subset.image_dir.is_relative()) {
+        subset.image_dir = config.parent_path() / subset.image_dir;
+      }
+      std::error_code ec;
+      if (!fs::is_directory(subset.image_dir, ec)) {
+        throw InputError(config.string() + ": image_dir '" + subset.image_dir.string() +
+                         "' is not a folder");
+      }
+      collect_subset(subset.image_dir, d, s, subset, /*top_level=*/false, out);
+    }
+  }
+  return out;
+}
+
+}  // namespace lorapipe::preprocess

@@ -1,0 +1,107 @@
+#pragma once
+// Dataset discovery: plain folders, kohya repeat folders (`<N>_<class tokens>`), or a kohya
+// dataset TOML, resolved into one list of image files with their captions and settings.
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "preprocess/bucket.h"
+
+namespace lorapipe::preprocess {
+
+// Per-subset settings (kohya [[datasets.subsets]]), after kohya's precedence
+// subset > dataset > general.
+struct SubsetOptions {
+  std::filesystem::path image_dir;
+  int num_repeats = 1;
+  std::string caption_extension = ".txt";
+  bool caption_extension_set = false;  // false: ".caption" is tried after ".txt"
+  std::string class_tokens;
+  bool is_reg = false;
+  bool flip_aug = false;
+  bool random_crop = false;
+  bool shuffle_caption = false;
+  int keep_tokens = 0;
+  double caption_dropout_rate = 0.0;
+  int caption_dropout_every_n_epochs = 0;
+  double caption_tag_dropout_rate = 0.0;
+  std::string caption_prefix;
+  std::string caption_suffix;
+
+  // Caption augmentations make the text differ per step: the trainer encodes text online.
+  bool augments_caption() const {
+    return shuffle_caption || caption_dropout_rate > 0 || caption_dropout_every_n_epochs > 0 ||
+           caption_tag_dropout_rate > 0;
+  }
+};
+
+struct DatasetOptions {
+  BucketOptions buckets;
+  int batch_size = 1;
+  std::vector<SubsetOptions> subsets;
+};
+
+// Something found and not taken: a folder that is neither images nor `<N>_<tokens>`, a file
+// that is not an image, with why.
+struct Ignored {
+  std::string path;
+  std::string reason;
+};
+
+struct Skipped {
+  std::string path;
+  std::string reason;
+};
+
+struct ImageEntry {
+  std::filesystem::path path;
+  size_t dataset = 0;  // index into Discovery::datasets
+  size_t subset = 0;   // index into that dataset's subsets
+  std::string caption;
+  std::string caption_source;  // "file", "class_tokens", "none"
+  std::string caption_note;    // e.g. "read as Latin-1: not valid UTF-8"
+};
+
+struct Discovery {
+  std::vector<DatasetOptions> datasets;
+  std::vector<ImageEntry> images;
+  std::vector<Ignored> ignored;
+  std::vector<Skipped> skipped;  // found as images but unusable before decoding (e.g. unreadable)
+  uint64_t captions_missing = 0;
+};
+
+// The flag-level settings: the lowest layer of kohya's precedence.
+struct Defaults {
+  DatasetOptions dataset;  // its `subsets` is ignored
+  SubsetOptions subset;
+};
+
+// Images directly in `data_dir` (one repeat) and kohya repeat folders `<N>_<class tokens>`
+// below it, as one dataset. Throws InputError when `data_dir` is not a folder.
+Discovery discover_folder(const std::filesystem::path& data_dir, const Defaults& defaults);
+
+// A kohya dataset TOML. Throws InputError naming the key and its line for an unknown key or a
+// value of the wrong type; relative image_dir paths resolve against the TOML's folder.
+Discovery discover_toml(const std::filesystem::path& config, const Defaults& defaults);
+
+// Parses a kohya dataset TOML into datasets without touching the file system. `name` is the
+// file name used in error messages.
+std::vector<DatasetOptions> parse_dataset_toml(const std::string& text, const std::string& name,
+                                               const Defaults& defaults);
+
+// Extensions libvips is asked to load (lower case, with the dot).
+bool has_image_extension(const std::filesystem::path& path);
+
+struct Caption {
+  std::string text;
+  std::string note;  // non-empty when the file needed repair, e.g. read as Latin-1
+};
+
+// kohya reads the first line of the caption file, stripped. UTF-8 with a BOM removed; a file
+// that is not valid UTF-8 is read as Latin-1 (and `note` says so). Throws InputError naming the
+// file when it cannot be read.
+Caption read_caption_file(const std::filesystem::path& path);
+
+}  // namespace lorapipe::preprocess

@@ -1,0 +1,196 @@
+// Dataset discovery: kohya repeat folders, captions, and the dataset TOML with kohya's
+// precedence and errors that name the key and its line.
+#include "preprocess/dataset.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <fstream>
+
+#include "common/error.h"
+
+namespace lorapipe::preprocess {
+namespace {
+namespace fs = std::filesystem;
+
+fs::path make_temp_dir(const std::string& name) {
+  fs::path dir = fs::temp_directory_path() /
+                 ("lorapipe-dataset-test-" + name + "-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+void write_file(const fs::path& path, const std::string& bytes) {
+  fs::create_directories(path.parent_path());
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+const ImageEntry* find_image(const Discovery& d, const std::string& name) {
+  for (const ImageEntry& e : d.images) {
+    if (e.path.filename() == name) return &e;
+  }
+  return nullptr;
+}
+
+TEST(DatasetFolder, KohyaRepeatFoldersCaptionsAndReportedFolders) {
+  const fs::path dir = make_temp_dir("folder");
+  write_file(dir / "top.png", "x");
+  write_file(dir / "top.caption", "from a .caption file\n");
+  write_file(dir / "10_sks dog" / "a.jpg", "x");
+  write_file(dir / "10_sks dog" / "b.jpg", "x");
+  write_file(dir / "10_sks dog" / "b.txt", "  a photo of sks dog on grass  \nignored second line");
+  write_file(dir / "2_style_with_underscores" / "c.webp", "x");
+  write_file(dir / "abc_tokens" / "d.png", "x");
+  write_file(dir / "notes.md", "not an image");
+
+  Defaults defaults;
+  const Discovery d = discover_folder(dir, defaults);
+  ASSERT_EQ(d.images.size(), 4u);
+
+  const ImageEntry* top = find_image(d, "top.png");
+  ASSERT_NE(top, nullptr);
+  EXPECT_EQ(top->caption, "from a .caption file");
+  EXPECT_EQ(d.datasets[0].subsets[top->subset].num_repeats, 1);
+
+  const ImageEntry* a = find_image(d, "a.jpg");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->caption, "sks dog");
+  EXPECT_EQ(a->caption_source, "class_tokens");
+  EXPECT_EQ(d.datasets[0].subsets[a->subset].num_repeats, 10);
+
+  const ImageEntry* b = find_image(d, "b.jpg");
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->caption, "a photo of sks dog on grass");  // first line, stripped (kohya)
+  EXPECT_EQ(b->caption_source, "file");
+
+  const ImageEntry* c = find_image(d, "c.webp");
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->caption, "style_with_underscores");
+  EXPECT_EQ(d.datasets[0].subsets[c->subset].num_repeats, 2);
+
+  bool abc_reported = false;
+  bool notes_reported = false;
+  for (const Ignored& i : d.ignored) {
+    abc_reported |= i.path.find("abc_tokens") != std::string::npos &&
+                    i.reason.find("<N>_<class tokens>") != std::string::npos;
+    notes_reported |= i.path.find("notes.md") != std::string::npos;
+  }
+  EXPECT_TRUE(abc_reported) << "a folder that is not <N>_<tokens> must be reported by name";
+  EXPECT_TRUE(notes_reported);
+  EXPECT_EQ(find_image(d, "d.png"), nullptr);
+  fs::remove_all(dir);
+}
+
+TEST(DatasetFolder, MissingFolderIsAClearError) {
+  try {
+    discover_folder("/nonexistent/lorapipe/photos", Defaults{});
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/lorapipe/photos"), std::string::npos);
+  }
+}
+
+TEST(DatasetCaption, BomStrippedLatin1RepairedFirstLineOnly) {
+  const fs::path dir = make_temp_dir("caption");
+  write_file(dir / "bom.txt", "\xef\xbb\xbf" "a red ball\r\nsecond");
+  write_file(dir / "latin1.txt", "caf\xe9 cr\xe8me");
+  write_file(dir / "utf8.txt", "caf\xc3\xa9 \xf0\x9f\x90\xb6");
+  Caption bom = read_caption_file(dir / "bom.txt");
+  EXPECT_EQ(bom.text, "a red ball");
+  EXPECT_TRUE(bom.note.empty());
+  Caption latin1 = read_caption_file(dir / "latin1.txt");
+  EXPECT_EQ(latin1.text, "caf\xc3\xa9 cr\xc3\xa8me");
+  EXPECT_NE(latin1.note.find("Latin-1"), std::string::npos);
+  Caption utf8 = read_caption_file(dir / "utf8.txt");
+  EXPECT_EQ(utf8.text, "caf\xc3\xa9 \xf0\x9f\x90\xb6");
+  EXPECT_TRUE(utf8.note.empty());
+  fs::remove_all(dir);
+}
+
+TEST(DatasetToml, KohyaPrecedenceSubsetOverDatasetOverGeneral) {
+  const std::string toml = R"(
+[general]
+flip_aug = true
+caption_extension = ".cap"
+resolution = 768
+shuffle_caption = false
+
+[[datasets]]
+resolution = [640, 512]
+num_repeats = 2
+batch_size = 4
+bucket_no_upscale = true
+max_bucket_reso = 1024
+
+  [[datasets.subsets]]
+  image_dir = "a"
+  num_repeats = 5
+  class_tokens = "sks dog"
+
+  [[datasets.subsets]]
+  image_dir = "b"
+  flip_aug = false
+  is_reg = true
+  shuffle_caption = true
+
+[[datasets]]
+  [[datasets.subsets]]
+  image_dir = "c"
+)";
+  Defaults defaults;
+  const auto datasets = parse_dataset_toml(toml, "config.toml", defaults);
+  ASSERT_EQ(datasets.size(), 2u);
+  EXPECT_EQ(datasets[0].buckets.resolution, (Reso{640, 512}));
+  EXPECT_TRUE(datasets[0].buckets.bucket_no_upscale);
+  EXPECT_EQ(datasets[0].batch_size, 4);
+  ASSERT_EQ(datasets[0].subsets.size(), 2u);
+  const SubsetOptions& a = datasets[0].subsets[0];
+  EXPECT_EQ(a.num_repeats, 5);
+  EXPECT_TRUE(a.flip_aug);
+  EXPECT_EQ(a.caption_extension, ".cap");
+  EXPECT_EQ(a.class_tokens, "sks dog");
+  EXPECT_FALSE(a.augments_caption());
+  const SubsetOptions& b = datasets[0].subsets[1];
+  EXPECT_EQ(b.num_repeats, 2);
+  EXPECT_FALSE(b.flip_aug);
+  EXPECT_TRUE(b.is_reg);
+  EXPECT_TRUE(b.augments_caption());
+  // The second dataset takes general's values only.
+  EXPECT_EQ(datasets[1].buckets.resolution, (Reso{768, 768}));
+  EXPECT_FALSE(datasets[1].buckets.bucket_no_upscale);
+  EXPECT_EQ(datasets[1].subsets[0].num_repeats, 1);
+  EXPECT_TRUE(datasets[1].subsets[0].flip_aug);
+}
+
+// The error names the file, the line and the key.
+void expect_toml_error(const std::string& toml, const std::string& line_and_text) {
+  try {
+    parse_dataset_toml(toml, "config.toml", Defaults{});
+    FAIL() << "accepted:\n" << toml;
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(line_and_text), std::string::npos) << e.what();
+  }
+}
+
+TEST(DatasetToml, UnknownKeysAndWrongTypesNameKeyAndLine) {
+  expect_toml_error("[general]\nflip_aug = true\nflipaug = true\n[[datasets]]\n"
+                    "[[datasets.subsets]]\nimage_dir = 'a'\n",
+                    "config.toml:3: unknown key 'flipaug' in [general]");
+  expect_toml_error("[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\nnum_repeats = \"3\"\n",
+                    "config.toml:4: key 'num_repeats' must be an integer");
+  expect_toml_error("[[datasets]]\nresolution = [512]\n[[datasets.subsets]]\nimage_dir = 'a'\n",
+                    "config.toml:2: key 'resolution' must be an integer or [width, height]");
+  expect_toml_error("[general]\nimage_dir = 'a'\n[[datasets]]\n[[datasets.subsets]]\n"
+                    "image_dir = 'a'\n",
+                    "config.toml:2: key 'image_dir' is not allowed in [general]");
+  expect_toml_error("[[datasets]]\n[[datasets.subsets]]\nnum_repeats = 1\n",
+                    "needs 'image_dir'");
+  expect_toml_error("[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\nflip_aug = tru\n",
+                    "config.toml:4: not valid TOML");
+  expect_toml_error("[[datasets]]\nmin_bucket_reso = 2048\n[[datasets.subsets]]\nimage_dir = 'a'\n",
+                    "min_bucket_reso");
+}
+
+}  // namespace
+}  // namespace lorapipe::preprocess

@@ -1,0 +1,102 @@
+// lorapipe-preprocess: flags in, preprocess::run out. See README "Preprocess".
+#include <gflags/gflags.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "preprocess/preprocess.h"
+#include "proto/wire.h"
+
+DEFINE_string(data_dir, "", "Folder of images, or of kohya repeat folders <N>_<class tokens>");
+DEFINE_string(dataset_config, "", "kohya dataset TOML (instead of --data_dir)");
+DEFINE_string(dataset_id, "", "Name of the dataset's manifest (default: from the dataset path)");
+DEFINE_string(resolution, "512", "Training resolution: 512, or width,height such as 768,512");
+DEFINE_bool(enable_bucket, true, "Aspect-ratio buckets; false: every image to --resolution");
+DEFINE_int32(min_bucket_reso, 256, "Smallest bucket side");
+DEFINE_int32(max_bucket_reso, 1024, "Largest bucket side");
+DEFINE_int32(bucket_reso_steps, 64, "Bucket sides are multiples of this");
+DEFINE_bool(bucket_no_upscale, false, "Never upscale: buckets follow each image's size");
+DEFINE_string(caption_extension, "", "Caption file extension (default .txt, then .caption)");
+DEFINE_string(class_tokens, "", "Caption for images directly in --data_dir without caption file");
+DEFINE_bool(flip_aug, false, "Also cache horizontally flipped latents");
+DEFINE_bool(random_crop, false, "Random instead of centre crop (fixed per image and --seed)");
+DEFINE_bool(shuffle_caption, false, "Shuffle comma-separated tags (text then encoded online)");
+DEFINE_int32(keep_tokens, 0, "Tags kept in front when shuffling");
+DEFINE_double(caption_dropout_rate, 0.0, "Probability of an empty caption (text encoded online)");
+DEFINE_int32(threads, 0, "Decode workers (0: one per core)");
+DEFINE_int32(min_image_side, 64, "Reject images whose shorter side is smaller");
+DEFINE_double(max_aspect_ratio, 8.0, "Reject images with a longer/shorter side ratio above this");
+DEFINE_int64(max_image_pixels, 100000000, "Reject images over this many pixels, from the header");
+DEFINE_string(resize_filter, "lanczos3", "lanczos3, lanczos2, cubic, mitchell, linear, nearest");
+DEFINE_uint64(seed, 0, "Seed of random_crop offsets");
+DEFINE_bool(report_only, false, "Only report buckets and problems; needs no cacher");
+DEFINE_string(report_json, "", "Also write the report as JSON to this file");
+DEFINE_string(push, "ipc:///tmp/lorapipe-cacher-pull", "The cacher's ImageSample endpoint (PULL)");
+DEFINE_string(request, "ipc:///tmp/lorapipe-cacher-rep", "The cacher's HasKeys endpoint (REP)");
+DEFINE_int32(timeout_ms, 30000, "How long to wait for the cacher before failing");
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "lorapipe-preprocess --data_dir=DIR | --dataset_config=FILE.toml [flags]\n"
+      "Finds images and captions, picks kohya's aspect buckets, decodes what the cacher lacks.");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  namespace pp = lorapipe::preprocess;
+  try {
+    pp::Options options;
+    options.data_dir = FLAGS_data_dir;
+    options.dataset_config = FLAGS_dataset_config;
+    options.dataset_id = FLAGS_dataset_id;
+    pp::BucketOptions& b = options.defaults.dataset.buckets;
+    b.resolution = pp::parse_resolution(FLAGS_resolution);
+    b.enable_bucket = FLAGS_enable_bucket;
+    b.min_bucket_reso = FLAGS_min_bucket_reso;
+    b.max_bucket_reso = FLAGS_max_bucket_reso;
+    b.bucket_reso_steps = FLAGS_bucket_reso_steps;
+    b.bucket_no_upscale = FLAGS_bucket_no_upscale;
+    pp::SubsetOptions& s = options.defaults.subset;
+    if (!FLAGS_caption_extension.empty()) {
+      s.caption_extension = FLAGS_caption_extension;
+      s.caption_extension_set = true;
+    }
+    s.class_tokens = FLAGS_class_tokens;
+    s.flip_aug = FLAGS_flip_aug;
+    s.random_crop = FLAGS_random_crop;
+    s.shuffle_caption = FLAGS_shuffle_caption;
+    s.keep_tokens = FLAGS_keep_tokens;
+    s.caption_dropout_rate = FLAGS_caption_dropout_rate;
+    options.threads = FLAGS_threads;
+    options.min_image_side = FLAGS_min_image_side;
+    options.max_aspect_ratio = FLAGS_max_aspect_ratio;
+    options.max_image_pixels = FLAGS_max_image_pixels;
+    options.resize_filter = FLAGS_resize_filter;
+    options.seed = FLAGS_seed;
+    options.report_only = FLAGS_report_only;
+    options.report_json = FLAGS_report_json;
+    options.push_endpoint = FLAGS_push;
+    options.request_endpoint = FLAGS_request;
+    options.timeout_ms = FLAGS_timeout_ms;
+
+    const pp::Report report = pp::run(options);
+    std::cout << pp::format_report(report) << std::flush;
+    if (!options.report_json.empty()) {
+      std::ofstream out(options.report_json);
+      out << pp::report_to_json(report);
+      if (!out) throw lorapipe::InputError("cannot write --report_json=" + options.report_json);
+    }
+    if (report.images.empty()) {
+      LP_LOG(kError, "preprocess") << "no usable image found in "
+                                   << (options.data_dir.empty() ? options.dataset_config
+                                                                : options.data_dir)
+                                   << " (" << report.skipped.size() << " skipped, "
+                                   << report.ignored.size() << " ignored; reasons above)";
+      return 1;
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    LP_LOG(kError, "preprocess") << e.what();
+    return 2;
+  }
+}

@@ -1,0 +1,539 @@
+#include "preprocess/preprocess.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "common/error.h"
+#include "common/hash.h"
+#include "common/log.h"
+#include "preprocess/image.h"
+#include "proto/wire.h"
+
+namespace lorapipe::preprocess {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::string_view kLog = "preprocess";
+// Bumped when the decode pipeline changes what pixels a transform produces, so caches filled by
+// an older lorapipe are never served for it.
+constexpr int64_t kDecodeVersion = 1;
+
+std::string read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(std::string("cannot open: ") + std::strerror(errno));
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw InputError(std::string("cannot read: ") + std::strerror(errno));
+  return bytes;
+}
+
+// Runs fn(i) for i in [0, n) on `threads` workers.
+template <typename Fn>
+void parallel_for(size_t n, int threads, Fn fn) {
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> workers;
+  const int count = std::max(1, std::min<int>(threads, static_cast<int>(n)));
+  for (int t = 0; t < count; ++t) {
+    workers.emplace_back([&] {
+      for (size_t i = next++; i < n; i = next++) fn(i);
+    });
+  }
+  for (auto& w : workers) w.join();
+}
+
+struct Probed {
+  ImageResult result;
+  ImageHeader header;
+  std::string content_hash;
+};
+
+double fraction_from(const std::string& content_hash, uint64_t seed, std::string_view axis) {
+  Hasher h;
+  h.field(content_hash).field(static_cast<int64_t>(seed)).field(axis);
+  return static_cast<double>(h.digest().low >> 11) / static_cast<double>(uint64_t{1} << 53);
+}
+
+std::string describe_megapixels(int64_t pixels) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), "%.1f MP", static_cast<double>(pixels) / 1e6);
+  return buffer;
+}
+
+// Header-level checks and the bucket; no pixel is decoded. Throws InputError with the reason.
+Probed probe_one(const ImageEntry& entry, const Discovery& discovery, const Options& options,
+                 const std::vector<BucketSelector>& selectors) {
+  const std::string bytes = read_file(entry.path);
+  Probed p;
+  p.content_hash = hash_bytes(bytes).hex();
+  p.header = probe_image(bytes);
+  const int w = p.header.width;
+  const int h = p.header.height;
+  const int64_t pixels = int64_t{w} * h;
+  if (pixels > options.max_image_pixels) {
+    throw InputError("header says " + std::to_string(w) + "x" + std::to_string(h) + " (" +
+                     describe_megapixels(pixels) + "), over --max_image_pixels=" +
+                     describe_megapixels(options.max_image_pixels) +
+                     ": not decoded (possible decompression bomb)");
+  }
+  if (std::min(w, h) < options.min_image_side) {
+    throw InputError(std::to_string(w) + "x" + std::to_string(h) + ": shorter side under " +
+                     "--min_image_side=" + std::to_string(options.min_image_side));
+  }
+  const double aspect = static_cast<double>(std::max(w, h)) / std::min(w, h);
+  if (aspect > options.max_aspect_ratio) {
+    char buffer[160];
+    std::snprintf(buffer, sizeof(buffer), "%dx%d: aspect ratio %.2f over --max_aspect_ratio=%g",
+                  w, h, aspect, options.max_aspect_ratio);
+    throw InputError(buffer);
+  }
+  const DatasetOptions& dataset = discovery.datasets[entry.dataset];
+  const SubsetOptions& subset = dataset.subsets[entry.subset];
+  std::string why;
+  const std::optional<BucketChoice> choice = selectors[entry.dataset].select(w, h, &why);
+  if (!choice) throw InputError(std::to_string(w) + "x" + std::to_string(h) + ": " + why);
+
+  ImageResult& r = p.result;
+  r.path = entry.path.string();
+  r.width = w;
+  r.height = h;
+  r.bucket = choice->bucket;
+  r.resized = choice->resized;
+  r.ar_error = choice->ar_error;
+  r.crop_ltrb = get_crop_ltrb(r.bucket, {w, h});
+  if (subset.random_crop) {
+    // kohya draws a new crop every epoch, which cached latents cannot follow; we draw one per
+    // image, fixed by its content and --seed, so the cache key stays stable.
+    r.crop = crop_offset(r.resized, r.bucket, fraction_from(p.content_hash, options.seed, "x"),
+                         fraction_from(p.content_hash, options.seed, "y"));
+  } else {
+    r.crop = crop_offset(r.resized, r.bucket);
+  }
+  r.caption = entry.caption;
+  r.caption_source = entry.caption_source;
+  r.caption_note = entry.caption_note;
+  r.repeats = static_cast<uint32_t>(subset.num_repeats);
+  r.is_reg = subset.is_reg;
+  r.flip = subset.flip_aug;
+  r.augment_caption = subset.augments_caption();
+  r.resolution = dataset.buckets.resolution;
+  r.image_key = make_image_key(p.content_hash, r, options.resize_filter);
+  return p;
+}
+
+// A counting gate on decoded images held in memory at once.
+class Slots {
+ public:
+  explicit Slots(int count) : free_(count) {}
+  void acquire() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return free_ > 0; });
+    --free_;
+  }
+  void release() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++free_;
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int free_;
+};
+
+struct Decoded {
+  size_t index = 0;
+  std::string pixels;
+  std::string error;  // non-empty: skipped
+};
+
+std::string default_dataset_id(const Options& options) {
+  const fs::path source = !options.dataset_config.empty() ? fs::path(options.dataset_config)
+                                                          : fs::path(options.data_dir);
+  std::error_code ec;
+  fs::path absolute = fs::weakly_canonical(source, ec);
+  if (ec) absolute = source;
+  std::string name = absolute.filename().string();
+  if (name.empty()) name = "dataset";
+  return name + "-" + hash_bytes(absolute.string()).hex().substr(0, 8);
+}
+
+wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r) {
+  wire::ImageSample s;
+  s.set_dataset_id(dataset_id);
+  s.set_path(r.path);
+  s.set_image_key(r.image_key);
+  s.mutable_original_size()->set_width(static_cast<uint32_t>(r.width));
+  s.mutable_original_size()->set_height(static_cast<uint32_t>(r.height));
+  s.mutable_bucket()->set_width(static_cast<uint32_t>(r.bucket.width));
+  s.mutable_bucket()->set_height(static_cast<uint32_t>(r.bucket.height));
+  s.mutable_resized()->set_width(static_cast<uint32_t>(r.resized.width));
+  s.mutable_resized()->set_height(static_cast<uint32_t>(r.resized.height));
+  for (double v : {r.crop_ltrb.left, r.crop_ltrb.top, r.crop_ltrb.right, r.crop_ltrb.bottom}) {
+    s.add_crop_ltrb(v);
+  }
+  s.set_crop_left(r.crop.left);
+  s.set_crop_top(r.crop.top);
+  s.set_flip(r.flip);
+  s.set_caption(r.caption);
+  s.set_caption_source(r.caption_source);
+  s.set_repeats(r.repeats);
+  s.set_is_reg(r.is_reg);
+  s.set_augment_caption(r.augment_caption);
+  s.set_channels(3);
+  return s;
+}
+
+wire::DatasetReport to_dataset_report(const Report& report) {
+  wire::DatasetReport out;
+  out.set_dataset_id(report.dataset_id);
+  out.set_images_found(report.images_found);
+  out.set_images_used(report.images.size());
+  uint64_t cached = 0;
+  std::map<Reso, uint64_t> buckets;
+  for (const ImageResult& r : report.images) {
+    cached += r.cached ? 1 : 0;
+    buckets[r.bucket] += r.repeats;
+  }
+  out.set_images_cached(cached);
+  out.set_images_sent(report.images.size() - cached);
+  for (const Skipped& s : report.skipped) {
+    auto* skipped = out.add_skipped();
+    skipped->set_path(s.path);
+    skipped->set_reason(s.reason);
+  }
+  for (const auto& [bucket, count] : buckets) {
+    auto* b = out.add_buckets();
+    b->mutable_bucket()->set_width(static_cast<uint32_t>(bucket.width));
+    b->mutable_bucket()->set_height(static_cast<uint32_t>(bucket.height));
+    b->set_count(count);
+  }
+  out.set_captions_missing(report.captions_missing);
+  return out;
+}
+
+struct Totals {
+  std::map<Reso, std::pair<uint64_t, uint64_t>> buckets;  // images, images x repeats
+  double mean_abs_ar_error = 0;
+  uint64_t pixels_bucketed = 0;  // training pixels per epoch with buckets
+  uint64_t pixels_square = 0;    // ... with every image square-cropped to the resolution
+  double kept_bucketed = 0;      // mean fraction of the image kept by the crop
+  double kept_square = 0;
+};
+
+Totals compute_totals(const Report& report) {
+  Totals t;
+  double error_sum = 0;
+  for (const ImageResult& r : report.images) {
+    auto& b = t.buckets[r.bucket];
+    b.first += 1;
+    b.second += r.repeats;
+    error_sum += std::abs(r.ar_error);
+    t.pixels_bucketed += uint64_t(r.bucket.width) * r.bucket.height * r.repeats;
+    t.pixels_square += uint64_t(r.resolution.width) * r.resolution.height * r.repeats;
+    // Fraction of the (cover-resized) image inside the crop.
+    t.kept_bucketed += double(r.bucket.width) * r.bucket.height /
+                       (double(r.resized.width) * r.resized.height);
+    const double square_ar = double(r.resolution.width) / r.resolution.height;
+    const double image_ar = double(r.width) / r.height;
+    t.kept_square += std::min(square_ar, image_ar) / std::max(square_ar, image_ar);
+  }
+  if (!report.images.empty()) {
+    const double n = static_cast<double>(report.images.size());
+    t.mean_abs_ar_error = error_sum / n;
+    t.kept_bucketed /= n;
+    t.kept_square /= n;
+  }
+  return t;
+}
+
+}  // namespace
+
+std::string make_image_key(const std::string& content_hash, const ImageResult& image,
+                           const std::string& resize_filter) {
+  Hasher transform;
+  transform.field("lorapipe-image-transform")
+      .field(kDecodeVersion)
+      .field(int64_t{image.bucket.width})
+      .field(int64_t{image.bucket.height})
+      .field(int64_t{image.resized.width})
+      .field(int64_t{image.resized.height})
+      .field(int64_t{image.crop.left})
+      .field(int64_t{image.crop.top})
+      .field(int64_t{image.flip})
+      .field(resize_filter)
+      .field("alpha-on-white");
+  return content_hash + "." + transform.digest().hex();
+}
+
+Report run(const Options& options) {
+  init_vips();
+  check_resize_filter(options.resize_filter);
+  if (options.data_dir.empty() == options.dataset_config.empty()) {
+    throw InputError("give exactly one of --data_dir and --dataset_config");
+  }
+  Discovery discovery = !options.data_dir.empty()
+                            ? discover_folder(options.data_dir, options.defaults)
+                            : discover_toml(options.dataset_config, options.defaults);
+  std::vector<BucketSelector> selectors;
+  for (const DatasetOptions& d : discovery.datasets) selectors.emplace_back(d.buckets);
+  const int threads =
+      options.threads > 0 ? options.threads : std::max(1u, std::thread::hardware_concurrency());
+
+  Report report;
+  report.dataset_id = options.dataset_id.empty() ? default_dataset_id(options) : options.dataset_id;
+  report.ignored = discovery.ignored;
+  report.skipped = discovery.skipped;
+  report.images_found = discovery.images.size() + discovery.skipped.size();
+
+  // Probe: read, hash, header, checks, bucket. Parallel; no pixel decoded.
+  const size_t n = discovery.images.size();
+  std::vector<std::optional<Probed>> probed(n);
+  std::vector<std::string> reasons(n);
+  parallel_for(n, threads, [&](size_t i) {
+    try {
+      probed[i] = probe_one(discovery.images[i], discovery, options, selectors);
+    } catch (const std::exception& e) {
+      reasons[i] = e.what();
+    }
+  });
+  std::vector<size_t> usable;
+  for (size_t i = 0; i < n; ++i) {
+    if (probed[i]) {
+      usable.push_back(i);
+    } else {
+      report.skipped.push_back({discovery.images[i].path.string(), reasons[i]});
+      LP_LOG(kWarning, kLog) << "skipped " << discovery.images[i].path.string() << ": "
+                             << reasons[i];
+    }
+  }
+  if (usable.empty()) return report;
+
+  // Ask the cacher which samples it already holds.
+  std::optional<zmq::context_t> context;
+  std::optional<zmq::socket_t> push;
+  wire::SocketOptions socket_options;
+  socket_options.send_timeout = std::chrono::milliseconds(options.timeout_ms);
+  socket_options.receive_timeout = std::chrono::milliseconds(options.timeout_ms);
+  if (!options.report_only) {
+    context.emplace();
+    wire::Client client(*context, options.request_endpoint, "preprocess", socket_options);
+    client.hello();
+    for (size_t begin = 0; begin < usable.size(); begin += options.has_keys_batch) {
+      const size_t end = std::min(usable.size(), begin + options.has_keys_batch);
+      wire::HasKeysRequest request;
+      for (size_t k = begin; k < end; ++k) request.add_keys(probed[usable[k]]->result.image_key);
+      const auto reply = client.request<wire::HasKeysReply>(request);
+      if (static_cast<size_t>(reply.present_size()) != end - begin) {
+        throw wire::PeerError("cacher at " + options.request_endpoint + " answered " +
+                              std::to_string(reply.present_size()) + " flags for " +
+                              std::to_string(end - begin) + " keys");
+      }
+      for (size_t k = begin; k < end; ++k) probed[usable[k]]->result.cached = reply.present(k - begin);
+    }
+    push.emplace(wire::make_socket(*context, zmq::socket_type::push, socket_options));
+    push->connect(options.push_endpoint);
+  }
+  auto send_or_throw = [&](const google::protobuf::Message& message) {
+    if (wire::send(*push, message) != wire::SendStatus::kSent) {
+      throw wire::PeerTimeoutError("preprocess: the cacher at " + options.push_endpoint +
+                                   " took no " + wire::type_name(message) + " within " +
+                                   std::to_string(options.timeout_ms) + " ms");
+    }
+  };
+
+  // Hits travel key-only; misses (all images in report-only mode, to find broken files) decode.
+  std::vector<size_t> to_decode;
+  std::vector<bool> failed(n, false);
+  for (size_t i : usable) {
+    if (probed[i]->result.cached && push) {
+      wire::ImageSample sample = to_sample(report.dataset_id, probed[i]->result);
+      sample.set_key_only(true);
+      send_or_throw(sample);
+    } else {
+      to_decode.push_back(i);
+    }
+  }
+
+  // Decode with bounded memory: at most `in_flight` decoded images exist at once.
+  const int in_flight = 2 * threads;
+  Slots slots(in_flight);
+  std::mutex queue_mutex;
+  std::condition_variable queue_cv;
+  std::deque<Decoded> queue;
+  std::atomic<bool> stop{false};
+  std::thread producer([&] {
+    parallel_for(to_decode.size(), threads, [&](size_t k) {
+      const size_t i = to_decode[k];
+      slots.acquire();
+      if (stop) return;
+      Decoded d;
+      d.index = i;
+      try {
+        const Probed& p = *probed[i];
+        const std::string bytes = read_file(discovery.images[i].path);
+        if (hash_bytes(bytes).hex() != p.content_hash) {
+          throw InputError("file changed while preprocessing: run again");
+        }
+        DecodeRequest request;
+        request.resized = p.result.resized;
+        request.bucket = p.result.bucket;
+        request.offset = p.result.crop;
+        request.resize_filter = options.resize_filter;
+        d.pixels = decode_image(bytes, p.header, request);
+      } catch (const std::exception& e) {
+        d.error = e.what();
+      }
+      {
+        std::lock_guard<std::mutex> lock(queue_mutex);
+        queue.push_back(std::move(d));
+      }
+      queue_cv.notify_one();
+    });
+  });
+  try {
+    for (size_t done = 0; done < to_decode.size(); ++done) {
+      Decoded d;
+      {
+        std::unique_lock<std::mutex> lock(queue_mutex);
+        queue_cv.wait(lock, [&] { return !queue.empty(); });
+        d = std::move(queue.front());
+        queue.pop_front();
+      }
+      if (!d.error.empty()) {
+        failed[d.index] = true;
+        report.skipped.push_back({discovery.images[d.index].path.string(), d.error});
+        LP_LOG(kWarning, kLog) << "skipped " << discovery.images[d.index].path.string() << ": "
+                               << d.error;
+      } else {
+        ++report.decoded;
+        if (push) {
+          wire::ImageSample sample = to_sample(report.dataset_id, probed[d.index]->result);
+          sample.set_pixels(std::move(d.pixels));
+          send_or_throw(sample);
+        }
+      }
+      d.pixels.clear();
+      slots.release();
+    }
+  } catch (...) {
+    // Stop the workers (each waiting one needs a slot to see the flag) before unwinding.
+    stop = true;
+    for (size_t k = 0; k < to_decode.size(); ++k) slots.release();
+    producer.join();
+    throw;
+  }
+  producer.join();
+
+  for (size_t i : usable) {
+    if (failed[i]) continue;
+    report.images.push_back(probed[i]->result);
+    if (probed[i]->result.caption_source != "file") ++report.captions_missing;
+  }
+  if (push) send_or_throw(to_dataset_report(report));
+  return report;
+}
+
+std::string format_report(const Report& report) {
+  const Totals t = compute_totals(report);
+  std::ostringstream out;
+  out << "dataset " << report.dataset_id << "\n";
+  out << "  bucket        images   with repeats\n";
+  for (const auto& [bucket, counts] : t.buckets) {
+    char line[96];
+    std::snprintf(line, sizeof(line), "  %4d x %-4d %9llu %14llu\n", bucket.width, bucket.height,
+                  static_cast<unsigned long long>(counts.first),
+                  static_cast<unsigned long long>(counts.second));
+    out << line;
+  }
+  char line[256];
+  std::snprintf(line, sizeof(line),
+                "images used %zu of %llu found; %zu skipped; %zu ignored; %llu without a caption "
+                "file\n",
+                report.images.size(), static_cast<unsigned long long>(report.images_found),
+                report.skipped.size(), report.ignored.size(),
+                static_cast<unsigned long long>(report.captions_missing));
+  out << line;
+  std::snprintf(line, sizeof(line), "mean |aspect-ratio error| %.4f\n", t.mean_abs_ar_error);
+  out << line;
+  if (t.pixels_square > 0) {
+    std::snprintf(line, sizeof(line),
+                  "pixels per epoch %.2f MP bucketed vs %.2f MP square crops (%.3fx); image area "
+                  "kept by the crop %.1f%% vs %.1f%%\n",
+                  t.pixels_bucketed / 1e6, t.pixels_square / 1e6,
+                  static_cast<double>(t.pixels_bucketed) / t.pixels_square,
+                  100 * t.kept_bucketed, 100 * t.kept_square);
+    out << line;
+  }
+  for (const Skipped& s : report.skipped) out << "skipped " << s.path << ": " << s.reason << "\n";
+  for (const Ignored& s : report.ignored) out << "ignored " << s.path << ": " << s.reason << "\n";
+  return out.str();
+}
+
+std::string report_to_json(const Report& report) {
+  using nlohmann::json;
+  const Totals t = compute_totals(report);
+  json images = json::array();
+  for (const ImageResult& r : report.images) {
+    json image{{"path", r.path},
+               {"width", r.width},
+               {"height", r.height},
+               {"bucket", {r.bucket.width, r.bucket.height}},
+               {"resized", {r.resized.width, r.resized.height}},
+               {"crop_ltrb", {r.crop_ltrb.left, r.crop_ltrb.top, r.crop_ltrb.right, r.crop_ltrb.bottom}},
+               {"crop_offset", {r.crop.left, r.crop.top}},
+               {"caption", r.caption},
+               {"caption_source", r.caption_source},
+               {"repeats", r.repeats},
+               {"is_reg", r.is_reg},
+               {"flip", r.flip},
+               {"image_key", r.image_key},
+               {"cached", r.cached}};
+    if (!r.caption_note.empty()) image["caption_note"] = r.caption_note;
+    images.push_back(std::move(image));
+  }
+  json skipped = json::array();
+  for (const Skipped& s : report.skipped) skipped.push_back({{"path", s.path}, {"reason", s.reason}});
+  json ignored = json::array();
+  for (const Ignored& s : report.ignored) ignored.push_back({{"path", s.path}, {"reason", s.reason}});
+  json buckets = json::array();
+  for (const auto& [bucket, counts] : t.buckets) {
+    buckets.push_back({{"bucket", {bucket.width, bucket.height}},
+                       {"count", counts.first},
+                       {"count_with_repeats", counts.second}});
+  }
+  json out{{"dataset_id", report.dataset_id},
+           {"images", std::move(images)},
+           {"skipped", std::move(skipped)},
+           {"ignored", std::move(ignored)},
+           {"buckets", std::move(buckets)},
+           {"totals",
+            {{"images_found", report.images_found},
+             {"images_used", report.images.size()},
+             {"images_skipped", report.skipped.size()},
+             {"captions_missing", report.captions_missing},
+             {"mean_abs_ar_error", t.mean_abs_ar_error},
+             {"pixels_per_epoch_bucketed", t.pixels_bucketed},
+             {"pixels_per_epoch_square", t.pixels_square},
+             {"image_area_kept_bucketed", t.kept_bucketed},
+             {"image_area_kept_square", t.kept_square}}}};
+  return out.dump(2) + "\n";
+}
+
+}  // namespace lorapipe::preprocess

@@ -1,0 +1,84 @@
+#pragma once
+// The preprocess stage as a library: discover the dataset, hash and probe every image, choose
+// its bucket, ask the cacher which samples it already holds, decode only the misses, and stream
+// ImageSamples followed by one DatasetReport. main.cpp only parses flags into Options.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "preprocess/bucket.h"
+#include "preprocess/dataset.h"
+
+namespace lorapipe::preprocess {
+
+struct Options {
+  std::string data_dir;        // a folder of images or of kohya repeat folders
+  std::string dataset_config;  // or a kohya dataset TOML
+  std::string dataset_id;      // manifest name; empty: derived from the dataset path
+  Defaults defaults;           // flag-level dataset and subset settings
+
+  int threads = 0;  // decode workers; 0: one per core
+  int min_image_side = 64;
+  double max_aspect_ratio = 8.0;
+  int64_t max_image_pixels = 100'000'000;
+  std::string resize_filter = "lanczos3";
+  uint64_t seed = 0;  // random_crop offsets derive from it and the image content
+
+  bool report_only = false;  // no cacher: decode to validate, then report
+  std::string report_json;   // also write the report here
+
+  std::string push_endpoint;     // cacher's PULL (ImageSample, DatasetReport)
+  std::string request_endpoint;  // cacher's REP (Hello, HasKeys)
+  int timeout_ms = 30000;
+  int has_keys_batch = 256;
+};
+
+// One image that is used, with everything the report and the cacher need.
+struct ImageResult {
+  std::string path;
+  int width = 0;  // as displayed
+  int height = 0;
+  Reso bucket;
+  Reso resized;
+  CropLtrb crop_ltrb;
+  CropOffset crop;
+  double ar_error = 0;
+  std::string caption;
+  std::string caption_source;
+  std::string caption_note;
+  uint32_t repeats = 1;
+  bool is_reg = false;
+  bool flip = false;
+  bool augment_caption = false;
+  Reso resolution;  // the dataset's resolution, for the square-crop comparison
+  std::string image_key;  // content hash . transform hash
+  bool cached = false;    // the cacher already holds it: sent key-only
+};
+
+struct Report {
+  std::string dataset_id;
+  std::vector<ImageResult> images;
+  std::vector<Skipped> skipped;
+  std::vector<Ignored> ignored;
+  uint64_t images_found = 0;
+  uint64_t captions_missing = 0;  // used images without a caption file
+  uint64_t decoded = 0;
+};
+
+// Runs the stage. Throws InputError for bad options or an unreadable dataset, and
+// wire::PeerTimeoutError naming the endpoint when the cacher does not answer. Bad images are
+// never thrown: they are skipped and listed in the report.
+Report run(const Options& options);
+
+// The human-readable report: bucket table, totals, skipped files with reasons.
+std::string format_report(const Report& report);
+
+// The same as JSON (see README, "Report").
+std::string report_to_json(const Report& report);
+
+// "<content hash>.<transform hash>": the image half of a cache key (DESIGN.md, "Cache keys").
+std::string make_image_key(const std::string& content_hash, const ImageResult& image,
+                           const std::string& resize_filter);
+
+}  // namespace lorapipe::preprocess
