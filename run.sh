@@ -13,16 +13,15 @@ if [[ -x build/bin/lorapipe ]]; then
   exec build/bin/lorapipe run "$@"
 fi
 
-# Until the launcher lands, say plainly what exists and what does not.
+# Until the launcher lands, run what exists on the embedded default (the demo dataset) and say
+# plainly what is not there yet.
+demo_dir="${LORAPIPE_DEMO_DIR:-build/demo}"
+if [[ ! -d ${demo_dir}/10_shapes ]]; then
+  build/bin/lorapipe-demo-dataset "${demo_dir}"
+fi
 echo
-echo "lorapipe is built, but the pipeline cannot run yet:"
-for stage in lorapipe lorapipe-preprocess lorapipe-cacher lorapipe-trainer lorapipe-sampler \
-  lorapipe-inspect; do
-  if [[ -x build/bin/${stage} ]]; then
-    echo "  build/bin/${stage}: built"
-  else
-    echo "  build/bin/${stage}: not there yet"
-  fi
-done
-echo "What exists today: the wire protocol (proto/) with its tests (./test.sh) and"
-echo "its benchmark (build/bin/wire_bench)."
+echo "== lorapipe-preprocess on the demo dataset (report only: the cacher is not built yet) =="
+build/bin/lorapipe-preprocess --data_dir="${demo_dir}" --report_only "$@"
+echo
+echo "Not there yet: lorapipe (launcher), lorapipe-cacher, lorapipe-trainer, lorapipe-sampler,"
+echo "lorapipe-inspect. Training comes with them; today ./run.sh stops after preprocess."

@@ -92,7 +92,7 @@ TEST_F(PreprocessBadInput, EveryBadFileIsNamedWithItsReasonAndGoodOnesAreUsed) {
   }
   std::map<std::string, const ImageResult*> used;
   for (const ImageResult& r : report.images) used[fs::path(r.path).filename().string()] = &r;
-  for (const char* name : {"good.jpg", "good_green.png", "cmyk.jpg", "deep16.png",
+  for (const char* name : {"good.jpg", "good_green.png", "good.webp", "good.tiff", "cmyk.jpg", "deep16.png",
                            "grey_alpha.png", "palette.gif", "animated.gif", "rotated.jpg",
                            "latin1.png", "bom.png"}) {
     EXPECT_EQ(used.count(name), 1u) << name << " is good and must be used";

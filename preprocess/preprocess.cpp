@@ -33,11 +33,21 @@ constexpr std::string_view kLog = "preprocess";
 // an older lorapipe are never served for it.
 constexpr int64_t kDecodeVersion = 1;
 
+// The whole file in one read (an istreambuf_iterator copy runs at a fraction of disk speed).
 std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(std::string("cannot open: ") + std::strerror(errno));
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw InputError(std::string("cannot read: ") + std::strerror(errno));
+  std::FILE* file = std::fopen(path.c_str(), "rb");
+  if (file == nullptr) throw InputError(std::string("cannot open: ") + std::strerror(errno));
+  std::error_code ec;
+  const uintmax_t size = fs::file_size(path, ec);
+  std::string bytes(ec ? 0 : size, '\0');
+  bytes.resize(std::fread(bytes.data(), 1, bytes.size(), file));
+  // Read on past the size we were told, in case the file grew meanwhile.
+  char chunk[65536];
+  for (size_t n; (n = std::fread(chunk, 1, sizeof(chunk), file)) > 0;) bytes.append(chunk, n);
+  const bool failed = std::ferror(file) != 0;
+  const int error = errno;
+  std::fclose(file);
+  if (failed) throw InputError(std::string("cannot read: ") + std::strerror(error));
   return bytes;
 }
 

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Decode + bucket + resize + crop of large JPEGs: lorapipe-preprocess against Pillow.
+
+Same files, same run, same work: lorapipe's report gives every image's bucket, cover size and
+crop; the Pillow side (the Python trainers' path: Image.draft + convert + LANCZOS resize + crop)
+does exactly those. Prints images/s for one worker and for all cores, the ratios, and
+lorapipe's peak RSS. Not a test: nothing here passes or fails on a time.
+
+    bench/preprocess_bench.py [--images 24] [--build build] [--dir ~/.cache/lorapipe/bench-jpegs]
+Needs the test venv (numpy, Pillow): run it with $LORAPIPE_PYTHON.
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from PIL import Image
+
+SIZES = [(4000, 3000), (3000, 4000), (6000, 4000), (4000, 6000), (5472, 3648), (4032, 3024)]
+
+
+def make_images(folder: str, count: int) -> None:
+    sub = os.path.join(folder, "1_photo")
+    os.makedirs(sub, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        path = os.path.join(sub, f"{i:03d}.jpg")
+        if os.path.exists(path):
+            continue
+        w, h = SIZES[i % len(SIZES)]
+        # Photo-like content: smooth gradients plus fine noise, so JPEG sizes are realistic.
+        y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+        base = np.stack([(x / w) * 255, (y / h) * 255, ((x + y) / (w + h)) * 255], axis=-1)
+        noise = rng.normal(0, 12, size=(h, w, 3)).astype(np.float32)
+        pixels = np.clip(base + noise, 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(path, quality=90)
+
+
+def pillow_one(job):
+    path, resized, bucket, offset = job
+    with Image.open(path) as im:
+        im.draft("RGB", tuple(resized))
+        im = im.convert("RGB")
+        im = im.resize(tuple(resized), Image.LANCZOS)
+        left, top = offset
+        im = im.crop((left, top, left + bucket[0], top + bucket[1]))
+        return len(im.tobytes())
+
+
+def noop(_):
+    return 0
+
+
+def run_pillow(jobs, workers: int) -> float:
+    # Pillow runs in worker processes (as a DataLoader's workers do), started before the clock,
+    # so this process stays small and lorapipe's RSS reading is its own.
+    with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(noop, range(workers)))
+        start = time.perf_counter()
+        total = sum(pool.map(pillow_one, jobs, chunksize=1))
+        elapsed = time.perf_counter() - start
+    assert total == sum(b[0] * b[1] * 3 for _, _, b, _ in jobs)
+    return elapsed
+
+
+def run_lorapipe(binary: str, folder: str, resolution: str, threads: int, report: str = ""):
+    command = [binary, f"--data_dir={folder}", "--report_only", f"--resolution={resolution}",
+               f"--threads={threads}"]
+    if report:
+        command.append(f"--report_json={report}")
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - start
+    if status != 0:
+        sys.exit(f"lorapipe-preprocess failed with status {status}")
+    return elapsed, usage.ru_maxrss / 1024.0  # MiB
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--images", type=int, default=24)
+    parser.add_argument("--build", default="build")
+    parser.add_argument("--dir", default=os.path.expanduser("~/.cache/lorapipe/bench-jpegs"))
+    parser.add_argument("--resolution", default="512,1024")
+    args = parser.parse_args()
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1) as pool:
+        pool.submit(make_images, args.dir, args.images).result()
+    binary = os.path.join(args.build, "bin", "lorapipe-preprocess")
+    cores = os.cpu_count() or 1
+    print(f"preprocess_bench: {args.images} JPEGs of 12-24 MP, {cores} cores")
+    for resolution in args.resolution.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            report_path = os.path.join(tmp, "report.json")
+            # Also warms the page cache, so both sides read the files from memory.
+            run_lorapipe(binary, args.dir, resolution, cores, report_path)
+            report = json.load(open(report_path))
+            jobs = [(i["path"], i["resized"], i["bucket"], i["crop_offset"])
+                    for i in report["images"]]
+            n = len(jobs)
+            for workers in sorted({1, cores}):
+                ours, rss = run_lorapipe(binary, args.dir, resolution, workers)
+                theirs = run_pillow(jobs, workers)
+                print(f"resolution {resolution:>4} workers {workers}: lorapipe {n / ours:6.2f} img/s "
+                      f"(peak RSS {rss:.0f} MiB), Pillow {n / theirs:6.2f} img/s, "
+                      f"lorapipe/Pillow {theirs / ours:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

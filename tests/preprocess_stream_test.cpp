@@ -1,0 +1,196 @@
+// lorapipe-preprocess as a real process streaming to a receiving endpoint over ipc://: this test
+// plays the cacher (REP for Hello/HasKeys, PULL for ImageSample/DatasetReport) and checks every
+// message that arrives, down to the pixels of the demo dataset.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <set>
+#include <thread>
+
+#include "preprocess/bucket.h"
+#include "preprocess/demo_dataset.h"
+#include "proto/wire.h"
+
+extern char** environ;
+
+namespace lorapipe {
+namespace {
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+
+// Starts `argv` as a child process with stderr to `stderr_path`.
+pid_t spawn(const std::vector<std::string>& argv, const fs::path& stderr_path) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 2, stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
+                                   0644);
+  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+int wait_exit(pid_t pid) {
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+class PreprocessStream : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("lorapipe-stream-" + std::to_string(getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    demo_ = preprocess::write_demo_dataset(dir_ / "data");
+    push_ = "ipc://" + (dir_ / "pull.sock").string();
+    rep_ = "ipc://" + (dir_ / "rep.sock").string();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::vector<std::string> preprocess_args(int timeout_ms) const {
+    return {LORAPIPE_PREPROCESS_BIN,
+            "--data_dir=" + (dir_ / "data").string(),
+            "--push=" + push_,
+            "--request=" + rep_,
+            "--threads=2",
+            "--timeout_ms=" + std::to_string(timeout_ms)};
+  }
+
+  fs::path dir_;
+  std::vector<preprocess::DemoImage> demo_;
+  std::string push_;
+  std::string rep_;
+};
+
+TEST_F(PreprocessStream, EveryMessageArrivesCheckedDownToThePixels) {
+  zmq::context_t context;
+  wire::SocketOptions options;
+  zmq::socket_t rep = wire::make_socket(context, zmq::socket_type::rep, options);
+  rep.bind(rep_);
+  zmq::socket_t pull = wire::make_socket(context, zmq::socket_type::pull, options);
+  pull.bind(push_);
+
+  // The "cacher" holds every third key it is asked about.
+  std::set<std::string> held;
+  int asked = 0;
+  wire::Dispatcher cacher("cacher");
+  cacher.on_request<wire::HasKeysRequest>([&](const wire::HasKeysRequest& request) {
+    auto reply = std::make_unique<wire::HasKeysReply>();
+    for (const std::string& key : request.keys()) {
+      const bool present = asked++ % 3 == 0;
+      if (present) held.insert(key);
+      reply->add_present(present);
+    }
+    return reply;
+  });
+
+  const pid_t pid = spawn(preprocess_args(10000), dir_ / "stderr.txt");
+  ASSERT_GT(pid, 0);
+  std::vector<wire::ImageSample> samples;
+  std::optional<wire::DatasetReport> report;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!report && std::chrono::steady_clock::now() < give_up) {
+    cacher.poll_once(rep, milliseconds(10), /*reply=*/true);
+    wire::Received received = wire::receive(pull, milliseconds(10));
+    if (const auto* sample = received.as<wire::ImageSample>()) samples.push_back(*sample);
+    if (const auto* r = received.as<wire::DatasetReport>()) report = *r;
+    ASSERT_NE(received.status, wire::ReceiveStatus::kRejected) << received.error;
+  }
+  const int exit_code = wait_exit(pid);
+  ASSERT_EQ(exit_code, 0) << read_text(dir_ / "stderr.txt");
+  ASSERT_TRUE(report.has_value()) << "no DatasetReport arrived";
+  EXPECT_EQ(cacher.rejected(), 0u);
+
+  ASSERT_EQ(samples.size(), demo_.size());
+  EXPECT_EQ(report->images_found(), demo_.size());
+  EXPECT_EQ(report->images_used(), demo_.size());
+  EXPECT_EQ(report->images_cached(), held.size());
+  EXPECT_EQ(report->images_sent() + report->images_cached(), demo_.size());
+  EXPECT_EQ(report->skipped_size(), 0);
+  uint64_t bucket_total = 0;
+  for (const auto& b : report->buckets()) bucket_total += b.count();
+  EXPECT_EQ(bucket_total, demo_.size() * preprocess::kDemoRepeats);
+
+  const auto kohya = preprocess::make_bucket_resolutions({512, 512}, 256, 1024, 64);
+  std::map<std::string, const preprocess::DemoImage*> by_path;
+  for (const auto& d : demo_) by_path[d.path.string()] = &d;
+  std::set<std::string> seen;
+  for (const wire::ImageSample& s : samples) {
+    SCOPED_TRACE(s.path());
+    ASSERT_EQ(by_path.count(s.path()), 1u);
+    EXPECT_TRUE(seen.insert(s.path()).second) << "sent twice";
+    const preprocess::DemoImage& demo = *by_path[s.path()];
+    EXPECT_EQ(s.caption(), demo.caption);
+    EXPECT_EQ(s.caption_source(), "file");
+    EXPECT_EQ(s.repeats(), static_cast<uint32_t>(preprocess::kDemoRepeats));
+    EXPECT_EQ(s.original_size().width(), static_cast<uint32_t>(demo.width));
+    EXPECT_EQ(s.original_size().height(), static_cast<uint32_t>(demo.height));
+    const preprocess::Reso bucket{static_cast<int>(s.bucket().width()),
+                                  static_cast<int>(s.bucket().height())};
+    EXPECT_NE(std::find(kohya.begin(), kohya.end(), bucket), kohya.end());
+    EXPECT_GE(s.resized().width(), s.bucket().width());
+    EXPECT_GE(s.resized().height(), s.bucket().height());
+    EXPECT_EQ(s.crop_ltrb_size(), 4);
+    EXPECT_EQ(s.image_key().size(), 65u);  // 32 hex . 32 hex
+    if (held.count(s.image_key())) {
+      EXPECT_TRUE(s.key_only());
+      EXPECT_TRUE(s.pixels().empty()) << "a cached sample must not carry pixels";
+      continue;
+    }
+    EXPECT_FALSE(s.key_only());
+    ASSERT_EQ(s.pixels().size(), size_t{s.bucket().width()} * s.bucket().height() * 3);
+    // The centre of the crop shows the drawn shape's colour; JPEG and resampling move a
+    // flat colour by a few levels, 40 is far below the distance between any two demo colours.
+    const size_t centre = (size_t{s.bucket().height() / 2} * s.bucket().width() +
+                           s.bucket().width() / 2) * 3;
+    for (int c = 0; c < 3; ++c) {
+      EXPECT_NEAR(static_cast<unsigned char>(s.pixels()[centre + c]), demo.shape_rgb[c], 40)
+          << "channel " << c;
+    }
+    const size_t corner = 2 * 3;  // (2, 0): background
+    for (int c = 0; c < 3; ++c) {
+      EXPECT_NEAR(static_cast<unsigned char>(s.pixels()[corner + c]), demo.background_rgb[c], 40)
+          << "channel " << c;
+    }
+  }
+}
+
+TEST_F(PreprocessStream, NoCacherIsAClearErrorNamingTheEndpoint) {
+  const pid_t pid = spawn(preprocess_args(500), dir_ / "stderr.txt");
+  ASSERT_GT(pid, 0);
+  EXPECT_EQ(wait_exit(pid), 2);
+  const std::string err = read_text(dir_ / "stderr.txt");
+  EXPECT_NE(err.find("no reply from " + rep_), std::string::npos) << err;
+}
+
+TEST_F(PreprocessStream, NoUsableImageIsAClearError) {
+  const fs::path empty = dir_ / "empty";
+  fs::create_directories(empty / "1_x");
+  std::ofstream(empty / "1_x" / "broken.png") << "not a png";
+  const pid_t pid = spawn({LORAPIPE_PREPROCESS_BIN, "--data_dir=" + empty.string(), "--report_only"},
+                          dir_ / "stderr.txt");
+  EXPECT_EQ(wait_exit(pid), 1);
+  const std::string err = read_text(dir_ / "stderr.txt");
+  EXPECT_NE(err.find("no usable image found in " + empty.string()), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace lorapipe
