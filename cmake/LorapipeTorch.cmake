@@ -23,13 +23,18 @@ find_package(Torch REQUIRED)
 # One precompiled LibTorch header for the whole project: every LibTorch target reuses it, so
 # the heavy headers are parsed once per build instead of once per translation unit.
 add_library(lorapipe_torch_pch OBJECT ${PROJECT_SOURCE_DIR}/cmake/torch_pch.cpp)
-target_link_libraries(lorapipe_torch_pch PUBLIC ${TORCH_LIBRARIES})
+target_link_libraries(lorapipe_torch_pch PUBLIC stdc++ ${TORCH_LIBRARIES})
 target_compile_options(lorapipe_torch_pch PUBLIC ${TORCH_CXX_FLAGS})
 target_precompile_headers(lorapipe_torch_pch PUBLIC <torch/torch.h>)
 
 # Links `target` to LibTorch and reuses the shared precompiled header.
+#
+# libstdc++ is linked before LibTorch on purpose: the torch wheel's libtorch.so exports its own
+# copy of std::filesystem (64 symbols), and whichever library comes first in the NEEDED list
+# wins symbol lookup. LibTorch's copy crashes when called from our code (std::filesystem::
+# remove_all jumps to a null pointer), so the system libstdc++ must come first.
 function(lorapipe_use_torch target)
-  target_link_libraries(${target} PUBLIC ${TORCH_LIBRARIES})
+  target_link_libraries(${target} PUBLIC stdc++ ${TORCH_LIBRARIES})
   target_compile_options(${target} PUBLIC ${TORCH_CXX_FLAGS})
   target_precompile_headers(${target} REUSE_FROM lorapipe_torch_pch)
 endfunction()

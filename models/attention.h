@@ -1,0 +1,20 @@
+#pragma once
+// Scaled dot-product attention for every model in models/, through
+// at::scaled_dot_product_attention (flash / memory-efficient kernels on GPU), with a switch that
+// forces the plain math path, which parity tests use to compare with the reference at 1e-4.
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace lorapipe::models {
+
+// q, k, v: [B, heads, T, head_dim]. `causal` masks future positions.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     bool causal = false);
+
+// Forces (or stops forcing) the math path process-wide.
+void set_force_math_attention(bool force);
+bool force_math_attention();
+
+}  // namespace lorapipe::models

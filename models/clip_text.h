@@ -1,0 +1,100 @@
+#pragma once
+// The CLIP text encoder of Stable Diffusion (transformers CLIPTextModel: the ViT-L/14 text tower
+// in SD1.5), with parameters named as transformers names them ("text_model.encoder.layers.0.
+// self_attn.q_proj.weight", ...), so a transformers checkpoint loads by name.
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace lorapipe::models {
+
+struct ClipTextConfig {
+  int64_t vocab_size = 49408;
+  int64_t hidden_size = 768;
+  int64_t intermediate_size = 3072;
+  int64_t num_hidden_layers = 12;
+  int64_t num_attention_heads = 12;
+  int64_t max_position_embeddings = 77;
+  std::string hidden_act = "quick_gelu";  // or "gelu" (SD2's OpenCLIP tower)
+  double layer_norm_eps = 1e-5;
+  int64_t eos_token_id = 2;  // 2: the legacy config, where the pooled token is argmax(input_ids)
+
+  static ClipTextConfig sd15();
+  // A transformers `text_encoder/config.json`; absent fields keep these defaults.
+  static ClipTextConfig from_json(const std::string& text);
+};
+
+struct ClipAttentionImpl : torch::nn::Module {
+  explicit ClipAttentionImpl(const ClipTextConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);  // causal self-attention
+  int64_t heads;
+  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
+};
+TORCH_MODULE(ClipAttention);
+
+struct ClipMlpImpl : torch::nn::Module {
+  explicit ClipMlpImpl(const ClipTextConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+  bool quick_gelu;
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(ClipMlp);
+
+struct ClipEncoderLayerImpl : torch::nn::Module {
+  explicit ClipEncoderLayerImpl(const ClipTextConfig& config);
+  torch::Tensor forward(const torch::Tensor& x);
+  ClipAttention self_attn{nullptr};
+  torch::nn::LayerNorm layer_norm1{nullptr}, layer_norm2{nullptr};
+  ClipMlp mlp{nullptr};
+};
+TORCH_MODULE(ClipEncoderLayer);
+
+struct ClipTextOutput {
+  torch::Tensor last_hidden_state;           // [B, T, C], after the final layer norm
+  torch::Tensor pooled;                      // [B, C], the end-of-text token's state
+  std::vector<torch::Tensor> hidden_states;  // embeddings, then each layer's output (no final LN)
+};
+
+// text_model.{embeddings, encoder, final_layer_norm}, under a parent named "text_model".
+struct ClipTextTransformerImpl : torch::nn::Module {
+  explicit ClipTextTransformerImpl(const ClipTextConfig& config);
+  ClipTextConfig config;
+  // Plain containers that only give the checkpoint's key prefixes "embeddings." and "encoder.".
+  std::shared_ptr<torch::nn::Module> embeddings, encoder;
+  torch::nn::Embedding token_embedding{nullptr}, position_embedding{nullptr};
+  torch::nn::ModuleList layers{nullptr};
+  torch::nn::LayerNorm final_layer_norm{nullptr};
+};
+TORCH_MODULE(ClipTextTransformer);
+
+class ClipTextModelImpl : public torch::nn::Module {
+ public:
+  explicit ClipTextModelImpl(const ClipTextConfig& config);
+
+  // `input_ids` [B, T] int64, T <= max_position_embeddings.
+  ClipTextOutput forward(const torch::Tensor& input_ids);
+
+  // The conditioning SD trains on, as kohya and A1111 apply clip skip: the output of the
+  // clip_skip-th layer from the end, through the final layer norm (clip_skip 1 is the last
+  // hidden state).
+  torch::Tensor encode(const torch::Tensor& input_ids, int clip_skip = 1);
+
+  const ClipTextConfig& config() const { return text_model_->config; }
+
+ private:
+  ClipTextTransformer text_model_{nullptr};
+};
+TORCH_MODULE(ClipTextModel);
+
+// Loads transformers-layout weights (a `text_encoder/` folder or its model.safetensors).
+void load_clip_text(ClipTextModel& model, const std::filesystem::path& folder_or_file);
+
+}  // namespace lorapipe::models

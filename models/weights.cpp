@@ -1,0 +1,129 @@
+#include "models/weights.h"
+
+#include <torch/torch.h>
+
+#include <sstream>
+
+#include "common/error.h"
+
+namespace lorapipe::models {
+namespace {
+
+torch::ScalarType to_scalar_type(Dtype dtype, const std::string& name) {
+  switch (dtype) {
+    case Dtype::kF64: return torch::kFloat64;
+    case Dtype::kF32: return torch::kFloat32;
+    case Dtype::kF16: return torch::kFloat16;
+    case Dtype::kBF16: return torch::kBFloat16;
+    case Dtype::kF8E4M3: return torch::kFloat8_e4m3fn;
+    case Dtype::kF8E5M2: return torch::kFloat8_e5m2;
+    case Dtype::kI64: return torch::kInt64;
+    case Dtype::kI32: return torch::kInt32;
+    case Dtype::kI16: return torch::kInt16;
+    case Dtype::kI8: return torch::kInt8;
+    case Dtype::kU8: return torch::kUInt8;
+    case Dtype::kBool: return torch::kBool;
+  }
+  throw InputError("tensor '" + name + "' has a dtype LibTorch cannot hold");
+}
+
+std::string list_some(const std::vector<std::string>& names) {
+  std::ostringstream out;
+  for (size_t i = 0; i < names.size() && i < 8; ++i) out << (i ? ", " : "") << names[i];
+  if (names.size() > 8) out << ", ... (" << names.size() << " in all)";
+  return out.str();
+}
+
+}  // namespace
+
+Dtype to_safetensors_dtype(torch::ScalarType type) {
+  switch (type) {
+    case torch::kFloat64: return Dtype::kF64;
+    case torch::kFloat32: return Dtype::kF32;
+    case torch::kFloat16: return Dtype::kF16;
+    case torch::kBFloat16: return Dtype::kBF16;
+    case torch::kFloat8_e4m3fn: return Dtype::kF8E4M3;
+    case torch::kFloat8_e5m2: return Dtype::kF8E5M2;
+    case torch::kInt64: return Dtype::kI64;
+    case torch::kInt32: return Dtype::kI32;
+    case torch::kInt16: return Dtype::kI16;
+    case torch::kInt8: return Dtype::kI8;
+    case torch::kUInt8: return Dtype::kU8;
+    case torch::kBool: return Dtype::kBool;
+    default: throw Error(std::string("no safetensors dtype for ") + c10::toString(type));
+  }
+}
+
+torch::Tensor read_tensor(const SafetensorsFile& file, const TensorInfo& info) {
+  const torch::ScalarType type = to_scalar_type(info.dtype, info.name);
+  const std::string_view bytes = file.bytes(info);
+  torch::Tensor out = torch::empty(info.shape, torch::TensorOptions().dtype(type));
+  if (!bytes.empty()) std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
+  return out;
+}
+
+std::map<std::string, torch::Tensor> read_tensors(const SafetensorsFile& file,
+                                                  const std::string& prefix) {
+  std::map<std::string, torch::Tensor> out;
+  for (const TensorInfo& info : file.tensors()) {
+    if (info.name.compare(0, prefix.size(), prefix) != 0) continue;
+    out[info.name.substr(prefix.size())] = read_tensor(file, info);
+  }
+  return out;
+}
+
+void load_into(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
+               const std::string& source, const std::set<std::string>& optional) {
+  std::vector<std::string> missing;
+  std::vector<std::string> misshaped;
+  std::set<std::string> used;
+  torch::NoGradGuard no_grad;
+  auto assign = [&](const std::string& name, torch::Tensor& target) {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) {
+      if (!optional.count(name)) missing.push_back(name);
+      return;
+    }
+    used.insert(name);
+    if (it->second.sizes() != target.sizes()) {
+      std::ostringstream why;
+      why << name << " " << it->second.sizes() << " (model wants " << target.sizes() << ")";
+      misshaped.push_back(why.str());
+      return;
+    }
+    target.copy_(it->second.to(target.dtype()));
+  };
+  for (auto& item : module.named_parameters(/*recurse=*/true)) assign(item.key(), item.value());
+  for (auto& item : module.named_buffers(/*recurse=*/true)) assign(item.key(), item.value());
+  std::vector<std::string> unexpected;
+  for (const auto& [name, tensor] : tensors) {
+    if (!used.count(name) && !optional.count(name)) unexpected.push_back(name);
+  }
+  if (missing.empty() && unexpected.empty() && misshaped.empty()) return;
+  std::ostringstream why;
+  why << source << ": weights do not fit the model:";
+  if (!missing.empty()) why << " missing " << list_some(missing) << ";";
+  if (!unexpected.empty()) why << " unexpected " << list_some(unexpected) << ";";
+  if (!misshaped.empty()) why << " wrong shape " << list_some(misshaped) << ";";
+  throw InputError(why.str());
+}
+
+std::vector<TensorToWrite> module_tensors(const torch::nn::Module& module,
+                                          std::vector<torch::Tensor>& storage,
+                                          const std::string& prefix) {
+  std::vector<TensorToWrite> out;
+  std::vector<std::pair<std::string, torch::Tensor>> all;
+  for (const auto& item : module.named_parameters(true)) all.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_buffers(true)) all.emplace_back(item.key(), item.value());
+  storage.reserve(storage.size() + all.size());
+  for (const auto& [name, tensor] : all) {
+    storage.push_back(tensor.detach().to(torch::kCPU).contiguous());
+    const torch::Tensor& t = storage.back();
+    out.push_back({prefix + name, to_safetensors_dtype(t.scalar_type()),
+                   std::vector<int64_t>(t.sizes().begin(), t.sizes().end()),
+                   std::string_view(static_cast<const char*>(t.data_ptr()), t.nbytes())});
+  }
+  return out;
+}
+
+}  // namespace lorapipe::models

@@ -1,0 +1,49 @@
+#pragma once
+// Moving weights between safetensors files and LibTorch modules.
+//
+// Modules register parameters under the names the reference implementation uses (diffusers /
+// transformers), so a diffusers-layout file maps by name; other layouts (the original ldm
+// single file) rename keys through an explicit table before calling in here.
+
+#include <torch/types.h>
+
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "models/safetensors.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace lorapipe::models {
+
+// A CPU tensor holding a copy of `info`'s bytes (never a view of the mapping), in the file's
+// dtype. Throws InputError for dtypes LibTorch cannot hold.
+torch::Tensor read_tensor(const SafetensorsFile& file, const TensorInfo& info);
+
+// Every tensor of the file whose name starts with `prefix`, keyed by the name without it.
+std::map<std::string, torch::Tensor> read_tensors(const SafetensorsFile& file,
+                                                  const std::string& prefix = "");
+
+// Copies `tensors` into `module`'s parameters and buffers by name, converting to each
+// parameter's dtype and device. Every parameter must be found with the right shape, and every
+// tensor must be used, except names in `optional` (found or not, they are fine). Otherwise
+// throws InputError naming `source`, listing missing, unexpected and mis-shaped keys (the first
+// few of each, and how many in all).
+void load_into(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
+               const std::string& source, const std::set<std::string>& optional = {});
+
+// The module's parameters and buffers as safetensors entries (for writing tiny test models and
+// LoRA files). `storage` keeps the CPU copies alive while the entries are used.
+std::vector<TensorToWrite> module_tensors(const torch::nn::Module& module,
+                                          std::vector<torch::Tensor>& storage,
+                                          const std::string& prefix = "");
+
+// The safetensors Dtype of a LibTorch scalar type; throws Error for ones the format lacks.
+Dtype to_safetensors_dtype(torch::ScalarType type);
+
+}  // namespace lorapipe::models
