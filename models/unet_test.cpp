@@ -1,0 +1,296 @@
+// The UNet against diffusers' UNet2DConditionModel: same weights, same inputs, outputs and
+// gradients compared. Reference data come from models/reference/unet_reference.py, run per test
+// run with LORAPIPE_PYTHON (the test venv, diffusers installed).
+//
+// Tolerance: relative error = max|ours - ref| / max|ref| <= 1e-4, for outputs and gradients
+// alike. Both sides run the same fp32 ATen kernels (the SDPA math path on both), so the only
+// differences are summation orders inside convolutions and matmuls, which stay around 1e-6;
+// 1e-4 leaves room for other BLAS builds while any wiring mistake (a swapped skip, a missing
+// residual, sin/cos order, head split) shows up at 1e-1 or more.
+#include "models/unet.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+
+#include "common/error.h"
+#include "models/attention.h"
+#include "models/parity_util.h"
+#include "models/safetensors.h"
+#include "models/weights.h"
+
+namespace lorapipe::models {
+namespace {
+namespace fs = std::filesystem;
+
+constexpr double kTolerance = 1e-4;
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// A small UNet of both block kinds, built in C++ (no Python needed).
+UNetConfig tiny_config() {
+  UNetConfig config;
+  config.block_out_channels = {32, 64};
+  config.layers_per_block = {1, 1};
+  config.down_block_types = {"CrossAttnDownBlock2D", "DownBlock2D"};
+  config.up_block_types = {"UpBlock2D", "CrossAttnUpBlock2D"};
+  config.attention_head_dim = {4, 4};
+  config.transformer_layers_per_block = {1, 1};
+  config.cross_attention_dim = 16;
+  return config;
+}
+
+class UNetParity : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = testing::make_temp_dir("unet-parity");
+    ASSERT_TRUE(testing::run_reference("unet_reference.py", dir_));
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir_); }
+
+  // Runs every case of `variant` (see unet_reference.py) and compares with diffusers.
+  void check_variant(const std::string& variant) {
+    ASSERT_TRUE(fs::exists(dir_ / variant / "config.json")) << "reference script did not run";
+    const UNetConfig config = UNetConfig::from_json(read_text(dir_ / variant / "config.json"),
+                                                    (dir_ / variant / "config.json").string());
+    UNet unet(config);
+    load_unet_diffusers(unet, dir_ / variant);
+    set_force_math_attention(true);
+    unet->eval();
+    torch::Tensor probe = unet->named_parameters()
+                              ["down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight"];
+
+    const auto io = testing::read_all(dir_ / (variant + "_io.safetensors"));
+    std::set<std::string> cases;
+    for (const auto& [name, tensor] : io) cases.insert(name.substr(0, name.find('.')));
+    ASSERT_EQ(cases.size(), 3u);
+    for (const std::string& c : cases) {
+      SCOPED_TRACE(variant + " case " + c);
+      auto ref = [&](const std::string& key) { return io.at(c + "." + key); };
+      std::printf("%s case %s: sample %s timesteps %s\n", variant.c_str(), c.c_str(),
+                  c10::str(ref("sample").sizes()).c_str(),
+                  c10::str(ref("timesteps").sizes()).c_str());
+      torch::Tensor sample = ref("sample").clone().requires_grad_(true);
+      torch::Tensor context = ref("encoder_hidden_states").clone().requires_grad_(true);
+      unet->zero_grad();
+      const torch::Tensor out = unet(sample, ref("timesteps"), context);
+      (out * ref("loss_weights")).sum().backward();
+      const std::string prefix = variant + "." + c + ".";
+      testing::expect_close(prefix + "out", out, ref("out"), kTolerance);
+      testing::expect_close(prefix + "grad_sample", sample.grad(), ref("grad_sample"), kTolerance);
+      testing::expect_close(prefix + "grad_encoder_hidden_states", context.grad(),
+                            ref("grad_encoder_hidden_states"), kTolerance);
+      testing::expect_close(prefix + "grad_to_k_weight", probe.grad(), ref("grad_to_k_weight"),
+                            kTolerance);
+
+      // The default backend (what the sampler and trainer run) must agree as well.
+      set_force_math_attention(false);
+      {
+        torch::NoGradGuard no_grad;
+        testing::expect_close(prefix + "out (default SDPA backend)",
+                              unet(ref("sample"), ref("timesteps"), ref("encoder_hidden_states")),
+                              ref("out"), kTolerance);
+      }
+      set_force_math_attention(true);
+    }
+  }
+
+  // A real-size UNet built from the published config.json has exactly diffusers' keys and shapes.
+  void check_full_size_layout(const std::string& name, const UNetConfig& expected) {
+    const fs::path folder = dir_ / name;
+    const UNetConfig config = UNetConfig::from_json(read_text(folder / "config.json"));
+    EXPECT_EQ(config.block_out_channels, expected.block_out_channels);
+    EXPECT_EQ(config.attention_head_dim, expected.attention_head_dim);
+    EXPECT_EQ(config.cross_attention_dim, expected.cross_attention_dim);
+    EXPECT_EQ(config.use_linear_projection, expected.use_linear_projection);
+    EXPECT_EQ(config.layers_per_block, expected.layers_per_block);
+    EXPECT_EQ(config.down_block_types, expected.down_block_types);
+    EXPECT_EQ(config.up_block_types, expected.up_block_types);
+    EXPECT_EQ(config.sample_size, expected.sample_size);
+
+    const nlohmann::json shapes = nlohmann::json::parse(read_text(folder / "shapes.json"));
+    UNet unet(config);
+    std::map<std::string, std::vector<int64_t>> ours;
+    int64_t parameters = 0;
+    for (const auto& item : unet->named_parameters()) {
+      ours[item.key()] = item.value().sizes().vec();
+      parameters += item.value().numel();
+    }
+    std::map<std::string, std::vector<int64_t>> theirs;
+    for (const auto& [key, shape] : shapes.items()) theirs[key] = shape.get<std::vector<int64_t>>();
+    std::printf("%s: %zu tensors, %lld parameters (diffusers: %zu tensors)\n", name.c_str(),
+                ours.size(), static_cast<long long>(parameters), theirs.size());
+    for (const auto& [key, shape] : theirs) {
+      auto it = ours.find(key);
+      if (it == ours.end()) {
+        ADD_FAILURE() << name << ": missing " << key;
+      } else {
+        EXPECT_EQ(it->second, shape) << name << ": " << key;
+      }
+    }
+    for (const auto& [key, shape] : ours) {
+      EXPECT_TRUE(theirs.count(key)) << name << ": unexpected " << key;
+    }
+  }
+
+  static fs::path dir_;
+};
+fs::path UNetParity::dir_;
+
+TEST_F(UNetParity, Sd15ShapedTinyUNetMatchesDiffusers) { check_variant("unet"); }
+
+TEST_F(UNetParity, Sd2ShapedTinyUNetMatchesDiffusers) { check_variant("unet_linear"); }
+
+TEST_F(UNetParity, FullSizeSd15KeysAndShapesMatchDiffusers) {
+  check_full_size_layout("sd15", UNetConfig::sd15());
+}
+
+TEST_F(UNetParity, FullSizeSd21KeysAndShapesMatchDiffusers) {
+  UNetConfig sd21 = UNetConfig::sd15();
+  sd21.attention_head_dim = {5, 10, 20, 20};
+  sd21.cross_attention_dim = 1024;
+  sd21.use_linear_projection = true;
+  sd21.sample_size = 96;
+  check_full_size_layout("sd21", sd21);
+}
+
+// ---- loading errors (no Python) ----------------------------------------------------------------
+
+class UNetLoad : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("lorapipe-unet-load-" + std::to_string(getpid()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Writes `unet`'s tensors to `path`, without `drop` and with an extra tensor `extra`.
+  void write(const UNet& unet, const fs::path& path, const std::string& drop,
+             const std::string& extra) {
+    std::vector<torch::Tensor> storage;
+    std::vector<TensorToWrite> tensors;
+    for (TensorToWrite& t : module_tensors(*unet, storage)) {
+      if (t.name != drop) tensors.push_back(std::move(t));
+    }
+    const torch::Tensor extra_tensor = torch::zeros({3});
+    if (!extra.empty()) {
+      tensors.push_back({extra,
+                         Dtype::kF32,
+                         {3},
+                         std::string_view(static_cast<const char*>(extra_tensor.data_ptr()),
+                                          extra_tensor.nbytes())});
+    }
+    write_safetensors(path, tensors);
+  }
+
+  std::string load_error(const fs::path& path) {
+    UNet fresh(tiny_config());
+    try {
+      load_unet_diffusers(fresh, path);
+    } catch (const InputError& e) {
+      return e.what();
+    }
+    return "";
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(UNetLoad, RoundTripThroughAFolderGivesTheSameOutput) {
+  UNet unet(tiny_config());
+  write(unet, dir_ / "diffusion_pytorch_model.safetensors", "", "");
+  UNet loaded(tiny_config());
+  load_unet_diffusers(loaded, dir_);
+  torch::NoGradGuard no_grad;
+  const torch::Tensor sample = torch::randn({1, 4, 8, 8});
+  const torch::Tensor context = torch::randn({1, 5, 16});
+  const torch::Tensor t = torch::tensor(500);
+  EXPECT_TRUE(torch::equal(unet(sample, t, context), loaded(sample, t, context)));
+}
+
+TEST_F(UNetLoad, MissingKeyIsNamed) {
+  UNet unet(tiny_config());
+  const std::string key = "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight";
+  write(unet, dir_ / "missing.safetensors", key, "");
+  const std::string error = load_error(dir_ / "missing.safetensors");
+  EXPECT_NE(error.find("missing " + key), std::string::npos) << error;
+  EXPECT_NE(error.find("missing.safetensors"), std::string::npos) << error;
+}
+
+TEST_F(UNetLoad, ExtraKeyIsNamed) {
+  UNet unet(tiny_config());
+  const std::string key = "add_embedding.linear_1.weight";
+  write(unet, dir_ / "extra.safetensors", "", key);
+  const std::string error = load_error(dir_ / "extra.safetensors");
+  EXPECT_NE(error.find("unexpected " + key), std::string::npos) << error;
+}
+
+TEST_F(UNetLoad, FolderWithoutWeightsIsNamed) {
+  const std::string error = load_error(dir_);
+  EXPECT_NE(error.find("diffusion_pytorch_model.safetensors"), std::string::npos) << error;
+}
+
+TEST_F(UNetLoad, OddLatentSizesKeepTheirShape) {
+  UNet unet(tiny_config());
+  torch::NoGradGuard no_grad;
+  const torch::Tensor out =
+      unet(torch::randn({2, 4, 7, 11}), torch::tensor({1, 999}), torch::randn({2, 3, 16}));
+  EXPECT_EQ(out.sizes(), (std::vector<int64_t>{2, 4, 7, 11}));
+}
+
+// ---- config ----------------------------------------------------------------------------------
+
+TEST(UNetConfigTest, MissingFieldsTakeDiffusersDefaults) {
+  const UNetConfig config = UNetConfig::from_json(R"({"cross_attention_dim": 768,
+      "sample_size": 64, "some_future_field": [1, 2]})");
+  const UNetConfig sd15 = UNetConfig::sd15();
+  EXPECT_EQ(config.block_out_channels, sd15.block_out_channels);
+  EXPECT_EQ(config.attention_head_dim, sd15.attention_head_dim);
+  EXPECT_EQ(config.layers_per_block, sd15.layers_per_block);
+  EXPECT_EQ(config.down_block_types, sd15.down_block_types);
+  EXPECT_EQ(config.norm_eps, sd15.norm_eps);
+  EXPECT_TRUE(config.flip_sin_to_cos);
+}
+
+TEST(UNetConfigTest, SingleNumbersRepeatPerBlock) {
+  const UNetConfig config = UNetConfig::from_json(R"({"block_out_channels": [32, 64],
+      "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+      "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "attention_head_dim": 4,
+      "layers_per_block": 1, "transformer_layers_per_block": [1, 3]})");
+  EXPECT_EQ(config.attention_head_dim, (std::vector<int64_t>{4, 4}));
+  EXPECT_EQ(config.layers_per_block, (std::vector<int64_t>{1, 1}));
+  EXPECT_EQ(config.transformer_layers_per_block, (std::vector<int64_t>{1, 3}));
+}
+
+TEST(UNetConfigTest, UnsupportedOrMalformedConfigsNameTheField) {
+  auto error_of = [](const std::string& text) -> std::string {
+    try {
+      UNetConfig::from_json(text, "unet/config.json");
+    } catch (const InputError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(error_of(R"({"addition_embed_type": "text_time"})").find("addition_embed_type"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"act_fn": "gelu"})").find("act_fn"), std::string::npos);
+  EXPECT_NE(error_of(R"({"layers_per_block": "two"})").find("layers_per_block"), std::string::npos);
+  EXPECT_NE(error_of(R"({"attention_head_dim": [8, 8]})").find("attention_head_dim"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"attention_head_dim": 7})").find("heads"), std::string::npos);
+  EXPECT_NE(error_of("{not json").find("unet/config.json"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace lorapipe::models
