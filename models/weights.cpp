@@ -110,14 +110,17 @@ void load_into(torch::nn::Module& module, const std::map<std::string, torch::Ten
 
 std::vector<TensorToWrite> module_tensors(const torch::nn::Module& module,
                                           std::vector<torch::Tensor>& storage,
-                                          const std::string& prefix) {
+                                          const std::string& prefix,
+                                          std::optional<torch::ScalarType> dtype) {
   std::vector<TensorToWrite> out;
   std::vector<std::pair<std::string, torch::Tensor>> all;
   for (const auto& item : module.named_parameters(true)) all.emplace_back(item.key(), item.value());
   for (const auto& item : module.named_buffers(true)) all.emplace_back(item.key(), item.value());
   storage.reserve(storage.size() + all.size());
   for (const auto& [name, tensor] : all) {
-    storage.push_back(tensor.detach().to(torch::kCPU).contiguous());
+    torch::Tensor copy = tensor.detach().to(torch::kCPU);
+    if (dtype && copy.is_floating_point()) copy = copy.to(*dtype);
+    storage.push_back(copy.contiguous());
     const torch::Tensor& t = storage.back();
     out.push_back({prefix + name, to_safetensors_dtype(t.scalar_type()),
                    std::vector<int64_t>(t.sizes().begin(), t.sizes().end()),

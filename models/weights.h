@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -37,11 +38,13 @@ std::map<std::string, torch::Tensor> read_tensors(const SafetensorsFile& file,
 void load_into(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
                const std::string& source, const std::set<std::string>& optional = {});
 
-// The module's parameters and buffers as safetensors entries (for writing tiny test models and
-// LoRA files). `storage` keeps the CPU copies alive while the entries are used.
+// The module's parameters and buffers as safetensors entries (for writing checkpoints and LoRA
+// files), floating-point ones converted to `dtype` when given. `storage` keeps the CPU copies
+// alive while the entries are used.
 std::vector<TensorToWrite> module_tensors(const torch::nn::Module& module,
                                           std::vector<torch::Tensor>& storage,
-                                          const std::string& prefix = "");
+                                          const std::string& prefix = "",
+                                          std::optional<torch::ScalarType> dtype = std::nullopt);
 
 // The safetensors Dtype of a LibTorch scalar type; throws Error for ones the format lacks.
 Dtype to_safetensors_dtype(torch::ScalarType type);

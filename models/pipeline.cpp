@@ -1,0 +1,299 @@
+#include "models/pipeline.h"
+
+#include <torch/torch.h>
+
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "models/safetensors.h"
+#include "models/sd15_keys.h"
+#include "models/weights.h"
+
+namespace lorapipe::models {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr std::string_view kLog = "models";
+constexpr const char* kUnetConfigKey = "lorapipe.unet_config";
+constexpr const char* kVaeConfigKey = "lorapipe.vae_config";
+constexpr const char* kTextConfigKey = "lorapipe.text_encoder_config";
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError("cannot read " + path.string());
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  if (!out) throw Error("cannot write " + path.string());
+}
+
+UNetLayout layout_of(const UNetConfig& c) {
+  UNetLayout layout;
+  layout.down_attention.clear();
+  layout.up_attention.clear();
+  for (const std::string& t : c.down_block_types) {
+    layout.down_attention.push_back(t == "CrossAttnDownBlock2D");
+  }
+  for (const std::string& t : c.up_block_types) {
+    layout.up_attention.push_back(t == "CrossAttnUpBlock2D");
+  }
+  for (int64_t layers : c.layers_per_block) {
+    if (layers != c.layers_per_block[0]) {
+      throw InputError("single-file layout: layers_per_block must be the same for every block");
+    }
+  }
+  layout.layers_per_block = static_cast<int>(c.layers_per_block[0]);
+  return layout;
+}
+
+VaeLayout layout_of(const VaeConfig& c) {
+  return {static_cast<int>(c.block_out_channels.size()), static_cast<int>(c.layers_per_block)};
+}
+
+// Builds the three modules in the compute dtype and device.
+void build(StableDiffusion& sd, const UNetConfig& unet, const VaeConfig& vae,
+           const ClipTextConfig& text, const LoadOptions& options) {
+  sd.unet = UNet(unet);
+  sd.vae = AutoencoderKL(vae);
+  sd.text_encoder = ClipTextModel(text);
+  for (torch::nn::Module* m : std::initializer_list<torch::nn::Module*>{
+           sd.unet.ptr().get(), sd.vae.ptr().get(), sd.text_encoder.ptr().get()}) {
+    m->to(options.device, options.dtype);
+    m->eval();
+  }
+}
+
+StableDiffusion load_single_file(const fs::path& path, const LoadOptions& options) {
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  StableDiffusion sd;
+  sd.family = model_family(options.family);
+  sd.source = path.string();
+  const auto& meta = file.metadata();
+  auto config_from = [&](const char* key) -> const std::string* {
+    auto it = meta.find(key);
+    return it == meta.end() ? nullptr : &it->second;
+  };
+  const UNetConfig unet_config = config_from(kUnetConfigKey)
+                                     ? UNetConfig::from_json(*config_from(kUnetConfigKey), sd.source)
+                                     : UNetConfig::sd15();
+  const VaeConfig vae_config = config_from(kVaeConfigKey)
+                                   ? VaeConfig::from_json(*config_from(kVaeConfigKey))
+                                   : VaeConfig::sd15();
+  const ClipTextConfig text_config = config_from(kTextConfigKey)
+                                         ? ClipTextConfig::from_json(*config_from(kTextConfigKey))
+                                         : ClipTextConfig::sd15();
+  build(sd, unet_config, vae_config, text_config, options);
+
+  const KeyMap unet_map = sd15_unet_key_map(layout_of(unet_config));
+  const KeyMap vae_map = sd15_vae_key_map(layout_of(vae_config));
+  const KeyMap text_map = sd15_text_key_map();
+  std::map<std::string, torch::Tensor> unet, vae, text;
+  std::vector<std::string> unknown;
+  for (const TensorInfo& info : file.tensors()) {
+    const std::string& key = info.name;
+    std::optional<std::string> name;
+    std::map<std::string, torch::Tensor>* target = nullptr;
+    if (key.rfind(kLdmUnetPrefix, 0) == 0) {
+      name = unet_map.to_diffusers(key), target = &unet;
+    } else if (key.rfind(kLdmVaePrefix, 0) == 0) {
+      name = vae_map.to_diffusers(key), target = &vae;
+    } else if (key.rfind(kLdmTextPrefix, 0) == 0) {
+      name = text_map.to_diffusers(key), target = &text;
+    }
+    if (is_known_optional_ldm_key(key)) {
+      ++sd.skipped_keys;
+      continue;
+    }
+    if (!name) {
+      unknown.push_back(key);
+      continue;
+    }
+    torch::Tensor tensor = read_tensor(file, info);
+    // ldm keeps the VAE mid-block attention projections as 1x1 convolutions.
+    if (target == &vae && key.find(".mid.attn_1.") != std::string::npos && tensor.dim() == 4) {
+      tensor = tensor.flatten(1);
+    }
+    (*target)[*name] = std::move(tensor);
+  }
+  if (!unknown.empty()) {
+    std::string list;
+    for (size_t i = 0; i < unknown.size() && i < 8; ++i) list += (i ? ", " : "") + unknown[i];
+    throw InputError(sd.source + ": " + std::to_string(unknown.size()) +
+                     " keys belong to no known component of an SD1.x checkpoint: " + list);
+  }
+  if (sd.skipped_keys > 0) {
+    LP_LOG(kWarning, kLog) << sd.source << ": skipped " << sd.skipped_keys
+                           << " entries that carry no weights we use (EMA copies, noise "
+                              "schedule, position_ids)";
+  }
+  load_into(*sd.unet, unet, sd.source + " (unet)");
+  load_into(*sd.vae, vae, sd.source + " (vae)");
+  load_into(*sd.text_encoder, text, sd.source + " (text encoder)");
+  if (!options.tokenizer.empty()) sd.tokenizer = ClipTokenizer::from_file(options.tokenizer);
+  return sd;
+}
+
+StableDiffusion load_diffusers_folder(const fs::path& folder, const LoadOptions& options) {
+  StableDiffusion sd;
+  sd.family = model_family(options.family);
+  sd.source = folder.string();
+  for (const char* part : {"unet", "vae", "text_encoder"}) {
+    if (!fs::is_directory(folder / part)) {
+      throw InputError(folder.string() + ": not a diffusers folder: no " + part + "/");
+    }
+  }
+  build(sd,
+        UNetConfig::from_json(read_text(folder / "unet" / "config.json"),
+                              (folder / "unet" / "config.json").string()),
+        VaeConfig::from_json(read_text(folder / "vae" / "config.json")),
+        ClipTextConfig::from_json(read_text(folder / "text_encoder" / "config.json")), options);
+  load_unet_diffusers(sd.unet, folder / "unet");
+  load_vae(sd.vae, folder / "vae");
+  load_clip_text(sd.text_encoder, folder / "text_encoder");
+  if (!options.tokenizer.empty()) {
+    sd.tokenizer = ClipTokenizer::from_file(options.tokenizer);
+  } else if (fs::is_directory(folder / "tokenizer")) {
+    sd.tokenizer = ClipTokenizer::from_file(folder / "tokenizer");
+  }
+  return sd;
+}
+
+}  // namespace
+
+StableDiffusion load_stable_diffusion(const fs::path& path, const LoadOptions& options) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return load_diffusers_folder(path, options);
+  if (!fs::exists(path, ec)) throw InputError(path.string() + ": no such file or folder");
+  return load_single_file(path, options);
+}
+
+std::string to_config_json(const UNetConfig& c) {
+  json j{{"_class_name", "UNet2DConditionModel"},
+         {"in_channels", c.in_channels},
+         {"out_channels", c.out_channels},
+         {"block_out_channels", c.block_out_channels},
+         {"layers_per_block", c.layers_per_block},
+         {"down_block_types", c.down_block_types},
+         {"mid_block_type", c.mid_block_type},
+         {"up_block_types", c.up_block_types},
+         {"cross_attention_dim", c.cross_attention_dim},
+         {"attention_head_dim", c.attention_head_dim},
+         {"transformer_layers_per_block", c.transformer_layers_per_block},
+         {"norm_num_groups", c.norm_num_groups},
+         {"norm_eps", c.norm_eps},
+         {"use_linear_projection", c.use_linear_projection},
+         {"flip_sin_to_cos", c.flip_sin_to_cos},
+         {"freq_shift", c.freq_shift},
+         {"act_fn", "silu"}};
+  if (c.sample_size > 0) j["sample_size"] = c.sample_size;
+  return j.dump(2);
+}
+
+std::string to_config_json(const VaeConfig& c) {
+  const size_t levels = c.block_out_channels.size();
+  return json{{"_class_name", "AutoencoderKL"},
+              {"in_channels", c.in_channels},
+              {"out_channels", c.out_channels},
+              {"block_out_channels", c.block_out_channels},
+              {"layers_per_block", c.layers_per_block},
+              {"latent_channels", c.latent_channels},
+              {"norm_num_groups", c.norm_num_groups},
+              {"scaling_factor", c.scaling_factor},
+              {"mid_block_add_attention", c.mid_block_add_attention},
+              {"down_block_types", std::vector<std::string>(levels, "DownEncoderBlock2D")},
+              {"up_block_types", std::vector<std::string>(levels, "UpDecoderBlock2D")},
+              {"act_fn", "silu"}}
+      .dump(2);
+}
+
+std::string to_config_json(const ClipTextConfig& c) {
+  return json{{"architectures", {"CLIPTextModel"}},
+              {"model_type", "clip_text_model"},
+              {"vocab_size", c.vocab_size},
+              {"hidden_size", c.hidden_size},
+              {"intermediate_size", c.intermediate_size},
+              {"num_hidden_layers", c.num_hidden_layers},
+              {"num_attention_heads", c.num_attention_heads},
+              {"max_position_embeddings", c.max_position_embeddings},
+              {"hidden_act", c.hidden_act},
+              {"layer_norm_eps", c.layer_norm_eps},
+              {"eos_token_id", c.eos_token_id},
+              {"bos_token_id", 0},
+              {"pad_token_id", 1},
+              {"projection_dim", c.hidden_size}}
+      .dump(2);
+}
+
+void save_single_file(const StableDiffusion& model, const fs::path& path, c10::ScalarType dtype) {
+  std::vector<torch::Tensor> storage;
+  std::vector<TensorToWrite> tensors;
+  const UNetConfig& unet_config = model.unet->config();
+  const VaeConfig& vae_config = model.vae->config();
+  const KeyMap unet_map = sd15_unet_key_map(layout_of(unet_config));
+  const KeyMap vae_map = sd15_vae_key_map(layout_of(vae_config));
+  const KeyMap text_map = sd15_text_key_map();
+  auto add = [&](const torch::nn::Module& module, const KeyMap& map) {
+    for (const TensorToWrite& t : module_tensors(module, storage, "", dtype)) {
+      const auto ldm = map.to_ldm(t.name);
+      if (!ldm) throw Error("save_single_file: no ldm name for " + t.name);
+      tensors.push_back({*ldm, t.dtype, t.shape, t.bytes});
+    }
+  };
+  add(*model.unet, unet_map);
+  add(*model.vae, vae_map);
+  add(*model.text_encoder, text_map);
+  for (TensorToWrite& t : tensors) {
+    if (t.name.find(".mid.attn_1.") != std::string::npos && t.shape.size() == 2) {
+      t.shape.push_back(1);  // ldm keeps these as 1x1 convolutions
+      t.shape.push_back(1);
+    }
+  }
+  write_safetensors(path, tensors,
+                    {{kUnetConfigKey, to_config_json(unet_config)},
+                     {kVaeConfigKey, to_config_json(vae_config)},
+                     {kTextConfigKey, to_config_json(model.text_encoder->config())},
+                     {"lorapipe.family", model.family.name}});
+}
+
+void save_diffusers(const StableDiffusion& model, const fs::path& folder,
+                    const fs::path& tokenizer_folder) {
+  fs::create_directories(folder);
+  auto save = [&](const torch::nn::Module& module, const std::string& part,
+                  const std::string& weights, const std::string& config) {
+    fs::create_directories(folder / part);
+    std::vector<torch::Tensor> storage;
+    write_safetensors(folder / part / weights, module_tensors(module, storage),
+                      {{"format", "pt"}});
+    write_text(folder / part / "config.json", config);
+  };
+  save(*model.unet, "unet", "diffusion_pytorch_model.safetensors",
+       to_config_json(model.unet->config()));
+  save(*model.vae, "vae", "diffusion_pytorch_model.safetensors",
+       to_config_json(model.vae->config()));
+  save(*model.text_encoder, "text_encoder", "model.safetensors",
+       to_config_json(model.text_encoder->config()));
+  json index{{"_class_name", "StableDiffusionPipeline"},
+             {"unet", {"diffusers", "UNet2DConditionModel"}},
+             {"vae", {"diffusers", "AutoencoderKL"}},
+             {"text_encoder", {"transformers", "CLIPTextModel"}}};
+  if (!tokenizer_folder.empty()) {
+    fs::create_directories(folder / "tokenizer");
+    for (const auto& entry : fs::directory_iterator(tokenizer_folder)) {
+      fs::copy_file(entry.path(), folder / "tokenizer" / entry.path().filename(),
+                    fs::copy_options::overwrite_existing);
+    }
+    index["tokenizer"] = {"transformers", "CLIPTokenizer"};
+  }
+  write_text(folder / "model_index.json", index.dump(2));
+}
+
+}  // namespace lorapipe::models

@@ -1,0 +1,62 @@
+#pragma once
+// Loading and saving a whole Stable Diffusion 1.x model: the UNet, the VAE, the CLIP text
+// encoder and (when the checkpoint carries one) the tokenizer, from
+//  - a single .safetensors file in the original (ldm) layout, mapped through sd15_keys; or
+//  - a diffusers folder (unet/, vae/, text_encoder/, tokenizer/, each with its config).
+// fp32, fp16 and bf16 files load; the compute dtype and device are the caller's choice.
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "models/clip_text.h"
+#include "models/clip_tokenizer.h"
+#include "models/family.h"
+#include "models/unet.h"
+#include "models/vae.h"
+
+namespace lorapipe::models {
+
+struct LoadOptions {
+  c10::Device device = c10::Device(c10::kCPU);
+  c10::ScalarType dtype = c10::kFloat;
+  std::string family = "sd15";
+  // The CLIP vocabulary for a checkpoint that carries none (single files never do): open_clip's
+  // bpe_simple_vocab_16e6.txt.gz, a merges.txt, or a diffusers tokenizer/ folder.
+  std::filesystem::path tokenizer;
+};
+
+struct StableDiffusion {
+  ModelFamily family;
+  UNet unet{nullptr};
+  AutoencoderKL vae{nullptr};
+  ClipTextModel text_encoder{nullptr};
+  std::optional<ClipTokenizer> tokenizer;
+  std::string source;
+  int skipped_keys = 0;  // known extras of a single file that were not loaded (EMA, schedule)
+};
+
+// Throws lorapipe::InputError naming the file and listing missing or unexpected keys.
+StableDiffusion load_stable_diffusion(const std::filesystem::path& path,
+                                      const LoadOptions& options = {});
+
+// Writes the models as one .safetensors in the original layout. The module configs travel in
+// the file's metadata ("lorapipe.unet_config", ...) so non-standard sizes load back; files
+// without them take the family's standard configs.
+void save_single_file(const StableDiffusion& model, const std::filesystem::path& path,
+                      c10::ScalarType dtype = c10::kFloat);
+
+// Writes a diffusers folder (model_index.json, unet/, vae/, text_encoder/, and tokenizer/ when
+// `tokenizer_folder` names one to copy) that diffusers and transformers load as written.
+void save_diffusers(const StableDiffusion& model, const std::filesystem::path& folder,
+                    const std::filesystem::path& tokenizer_folder = {});
+
+// The configs as diffusers / transformers write them in config.json.
+std::string to_config_json(const UNetConfig& config);
+std::string to_config_json(const VaeConfig& config);
+std::string to_config_json(const ClipTextConfig& config);
+
+}  // namespace lorapipe::models

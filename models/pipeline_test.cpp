@@ -1,0 +1,151 @@
+// Whole-checkpoint loading: lorapipe's tiny SD1.5 checkpoint, written as a diffusers folder and
+// as a single file in the original layout, loads both ways to the same weights; diffusers and
+// transformers load the folder as written and give the outputs we compute (1e-4 relative, fp32;
+// same operations, other order); fp16/bf16 single files load exactly as their rounding of the
+// weights; known extra keys are skipped, unknown ones named.
+#include "models/pipeline.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "common/error.h"
+#include "models/attention.h"
+#include "models/parity_util.h"
+#include "models/tiny.h"
+
+namespace lorapipe::models {
+namespace {
+namespace fs = std::filesystem;
+using testing::expect_close;
+
+class PipelineParity : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = testing::make_temp_dir("pipeline");
+    tiny_ = write_tiny_checkpoint(dir_, /*seed=*/5);
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir_); }
+
+  static void expect_same_weights(torch::nn::Module& a, torch::nn::Module& b,
+                                  std::optional<torch::ScalarType> rounded = std::nullopt) {
+    auto pa = a.named_parameters();
+    auto pb = b.named_parameters();
+    ASSERT_EQ(pa.size(), pb.size());
+    for (const auto& item : pa) {
+      torch::Tensor want = item.value();
+      if (rounded) want = want.to(*rounded).to(torch::kFloat);
+      EXPECT_TRUE(torch::equal(want, pb[item.key()])) << item.key();
+    }
+  }
+
+  static fs::path dir_;
+  static TinyCheckpoint tiny_;
+};
+fs::path PipelineParity::dir_;
+TinyCheckpoint PipelineParity::tiny_;
+
+TEST_F(PipelineParity, SingleFileAndDiffusersFolderLoadTheSameWeights) {
+  StableDiffusion folder = load_stable_diffusion(tiny_.diffusers);
+  LoadOptions options;
+  options.tokenizer = tiny_.tokenizer;
+  StableDiffusion single = load_stable_diffusion(tiny_.single_file, options);
+  expect_same_weights(*folder.unet, *single.unet);
+  expect_same_weights(*folder.vae, *single.vae);
+  expect_same_weights(*folder.text_encoder, *single.text_encoder);
+  ASSERT_TRUE(folder.tokenizer.has_value());
+  ASSERT_TRUE(single.tokenizer.has_value());
+  EXPECT_EQ(folder.tokenizer->encode_padded("a red circle"),
+            single.tokenizer->encode_padded("a red circle"));
+  EXPECT_EQ(folder.family.name, "sd15");
+}
+
+TEST_F(PipelineParity, DiffusersAndTransformersLoadTheFolderAndAgree) {
+  const fs::path io_path = dir_ / "tiny_io.safetensors";
+  const char* python = std::getenv("LORAPIPE_PYTHON");
+  ASSERT_NE(python, nullptr);
+  const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
+                              "/models/reference/tiny_pipeline_reference.py " +
+                              tiny_.diffusers.string() + " " + io_path.string();
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  const auto io = testing::read_all(io_path);
+
+  set_force_math_attention(true);
+  StableDiffusion sd = load_stable_diffusion(tiny_.single_file, LoadOptions{.tokenizer = tiny_.tokenizer});
+  torch::NoGradGuard no_grad;
+  const std::vector<std::string> prompts{"a red circle on a blue background",
+                                         "a green square, BREAK (masterpiece:1.2)"};
+  std::vector<int64_t> ids;
+  for (const auto& p : prompts) {
+    for (int32_t id : sd.tokenizer->encode_padded(p)) ids.push_back(id);
+  }
+  const torch::Tensor input_ids = torch::tensor(ids).view({2, 77});
+  EXPECT_TRUE(torch::equal(input_ids, io.at("input_ids"))) << "tokenizer ids differ";
+  const torch::Tensor hidden = sd.text_encoder->encode(io.at("input_ids"));
+  constexpr double kTolerance = 1e-4;
+  expect_close("tiny text encoder", hidden, io.at("hidden"), kTolerance);
+  expect_close("tiny unet", sd.unet->forward(io.at("latents"), torch::tensor({10, 700}), io.at("hidden")),
+               io.at("noise_pred"), kTolerance);
+  const LatentDistribution dist = sd.vae->encode(io.at("image"));
+  expect_close("tiny vae mean", dist.mean, io.at("mean"), kTolerance);
+  expect_close("tiny vae logvar", dist.logvar, io.at("logvar"), kTolerance);
+  expect_close("tiny vae decode", sd.vae->decode(io.at("latents")), io.at("decoded"), kTolerance);
+}
+
+TEST_F(PipelineParity, HalfAndBfloat16SingleFilesLoadAsTheirRounding) {
+  StableDiffusion reference = load_stable_diffusion(tiny_.diffusers);
+  for (const auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    const fs::path path = dir_ / ("tiny-" + std::string(c10::toString(dtype)) + ".safetensors");
+    save_single_file(reference, path, dtype);
+    StableDiffusion loaded = load_stable_diffusion(path);  // computes in fp32 by default
+    expect_same_weights(*reference.unet, *loaded.unet, dtype);
+    expect_same_weights(*reference.vae, *loaded.vae, dtype);
+    expect_same_weights(*reference.text_encoder, *loaded.text_encoder, dtype);
+    // And the compute dtype is the caller's: the same file loaded for bf16 compute.
+    StableDiffusion bf16 = load_stable_diffusion(path, LoadOptions{.dtype = torch::kBFloat16});
+    EXPECT_EQ(bf16.unet->conv_in->weight.scalar_type(), torch::kBFloat16);
+  }
+}
+
+TEST_F(PipelineParity, KnownExtrasAreSkippedAndUnknownKeysNamed) {
+  const SafetensorsFile file = SafetensorsFile::open(tiny_.single_file);
+  std::vector<TensorToWrite> tensors;
+  for (const TensorInfo& t : file.tensors()) tensors.push_back({t.name, t.dtype, t.shape, file.bytes(t)});
+  const std::string four(16, '\0');
+  auto with = [&](std::vector<TensorToWrite> extra, const std::string& name) {
+    std::vector<TensorToWrite> all = tensors;
+    all.insert(all.end(), extra.begin(), extra.end());
+    const fs::path path = dir_ / name;
+    write_safetensors(path, all, file.metadata());
+    return path;
+  };
+  const fs::path extras = with({{"alphas_cumprod", Dtype::kF32, {4}, four},
+                                {"model_ema.decay", Dtype::kF32, {}, std::string_view(four).substr(0, 4)}},
+                               "extras.safetensors");
+  StableDiffusion sd = load_stable_diffusion(extras);
+  EXPECT_EQ(sd.skipped_keys, 2);
+  const fs::path unknown = with({{"model.diffusion_model.input_blocks.99.0.weight", Dtype::kF32, {4}, four}},
+                                "unknown.safetensors");
+  try {
+    load_stable_diffusion(unknown);
+    FAIL() << "an unknown key was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.diffusion_model.input_blocks.99.0.weight"),
+              std::string::npos)
+        << e.what();
+  }
+  // A missing weight is named too.
+  std::vector<TensorToWrite> missing;
+  for (const auto& t : tensors) {
+    if (t.name != "first_stage_model.decoder.conv_out.bias") missing.push_back(t);
+  }
+  write_safetensors(dir_ / "missing.safetensors", missing, file.metadata());
+  try {
+    load_stable_diffusion(dir_ / "missing.safetensors");
+    FAIL() << "a checkpoint with a missing weight loaded";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("decoder.conv_out.bias"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace lorapipe::models

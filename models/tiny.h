@@ -1,0 +1,30 @@
+#pragma once
+// Tiny configurations of every SD1.5 module (the real architectures, a few MB in all) and a
+// generator that writes a complete tiny checkpoint as a diffusers folder and as a single file in
+// the original layout. Tests use them, and so does the embedded default run, which must work on
+// a machine that can download no weights.
+
+#include <cstdint>
+#include <filesystem>
+
+#include "models/clip_text.h"
+#include "models/unet.h"
+#include "models/vae.h"
+
+namespace lorapipe::models {
+
+UNetConfig tiny_unet_config();
+VaeConfig tiny_vae_config();         // keeps SD's 8x downsampling (four levels)
+ClipTextConfig tiny_text_config();   // vocabulary of the tiny tokenizer below
+
+struct TinyCheckpoint {
+  std::filesystem::path diffusers;    // folder: model_index.json, unet/, vae/, text_encoder/, tokenizer/
+  std::filesystem::path single_file;  // tiny-sd15.safetensors, original (ldm) layout
+  std::filesystem::path tokenizer;    // the tokenizer folder (vocab.json, merges.txt)
+};
+
+// Writes the tiny checkpoint under `dir` with weights drawn from `seed`. The tokenizer is CLIP's
+// byte-level BPE with the 256 byte symbols and a few merges (no download needed).
+TinyCheckpoint write_tiny_checkpoint(const std::filesystem::path& dir, uint64_t seed = 0);
+
+}  // namespace lorapipe::models

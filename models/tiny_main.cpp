@@ -1,0 +1,23 @@
+// lorapipe-make-tiny-model DIR [SEED]: writes the tiny SD1.5 checkpoint (see models/tiny.h).
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+
+#include "models/tiny.h"
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: lorapipe-make-tiny-model DIR [SEED]\n");
+    return 2;
+  }
+  try {
+    const auto out = lorapipe::models::write_tiny_checkpoint(
+        argv[1], argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 0);
+    std::printf("diffusers folder: %s\nsingle file:      %s\n", out.diffusers.c_str(),
+                out.single_file.c_str());
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lorapipe-make-tiny-model: %s\n", e.what());
+    return 1;
+  }
+}
