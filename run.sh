@@ -13,15 +13,27 @@ if [[ -x build/bin/lorapipe ]]; then
   exec build/bin/lorapipe run "$@"
 fi
 
-# Until the launcher lands, run what exists on the embedded default (the demo dataset) and say
-# plainly what is not there yet.
+# Until the launcher lands, run the stages that exist on the embedded default: the demo dataset
+# and the tiny SD1.5 model, preprocess and cacher as two processes over ipc://, against the
+# user's shared cache. A second run finds everything cached.
 demo_dir="${LORAPIPE_DEMO_DIR:-build/demo}"
-if [[ ! -d ${demo_dir}/10_shapes ]]; then
-  build/bin/lorapipe-demo-dataset "${demo_dir}"
-fi
+model_dir="${LORAPIPE_TINY_MODEL_DIR:-build/tiny-model}"
+run_dir="build/run"
+[[ -d ${demo_dir}/10_shapes ]] || build/bin/lorapipe-demo-dataset "${demo_dir}"
+[[ -f ${model_dir}/tiny-sd15.safetensors ]] || build/bin/lorapipe-make-tiny-model "${model_dir}" >/dev/null
+mkdir -p "${run_dir}"
+pull="ipc://${PWD}/${run_dir}/cacher-pull.sock"
+rep="ipc://${PWD}/${run_dir}/cacher-rep.sock"
+
 echo
-echo "== lorapipe-preprocess on the demo dataset (report only: the cacher is not built yet) =="
-build/bin/lorapipe-preprocess --data_dir="${demo_dir}" --report_only "$@"
+echo "== preprocess -> cacher on the demo dataset, tiny SD1.5 model =="
+build/bin/lorapipe-cacher --model="${model_dir}/tiny-sd15.safetensors" \
+  --tokenizer="${model_dir}/tiny-sd15-tokenizer" --pull="${pull}" --rep="${rep}" &
+cacher_pid=$!
+trap 'kill ${cacher_pid} 2>/dev/null || true' EXIT
+build/bin/lorapipe-preprocess --data_dir="${demo_dir}" --push="${pull}" --request="${rep}" "$@"
+wait "${cacher_pid}"
+trap - EXIT
 echo
-echo "Not there yet: lorapipe (launcher), lorapipe-cacher, lorapipe-trainer, lorapipe-sampler,"
-echo "lorapipe-inspect. Training comes with them; today ./run.sh stops after preprocess."
+echo "Training comes next: lorapipe-trainer, lorapipe-sampler and the lorapipe launcher are not"
+echo "built yet. Run ./run.sh again: the cacher reports 100% hits and preprocess decodes nothing."

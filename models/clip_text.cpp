@@ -120,10 +120,13 @@ ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& input_ids) {
 }
 
 torch::Tensor ClipTextModelImpl::encode(const torch::Tensor& input_ids, int clip_skip) {
+  return conditioning(forward(input_ids), clip_skip);
+}
+
+torch::Tensor ClipTextModelImpl::conditioning(const ClipTextOutput& out, int clip_skip) {
   const int64_t layers = text_model_->config.num_hidden_layers;
   TORCH_CHECK(clip_skip >= 1 && clip_skip <= layers, "clip_skip must be in 1..", layers, ", got ",
               clip_skip);
-  ClipTextOutput out = forward(input_ids);
   if (clip_skip == 1) return out.last_hidden_state;
   const auto& hidden = out.hidden_states[out.hidden_states.size() - clip_skip];
   return text_model_->final_layer_norm(hidden);

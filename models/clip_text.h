@@ -86,6 +86,8 @@ class ClipTextModelImpl : public torch::nn::Module {
   // clip_skip-th layer from the end, through the final layer norm (clip_skip 1 is the last
   // hidden state).
   torch::Tensor encode(const torch::Tensor& input_ids, int clip_skip = 1);
+  // The same conditioning from an output already computed.
+  torch::Tensor conditioning(const ClipTextOutput& output, int clip_skip = 1);
 
   const ClipTextConfig& config() const { return text_model_->config; }
 

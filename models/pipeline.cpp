@@ -62,11 +62,16 @@ VaeLayout layout_of(const VaeConfig& c) {
 // Builds the three modules in the compute dtype and device.
 void build(StableDiffusion& sd, const UNetConfig& unet, const VaeConfig& vae,
            const ClipTextConfig& text, const LoadOptions& options) {
-  sd.unet = UNet(unet);
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  if (options.load_unet) {
+    sd.unet = UNet(unet);
+    modules.push_back(sd.unet.ptr());
+  }
   sd.vae = AutoencoderKL(vae);
   sd.text_encoder = ClipTextModel(text);
-  for (torch::nn::Module* m : std::initializer_list<torch::nn::Module*>{
-           sd.unet.ptr().get(), sd.vae.ptr().get(), sd.text_encoder.ptr().get()}) {
+  modules.push_back(sd.vae.ptr());
+  modules.push_back(sd.text_encoder.ptr());
+  for (const auto& m : modules) {
     m->to(options.device, options.dtype);
     m->eval();
   }
@@ -113,6 +118,7 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
       ++sd.skipped_keys;
       continue;
     }
+    if (target == &unet && !options.load_unet) continue;
     if (!name) {
       unknown.push_back(key);
       continue;
@@ -135,10 +141,13 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
                            << " entries that carry no weights we use (EMA copies, noise "
                               "schedule, position_ids)";
   }
-  load_into(*sd.unet, unet, sd.source + " (unet)");
+  if (options.load_unet) load_into(*sd.unet, unet, sd.source + " (unet)");
   load_into(*sd.vae, vae, sd.source + " (vae)");
   load_into(*sd.text_encoder, text, sd.source + " (text encoder)");
-  if (!options.tokenizer.empty()) sd.tokenizer = ClipTokenizer::from_file(options.tokenizer);
+  if (!options.tokenizer.empty()) {
+    sd.tokenizer = ClipTokenizer::from_file(options.tokenizer);
+    sd.tokenizer_path = options.tokenizer;
+  }
   return sd;
 }
 
@@ -156,14 +165,13 @@ StableDiffusion load_diffusers_folder(const fs::path& folder, const LoadOptions&
                               (folder / "unet" / "config.json").string()),
         VaeConfig::from_json(read_text(folder / "vae" / "config.json")),
         ClipTextConfig::from_json(read_text(folder / "text_encoder" / "config.json")), options);
-  load_unet_diffusers(sd.unet, folder / "unet");
+  if (options.load_unet) load_unet_diffusers(sd.unet, folder / "unet");
   load_vae(sd.vae, folder / "vae");
   load_clip_text(sd.text_encoder, folder / "text_encoder");
-  if (!options.tokenizer.empty()) {
-    sd.tokenizer = ClipTokenizer::from_file(options.tokenizer);
-  } else if (fs::is_directory(folder / "tokenizer")) {
-    sd.tokenizer = ClipTokenizer::from_file(folder / "tokenizer");
-  }
+  sd.tokenizer_path = !options.tokenizer.empty() ? options.tokenizer
+                      : fs::is_directory(folder / "tokenizer") ? folder / "tokenizer"
+                                                               : fs::path();
+  if (!sd.tokenizer_path.empty()) sd.tokenizer = ClipTokenizer::from_file(sd.tokenizer_path);
   return sd;
 }
 

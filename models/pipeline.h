@@ -27,6 +27,9 @@ struct LoadOptions {
   // The CLIP vocabulary for a checkpoint that carries none (single files never do): open_clip's
   // bpe_simple_vocab_16e6.txt.gz, a merges.txt, or a diffusers tokenizer/ folder.
   std::filesystem::path tokenizer;
+  // The cacher needs only the VAE and the text encoder: false leaves `unet` empty and reads none
+  // of its weights.
+  bool load_unet = true;
 };
 
 struct StableDiffusion {
@@ -35,6 +38,7 @@ struct StableDiffusion {
   AutoencoderKL vae{nullptr};
   ClipTextModel text_encoder{nullptr};
   std::optional<ClipTokenizer> tokenizer;
+  std::filesystem::path tokenizer_path;  // where the tokenizer came from
   std::string source;
   int skipped_keys = 0;  // known extras of a single file that were not loaded (EMA, schedule)
 };

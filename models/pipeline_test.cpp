@@ -70,7 +70,9 @@ TEST_F(PipelineParity, DiffusersAndTransformersLoadTheFolderAndAgree) {
   const auto io = testing::read_all(io_path);
 
   set_force_math_attention(true);
-  StableDiffusion sd = load_stable_diffusion(tiny_.single_file, LoadOptions{.tokenizer = tiny_.tokenizer});
+  LoadOptions options;
+  options.tokenizer = tiny_.tokenizer;
+  StableDiffusion sd = load_stable_diffusion(tiny_.single_file, options);
   torch::NoGradGuard no_grad;
   const std::vector<std::string> prompts{"a red circle on a blue background",
                                          "a green square, BREAK (masterpiece:1.2)"};
@@ -101,7 +103,9 @@ TEST_F(PipelineParity, HalfAndBfloat16SingleFilesLoadAsTheirRounding) {
     expect_same_weights(*reference.vae, *loaded.vae, dtype);
     expect_same_weights(*reference.text_encoder, *loaded.text_encoder, dtype);
     // And the compute dtype is the caller's: the same file loaded for bf16 compute.
-    StableDiffusion bf16 = load_stable_diffusion(path, LoadOptions{.dtype = torch::kBFloat16});
+    LoadOptions bf16_options;
+    bf16_options.dtype = torch::kBFloat16;
+    StableDiffusion bf16 = load_stable_diffusion(path, bf16_options);
     EXPECT_EQ(bf16.unet->conv_in->weight.scalar_type(), torch::kBFloat16);
   }
 }

@@ -216,7 +216,9 @@ Dispatcher::Reply Dispatcher::handle(const google::protobuf::Message& message, b
       return error;
     }
     return answer;
-  } catch (const std::exception& e) {
+  } catch (const InputError& e) {
+    // Bad input costs only itself; anything else (a full disk, a broken model) is the stage's
+    // failure and propagates out of poll_once.
     ++rejected_;
     LP_LOG(kError, kLog) << stage_ << ": handling a " << type << " failed: " << e.what();
     auto error = std::make_unique<ErrorReply>();

@@ -99,8 +99,9 @@ Received decode(std::string_view type, std::string_view payload);
 
 // Serves one socket: routes each received message to the handler registered for its type and
 // logs (once each) what it rejects. On a REP socket every request gets exactly one reply: the
-// handler's, an ErrorReply when the handler throws or the request is malformed, or the
-// stage's own Hello when the peer says Hello (refusing another protocol version).
+// handler's, an ErrorReply when the handler throws InputError or the request is malformed, or
+// the stage's own Hello when the peer says Hello (refusing another protocol version). Any other
+// exception from a handler is the stage's own failure and propagates out of poll_once.
 class Dispatcher {
  public:
   using Reply = std::unique_ptr<google::protobuf::Message>;

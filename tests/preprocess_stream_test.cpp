@@ -2,10 +2,6 @@
 // plays the cacher (REP for Hello/HasKeys, PULL for ImageSample/DatasetReport) and checks every
 // message that arrives, down to the pixels of the demo dataset.
 #include <gtest/gtest.h>
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -18,39 +14,18 @@
 #include "preprocess/bucket.h"
 #include "preprocess/demo_dataset.h"
 #include "proto/wire.h"
-
-extern char** environ;
+#include "tests/process_util.h"
 
 namespace lorapipe {
 namespace {
 namespace fs = std::filesystem;
 using std::chrono::milliseconds;
 
-// Starts `argv` as a child process with stderr to `stderr_path`.
+using testing::read_text;
+using testing::wait_exit;
+
 pid_t spawn(const std::vector<std::string>& argv, const fs::path& stderr_path) {
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 2, stderr_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0644);
-  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  pid_t pid = 0;
-  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  return rc == 0 ? pid : -1;
-}
-
-int wait_exit(pid_t pid) {
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  return testing::spawn(argv, "/dev/null", stderr_path);
 }
 
 class PreprocessStream : public ::testing::Test {

@@ -1,0 +1,314 @@
+#include "cacher/cacher.h"
+
+#include <torch/torch.h>
+
+#include <array>
+#include <chrono>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <set>
+
+#include "cacher/encode.h"
+#include "cacher/keys.h"
+#include "cacher/store.h"
+#include "common/error.h"
+#include "common/hash.h"
+#include "common/log.h"
+#include "models/device.h"
+#include "models/fingerprint.h"
+#include "models/pipeline.h"
+#include "proto/wire.h"
+
+namespace lorapipe::cacher {
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::string_view kLog = "cacher";
+using Clock = std::chrono::steady_clock;
+
+c10::ScalarType parse_dtype(const std::string& name) {
+  if (name == "fp32") return torch::kFloat;
+  if (name == "fp16") return torch::kHalf;
+  if (name == "bf16") return torch::kBFloat16;
+  throw InputError("--dtype='" + name + "' is not a dtype: use fp32, fp16 or bf16");
+}
+
+// What identifies the tokenizer in text keys: the bytes it was loaded from.
+std::string tokenizer_fingerprint(const fs::path& path) {
+  Hasher hasher;
+  auto add = [&](const fs::path& file) {
+    std::ifstream in(file, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    hasher.field(file.filename().string()).field(bytes);
+  };
+  if (fs::is_directory(path)) {
+    for (const char* name : {"vocab.json", "merges.txt"}) {
+      if (fs::exists(path / name)) add(path / name);
+    }
+  } else if (!path.empty()) {
+    add(path);
+  }
+  return hasher.digest().hex();
+}
+
+// The stage's state for one stream.
+class Cacher {
+ public:
+  explicit Cacher(const Options& options) : options_(options) {
+    StoreOptions store_options;
+    store_options.dir = options.cache_dir.empty() ? default_cache_dir() : options.cache_dir;
+    store_options.max_map_bytes = options.max_map_bytes;
+    store_.emplace(Store::open(store_options));
+
+    models::LoadOptions load;
+    load.device = models::resolve_device(options.device);
+    load.dtype = parse_dtype(options.dtype);
+    load.tokenizer = options.tokenizer;
+    load.load_unet = false;
+    model_ = models::load_stable_diffusion(options.model, load);
+    // Fingerprints of what is loaded, in the compute dtype, with the settings that shape the
+    // output: another VAE, dtype, clip skip or tokenizer gives other keys.
+    latents_.emplace(model_.vae, models::weights_fingerprint(*model_.vae, "vae"));
+    const std::string text_settings = "clip_skip=" + std::to_string(options.clip_skip) +
+                                      ";max_length=77;tokenizer=" +
+                                      tokenizer_fingerprint(model_.tokenizer_path);
+    texts_.emplace(model_.text_encoder, model_.tokenizer ? &*model_.tokenizer : nullptr,
+                   models::weights_fingerprint(*model_.text_encoder, text_settings),
+                   options.clip_skip);
+    LP_LOG(kInfo, kLog) << "cache " << store_->dir().string() << ", model " << model_.source
+                        << " on " << models::describe_device(load.device) << ", VAE "
+                        << latents_->fingerprint().substr(0, 12) << ", text encoder "
+                        << texts_->fingerprint().substr(0, 12);
+  }
+
+  Summary run();
+
+ private:
+  void on_sample(const wire::ImageSample& sample);
+  void flush_bucket(std::vector<wire::ImageSample>& pending);
+  void flush_texts();
+  void finish(const wire::DatasetReport& report);
+  std::unique_ptr<wire::HasKeysReply> has_keys(const wire::HasKeysRequest& request);
+  std::unique_ptr<wire::GetRecordsReply> get_records(const wire::GetRecordsRequest& request);
+  void publish_report(bool done);
+
+  Options options_;
+  std::optional<Store> store_;
+  models::StableDiffusion model_;
+  std::optional<LatentEncoder> latents_;
+  std::optional<TextEncoder> texts_;
+  std::optional<zmq::socket_t> pub_;
+
+  std::map<std::pair<uint32_t, uint32_t>, std::vector<wire::ImageSample>> pending_;
+  std::vector<std::string> pending_texts_;
+  std::set<std::string> queued_texts_;
+  std::vector<wire::ManifestEntry> entries_;
+  std::set<std::string> rejected_keys_;
+  bool all_text_cached_ = true;
+  Summary summary_;
+  Clock::time_point started_ = Clock::now();
+  bool stream_done_ = false;
+};
+
+void Cacher::on_sample(const wire::ImageSample& s) {
+  if (summary_.dataset_id.empty()) summary_.dataset_id = s.dataset_id();
+  wire::ManifestEntry entry;
+  entry.set_latent_key(latent_key(s.image_key(), latents_->fingerprint()));
+  *entry.mutable_bucket() = s.bucket();
+  entry.set_repeats(s.repeats());
+  entry.set_caption(s.caption());
+  entry.set_is_reg(s.is_reg());
+  entry.set_flip(s.flip());
+  entry.set_path(s.path());
+  if (s.augment_caption()) {
+    all_text_cached_ = false;  // the trainer encodes this caption online, augmented each step
+  } else {
+    const std::string key = text_key(s.caption(), texts_->fingerprint());
+    entry.set_text_key(key);
+    if (!queued_texts_.count(key)) {
+      queued_texts_.insert(key);
+      if (store_->contains_many(Table::kTexts, {key})[0]) {
+        ++summary_.texts_cached;
+      } else {
+        pending_texts_.push_back(s.caption());
+        if (static_cast<int>(pending_texts_.size()) >= options_.text_batch_size) flush_texts();
+      }
+    }
+  }
+  entries_.push_back(std::move(entry));
+
+  if (s.key_only() || store_->contains_many(Table::kLatents, {entries_.back().latent_key()})[0]) {
+    ++summary_.hits;
+    return;
+  }
+  auto& bucket = pending_[{s.bucket().width(), s.bucket().height()}];
+  bucket.push_back(s);
+  if (static_cast<int>(bucket.size()) >= options_.vae_batch_size) flush_bucket(bucket);
+}
+
+void Cacher::flush_bucket(std::vector<wire::ImageSample>& pending) {
+  if (pending.empty()) return;
+  std::vector<const wire::ImageSample*> batch;
+  for (const auto& s : pending) batch.push_back(&s);
+  std::vector<std::pair<std::string, std::string>> records;
+  std::vector<EncodedRecord> encoded = latents_->encode(batch);
+  for (size_t i = 0; i < encoded.size(); ++i) {
+    EncodedRecord& r = encoded[i];
+    if (!r.rejected.empty()) {
+      // kohya stops the whole run here; one bad image costs only itself.
+      ++summary_.rejected;
+      rejected_keys_.insert(r.key);
+      LP_LOG(kWarning, kLog) << "rejected " << batch[i]->path() << ": " << r.rejected;
+      continue;
+    }
+    records.emplace_back(std::move(r.key), std::move(r.record));
+  }
+  store_->put(Table::kLatents, records);  // one transaction per batch
+  summary_.encoded += records.size();
+  pending.clear();
+  publish_report(false);
+}
+
+void Cacher::flush_texts() {
+  if (pending_texts_.empty()) return;
+  std::vector<std::pair<std::string, std::string>> records;
+  for (EncodedRecord& r : texts_->encode(pending_texts_)) {
+    if (!r.rejected.empty()) {
+      LP_LOG(kWarning, kLog) << "text " << r.key.substr(0, 16) << ": " << r.rejected;
+      continue;
+    }
+    records.emplace_back(std::move(r.key), std::move(r.record));
+  }
+  store_->put(Table::kTexts, records);
+  summary_.texts_encoded += records.size();
+  pending_texts_.clear();
+}
+
+void Cacher::finish(const wire::DatasetReport& report) {
+  for (auto& [bucket, pending] : pending_) flush_bucket(pending);
+  flush_texts();
+  if (summary_.dataset_id.empty()) summary_.dataset_id = report.dataset_id();
+  wire::Manifest manifest;
+  manifest.set_dataset_id(summary_.dataset_id);
+  manifest.set_text_cached(all_text_cached_);
+  manifest.set_vae_fingerprint(latents_->fingerprint());
+  manifest.set_text_encoder_fingerprint(texts_->fingerprint());
+  for (auto& entry : entries_) {
+    if (rejected_keys_.count(entry.latent_key())) continue;
+    *manifest.add_entries() = std::move(entry);
+  }
+  summary_.manifest_entries = static_cast<uint64_t>(manifest.entries_size());
+  store_->put(Table::kManifests, {{summary_.dataset_id, manifest.SerializeAsString()}});
+  const double seconds = std::chrono::duration<double>(Clock::now() - started_).count();
+  summary_.images_per_second = seconds > 0 ? summary_.encoded / seconds : 0;
+  LP_LOG(kInfo, kLog) << "dataset " << summary_.dataset_id << ": " << summary_.encoded
+                      << " encoded, " << summary_.hits << " cached, " << summary_.rejected
+                      << " rejected; texts " << summary_.texts_encoded << " encoded, "
+                      << summary_.texts_cached << " cached; manifest of "
+                      << summary_.manifest_entries << " entries written";
+  entries_.clear();
+  rejected_keys_.clear();
+  queued_texts_.clear();
+  stream_done_ = true;
+  publish_report(true);
+}
+
+std::unique_ptr<wire::HasKeysReply> Cacher::has_keys(const wire::HasKeysRequest& request) {
+  // Image keys (content . transform) from preprocess; the latent key adds our fingerprint.
+  std::vector<std::string> keys;
+  for (const std::string& image_key : request.keys()) {
+    keys.push_back(latent_key(image_key, latents_->fingerprint()));
+  }
+  auto reply = std::make_unique<wire::HasKeysReply>();
+  for (bool present : store_->contains_many(Table::kLatents, keys)) reply->add_present(present);
+  return reply;
+}
+
+std::unique_ptr<wire::GetRecordsReply> Cacher::get_records(const wire::GetRecordsRequest& request) {
+  const Table table = request.kind() == wire::GetRecordsRequest::TEXT ? Table::kTexts
+                                                                       : Table::kLatents;
+  const std::vector<std::string> keys(request.keys().begin(), request.keys().end());
+  auto reply = std::make_unique<wire::GetRecordsReply>();
+  const auto values = store_->get_many(table, keys);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto* item = reply->add_items();
+    item->set_key(keys[i]);
+    item->set_found(values[i].has_value());
+    if (values[i]) item->set_record(*values[i]);
+  }
+  return reply;
+}
+
+void Cacher::publish_report(bool done) {
+  if (!pub_) return;
+  wire::CacheReport report;
+  report.set_dataset_id(summary_.dataset_id);
+  report.set_encoded(summary_.encoded);
+  report.set_hits(summary_.hits);
+  report.set_rejected(summary_.rejected);
+  const double seconds = std::chrono::duration<double>(Clock::now() - started_).count();
+  report.set_images_per_second(seconds > 0 ? summary_.encoded / seconds : 0);
+  report.set_done(done);
+  (void)wire::send(*pub_, report);  // PUB never blocks; nobody listening is fine
+}
+
+Summary Cacher::run() {
+  zmq::context_t context;
+  wire::SocketOptions socket_options;
+  zmq::socket_t pull = wire::make_socket(context, zmq::socket_type::pull, socket_options);
+  zmq::socket_t rep = wire::make_socket(context, zmq::socket_type::rep, socket_options);
+  wire::Dispatcher stream("cacher");
+  wire::Dispatcher requests("cacher");
+  stream.watch(context, pull);
+  pull.bind(options_.pull_endpoint);
+  rep.bind(options_.rep_endpoint);
+  if (!options_.pub_endpoint.empty()) {
+    pub_.emplace(wire::make_socket(context, zmq::socket_type::pub, socket_options));
+    pub_->bind(options_.pub_endpoint);
+  }
+  stream.on<wire::ImageSample>([this](const wire::ImageSample& s) { on_sample(s); });
+  stream.on<wire::DatasetReport>([this](const wire::DatasetReport& r) { finish(r); });
+  requests.on_request<wire::HasKeysRequest>(
+      [this](const wire::HasKeysRequest& r) -> wire::Dispatcher::Reply { return has_keys(r); });
+  requests.on_request<wire::GetRecordsRequest>(
+      [this](const wire::GetRecordsRequest& r) -> wire::Dispatcher::Reply {
+        return get_records(r);
+      });
+  LP_LOG(kInfo, kLog) << "listening: samples on " << options_.pull_endpoint << ", requests on "
+                      << options_.rep_endpoint;
+
+  auto last_message = Clock::now();
+  while (options_.serve || !stream_done_) {
+    std::array<zmq::pollitem_t, 2> items{{{pull.handle(), 0, ZMQ_POLLIN, 0},
+                                          {rep.handle(), 0, ZMQ_POLLIN, 0}}};
+    zmq::poll(items.data(), items.size(), std::chrono::milliseconds(200));
+    if (items[1].revents & ZMQ_POLLIN) {
+      requests.poll_once(rep, std::chrono::milliseconds(0), /*reply=*/true);
+      last_message = Clock::now();
+    }
+    if (items[0].revents & ZMQ_POLLIN) {
+      stream.poll_once(pull, std::chrono::milliseconds(0));
+      last_message = Clock::now();
+    }
+    if (!options_.serve && !stream_done_ &&
+        Clock::now() - last_message > std::chrono::milliseconds(options_.idle_timeout_ms)) {
+      throw wire::PeerTimeoutError("cacher: nothing from preprocess on " +
+                                   options_.pull_endpoint + " for " +
+                                   std::to_string(options_.idle_timeout_ms / 1000) + " s");
+    }
+  }
+  return summary_;
+}
+
+}  // namespace
+
+Summary run(const Options& options) {
+  if (options.model.empty()) throw InputError("cacher: --model is required");
+  if (options.vae_batch_size < 1) throw InputError("--vae_batch_size must be at least 1");
+  Cacher cacher(options);
+  return cacher.run();
+}
+
+}  // namespace lorapipe::cacher

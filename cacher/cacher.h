@@ -1,0 +1,47 @@
+#pragma once
+// The cacher stage as a library: the single writer of an LMDB cache. It pulls ImageSamples from
+// preprocess, answers HasKeys, encodes latents bucket by bucket and captions once each, writes
+// the dataset's Manifest in one transaction at the end of the stream, and, with `serve`, stays
+// up to answer GetRecords and HasKeys for trainers and samplers, local or remote. main.cpp only
+// parses flags into Options.
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+namespace lorapipe::cacher {
+
+struct Options {
+  std::filesystem::path cache_dir;  // empty: default_cache_dir()
+  std::filesystem::path model;      // single .safetensors or diffusers folder
+  std::filesystem::path tokenizer;  // for single files (folders carry theirs)
+  std::string device = "auto";      // auto, cpu, cuda, cuda:N
+  std::string dtype = "fp32";       // compute dtype: fp32, fp16, bf16 (records are fp16)
+  int vae_batch_size = 4;
+  int text_batch_size = 32;
+  int clip_skip = 1;
+  uint64_t max_map_bytes = uint64_t{1} << 40;
+
+  std::string pull_endpoint;  // ImageSample, DatasetReport from preprocess
+  std::string rep_endpoint;   // Hello, HasKeys, GetRecords
+  std::string pub_endpoint;   // CacheReport
+  bool serve = false;         // stay up after the stream ends
+  int idle_timeout_ms = 600000;  // no message for this long while a stream is expected: error
+};
+
+struct Summary {
+  std::string dataset_id;
+  uint64_t encoded = 0;        // latents encoded this run
+  uint64_t hits = 0;           // samples whose latent was already cached
+  uint64_t rejected = 0;       // NaN/Inf latents, not in the manifest
+  uint64_t texts_encoded = 0;
+  uint64_t texts_cached = 0;
+  uint64_t manifest_entries = 0;
+  double images_per_second = 0;
+};
+
+// Runs until the stream's DatasetReport has been handled (or forever with serve). Throws
+// InputError for bad options, models or a cache that cannot be written.
+Summary run(const Options& options);
+
+}  // namespace lorapipe::cacher

@@ -1,0 +1,90 @@
+// lorapipe-cacher: flags in, cacher::run (or one of the cache tools) out.
+#include <gflags/gflags.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "cacher/cacher.h"
+#include "cacher/tools.h"
+#include "common/error.h"
+#include "common/log.h"
+
+DEFINE_string(cache_dir, "", "Cache folder (default: $LORAPIPE_CACHE_DIR or ~/.cache/lorapipe/cache)");
+DEFINE_string(model, "", "Base model: single .safetensors (original layout) or diffusers folder");
+DEFINE_string(tokenizer, "", "CLIP vocabulary for single-file models (folder, merges.txt or .gz)");
+DEFINE_string(device, "auto", "auto, cpu, cuda or cuda:N");
+DEFINE_string(dtype, "fp32", "Compute dtype: fp32, fp16 or bf16 (records are stored in fp16)");
+DEFINE_int32(vae_batch_size, 4, "Images per VAE batch (one bucket at a time)");
+DEFINE_int32(clip_skip, 1, "Text-encoder layer from the end, as kohya/A1111 (1: last)");
+DEFINE_uint64(max_map_mb, 1048576, "Largest the cache may grow, in MiB");
+DEFINE_string(pull, "ipc:///tmp/lorapipe-cacher-pull", "ImageSample endpoint to bind (PULL)");
+DEFINE_string(rep, "ipc:///tmp/lorapipe-cacher-rep", "HasKeys/GetRecords endpoint to bind (REP)");
+DEFINE_string(pub, "", "CacheReport endpoint to bind (PUB); empty: none");
+DEFINE_bool(serve, false, "Stay up after the stream and serve records to trainers and samplers");
+DEFINE_int32(idle_timeout_s, 600, "Give up when preprocess sends nothing for this long");
+DEFINE_bool(inspect, false, "Tool: record counts and bytes per table, fingerprints, manifests");
+DEFINE_bool(json, false, "With --inspect: print JSON");
+DEFINE_bool(verify, false, "Tool: read and check every record; exit 1 if any is corrupt");
+DEFINE_bool(gc, false, "Tool: drop records that no manifest references");
+DEFINE_string(export_file, "", "Tool: write --dataset's manifest and records to this file");
+DEFINE_string(dataset, "", "Dataset id for --export_file");
+DEFINE_string(import_file, "", "Tool: add a file written by --export_file to this cache");
+
+int main(int argc, char** argv) {
+  gflags::SetUsageMessage(
+      "lorapipe-cacher --model=MODEL [flags]        encode what preprocess streams\n"
+      "lorapipe-cacher --inspect|--verify|--gc      look after a cache\n"
+      "lorapipe-cacher --export_file=F --dataset=ID / --import_file=F   move a dataset");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  namespace c = lorapipe::cacher;
+  try {
+    c::ToolOptions tool;
+    tool.cache_dir = FLAGS_cache_dir;
+    tool.max_map_bytes = FLAGS_max_map_mb << 20;
+    if (FLAGS_inspect) {
+      std::cout << (FLAGS_json ? c::inspect_json(tool) : c::inspect_text(tool)) << std::flush;
+      return 0;
+    }
+    if (FLAGS_verify) return c::verify(tool, std::cout) ? 0 : 1;
+    if (FLAGS_gc) {
+      c::gc(tool, std::cout);
+      return 0;
+    }
+    if (!FLAGS_export_file.empty()) {
+      c::export_dataset(tool, FLAGS_dataset, FLAGS_export_file, std::cout);
+      return 0;
+    }
+    if (!FLAGS_import_file.empty()) {
+      c::import_dataset(tool, FLAGS_import_file, std::cout);
+      return 0;
+    }
+    c::Options options;
+    options.cache_dir = FLAGS_cache_dir;
+    options.model = FLAGS_model;
+    options.tokenizer = FLAGS_tokenizer;
+    options.device = FLAGS_device;
+    options.dtype = FLAGS_dtype;
+    options.vae_batch_size = FLAGS_vae_batch_size;
+    options.clip_skip = FLAGS_clip_skip;
+    options.max_map_bytes = FLAGS_max_map_mb << 20;
+    options.pull_endpoint = FLAGS_pull;
+    options.rep_endpoint = FLAGS_rep;
+    options.pub_endpoint = FLAGS_pub;
+    options.serve = FLAGS_serve;
+    options.idle_timeout_ms = FLAGS_idle_timeout_s * 1000;
+    const c::Summary s = c::run(options);
+    std::printf("cache report: dataset %s: %llu encoded, %llu cached (%.0f%% hits), %llu "
+                "rejected; texts %llu encoded, %llu cached; manifest %llu entries; %.1f images/s\n",
+                s.dataset_id.c_str(), static_cast<unsigned long long>(s.encoded),
+                static_cast<unsigned long long>(s.hits),
+                s.encoded + s.hits > 0 ? 100.0 * s.hits / (s.encoded + s.hits) : 0.0,
+                static_cast<unsigned long long>(s.rejected),
+                static_cast<unsigned long long>(s.texts_encoded),
+                static_cast<unsigned long long>(s.texts_cached),
+                static_cast<unsigned long long>(s.manifest_entries), s.images_per_second);
+    return 0;
+  } catch (const std::exception& e) {
+    LP_LOG(kError, "cacher") << e.what();
+    return 2;
+  }
+}

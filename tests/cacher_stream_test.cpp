@@ -1,0 +1,276 @@
+// The cacher and preprocess as real processes over ipc://, on the demo dataset and the tiny
+// SD1.5 model, against a real LMDB cache: reuse across runs, invalidation by content and by
+// weights, kill -9 in the middle of writing, a full cache, and corrupted records.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <regex>
+#include <thread>
+#include <vips/vips8>
+
+#include "cacher/records.h"
+#include "cacher/store.h"
+#include "models/pipeline.h"
+#include "models/tiny.h"
+#include "preprocess/demo_dataset.h"
+#include "proto/lorapipe.pb.h"
+#include "tests/process_util.h"
+
+namespace lorapipe {
+namespace {
+namespace fs = std::filesystem;
+using testing::read_text;
+using testing::spawn;
+using testing::wait_exit;
+
+struct RunResult {
+  int cacher_exit = -1;
+  int preprocess_exit = -1;
+  uint64_t encoded = 0, cached = 0, rejected = 0, texts_encoded = 0, texts_cached = 0,
+           manifest_entries = 0;
+  std::string cacher_out, cacher_err, preprocess_err;
+};
+
+class CachePipeline : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = fs::temp_directory_path() / ("lorapipe-cache-pipeline-" + std::to_string(getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    tiny_ = models::write_tiny_checkpoint(dir_ / "model", /*seed=*/1);
+  }
+  static void TearDownTestSuite() { if (!std::getenv("LORAPIPE_KEEP")) fs::remove_all(dir_); }
+
+  void SetUp() override {
+    const std::string name = ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    work_ = dir_ / name;
+    fs::create_directories(work_);
+    preprocess::write_demo_dataset(work_ / "data");
+    cache_ = work_ / "cache";
+  }
+
+  std::vector<std::string> cacher_args(const fs::path& model, const std::string& extra = "") const {
+    std::vector<std::string> args{LORAPIPE_CACHER_BIN,
+                                  "--model=" + model.string(),
+                                  "--tokenizer=" + tiny_.tokenizer.string(),
+                                  "--cache_dir=" + cache_.string(),
+                                  "--pull=ipc://" + (work_ / "pull.sock").string(),
+                                  "--rep=ipc://" + (work_ / "rep.sock").string(),
+                                  "--idle_timeout_s=120"};
+    if (!extra.empty()) args.push_back(extra);
+    return args;
+  }
+
+  // One preprocess + cacher run over the demo dataset; returns both exit codes and the cache
+  // report the cacher printed.
+  RunResult run(const fs::path& model, const std::string& cacher_extra = "") {
+    RunResult r;
+    const pid_t cacher = spawn(cacher_args(model, cacher_extra), work_ / "cacher.out",
+                               work_ / "cacher.err");
+    const pid_t pre = spawn({LORAPIPE_PREPROCESS_BIN, "--data_dir=" + (work_ / "data").string(),
+                             "--push=ipc://" + (work_ / "pull.sock").string(),
+                             "--request=ipc://" + (work_ / "rep.sock").string(), "--threads=2",
+                             "--timeout_ms=10000",
+                             "--report_json=" + (work_ / "report.json").string()},
+                            work_ / "pre.out", work_ / "pre.err");
+    r.preprocess_exit = wait_exit(pre);
+    r.cacher_exit = wait_exit(cacher);
+    r.cacher_out = read_text(work_ / "cacher.out");
+    r.cacher_err = read_text(work_ / "cacher.err");
+    r.preprocess_err = read_text(work_ / "pre.err");
+    std::smatch m;
+    const std::regex report(
+        R"((\d+) encoded, (\d+) cached \(\d+% hits\), (\d+) rejected; texts (\d+) encoded, (\d+) cached; manifest (\d+) entries)");
+    if (std::regex_search(r.cacher_out, m, report)) {
+      r.encoded = std::stoull(m[1]);
+      r.cached = std::stoull(m[2]);
+      r.rejected = std::stoull(m[3]);
+      r.texts_encoded = std::stoull(m[4]);
+      r.texts_cached = std::stoull(m[5]);
+      r.manifest_entries = std::stoull(m[6]);
+    }
+    return r;
+  }
+
+  static void expect_ok(const RunResult& r) {
+    EXPECT_EQ(r.preprocess_exit, 0) << r.preprocess_err;
+    EXPECT_EQ(r.cacher_exit, 0) << r.cacher_err;
+  }
+
+  // Number of images preprocess decoded (not served from the cache).
+  uint64_t decoded_by_preprocess() const {
+    const std::string json = read_text(work_ / "report.json");
+    uint64_t n = 0;
+    for (size_t at = json.find("\"cached\": false"); at != std::string::npos;
+         at = json.find("\"cached\": false", at + 1)) {
+      ++n;
+    }
+    return n;
+  }
+
+  cacher::Store open_cache(bool read_only = true) const {
+    cacher::StoreOptions options;
+    options.dir = cache_;
+    options.read_only = read_only;
+    return cacher::Store::open(options);
+  }
+
+  static constexpr uint64_t kImages = 36;  // the demo dataset
+  static fs::path dir_;
+  static models::TinyCheckpoint tiny_;
+  fs::path work_;
+  fs::path cache_;
+};
+fs::path CachePipeline::dir_;
+models::TinyCheckpoint CachePipeline::tiny_;
+
+TEST_F(CachePipeline, SecondRunEncodesNothingAndDecodesNothing) {
+  const RunResult first = run(tiny_.single_file);
+  expect_ok(first);
+  EXPECT_EQ(first.encoded, kImages);
+  EXPECT_EQ(first.cached, 0u);
+  EXPECT_EQ(first.texts_encoded, kImages);  // every demo caption differs
+  EXPECT_EQ(first.manifest_entries, kImages);
+  EXPECT_EQ(decoded_by_preprocess(), kImages);
+
+  const RunResult second = run(tiny_.single_file);
+  expect_ok(second);
+  EXPECT_EQ(second.encoded, 0u);
+  EXPECT_EQ(second.cached, kImages);
+  EXPECT_EQ(second.texts_encoded, 0u);
+  EXPECT_EQ(second.manifest_entries, kImages);
+  EXPECT_EQ(decoded_by_preprocess(), 0u) << "preprocess decoded images the cache holds";
+
+  // The manifest is complete and every record checks out.
+  const cacher::Store store = open_cache();
+  wire::Manifest manifest;
+  bool found = false;
+  store.for_each(cacher::Table::kManifests, [&](std::string_view, std::string_view value) {
+    found = manifest.ParseFromArray(value.data(), static_cast<int>(value.size()));
+    return false;
+  });
+  ASSERT_TRUE(found);
+  EXPECT_EQ(static_cast<uint64_t>(manifest.entries_size()), kImages);
+  const auto check = cacher::check_manifest(store, manifest);
+  EXPECT_TRUE(check.missing.empty());
+  EXPECT_TRUE(check.corrupt.empty());
+}
+
+TEST_F(CachePipeline, EditedImageCaptionOrVaeReencodeOnlyWhatChanged) {
+  expect_ok(run(tiny_.single_file));
+
+  // One image's bytes change: that image alone is decoded and encoded again.
+  const fs::path image = work_ / "data" / preprocess::kDemoFolder / "01_green_circle.png";
+  {
+    vips::VImage v = vips::VImage::new_from_file(image.c_str()).copy_memory();
+    v.draw_rect({1.0, 2.0, 3.0}, 0, 0, 5, 5, vips::VImage::option()->set("fill", true));
+    v.pngsave(image.c_str());
+  }
+  RunResult r = run(tiny_.single_file);
+  expect_ok(r);
+  EXPECT_EQ(r.encoded, 1u);
+  EXPECT_EQ(r.texts_encoded, 0u);
+  EXPECT_EQ(decoded_by_preprocess(), 1u);
+
+  // One caption changes: that text alone is encoded again.
+  std::ofstream(work_ / "data" / preprocess::kDemoFolder / "02_blue_square.txt")
+      << "a blue square, edited\n";
+  r = run(tiny_.single_file);
+  expect_ok(r);
+  EXPECT_EQ(r.encoded, 0u);
+  EXPECT_EQ(r.texts_encoded, 1u);
+
+  // Other VAE weights (same file layout, same text encoder): every latent again, no text.
+  const fs::path other_vae = work_ / "other-vae.safetensors";
+  {
+    models::LoadOptions options;
+    options.tokenizer = tiny_.tokenizer;
+    models::StableDiffusion sd = models::load_stable_diffusion(tiny_.single_file, options);
+    torch::NoGradGuard no_grad;
+    sd.vae->parameters()[0].add_(0.01);
+    models::save_single_file(sd, other_vae);
+  }
+  r = run(other_vae);
+  expect_ok(r);
+  EXPECT_EQ(r.encoded, kImages);
+  EXPECT_EQ(r.texts_encoded, 0u);
+}
+
+TEST_F(CachePipeline, KillNineMidWriteThenRestartCompletes) {
+  // vae_batch_size 1: a commit per image, so the kill lands between or inside commits.
+  const pid_t cacher = spawn(cacher_args(tiny_.single_file, "--vae_batch_size=1"),
+                             work_ / "cacher.out", work_ / "cacher.err");
+  const pid_t pre = spawn({LORAPIPE_PREPROCESS_BIN, "--data_dir=" + (work_ / "data").string(),
+                           "--push=ipc://" + (work_ / "pull.sock").string(),
+                           "--request=ipc://" + (work_ / "rep.sock").string(), "--threads=2",
+                           "--timeout_ms=3000"},
+                          work_ / "pre.out", work_ / "pre.err");
+  // Wait until some latents are committed, then kill -9.
+  uint64_t committed = 0;
+  for (int i = 0; i < 600 && committed < 5; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (fs::exists(cache_ / "data.mdb")) {
+      try {
+        committed = open_cache().stats(cacher::Table::kLatents).entries;
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  ASSERT_GE(committed, 5u) << "the cacher never committed anything: " << read_text(work_ / "cacher.err");
+  kill(cacher, SIGKILL);
+  EXPECT_EQ(wait_exit(cacher), 128 + SIGKILL);
+  wait_exit(pre);  // preprocess notices the dead cacher (timeout) or finished sending
+
+  // The cache opens and every committed record is intact.
+  {
+    const cacher::Store store = open_cache();
+    EXPECT_GE(store.stats(cacher::Table::kLatents).entries, committed);
+    EXPECT_TRUE(cacher::verify_store(store).empty());
+  }
+  // A restart completes the run and writes a complete manifest.
+  const RunResult r = run(tiny_.single_file);
+  expect_ok(r);
+  EXPECT_EQ(r.encoded + r.cached, kImages);
+  EXPECT_GE(r.cached, committed);
+  EXPECT_EQ(r.manifest_entries, kImages);
+}
+
+TEST_F(CachePipeline, FullCacheIsAClearErrorAndLeavesTheCacheUsable) {
+  const RunResult r = run(tiny_.single_file, "--max_map_mb=1");
+  EXPECT_EQ(r.cacher_exit, 2);
+  EXPECT_NE(r.cacher_err.find("full"), std::string::npos) << r.cacher_err;
+  const cacher::Store store = open_cache();
+  EXPECT_TRUE(cacher::verify_store(store).empty());
+  EXPECT_EQ(store.stats(cacher::Table::kManifests).entries, 0u) << "a manifest without records";
+}
+
+TEST_F(CachePipeline, CorruptRecordIsNamedByVerifyAndByTheManifestCheck) {
+  expect_ok(run(tiny_.single_file));
+  std::string victim;
+  {
+    cacher::Store store = open_cache(/*read_only=*/false);
+    store.for_each(cacher::Table::kLatents, [&](std::string_view key, std::string_view) {
+      victim = std::string(key);
+      return false;
+    });
+    store.put(cacher::Table::kLatents, {{victim, "this is not a LatentRecord"}});
+  }
+  const pid_t verify = spawn({LORAPIPE_CACHER_BIN, "--cache_dir=" + cache_.string(), "--verify"},
+                             work_ / "verify.out", work_ / "verify.err");
+  EXPECT_EQ(wait_exit(verify), 1);
+  EXPECT_NE(read_text(work_ / "verify.out").find(victim), std::string::npos)
+      << read_text(work_ / "verify.out");
+  const cacher::Store store = open_cache();
+  wire::Manifest manifest;
+  store.for_each(cacher::Table::kManifests, [&](std::string_view, std::string_view value) {
+    manifest.ParseFromArray(value.data(), static_cast<int>(value.size()));
+    return false;
+  });
+  const auto check = cacher::check_manifest(store, manifest);
+  ASSERT_EQ(check.corrupt.size(), 1u);
+  EXPECT_EQ(check.corrupt[0].first, victim);
+}
+
+}  // namespace
+}  // namespace lorapipe
