@@ -15,7 +15,10 @@
 #include "models/tiny.h"
 #include "preprocess/demo_dataset.h"
 #include "proto/lorapipe.pb.h"
+#include "proto/wire.h"
 #include "tests/process_util.h"
+
+#include <nlohmann/json.hpp>
 
 namespace lorapipe {
 namespace {
@@ -270,6 +273,87 @@ TEST_F(CachePipeline, CorruptRecordIsNamedByVerifyAndByTheManifestCheck) {
   const auto check = cacher::check_manifest(store, manifest);
   ASSERT_EQ(check.corrupt.size(), 1u);
   EXPECT_EQ(check.corrupt[0].first, victim);
+}
+
+TEST_F(CachePipeline, InspectExportImportGcAndServeToARemoteTrainer) {
+  expect_ok(run(tiny_.single_file));
+  // Runs one cacher tool; returns its standard output.
+  auto tool = [&](const fs::path& cache, std::vector<std::string> flags) {
+    flags.insert(flags.begin(), {LORAPIPE_CACHER_BIN, "--cache_dir=" + cache.string()});
+    const pid_t pid = spawn(flags, work_ / "tool.out", work_ / "tool.err");
+    EXPECT_EQ(wait_exit(pid), 0) << flags[2] << ": " << read_text(work_ / "tool.err");
+    return read_text(work_ / "tool.out");
+  };
+  // --inspect --json: counts per table and the manifest.
+  const auto j = nlohmann::json::parse(tool(cache_, {"--inspect", "--json"}));
+  EXPECT_EQ(j["tables"]["latents"]["records"], kImages);
+  ASSERT_EQ(j["manifests"].size(), 1u);
+  const std::string dataset = j["manifests"][0]["dataset_id"];
+
+  // Move the dataset to another cache as one file.
+  const fs::path exported = work_ / "dataset.lpcache";
+  const fs::path other = work_ / "other-cache";
+  tool(cache_, {"--export_file=" + exported.string(), "--dataset=" + dataset});
+  tool(other, {"--import_file=" + exported.string()});
+  {
+    cacher::StoreOptions options;
+    options.dir = other;
+    options.read_only = true;
+    const cacher::Store store = cacher::Store::open(options);
+    wire::Manifest manifest;
+    ASSERT_TRUE(manifest.ParseFromString(store.get(cacher::Table::kManifests, dataset).value()));
+    const auto check = cacher::check_manifest(store, manifest);
+    EXPECT_TRUE(check.missing.empty() && check.corrupt.empty());
+    EXPECT_EQ(store.stats(cacher::Table::kLatents).entries, kImages);
+  }
+
+  // --gc drops what no manifest references, and nothing else.
+  {
+    cacher::Store store = open_cache(/*read_only=*/false);
+    store.put(cacher::Table::kLatents, {{"orphan.key", "x"}});
+  }
+  tool(cache_, {"--gc"});
+  {
+    const cacher::Store store = open_cache();
+    EXPECT_FALSE(store.get(cacher::Table::kLatents, "orphan.key").has_value());
+    EXPECT_EQ(store.stats(cacher::Table::kLatents).entries, kImages);
+  }
+
+  // --serve: a trainer elsewhere asks for records over the wire.
+  const std::string rep = "ipc://" + (work_ / "serve.sock").string();
+  const pid_t server = spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_.single_file.string(),
+                              "--tokenizer=" + tiny_.tokenizer.string(),
+                              "--cache_dir=" + cache_.string(), "--serve", "--rep=" + rep,
+                              "--pull=ipc://" + (work_ / "serve-pull.sock").string()},
+                             work_ / "serve.out", work_ / "serve.err");
+  std::vector<std::string> keys;
+  std::vector<std::string> values;
+  {
+    const cacher::Store store = open_cache();
+    store.for_each(cacher::Table::kLatents, [&](std::string_view key, std::string_view value) {
+      keys.emplace_back(key);
+      values.emplace_back(value);
+      return keys.size() < 3;
+    });
+  }
+  zmq::context_t context;
+  wire::SocketOptions options;
+  options.receive_timeout = std::chrono::milliseconds(30000);
+  wire::Client client(context, rep, "trainer", options);
+  client.hello();
+  wire::GetRecordsRequest request;
+  request.set_kind(wire::GetRecordsRequest::LATENT);
+  for (const auto& k : keys) request.add_keys(k);
+  request.add_keys("missing.key");
+  const auto reply = client.request<wire::GetRecordsReply>(request);
+  kill(server, SIGTERM);
+  wait_exit(server);
+  ASSERT_EQ(reply.items_size(), 4);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    EXPECT_TRUE(reply.items(static_cast<int>(i)).found());
+    EXPECT_EQ(reply.items(static_cast<int>(i)).record(), values[i]);
+  }
+  EXPECT_FALSE(reply.items(3).found());
 }
 
 }  // namespace
