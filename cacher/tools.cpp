@@ -66,35 +66,50 @@ uint64_t read_u64(std::string_view in, size_t& pos, const std::string& file) {
   return v;
 }
 
+constexpr std::pair<Table, const char*> kTables[] = {{Table::kLatents, "latents"},
+                                                     {Table::kTexts, "texts"},
+                                                     {Table::kManifests, "manifests"},
+                                                     {Table::kMeta, "meta"}};
+
+// What --inspect shows, gathered once for both of its formats.
+struct CacheSummary {
+  std::vector<std::pair<const char*, Store::TableStats>> tables;
+  std::map<std::string, uint64_t> vae;   // fingerprint -> latents
+  std::map<std::string, uint64_t> text;  // fingerprint -> texts
+  std::vector<wire::Manifest> manifests;
+};
+
+CacheSummary summarize(const Store& store) {
+  CacheSummary s;
+  for (const auto& [table, name] : kTables) s.tables.emplace_back(name, store.stats(table));
+  store.for_each(Table::kLatents, [&](std::string_view key, std::string_view) {
+    ++s.vae[fingerprint_of(key, true)];
+    return true;
+  });
+  store.for_each(Table::kTexts, [&](std::string_view key, std::string_view) {
+    ++s.text[fingerprint_of(key, false)];
+    return true;
+  });
+  s.manifests = manifests(store);
+  return s;
+}
+
 }  // namespace
 
 std::string inspect_text(const ToolOptions& options) {
   const Store store = open_store(options, /*read_only=*/true);
+  const CacheSummary s = summarize(store);
   std::ostringstream out;
   out << "cache " << store.dir().string() << "\n";
-  const std::pair<Table, const char*> tables[] = {{Table::kLatents, "latents"},
-                                                  {Table::kTexts, "texts"},
-                                                  {Table::kManifests, "manifests"},
-                                                  {Table::kMeta, "meta"}};
-  for (const auto& [table, name] : tables) {
-    const auto stats = store.stats(table);
+  for (const auto& [name, stats] : s.tables) {
     char line[128];
     std::snprintf(line, sizeof(line), "  %-10s %10llu records %12.2f MiB\n", name,
                   static_cast<unsigned long long>(stats.entries), stats.bytes / 1048576.0);
     out << line;
   }
-  std::map<std::string, uint64_t> vae, text;
-  store.for_each(Table::kLatents, [&](std::string_view key, std::string_view) {
-    ++vae[fingerprint_of(key, true)];
-    return true;
-  });
-  store.for_each(Table::kTexts, [&](std::string_view key, std::string_view) {
-    ++text[fingerprint_of(key, false)];
-    return true;
-  });
-  for (const auto& [fp, n] : vae) out << "  VAE fingerprint " << fp << ": " << n << " latents\n";
-  for (const auto& [fp, n] : text) out << "  text fingerprint " << fp << ": " << n << " texts\n";
-  for (const auto& m : manifests(store)) {
+  for (const auto& [fp, n] : s.vae) out << "  VAE fingerprint " << fp << ": " << n << " latents\n";
+  for (const auto& [fp, n] : s.text) out << "  text fingerprint " << fp << ": " << n << " texts\n";
+  for (const auto& m : s.manifests) {
     out << "  manifest " << m.dataset_id() << ": " << m.entries_size() << " entries, text "
         << (m.text_cached() ? "cached" : "encoded online") << "\n";
   }
@@ -103,29 +118,16 @@ std::string inspect_text(const ToolOptions& options) {
 
 std::string inspect_json(const ToolOptions& options) {
   const Store store = open_store(options, /*read_only=*/true);
+  const CacheSummary s = summarize(store);
   nlohmann::json j;
   j["cache_dir"] = store.dir().string();
-  const std::pair<Table, const char*> tables[] = {{Table::kLatents, "latents"},
-                                                  {Table::kTexts, "texts"},
-                                                  {Table::kManifests, "manifests"},
-                                                  {Table::kMeta, "meta"}};
-  for (const auto& [table, name] : tables) {
-    const auto stats = store.stats(table);
+  for (const auto& [name, stats] : s.tables) {
     j["tables"][name] = {{"records", stats.entries}, {"bytes", stats.bytes}};
   }
-  std::map<std::string, uint64_t> vae, text;
-  store.for_each(Table::kLatents, [&](std::string_view key, std::string_view) {
-    ++vae[fingerprint_of(key, true)];
-    return true;
-  });
-  store.for_each(Table::kTexts, [&](std::string_view key, std::string_view) {
-    ++text[fingerprint_of(key, false)];
-    return true;
-  });
-  j["vae_fingerprints"] = vae;
-  j["text_fingerprints"] = text;
+  j["vae_fingerprints"] = s.vae;
+  j["text_fingerprints"] = s.text;
   j["manifests"] = nlohmann::json::array();
-  for (const auto& m : manifests(store)) {
+  for (const auto& m : s.manifests) {
     j["manifests"].push_back({{"dataset_id", m.dataset_id()},
                               {"entries", m.entries_size()},
                               {"text_cached", m.text_cached()},
