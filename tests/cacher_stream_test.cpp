@@ -67,16 +67,19 @@ class CachePipeline : public ::testing::Test {
 
   // One preprocess + cacher run over the demo dataset; returns both exit codes and the cache
   // report the cacher printed.
-  RunResult run(const fs::path& model, const std::string& cacher_extra = "") {
+  RunResult run(const fs::path& model, const std::string& cacher_extra = "",
+                const std::vector<std::string>& preprocess_extra = {}) {
     RunResult r;
     const pid_t cacher = spawn(cacher_args(model, cacher_extra), work_ / "cacher.out",
                                work_ / "cacher.err");
-    const pid_t pre = spawn({LORAPIPE_PREPROCESS_BIN, "--data_dir=" + (work_ / "data").string(),
-                             "--push=ipc://" + (work_ / "pull.sock").string(),
-                             "--request=ipc://" + (work_ / "rep.sock").string(), "--threads=2",
-                             "--timeout_ms=10000",
-                             "--report_json=" + (work_ / "report.json").string()},
-                            work_ / "pre.out", work_ / "pre.err");
+    std::vector<std::string> pre_args{LORAPIPE_PREPROCESS_BIN,
+                                      "--data_dir=" + (work_ / "data").string(),
+                                      "--push=ipc://" + (work_ / "pull.sock").string(),
+                                      "--request=ipc://" + (work_ / "rep.sock").string(),
+                                      "--threads=2", "--timeout_ms=10000",
+                                      "--report_json=" + (work_ / "report.json").string()};
+    pre_args.insert(pre_args.end(), preprocess_extra.begin(), preprocess_extra.end());
+    const pid_t pre = spawn(pre_args, work_ / "pre.out", work_ / "pre.err");
     r.preprocess_exit = wait_exit(pre);
     r.cacher_exit = wait_exit(cacher);
     r.cacher_out = read_text(work_ / "cacher.out");
@@ -273,6 +276,40 @@ TEST_F(CachePipeline, CorruptRecordIsNamedByVerifyAndByTheManifestCheck) {
   const auto check = cacher::check_manifest(store, manifest);
   ASSERT_EQ(check.corrupt.size(), 1u);
   EXPECT_EQ(check.corrupt[0].first, victim);
+}
+
+TEST_F(CachePipeline, FlipAugAddsFlippedLatentsAndAugmentedCaptionsStayUncached) {
+  const RunResult r = run(tiny_.single_file, "", {"--flip_aug", "--shuffle_caption"});
+  expect_ok(r);
+  EXPECT_EQ(r.encoded, kImages);
+  EXPECT_EQ(r.texts_encoded, 0u) << "shuffled captions change every step: the trainer encodes them";
+  const cacher::Store store = open_cache();
+  EXPECT_EQ(store.stats(cacher::Table::kTexts).entries, 0u);
+  size_t with_flipped = 0;
+  size_t different = 0;
+  store.for_each(cacher::Table::kLatents, [&](std::string_view, std::string_view value) {
+    wire::LatentRecord record;
+    EXPECT_TRUE(record.ParseFromArray(value.data(), static_cast<int>(value.size())));
+    with_flipped += record.flipped_mean().data().size() == record.mean().data().size() &&
+                    record.flipped_std().data().size() == record.std().data().size();
+    different += record.flipped_mean().data() != record.mean().data();
+    return true;
+  });
+  EXPECT_EQ(with_flipped, kImages);
+  // The demo shapes are centred, so some images are their own mirror image; most are not.
+  EXPECT_GE(different, kImages / 2);
+  wire::Manifest manifest;
+  store.for_each(cacher::Table::kManifests, [&](std::string_view, std::string_view value) {
+    manifest.ParseFromArray(value.data(), static_cast<int>(value.size()));
+    return false;
+  });
+  EXPECT_FALSE(manifest.text_cached());
+  ASSERT_EQ(static_cast<uint64_t>(manifest.entries_size()), kImages);
+  for (const auto& e : manifest.entries()) {
+    EXPECT_TRUE(e.text_key().empty());
+    EXPECT_TRUE(e.flip());
+    EXPECT_FALSE(e.caption().empty());
+  }
 }
 
 TEST_F(CachePipeline, InspectExportImportGcAndServeToARemoteTrainer) {
