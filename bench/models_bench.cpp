@@ -1,17 +1,21 @@
 // Model speed and memory at the real SD1.5 sizes, fp32 on CPU, random weights:
-//   models_bench vae   VAE encode of one 512x512 image
-//   models_bench unet  UNet forward + backward, 64x64 latent, batch 1, 77x768 conditioning
-// Prints "<what> <best ms> ms, peak RSS <MiB> MiB". With a third argument the weights are also
-// written there (safetensors, diffusers names) so the reference runs the very same weights.
-// bench/models_bench.py runs this and diffusers on the same work and prints the ratios; nothing
-// here is a test.
+//   models_bench vae  [WEIGHTS]   VAE encode of one 512x512 image
+//   models_bench unet [WEIGHTS]   UNet forward + backward, 64x64 latent, batch 1, 77x768 context
+// With WEIGHTS the random weights are written there first (safetensors, diffusers names), so the
+// reference runs the very same weights. Then it prints "ready" and serves stdin, one command per
+// line, so that bench/models_bench.py can interleave its steps with the reference's:
+//   step          run the work once, print its wall and CPU milliseconds
+//   profile PATH  run it once under the autograd profiler, write a chrome trace to PATH
+// At end of input it prints "peak_rss <MiB>". Nothing here is a test.
 #include <sys/resource.h>
 
 #include <chrono>
 #include <cstdio>
-#include <cstring>
+#include <functional>
+#include <iostream>
 #include <string>
 
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
 #include "models/safetensors.h"
@@ -27,26 +31,49 @@ double peak_rss_mib() {
   return usage.ru_maxrss / 1024.0;
 }
 
-template <typename Fn>
-double best_ms(int iterations, Fn fn) {
-  double best = 1e30;
-  for (int i = 0; i < iterations; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    fn();
-    best = std::min(best, std::chrono::duration<double, std::milli>(
-                              std::chrono::steady_clock::now() - start)
-                              .count());
+// User plus system CPU time of the whole process (all of its threads).
+double cpu_ms() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto ms = [](const timeval& t) { return t.tv_sec * 1e3 + t.tv_usec / 1e3; };
+  return ms(usage.ru_utime) + ms(usage.ru_stime);
+}
+
+int serve(const std::function<void()>& work) {
+  std::printf("ready\n");
+  std::fflush(stdout);
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    if (line == "step") {
+      const auto start = std::chrono::steady_clock::now();
+      const double cpu_start = cpu_ms();
+      work();
+      std::printf("%.1f %.1f\n",
+                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                      .count(),
+                  cpu_ms() - cpu_start);
+    } else if (line.rfind("profile ", 0) == 0) {
+      {
+        torch::autograd::profiler::RecordProfile guard{line.substr(8)};
+        work();
+      }
+      std::printf("profiled\n");
+    } else {
+      std::fprintf(stderr, "models_bench: unknown command '%s'\n", line.c_str());
+      return 2;
+    }
+    std::fflush(stdout);
   }
-  return best;
+  std::printf("peak_rss %.0f\n", peak_rss_mib());
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   namespace m = lorapipe::models;
-  const std::string what = argc > 1 ? argv[1] : "vae";
-  const int iterations = argc > 2 ? std::atoi(argv[2]) : 3;
-  const std::string weights_out = argc > 3 ? argv[3] : "";
+  const std::string what = argc > 1 ? argv[1] : "";
+  const std::string weights_out = argc > 2 ? argv[2] : "";
   auto save_weights = [&](const torch::nn::Module& module) {
     if (weights_out.empty()) return;
     std::vector<torch::Tensor> storage;
@@ -57,11 +84,13 @@ int main(int argc, char** argv) {
     m::AutoencoderKL vae(m::VaeConfig::sd15());
     vae->eval();
     save_weights(*vae);
-    torch::NoGradGuard no_grad;
     const torch::Tensor image = torch::rand({1, 3, 512, 512}) * 2 - 1;
-    const double ms = best_ms(iterations, [&] { vae->encode(image); });
-    std::printf("vae_encode_512 %.1f ms, peak RSS %.0f MiB\n", ms, peak_rss_mib());
-  } else if (what == "unet") {
+    return serve([&] {
+      torch::NoGradGuard no_grad;
+      vae->encode(image);
+    });
+  }
+  if (what == "unet") {
     m::UNet unet(m::UNetConfig::sd15());
     unet->train();
     save_weights(*unet);
@@ -69,14 +98,8 @@ int main(int argc, char** argv) {
     const torch::Tensor latents = torch::randn({1, 4, 64, 64}).requires_grad_(true);
     const torch::Tensor context = torch::randn({1, 77, 768});
     const torch::Tensor timestep = torch::tensor({500});
-    const double ms = best_ms(iterations, [&] {
-      torch::Tensor out = unet->forward(latents, timestep, context);
-      out.square().mean().backward();
-    });
-    std::printf("unet_fwd_bwd_64 %.1f ms, peak RSS %.0f MiB\n", ms, peak_rss_mib());
-  } else {
-    std::fprintf(stderr, "usage: models_bench vae|unet [iterations]\n");
-    return 2;
+    return serve([&] { unet->forward(latents, timestep, context).square().mean().backward(); });
   }
-  return 0;
+  std::fprintf(stderr, "usage: models_bench vae|unet [WEIGHTS]\n");
+  return 2;
 }

@@ -1,26 +1,29 @@
 #!/usr/bin/env python3
 """SD1.5 at real size, fp32 on CPU: lorapipe against diffusers on the same random weights (lorapipe
-writes them, diffusers loads them), same machine, same run, one process each so peak RSS is each
-side's own.
+writes them, diffusers loads them), on the same machine in the same run.
 
-    $LORAPIPE_PYTHON bench/models_bench.py [--build build] [--iterations 3] [--only vae|unet]
-Prints best-of-N milliseconds and peak RSS for both, and the ratios (reference / lorapipe for
-time: above 1 means lorapipe is faster; lorapipe / reference for memory).
+    $LORAPIPE_PYTHON bench/models_bench.py [--build build] [--rounds 5] [--only vae|unet]
+        [--profile DIR]
+
+Both sides stay up as separate processes (so each peak RSS is that side's own) and their steps
+are interleaved, the order alternating every round: on a shared, noisy machine the two halves of
+a pair see the same load, so the pairwise ratio is far steadier than two runs taken one after the
+other. Round 0 warms both up and is not counted. Prints the median milliseconds of each side, the
+median of the pairwise ratios (reference / lorapipe: above 1 means lorapipe is faster) with their
+range, and peak RSS (lorapipe / reference). --profile writes one chrome trace per side.
 """
 import argparse
 import os
-import re
-import resource
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 REFERENCE = r'''
 import resource, sys, time, torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
 from safetensors import safe_open
-what, iterations, weights = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+what, weights = sys.argv[1], sys.argv[2]
 def load_same_weights(model):
     # One tensor at a time, so loading adds no more than one tensor to the peak RSS.
     with safe_open(weights, framework="pt") as f, torch.no_grad():
@@ -29,20 +32,15 @@ def load_same_weights(model):
         for key, value in state.items():
             value.copy_(f.get_tensor(key))
 torch.manual_seed(0)
-def best(fn):
-    b = 1e30
-    for _ in range(iterations):
-        s = time.perf_counter(); fn(); b = min(b, (time.perf_counter() - s) * 1e3)
-    return b
 if what == "vae":
     vae = AutoencoderKL(block_out_channels=(128, 256, 512, 512), layers_per_block=2,
         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
         latent_channels=4, sample_size=512).eval()
     load_same_weights(vae)
     image = torch.rand(1, 3, 512, 512) * 2 - 1
-    with torch.no_grad():
-        ms = best(lambda: vae.encode(image))
-    name = "vae_encode_512"
+    def work():
+        with torch.no_grad():
+            vae.encode(image)
 else:
     unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8,
         block_out_channels=(320, 640, 1280, 1280), layers_per_block=2).train()
@@ -51,39 +49,100 @@ else:
     latents = torch.randn(1, 4, 64, 64, requires_grad=True)
     context = torch.randn(1, 77, 768)
     t = torch.tensor([500])
-    def step():
+    def work():
         unet(latents, t, context).sample.square().mean().backward()
-    ms = best(step)
-    name = "unet_fwd_bwd_64"
-print(f"{name} {ms:.1f} ms, peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+print("ready", flush=True)
+for line in sys.stdin:
+    line = line.strip()
+    if line == "step":
+        s, c = time.perf_counter(), time.process_time()
+        work()
+        print(f"{(time.perf_counter() - s) * 1e3:.1f} {(time.process_time() - c) * 1e3:.1f}", flush=True)
+    elif line.startswith("profile "):
+        with torch.autograd.profiler.profile() as prof:
+            work()
+        prof.export_chrome_trace(line[8:])
+        print("profiled", flush=True)
+print(f"peak_rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}", flush=True)
 '''
 
-LINE = re.compile(r"(\S+) ([\d.]+) ms, peak RSS ([\d.]+) MiB")
+
+class Side:
+    """One side of the comparison: a process that answers the step protocol on stdin/stdout."""
+
+    def __init__(self, name, command):
+        self.name = name
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True, bufsize=1)
+        self.expect("ready")
+        self.times = []
+
+    def expect(self, prefix):
+        line = self.process.stdout.readline()
+        if not line.startswith(prefix) and not (prefix == "" and line.strip()):
+            sys.exit(f"{self.name}: expected '{prefix}', got {line!r} (exit {self.process.poll()})")
+        return line.strip()
+
+    def command(self, text):
+        self.process.stdin.write(text + "\n")
+        self.process.stdin.flush()
+
+    def step(self):
+        self.command("step")
+        wall, cpu = self.expect("").split()
+        return float(wall), float(cpu)
+
+    def finish(self):
+        self.process.stdin.close()
+        rss = float(self.expect("peak_rss").split()[1])
+        self.process.wait()
+        return rss
 
 
-def run(command):
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    match = LINE.search(out)
-    if not match:
-        sys.exit(f"unexpected output from {command[0]}: {out}")
-    return float(match.group(2)), float(match.group(3))
+def compare(what, binary, rounds, profile_dir):
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = os.path.join(tmp, f"{what}.safetensors")
+        ours = Side("lorapipe", [binary, what, weights])
+        ref = Side("diffusers", [sys.executable, "-c", REFERENCE, what, weights])
+    ratios, cpu_ratios = [], []
+    for r in range(rounds + 1):
+        pair = (ours, ref) if r % 2 == 0 else (ref, ours)
+        took = {side.name: side.step() for side in pair}
+        if r == 0:
+            continue  # warm-up: first-touch allocation, oneDNN primitive creation
+        (ours_ms, ours_cpu), (ref_ms, ref_cpu) = took["lorapipe"], took["diffusers"]
+        ours.times.append(ours_ms)
+        ref.times.append(ref_ms)
+        ratios.append(ref_ms / ours_ms)
+        cpu_ratios.append(ref_cpu / ours_cpu)
+        print(f"  {what} round {r}: lorapipe {ours_ms:.0f} ms ({ours_cpu:.0f} CPU), diffusers "
+              f"{ref_ms:.0f} ms ({ref_cpu:.0f} CPU), ratio {ratios[-1]:.2f}x "
+              f"(CPU {cpu_ratios[-1]:.2f}x)", flush=True)
+    if profile_dir:
+        for side in (ours, ref):
+            path = os.path.join(profile_dir, f"{what}_{side.name}.json")
+            side.command(f"profile {os.path.abspath(path)}")
+            side.expect("profiled")
+    ours_rss, ref_rss = ours.finish(), ref.finish()
+    print(f"{what}: lorapipe {statistics.median(ours.times):.0f} ms / {ours_rss:.0f} MiB, diffusers "
+          f"{statistics.median(ref.times):.0f} ms / {ref_rss:.0f} MiB; speed ratio (median of "
+          f"{len(ratios)} pairs) {statistics.median(ratios):.2f}x [{min(ratios):.2f}-"
+          f"{max(ratios):.2f}], CPU-time ratio {statistics.median(cpu_ratios):.2f}x, memory ratio "
+          f"{ours_rss / ref_rss:.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--build", default="build")
-    parser.add_argument("--iterations", default="3")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=["vae", "unet"])
+    parser.add_argument("--profile", metavar="DIR")
     args = parser.parse_args()
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     binary = os.path.join(args.build, "bin", "models_bench")
-    for what in ([args.only] if args.only else ["vae", "unet"]):
-        with tempfile.TemporaryDirectory() as tmp:
-            weights = os.path.join(tmp, f"{what}.safetensors")
-            ours_ms, ours_rss = run([binary, what, args.iterations, weights])
-            ref_ms, ref_rss = run([sys.executable, "-c", REFERENCE, what, args.iterations, weights])
-        print(f"{what}: lorapipe {ours_ms:.0f} ms / {ours_rss:.0f} MiB, diffusers {ref_ms:.0f} ms"
-              f" / {ref_rss:.0f} MiB; speed ratio {ref_ms / ours_ms:.2f}x, memory ratio "
-              f"{ours_rss / ref_rss:.2f}x")
+    for what in [args.only] if args.only else ["vae", "unet"]:
+        compare(what, binary, args.rounds, args.profile)
 
 
 if __name__ == "__main__":

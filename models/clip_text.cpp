@@ -32,10 +32,10 @@ ClipTextConfig ClipTextConfig::from_json(const std::string& text) {
 }
 
 ClipAttentionImpl::ClipAttentionImpl(const ClipTextConfig& c) : heads(c.num_attention_heads) {
-  q_proj = register_module("q_proj", torch::nn::Linear(c.hidden_size, c.hidden_size));
-  k_proj = register_module("k_proj", torch::nn::Linear(c.hidden_size, c.hidden_size));
-  v_proj = register_module("v_proj", torch::nn::Linear(c.hidden_size, c.hidden_size));
-  out_proj = register_module("out_proj", torch::nn::Linear(c.hidden_size, c.hidden_size));
+  q_proj = register_module("q_proj", Linear(c.hidden_size, c.hidden_size));
+  k_proj = register_module("k_proj", Linear(c.hidden_size, c.hidden_size));
+  v_proj = register_module("v_proj", Linear(c.hidden_size, c.hidden_size));
+  out_proj = register_module("out_proj", Linear(c.hidden_size, c.hidden_size));
 }
 
 torch::Tensor ClipAttentionImpl::forward(const torch::Tensor& x) {
@@ -49,8 +49,8 @@ torch::Tensor ClipAttentionImpl::forward(const torch::Tensor& x) {
 }
 
 ClipMlpImpl::ClipMlpImpl(const ClipTextConfig& c) : quick_gelu(c.hidden_act == "quick_gelu") {
-  fc1 = register_module("fc1", torch::nn::Linear(c.hidden_size, c.intermediate_size));
-  fc2 = register_module("fc2", torch::nn::Linear(c.intermediate_size, c.hidden_size));
+  fc1 = register_module("fc1", Linear(c.hidden_size, c.intermediate_size));
+  fc2 = register_module("fc2", Linear(c.intermediate_size, c.hidden_size));
 }
 
 torch::Tensor ClipMlpImpl::forward(const torch::Tensor& x) {

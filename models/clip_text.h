@@ -6,13 +6,14 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include <filesystem>
 #include <string>
 #include <vector>
+
+#include "models/linear.h"
 
 namespace lorapipe::models {
 
@@ -36,7 +37,7 @@ struct ClipAttentionImpl : torch::nn::Module {
   explicit ClipAttentionImpl(const ClipTextConfig& config);
   torch::Tensor forward(const torch::Tensor& x);  // causal self-attention
   int64_t heads;
-  torch::nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, out_proj{nullptr};
 };
 TORCH_MODULE(ClipAttention);
 
@@ -44,7 +45,7 @@ struct ClipMlpImpl : torch::nn::Module {
   explicit ClipMlpImpl(const ClipTextConfig& config);
   torch::Tensor forward(const torch::Tensor& x);
   bool quick_gelu;
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  Linear fc1{nullptr}, fc2{nullptr};
 };
 TORCH_MODULE(ClipMlp);
 

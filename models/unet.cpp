@@ -117,8 +117,8 @@ torch::nn::GroupNorm group_norm(int64_t groups, int64_t channels, double eps) {
   return torch::nn::GroupNorm(torch::nn::GroupNormOptions(groups, channels).eps(eps));
 }
 
-torch::nn::Linear linear(int64_t in, int64_t out, bool bias = true) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias));
+Linear linear(int64_t in, int64_t out, bool bias = true) {
+  return Linear(torch::nn::LinearOptions(in, out).bias(bias));
 }
 
 }  // namespace

@@ -12,13 +12,14 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/conv.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include <filesystem>
 #include <string>
 #include <vector>
+
+#include "models/linear.h"
 
 namespace lorapipe::models {
 
@@ -75,9 +76,9 @@ struct AttentionImpl : torch::nn::Module {
 
   int64_t heads;
   int64_t head_dim;
-  torch::nn::Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
+  Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
   torch::nn::ModuleList to_out;  // [0]: out_proj (diffusers' [1] is a parameterless Dropout)
-  torch::nn::Linear out_proj{nullptr};
+  Linear out_proj{nullptr};
 };
 TORCH_MODULE(Attention);
 
@@ -85,7 +86,7 @@ TORCH_MODULE(Attention);
 struct GEGLUImpl : torch::nn::Module {
   GEGLUImpl(int64_t dim_in, int64_t dim_out);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::Linear proj{nullptr};
+  Linear proj{nullptr};
 };
 TORCH_MODULE(GEGLU);
 
@@ -96,7 +97,7 @@ struct FeedForwardImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   torch::nn::ModuleList net;
   GEGLU geglu{nullptr};
-  torch::nn::Linear out{nullptr};
+  Linear out{nullptr};
 };
 TORCH_MODULE(FeedForward);
 
@@ -120,7 +121,7 @@ struct Transformer2DImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& context);
   torch::nn::GroupNorm norm{nullptr};
   torch::nn::Conv2d proj_in_conv{nullptr}, proj_out_conv{nullptr};
-  torch::nn::Linear proj_in_linear{nullptr}, proj_out_linear{nullptr};
+  Linear proj_in_linear{nullptr}, proj_out_linear{nullptr};
   torch::nn::ModuleList transformer_blocks;
   std::vector<BasicTransformerBlock> blocks;
 };
@@ -135,7 +136,7 @@ struct ResnetBlock2DImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& temb);
   torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
-  torch::nn::Linear time_emb_proj{nullptr};
+  Linear time_emb_proj{nullptr};
 };
 TORCH_MODULE(ResnetBlock2D);
 
@@ -207,7 +208,7 @@ TORCH_MODULE(UpBlock);
 struct TimestepEmbeddingImpl : torch::nn::Module {
   TimestepEmbeddingImpl(int64_t in_dim, int64_t time_embed_dim);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::Linear linear_1{nullptr}, linear_2{nullptr};
+  Linear linear_1{nullptr}, linear_2{nullptr};
 };
 TORCH_MODULE(TimestepEmbedding);
 

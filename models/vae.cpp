@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/linear.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
 
@@ -47,22 +48,22 @@ TORCH_MODULE(ResnetBlock);
 struct SpatialAttentionImpl : nn::Module {
   SpatialAttentionImpl(int64_t channels, int64_t groups) {
     group_norm_ = register_module("group_norm", group_norm(groups, channels));
-    to_q = register_module("to_q", nn::Linear(channels, channels));
-    to_k = register_module("to_k", nn::Linear(channels, channels));
-    to_v = register_module("to_v", nn::Linear(channels, channels));
+    to_q = register_module("to_q", Linear(channels, channels));
+    to_k = register_module("to_k", Linear(channels, channels));
+    to_v = register_module("to_v", Linear(channels, channels));
     to_out = register_module("to_out", nn::ModuleList());
-    to_out->push_back(nn::Linear(channels, channels));
+    to_out->push_back(Linear(channels, channels));
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t b = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
     torch::Tensor t = group_norm_(x).view({b, c, h * w}).transpose(1, 2);  // [B, HW, C]
     auto head = [&](const torch::Tensor& y) { return y.unsqueeze(1); };   // one head
     torch::Tensor out = attention(head(to_q(t)), head(to_k(t)), head(to_v(t))).squeeze(1);
-    out = to_out[0]->as<nn::Linear>()->forward(out);
+    out = to_out[0]->as<Linear>()->forward(out);
     return out.transpose(1, 2).reshape({b, c, h, w}) + x;
   }
   nn::GroupNorm group_norm_{nullptr};
-  nn::Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
+  Linear to_q{nullptr}, to_k{nullptr}, to_v{nullptr};
   nn::ModuleList to_out{nullptr};
 };
 TORCH_MODULE(SpatialAttention);
