@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <mutex>
+#include <optional>
 
 #include "common/error.h"
 #include "common/log.h"
+#include "preprocess/jpeg.h"
 
 namespace lorapipe::preprocess {
 namespace {
@@ -104,19 +106,31 @@ std::string decode_image(std::string_view bytes, const ImageHeader& header,
   init_vips();
   const VipsKernel kernel = kernel_from_name(request.resize_filter);
   try {
-    vips::VOption* options = VImage::option()
-                           ->set("access", VIPS_ACCESS_SEQUENTIAL)
-                           ->set("fail_on", VIPS_FAIL_ON_ERROR);
     const double factor = std::min(static_cast<double>(header.width) / request.resized.width,
                                    static_cast<double>(header.height) / request.resized.height);
     const bool is_jpeg = header.loader.rfind("jpegload", 0) == 0;
     const bool is_webp = header.loader.rfind("webpload", 0) == 0;
-    if (is_jpeg) {
-      options->set("shrink", jpeg_shrink_for(factor));
-    } else if (is_webp && factor >= 2) {
-      options->set("scale", 1.0 / jpeg_shrink_for(factor));
+    // A clean JPEG goes through decode_plain_jpeg (the same pixels, with libjpeg-turbo's fast
+    // Huffman path); everything else, and any JPEG it declines, through libvips' loader.
+    // `plain` owns the pixels `image` points at until they are copied out below.
+    std::optional<DecodedJpeg> plain;
+    if (is_jpeg) plain = decode_plain_jpeg(bytes, jpeg_shrink_for(factor));
+    VImage image;
+    if (plain) {
+      image = VImage::new_from_memory(plain->pixels.data(), plain->pixels.size(), plain->width,
+                                      plain->height, plain->bands, VIPS_FORMAT_UCHAR);
+      image.set(VIPS_META_ORIENTATION, header.orientation);
+    } else {
+      vips::VOption* options = VImage::option()
+                                   ->set("access", VIPS_ACCESS_SEQUENTIAL)
+                                   ->set("fail_on", VIPS_FAIL_ON_ERROR);
+      if (is_jpeg) {
+        options->set("shrink", jpeg_shrink_for(factor));
+      } else if (is_webp && factor >= 2) {
+        options->set("scale", 1.0 / jpeg_shrink_for(factor));
+      }
+      image = VImage::new_from_buffer(bytes.data(), bytes.size(), "", options);
     }
-    VImage image = VImage::new_from_buffer(bytes.data(), bytes.size(), "", options);
     image = image.autorot();
 
     // To 8-bit sRGB. CMYK goes through its embedded profile (or libvips' fallback); an embedded

@@ -1,0 +1,31 @@
+#pragma once
+// The fast path for the common case of preprocess: a clean JPEG decoded by libjpeg-turbo
+// straight from memory, DCT-scaled on load.
+//
+// libvips feeds libjpeg through its own source a few KiB at a time, and libjpeg-turbo's Huffman
+// decoder drops to its slow, byte-at-a-time path whenever less than a few KiB of input is
+// buffered (jdhuff.c), so most of a libvips JPEG decode runs on the slow path. Here the whole
+// file is one buffer (jpeg_mem_src) and the fast path runs throughout. The scaled output is
+// what libvips' shrink-on-load gives (the same libjpeg call), so what follows is unchanged.
+
+#include <optional>
+#include <string_view>
+#include <vector>
+
+namespace lorapipe::preprocess {
+
+struct DecodedJpeg {
+  int width = 0;   // as stored: EXIF orientation not applied
+  int height = 0;
+  int bands = 0;   // 3 (RGB) or 1 (grey)
+  std::vector<unsigned char> pixels;  // height * width * bands, row-major
+};
+
+// Decodes `bytes`, scaled by 1/shrink (shrink 1, 2, 4 or 8), to 8-bit RGB or grey. Returns
+// nullopt, never throws on bad data, when the file is anything but a clean JPEG whose pixels need
+// no colour management: not a JPEG, CMYK or YCCK, an embedded ICC profile, or any libjpeg error or
+// warning (corrupt data, truncation). The caller then takes the general libvips path, which
+// converts such colour or reports such a file.
+std::optional<DecodedJpeg> decode_plain_jpeg(std::string_view bytes, int shrink);
+
+}  // namespace lorapipe::preprocess
