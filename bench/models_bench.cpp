@@ -6,7 +6,9 @@
 // line, so that bench/models_bench.py can interleave its steps with the reference's:
 //   step          run the work once, print its wall and CPU milliseconds
 //   profile PATH  run it once under the autograd profiler, write a chrome trace to PATH
-// At end of input it prints "peak_rss <MiB>". Nothing here is a test.
+// At end of input it prints "peak_rss <MiB>". The UNet runs under the trainer's heap policy
+// (common/heap.h) unless LORAPIPE_BENCH_DEFAULT_HEAP is set; the VAE, the cacher's work, under
+// glibc's default heap, as the cacher does. Nothing here is a test.
 #include <sys/resource.h>
 
 #include <chrono>
@@ -18,6 +20,7 @@
 #include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
+#include "common/heap.h"
 #include "models/safetensors.h"
 #include "models/unet.h"
 #include "models/vae.h"
@@ -65,6 +68,7 @@ int serve(const std::function<void()>& work) {
     std::fflush(stdout);
   }
   std::printf("peak_rss %.0f\n", peak_rss_mib());
+
   return 0;
 }
 
@@ -91,6 +95,8 @@ int main(int argc, char** argv) {
     });
   }
   if (what == "unet") {
+    // The trainer's heap policy (common/heap.h), unless asked to measure glibc's default.
+    if (std::getenv("LORAPIPE_BENCH_DEFAULT_HEAP") == nullptr) lorapipe::keep_freed_memory_for_reuse();
     m::UNet unet(m::UNetConfig::sd15());
     unet->train();
     save_weights(*unet);

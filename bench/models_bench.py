@@ -3,7 +3,7 @@
 writes them, diffusers loads them), on the same machine in the same run.
 
     $LORAPIPE_PYTHON bench/models_bench.py [--build build] [--rounds 5] [--only vae|unet]
-        [--profile DIR]
+        [--profile DIR] [--default-heap]
 
 Both sides stay up as separate processes (so each peak RSS is that side's own) and their steps
 are interleaved, the order alternating every round: on a shared, noisy machine the two halves of
@@ -11,6 +11,8 @@ a pair see the same load, so the pairwise ratio is far steadier than two runs ta
 other. Round 0 warms both up and is not counted. Prints the median milliseconds of each side, the
 median of the pairwise ratios (reference / lorapipe: above 1 means lorapipe is faster) with their
 range, and peak RSS (lorapipe / reference). --profile writes one chrome trace per side.
+lorapipe's UNet runs under the trainer's heap policy (common/heap.h); --default-heap measures it
+under glibc's defaults instead.
 """
 import argparse
 import os
@@ -70,10 +72,10 @@ print(f"peak_rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}
 class Side:
     """One side of the comparison: a process that answers the step protocol on stdin/stdout."""
 
-    def __init__(self, name, command):
+    def __init__(self, name, command, env=None):
         self.name = name
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, bufsize=1)
+                                        text=True, bufsize=1, env=env)
         self.expect("ready")
         self.times = []
 
@@ -99,10 +101,11 @@ class Side:
         return rss
 
 
-def compare(what, binary, rounds, profile_dir):
+def compare(what, binary, rounds, profile_dir, default_heap):
+    env = dict(os.environ, LORAPIPE_BENCH_DEFAULT_HEAP="1") if default_heap else None
     with tempfile.TemporaryDirectory() as tmp:
         weights = os.path.join(tmp, f"{what}.safetensors")
-        ours = Side("lorapipe", [binary, what, weights])
+        ours = Side("lorapipe", [binary, what, weights], env)
         ref = Side("diffusers", [sys.executable, "-c", REFERENCE, what, weights])
     ratios, cpu_ratios = [], []
     for r in range(rounds + 1):
@@ -137,12 +140,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=["vae", "unet"])
     parser.add_argument("--profile", metavar="DIR")
+    parser.add_argument("--default-heap", action="store_true")
     args = parser.parse_args()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     binary = os.path.join(args.build, "bin", "models_bench")
     for what in [args.only] if args.only else ["vae", "unet"]:
-        compare(what, binary, args.rounds, args.profile)
+        compare(what, binary, args.rounds, args.profile, args.default_heap)
 
 
 if __name__ == "__main__":

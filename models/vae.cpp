@@ -34,9 +34,17 @@ struct ResnetBlockImpl : nn::Module {
     if (in != out) conv_shortcut = register_module("conv_shortcut", conv(in, out, 1));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    torch::Tensor h = conv1(torch::silu(norm1(x)));
-    h = conv2(torch::silu(norm2(h)));
-    return (conv_shortcut ? conv_shortcut(x) : x) + h;
+    // Without autograd (the cacher's encode, the sampler's decode) SiLU and the residual add
+    // run in place and each intermediate is dropped as soon as it is used, so at most the input
+    // and two activations of its size are alive at once; at 512x512 each is 128 MiB.
+    const bool in_place = !torch::GradMode::is_enabled();
+    auto silu = [&](torch::Tensor t) { return in_place ? torch::silu_(t) : torch::silu(t); };
+    torch::Tensor h = silu(norm1(x));
+    h = conv1(h);
+    h = silu(norm2(h));
+    h = conv2(h);
+    torch::Tensor skip = conv_shortcut ? conv_shortcut(x) : x;
+    return in_place ? h.add_(skip) : skip + h;
   }
   nn::GroupNorm norm1{nullptr}, norm2{nullptr};
   nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
