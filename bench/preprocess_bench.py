@@ -3,16 +3,20 @@
 
 Same files, same run, same work: lorapipe's report gives every image's bucket, cover size and
 crop; the Pillow side (the Python trainers' path: Image.draft + convert + LANCZOS resize + crop)
-does exactly those. Prints images/s for one worker and for all cores, the ratios, and
+does exactly those. A second reference is kohya's own load_image, which decodes every image at
+full size before resizing (no draft). Prints images/s for one worker and for all cores, the
+ratios (median over rounds that alternate which side goes first, with their range), and
 lorapipe's peak RSS. Not a test: nothing here passes or fails on a time.
 
     bench/preprocess_bench.py [--images 24] [--build build] [--dir ~/.cache/lorapipe/bench-jpegs]
+        [--rounds 3]
 Needs the test venv (numpy, Pillow): run it with $LORAPIPE_PYTHON.
 """
 import argparse
 import concurrent.futures
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,10 +45,11 @@ def make_images(folder: str, count: int) -> None:
         Image.fromarray(pixels).save(path, quality=90)
 
 
-def pillow_one(job):
+def pillow_one(job, draft=True):
     path, resized, bucket, offset = job
     with Image.open(path) as im:
-        im.draft("RGB", tuple(resized))
+        if draft:  # JPEG DCT scaling, as lorapipe's shrink-on-load
+            im.draft("RGB", tuple(resized))
         im = im.convert("RGB")
         im = im.resize(tuple(resized), Image.LANCZOS)
         left, top = offset
@@ -52,17 +57,22 @@ def pillow_one(job):
         return len(im.tobytes())
 
 
+def pillow_full(job):
+    """kohya's load_image: the whole image decoded at full size, then resized."""
+    return pillow_one(job, draft=False)
+
+
 def noop(_):
     return 0
 
 
-def run_pillow(jobs, workers: int) -> float:
+def run_pillow(jobs, workers: int, work=pillow_one) -> float:
     # Pillow runs in worker processes (as a DataLoader's workers do), started before the clock,
     # so this process stays small and lorapipe's RSS reading is its own.
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
         list(pool.map(noop, range(workers)))
         start = time.perf_counter()
-        total = sum(pool.map(pillow_one, jobs, chunksize=1))
+        total = sum(pool.map(work, jobs, chunksize=1))
         elapsed = time.perf_counter() - start
     assert total == sum(b[0] * b[1] * 3 for _, _, b, _ in jobs)
     return elapsed
@@ -88,6 +98,7 @@ def main() -> None:
     parser.add_argument("--build", default="build")
     parser.add_argument("--dir", default=os.path.expanduser("~/.cache/lorapipe/bench-jpegs"))
     parser.add_argument("--resolution", default="512,1024")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     with concurrent.futures.ProcessPoolExecutor(max_workers=1) as pool:
         pool.submit(make_images, args.dir, args.images).result()
@@ -104,12 +115,28 @@ def main() -> None:
                     for i in report["images"]]
             n = len(jobs)
             for workers in sorted({1, cores}):
-                ours, rss = run_lorapipe(binary, args.dir, resolution, workers)
-                theirs = run_pillow(jobs, workers)
-                print(f"resolution {resolution:>4} workers {workers}: lorapipe {n / ours:6.2f} img/s "
-                      f"(peak RSS {rss:.0f} MiB), Pillow {n / theirs:6.2f} img/s, "
-                      f"lorapipe/Pillow {theirs / ours:.2f}x")
-
+                # Rounds alternate which side runs first; on a shared machine the median of the
+                # per-round ratios is far steadier than one run of each.
+                ratios, full_ratios, rates, rss = [], [], [], 0.0
+                for r in range(args.rounds):
+                    if r % 2:
+                        theirs = run_pillow(jobs, workers)
+                        ours, peak = run_lorapipe(binary, args.dir, resolution, workers)
+                    else:
+                        ours, peak = run_lorapipe(binary, args.dir, resolution, workers)
+                        theirs = run_pillow(jobs, workers)
+                    full = run_pillow(jobs, workers, pillow_full)
+                    ratios.append(theirs / ours)
+                    full_ratios.append(full / ours)
+                    rates.append((n / ours, n / theirs, n / full))
+                    rss = max(rss, peak)
+                ours_rate, pillow_rate, full_rate = (statistics.median(x) for x in zip(*rates))
+                print(f"resolution {resolution:>4} workers {workers}: lorapipe {ours_rate:6.2f} "
+                      f"img/s (peak RSS {rss:.0f} MiB), Pillow {pillow_rate:6.2f} img/s, "
+                      f"lorapipe/Pillow {statistics.median(ratios):.2f}x [{min(ratios):.2f}-"
+                      f"{max(ratios):.2f}]; Pillow without draft (kohya's full decode) "
+                      f"{full_rate:6.2f} img/s, lorapipe/that {statistics.median(full_ratios):.2f}x",
+                      flush=True)
 
 if __name__ == "__main__":
     main()
