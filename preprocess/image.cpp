@@ -113,8 +113,9 @@ std::string decode_image(std::string_view bytes, const ImageHeader& header,
     // A clean JPEG goes through decode_plain_jpeg (the same pixels, with libjpeg-turbo's fast
     // Huffman path); everything else, and any JPEG it declines, through libvips' loader.
     // `plain` owns the pixels `image` points at until they are copied out below. It holds the
-    // whole scaled image, which is under 4x the cover size (the shrink is the largest that keeps
-    // the image at least the cover size), so memory stays bounded by the bucket, not the file.
+    // whole scaled image: under 4x the cover size in pixels when the shrink is 1, 2 or 4 (the
+    // largest that keeps the image at least the cover size), else 1/64 of the file's pixels,
+    // which --max_image_pixels caps (1.6 MP at the default 100 MP).
     std::optional<DecodedJpeg> plain;
     if (is_jpeg) plain = decode_plain_jpeg(bytes, jpeg_shrink_for(factor));
     VImage image;
