@@ -7,6 +7,8 @@
 
 #include <jpeglib.h>
 
+#include "preprocess/jpeg_huffman.h"
+
 namespace lorapipe::preprocess {
 namespace {
 
@@ -39,7 +41,7 @@ bool has_icc_profile(const jpeg_decompress_struct& info) {
 
 // Only C objects live in this frame between setjmp and a possible longjmp, so the jump skips no
 // destructor; `out` belongs to the caller.
-bool decode_into(std::string_view bytes, int shrink, DecodedJpeg* out) {
+bool decode_into(std::string_view bytes, int shrink, HuffmanDecoder huffman, DecodedJpeg* out) {
   jpeg_decompress_struct info;
   ErrorManager errors;
   info.err = jpeg_std_error(&errors.base);
@@ -65,6 +67,9 @@ bool decode_into(std::string_view bytes, int shrink, DecodedJpeg* out) {
   info.scale_num = 1;
   info.scale_denom = static_cast<unsigned>(shrink);
   jpeg_start_decompress(&info);
+  if (huffman == HuffmanDecoder::kOurs && install_fast_huffman(&info)) {
+    out->huffman = HuffmanDecoder::kOurs;
+  }
   out->width = static_cast<int>(info.output_width);
   out->height = static_cast<int>(info.output_height);
   out->bands = grey ? 1 : 3;
@@ -97,9 +102,10 @@ bool decode_into(std::string_view bytes, int shrink, DecodedJpeg* out) {
 
 }  // namespace
 
-std::optional<DecodedJpeg> decode_plain_jpeg(std::string_view bytes, int shrink) {
+std::optional<DecodedJpeg> decode_plain_jpeg(std::string_view bytes, int shrink,
+                                             HuffmanDecoder huffman) {
   DecodedJpeg decoded;
-  if (!decode_into(bytes, shrink, &decoded)) return std::nullopt;
+  if (!decode_into(bytes, shrink, huffman, &decoded)) return std::nullopt;
   return decoded;
 }
 

@@ -14,11 +14,17 @@
 
 namespace lorapipe::preprocess {
 
+// Which Huffman decoder decodes the entropy-coded data: ours (jpeg_huffman.h) where it handles
+// the file, libjpeg-turbo's otherwise. Both give the same coefficients; kLibjpeg is for tests and
+// benchmarks that compare the two.
+enum class HuffmanDecoder { kOurs, kLibjpeg };
+
 struct DecodedJpeg {
   int width = 0;   // as stored: EXIF orientation not applied
   int height = 0;
   int bands = 0;   // 3 (RGB) or 1 (grey)
   std::vector<unsigned char> pixels;  // height * width * bands, row-major
+  HuffmanDecoder huffman = HuffmanDecoder::kLibjpeg;  // the one that decoded this image
 };
 
 // Decodes `bytes`, scaled by 1/shrink (shrink 1, 2, 4 or 8), to 8-bit RGB or grey. Returns
@@ -26,6 +32,7 @@ struct DecodedJpeg {
 // no colour management: not a JPEG, CMYK or YCCK, an embedded ICC profile, or any libjpeg error or
 // warning (corrupt data, truncation). The caller then takes the general libvips path, which
 // converts such colour or reports such a file.
-std::optional<DecodedJpeg> decode_plain_jpeg(std::string_view bytes, int shrink);
+std::optional<DecodedJpeg> decode_plain_jpeg(std::string_view bytes, int shrink,
+                                             HuffmanDecoder huffman = HuffmanDecoder::kOurs);
 
 }  // namespace lorapipe::preprocess
