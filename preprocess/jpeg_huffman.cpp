@@ -1,15 +1,17 @@
 #include "preprocess/jpeg_huffman.h"
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>  // jpeglib.h needs FILE and size_t declared first
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include <jpeglib.h>
 #include <jerror.h>
-#include <jpegint.h>  // struct jpeg_entropy_decoder, jpeg_natural_order
+#include <jpegint.h>  // struct jpeg_entropy_decoder
 
 namespace lorapipe::preprocess {
 namespace {
@@ -27,20 +29,59 @@ constexpr size_t kWindowBytes = size_t{1} << 16;
 constexpr size_t kMcuBytes = 4096;
 constexpr size_t kReadAhead = 8;  // a refill loads 8 bytes
 
-// A fast-table entry: bits consumed in bits 0-5 (the code, plus the value bits when the kind is
-// kValue; low, so the shift takes the entry as it is), the kind in 6-7, the symbol in 8-15 (run in
-// its high nibble, size in the low), and for kValue the coefficient in 16-31.
-enum Kind : uint32_t {
-  kValue = 0 << 6,       // code and value bits both here: the coefficient is complete (ZRL too)
-  kCodeOnly = 1 << 6,    // the value bits run past kFastBits: read them separately
-  kEndOfBlock = 2 << 6,  // an AC symbol with size 0 and run below 15
-  kLongCode = 3 << 6,    // the code is longer than kFastBits: canonical decode
+// A fast-table entry (64 bits):
+//   bits  0-5   bits consumed: the code, plus the value bits when the kind is kValue, plus the
+//               second symbol's when there is one (low, so the shift takes the entry as it is)
+//   bits  6-7   kind
+//   bits  8-13  bits of the first symbol alone (kValue)
+//   bits 16-31  the first coefficient (kValue)
+//   bits 32-39  the first symbol: run in its high nibble, size in the low
+//   bits 40-47  for kValue, the step from the first coefficient's position to the second's: 0 when
+//               there is no second (the second write repeats the first), 1 + run for a second
+//               coefficient or ZRL, 64 for an end of block (it ends the block's loop)
+//   bits 48-63  the second coefficient (kValue)
+// An AC entry holds two symbols when both fit in the lookup bits with their value bits, which at
+// photo bit rates (under 5 bits a symbol) is most lookups. End of block and ZRL are kValue
+// entries too, writing a zero where no coefficient has been written yet (a position still to
+// come, or the guard past 63), so the common path has no branch on the symbol.
+enum Kind : uint64_t {
+  kValue = 0 << 6,      // complete symbol(s)
+  kCodeOnly = 1 << 6,   // the value bits run past kFastBits: read them separately
+  kLongCode = 3 << 6,   // the code is longer than kFastBits: canonical decode
 };
-constexpr uint32_t kKindMask = 3 << 6;
-constexpr uint32_t kLengthMask = 63;
+constexpr uint64_t kKindMask = 3 << 6;
+constexpr uint64_t kLengthMask = 63;
+constexpr uint64_t kEndOfBlockStep = 64;
+
+constexpr uint64_t value_entry(uint32_t length, uint32_t first_length, uint32_t symbol,
+                               int32_t first, uint32_t step, int32_t second) {
+  return kValue | length | uint64_t{first_length} << 8 |
+         uint64_t{static_cast<uint16_t>(first)} << 16 |
+         uint64_t{symbol} << 32 | uint64_t{step} << 40 |
+         uint64_t{static_cast<uint16_t>(second)} << 48;
+}
+
+// Zigzag index to natural (row-major) position, with guard entries past 63 that land on 63 as
+// libjpeg's jpeg_natural_order does: a corrupt run overflows there, and the two-symbol path's
+// second write reaches k + 64 at most.
+constexpr std::array<uint8_t, 128> natural_order() {
+  std::array<uint8_t, 128> order{};
+  int k = 0;
+  for (int diagonal = 0; diagonal < 15; ++diagonal) {  // row + column, alternating direction
+    for (int i = 0; i <= diagonal; ++i) {
+      const int row = diagonal % 2 == 0 ? diagonal - i : i;
+      const int column = diagonal - row;
+      if (row < 8 && column < 8) order[k++] = static_cast<uint8_t>(row * 8 + column);
+    }
+  }
+  for (; k < 128; ++k) order[k] = 63;
+  return order;
+}
+constexpr std::array<uint8_t, 128> kNatural = natural_order();
+static_assert(kNatural[2] == 8 && kNatural[3] == 16 && kNatural[63] == 63 && kNatural[62] == 62);
 
 struct Table {
-  uint32_t fast[1 << kFastBits];
+  uint64_t fast[1 << kFastBits];
   int32_t max_code[17];      // largest code of each length, or -1 when there is none
   int32_t value_offset[17];  // index in `symbols` of a code of that length, minus the code
   uint8_t symbols[256];
@@ -91,36 +132,58 @@ bool build_table(const JHUFF_TBL& source, bool dc, Table* table) {
   for (int length = 1; length <= 16; ++length) total += source.bits[length];
   if (total > 256) return false;
   std::memcpy(table->symbols, source.huffval, sizeof(table->symbols));
-  for (uint32_t& entry : table->fast) entry = kLongCode;
+  for (uint64_t& entry : table->fast) entry = kLongCode;
   uint32_t code = 0;
   int index = 0;
-  for (int length = 1; length <= 16; ++length) {
+  for (uint32_t length = 1; length <= 16; ++length) {
     table->value_offset[length] = index - static_cast<int32_t>(code);
     for (int i = 0; i < source.bits[length]; ++i, ++index, ++code) {
       const uint32_t symbol = source.huffval[index];
       if (dc && symbol > 15) return false;
       if (length > kFastBits) continue;
-      const int size = static_cast<int>(symbol & 15);
-      const int run = static_cast<int>(symbol >> 4);
+      const uint32_t size = symbol & 15;
       const uint32_t first = code << (kFastBits - length);
       for (uint32_t slot = first; slot < first + (1u << (kFastBits - length)); ++slot) {
-        uint32_t& entry = table->fast[slot];
-        if (!dc && size == 0 && run != 15) {
-          entry = kEndOfBlock | length | symbol << 8;
-        } else if (size == 0) {  // a DC difference of 0, or a run of 16 zeros (ZRL)
-          entry = kValue | length | symbol << 8;
+        uint64_t& entry = table->fast[slot];
+        if (!dc && size == 0 && symbol != 0xF0) {  // end of block (any run but 15)
+          entry = value_entry(length, length, symbol, 0, kEndOfBlockStep, 0);
+        } else if (size == 0) {  // a DC difference of 0, or ZRL: a run of 16 zeros
+          entry = value_entry(length, length, symbol, 0, 0, 0);
         } else if (length + size <= kFastBits) {
           const uint32_t value_bits = (slot >> (kFastBits - length - size)) & ((1u << size) - 1);
-          const auto value = static_cast<uint16_t>(extend(value_bits, size));
-          entry = kValue | (length + size) | symbol << 8 | uint32_t{value} << 16;
+          const int32_t value = extend(value_bits, static_cast<int>(size));
+          entry = value_entry(length + size, length + size, symbol, value, 0, value);
         } else {
-          entry = kCodeOnly | length | symbol << 8;
+          entry = kCodeOnly | length | uint64_t{symbol} << 32;
         }
       }
     }
     table->max_code[length] = source.bits[length] ? static_cast<int32_t>(code) - 1 : -1;
     if (code >= (1u << length)) return false;  // over-subscribed, or an all-ones code
     code <<= 1;
+  }
+  if (dc) return true;
+  // Pair each complete AC symbol, other than an end of block, with a complete second one that
+  // fits in the bits after it. The second is read from the single-symbol entry of those bits
+  // (shifted up, zeros below), which is only valid when its length fits in what is left.
+  const std::vector<uint64_t> single(std::begin(table->fast), std::end(table->fast));
+  constexpr uint32_t kSlotMask = (1u << kFastBits) - 1;
+  for (uint32_t slot = 0; slot <= kSlotMask; ++slot) {
+    const uint64_t first = single[slot];
+    const uint32_t first_length = first & kLengthMask;
+    if ((first & kKindMask) != kValue || (first >> 40 & 0xFF) == kEndOfBlockStep ||
+        first_length >= kFastBits) {
+      continue;
+    }
+    const uint64_t second = single[(slot << first_length) & kSlotMask];
+    const uint32_t second_length = second & kLengthMask;
+    if ((second & kKindMask) != kValue || first_length + second_length > kFastBits) continue;
+    const bool end = (second >> 40 & 0xFF) == kEndOfBlockStep;
+    const uint32_t step = end ? kEndOfBlockStep : 1 + static_cast<uint32_t>(second >> 36 & 15);
+    table->fast[slot] = value_entry(first_length + second_length, first_length,
+                                    static_cast<uint32_t>(first >> 32 & 0xFF),
+                                    static_cast<int16_t>(first >> 16), step,
+                                    end ? 0 : static_cast<int16_t>(second >> 16));
   }
   return true;
 }
@@ -245,7 +308,7 @@ boolean decode_mcu(j_decompress_ptr info, JBLOCKROW* blocks) {
     next += (63 - count) >> 3;
     count |= 56;
   };
-  const auto consume = [&](uint32_t n) {
+  const auto consume = [&](uint64_t n) {
     bits <<= n;
     count -= static_cast<int>(n);
   };
@@ -255,13 +318,13 @@ boolean decode_mcu(j_decompress_ptr info, JBLOCKROW* blocks) {
     // DC: the difference from the previous block of the component.
     refill();
     const Table& dc = *d->dc[b];
-    uint32_t entry = dc.fast[bits >> (64 - kFastBits)];
+    uint64_t entry = dc.fast[bits >> (64 - kFastBits)];
     int32_t diff = 0;
     if ((entry & kKindMask) == kValue) {
       diff = static_cast<int16_t>(entry >> 16);
       consume(entry & kLengthMask);
     } else {
-      uint32_t symbol = entry >> 8 & 0xFF;
+      uint32_t symbol = entry >> 32 & 0xFF;
       uint32_t length = entry & kLengthMask;
       if ((entry & kKindMask) == kLongCode && !decode_long(dc, bits, &symbol, &length)) corrupt(info);
       consume(length);
@@ -276,22 +339,24 @@ boolean decode_mcu(j_decompress_ptr info, JBLOCKROW* blocks) {
     block[0] = static_cast<JCOEF>(predictor);
 
     // AC: (run, size) symbols to the end of the block. A run past position 63 (corrupt data)
-    // lands on 63, through the 16 guard entries of jpeg_natural_order, exactly as in libjpeg.
+    // lands on 63, as in libjpeg.
     const Table& ac = *d->ac[b];
     for (int k = 1; k < DCTSIZE2; ++k) {
       refill();
       entry = ac.fast[bits >> (64 - kFastBits)];
       if ((entry & kKindMask) == kValue) {
-        k += (entry >> 12) & 15;
+        k += static_cast<int>(entry >> 36 & 15);
+        block[kNatural[k]] = static_cast<JCOEF>(static_cast<int16_t>(entry >> 16));
+        if (k >= DCTSIZE2 - 1) {  // the block is full: a second symbol is the next block's
+          consume(entry >> 8 & kLengthMask);
+          break;
+        }
+        k += static_cast<int>(entry >> 40 & 0xFF);
+        block[kNatural[k]] = static_cast<JCOEF>(static_cast<int16_t>(entry >> 48));
         consume(entry & kLengthMask);
-        block[jpeg_natural_order[k]] = static_cast<JCOEF>(static_cast<int16_t>(entry >> 16));
         continue;
       }
-      if ((entry & kKindMask) == kEndOfBlock) {
-        consume(entry & kLengthMask);
-        break;
-      }
-      uint32_t symbol = entry >> 8 & 0xFF;
+      uint32_t symbol = entry >> 32 & 0xFF;
       uint32_t length = entry & kLengthMask;
       if ((entry & kKindMask) == kLongCode && !decode_long(ac, bits, &symbol, &length)) corrupt(info);
       consume(length);
@@ -299,7 +364,7 @@ boolean decode_mcu(j_decompress_ptr info, JBLOCKROW* blocks) {
       const uint32_t size = symbol & 15;
       if (size != 0) {
         k += static_cast<int>(run);
-        block[jpeg_natural_order[k]] =
+        block[kNatural[k]] =
             static_cast<JCOEF>(extend(static_cast<uint32_t>(bits >> (64 - size)), static_cast<int>(size)));
         consume(size);
       } else if (run == 15) {
