@@ -297,41 +297,44 @@ boolean decode_mcu(j_decompress_ptr info, JBLOCKROW* blocks) {
   const uint8_t* next = d->next;
   uint64_t bits = d->bits;
   int count = d->count;
-  // Refill: load 8 bytes, keep whole bytes, leave 56-63 bits counted. A symbol takes at most 31
-  // bits (16 of code, 15 of value), so it is skipped while 32 or more are counted: most symbols
-  // are short, and skipping keeps the load off the chain from one symbol's lookup to the next.
+  // After every symbol (or pair) the reader drops what it used and refills: one 8-byte load,
+  // whole bytes kept, 56-63 bits counted. A lookup uses only the top kFastBits, which were valid
+  // before the refill, so it reads `top` (the bits before the refill's OR): the next lookup then
+  // waits only on this one's length, while the load and OR run alongside.
+  uint64_t top = 0;
   const auto refill = [&] {
-    if (count >= 32) return;
     uint64_t word;
     std::memcpy(&word, next, sizeof(word));
     bits |= __builtin_bswap64(word) >> count;
     next += (63 - count) >> 3;
     count |= 56;
   };
-  const auto consume = [&](uint64_t n) {
+  const auto advance = [&](uint64_t n) {
     bits <<= n;
     count -= static_cast<int>(n);
+    top = bits;  // 25 or more bits counted: a symbol takes at most 31 of the 56 there were
+    refill();
   };
+  refill();  // 56 or more bits from here on, enough for any symbol with its value bits
+  top = bits;
   JBLOCK scratch;
   for (int b = 0; b < info->blocks_in_MCU; ++b) {
     JCOEF* block = blocks != nullptr ? blocks[b][0] : scratch;
     // DC: the difference from the previous block of the component.
-    refill();
     const Table& dc = *d->dc[b];
-    uint64_t entry = dc.fast[bits >> (64 - kFastBits)];
+    uint64_t entry = dc.fast[top >> (64 - kFastBits)];
     int32_t diff = 0;
     if ((entry & kKindMask) == kValue) {
       diff = static_cast<int16_t>(entry >> 16);
-      consume(entry & kLengthMask);
+      advance(entry & kLengthMask);
     } else {
       uint32_t symbol = entry >> 32 & 0xFF;
       uint32_t length = entry & kLengthMask;
       if ((entry & kKindMask) == kLongCode && !decode_long(dc, bits, &symbol, &length)) corrupt(info);
-      consume(length);
       if (symbol != 0) {
-        diff = extend(static_cast<uint32_t>(bits >> (64 - symbol)), static_cast<int>(symbol));
-        consume(symbol);
+        diff = extend(static_cast<uint32_t>(bits << length >> (64 - symbol)), static_cast<int>(symbol));
       }
+      advance(length + symbol);
     }
     int32_t& predictor = d->predictor[d->component[b]];
     // Wraps as libjpeg's does on hostile data, where a run of large differences overflows.
@@ -342,34 +345,34 @@ boolean decode_mcu(j_decompress_ptr info, JBLOCKROW* blocks) {
     // lands on 63, as in libjpeg.
     const Table& ac = *d->ac[b];
     for (int k = 1; k < DCTSIZE2; ++k) {
-      refill();
-      entry = ac.fast[bits >> (64 - kFastBits)];
+      entry = ac.fast[top >> (64 - kFastBits)];
       if ((entry & kKindMask) == kValue) {
         k += static_cast<int>(entry >> 36 & 15);
         block[kNatural[k]] = static_cast<JCOEF>(static_cast<int16_t>(entry >> 16));
         if (k >= DCTSIZE2 - 1) {  // the block is full: a second symbol is the next block's
-          consume(entry >> 8 & kLengthMask);
+          advance(entry >> 8 & kLengthMask);
           break;
         }
         k += static_cast<int>(entry >> 40 & 0xFF);
         block[kNatural[k]] = static_cast<JCOEF>(static_cast<int16_t>(entry >> 48));
-        consume(entry & kLengthMask);
+        advance(entry & kLengthMask);
         continue;
       }
       uint32_t symbol = entry >> 32 & 0xFF;
       uint32_t length = entry & kLengthMask;
       if ((entry & kKindMask) == kLongCode && !decode_long(ac, bits, &symbol, &length)) corrupt(info);
-      consume(length);
       const uint32_t run = symbol >> 4;
       const uint32_t size = symbol & 15;
       if (size != 0) {
         k += static_cast<int>(run);
-        block[kNatural[k]] =
-            static_cast<JCOEF>(extend(static_cast<uint32_t>(bits >> (64 - size)), static_cast<int>(size)));
-        consume(size);
+        block[kNatural[k]] = static_cast<JCOEF>(
+            extend(static_cast<uint32_t>(bits << length >> (64 - size)), static_cast<int>(size)));
+        advance(length + size);
       } else if (run == 15) {
         k += 15;
+        advance(length);
       } else {
+        advance(length);
         break;
       }
     }
