@@ -12,9 +12,11 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include "common/error.h"
@@ -33,17 +35,44 @@ constexpr std::string_view kLog = "preprocess";
 // an older lorapipe are never served for it.
 constexpr int64_t kDecodeVersion = 1;
 
-// The whole file in one read (an istreambuf_iterator copy runs at a fraction of disk speed).
-std::string read_file(const fs::path& path) {
+// A file's bytes, read whole in one read (an istreambuf_iterator copy runs at a fraction of disk
+// speed). Not a std::string: that zero-fills every byte before the read overwrites it, which was
+// 1.3% of a preprocess run on large JPEGs.
+class FileBytes {
+ public:
+  std::string_view view() const { return {data_.get(), size_}; }
+  // Grows to `capacity` bytes, keeping the first size() of them.
+  void reserve(size_t capacity) {
+    if (capacity <= capacity_) return;
+    std::unique_ptr<char[]> grown(new char[capacity]);
+    if (size_ > 0) std::memcpy(grown.get(), data_.get(), size_);
+    data_ = std::move(grown);
+    capacity_ = capacity;
+  }
+  // Reads to the end of `file`, past the size it was expected to have in case it grew meanwhile.
+  void read_all(std::FILE* file) {
+    for (;;) {
+      if (size_ == capacity_) reserve(std::max<size_t>(capacity_ * 2, 65536));
+      const size_t n = std::fread(data_.get() + size_, 1, capacity_ - size_, file);
+      if (n == 0) return;
+      size_ += n;
+    }
+  }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  size_t size_ = 0;
+  size_t capacity_ = 0;
+};
+
+FileBytes read_file(const fs::path& path) {
   std::FILE* file = std::fopen(path.c_str(), "rb");
   if (file == nullptr) throw InputError(std::string("cannot open: ") + std::strerror(errno));
   std::error_code ec;
   const uintmax_t size = fs::file_size(path, ec);
-  std::string bytes(ec ? 0 : size, '\0');
-  bytes.resize(std::fread(bytes.data(), 1, bytes.size(), file));
-  // Read on past the size we were told, in case the file grew meanwhile.
-  char chunk[65536];
-  for (size_t n; (n = std::fread(chunk, 1, sizeof(chunk), file)) > 0;) bytes.append(chunk, n);
+  FileBytes bytes;
+  bytes.reserve(ec ? 0 : size + 1);  // one byte over, so the read that finds the end needs no growth
+  bytes.read_all(file);
   const bool failed = std::ferror(file) != 0;
   const int error = errno;
   std::fclose(file);
@@ -86,7 +115,8 @@ std::string describe_megapixels(int64_t pixels) {
 // Header-level checks and the bucket; no pixel is decoded. Throws InputError with the reason.
 Probed probe_one(const ImageEntry& entry, const Discovery& discovery, const Options& options,
                  const std::vector<BucketSelector>& selectors) {
-  const std::string bytes = read_file(entry.path);
+  const FileBytes file = read_file(entry.path);
+  const std::string_view bytes = file.view();
   Probed p;
   p.content_hash = hash_bytes(bytes).hex();
   p.header = probe_image(bytes);
@@ -397,7 +427,8 @@ Report run(const Options& options) {
       d.index = i;
       try {
         const Probed& p = *probed[i];
-        const std::string bytes = read_file(discovery.images[i].path);
+        const FileBytes file = read_file(discovery.images[i].path);
+        const std::string_view bytes = file.view();
         if (hash_bytes(bytes).hex() != p.content_hash) {
           throw InputError("file changed while preprocessing: run again");
         }
