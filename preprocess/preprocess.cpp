@@ -33,7 +33,8 @@ namespace {
 constexpr std::string_view kLog = "preprocess";
 // Bumped when the decode pipeline changes what pixels a transform produces, so caches filled by
 // an older lorapipe are never served for it.
-constexpr int64_t kDecodeVersion = 1;
+// 2: clean JPEGs resize with resize_lanczos3 (Pillow's arithmetic) instead of libvips' reduce.
+constexpr int64_t kDecodeVersion = 2;
 
 // A file's bytes, read whole in one read (an istreambuf_iterator copy runs at a fraction of disk
 // speed). Not a std::string: that zero-fills every byte before the read overwrites it, which was
