@@ -114,6 +114,7 @@ def main() -> None:
             jobs = [(i["path"], i["resized"], i["bucket"], i["crop_offset"])
                     for i in report["images"]]
             n = len(jobs)
+            pillow_one_worker = None
             for workers in sorted({1, cores}):
                 # Rounds alternate which side runs first; on a shared machine the median of the
                 # per-round ratios is far steadier than one run of each.
@@ -131,12 +132,19 @@ def main() -> None:
                     rates.append((n / ours, n / theirs, n / full))
                     rss = max(rss, peak)
                 ours_rate, pillow_rate, full_rate = (statistics.median(x) for x in zip(*rates))
+                if workers == 1:
+                    pillow_one_worker = pillow_rate
                 print(f"resolution {resolution:>4} workers {workers}: lorapipe {ours_rate:6.2f} "
                       f"img/s (peak RSS {rss:.0f} MiB), Pillow {pillow_rate:6.2f} img/s, "
                       f"lorapipe/Pillow {statistics.median(ratios):.2f}x [{min(ratios):.2f}-"
                       f"{max(ratios):.2f}]; Pillow without draft (kohya's full decode) "
                       f"{full_rate:6.2f} img/s, lorapipe/that {statistics.median(full_ratios):.2f}x",
                       flush=True)
+                if workers > 1 and pillow_one_worker:
+                    # The Python trainers' path is one process: all of lorapipe's threads
+                    # against it (medians of separate runs, so noisier than the paired ratios).
+                    print(f"resolution {resolution:>4}: lorapipe on {workers} threads / Pillow "
+                          f"in one process {ours_rate / pillow_one_worker:.2f}x", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,14 @@
 namespace lorapipe::preprocess {
 namespace {
 
+// x86-64's baseline (SSE2) has no 32-bit multiply across lanes; an AVX2 clone of each pass,
+// chosen at load time, has one. Other targets compile the passes once.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LORAPIPE_VECTOR_CLONES [[gnu::target_clones("avx2", "default")]]
+#else
+#define LORAPIPE_VECTOR_CLONES
+#endif
+
 constexpr int kPrecisionBits = 22;  // 32 bits less 8 for the pixel and 2 for overshoot
 constexpr int32_t kHalf = 1 << (kPrecisionBits - 1);
 constexpr int kStripRows = 8;  // rows the horizontal pass filters together
@@ -73,8 +81,8 @@ inline unsigned char clip(int32_t sum) {
 // Strips of kStripRows rows are laid out column by column, so that each weight multiplies
 // kStripRows * kBands bytes that sit together: the inner loop runs across all of them at once.
 template <int kBands>
-[[gnu::target_clones("avx2", "default")]] void horizontal(const unsigned char* in, int width, int rows, const Weights& w, int out_width,
-                unsigned char* out) {
+LORAPIPE_VECTOR_CLONES void horizontal(const unsigned char* in, int width, int rows,
+                                       const Weights& w, int out_width, unsigned char* out) {
   constexpr int kLanes = kStripRows * kBands;
   std::vector<unsigned char> columns(static_cast<size_t>(width) * kLanes);
   const size_t in_stride = static_cast<size_t>(width) * kBands;
@@ -106,8 +114,8 @@ template <int kBands>
 }
 
 // Vertical pass: each output row is a weighted sum of input rows, along the whole row at once.
-[[gnu::target_clones("avx2", "default")]] void vertical(const unsigned char* in, size_t row_bytes, const Weights& w, int out_height,
-              unsigned char* out) {
+LORAPIPE_VECTOR_CLONES void vertical(const unsigned char* in, size_t row_bytes, const Weights& w,
+                                     int out_height, unsigned char* out) {
   std::vector<int32_t> sum(row_bytes);
   for (int o = 0; o < out_height; ++o) {
     std::fill(sum.begin(), sum.end(), kHalf);
