@@ -99,8 +99,8 @@ struct Decoder {
   // Input not yet destuffed, up to the end of the file.
   const uint8_t* raw;
   const uint8_t* raw_end;
-  // What ended the current entropy-coded segment once the destuffer reached it: a marker code, or
-  // kEndOfData when the file ended first; 0 while the segment goes on.
+  // What ended the current entropy-coded segment once the destuffer reached it: a marker code,
+  // kEndOfData when the file ended first, kBadStuffing at invalid stuffing; 0 while it goes on.
   int segment_end;
   // Destuffed bytes of the current segment; window[window_len...] is zeros once it has ended.
   uint8_t* window;
@@ -112,6 +112,7 @@ struct Decoder {
 };
 
 constexpr int kEndOfData = 0x100;
+constexpr int kBadStuffing = 0x101;
 
 [[noreturn]] void corrupt(j_decompress_ptr info) {
   info->err->msg_code = JWRN_HUFF_BAD_CODE;
@@ -215,9 +216,16 @@ void destuff(Decoder* d) {
       break;
     }
     in = after + 1;
-    if (*after == 0) {
+    if (*after == 0 && after == ff + 1) {
       *out++ = 0xFF;
       continue;
+    }
+    if (*after == 0) {
+      // Fill FFs before a 00 is invalid (T.81 B.1.1.5). libjpeg-turbo reads it as one data FF,
+      // but only after its fast path has stopped at it mid-MCU, leaving that attempt's
+      // coefficients under the retry's: not something to reproduce, so the file is declined.
+      d->segment_end = kBadStuffing;
+      break;
     }
     d->segment_end = *after;  // `in` is past the marker code, as libjpeg's unread_marker wants
     break;
@@ -256,7 +264,7 @@ int end_segment(j_decompress_ptr info, Decoder* d) {
     d->count = 0;
     destuff(d);
   }
-  if (overran(*d) || d->segment_end == kEndOfData) corrupt(info);
+  if (overran(*d) || d->segment_end == kEndOfData || d->segment_end == kBadStuffing) corrupt(info);
   return d->segment_end;
 }
 

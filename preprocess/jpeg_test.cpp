@@ -241,6 +241,14 @@ TEST_F(PreprocessJpeg, LeavesEverythingElseToLibvips) {
   // Entropy-coded data one byte short before EOI: only the last MCU reads past its end.
   const std::string cut = good.substr(0, good.size() - 3) + good.substr(good.size() - 2);
   EXPECT_FALSE(decode_plain_jpeg(cut, 1).has_value());
+  // A fill FF before a stuffed FF 00 in the entropy-coded data (invalid; found by jpeg_fuzz):
+  // libjpeg-turbo's fast path stops there mid-MCU and leaves coefficients its retry keeps.
+  const size_t scan = good.find("\xff\xda");
+  const size_t stuffed = good.find(std::string("\xff\x00", 2), scan + 2);
+  ASSERT_NE(stuffed, std::string::npos);
+  std::string filled = good;
+  filled.insert(stuffed, "\xff");
+  EXPECT_FALSE(decode_plain_jpeg(filled, 1).has_value());
   // Corrupt entropy-coded data in the middle.
   std::string corrupt = good;
   for (size_t i = corrupt.size() / 2; i < corrupt.size() / 2 + 64; ++i) corrupt[i] = '\xff';

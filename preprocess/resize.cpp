@@ -81,8 +81,9 @@ inline unsigned char clip(int32_t sum) {
 // Strips of kStripRows rows are laid out column by column, so that each weight multiplies
 // kStripRows * kBands bytes that sit together: the inner loop runs across all of them at once.
 template <int kBands>
-LORAPIPE_VECTOR_CLONES void horizontal(const unsigned char* in, int width, int rows,
-                                       const Weights& w, int out_width, unsigned char* out) {
+[[gnu::always_inline]] inline void horizontal(const unsigned char* in, int width, int rows,
+                                              const Weights& w, int out_width,
+                                              unsigned char* out) {
   constexpr int kLanes = kStripRows * kBands;
   std::vector<unsigned char> columns(static_cast<size_t>(width) * kLanes);
   const size_t in_stride = static_cast<size_t>(width) * kBands;
@@ -130,11 +131,22 @@ LORAPIPE_VECTOR_CLONES void vertical(const unsigned char* in, size_t row_bytes, 
   }
 }
 
+// One function per band count, so that each can be cloned (clang clones no templates).
+LORAPIPE_VECTOR_CLONES void horizontal_grey(const unsigned char* in, int width, int rows,
+                                            const Weights& w, int out_width, unsigned char* out) {
+  horizontal<1>(in, width, rows, w, out_width, out);
+}
+LORAPIPE_VECTOR_CLONES void horizontal_rgb(const unsigned char* in, int width, int rows,
+                                           const Weights& w, int out_width, unsigned char* out) {
+  horizontal<3>(in, width, rows, w, out_width, out);
+}
+
 void horizontal_pass(const unsigned char* in, int width, int rows, int bands, const Weights& w,
                      int out_width, unsigned char* out) {
-  switch (bands) {
-    case 1: horizontal<1>(in, width, rows, w, out_width, out); break;
-    default: horizontal<3>(in, width, rows, w, out_width, out); break;
+  if (bands == 1) {
+    horizontal_grey(in, width, rows, w, out_width, out);
+  } else {
+    horizontal_rgb(in, width, rows, w, out_width, out);
   }
 }
 
