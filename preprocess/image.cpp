@@ -121,8 +121,10 @@ std::string decode_image(std::string_view bytes, const ImageHeader& header,
     if (is_jpeg) plain = decode_plain_jpeg(bytes, jpeg_shrink_for(factor));
     VImage image;
     if (plain) {
-      // Lanczos-3 (the default filter) resizes here, in the stored orientation, with Pillow's
-      // exact arithmetic and 2-4x faster than libvips' reduce; other filters resize below.
+      // Lanczos-3 (the default filter) resizes here, with Pillow's exact arithmetic and 2-4x
+      // faster than libvips' reduce; other filters resize below. It runs in the stored
+      // orientation (autorot turns the smaller result), so for EXIF orientations 5-8 the pixels
+      // are Pillow's resize of the stored image, turned.
       const bool swap = swaps_axes(header.orientation);
       const int width = swap ? request.resized.height : request.resized.width;
       const int height = swap ? request.resized.width : request.resized.height;

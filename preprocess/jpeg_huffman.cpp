@@ -137,6 +137,8 @@ bool build_table(const JHUFF_TBL& source, bool dc, Table* table) {
   uint32_t code = 0;
   int index = 0;
   for (uint32_t length = 1; length <= 16; ++length) {
+    // Over-subscribed, or an all-ones code: checked before any slot of this length is filled.
+    if (code + source.bits[length] >= (1u << length)) return false;
     table->value_offset[length] = index - static_cast<int32_t>(code);
     for (int i = 0; i < source.bits[length]; ++i, ++index, ++code) {
       const uint32_t symbol = source.huffval[index];
@@ -160,7 +162,6 @@ bool build_table(const JHUFF_TBL& source, bool dc, Table* table) {
       }
     }
     table->max_code[length] = source.bits[length] ? static_cast<int32_t>(code) - 1 : -1;
-    if (code >= (1u << length)) return false;  // over-subscribed, or an all-ones code
     code <<= 1;
   }
   if (dc) return true;
@@ -255,16 +256,19 @@ bool overran(const Decoder& d) {
   return d.segment_end != 0 && consumed_bits > static_cast<ptrdiff_t>(d.window_len) * 8;
 }
 
-// Reads up to the marker that ends the current segment, which must be present and not overrun.
-// Data left between the last MCU and the marker is skipped, as libjpeg skips it.
+// The marker that ends the current segment, which the last MCU must reach without overrunning
+// and without leaving a whole byte before it: an encoder pads to the byte with 1 bits only, and
+// libjpeg warns of extraneous bytes there, the usual sign of a bit error that ended a damaged
+// scan early. (libjpeg checks that at a restart marker; at the end of the scan its bit buffer may
+// have swallowed a few such bytes unseen, so this is stricter there.)
 int end_segment(j_decompress_ptr info, Decoder* d) {
-  while (d->segment_end == 0) {
-    d->window_len = 0;
-    d->next = d->window;
-    d->count = 0;
-    destuff(d);
+  if (d->segment_end == 0) corrupt(info);  // the window holds kilobytes past the last MCU
+  const ptrdiff_t consumed_bits = (d->next - d->window) * 8 - d->count;
+  const ptrdiff_t left_bits = static_cast<ptrdiff_t>(d->window_len) * 8 - consumed_bits;
+  if (left_bits < 0 || left_bits >= 8 || d->segment_end == kEndOfData ||
+      d->segment_end == kBadStuffing) {
+    corrupt(info);
   }
-  if (overran(*d) || d->segment_end == kEndOfData || d->segment_end == kBadStuffing) corrupt(info);
   return d->segment_end;
 }
 
