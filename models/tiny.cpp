@@ -88,7 +88,10 @@ UNetConfig tiny_unet_config() {
   c.cross_attention_dim = 32;
   c.attention_head_dim = {4, 4};
   c.transformer_layers_per_block = {1, 1};
-  c.norm_num_groups = 32;
+  // Fewer groups than channels, as in SD1.5 (320 channels in 32 groups): with one channel per
+  // group, GroupNorm would cancel the per-channel time-embedding shift and leave every resnet's
+  // time_emb_proj without effect or gradient.
+  c.norm_num_groups = 8;
   c.sample_size = 8;
   return c;
 }

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/checkpoint.h"
 #include "models/weights.h"
 
 namespace lorapipe::models {
@@ -105,12 +106,12 @@ void refuse_unsupported(const json& config, const std::string& source) {
   // the scaled_dot_product_attention path this UNet and diffusers' default processor take.
 }
 
-torch::nn::Conv2d conv3x3(int64_t in, int64_t out, int64_t stride = 1) {
-  return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1));
+Conv2d conv3x3(int64_t in, int64_t out, int64_t stride = 1) {
+  return Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1));
 }
 
-torch::nn::Conv2d conv1x1(int64_t in, int64_t out) {
-  return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1));
+Conv2d conv1x1(int64_t in, int64_t out) {
+  return Conv2d(torch::nn::Conv2dOptions(in, out, 1));
 }
 
 torch::nn::GroupNorm group_norm(int64_t groups, int64_t channels, double eps) {
@@ -601,8 +602,34 @@ torch::Tensor UNetImpl::forward(const torch::Tensor& sample, const torch::Tensor
   const torch::Tensor emb = time_embed(timesteps, sample.size(0), sample);
   torch::Tensor x = conv_in(sample);
   std::vector<torch::Tensor> skips{x};
-  for (auto& block : down_list) x = block->forward(x, emb, encoder_hidden_states, skips);
-  x = mid_block(x, emb, encoder_hidden_states);
+  const bool checkpointed = gradient_checkpointing && torch::GradMode::is_enabled();
+  for (auto& block : down_list) {
+    if (!checkpointed) {
+      x = block->forward(x, emb, encoder_hidden_states, skips);
+      continue;
+    }
+    // Outputs: the block's result, then the skips it appends.
+    auto outputs = checkpoint(
+        [block = block.ptr()](const std::vector<torch::Tensor>& in) {
+          std::vector<torch::Tensor> block_skips;
+          std::vector<torch::Tensor> out{block->forward(in[0], in[1], in[2], block_skips)};
+          out.insert(out.end(), block_skips.begin(), block_skips.end());
+          return out;
+        },
+        {x, emb, encoder_hidden_states}, trainable_adapter_tensors(*block));
+    x = outputs[0];
+    skips.insert(skips.end(), outputs.begin() + 1, outputs.end());
+  }
+  if (checkpointed) {
+    auto mid = mid_block.ptr();
+    x = checkpoint(
+        [mid](const std::vector<torch::Tensor>& in) {
+          return std::vector<torch::Tensor>{mid->forward(in[0], in[1], in[2])};
+        },
+        {x, emb, encoder_hidden_states}, trainable_adapter_tensors(*mid_block))[0];
+  } else {
+    x = mid_block(x, emb, encoder_hidden_states);
+  }
   for (auto& block : up_list) {
     const size_t take = block->resnet_list.size();
     std::vector<torch::Tensor> own(skips.end() - static_cast<std::ptrdiff_t>(take), skips.end());
@@ -612,7 +639,19 @@ torch::Tensor UNetImpl::forward(const torch::Tensor& sample, const torch::Tensor
     if (block->upsampler) {
       upsample_size.assign(skips.back().sizes().begin() + 2, skips.back().sizes().end());
     }
-    x = block->forward(x, own, emb, encoder_hidden_states, upsample_size);
+    if (!checkpointed) {
+      x = block->forward(x, own, emb, encoder_hidden_states, upsample_size);
+      continue;
+    }
+    std::vector<torch::Tensor> inputs{x, emb, encoder_hidden_states};
+    inputs.insert(inputs.end(), own.begin(), own.end());
+    x = checkpoint(
+        [block = block.ptr(), upsample_size](const std::vector<torch::Tensor>& in) {
+          const std::vector<torch::Tensor> block_skips(in.begin() + 3, in.end());
+          return std::vector<torch::Tensor>{
+              block->forward(in[0], block_skips, in[1], in[2], upsample_size)};
+        },
+        inputs, trainable_adapter_tensors(*block))[0];
   }
   return conv_out(torch::silu(conv_norm_out(x)));
 }

@@ -120,7 +120,7 @@ struct Transformer2DImpl : torch::nn::Module {
                     int64_t groups, bool linear_projection);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& context);
   torch::nn::GroupNorm norm{nullptr};
-  torch::nn::Conv2d proj_in_conv{nullptr}, proj_out_conv{nullptr};
+  Conv2d proj_in_conv{nullptr}, proj_out_conv{nullptr};
   Linear proj_in_linear{nullptr}, proj_out_linear{nullptr};
   torch::nn::ModuleList transformer_blocks;
   std::vector<BasicTransformerBlock> blocks;
@@ -135,7 +135,7 @@ struct ResnetBlock2DImpl : torch::nn::Module {
                     int64_t groups, double eps);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& temb);
   torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
-  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
+  Conv2d conv1{nullptr}, conv2{nullptr}, conv_shortcut{nullptr};
   Linear time_emb_proj{nullptr};
 };
 TORCH_MODULE(ResnetBlock2D);
@@ -144,7 +144,7 @@ TORCH_MODULE(ResnetBlock2D);
 struct Downsample2DImpl : torch::nn::Module {
   explicit Downsample2DImpl(int64_t channels);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::Conv2d conv{nullptr};
+  Conv2d conv{nullptr};
 };
 TORCH_MODULE(Downsample2D);
 
@@ -155,7 +155,7 @@ TORCH_MODULE(Downsample2D);
 struct Upsample2DImpl : torch::nn::Module {
   explicit Upsample2DImpl(int64_t channels);
   torch::Tensor forward(const torch::Tensor& x, c10::IntArrayRef size);
-  torch::nn::Conv2d conv{nullptr};
+  Conv2d conv{nullptr};
 };
 TORCH_MODULE(Upsample2D);
 
@@ -237,14 +237,19 @@ struct UNetImpl : torch::nn::Module {
 
   const UNetConfig& config() const { return config_; }
 
-  torch::nn::Conv2d conv_in{nullptr};
+  // With grad mode on, each down block, the mid block and each up block runs under
+  // models::checkpoint (models/checkpoint.h): its activations are recomputed in backward, and the
+  // LoRA tensors inside it are passed explicitly so a frozen base still gives them gradients.
+  bool gradient_checkpointing = false;
+
+  Conv2d conv_in{nullptr};
   unet_blocks::TimestepEmbedding time_embedding{nullptr};
   torch::nn::ModuleList down_blocks, up_blocks;
   std::vector<unet_blocks::DownBlock> down_list;
   std::vector<unet_blocks::UpBlock> up_list;
   unet_blocks::MidBlock mid_block{nullptr};
   torch::nn::GroupNorm conv_norm_out{nullptr};
-  torch::nn::Conv2d conv_out{nullptr};
+  Conv2d conv_out{nullptr};
 
  private:
   UNetConfig config_;

@@ -1,0 +1,129 @@
+#include "models/checkpoint.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <torch/autograd.h>
+#include <torch/nn/module.h>
+
+#include <optional>
+
+#include "models/linear.h"
+
+namespace lorapipe::models {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The block travels to backward through the context, refcounted with the graph node.
+struct BlockHolder : torch::CustomClassHolder {
+  BlockFunction block;
+  size_t input_count = 0;
+  std::vector<at::Generator> generators;  // CPU, and the inputs' CUDA device when there is one
+  std::vector<at::Tensor> rng_states;
+};
+
+std::vector<at::Generator> generators_for(at::TensorList inputs) {
+  std::vector<at::Generator> out{at::detail::getDefaultCPUGenerator()};
+  for (const at::Tensor& x : inputs) {
+    if (x.defined() && x.is_cuda()) {
+      out.push_back(at::globalContext().defaultGenerator(x.device()));
+      break;
+    }
+  }
+  return out;
+}
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<BlockHolder> holder,
+                               at::TensorList inputs, at::TensorList trainable) {
+    holder->input_count = inputs.size();
+    holder->generators = generators_for(inputs);
+    for (auto& g : holder->generators) holder->rng_states.push_back(g.get_state());
+    ctx->saved_data["block"] = c10::IValue::make_capsule(holder);
+    std::vector<at::Tensor> saved(inputs.begin(), inputs.end());
+    saved.insert(saved.end(), trainable.begin(), trainable.end());
+    ctx->save_for_backward(saved);
+    at::NoGradGuard no_grad;
+    return holder->block(std::vector<at::Tensor>(inputs.begin(), inputs.end()));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto holder = c10::static_intrusive_pointer_cast<BlockHolder>(
+        ctx->saved_data["block"].toCapsule());
+    const variable_list saved = ctx->get_saved_variables();
+    const size_t n_inputs = holder->input_count;
+    std::vector<at::Tensor> inputs;
+    std::vector<at::Tensor> targets;
+    std::vector<size_t> target_slot;  // index into the gradients returned below
+    for (size_t i = 0; i < n_inputs; ++i) {
+      at::Tensor x = saved[i].detach();
+      if (saved[i].requires_grad()) {
+        x.requires_grad_(true);
+        targets.push_back(x);
+        target_slot.push_back(i);
+      }
+      inputs.push_back(x);
+    }
+    for (size_t i = n_inputs; i < saved.size(); ++i) {
+      targets.push_back(saved[i]);
+      target_slot.push_back(i);
+    }
+
+    std::vector<at::Tensor> outputs;
+    {
+      // Same random numbers as the first run, then the stream continues where it was.
+      std::vector<at::Tensor> now;
+      for (size_t g = 0; g < holder->generators.size(); ++g) {
+        now.push_back(holder->generators[g].get_state());
+        holder->generators[g].set_state(holder->rng_states[g]);
+      }
+      at::AutoGradMode grad_mode(true);
+      outputs = holder->block(inputs);
+      for (size_t g = 0; g < now.size(); ++g) holder->generators[g].set_state(now[g]);
+    }
+    std::vector<at::Tensor> roots, root_grads;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (!grad_outputs[i].defined() || !outputs[i].requires_grad()) continue;
+      roots.push_back(outputs[i]);
+      root_grads.push_back(grad_outputs[i]);
+    }
+    // One gradient slot per forward argument as autograd flattened them: the holder, then each
+    // input, then each trainable tensor.
+    variable_list grads(1 + saved.size());
+    if (roots.empty() || targets.empty()) return grads;
+    const variable_list found = torch::autograd::grad(roots, targets, root_grads,
+                                                      /*retain_graph=*/false,
+                                                      /*create_graph=*/false,
+                                                      /*allow_unused=*/true);
+    for (size_t k = 0; k < found.size(); ++k) grads[1 + target_slot[k]] = found[k];
+    return grads;
+  }
+};
+
+}  // namespace
+
+std::vector<at::Tensor> checkpoint(BlockFunction block, const std::vector<at::Tensor>& inputs,
+                                   const std::vector<at::Tensor>& trainable) {
+  if (!at::GradMode::is_enabled()) return block(inputs);
+  auto holder = c10::make_intrusive<BlockHolder>();
+  holder->block = std::move(block);
+  return CheckpointFunction::apply(holder, at::TensorList(inputs), at::TensorList(trainable));
+}
+
+std::vector<at::Tensor> trainable_adapter_tensors(const torch::nn::Module& module) {
+  std::vector<at::Tensor> out;
+  auto add = [&](const std::shared_ptr<LoraAdapter>& lora) {
+    if (!lora) return;
+    for (const at::Tensor& t : {lora->down, lora->up}) {
+      if (t.defined() && t.requires_grad()) out.push_back(t);
+    }
+  };
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (auto linear = std::dynamic_pointer_cast<LinearImpl>(m)) add(linear->lora);
+    if (auto conv = std::dynamic_pointer_cast<Conv2dImpl>(m)) add(conv->lora);
+  }
+  return out;
+}
+
+}  // namespace lorapipe::models

@@ -1,0 +1,83 @@
+#include "models/sd15_lora.h"
+
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <set>
+
+namespace lorapipe::models {
+namespace {
+
+std::string kohya_name(const std::string& prefix, const std::string& path) {
+  std::string name = prefix + "." + path;
+  std::replace(name.begin(), name.end(), '.', '_');
+  return name;
+}
+
+// kohya's create_modules over `root`: for each module whose class is a target (`is_target`),
+// every Linear / Conv2d below it, in named_modules order, each layer once.
+template <typename IsTarget>
+std::vector<LoraTarget> collect(const torch::nn::Module& root, const std::string& prefix,
+                                bool text_encoder, IsTarget is_target) {
+  std::vector<LoraTarget> out;
+  std::set<const torch::nn::Module*> seen;
+  for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
+    if (!is_target(*item.value())) continue;
+    for (const auto& child : item.value()->named_modules("", /*include_self=*/false)) {
+      LoraTarget target;
+      target.linear = std::dynamic_pointer_cast<LinearImpl>(child.value());
+      target.conv = std::dynamic_pointer_cast<Conv2dImpl>(child.value());
+      if (!target.linear && !target.conv) continue;
+      if (!seen.insert(child.value().get()).second) continue;
+      target.module_path = item.key() + "." + child.key();
+      target.name = kohya_name(prefix, target.module_path);
+      target.text_encoder = text_encoder;
+      out.push_back(std::move(target));
+    }
+  }
+  return out;
+}
+
+template <typename T>
+bool is(const torch::nn::Module& m) {
+  return dynamic_cast<const T*>(&m) != nullptr;
+}
+
+}  // namespace
+
+bool LoraTarget::is_conv_kxk() const {
+  if (!conv) return false;
+  const auto& k = conv->options.kernel_size();
+  return (*k)[0] != 1 || (*k)[1] != 1;
+}
+
+int64_t LoraTarget::in_features() const {
+  return linear ? linear->options.in_features() : conv->options.in_channels();
+}
+
+int64_t LoraTarget::out_features() const {
+  return linear ? linear->options.out_features() : conv->options.out_channels();
+}
+
+const at::Tensor& LoraTarget::weight() const { return linear ? linear->weight : conv->weight; }
+
+std::shared_ptr<LoraAdapter>& LoraTarget::slot() const { return linear ? linear->lora : conv->lora; }
+
+std::vector<LoraTarget> unet_lora_targets(const UNet& unet, bool conv_kxk) {
+  using namespace unet_blocks;
+  return collect(*unet, kLoraUnetPrefix, /*text_encoder=*/false,
+                 [conv_kxk](const torch::nn::Module& m) {
+                   if (is<Transformer2DImpl>(m)) return true;
+                   return conv_kxk && (is<ResnetBlock2DImpl>(m) || is<Downsample2DImpl>(m) ||
+                                       is<Upsample2DImpl>(m));
+                 });
+}
+
+std::vector<LoraTarget> text_encoder_lora_targets(const ClipTextModel& text_encoder) {
+  return collect(*text_encoder, kLoraTextEncoderPrefix, /*text_encoder=*/true,
+                 [](const torch::nn::Module& m) {
+                   return is<ClipAttentionImpl>(m) || is<ClipMlpImpl>(m);
+                 });
+}
+
+}  // namespace lorapipe::models

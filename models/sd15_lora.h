@@ -1,0 +1,51 @@
+#pragma once
+// The layers a LoRA adapts in a Stable Diffusion 1.x/2.x model and kohya's names for them
+// (sd-scripts networks/lora.py, LoRANetwork.create_modules), next to sd15_keys (the family's
+// checkpoint key map). Saving, loading and merging LoRA files all name layers through here.
+//
+// kohya's rule, followed exactly: inside every module of a target class, every Linear and every
+// Conv2d is adapted, named prefix + "_" + (module path + "." + child path) with '.' -> '_'.
+//  - UNet (prefix lora_unet): Transformer2DModel (proj_in/proj_out as 1x1 convs or Linear, attn1
+//    and attn2 to_q/to_k/to_v/to_out.0, ff.net.0.proj, ff.net.2). With conv LoRA (LoCon,
+//    network_args conv_dim), also ResnetBlock2D, Downsample2D and Upsample2D: their 3x3 convs
+//    take the conv rank, their Linear (time_emb_proj) and 1x1 conv_shortcut the linear rank.
+//  - CLIP text encoder (prefix lora_te): CLIPAttention (q/k/v/out_proj) and CLIPMLP (fc1, fc2).
+// On SD1.5 that is 192 UNet and 72 text-encoder layers.
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "models/clip_text.h"
+#include "models/linear.h"
+#include "models/unet.h"
+
+namespace lorapipe::models {
+
+struct LoraTarget {
+  std::string name;         // kohya's: "lora_unet_down_blocks_0_attentions_0_proj_in"
+  std::string module_path;  // diffusers' / transformers': "down_blocks.0.attentions.0.proj_in"
+  bool text_encoder = false;
+  // Exactly one of the two is set.
+  std::shared_ptr<LinearImpl> linear;
+  std::shared_ptr<Conv2dImpl> conv;
+
+  // A 3x3 (or larger) convolution: adapted only with conv LoRA, at the conv rank.
+  bool is_conv_kxk() const;
+  int64_t in_features() const;   // input channels for a conv
+  int64_t out_features() const;  // output channels for a conv
+  const at::Tensor& weight() const;
+  std::shared_ptr<LoraAdapter>& slot() const;
+};
+
+// The UNet's targets in module order; with `conv_kxk`, the ResnetBlock2D / Downsample2D /
+// Upsample2D layers too (kohya's UNET_TARGET_REPLACE_MODULE_CONV2D_3X3).
+std::vector<LoraTarget> unet_lora_targets(const UNet& unet, bool conv_kxk);
+
+// The text encoder's targets in module order.
+std::vector<LoraTarget> text_encoder_lora_targets(const ClipTextModel& text_encoder);
+
+inline constexpr const char* kLoraUnetPrefix = "lora_unet";
+inline constexpr const char* kLoraTextEncoderPrefix = "lora_te";
+
+}  // namespace lorapipe::models
