@@ -13,7 +13,7 @@ namespace lorapipe::models {
 
 ClipTextConfig ClipTextConfig::sd15() { return ClipTextConfig{}; }
 
-ClipTextConfig ClipTextConfig::from_json(const std::string& text) {
+ClipTextConfig ClipTextConfig::from_json(const std::string& text, const std::string& source) try {
   const nlohmann::json j = nlohmann::json::parse(text);
   ClipTextConfig c;
   c.vocab_size = j.value("vocab_size", c.vocab_size);
@@ -26,9 +26,12 @@ ClipTextConfig ClipTextConfig::from_json(const std::string& text) {
   c.layer_norm_eps = j.value("layer_norm_eps", c.layer_norm_eps);
   c.eos_token_id = j.value("eos_token_id", c.eos_token_id);
   if (c.hidden_act != "quick_gelu" && c.hidden_act != "gelu") {
-    throw InputError("text encoder config: hidden_act '" + c.hidden_act + "' is not supported");
+    throw InputError(source + ": text encoder config: hidden_act '" + c.hidden_act +
+                     "' is not supported");
   }
   return c;
+} catch (const nlohmann::json::exception& e) {
+  throw InputError(source + ": text encoder config: " + e.what());
 }
 
 ClipAttentionImpl::ClipAttentionImpl(const ClipTextConfig& c) : heads(c.num_attention_heads) {

@@ -29,8 +29,10 @@ struct ClipTextConfig {
   int64_t eos_token_id = 2;  // 2: the legacy config, where the pooled token is argmax(input_ids)
 
   static ClipTextConfig sd15();
-  // A transformers `text_encoder/config.json`; absent fields keep these defaults.
-  static ClipTextConfig from_json(const std::string& text);
+  // A transformers `text_encoder/config.json`; absent fields keep these defaults. Throws InputError
+  // naming `source` for malformed JSON, a field of the wrong type or an unsupported activation.
+  static ClipTextConfig from_json(const std::string& text,
+                                  const std::string& source = "text_encoder/config.json");
 };
 
 struct ClipAttentionImpl : torch::nn::Module {

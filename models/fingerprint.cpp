@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <fstream>
+#include <iterator>
 
 #include "common/hash.h"
 
@@ -22,6 +24,29 @@ std::string weights_fingerprint(const torch::nn::Module& module, const std::stri
     hasher.field(std::string_view(static_cast<const char*>(t.data_ptr()), t.nbytes()));
   }
   return hasher.digest().hex();
+}
+
+std::string tokenizer_fingerprint(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  Hasher hasher;
+  auto add = [&](const fs::path& file) {
+    std::ifstream in(file, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    hasher.field(file.filename().string()).field(bytes);
+  };
+  if (fs::is_directory(path)) {
+    for (const char* name : {"vocab.json", "merges.txt"}) {
+      if (fs::exists(path / name)) add(path / name);
+    }
+  } else if (!path.empty()) {
+    add(path);
+  }
+  return hasher.digest().hex();
+}
+
+std::string text_encoder_settings(int clip_skip, const std::filesystem::path& tokenizer) {
+  return "clip_skip=" + std::to_string(clip_skip) + ";max_length=77;tokenizer=" +
+         tokenizer_fingerprint(tokenizer);
 }
 
 }  // namespace lorapipe::models

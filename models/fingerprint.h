@@ -2,6 +2,7 @@
 // Fingerprints of the weights a model actually holds: what cache keys are made of, so swapping
 // a VAE or a text encoder (even under the same file name) never serves records made by another.
 
+#include <filesystem>
 #include <string>
 
 namespace torch::nn {
@@ -14,5 +15,14 @@ namespace lorapipe::models {
 // bytes as held now (after any dtype conversion, so fp16 and fp32 copies differ), plus `extra`
 // (settings that change outputs, e.g. clip skip).
 std::string weights_fingerprint(const torch::nn::Module& module, const std::string& extra = "");
+
+// What identifies a tokenizer in text keys: the bytes it was loaded from (vocab.json and
+// merges.txt of a folder, or the one vocabulary file).
+std::string tokenizer_fingerprint(const std::filesystem::path& path);
+
+// The settings that shape a text encoder's output, as the cacher folds them into its
+// fingerprint: clip skip, max length and the tokenizer. The trainer recomputes them to check that
+// cached text was made by the text encoder it trains with.
+std::string text_encoder_settings(int clip_skip, const std::filesystem::path& tokenizer);
 
 }  // namespace lorapipe::models

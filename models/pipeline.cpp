@@ -91,10 +91,10 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
                                      ? UNetConfig::from_json(*config_from(kUnetConfigKey), sd.source)
                                      : UNetConfig::sd15();
   const VaeConfig vae_config = config_from(kVaeConfigKey)
-                                   ? VaeConfig::from_json(*config_from(kVaeConfigKey))
+                                   ? VaeConfig::from_json(*config_from(kVaeConfigKey), sd.source)
                                    : VaeConfig::sd15();
   const ClipTextConfig text_config = config_from(kTextConfigKey)
-                                         ? ClipTextConfig::from_json(*config_from(kTextConfigKey))
+                                         ? ClipTextConfig::from_json(*config_from(kTextConfigKey), sd.source)
                                          : ClipTextConfig::sd15();
   build(sd, unet_config, vae_config, text_config, options);
 
@@ -163,8 +163,11 @@ StableDiffusion load_diffusers_folder(const fs::path& folder, const LoadOptions&
   build(sd,
         UNetConfig::from_json(read_text(folder / "unet" / "config.json"),
                               (folder / "unet" / "config.json").string()),
-        VaeConfig::from_json(read_text(folder / "vae" / "config.json")),
-        ClipTextConfig::from_json(read_text(folder / "text_encoder" / "config.json")), options);
+        VaeConfig::from_json(read_text(folder / "vae" / "config.json"),
+                             (folder / "vae" / "config.json").string()),
+        ClipTextConfig::from_json(read_text(folder / "text_encoder" / "config.json"),
+                                  (folder / "text_encoder" / "config.json").string()),
+        options);
   if (options.load_unet) load_unet_diffusers(sd.unet, folder / "unet");
   load_vae(sd.vae, folder / "vae");
   load_clip_text(sd.text_encoder, folder / "text_encoder");

@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fstream>
+
 #include "common/error.h"
 #include "models/attention.h"
 #include "models/parity_util.h"
@@ -148,6 +150,27 @@ TEST_F(PipelineParity, KnownExtrasAreSkippedAndUnknownKeysNamed) {
     FAIL() << "a checkpoint with a missing weight loaded";
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("decoder.conv_out.bias"), std::string::npos) << e.what();
+  }
+}
+
+// A config.json that is not JSON, or holds a field of the wrong type, is an InputError naming
+// the file (not a JSON exception from deep inside).
+TEST_F(PipelineParity, BadConfigsNameTheirFile) {
+  const fs::path folder = dir_ / "bad-configs";
+  for (const char* part : {"vae", "text_encoder"}) {
+    fs::remove_all(folder);
+    fs::copy(tiny_.diffusers, folder, fs::copy_options::recursive);
+    for (const std::string text : {"{not json", R"({"block_out_channels": "wide", "hidden_size": [1]})"}) {
+      std::ofstream(folder / part / "config.json") << text;
+      try {
+        load_stable_diffusion(folder);
+        FAIL() << part << ": a broken config.json loaded";
+      } catch (const InputError& e) {
+        EXPECT_NE(std::string(e.what()).find((folder / part / "config.json").string()),
+                  std::string::npos)
+            << e.what();
+      }
+    }
   }
 }
 

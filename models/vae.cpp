@@ -186,7 +186,7 @@ class VaeDecoderImpl : public nn::Module {
 
 VaeConfig VaeConfig::sd15() { return VaeConfig{}; }
 
-VaeConfig VaeConfig::from_json(const std::string& text) {
+VaeConfig VaeConfig::from_json(const std::string& text, const std::string& source) try {
   const nlohmann::json j = nlohmann::json::parse(text);
   VaeConfig c;
   c.in_channels = j.value("in_channels", c.in_channels);
@@ -202,14 +202,16 @@ VaeConfig VaeConfig::from_json(const std::string& text) {
     for (const auto& type : j[key]) {
       const std::string t = type.get<std::string>();
       if (t != "DownEncoderBlock2D" && t != "UpDecoderBlock2D") {
-        throw InputError(std::string("VAE config: ") + key + " '" + t + "' is not supported");
+        throw InputError(source + ": VAE config: " + key + " '" + t + "' is not supported");
       }
     }
   }
   if (j.value("use_quant_conv", true) == false || j.value("use_post_quant_conv", true) == false) {
-    throw InputError("VAE config: models without quant_conv are not supported yet");
+    throw InputError(source + ": VAE config: models without quant_conv are not supported yet");
   }
   return c;
+} catch (const nlohmann::json::exception& e) {
+  throw InputError(source + ": VAE config: " + e.what());
 }
 
 torch::Tensor LatentDistribution::std() const { return torch::exp(0.5 * logvar); }

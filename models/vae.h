@@ -25,7 +25,9 @@ struct VaeConfig {
 
   static VaeConfig sd15();
   // A diffusers `vae/config.json`; absent fields keep these defaults.
-  static VaeConfig from_json(const std::string& text);
+  // Throws InputError naming `source` for malformed JSON, a field of the wrong type or a VAE this
+  // code does not build.
+  static VaeConfig from_json(const std::string& text, const std::string& source = "vae/config.json");
 };
 
 struct LatentDistribution {
