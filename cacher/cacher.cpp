@@ -35,24 +35,6 @@ c10::ScalarType parse_dtype(const std::string& name) {
   throw InputError("--dtype='" + name + "' is not a dtype: use fp32, fp16 or bf16");
 }
 
-// What identifies the tokenizer in text keys: the bytes it was loaded from.
-std::string tokenizer_fingerprint(const fs::path& path) {
-  Hasher hasher;
-  auto add = [&](const fs::path& file) {
-    std::ifstream in(file, std::ios::binary);
-    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    hasher.field(file.filename().string()).field(bytes);
-  };
-  if (fs::is_directory(path)) {
-    for (const char* name : {"vocab.json", "merges.txt"}) {
-      if (fs::exists(path / name)) add(path / name);
-    }
-  } else if (!path.empty()) {
-    add(path);
-  }
-  return hasher.digest().hex();
-}
-
 // The stage's state for one stream.
 class Cacher {
  public:
@@ -71,9 +53,8 @@ class Cacher {
     // Fingerprints of what is loaded, in the compute dtype, with the settings that shape the
     // output: another VAE, dtype, clip skip or tokenizer gives other keys.
     latents_.emplace(model_.vae, models::weights_fingerprint(*model_.vae, "vae"));
-    const std::string text_settings = "clip_skip=" + std::to_string(options.clip_skip) +
-                                      ";max_length=77;tokenizer=" +
-                                      tokenizer_fingerprint(model_.tokenizer_path);
+    const std::string text_settings =
+        models::text_encoder_settings(options.clip_skip, model_.tokenizer_path);
     texts_.emplace(model_.text_encoder, model_.tokenizer ? &*model_.tokenizer : nullptr,
                    models::weights_fingerprint(*model_.text_encoder, text_settings),
                    options.clip_skip);
@@ -87,6 +68,7 @@ class Cacher {
 
  private:
   void on_sample(const wire::ImageSample& sample);
+  static std::string check_sample(const wire::ImageSample& sample);
   void flush_bucket(std::vector<wire::ImageSample>& pending);
   void flush_texts();
   void finish(const wire::DatasetReport& report);
@@ -112,8 +94,33 @@ class Cacher {
   bool stream_done_ = false;
 };
 
+// Empty when `s` can be batched with its bucket: a bucket of whole latent cells and, unless it
+// is key-only, exactly bucket.width x bucket.height x 3 bytes of RGB; else the reason.
+std::string Cacher::check_sample(const wire::ImageSample& s) {
+  const uint64_t w = s.bucket().width(), h = s.bucket().height();
+  if (w == 0 || h == 0 || w % 8 != 0 || h % 8 != 0) {
+    return "bucket " + std::to_string(w) + "x" + std::to_string(h) +
+           " is not a positive multiple of 8 on each side";
+  }
+  if (s.key_only()) return "";
+  if (s.channels() != 3) return std::to_string(s.channels()) + " channels (RGB, 3, expected)";
+  if (s.pixels().size() != w * h * 3) {
+    return std::to_string(s.pixels().size()) + " pixel bytes for a " + std::to_string(w) + "x" +
+           std::to_string(h) + " bucket (" + std::to_string(w * h * 3) + " expected)";
+  }
+  return "";
+}
+
 void Cacher::on_sample(const wire::ImageSample& s) {
   if (summary_.dataset_id.empty()) summary_.dataset_id = s.dataset_id();
+  if (const std::string why = check_sample(s); !why.empty()) {
+    // Rejected on arrival, alone: a sample that cannot join its bucket's batch must not poison
+    // the batch it would have joined.
+    ++summary_.rejected;
+    LP_LOG(kWarning, kLog) << "rejected " << s.path() << ": " << why;
+    publish_report(false);
+    return;
+  }
   wire::ManifestEntry entry;
   entry.set_latent_key(latent_key(s.image_key(), latents_->fingerprint()));
   *entry.mutable_bucket() = s.bucket();
@@ -122,6 +129,8 @@ void Cacher::on_sample(const wire::ImageSample& s) {
   entry.set_is_reg(s.is_reg());
   entry.set_flip(s.flip());
   entry.set_path(s.path());
+  *entry.mutable_caption_settings() = s.caption_settings();
+  entry.set_batch_size(s.batch_size());
   if (s.augment_caption()) {
     all_text_cached_ = false;  // the trainer encodes this caption online, augmented each step
   } else {
@@ -227,8 +236,9 @@ std::unique_ptr<wire::HasKeysReply> Cacher::has_keys(const wire::HasKeysRequest&
 }
 
 std::unique_ptr<wire::GetRecordsReply> Cacher::get_records(const wire::GetRecordsRequest& request) {
-  const Table table = request.kind() == wire::GetRecordsRequest::TEXT ? Table::kTexts
-                                                                       : Table::kLatents;
+  Table table = Table::kLatents;
+  if (request.kind() == wire::GetRecordsRequest::TEXT) table = Table::kTexts;
+  if (request.kind() == wire::GetRecordsRequest::MANIFEST) table = Table::kManifests;
   const std::vector<std::string> keys(request.keys().begin(), request.keys().end());
   auto reply = std::make_unique<wire::GetRecordsReply>();
   const auto values = store_->get_many(table, keys);

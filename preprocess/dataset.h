@@ -39,7 +39,7 @@ struct SubsetOptions {
 
 struct DatasetOptions {
   BucketOptions buckets;
-  int batch_size = 1;
+  int batch_size = 0;  // from a dataset TOML; 0: not given (the trainer's --train_batch_size)
   std::vector<SubsetOptions> subsets;
 };
 

@@ -23,6 +23,7 @@ struct Options {
   double max_aspect_ratio = 8.0;
   int64_t max_image_pixels = 100'000'000;
   std::string resize_filter = "lanczos3";
+  bool jpeg_fast_path = true;  // false: every JPEG through libvips (see jpeg.h)
   uint64_t seed = 0;  // random_crop offsets derive from it and the image content
 
   bool report_only = false;  // no cacher: decode to validate, then report
@@ -51,6 +52,12 @@ struct ImageResult {
   bool is_reg = false;
   bool flip = false;
   bool augment_caption = false;
+  bool shuffle_caption = false;  // the subset's caption augmentation, passed to the trainer
+  int keep_tokens = 0;
+  double caption_dropout_rate = 0;
+  int caption_dropout_every_n_epochs = 0;
+  double caption_tag_dropout_rate = 0;
+  int batch_size = 0;  // the dataset's batch_size (0: not set in a dataset TOML)
   Reso resolution;  // the dataset's resolution, for the square-crop comparison
   std::string image_key;  // content hash . transform hash
   bool cached = false;    // the cacher already holds it: sent key-only

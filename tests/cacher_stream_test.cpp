@@ -242,6 +242,51 @@ TEST_F(CachePipeline, KillNineMidWriteThenRestartCompletes) {
   EXPECT_EQ(r.manifest_entries, kImages);
 }
 
+// A sample whose pixels do not fit its bucket is rejected alone, on arrival, with its path: the
+// good samples of the same bucket are encoded and the manifest is written. (It used to be thrown
+// at the batch's flush, which left the bucket poisoned and no manifest written.)
+TEST_F(CachePipeline, SampleThatDoesNotFitItsBucketIsRejectedAlone) {
+  const pid_t cacher = spawn(cacher_args(tiny_.single_file, "--vae_batch_size=4"),
+                             work_ / "cacher.out", work_ / "cacher.err");
+  zmq::context_t context;
+  zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
+  push.connect("ipc://" + (work_ / "pull.sock").string());
+  auto sample = [](const std::string& name, size_t pixel_bytes) {
+    wire::ImageSample s;
+    s.set_dataset_id("handmade");
+    s.set_path("/photos/" + name);
+    s.set_image_key("content-" + name + ".transform");
+    s.mutable_bucket()->set_width(64);
+    s.mutable_bucket()->set_height(64);
+    s.mutable_original_size()->set_width(64);
+    s.mutable_original_size()->set_height(64);
+    s.set_caption("a " + name);
+    s.set_repeats(1);
+    s.set_channels(3);
+    s.set_pixels(std::string(pixel_bytes, '\x80'));
+    return s;
+  };
+  for (const auto& s : {sample("good1.png", 64 * 64 * 3), sample("broken.png", 1000),
+                        sample("good2.png", 64 * 64 * 3)}) {
+    ASSERT_EQ(wire::send(push, s), wire::SendStatus::kSent);
+  }
+  wire::DatasetReport report;
+  report.set_dataset_id("handmade");
+  ASSERT_EQ(wire::send(push, report), wire::SendStatus::kSent);
+  EXPECT_EQ(wait_exit(cacher), 0) << read_text(work_ / "cacher.err");
+  EXPECT_NE(read_text(work_ / "cacher.err").find("/photos/broken.png"), std::string::npos)
+      << read_text(work_ / "cacher.err");
+  const cacher::Store store = open_cache();
+  wire::Manifest manifest;
+  const auto stored = store.get(cacher::Table::kManifests, "handmade");
+  ASSERT_TRUE(stored.has_value()) << "no manifest was written";
+  ASSERT_TRUE(manifest.ParseFromString(*stored));
+  ASSERT_EQ(manifest.entries_size(), 2);
+  EXPECT_EQ(manifest.entries(0).path(), "/photos/good1.png");
+  EXPECT_EQ(manifest.entries(1).path(), "/photos/good2.png");
+  EXPECT_EQ(store.stats(cacher::Table::kLatents).entries, 2u);
+}
+
 TEST_F(CachePipeline, FullCacheIsAClearErrorAndLeavesTheCacheUsable) {
   const RunResult r = run(tiny_.single_file, "--max_map_mb=1");
   EXPECT_EQ(r.cacher_exit, 2);
