@@ -118,7 +118,10 @@ std::string decode_image(std::string_view bytes, const ImageHeader& header,
     // largest that keeps the image at least the cover size), else 1/64 of the file's pixels,
     // which --max_image_pixels caps (1.6 MP at the default 100 MP).
     std::optional<DecodedJpeg> plain;
-    if (is_jpeg) plain = decode_plain_jpeg(bytes, jpeg_shrink_for(factor));
+    if (is_jpeg && jpeg_fast_path_enabled()) {
+      plain = decode_plain_jpeg(bytes, jpeg_shrink_for(factor));
+      if (plain) count_jpeg_fast_path_decode();
+    }
     VImage image;
     if (plain) {
       // Lanczos-3 (the default filter) resizes here, with Pillow's exact arithmetic and 2-4x

@@ -8,7 +8,9 @@
 // file is one buffer (jpeg_mem_src) and the fast path runs throughout. The scaled output is
 // what libvips' shrink-on-load gives (the same libjpeg call), so what follows is unchanged.
 
+#include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -34,5 +36,21 @@ struct DecodedJpeg {
 // converts such colour or reports such a file.
 std::optional<DecodedJpeg> decode_plain_jpeg(std::string_view bytes, int shrink,
                                              HuffmanDecoder huffman = HuffmanDecoder::kOurs);
+
+// The switch for the whole fast path (--jpeg_fast_path): with it off, or when the self-test
+// below fails, decode_image sends every JPEG through libvips' own loader. On by default.
+void set_jpeg_fast_path(bool enabled);
+// Whether decode_image takes the fast path: the switch is on and the self-test passed. The
+// self-test runs once per process, on first use: it encodes small JPEGs with the loaded libjpeg
+// (4:2:0 and 4:4:4, with and without restart markers) and decodes each at every shrink with our
+// Huffman decoder and with libjpeg-turbo's; any difference or error turns the fast path off with
+// one warning, so a libjpeg-turbo whose internals moved costs speed, never pixels.
+bool jpeg_fast_path_enabled();
+// Runs the self-test now and returns its verdict (empty: passed; else why not).
+std::string jpeg_fast_path_self_test();
+// How many images decode_image has decoded through the fast path in this process.
+uint64_t jpeg_fast_path_decodes();
+// Counts one (decode_image calls it when the fast path decoded an image).
+void count_jpeg_fast_path_decode();
 
 }  // namespace lorapipe::preprocess

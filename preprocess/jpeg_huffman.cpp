@@ -13,6 +13,19 @@
 #include <jerror.h>
 #include <jpegint.h>  // struct jpeg_entropy_decoder
 
+// The decoder reaches into libjpeg-turbo's internals (jpegint.h: jpeg_entropy_decoder, the
+// decompressor's inputctl and the MCU geometry), which are not a stable interface. It is built
+// only against the releases whose layout it was written and tested for: libjpeg-turbo 2.0 and
+// 2.1 with the libjpeg 6.2 API (Debian 12 ships 2.1.5). Against anything else it compiles to
+// "never installed", and every JPEG keeps libjpeg-turbo's own decoder. jpeg.h's start-up
+// self-test also checks, with the library actually loaded, that both decoders agree.
+#if defined(LIBJPEG_TURBO_VERSION_NUMBER) && LIBJPEG_TURBO_VERSION_NUMBER >= 2000000 && \
+    LIBJPEG_TURBO_VERSION_NUMBER < 2002000 && JPEG_LIB_VERSION == 62
+#define LORAPIPE_FAST_HUFFMAN 1
+#else
+#define LORAPIPE_FAST_HUFFMAN 0
+#endif
+
 namespace lorapipe::preprocess {
 namespace {
 
@@ -408,6 +421,7 @@ void no_second_scan(j_decompress_ptr info) { corrupt(info); }
 }  // namespace
 
 bool install_fast_huffman(jpeg_decompress_struct* info) {
+  if (!LORAPIPE_FAST_HUFFMAN) return false;
   if (info->progressive_mode || info->arith_code || info->data_precision != 8 ||
       info->buffered_image || info->inputctl == nullptr || info->inputctl->has_multiple_scans ||
       info->unread_marker != 0 || info->src == nullptr || info->output_scanline != 0 ||

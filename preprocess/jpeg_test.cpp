@@ -275,5 +275,33 @@ TEST_F(PreprocessJpeg, LeavesEverythingElseToLibvips) {
   vips_area_unref(VIPS_AREA(profile));
 }
 
+// The guard around the fast path: the start-up self-test passes with this machine's
+// libjpeg-turbo (and really ran our decoder, which the build's version check allows here), and
+// --jpeg_fast_path=false sends every JPEG through libvips while giving the same pixels.
+TEST_F(PreprocessJpeg, FastPathSelfTestAndSwitch) {
+  EXPECT_EQ(jpeg_fast_path_self_test(), "");
+  EXPECT_TRUE(jpeg_fast_path_enabled());
+  const std::string bytes = jpeg_of(photo_like(320, 240, 3));
+  const auto ours = decode_plain_jpeg(bytes, 1);
+  ASSERT_TRUE(ours.has_value());
+  EXPECT_EQ(ours->huffman, HuffmanDecoder::kOurs) << "the build left our decoder out";
+  // decode_image follows the switch: the fast path decodes the image when it is on, libvips
+  // when it is off.
+  const ImageHeader header = probe_image(bytes);
+  DecodeRequest request;
+  request.resized = {160, 120};
+  request.bucket = {160, 120};
+  const uint64_t before = jpeg_fast_path_decodes();
+  const std::string fast = decode_image(bytes, header, request);
+  EXPECT_EQ(jpeg_fast_path_decodes(), before + 1);
+  set_jpeg_fast_path(false);
+  EXPECT_FALSE(jpeg_fast_path_enabled());
+  const std::string general = decode_image(bytes, header, request);
+  EXPECT_EQ(jpeg_fast_path_decodes(), before + 1) << "the fast path ran with the switch off";
+  set_jpeg_fast_path(true);
+  EXPECT_TRUE(jpeg_fast_path_enabled());
+  EXPECT_EQ(fast.size(), general.size());
+}
+
 }  // namespace
 }  // namespace lorapipe::preprocess

@@ -30,6 +30,7 @@ DEFINE_int32(threads, 0, "Decode workers (0: one per core)");
 DEFINE_int32(min_image_side, 64, "Reject images whose shorter side is smaller");
 DEFINE_double(max_aspect_ratio, 8.0, "Reject images with a longer/shorter side ratio above this");
 DEFINE_int64(max_image_pixels, 100000000, "Reject images over this many pixels, from the header");
+DEFINE_bool(jpeg_fast_path, true, "Decode plain JPEGs with lorapipe's fast path (false: libvips)");
 DEFINE_string(resize_filter, "lanczos3", "lanczos3, lanczos2, cubic, mitchell, linear, nearest");
 DEFINE_uint64(seed, 0, "Seed of random_crop offsets");
 DEFINE_bool(report_only, false, "Only report buckets and problems; needs no cacher");
@@ -72,6 +73,7 @@ int main(int argc, char** argv) {
     options.max_aspect_ratio = FLAGS_max_aspect_ratio;
     options.max_image_pixels = FLAGS_max_image_pixels;
     options.resize_filter = FLAGS_resize_filter;
+    options.jpeg_fast_path = FLAGS_jpeg_fast_path;
     options.seed = FLAGS_seed;
     options.report_only = FLAGS_report_only;
     options.report_json = FLAGS_report_json;

@@ -21,6 +21,7 @@
 
 #include "common/error.h"
 #include "common/hash.h"
+#include "preprocess/jpeg.h"
 #include "common/log.h"
 #include "preprocess/image.h"
 #include "proto/wire.h"
@@ -170,6 +171,12 @@ Probed probe_one(const ImageEntry& entry, const Discovery& discovery, const Opti
   r.is_reg = subset.is_reg;
   r.flip = subset.flip_aug;
   r.augment_caption = subset.augments_caption();
+  r.shuffle_caption = subset.shuffle_caption;
+  r.keep_tokens = subset.keep_tokens;
+  r.caption_dropout_rate = subset.caption_dropout_rate;
+  r.caption_dropout_every_n_epochs = subset.caption_dropout_every_n_epochs;
+  r.caption_tag_dropout_rate = subset.caption_tag_dropout_rate;
+  r.batch_size = dataset.batch_size;
   r.resolution = dataset.buckets.resolution;
   r.image_key = make_image_key(p.content_hash, r, options.resize_filter);
   return p;
@@ -201,7 +208,8 @@ class Slots {
 struct Decoded {
   size_t index = 0;
   std::string pixels;
-  std::string error;  // non-empty: skipped
+  std::string error;     // non-empty: skipped
+  bool internal = false;  // the error is ours, not the file's: stop the run
 };
 
 std::string default_dataset_id(const Options& options) {
@@ -237,6 +245,13 @@ wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r)
   s.set_repeats(r.repeats);
   s.set_is_reg(r.is_reg);
   s.set_augment_caption(r.augment_caption);
+  wire::CaptionSettings* caption = s.mutable_caption_settings();
+  caption->set_shuffle_caption(r.shuffle_caption);
+  caption->set_keep_tokens(r.keep_tokens);
+  caption->set_caption_dropout_rate(r.caption_dropout_rate);
+  caption->set_caption_dropout_every_n_epochs(r.caption_dropout_every_n_epochs);
+  caption->set_caption_tag_dropout_rate(r.caption_tag_dropout_rate);
+  s.set_batch_size(static_cast<uint32_t>(r.batch_size));
   s.set_channels(3);
   return s;
 }
@@ -324,6 +339,7 @@ std::string make_image_key(const std::string& content_hash, const ImageResult& i
 }
 
 Report run(const Options& options) {
+  set_jpeg_fast_path(options.jpeg_fast_path);
   init_vips();
   check_resize_filter(options.resize_filter);
   if (options.data_dir.empty() == options.dataset_config.empty()) {
@@ -347,13 +363,25 @@ Report run(const Options& options) {
   const size_t n = discovery.images.size();
   std::vector<std::optional<Probed>> probed(n);
   std::vector<std::string> reasons(n);
+  // Bad input (InputError) skips that one file, named; anything else is our own bug or the
+  // machine failing (bad_alloc, "internal: ..."), and stops the run loudly instead of passing
+  // for a bad image.
+  std::mutex internal_mutex;
+  std::string internal_error;
+  auto note_internal = [&](const fs::path& path, const std::exception& e) {
+    std::lock_guard<std::mutex> lock(internal_mutex);
+    if (internal_error.empty()) internal_error = path.string() + ": " + e.what();
+  };
   parallel_for(n, threads, [&](size_t i) {
     try {
       probed[i] = probe_one(discovery.images[i], discovery, options, selectors);
-    } catch (const std::exception& e) {
+    } catch (const InputError& e) {
       reasons[i] = e.what();
+    } catch (const std::exception& e) {
+      note_internal(discovery.images[i].path, e);
     }
   });
+  if (!internal_error.empty()) throw Error("preprocess failed on " + internal_error);
   std::vector<size_t> usable;
   for (size_t i = 0; i < n; ++i) {
     if (probed[i]) {
@@ -439,7 +467,10 @@ Report run(const Options& options) {
         request.offset = p.result.crop;
         request.resize_filter = options.resize_filter;
         d.pixels = decode_image(bytes, p.header, request);
+      } catch (const InputError& e) {
+        d.error = e.what();
       } catch (const std::exception& e) {
+        d.internal = true;
         d.error = e.what();
       }
       {
@@ -457,6 +488,10 @@ Report run(const Options& options) {
         queue_cv.wait(lock, [&] { return !queue.empty(); });
         d = std::move(queue.front());
         queue.pop_front();
+      }
+      if (d.internal) {
+        throw Error("preprocess failed on " + discovery.images[d.index].path.string() + ": " +
+                    d.error);
       }
       if (!d.error.empty()) {
         failed[d.index] = true;
