@@ -1,0 +1,70 @@
+#pragma once
+// The trainer's view of a cached dataset: kohya sd-scripts' bucket batch scheduler
+// (library/train_util.py BaseDataset / BucketManager) over a Manifest, and kohya's online
+// caption augmentation.
+//
+// Every choice is a pure function of (seed, epoch, batch index), so a resumed run draws exactly
+// what the uninterrupted run drew without saving any generator state.
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "proto/lorapipe.pb.h"
+
+namespace lorapipe::trainer {
+
+struct PlannedBatch {
+  std::vector<int> entries;  // indices into the manifest's entries, all of one bucket
+};
+
+class BatchScheduler {
+ public:
+  // Each entry appears `repeats` times in its bucket. Regularization entries (is_reg) are
+  // repeated, as kohya does, until they are as many as the training images (repeats included),
+  // or dropped when there are no training images to balance. A bucket's batches hold
+  // `batch_size` samples (a dataset TOML's batch_size, carried by the manifest, wins over
+  // `batch_size`), the last one fewer unless `fill_last_batch` tops it up with samples drawn
+  // again from the same bucket. Throws InputError for an empty manifest or batch size < 1.
+  BatchScheduler(const wire::Manifest& manifest, int batch_size, uint64_t seed,
+                 bool fill_last_batch);
+
+  size_t batches_per_epoch() const { return batches_per_epoch_; }
+  uint64_t train_images() const { return train_images_; }  // training samples per epoch
+  uint64_t reg_images() const { return reg_images_; }
+  // Batch size as used (the manifest's when it carries one).
+  int batch_size() const { return batch_size_; }
+  // The buckets and how many samples each holds per epoch: (width, height, count).
+  struct BucketInfo {
+    uint32_t width = 0, height = 0;
+    uint64_t count = 0;
+  };
+  const std::vector<BucketInfo>& buckets() const { return bucket_info_; }
+
+  // The batches of `epoch` (1-based, as kohya counts): batches shuffled, and samples within each
+  // bucket shuffled, every epoch (kohya's shuffle_buckets).
+  std::vector<PlannedBatch> epoch(int64_t epoch) const;
+
+ private:
+  std::vector<std::vector<int>> bucket_samples_;  // per bucket: entry index per sample
+  std::vector<BucketInfo> bucket_info_;
+  int batch_size_ = 1;
+  uint64_t seed_ = 0;
+  bool fill_last_batch_ = false;
+  size_t batches_per_epoch_ = 0;
+  uint64_t train_images_ = 0;
+  uint64_t reg_images_ = 0;
+};
+
+// A generator for everything drawn for one (seed, epoch, batch, purpose).
+std::mt19937_64 stream(uint64_t seed, int64_t epoch, int64_t batch, std::string_view purpose);
+
+// kohya process_caption: the whole caption dropped with caption_dropout_rate (or every
+// caption_dropout_every_n_epochs-th epoch); else split at ",", the first keep_tokens tags kept
+// in place, the rest shuffled (shuffle_caption), each of those dropped with
+// caption_tag_dropout_rate, joined with ", ".
+std::string augment_caption(const std::string& caption, const wire::CaptionSettings& settings,
+                            int64_t epoch, std::mt19937_64& rng);
+
+}  // namespace lorapipe::trainer

@@ -1,0 +1,193 @@
+#include "trainer/lora_network.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <set>
+
+#include "common/error.h"
+#include "models/safetensors.h"
+#include "models/weights.h"
+
+namespace lorapipe::trainer {
+namespace {
+
+// nn.init.kaiming_uniform_(w, a=sqrt(5)) from `generator`: bound = sqrt(6 / ((1 + a^2) fan_in)),
+// i.e. 1 / sqrt(fan_in), fan_in = in * kernel area (the default init of nn.Linear / nn.Conv2d
+// that kohya's lora_down keeps).
+void kaiming_uniform_sqrt5(at::Tensor& w, at::Generator generator) {
+  const double fan_in = static_cast<double>(w.numel() / w.size(0));
+  const double bound = std::sqrt(6.0 / ((1.0 + 5.0) * fan_in));
+  torch::NoGradGuard no_grad;
+  w.uniform_(-bound, bound, generator);
+}
+
+std::string list_some(const std::vector<std::string>& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < 5; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > 5) out += ", ... (" + std::to_string(names.size()) + " in all)";
+  return out;
+}
+
+}  // namespace
+
+LoraNetwork::LoraNetwork(const models::UNet& unet, const models::ClipTextModel* text_encoder,
+                         const NetworkOptions& options, at::Generator generator)
+    : options_(options) {
+  if (options.dim < 1) {
+    throw InputError("--network_dim=" + std::to_string(options.dim) + ": must be at least 1");
+  }
+  if (options.alpha < 0 || options.conv_alpha < 0) throw InputError("--network_alpha must be >= 0");
+  if (options.conv_dim < 0) throw InputError("network_args conv_dim must be >= 0");
+  for (double p : {options.dropout, options.rank_dropout, options.module_dropout}) {
+    if (p < 0 || p >= 1) throw InputError("LoRA dropouts must be in [0, 1), got " + std::to_string(p));
+  }
+  std::vector<models::LoraTarget> targets = models::unet_lora_targets(unet, options.conv_dim > 0);
+  if (text_encoder != nullptr) {
+    for (auto& t : models::text_encoder_lora_targets(*text_encoder)) targets.push_back(std::move(t));
+  }
+  for (models::LoraTarget& target : targets) {
+    const bool kxk = target.is_conv_kxk();
+    const int64_t rank = kxk ? options.conv_dim : options.dim;
+    double alpha = kxk ? options.conv_alpha : options.alpha;
+    if (alpha == 0) alpha = static_cast<double>(rank);  // kohya: alpha 0 or None means dim
+    auto adapter = std::make_shared<models::LoraAdapter>();
+    const at::Tensor& weight = target.weight();
+    const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32).device(weight.device());
+    if (target.conv) {
+      const auto& o = target.conv->options;
+      const auto& k = *o.kernel_size();
+      adapter->down = torch::empty({rank, target.in_features(), k[0], k[1]}, fp32);
+      adapter->up = torch::zeros({target.out_features(), rank, 1, 1}, fp32);
+      adapter->stride = {(*o.stride())[0], (*o.stride())[1]};
+      const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
+      if (padding == nullptr) throw Error(target.name + ": string padding is not supported");
+      adapter->padding = {(**padding)[0], (**padding)[1]};
+    } else {
+      adapter->down = torch::empty({rank, target.in_features()}, fp32);
+      adapter->up = torch::zeros({target.out_features(), rank}, fp32);
+    }
+    kaiming_uniform_sqrt5(adapter->down, generator);
+    adapter->scale = alpha / static_cast<double>(rank);
+    adapter->multiplier = options.multiplier;
+    adapter->dropout = options.dropout;
+    adapter->rank_dropout = options.rank_dropout;
+    adapter->module_dropout = options.module_dropout;
+    const bool trained = target.text_encoder ? options.train_text_encoder : options.train_unet;
+    adapter->down.requires_grad_(trained);
+    adapter->up.requires_grad_(trained);
+    target.slot() = adapter;
+    modules_.push_back(Module{std::move(target), std::move(adapter), alpha});
+  }
+}
+
+LoraNetwork::~LoraNetwork() {
+  for (Module& m : modules_) {
+    if (m.target.slot() == m.adapter) m.target.slot().reset();
+  }
+}
+
+size_t LoraNetwork::unet_module_count() const {
+  size_t n = 0;
+  for (const Module& m : modules_) n += !m.target.text_encoder;
+  return n;
+}
+
+size_t LoraNetwork::text_encoder_module_count() const {
+  return modules_.size() - unet_module_count();
+}
+
+std::vector<at::Tensor> LoraNetwork::unet_parameters() const {
+  std::vector<at::Tensor> out;
+  for (const Module& m : modules_) {
+    if (!m.target.text_encoder) out.insert(out.end(), {m.adapter->down, m.adapter->up});
+  }
+  return out;
+}
+
+std::vector<at::Tensor> LoraNetwork::text_encoder_parameters() const {
+  std::vector<at::Tensor> out;
+  for (const Module& m : modules_) {
+    if (m.target.text_encoder) out.insert(out.end(), {m.adapter->down, m.adapter->up});
+  }
+  return out;
+}
+
+std::map<std::string, at::Tensor> LoraNetwork::named_parameters() const {
+  std::map<std::string, at::Tensor> out;
+  for (const Module& m : modules_) {
+    out[m.target.name + ".lora_down.weight"] = m.adapter->down;
+    out[m.target.name + ".lora_up.weight"] = m.adapter->up;
+  }
+  return out;
+}
+
+void LoraNetwork::set_training(bool training) {
+  for (Module& m : modules_) m.adapter->training = training;
+}
+
+void LoraNetwork::set_multiplier(double multiplier) {
+  for (Module& m : modules_) m.adapter->multiplier = multiplier;
+}
+
+std::map<std::string, at::Tensor> LoraNetwork::state_dict(c10::ScalarType dtype) const {
+  std::map<std::string, at::Tensor> out;
+  for (const Module& m : modules_) {
+    out[m.target.name + ".lora_down.weight"] = m.adapter->down.detach().to(torch::kCPU, dtype);
+    out[m.target.name + ".lora_up.weight"] = m.adapter->up.detach().to(torch::kCPU, dtype);
+    out[m.target.name + ".alpha"] = torch::tensor(m.alpha, torch::kFloat64).to(dtype);
+  }
+  return out;
+}
+
+void LoraNetwork::load(const std::filesystem::path& file) {
+  const models::SafetensorsFile weights = models::SafetensorsFile::open(file);
+  load(models::read_tensors(weights), file.string());
+}
+
+void LoraNetwork::load(const std::map<std::string, at::Tensor>& tensors, const std::string& source) {
+  std::set<std::string> unused;
+  for (const auto& [name, tensor] : tensors) unused.insert(name);
+  std::vector<std::string> missing, misshaped;
+  torch::NoGradGuard no_grad;
+  for (Module& m : modules_) {
+    const std::string down_key = m.target.name + ".lora_down.weight";
+    const std::string up_key = m.target.name + ".lora_up.weight";
+    const std::string alpha_key = m.target.name + ".alpha";
+    auto down = tensors.find(down_key);
+    auto up = tensors.find(up_key);
+    if (down == tensors.end() || up == tensors.end()) {
+      missing.push_back(m.target.name);
+      continue;
+    }
+    unused.erase(down_key);
+    unused.erase(up_key);
+    if (down->second.sizes() != m.adapter->down.sizes() ||
+        up->second.sizes() != m.adapter->up.sizes()) {
+      misshaped.push_back(m.target.name + " (file " + c10::str(down->second.sizes()) + " / " +
+                          c10::str(up->second.sizes()) + ", network " +
+                          c10::str(m.adapter->down.sizes()) + " / " +
+                          c10::str(m.adapter->up.sizes()) + ")");
+      continue;
+    }
+    m.adapter->down.copy_(down->second);
+    m.adapter->up.copy_(up->second);
+    auto alpha = tensors.find(alpha_key);
+    m.alpha = alpha == tensors.end() ? static_cast<double>(m.adapter->rank())
+                                     : alpha->second.to(torch::kFloat64).item<double>();
+    unused.erase(alpha_key);
+    m.adapter->scale = m.alpha / static_cast<double>(m.adapter->rank());
+  }
+  if (missing.empty() && misshaped.empty() && unused.empty()) return;
+  std::string message = source + ": LoRA does not fit this model (network_dim " +
+                        std::to_string(options_.dim) + ")";
+  if (!missing.empty()) message += "; missing modules: " + list_some(missing);
+  if (!misshaped.empty()) message += "; other shapes: " + list_some(misshaped);
+  if (!unused.empty()) {
+    message += "; keys that fit no module of this model: " +
+               list_some(std::vector<std::string>(unused.begin(), unused.end()));
+  }
+  throw InputError(message);
+}
+
+}  // namespace lorapipe::trainer

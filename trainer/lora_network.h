@@ -1,0 +1,83 @@
+#pragma once
+// The LoRA network the trainer trains: kohya sd-scripts' LoRANetwork (networks/lora.py) over a
+// Stable Diffusion model, one adapter per target layer (models/sd15_lora.h) placed in that
+// layer's LoRA slot, and its file format (kohya's keys, an .alpha per module, 1x1 convs 4-D).
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "models/sd15_lora.h"
+
+namespace lorapipe::trainer {
+
+struct NetworkOptions {
+  int64_t dim = 4;        // --network_dim
+  double alpha = 1.0;     // --network_alpha; 0 means dim (no scaling), as kohya
+  int64_t conv_dim = 0;   // network_args conv_dim (LoCon); 0: 3x3 convs not adapted
+  double conv_alpha = 1.0;
+  double dropout = 0.0;         // --network_dropout
+  double rank_dropout = 0.0;    // network_args rank_dropout
+  double module_dropout = 0.0;  // network_args module_dropout
+  double multiplier = 1.0;
+  bool train_unet = true;
+  bool train_text_encoder = true;  // false with --network_train_unet_only
+};
+
+class LoraNetwork {
+ public:
+  struct Module {
+    models::LoraTarget target;
+    std::shared_ptr<models::LoraAdapter> adapter;
+    double alpha = 1.0;
+  };
+
+  // Builds an adapter for every target of `unet` (and of `text_encoder` unless it is null),
+  // fp32 on the target's device, initialised as kohya does: down kaiming-uniform (a = sqrt(5)),
+  // up zero, from `generator`. Fills the layers' LoRA slots; the destructor empties them.
+  // Throws InputError for dim < 1 or a negative alpha or dropout.
+  LoraNetwork(const models::UNet& unet, const models::ClipTextModel* text_encoder,
+              const NetworkOptions& options, at::Generator generator);
+  ~LoraNetwork();
+  LoraNetwork(const LoraNetwork&) = delete;
+  LoraNetwork& operator=(const LoraNetwork&) = delete;
+
+  const std::vector<Module>& modules() const { return modules_; }
+  const NetworkOptions& options() const { return options_; }
+  size_t unet_module_count() const;
+  size_t text_encoder_module_count() const;
+
+  // The trainable tensors (down, up of each module, in module order).
+  std::vector<at::Tensor> unet_parameters() const;
+  std::vector<at::Tensor> text_encoder_parameters() const;
+  // Every module's down and up, keyed by kohya's tensor names ("NAME.lora_down.weight").
+  std::map<std::string, at::Tensor> named_parameters() const;
+
+  // Dropouts act only in training.
+  void set_training(bool training);
+  void set_multiplier(double multiplier);
+
+  // The file's tensors: NAME.lora_down.weight, NAME.lora_up.weight, NAME.alpha (0-d), in
+  // `dtype`, on the CPU.
+  std::map<std::string, at::Tensor> state_dict(c10::ScalarType dtype = c10::kFloat) const;
+
+  // Continues from an existing LoRA (--network_weights): every module of this network is
+  // loaded from `file` (ours or kohya's); a file without NAME.alpha takes alpha = its rank, as
+  // kohya's old files mean. Throws InputError naming the file and the modules that are missing,
+  // left over (keys that fit no module of this model) or of another shape.
+  void load(const std::filesystem::path& file);
+  void load(const std::map<std::string, at::Tensor>& tensors, const std::string& source);
+
+ private:
+  NetworkOptions options_;
+  std::vector<Module> modules_;
+};
+
+}  // namespace lorapipe::trainer

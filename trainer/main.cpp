@@ -1,0 +1,222 @@
+// lorapipe-trainer: kohya's flags in, trainer::train out.
+#include <gflags/gflags.h>
+
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "common/heap.h"
+#include "common/log.h"
+#include "trainer/trainer.h"
+
+// Model, data and output.
+DEFINE_string(pretrained_model_name_or_path, "", "Base model: single .safetensors or diffusers folder");
+DEFINE_string(tokenizer, "", "CLIP vocabulary for single-file models (folder, merges.txt or .gz)");
+DEFINE_string(cache_dir, "", "Cache folder (default: $LORAPIPE_CACHE_DIR or ~/.cache/lorapipe/cache)");
+DEFINE_string(cacher, "", "Read records from a remote lorapipe-cacher --serve (tcp://host:port)");
+DEFINE_string(dataset_id, "", "The manifest preprocess and the cacher wrote");
+DEFINE_string(output_dir, "", "Run folder: lora/, state/, tensorboard/");
+DEFINE_string(output_name, "last", "LoRA file name (kohya's --output_name)");
+DEFINE_string(save_precision, "float", "float, fp16 or bf16");
+DEFINE_int64(save_every_n_steps, 0, "Save a LoRA every N steps (NAME-step00000100.safetensors)");
+DEFINE_int64(save_every_n_epochs, 0, "Save a LoRA every N epochs (NAME-000002.safetensors)");
+DEFINE_int64(save_last_n_steps, 0, "Keep only the step saves of the last N steps");
+DEFINE_int64(save_last_n_epochs, 0, "Keep only the last N epoch saves");
+DEFINE_bool(save_state, false, "Also save the full training state with each LoRA save");
+DEFINE_string(resume, "", "Continue from a state folder written with --save_state");
+DEFINE_string(pub, "", "Bind a PUB endpoint for TrainProgress and CheckpointReady");
+DEFINE_string(training_comment, "", "Written into the LoRA's metadata");
+DEFINE_string(device, "auto", "auto, cpu, cuda or cuda:N");
+DEFINE_string(mixed_precision, "no", "no, fp16 or bf16: the frozen base's dtype");
+DEFINE_int32(threads, 0, "CPU threads for compute (0: one per core)");
+// Length and data.
+DEFINE_int64(max_train_steps, 1600, "Optimizer steps");
+DEFINE_int64(max_train_epochs, 0, "Epochs (wins over --max_train_steps when set)");
+DEFINE_int32(train_batch_size, 1, "Samples per batch (a dataset TOML's batch_size wins)");
+DEFINE_bool(fill_last_batch, false, "Top up each bucket's short last batch from the same bucket");
+DEFINE_uint64(seed, 42, "Seed of every random choice");
+DEFINE_double(prior_loss_weight, 1.0, "Loss weight of regularization images");
+DEFINE_int32(clip_skip, 1, "Text-encoder layer from the end (1: last)");
+DEFINE_double(validation_split, 0, "Share of the images held out for validation loss");
+DEFINE_uint64(validation_seed, 0, "Seed of the validation split and noise");
+DEFINE_int64(validate_every_n_steps, 0, "Validation loss every N steps (also at start and end)");
+DEFINE_int32(max_bad_steps, 10, "Stop after this many non-finite steps in a row");
+DEFINE_double(timeout_s, 300, "Give up on a silent remote cacher after this long");
+// Network.
+DEFINE_int64(network_dim, 4, "LoRA rank");
+DEFINE_double(network_alpha, 1, "LoRA alpha (scale alpha/dim; 0 means dim)");
+DEFINE_double(network_dropout, 0, "Dropout on the LoRA's down output");
+DEFINE_string(network_args, "", "key=value ... (conv_dim, conv_alpha, rank_dropout, module_dropout, loraplus_lr_ratio)");
+DEFINE_string(network_weights, "", "Continue from this LoRA file");
+DEFINE_bool(network_train_unet_only, false, "Train no text-encoder LoRA");
+DEFINE_double(network_multiplier, 1.0, "LoRA multiplier while training");
+// Optimizer and schedule.
+DEFINE_string(optimizer_type, "AdamW", "AdamW (AdamW8bit and PagedAdamW8bit arrive with kernels/)");
+DEFINE_string(optimizer_args, "", "key=value ... (weight_decay, betas=b1,b2, eps)");
+DEFINE_double(learning_rate, 1e-4, "Learning rate");
+DEFINE_double(unet_lr, -1, "UNet learning rate (default: --learning_rate)");
+DEFINE_double(text_encoder_lr, -1, "Text-encoder learning rate (default: --learning_rate)");
+DEFINE_string(lr_scheduler, "constant", "constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial");
+DEFINE_double(lr_warmup_steps, 0, "Warmup steps, or a ratio of the steps below 1");
+DEFINE_int32(lr_scheduler_num_cycles, 1, "Restarts of cosine_with_restarts");
+DEFINE_double(lr_scheduler_power, 1.0, "Power of polynomial");
+DEFINE_double(max_grad_norm, 1.0, "Gradient clipping (0: none)");
+DEFINE_int32(gradient_accumulation_steps, 1, "Micro-batches per optimizer step");
+DEFINE_bool(gradient_checkpointing, false, "Recompute UNet blocks in backward to save memory");
+// Noise and loss.
+DEFINE_bool(v_parameterization, false, "v-prediction target");
+DEFINE_double(min_snr_gamma, 0, "Min-SNR weighting gamma (0: off)");
+DEFINE_double(noise_offset, 0, "Noise offset");
+DEFINE_bool(noise_offset_random_strength, false, "Draw the offset in [0, noise_offset)");
+DEFINE_double(adaptive_noise_scale, 0, "Grow the offset with the latent mean");
+DEFINE_int32(multires_noise_iterations, 0, "Pyramid (multi-resolution) noise levels");
+DEFINE_double(multires_noise_discount, 0.3, "Pyramid noise discount");
+DEFINE_int64(min_timestep, 0, "Lowest timestep drawn");
+DEFINE_int64(max_timestep, 1000, "Highest timestep drawn (exclusive)");
+DEFINE_string(loss_type, "l2", "l2, l1, huber or smooth_l1");
+DEFINE_string(huber_schedule, "snr", "constant, exponential or snr");
+DEFINE_double(huber_c, 0.1, "Huber loss parameter");
+DEFINE_double(huber_scale, 1.0, "Huber loss scale");
+// kohya flags that lorapipe always does its own way, accepted so commands carry over.
+DEFINE_bool(cache_latents, true, "Accepted: lorapipe always trains from the cache");
+DEFINE_bool(cache_latents_to_disk, true, "Accepted: lorapipe always trains from the cache");
+DEFINE_bool(sdpa, true, "Accepted: attention is always scaled_dot_product_attention");
+DEFINE_bool(xformers, false, "Accepted: attention is always scaled_dot_product_attention");
+DEFINE_bool(mem_eff_attn, false, "Accepted: attention is always scaled_dot_product_attention");
+DEFINE_int64(sample_every_n_steps, 0, "Accepted: lorapipe-sampler renders each saved checkpoint");
+
+namespace {
+
+// kohya's --network_args and --optimizer_args take several values (`--network_args "a=1" "b=2"`);
+// gflags takes one. Words that follow one of them up to the next flag are joined into its value.
+std::vector<std::string> join_multi_value_flags(int argc, char** argv) {
+  std::vector<std::string> out;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    const bool multi = arg == "--network_args" || arg == "--optimizer_args";
+    if (!multi) {
+      out.push_back(arg);
+      continue;
+    }
+    std::string joined;
+    while (i + 1 < argc && std::strncmp(argv[i + 1], "--", 2) != 0) {
+      joined += (joined.empty() ? "" : " ") + std::string(argv[++i]);
+    }
+    out.push_back(arg + "=" + joined);
+  }
+  return out;
+}
+
+std::vector<std::string> words(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<std::string> out;
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  lorapipe::keep_freed_memory_for_reuse();
+  gflags::SetUsageMessage(
+      "lorapipe-trainer --pretrained_model_name_or_path=MODEL --dataset_id=ID --output_dir=OUT "
+      "[kohya flags]");
+  std::vector<std::string> args = join_multi_value_flags(argc, argv);
+  std::vector<char*> arg_pointers;
+  for (std::string& a : args) arg_pointers.push_back(a.data());
+  int count = static_cast<int>(arg_pointers.size());
+  char** pointer = arg_pointers.data();
+  gflags::ParseCommandLineFlags(&count, &pointer, true);
+  if (count > 1) {
+    LP_LOG(kError, "trainer") << "unexpected argument '" << pointer[1] << "'";
+    return 2;
+  }
+  namespace t = lorapipe::trainer;
+  try {
+    t::Options o;
+    o.model = FLAGS_pretrained_model_name_or_path;
+    o.tokenizer = FLAGS_tokenizer;
+    o.cache_dir = FLAGS_cache_dir;
+    o.cacher_endpoint = FLAGS_cacher;
+    o.dataset_id = FLAGS_dataset_id;
+    o.device = FLAGS_device;
+    o.threads = FLAGS_threads;
+    o.mixed_precision = FLAGS_mixed_precision;
+    o.output_dir = FLAGS_output_dir;
+    o.output_name = FLAGS_output_name;
+    o.save_precision = FLAGS_save_precision;
+    o.save_every_n_steps = FLAGS_save_every_n_steps;
+    o.save_every_n_epochs = FLAGS_save_every_n_epochs;
+    o.save_last_n_steps = FLAGS_save_last_n_steps;
+    o.save_last_n_epochs = FLAGS_save_last_n_epochs;
+    o.save_state = FLAGS_save_state;
+    o.resume = FLAGS_resume;
+    o.pub_endpoint = FLAGS_pub;
+    o.training_comment = FLAGS_training_comment;
+    o.max_train_steps = FLAGS_max_train_steps;
+    o.max_train_epochs = FLAGS_max_train_epochs;
+    o.train_batch_size = FLAGS_train_batch_size;
+    o.fill_last_batch = FLAGS_fill_last_batch;
+    o.seed = FLAGS_seed;
+    o.prior_loss_weight = FLAGS_prior_loss_weight;
+    o.max_bad_steps = FLAGS_max_bad_steps;
+    o.timeout_s = FLAGS_timeout_s;
+    o.validation_split = FLAGS_validation_split;
+    o.validation_seed = FLAGS_validation_seed;
+    o.validate_every_n_steps = FLAGS_validate_every_n_steps;
+    o.network.dim = FLAGS_network_dim;
+    o.network.alpha = FLAGS_network_alpha;
+    o.network.dropout = FLAGS_network_dropout;
+    o.network.multiplier = FLAGS_network_multiplier;
+    o.network.train_text_encoder = !FLAGS_network_train_unet_only;
+    o.network_args = words(FLAGS_network_args);
+    o.network_weights = FLAGS_network_weights;
+    o.lr_warmup_steps = FLAGS_lr_warmup_steps;
+    auto& s = o.step;
+    s.clip_skip = FLAGS_clip_skip;
+    s.base_dtype = FLAGS_mixed_precision == "fp16"   ? c10::kHalf
+                   : FLAGS_mixed_precision == "bf16" ? c10::kBFloat16
+                                                     : c10::kFloat;
+    s.optimizer.type = FLAGS_optimizer_type;
+    t::apply_optimizer_args(s.optimizer, words(FLAGS_optimizer_args));
+    s.optimizer_groups.learning_rate = FLAGS_learning_rate;
+    s.optimizer_groups.unet_lr = FLAGS_unet_lr;
+    s.optimizer_groups.text_encoder_lr = FLAGS_text_encoder_lr;
+    s.schedule.name = FLAGS_lr_scheduler;
+    s.schedule.num_cycles = FLAGS_lr_scheduler_num_cycles;
+    s.schedule.power = FLAGS_lr_scheduler_power;
+    s.max_grad_norm = FLAGS_max_grad_norm;
+    s.gradient_accumulation_steps = FLAGS_gradient_accumulation_steps;
+    s.gradient_checkpointing = FLAGS_gradient_checkpointing;
+    s.v_prediction = FLAGS_v_parameterization;
+    s.min_snr_gamma = FLAGS_min_snr_gamma;
+    s.noise.noise_offset = FLAGS_noise_offset;
+    s.noise.noise_offset_random_strength = FLAGS_noise_offset_random_strength;
+    s.noise.adaptive_noise_scale = FLAGS_adaptive_noise_scale;
+    s.noise.multires_noise_iterations = FLAGS_multires_noise_iterations;
+    s.noise.multires_noise_discount = FLAGS_multires_noise_discount;
+    s.noise.min_timestep = FLAGS_min_timestep;
+    s.noise.max_timestep = FLAGS_max_timestep;
+    s.loss_type = FLAGS_loss_type;
+    s.huber_schedule = FLAGS_huber_schedule;
+    s.huber_c = FLAGS_huber_c;
+    s.huber_scale = FLAGS_huber_scale;
+    t::apply_network_args(o);
+    const t::Summary summary = t::train(o);
+    std::printf("trainer: %lld steps, %lld epochs, %lld skipped; last loss %.6f; LoRA %s\n",
+                static_cast<long long>(summary.steps), static_cast<long long>(summary.epochs),
+                static_cast<long long>(summary.skipped_steps), summary.last_loss,
+                summary.lora.c_str());
+    if (summary.first_validation_loss >= 0) {
+      std::printf("validation loss: %.6f at the start, %.6f at the end\n",
+                  summary.first_validation_loss, summary.last_validation_loss);
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    LP_LOG(kError, "trainer") << e.what();
+    return 2;
+  }
+}

@@ -1,0 +1,79 @@
+#pragma once
+// The diffusion side of a training step, as diffusers' DDPMScheduler and kohya sd-scripts'
+// library/train_util.py + custom_train_functions.py compute it: the noise schedule, noising,
+// targets, kohya's noise options and loss weights.
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+
+namespace lorapipe::trainer {
+
+// diffusers DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+// num_train_timesteps=1000): betas = linspace(sqrt(0.00085), sqrt(0.012), 1000)^2 in fp32,
+// alphas_cumprod = cumprod(1 - betas) in fp32. Stable Diffusion's training schedule.
+class NoiseSchedule {
+ public:
+  NoiseSchedule(double beta_start = 0.00085, double beta_end = 0.012, int64_t steps = 1000);
+
+  int64_t num_train_timesteps() const { return steps_; }
+  const at::Tensor& alphas_cumprod() const { return alphas_cumprod_; }  // [steps] fp32, CPU
+
+  // DDPMScheduler.add_noise: sqrt(a_t) * latents + sqrt(1 - a_t) * noise, a_t cast to the
+  // latents' dtype first, as diffusers does. `timesteps` [B] int64.
+  at::Tensor add_noise(const at::Tensor& latents, const at::Tensor& noise,
+                       const at::Tensor& timesteps) const;
+  // DDPMScheduler.get_velocity: sqrt(a_t) * noise - sqrt(1 - a_t) * latents (the v target).
+  at::Tensor velocity(const at::Tensor& latents, const at::Tensor& noise,
+                      const at::Tensor& timesteps) const;
+  // kohya's all_snr[t] = (sqrt(a_t) / sqrt(1 - a_t))^2, [B] fp32 on the timesteps' device.
+  at::Tensor snr(const at::Tensor& timesteps) const;
+
+ private:
+  int64_t steps_;
+  at::Tensor alphas_cumprod_;
+};
+
+// kohya apply_snr_weight: per-sample weight min(snr, gamma) / snr for epsilon, / (snr + 1) for
+// v-prediction (Min-SNR weighting, Hang et al. 2023).
+at::Tensor min_snr_weight(const NoiseSchedule& schedule, const at::Tensor& timesteps, double gamma,
+                          bool v_prediction);
+
+struct NoiseOptions {
+  double noise_offset = 0;              // --noise_offset
+  bool noise_offset_random_strength = false;
+  double adaptive_noise_scale = 0;      // --adaptive_noise_scale (0: off)
+  int multires_noise_iterations = 0;    // --multires_noise_iterations (0: off)
+  double multires_noise_discount = 0.3;
+  int64_t min_timestep = 0;             // --min_timestep
+  int64_t max_timestep = 1000;          // --max_timestep (exclusive, as kohya's randint)
+};
+
+// The noise kohya's get_noise_noisy_latents_and_timesteps draws for `latents`, every random
+// number from `generator`, in kohya's order: randn_like(latents); with noise_offset, the offset
+// strength (rand(1) * offset with random strength) and kohya's apply_noise_offset
+// (noise + offset * randn(B, C, 1, 1), offset grown by adaptive_noise_scale * |mean(latents)|);
+// with multires noise, kohya's pyramid_noise_like.
+at::Tensor draw_noise(const at::Tensor& latents, const NoiseOptions& options,
+                      at::Generator generator);
+// Uniform timesteps in [min_timestep, max_timestep), [batch] int64.
+at::Tensor draw_timesteps(int64_t batch, const NoiseOptions& options, at::Generator generator,
+                          const at::Device& device);
+
+// kohya apply_noise_offset with a given offset draw `offset_noise` [B, C, 1, 1].
+at::Tensor apply_noise_offset(const at::Tensor& noise, const at::Tensor& latents,
+                              const at::Tensor& offset_noise, double noise_offset,
+                              double adaptive_noise_scale);
+
+// kohya conditional_loss with reduction "none", per element: l2 (squared error), l1, huber
+// (2c(sqrt(d^2 + c^2) - c)), smooth_l1 (2(sqrt(d^2 + c^2) - c)); `huber_c` [B,1,1,1] or scalar.
+at::Tensor elementwise_loss(const at::Tensor& prediction, const at::Tensor& target,
+                            const std::string& loss_type, const at::Tensor& huber_c);
+// kohya get_huber_threshold_if_needed: the per-sample c for huber / smooth_l1 under
+// `schedule` "constant", "exponential" or "snr"; [B,1,1,1] fp32.
+at::Tensor huber_threshold(const NoiseSchedule& noise, const at::Tensor& timesteps,
+                           const std::string& schedule, double huber_c, double huber_scale);
+
+}  // namespace lorapipe::trainer

@@ -1,0 +1,51 @@
+#pragma once
+// The optimizer seam: the training step talks to this interface, so the 8-bit and paged AdamW
+// of kernels/ plug in beside torch's AdamW without the step knowing which it holds.
+
+#include <ATen/core/Tensor.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace lorapipe::trainer {
+
+struct ParamGroup {
+  std::vector<at::Tensor> params;
+  double lr = 1e-4;
+  std::string name;  // "unet", "text_encoder", "unet_plus", ... (for logs)
+};
+
+struct OptimizerOptions {
+  std::string type = "AdamW";  // --optimizer_type, case-insensitive (kohya's names)
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;  // torch.optim.AdamW's default, which kohya keeps
+};
+
+class Optimizer {
+ public:
+  virtual ~Optimizer() = default;
+  virtual void step() = 0;
+  virtual void zero_grad() = 0;
+  virtual size_t group_count() const = 0;
+  virtual void set_lr(size_t group, double lr) = 0;
+  virtual double lr(size_t group) const = 0;
+  // Every piece of state, bit for bit, for exact resume.
+  virtual void save(const std::filesystem::path& file) const = 0;
+  virtual void load(const std::filesystem::path& file) = 0;
+  // kohya's ss_optimizer value, e.g. "torch.optim.adamw.AdamW(weight_decay=0.01)".
+  virtual std::string describe() const = 0;
+};
+
+// Parses --optimizer_args ("weight_decay=0.1", "betas=0.9,0.99", "eps=1e-6") into `options`;
+// throws InputError naming an unknown or malformed argument.
+void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::string>& args);
+
+// The optimizer named by options.type. Throws InputError naming an unknown type (and saying
+// which are known).
+std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
+                                          std::vector<ParamGroup> groups);
+
+}  // namespace lorapipe::trainer

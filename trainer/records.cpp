@@ -1,0 +1,115 @@
+#include "trainer/records.h"
+
+#include <thread>
+
+#include "cacher/store.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "proto/wire.h"
+
+namespace lorapipe::trainer {
+namespace {
+
+constexpr std::string_view kLog = "trainer";
+
+class LocalRecords final : public RecordSource {
+ public:
+  explicit LocalRecords(cacher::Store store) : store_(std::move(store)) {}
+  std::vector<std::optional<std::string>> get(RecordKind kind,
+                                              const std::vector<std::string>& keys) override {
+    return store_.get_many(table(kind), keys);
+  }
+  std::string describe() const override { return "cache " + store_.dir().string(); }
+
+ private:
+  static cacher::Table table(RecordKind kind) {
+    switch (kind) {
+      case RecordKind::kLatent: return cacher::Table::kLatents;
+      case RecordKind::kText: return cacher::Table::kTexts;
+      case RecordKind::kManifest: return cacher::Table::kManifests;
+    }
+    return cacher::Table::kLatents;
+  }
+  cacher::Store store_;
+};
+
+class RemoteRecords final : public RecordSource {
+ public:
+  RemoteRecords(const std::string& endpoint, std::chrono::milliseconds give_up_after)
+      : client_(context_, endpoint, "trainer"), give_up_after_(give_up_after) {}
+
+  std::vector<std::optional<std::string>> get(RecordKind kind,
+                                              const std::vector<std::string>& keys) override {
+    wire::GetRecordsRequest request;
+    request.set_kind(kind == RecordKind::kLatent ? wire::GetRecordsRequest::LATENT
+                     : kind == RecordKind::kText ? wire::GetRecordsRequest::TEXT
+                                                 : wire::GetRecordsRequest::MANIFEST);
+    for (const std::string& key : keys) request.add_keys(key);
+    const auto started = std::chrono::steady_clock::now();
+    while (true) {
+      try {
+        const auto reply = client_.request<wire::GetRecordsReply>(request);
+        if (reply.items_size() != static_cast<int>(keys.size())) {
+          throw wire::PeerError("cacher " + client_.endpoint() + " answered " +
+                                std::to_string(reply.items_size()) + " records for " +
+                                std::to_string(keys.size()) + " keys");
+        }
+        std::vector<std::optional<std::string>> out;
+        for (const auto& item : reply.items()) {
+          out.push_back(item.found() ? std::optional<std::string>(item.record()) : std::nullopt);
+        }
+        if (waiting_) LP_LOG(kInfo, kLog) << "cacher " << client_.endpoint() << " is back";
+        waiting_ = false;
+        return out;
+      } catch (const wire::PeerTimeoutError&) {
+        const auto waited = std::chrono::steady_clock::now() - started;
+        if (waited > give_up_after_) {
+          throw wire::PeerTimeoutError(
+              "cacher " + client_.endpoint() + " has not answered for " +
+              std::to_string(std::chrono::duration_cast<std::chrono::seconds>(waited).count()) +
+              " s (--timeout_s): giving up");
+        }
+        LP_LOG(kWarning, kLog) << "cacher " << client_.endpoint()
+                               << " does not answer; waiting for it to come back";
+        waiting_ = true;
+      }
+    }
+  }
+  std::string describe() const override { return "cacher " + client_.endpoint(); }
+
+ private:
+  zmq::context_t context_;
+  wire::Client client_;
+  std::chrono::milliseconds give_up_after_;
+  bool waiting_ = false;
+};
+
+}  // namespace
+
+wire::Manifest RecordSource::manifest(const std::string& dataset_id) {
+  const auto found = get(RecordKind::kManifest, {dataset_id});
+  if (!found[0]) {
+    throw InputError("no manifest '" + dataset_id + "' in " + describe() +
+                     ": run preprocess and the cacher on the dataset first (--dataset_id names the "
+                     "manifest they wrote)");
+  }
+  wire::Manifest manifest;
+  if (!manifest.ParseFromString(*found[0])) {
+    throw InputError("manifest '" + dataset_id + "' in " + describe() + " does not parse");
+  }
+  return manifest;
+}
+
+std::unique_ptr<RecordSource> open_local_records(const std::filesystem::path& dir) {
+  cacher::StoreOptions options;
+  options.dir = dir.empty() ? cacher::default_cache_dir() : dir;
+  options.read_only = true;
+  return std::make_unique<LocalRecords>(cacher::Store::open(options));
+}
+
+std::unique_ptr<RecordSource> open_remote_records(const std::string& endpoint,
+                                                  std::chrono::milliseconds give_up_after) {
+  return std::make_unique<RemoteRecords>(endpoint, give_up_after);
+}
+
+}  // namespace lorapipe::trainer

@@ -1,0 +1,187 @@
+#include "trainer/step.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+#include "common/error.h"
+#include "models/pipeline.h"
+#include "trainer/lora_network.h"
+
+namespace lorapipe::trainer {
+
+namespace {
+
+// torch.cuda.amp.GradScaler's defaults, which accelerate (and so kohya) uses for fp16.
+constexpr double kScaleGrowth = 2.0;
+constexpr double kScaleBackoff = 0.5;
+constexpr int64_t kScaleGrowthInterval = 2000;
+
+}  // namespace
+
+TrainingStep::TrainingStep(models::StableDiffusion& model, LoraNetwork& network,
+                           const StepOptions& options)
+    : model_(model), network_(network), options_(options) {
+  if (options.gradient_accumulation_steps < 1) {
+    throw InputError("--gradient_accumulation_steps must be at least 1");
+  }
+  if (options.max_grad_norm < 0) throw InputError("--max_grad_norm must not be negative");
+  if (options.min_snr_gamma < 0) throw InputError("--min_snr_gamma must not be negative");
+  if (options.noise.min_timestep < 0 || options.noise.max_timestep > 1000 ||
+      options.noise.min_timestep >= options.noise.max_timestep) {
+    throw InputError("--min_timestep/--max_timestep: need 0 <= min < max <= 1000, got " +
+                     std::to_string(options.noise.min_timestep) + " and " +
+                     std::to_string(options.noise.max_timestep));
+  }
+  (void)elementwise_loss(torch::zeros({1}), torch::zeros({1}), options.loss_type,
+                         torch::ones({1}));  // names an unknown --loss_type now, not mid-run
+  validate(options.schedule);
+
+  std::vector<ParamGroup> groups;
+  const auto& o = options.optimizer_groups;
+  auto add_group = [&](std::vector<at::Tensor> params, double lr, const std::string& name) {
+    if (params.empty()) return;
+    if (lr < 0) throw InputError("learning rate for " + name + " is negative: " + std::to_string(lr));
+    if (o.loraplus_lr_ratio > 0) {
+      // LoRA+ (kohya loraplus_lr_ratio): the up matrices learn ratio times faster.
+      std::vector<at::Tensor> downs, ups;
+      for (size_t i = 0; i < params.size(); ++i) (i % 2 == 0 ? downs : ups).push_back(params[i]);
+      groups.push_back(ParamGroup{downs, lr, name});
+      groups.push_back(ParamGroup{ups, lr * o.loraplus_lr_ratio, name + "_plus"});
+    } else {
+      groups.push_back(ParamGroup{std::move(params), lr, name});
+    }
+  };
+  if (network.options().train_text_encoder) {
+    add_group(network.text_encoder_parameters(),
+              o.text_encoder_lr >= 0 ? o.text_encoder_lr : o.learning_rate, "text_encoder");
+  }
+  if (network.options().train_unet) {
+    add_group(network.unet_parameters(), o.unet_lr >= 0 ? o.unet_lr : o.learning_rate, "unet");
+  }
+  if (groups.empty()) throw InputError("nothing to train: the LoRA has no trainable module");
+  for (const ParamGroup& g : groups) initial_lrs_.push_back(g.lr);
+  optimizer_ = make_optimizer(options.optimizer, std::move(groups));
+  model_.unet->gradient_checkpointing = options.gradient_checkpointing;
+}
+
+TrainingStep::~TrainingStep() = default;
+
+std::vector<at::Tensor> TrainingStep::trainable() const {
+  std::vector<at::Tensor> out;
+  for (const at::Tensor& t : network_.unet_parameters()) {
+    if (t.requires_grad()) out.push_back(t);
+  }
+  for (const at::Tensor& t : network_.text_encoder_parameters()) {
+    if (t.requires_grad()) out.push_back(t);
+  }
+  return out;
+}
+
+at::Tensor TrainingStep::conditioning(const MicroBatch& batch) {
+  const at::Tensor weight = model_.unet->conv_in->weight;
+  if (batch.encoder_hidden_states.defined()) {
+    return batch.encoder_hidden_states.to(weight.device(), options_.base_dtype);
+  }
+  TORCH_CHECK(batch.input_ids.defined(), "a micro-batch needs input_ids or hidden states");
+  return model_.text_encoder->encode(batch.input_ids.to(weight.device()), options_.clip_skip)
+      .to(options_.base_dtype);
+}
+
+at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
+                                         const at::Tensor& timesteps,
+                                         const at::Tensor& conditioning) {
+  const at::Tensor noisy = schedule_.add_noise(latents, noise, timesteps);
+  const at::Tensor prediction =
+      model_.unet->forward(noisy.to(options_.base_dtype), timesteps, conditioning)
+          .to(torch::kFloat32);
+  const at::Tensor target = options_.v_prediction ? schedule_.velocity(latents, noise, timesteps)
+                                                  : noise;
+  at::Tensor huber_c = torch::ones({1}, latents.options());
+  if (options_.loss_type == "huber" || options_.loss_type == "smooth_l1") {
+    huber_c = huber_threshold(schedule_, timesteps, options_.huber_schedule, options_.huber_c,
+                              options_.huber_scale);
+  }
+  return elementwise_loss(prediction, target.to(torch::kFloat32), options_.loss_type, huber_c)
+      .mean({1, 2, 3});
+}
+
+double TrainingStep::accumulate(const MicroBatch& batch, at::Generator generator) {
+  const at::Device device = model_.unet->conv_in->weight.device();
+  const at::Tensor latents = batch.latents.to(device, torch::kFloat32);
+  at::Tensor noise;
+  if (batch.noise.defined()) {
+    noise = batch.noise.to(device, torch::kFloat32);
+    if (options_.noise.noise_offset != 0) {
+      noise = apply_noise_offset(noise, latents, batch.offset_noise.to(device, torch::kFloat32),
+                                 options_.noise.noise_offset, options_.noise.adaptive_noise_scale);
+    }
+  } else {
+    noise = draw_noise(latents, options_.noise, generator);
+  }
+  const at::Tensor timesteps =
+      batch.timesteps.defined()
+          ? batch.timesteps.to(device, torch::kInt64)
+          : draw_timesteps(latents.size(0), options_.noise, generator, device);
+
+  at::Tensor loss = per_sample_loss(latents, noise, timesteps, conditioning(batch));
+  if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device, torch::kFloat32);
+  if (options_.min_snr_gamma > 0) {
+    loss = loss * min_snr_weight(schedule_, timesteps, options_.min_snr_gamma,
+                                 options_.v_prediction);
+  }
+  loss = loss.mean();
+  const double value = loss.item<double>();
+  if (!std::isfinite(value)) return value;
+  at::Tensor scaled = loss / options_.gradient_accumulation_steps;
+  if (options_.base_dtype == torch::kHalf) scaled = scaled * loss_scale_;
+  scaled.backward();
+  ++accumulated_;
+  return value;
+}
+
+void TrainingStep::zero_grad() {
+  optimizer_->zero_grad();
+  accumulated_ = 0;
+}
+
+UpdateResult TrainingStep::update() {
+  UpdateResult result;
+  const std::vector<at::Tensor> params = trainable();
+  torch::NoGradGuard no_grad;
+  bool finite = true;
+  std::vector<at::Tensor> grads;
+  for (const at::Tensor& p : params) {
+    if (!p.grad().defined()) continue;
+    if (options_.base_dtype == torch::kHalf) p.mutable_grad().div_(loss_scale_);
+    grads.push_back(p.grad());
+  }
+  for (const at::Tensor& g : grads) finite = finite && torch::isfinite(g).all().item<bool>();
+  if (!finite) {
+    if (options_.base_dtype == torch::kHalf) {
+      loss_scale_ *= kScaleBackoff;
+      growth_tracker_ = 0;
+    }
+    zero_grad();
+    return result;
+  }
+  const double max_norm = options_.max_grad_norm > 0 ? options_.max_grad_norm
+                                                      : std::numeric_limits<double>::infinity();
+  result.grad_norm = torch::nn::utils::clip_grad_norm_(params, max_norm);
+  for (size_t g = 0; g < initial_lrs_.size(); ++g) {
+    optimizer_->set_lr(g, initial_lrs_[g] * lr_multiplier(options_.schedule, updates_));
+  }
+  result.learning_rate = optimizer_->lr(0);
+  optimizer_->step();
+  ++updates_;
+  result.applied = true;
+  if (options_.base_dtype == torch::kHalf && ++growth_tracker_ == kScaleGrowthInterval) {
+    loss_scale_ *= kScaleGrowth;
+    growth_tracker_ = 0;
+  }
+  zero_grad();
+  return result;
+}
+
+}  // namespace lorapipe::trainer

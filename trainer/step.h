@@ -1,0 +1,121 @@
+#pragma once
+// One training step of a LoRA on a Stable Diffusion model, as kohya sd-scripts' train_network.py
+// runs it for SD1.5: noise and timesteps, the noised latents, the UNet's prediction against the
+// epsilon or v target, kohya's loss options, backward (divided over gradient accumulation),
+// then gradient clipping, the optimizer and the learning-rate schedule.
+//
+// The step is the unit the parity tests compare with diffusers + peft (trainer/reference/
+// train_reference.py), so everything random can also be given explicitly.
+
+#include <ATen/core/Generator.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "trainer/lr_schedule.h"
+#include "trainer/noise.h"
+#include "trainer/optimizer.h"
+
+namespace lorapipe::models {
+struct StableDiffusion;
+}
+
+namespace lorapipe::trainer {
+
+class LoraNetwork;
+
+struct StepOptions {
+  bool v_prediction = false;      // --v_parameterization
+  double min_snr_gamma = 0;       // --min_snr_gamma (0: off)
+  NoiseOptions noise;
+  std::string loss_type = "l2";   // --loss_type l2 | l1 | huber | smooth_l1
+  std::string huber_schedule = "snr";
+  double huber_c = 0.1;
+  double huber_scale = 1.0;
+  int clip_skip = 1;
+  int gradient_accumulation_steps = 1;
+  double max_grad_norm = 1.0;     // 0: no clipping
+  c10::ScalarType base_dtype = c10::kFloat;  // --mixed_precision: the frozen base's dtype
+  bool gradient_checkpointing = false;
+  double vae_scaling_factor = 0.18215;
+  OptimizerOptions optimizer;
+  struct LearningRates {
+    double learning_rate = 1e-4;  // --learning_rate
+    double unet_lr = -1;          // --unet_lr (negative: learning_rate)
+    double text_encoder_lr = -1;  // --text_encoder_lr (negative: learning_rate)
+    double loraplus_lr_ratio = 0; // network_args loraplus_lr_ratio (0: off)
+  } optimizer_groups;
+  LrScheduleOptions schedule;
+};
+
+// One micro-batch. `latents` are already drawn from the cached distribution and scaled by the
+// VAE factor. Text comes as token ids (encoded online, through the LoRA when the text encoder
+// trains) or as cached encoder hidden states. `noise`, `offset_noise` and `timesteps` are drawn
+// from the step's generator unless given.
+struct MicroBatch {
+  at::Tensor latents;                // [B, 4, h, w] fp32
+  at::Tensor input_ids;              // [B, 77] int64, or
+  at::Tensor encoder_hidden_states;  // [B, 77, C]
+  at::Tensor loss_weights;           // [B] fp32: prior_loss_weight for reg images, else 1
+  at::Tensor noise;                  // optional [B, 4, h, w]
+  at::Tensor offset_noise;           // optional [B, 4, 1, 1] (with noise_offset)
+  at::Tensor timesteps;              // optional [B] int64
+};
+
+struct UpdateResult {
+  bool applied = false;    // false: an fp16 overflow or a non-finite gradient skipped it
+  double grad_norm = 0;    // total norm before clipping
+  double learning_rate = 0;  // the (first group's) rate this update used
+};
+
+class TrainingStep {
+ public:
+  // Throws InputError for options that cannot work (unknown loss or schedule, accumulation < 1).
+  TrainingStep(models::StableDiffusion& model, LoraNetwork& network, const StepOptions& options);
+  ~TrainingStep();
+
+  // Forward and backward of one micro-batch; returns its loss (before the division by the
+  // accumulation steps). A non-finite loss is returned without backward.
+  double accumulate(const MicroBatch& batch, at::Generator generator);
+  // Clips, updates and advances the schedule once gradient_accumulation_steps micro-batches
+  // have been accumulated; then zeroes the gradients.
+  UpdateResult update();
+  // Drops accumulated gradients (after a bad step).
+  void zero_grad();
+
+  int64_t updates() const { return updates_; }
+  void set_updates(int64_t updates) { updates_ = updates; }
+  Optimizer& optimizer() { return *optimizer_; }
+  const StepOptions& options() const { return options_; }
+  // fp16 only: the gradient scaler's state, saved with the training state.
+  double loss_scale() const { return loss_scale_; }
+  int64_t scale_growth_tracker() const { return growth_tracker_; }
+  void set_scaler(double scale, int64_t tracker) { loss_scale_ = scale, growth_tracker_ = tracker; }
+
+  // The denoiser's loss for a batch whose text conditioning is already computed (validation
+  // uses it with fixed noise and timesteps). Per-sample, before weighting, [B].
+  at::Tensor per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
+                             const at::Tensor& timesteps, const at::Tensor& conditioning);
+  at::Tensor conditioning(const MicroBatch& batch);
+
+ private:
+  std::vector<at::Tensor> trainable() const;
+
+  models::StableDiffusion& model_;
+  LoraNetwork& network_;
+  StepOptions options_;
+  NoiseSchedule schedule_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::vector<double> initial_lrs_;
+  int64_t updates_ = 0;
+  int accumulated_ = 0;
+  double loss_scale_ = 65536.0;
+  int64_t growth_tracker_ = 0;
+};
+
+}  // namespace lorapipe::trainer

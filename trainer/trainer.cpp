@@ -1,0 +1,949 @@
+#include "trainer/trainer.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <ctime>
+#include <deque>
+#include <fstream>
+#include <iomanip>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
+#define LORAPIPE_HAVE_CUDA_ALLOCATOR 1
+#endif
+
+#include "cacher/records.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/sha256.h"
+#include "models/device.h"
+#include "models/fingerprint.h"
+#include "models/pipeline.h"
+#include "proto/wire.h"
+#include "trainer/dataset.h"
+#include "trainer/lora_file.h"
+#include "trainer/records.h"
+#include "trainer/tensorboard.h"
+
+namespace lorapipe::trainer {
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+namespace {
+
+constexpr std::string_view kLog = "trainer";
+constexpr int kPrefetchDepth = 2;
+// kohya's validation timesteps (train_network.py, fixed so validation losses compare).
+constexpr int64_t kValidationTimesteps[] = {200, 400, 600, 800};
+
+c10::ScalarType precision(const std::string& name, const char* flag) {
+  if (name == "no" || name == "float" || name == "fp32") return torch::kFloat;
+  if (name == "fp16") return torch::kHalf;
+  if (name == "bf16") return torch::kBFloat16;
+  throw InputError(std::string(flag) + "='" + name + "': use " +
+                   (std::string(flag) == "--mixed_precision" ? "no" : "float") + ", fp16 or bf16");
+}
+
+// A tensor from a record, as fp32 on the CPU.
+torch::Tensor from_record(const wire::Tensor& t) {
+  std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  const auto dtype = t.dtype() == wire::Tensor::F32   ? torch::kFloat
+                     : t.dtype() == wire::Tensor::F16 ? torch::kHalf
+                                                      : torch::kBFloat16;
+  return torch::from_blob(const_cast<char*>(t.data().data()), shape, dtype).to(torch::kFloat);
+}
+
+at::Generator generator_for(uint64_t seed, int64_t epoch, int64_t index, std::string_view purpose) {
+  return at::make_generator<at::CPUGeneratorImpl>(stream(seed, epoch, index, purpose)());
+}
+
+// kohya's legacy model hash (train_util.model_hash): 64 KiB at 1 MiB into the file.
+std::string legacy_model_hash(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return "NOFILE";
+  in.seekg(0x100000);
+  std::string bytes(0x10000, '\0');
+  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  bytes.resize(static_cast<size_t>(in.gcount()));
+  return sha256_hex(bytes).substr(0, 8);
+}
+
+std::string iso_now() {
+  const std::time_t now = std::time(nullptr);
+  char buffer[32];
+  std::strftime(buffer, sizeof buffer, "%Y-%m-%dT%H:%M:%S", std::gmtime(&now));
+  return buffer;
+}
+
+std::string number(double v) {
+  std::ostringstream out;
+  out << std::setprecision(17) << v;
+  return out.str();
+}
+
+uint64_t peak_memory(const at::Device& device) {
+#ifdef LORAPIPE_HAVE_CUDA_ALLOCATOR
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return static_cast<uint64_t>(stats.allocated_bytes[0].peak);
+  }
+#endif
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<uint64_t>(usage.ru_maxrss) * 1024;
+}
+
+// Writes a folder under a temporary name and renames it into place, so a crash leaves the old
+// folder or the new one, never a mix.
+template <typename Fill>
+void write_folder(const fs::path& dir, Fill fill) {
+  const fs::path temp = dir.parent_path() / ("." + dir.filename().string() + ".tmp");
+  const fs::path old = dir.parent_path() / ("." + dir.filename().string() + ".old");
+  fs::remove_all(temp);
+  fs::create_directories(temp);
+  fill(temp);
+  fs::remove_all(old);
+  if (fs::exists(dir)) fs::rename(dir, old);
+  fs::rename(temp, dir);
+  fs::remove_all(old);
+}
+
+struct PreparedBatch {
+  int64_t epoch = 0;
+  int64_t index = 0;  // micro-batch index within the epoch
+  torch::Tensor latents;
+  torch::Tensor hidden_states;  // cached text, or undefined
+  std::vector<std::string> captions;
+  torch::Tensor loss_weights;
+  std::string error;  // the producer failed: this message, then stop
+};
+
+}  // namespace
+
+void apply_network_args(Options& options) {
+  for (const std::string& arg : options.network_args) {
+    const size_t eq = arg.find('=');
+    if (eq == std::string::npos) throw InputError("--network_args '" + arg + "': expected key=value");
+    const std::string key = arg.substr(0, eq), value = arg.substr(eq + 1);
+    double v = 0;
+    try {
+      size_t used = 0;
+      v = std::stod(value, &used);
+      if (used != value.size()) throw std::invalid_argument(value);
+    } catch (const std::exception&) {
+      throw InputError("--network_args '" + arg + "': '" + value + "' is not a number");
+    }
+    if (key == "conv_dim") {
+      options.network.conv_dim = static_cast<int64_t>(v);
+    } else if (key == "conv_alpha") {
+      options.network.conv_alpha = v;
+    } else if (key == "rank_dropout") {
+      options.network.rank_dropout = v;
+    } else if (key == "module_dropout") {
+      options.network.module_dropout = v;
+    } else if (key == "loraplus_lr_ratio") {
+      options.step.optimizer_groups.loraplus_lr_ratio = v;
+    } else {
+      throw InputError("--network_args '" + arg + "': unknown argument '" + key +
+                       "' (known: conv_dim, conv_alpha, rank_dropout, module_dropout, "
+                       "loraplus_lr_ratio)");
+    }
+  }
+}
+
+void validate(const Options& o) {
+  auto need = [](bool ok, const std::string& message) {
+    if (!ok) throw InputError(message);
+  };
+  need(!o.model.empty(), "--pretrained_model_name_or_path is required");
+  need(!o.dataset_id.empty(), "--dataset_id is required (the manifest preprocess and the cacher wrote)");
+  need(!o.output_dir.empty(), "--output_dir is required");
+  need(!o.output_name.empty() && o.output_name.find('/') == std::string::npos,
+       "--output_name='" + o.output_name + "' must be a plain file name");
+  need(o.max_train_steps > 0 || o.max_train_epochs > 0,
+       "--max_train_steps=" + std::to_string(o.max_train_steps) + ": must be at least 1");
+  need(o.max_train_epochs >= 0, "--max_train_epochs must not be negative");
+  need(o.train_batch_size >= 1,
+       "--train_batch_size=" + std::to_string(o.train_batch_size) + ": must be at least 1");
+  need(o.network.dim >= 1, "--network_dim=" + std::to_string(o.network.dim) + ": must be at least 1");
+  need(o.network.alpha >= 0, "--network_alpha must not be negative");
+  const auto& lr = o.step.optimizer_groups;
+  need(lr.learning_rate >= 0, "--learning_rate=" + number(lr.learning_rate) + ": must not be negative");
+  need(o.step.gradient_accumulation_steps >= 1, "--gradient_accumulation_steps must be at least 1");
+  need(o.max_bad_steps >= 1, "--max_bad_steps must be at least 1");
+  need(o.validation_split >= 0 && o.validation_split < 1, "--validation_split must be in [0, 1)");
+  need(o.save_every_n_steps >= 0 && o.save_every_n_epochs >= 0, "--save_every_n_* must be >= 0");
+  need(o.prior_loss_weight >= 0, "--prior_loss_weight must not be negative");
+  need(o.threads >= 0, "--threads must not be negative");
+  need(o.step.clip_skip >= 1, "--clip_skip must be at least 1");
+  precision(o.mixed_precision, "--mixed_precision");
+  precision(o.save_precision, "--save_precision");
+  LrScheduleOptions schedule = o.step.schedule;
+  trainer::validate(schedule);
+  (void)elementwise_loss(torch::zeros({1}), torch::zeros({1}), o.step.loss_type, torch::ones({1}));
+  OptimizerOptions optimizer = o.step.optimizer;
+  (void)make_optimizer(optimizer, {ParamGroup{{torch::zeros({1}, torch::requires_grad())}, 1e-4, "x"}});
+}
+
+namespace {
+
+class Run {
+ public:
+  explicit Run(const Options& options) : o_(options) {}
+  Summary train();
+
+ private:
+  void load_data();
+  void preflight();
+  void load_model();
+  void prepare_validation();
+  double validation_loss();
+  void producer(int64_t epoch, int64_t index);
+  PreparedBatch prepare(int64_t epoch, int64_t index, const PlannedBatch& plan);
+  MicroBatch to_micro_batch(const PreparedBatch& prepared);
+  void save_lora(const fs::path& path, int64_t step, bool final);
+  void save_state(const fs::path& dir);
+  void load_state(const fs::path& dir);
+  void retain(int64_t step, int64_t epoch);
+  void publish_progress(double loss, double seconds_per_step, double wait_ms);
+  std::map<std::string, std::string> metadata(int64_t step) const;
+
+  Options o_;
+  std::unique_ptr<RecordSource> records_;
+  wire::Manifest manifest_;
+  wire::Manifest validation_manifest_;
+  models::StableDiffusion model_;
+  at::Device device_{torch::kCPU};
+  bool cached_text_ = false;
+  std::unique_ptr<LoraNetwork> network_;
+  std::unique_ptr<TrainingStep> step_;
+  std::unique_ptr<BatchScheduler> scheduler_;
+  std::optional<TensorBoardWriter> tensorboard_;
+  zmq::context_t context_;
+  std::optional<zmq::socket_t> pub_;
+  std::string run_id_;
+  std::string model_hash_, model_sha256_;
+  std::string training_started_at_;
+
+  int64_t max_steps_ = 0;
+  int64_t global_step_ = 0;
+  int64_t epoch_ = 1;
+  int64_t next_index_ = 0;  // the next micro-batch of epoch_
+  int64_t skipped_ = 0;
+  double epoch_loss_sum_ = 0;
+  int64_t epoch_loss_count_ = 0;
+  double last_loss_ = 0;
+  Clock::time_point started_ = Clock::now();
+  int64_t steps_this_run_ = 0;
+
+  // Prefetch.
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<PreparedBatch> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+
+  // Validation: fixed latents, conditioning inputs and noise.
+  std::vector<PreparedBatch> validation_;
+};
+
+void Run::load_data() {
+  records_ = o_.cacher_endpoint.empty()
+                 ? open_local_records(o_.cache_dir)
+                 : open_remote_records(o_.cacher_endpoint,
+                                       std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000)));
+  manifest_ = records_->manifest(o_.dataset_id);
+  if (o_.validation_split > 0) {
+    // kohya splits the images (not the repeats) with --validation_seed.
+    std::vector<int> order(manifest_.entries_size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+    std::mt19937_64 rng = stream(o_.validation_seed, 0, 0, "validation_split");
+    std::shuffle(order.begin(), order.end(), rng);
+    const size_t n_val = static_cast<size_t>(std::lround(o_.validation_split * order.size()));
+    if (n_val == 0 || n_val == order.size()) {
+      throw InputError("--validation_split=" + number(o_.validation_split) + " of " +
+                       std::to_string(order.size()) + " images leaves " +
+                       (n_val == 0 ? "no image to validate on" : "no image to train on"));
+    }
+    std::set<int> val(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n_val));
+    wire::Manifest train = manifest_;
+    train.clear_entries();
+    validation_manifest_ = manifest_;
+    validation_manifest_.clear_entries();
+    for (int i = 0; i < manifest_.entries_size(); ++i) {
+      *(val.count(i) ? validation_manifest_.add_entries() : train.add_entries()) =
+          manifest_.entries(i);
+    }
+    manifest_ = std::move(train);
+  }
+  scheduler_ = std::make_unique<BatchScheduler>(manifest_, o_.train_batch_size, o_.seed,
+                                                o_.fill_last_batch);
+}
+
+void Run::preflight() {
+  // Every record the run will read, read once and checked, before any compute.
+  std::vector<std::string> latent_keys, text_keys;
+  std::set<std::string> seen;
+  for (const wire::Manifest* m : {&manifest_, &validation_manifest_}) {
+    for (const auto& e : m->entries()) {
+      if (seen.insert(e.latent_key()).second) latent_keys.push_back(e.latent_key());
+      if (cached_text_ && seen.insert(e.text_key()).second) text_keys.push_back(e.text_key());
+    }
+  }
+  std::vector<std::string> problems;
+  auto check = [&](RecordKind kind, const std::vector<std::string>& keys) {
+    for (size_t at = 0; at < keys.size(); at += 256) {
+      const std::vector<std::string> chunk(keys.begin() + at,
+                                           keys.begin() + std::min(keys.size(), at + 256));
+      const auto values = records_->get(kind, chunk);
+      for (size_t i = 0; i < chunk.size(); ++i) {
+        if (!values[i]) {
+          problems.push_back(chunk[i] + ": missing");
+          continue;
+        }
+        const std::string why = kind == RecordKind::kLatent ? cacher::check_latent_record(*values[i])
+                                                            : cacher::check_text_record(*values[i]);
+        if (!why.empty()) problems.push_back(chunk[i] + ": " + why);
+      }
+    }
+  };
+  check(RecordKind::kLatent, latent_keys);
+  check(RecordKind::kText, text_keys);
+  if (problems.empty()) return;
+  std::string message = "manifest '" + o_.dataset_id + "' in " + records_->describe() + ": " +
+                        std::to_string(problems.size()) + " records missing or damaged (re-run " +
+                        "the cacher on the dataset):";
+  for (size_t i = 0; i < problems.size() && i < 10; ++i) message += "\n  " + problems[i];
+  if (problems.size() > 10) message += "\n  ...";
+  throw InputError(message);
+}
+
+void Run::load_model() {
+  device_ = models::resolve_device(o_.device);
+  models::LoadOptions load;
+  load.tokenizer = o_.tokenizer;
+  load.device = torch::kCPU;
+  load.dtype = torch::kFloat;
+  model_ = models::load_stable_diffusion(o_.model, load);
+  if (!model_.tokenizer) {
+    throw InputError(o_.model.string() + " carries no tokenizer: pass --tokenizer");
+  }
+  // Latents from another VAE would train the LoRA on the wrong images. The cacher fingerprints
+  // the VAE in its compute dtype, so each dtype it may have used is tried.
+  bool vae_matches = false;
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    model_.vae->to(dtype);
+    if (models::weights_fingerprint(*model_.vae, "vae") == manifest_.vae_fingerprint()) {
+      vae_matches = true;
+      break;
+    }
+  }
+  model_.vae = nullptr;  // training needs no VAE
+  if (!vae_matches) {
+    throw InputError("manifest '" + o_.dataset_id + "' was cached with another VAE (fingerprint " +
+                     manifest_.vae_fingerprint().substr(0, 12) + ") than " + o_.model.string() +
+                     "'s: re-cache the dataset with this model (run preprocess and the cacher)");
+  }
+  const bool train_te = o_.network.train_text_encoder;
+  if (manifest_.text_cached() && !train_te) {
+    const std::string settings = models::text_encoder_settings(o_.step.clip_skip, model_.tokenizer_path);
+    for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+      model_.text_encoder->to(dtype);
+      if (models::weights_fingerprint(*model_.text_encoder, settings) ==
+          manifest_.text_encoder_fingerprint()) {
+        cached_text_ = true;
+        break;
+      }
+    }
+    if (!cached_text_) {
+      LP_LOG(kInfo, kLog) << "cached text was made by another text encoder or clip skip: "
+                             "captions are encoded online";
+    }
+  }
+  const c10::ScalarType dtype = o_.step.base_dtype;
+  model_.unet->to(device_, dtype);
+  model_.text_encoder->to(device_, dtype);
+  for (auto& p : model_.unet->parameters()) p.requires_grad_(false);
+  for (auto& p : model_.text_encoder->parameters()) p.requires_grad_(false);
+  if (fs::is_regular_file(o_.model)) {
+    model_hash_ = legacy_model_hash(o_.model);
+    model_sha256_ = sha256_file(o_.model);
+  }
+}
+
+PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& plan) {
+  PreparedBatch out;
+  out.epoch = epoch;
+  out.index = index;
+  std::vector<std::string> latent_keys, text_keys;
+  for (int i : plan.entries) {
+    latent_keys.push_back(manifest_.entries(i).latent_key());
+    if (cached_text_) text_keys.push_back(manifest_.entries(i).text_key());
+  }
+  const auto latents = records_->get(RecordKind::kLatent, latent_keys);
+  std::vector<std::optional<std::string>> texts;
+  if (cached_text_) texts = records_->get(RecordKind::kText, text_keys);
+  at::Generator draw = generator_for(o_.seed, epoch, index, "latent");
+  std::mt19937_64 rng = stream(o_.seed, epoch, index, "flip+caption");
+  std::vector<torch::Tensor> latent_list, hidden_list;
+  std::vector<float> weights;
+  for (size_t k = 0; k < plan.entries.size(); ++k) {
+    const wire::ManifestEntry& e = manifest_.entries(plan.entries[k]);
+    wire::LatentRecord record;
+    if (!latents[k] || !record.ParseFromString(*latents[k])) {
+      throw Error("latent " + latent_keys[k] + " (" + e.path() + ") vanished from " +
+                  records_->describe() + " after the pre-flight check");
+    }
+    // kohya flip_aug with cached latents: the flipped twin half of the time.
+    const bool flipped = e.flip() && record.has_flipped_mean() &&
+                         std::uniform_real_distribution<double>(0, 1)(rng) < 0.5;
+    const torch::Tensor mean = from_record(flipped ? record.flipped_mean() : record.mean());
+    const torch::Tensor std = from_record(flipped ? record.flipped_std() : record.std());
+    // A fresh draw from the stored distribution every time (kohya freezes one at caching).
+    latent_list.push_back(mean + std * at::randn(mean.sizes(), draw, torch::kFloat));
+    weights.push_back(e.is_reg() ? static_cast<float>(o_.prior_loss_weight) : 1.0f);
+    if (cached_text_) {
+      wire::TextRecord text;
+      if (!texts[k] || !text.ParseFromString(*texts[k])) {
+        throw Error("text " + text_keys[k] + " vanished from " + records_->describe());
+      }
+      hidden_list.push_back(from_record(text.hidden_states()));
+    } else {
+      out.captions.push_back(augment_caption(e.caption(), e.caption_settings(), epoch, rng));
+    }
+  }
+  out.latents = torch::stack(latent_list) * o_.step.vae_scaling_factor;
+  if (cached_text_) out.hidden_states = torch::stack(hidden_list);
+  out.loss_weights = torch::tensor(weights);
+  return out;
+}
+
+void Run::producer(int64_t epoch, int64_t index) {
+  try {
+    for (;; ++epoch, index = 0) {
+      const std::vector<PlannedBatch> plan = scheduler_->epoch(epoch);
+      for (; index < static_cast<int64_t>(plan.size()); ++index) {
+        PreparedBatch batch = prepare(epoch, index, plan[index]);
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return stop_ || queue_.size() < kPrefetchDepth; });
+        if (stop_) return;
+        queue_.push_back(std::move(batch));
+        cv_.notify_all();
+      }
+    }
+  } catch (const std::exception& e) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    PreparedBatch failed;
+    failed.error = e.what();
+    queue_.push_back(std::move(failed));
+    cv_.notify_all();
+  }
+}
+
+MicroBatch Run::to_micro_batch(const PreparedBatch& p) {
+  MicroBatch batch;
+  batch.latents = p.latents;
+  batch.loss_weights = p.loss_weights;
+  if (p.hidden_states.defined()) {
+    batch.encoder_hidden_states = p.hidden_states;
+  } else {
+    std::vector<int64_t> ids;
+    for (const std::string& caption : p.captions) {
+      for (int32_t id : model_.tokenizer->encode_padded(caption)) ids.push_back(id);
+    }
+    batch.input_ids = torch::tensor(ids).view({static_cast<int64_t>(p.captions.size()), -1});
+  }
+  return batch;
+}
+
+void Run::prepare_validation() {
+  if (validation_manifest_.entries_size() == 0) return;
+  wire::Manifest saved = manifest_;
+  manifest_ = validation_manifest_;
+  for (int i = 0; i < validation_manifest_.entries_size(); ++i) {
+    PlannedBatch plan;
+    plan.entries = {i};
+    PreparedBatch p = prepare(/*epoch=*/0, i, plan);
+    // Validation uses the stored mean (no draw) and the caption as written.
+    wire::LatentRecord record;
+    record.ParseFromString(*records_->get(RecordKind::kLatent,
+                                          {validation_manifest_.entries(i).latent_key()})[0]);
+    p.latents = from_record(record.mean()).unsqueeze(0) * o_.step.vae_scaling_factor;
+    if (!cached_text_) p.captions = {validation_manifest_.entries(i).caption()};
+    validation_.push_back(std::move(p));
+  }
+  manifest_ = std::move(saved);
+}
+
+double Run::validation_loss() {
+  if (validation_.empty()) return -1;
+  torch::NoGradGuard no_grad;
+  network_->set_training(false);
+  double sum = 0;
+  int64_t n = 0;
+  for (size_t i = 0; i < validation_.size(); ++i) {
+    const MicroBatch batch = to_micro_batch(validation_[i]);
+    const torch::Tensor conditioning = step_->conditioning(batch);
+    for (int64_t t : kValidationTimesteps) {
+      at::Generator g = generator_for(o_.validation_seed, static_cast<int64_t>(i), t, "val-noise");
+      const torch::Tensor latents = batch.latents.to(device_);
+      const torch::Tensor noise =
+          at::randn(latents.sizes(), g, torch::kFloat).to(device_);
+      const torch::Tensor timesteps = torch::full({latents.size(0)}, t, torch::kInt64).to(device_);
+      sum += step_->per_sample_loss(latents, noise, timesteps, conditioning).mean().item<double>();
+      ++n;
+    }
+  }
+  network_->set_training(true);
+  return sum / static_cast<double>(n);
+}
+
+std::map<std::string, std::string> Run::metadata(int64_t step) const {
+  const auto& s = o_.step;
+  std::map<std::string, std::string> m;
+  json bucket_info = json::object();
+  json buckets = json::object();
+  int i = 0;
+  for (const auto& b : scheduler_->buckets()) {
+    buckets[std::to_string(i++)] = {{"resolution", {b.width, b.height}}, {"count", b.count}};
+  }
+  bucket_info["buckets"] = buckets;
+  const int64_t batches = static_cast<int64_t>(scheduler_->batches_per_epoch());
+  m["ss_session_id"] = run_id_;
+  m["ss_training_started_at"] = training_started_at_;
+  m["ss_output_name"] = o_.output_name;
+  m["ss_learning_rate"] = number(s.optimizer_groups.learning_rate);
+  m["ss_unet_lr"] = number(s.optimizer_groups.unet_lr >= 0 ? s.optimizer_groups.unet_lr
+                                                             : s.optimizer_groups.learning_rate);
+  m["ss_text_encoder_lr"] = number(s.optimizer_groups.text_encoder_lr >= 0
+                                       ? s.optimizer_groups.text_encoder_lr
+                                       : s.optimizer_groups.learning_rate);
+  m["ss_num_train_images"] = std::to_string(scheduler_->train_images());
+  m["ss_num_reg_images"] = std::to_string(scheduler_->reg_images());
+  m["ss_num_batches_per_epoch"] = std::to_string(batches);
+  m["ss_num_epochs"] = std::to_string(
+      (max_steps_ * s.gradient_accumulation_steps + batches - 1) / std::max<int64_t>(1, batches));
+  m["ss_batch_size_per_device"] = std::to_string(scheduler_->batch_size());
+  m["ss_total_batch_size"] =
+      std::to_string(scheduler_->batch_size() * s.gradient_accumulation_steps);
+  m["ss_gradient_checkpointing"] = s.gradient_checkpointing ? "True" : "False";
+  m["ss_gradient_accumulation_steps"] = std::to_string(s.gradient_accumulation_steps);
+  m["ss_max_train_steps"] = std::to_string(max_steps_);
+  m["ss_lr_warmup_steps"] = std::to_string(s.schedule.warmup_steps);
+  m["ss_lr_scheduler"] = s.schedule.name;
+  m["ss_network_module"] = "networks.lora";
+  m["ss_network_dim"] = std::to_string(o_.network.dim);
+  m["ss_network_alpha"] = number(o_.network.alpha == 0 ? o_.network.dim : o_.network.alpha);
+  m["ss_network_dropout"] = number(o_.network.dropout);
+  json args = json::object();
+  for (const std::string& a : o_.network_args) {
+    const size_t eq = a.find('=');
+    args[a.substr(0, eq)] = a.substr(eq + 1);
+  }
+  m["ss_network_args"] = args.dump();
+  m["ss_mixed_precision"] = o_.mixed_precision;
+  m["ss_full_fp16"] = "False";
+  m["ss_v2"] = "False";
+  m["ss_base_model_version"] = "sd_v1";
+  m["ss_clip_skip"] = std::to_string(s.clip_skip);
+  m["ss_max_token_length"] = "None";
+  m["ss_cache_latents"] = "True";
+  m["ss_seed"] = std::to_string(o_.seed);
+  m["ss_noise_offset"] = s.noise.noise_offset > 0 ? number(s.noise.noise_offset) : "None";
+  m["ss_noise_offset_random_strength"] = s.noise.noise_offset_random_strength ? "True" : "False";
+  m["ss_adaptive_noise_scale"] =
+      s.noise.adaptive_noise_scale != 0 ? number(s.noise.adaptive_noise_scale) : "None";
+  m["ss_multires_noise_iterations"] = s.noise.multires_noise_iterations > 0
+                                          ? std::to_string(s.noise.multires_noise_iterations)
+                                          : "None";
+  m["ss_multires_noise_discount"] = number(s.noise.multires_noise_discount);
+  m["ss_min_snr_gamma"] = s.min_snr_gamma > 0 ? number(s.min_snr_gamma) : "None";
+  m["ss_prior_loss_weight"] = number(o_.prior_loss_weight);
+  m["ss_max_grad_norm"] = number(s.max_grad_norm);
+  m["ss_loss_type"] = s.loss_type;
+  m["ss_huber_schedule"] = s.huber_schedule;
+  m["ss_huber_c"] = number(s.huber_c);
+  m["ss_optimizer"] = step_->optimizer().describe();
+  m["ss_training_comment"] = o_.training_comment.empty() ? "None" : o_.training_comment;
+  m["ss_sd_model_name"] = o_.model.filename().string();
+  m["ss_sd_model_hash"] = model_hash_;
+  m["ss_new_sd_model_hash"] = model_sha256_;
+  m["ss_resolution"] = scheduler_->buckets().empty()
+                           ? "None"
+                           : "(" + std::to_string(scheduler_->buckets()[0].width) + ", " +
+                                 std::to_string(scheduler_->buckets()[0].height) + ")";
+  m["ss_enable_bucket"] = scheduler_->buckets().size() > 1 ? "True" : "False";
+  m["ss_bucket_info"] = bucket_info.dump();
+  m["ss_dataset_dirs"] = json{{o_.dataset_id, {{"n_repeats", 1}, {"img_count",
+                                                scheduler_->train_images()}}}}.dump();
+  m["ss_steps"] = std::to_string(step);
+  m["ss_epoch"] = std::to_string(epoch_);
+  m["ss_training_finished_at"] = iso_now();
+  m["ss_validation_split"] = number(o_.validation_split);
+  m["ss_validation_seed"] = std::to_string(o_.validation_seed);
+  m["ss_validate_every_n_steps"] = std::to_string(o_.validate_every_n_steps);
+  m["ss_v_parameterization"] = s.v_prediction ? "True" : "False";
+  m["modelspec.sai_model_spec"] = "1.0.0";
+  m["modelspec.architecture"] = "stable-diffusion-v1/lora";
+  m["modelspec.implementation"] = "diffusers";
+  m["modelspec.title"] = o_.output_name + "/" + std::to_string(step);
+  m["modelspec.date"] = iso_now().substr(0, 10);
+  m["modelspec.prediction_type"] = s.v_prediction ? "v" : "epsilon";
+  m["modelspec.resolution"] = m["ss_resolution"] == "None"
+                                  ? "512x512"
+                                  : std::to_string(scheduler_->buckets()[0].width) + "x" +
+                                        std::to_string(scheduler_->buckets()[0].height);
+  return m;
+}
+
+void Run::save_lora(const fs::path& path, int64_t step, bool final) {
+  fs::create_directories(path.parent_path());
+  const WrittenLora written = write_lora_file(
+      path, network_->state_dict(precision(o_.save_precision, "--save_precision")), metadata(step));
+  LP_LOG(kInfo, kLog) << "saved " << path.string();
+  if (!pub_) return;
+  wire::CheckpointReady event;
+  event.set_run_id(run_id_);
+  event.set_path(fs::absolute(path).string());
+  event.set_step(static_cast<uint64_t>(step));
+  event.set_epoch(static_cast<uint32_t>(epoch_));
+  event.set_sha256(written.sha256);
+  event.set_final(final);
+  (void)wire::send(*pub_, event);
+}
+
+void Run::save_state(const fs::path& dir) {
+  fs::create_directories(dir.parent_path());
+  write_folder(dir, [&](const fs::path& folder) {
+    write_lora_file(folder / "lora.safetensors", network_->state_dict(torch::kFloat), {});
+    step_->optimizer().save(folder / "optimizer.pt");
+    json state{{"format", 1},
+               {"dataset_id", o_.dataset_id},
+               {"seed", o_.seed},
+               {"global_step", global_step_},
+               {"epoch", epoch_},
+               {"next_index", next_index_},
+               {"skipped_steps", skipped_},
+               {"epoch_loss_sum", epoch_loss_sum_},
+               {"epoch_loss_count", epoch_loss_count_},
+               {"loss_scale", step_->loss_scale()},
+               {"scale_growth_tracker", step_->scale_growth_tracker()},
+               {"run_id", run_id_},
+               {"training_started_at", training_started_at_}};
+    std::ofstream(folder / "trainer.json") << state.dump(2);
+  });
+  LP_LOG(kInfo, kLog) << "saved state " << dir.string() << " at step " << global_step_;
+}
+
+void Run::load_state(const fs::path& dir) {
+  const fs::path file = dir / "trainer.json";
+  if (!fs::exists(file)) {
+    throw InputError("--resume=" + dir.string() + ": no trainer.json (not a state folder written "
+                     "with --save_state)");
+  }
+  json state;
+  try {
+    state = json::parse(std::ifstream(file));
+  } catch (const json::exception& e) {
+    throw InputError(file.string() + ": " + e.what());
+  }
+  if (state.value("dataset_id", "") != o_.dataset_id || state.value("seed", 0ull) != o_.seed) {
+    throw InputError("--resume=" + dir.string() + ": that state trained dataset '" +
+                     state.value("dataset_id", "") + "' with seed " +
+                     std::to_string(state.value("seed", 0ull)) + ", this run asks for '" +
+                     o_.dataset_id + "' with seed " + std::to_string(o_.seed));
+  }
+  network_->load(dir / "lora.safetensors");
+  step_->optimizer().load(dir / "optimizer.pt");
+  global_step_ = state.at("global_step");
+  epoch_ = state.at("epoch");
+  next_index_ = state.at("next_index");
+  skipped_ = state.at("skipped_steps");
+  epoch_loss_sum_ = state.at("epoch_loss_sum");
+  epoch_loss_count_ = state.at("epoch_loss_count");
+  step_->set_scaler(state.at("loss_scale"), state.at("scale_growth_tracker"));
+  step_->set_updates(global_step_ - skipped_);
+  run_id_ = state.value("run_id", run_id_);
+  training_started_at_ = state.value("training_started_at", training_started_at_);
+  LP_LOG(kInfo, kLog) << "resumed from " << dir.string() << " at step " << global_step_
+                      << ", epoch " << epoch_;
+}
+
+void Run::retain(int64_t step, int64_t epoch) {
+  // kohya's --save_last_n_steps / --save_last_n_epochs: older periodic saves are removed.
+  const fs::path lora_dir = o_.output_dir / "lora";
+  const fs::path state_dir = o_.output_dir / "state";
+  char name[64];
+  if (o_.save_last_n_steps > 0 && o_.save_every_n_steps > 0) {
+    for (int64_t s = step - o_.save_last_n_steps - 1; s > 0; s -= 1) {
+      if (s % o_.save_every_n_steps != 0) continue;
+      std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(s));
+      if (!fs::exists(lora_dir / (o_.output_name + name + ".safetensors"))) break;
+      fs::remove(lora_dir / (o_.output_name + name + ".safetensors"));
+      fs::remove_all(state_dir / (o_.output_name + name));
+    }
+  }
+  if (o_.save_last_n_epochs > 0 && o_.save_every_n_epochs > 0) {
+    for (int64_t e = epoch - o_.save_last_n_epochs; e > 0; --e) {
+      std::snprintf(name, sizeof name, "-%06lld", static_cast<long long>(e));
+      fs::remove(lora_dir / (o_.output_name + name + ".safetensors"));
+      fs::remove_all(state_dir / (o_.output_name + name));
+    }
+  }
+}
+
+void Run::publish_progress(double loss, double seconds_per_step, double wait_ms) {
+  const double average = epoch_loss_count_ ? epoch_loss_sum_ / epoch_loss_count_ : loss;
+  const double eta = seconds_per_step * static_cast<double>(max_steps_ - global_step_);
+  const uint64_t peak = peak_memory(device_);
+  const double lr = step_->optimizer().lr(0);
+  if (tensorboard_) {
+    tensorboard_->add_scalar("loss/current", loss, global_step_);
+    tensorboard_->add_scalar("loss/average", average, global_step_);
+    tensorboard_->add_scalar("lr/" + std::string("group0"), lr, global_step_);
+    tensorboard_->add_scalar("time/s_per_it", seconds_per_step, global_step_);
+    tensorboard_->add_scalar("time/data_wait_ms", wait_ms, global_step_);
+    tensorboard_->add_scalar("memory/peak_bytes", static_cast<double>(peak), global_step_);
+  }
+  if (pub_) {
+    wire::TrainProgress p;
+    p.set_run_id(run_id_);
+    p.set_step(static_cast<uint64_t>(global_step_));
+    p.set_total_steps(static_cast<uint64_t>(max_steps_));
+    p.set_epoch(static_cast<uint32_t>(epoch_));
+    p.set_loss(loss);
+    p.set_average_loss(average);
+    p.set_learning_rate(lr);
+    p.set_seconds_per_step(seconds_per_step);
+    p.set_samples_per_second(seconds_per_step > 0 ? scheduler_->batch_size() *
+                                                        o_.step.gradient_accumulation_steps /
+                                                        seconds_per_step
+                                                  : 0);
+    p.set_data_wait_ms(wait_ms);
+    p.set_peak_memory_bytes(peak);
+    p.set_eta_seconds(eta);
+    p.set_skipped_steps(static_cast<uint64_t>(skipped_));
+    (void)wire::send(*pub_, p);
+  }
+  char line[256];
+  std::snprintf(line, sizeof line, "step %lld/%lld  loss %.4f  avg %.4f  %.2f s/it  ETA %.0f s",
+                static_cast<long long>(global_step_), static_cast<long long>(max_steps_), loss,
+                average, seconds_per_step, eta);
+  if (isatty(STDERR_FILENO)) {
+    std::fprintf(stderr, "\r%s\033[K", line);
+    if (global_step_ == max_steps_) std::fputc('\n', stderr);
+  } else {
+    LP_LOG(kInfo, kLog) << line;
+  }
+}
+
+Summary Run::train() {
+  run_id_ = o_.output_name + "-" + std::to_string(std::time(nullptr));
+  training_started_at_ = iso_now();
+  load_data();
+  load_model();
+  preflight();
+
+  torch::manual_seed(o_.seed);
+  network_ = std::make_unique<LoraNetwork>(
+      model_.unet, o_.network.train_text_encoder ? &model_.text_encoder : nullptr, o_.network,
+      at::make_generator<at::CPUGeneratorImpl>(o_.seed));
+  if (!o_.network_weights.empty()) network_->load(o_.network_weights);
+  const int64_t batches = static_cast<int64_t>(scheduler_->batches_per_epoch());
+  const int64_t accumulation = o_.step.gradient_accumulation_steps;
+  const int64_t steps_per_epoch = (batches + accumulation - 1) / accumulation;
+  max_steps_ = o_.max_train_epochs > 0 ? o_.max_train_epochs * steps_per_epoch : o_.max_train_steps;
+  StepOptions step_options = o_.step;
+  step_options.schedule.training_steps = max_steps_;
+  step_options.schedule.warmup_steps = warmup_steps_from(o_.lr_warmup_steps, max_steps_);
+  step_options.schedule.initial_lr = o_.step.optimizer_groups.learning_rate;
+  step_ = std::make_unique<TrainingStep>(model_, *network_, step_options);
+  network_->set_training(true);
+  if (!o_.resume.empty()) load_state(o_.resume);
+  prepare_validation();
+
+  LP_LOG(kInfo, kLog) << "LoRA: " << network_->unet_module_count() << " UNet + "
+                      << network_->text_encoder_module_count() << " text-encoder modules, dim "
+                      << o_.network.dim << ", alpha " << o_.network.alpha << "; "
+                      << scheduler_->train_images() << " training images (repeats included), "
+                      << scheduler_->reg_images() << " reg; batch " << scheduler_->batch_size()
+                      << ", " << batches << " batches and " << steps_per_epoch
+                      << " steps per epoch; " << max_steps_ << " steps in all on "
+                      << models::describe_device(device_)
+                      << (cached_text_ ? "; text from the cache" : "; text encoded online");
+
+  fs::create_directories(o_.output_dir / "lora");
+  tensorboard_.emplace(TensorBoardWriter::open(o_.output_dir / "tensorboard"));
+  if (!o_.pub_endpoint.empty()) {
+    pub_.emplace(wire::make_socket(context_, zmq::socket_type::pub));
+    pub_->bind(o_.pub_endpoint);
+  }
+
+  Summary summary;
+  summary.first_validation_loss = validation_loss();
+  if (summary.first_validation_loss >= 0) {
+    LP_LOG(kInfo, kLog) << "validation loss at step " << global_step_ << ": "
+                        << summary.first_validation_loss;
+    tensorboard_->add_scalar("loss/validation", summary.first_validation_loss, global_step_);
+  }
+
+  thread_ = std::thread([this, e = epoch_, i = next_index_] { producer(e, i); });
+  auto stop_producer = [&] {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  };
+  const fs::path state_root = o_.output_dir / "state";
+  int64_t bad_in_a_row = 0;
+  try {
+    while (global_step_ < max_steps_) {
+      const auto step_started = Clock::now();
+      // Where this step starts: a state saved before it completes must resume here.
+      const int64_t start_epoch = epoch_, start_index = next_index_;
+      const double start_sum = epoch_loss_sum_;
+      const int64_t start_count = epoch_loss_count_;
+      double wait_ms = 0;
+      double loss_sum = 0;
+      bool bad = false;
+      for (int64_t micro = 0; micro < accumulation; ++micro) {
+        const auto wait_started = Clock::now();
+        PreparedBatch prepared;
+        {
+          std::unique_lock<std::mutex> lock(mutex_);
+          cv_.wait(lock, [&] { return !queue_.empty(); });
+          prepared = std::move(queue_.front());
+          queue_.pop_front();
+          cv_.notify_all();
+        }
+        wait_ms += std::chrono::duration<double, std::milli>(Clock::now() - wait_started).count();
+        if (!prepared.error.empty()) {
+          // The data went away (a remote cacher gone for longer than --timeout_s, a record
+          // that vanished): keep what was trained.
+          const fs::path dir = state_root / (o_.output_name + "-state");
+          epoch_ = start_epoch, next_index_ = start_index;
+          epoch_loss_sum_ = start_sum, epoch_loss_count_ = start_count;
+          save_state(dir);
+          throw Error(prepared.error + "; state saved in " + dir.string() +
+                      " (--resume from it when the data is back)");
+        }
+        if (prepared.epoch != epoch_) {  // a new epoch began
+          epoch_ = prepared.epoch;
+          epoch_loss_sum_ = 0;
+          epoch_loss_count_ = 0;
+        }
+        next_index_ = prepared.index + 1;
+        // Every random number of this micro-batch follows from (seed, epoch, index).
+        torch::manual_seed(stream(o_.seed, prepared.epoch, prepared.index, "dropout")());
+        const double loss = step_->accumulate(
+            to_micro_batch(prepared), generator_for(o_.seed, prepared.epoch, prepared.index, "noise"));
+        if (!std::isfinite(loss)) bad = true;
+        loss_sum += loss;
+      }
+      const double loss = loss_sum / static_cast<double>(accumulation);
+      UpdateResult update;
+      if (bad) {
+        step_->zero_grad();
+      } else {
+        update = step_->update();
+      }
+      ++global_step_;
+      ++steps_this_run_;
+      if (!update.applied) {
+        ++skipped_;
+        ++bad_in_a_row;
+        LP_LOG(kWarning, kLog) << "step " << global_step_ << ": "
+                               << (bad ? "loss is not finite" : "gradients are not finite")
+                               << ", skipped (" << bad_in_a_row << " in a row)";
+        if (bad_in_a_row >= o_.max_bad_steps) {
+          const fs::path dir = state_root / (o_.output_name + "-state");
+          save_state(dir);
+          throw Error("stopping: " + std::to_string(bad_in_a_row) +
+                      " steps in a row had a non-finite loss or gradient (--max_bad_steps); "
+                      "state saved in " + dir.string() + " (lower the learning rate, or try "
+                      "another --mixed_precision, and --resume from it)");
+        }
+      } else {
+        bad_in_a_row = 0;
+        last_loss_ = loss;
+        epoch_loss_sum_ += loss;
+        ++epoch_loss_count_;
+      }
+      const double seconds = std::chrono::duration<double>(Clock::now() - step_started).count();
+      publish_progress(loss, seconds, wait_ms);
+
+      const bool epoch_done = next_index_ >= batches;
+      char name[64];
+      if (o_.save_every_n_steps > 0 && global_step_ % o_.save_every_n_steps == 0 &&
+          global_step_ < max_steps_) {
+        std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(global_step_));
+        save_lora(o_.output_dir / "lora" / (o_.output_name + name + ".safetensors"), global_step_,
+                  false);
+        if (o_.save_state) save_state(state_root / (o_.output_name + name));
+        retain(global_step_, epoch_);
+      }
+      if (epoch_done && o_.save_every_n_epochs > 0 && epoch_ % o_.save_every_n_epochs == 0 &&
+          global_step_ < max_steps_) {
+        std::snprintf(name, sizeof name, "-%06lld", static_cast<long long>(epoch_));
+        save_lora(o_.output_dir / "lora" / (o_.output_name + name + ".safetensors"), global_step_,
+                  false);
+        if (o_.save_state) save_state(state_root / (o_.output_name + name));
+        retain(global_step_, epoch_);
+      }
+      if (o_.validate_every_n_steps > 0 && global_step_ % o_.validate_every_n_steps == 0) {
+        const double v = validation_loss();
+        if (v >= 0) {
+          LP_LOG(kInfo, kLog) << "validation loss at step " << global_step_ << ": " << v;
+          tensorboard_->add_scalar("loss/validation", v, global_step_);
+        }
+      }
+    }
+  } catch (...) {
+    stop_producer();
+    throw;
+  }
+  stop_producer();
+
+  summary.last_validation_loss = validation_loss();
+  if (summary.last_validation_loss >= 0) {
+    LP_LOG(kInfo, kLog) << "validation loss at step " << global_step_ << ": "
+                        << summary.last_validation_loss;
+    tensorboard_->add_scalar("loss/validation", summary.last_validation_loss, global_step_);
+  }
+  summary.lora = o_.output_dir / "lora" / (o_.output_name + ".safetensors");
+  save_lora(summary.lora, global_step_, /*final=*/true);
+  if (o_.save_state) save_state(state_root / (o_.output_name + "-state"));
+  retain(global_step_, epoch_);
+  tensorboard_->close();
+  summary.steps = global_step_;
+  summary.epochs = epoch_;
+  summary.skipped_steps = skipped_;
+  summary.last_loss = last_loss_;
+  return summary;
+}
+
+}  // namespace
+
+Summary train(const Options& options) {
+  Options o = options;
+  validate(o);
+  if (o.threads > 0) at::set_num_threads(o.threads);
+  return Run(o).train();
+}
+
+}  // namespace lorapipe::trainer

@@ -1,0 +1,82 @@
+#pragma once
+// The trainer stage as a library: loads the base model, checks the cached dataset against it,
+// builds the LoRA network and trains it from the cache with kohya's options, saving LoRA files,
+// resumable state, TensorBoard events and progress events. main.cpp only parses flags into
+// Options, so tests drive this directly.
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "trainer/lora_network.h"
+#include "trainer/step.h"
+
+namespace lorapipe::trainer {
+
+struct Options {
+  // What to train on.
+  std::filesystem::path model;      // --pretrained_model_name_or_path: single file or diffusers folder
+  std::filesystem::path tokenizer;  // for single files (folders carry theirs)
+  std::filesystem::path cache_dir;  // empty: the default shared cache
+  std::string cacher_endpoint;      // --cacher: read records from a remote cacher instead
+  std::string dataset_id;
+  std::string device = "auto";
+  std::string mixed_precision = "no";  // no, fp16, bf16
+  int threads = 0;                     // CPU compute threads (0: LibTorch's default, one per core)
+  // Output.
+  std::filesystem::path output_dir;
+  std::string output_name = "last";
+  std::string save_precision = "float";  // float, fp16, bf16
+  int64_t save_every_n_steps = 0;
+  int64_t save_every_n_epochs = 0;
+  int64_t save_last_n_steps = 0;
+  int64_t save_last_n_epochs = 0;
+  bool save_state = false;
+  std::filesystem::path resume;  // a state folder written with --save_state
+  std::string pub_endpoint;      // TrainProgress and CheckpointReady
+  std::string training_comment;
+  // Length.
+  int64_t max_train_steps = 1600;
+  int64_t max_train_epochs = 0;  // wins over max_train_steps when set, as kohya
+  int train_batch_size = 1;
+  bool fill_last_batch = false;
+  uint64_t seed = 42;
+  double prior_loss_weight = 1.0;
+  int max_bad_steps = 10;
+  double timeout_s = 300;  // a remote cacher silent this long: give up (with a saved state)
+  // Validation as kohya: a held-out share of the images, fixed timesteps and noise.
+  double validation_split = 0;
+  uint64_t validation_seed = 0;
+  int64_t validate_every_n_steps = 0;
+  // The network and the step.
+  NetworkOptions network;
+  std::vector<std::string> network_args;  // as given, for ss_network_args
+  std::filesystem::path network_weights;
+  double lr_warmup_steps = 0;  // a count, or below 1 a ratio of the steps
+  StepOptions step;
+};
+
+struct Summary {
+  int64_t steps = 0;
+  int64_t epochs = 0;
+  int64_t skipped_steps = 0;
+  double last_loss = 0;
+  double first_validation_loss = -1;
+  double last_validation_loss = -1;
+  std::filesystem::path lora;  // the final LoRA file
+};
+
+// Checks every option that can be checked without files; throws InputError naming the flag.
+void validate(const Options& options);
+
+// Trains. Throws InputError for bad options, models, caches or manifests (before any compute),
+// Error when training cannot go on (too many non-finite losses, a cacher gone for good; a state
+// is saved first when --save_state or --resume is in use, and always in output_dir/state).
+Summary train(const Options& options);
+
+// Fills network and optimizer options from kohya's --network_args ("conv_dim=4",
+// "conv_alpha=1", "rank_dropout=0.1", "module_dropout=0.1", "loraplus_lr_ratio=16").
+void apply_network_args(Options& options);
+
+}  // namespace lorapipe::trainer
