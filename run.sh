@@ -15,7 +15,8 @@ fi
 
 # Until the launcher lands, run the stages that exist on the embedded default: the demo dataset
 # and the tiny SD1.5 model, preprocess and cacher as two processes over ipc://, against the
-# user's shared cache. A second run finds everything cached.
+# user's shared cache (a second run finds everything cached), then the trainer, which leaves a
+# LoRA in build/run/lora/. Flags given to ./run.sh go to preprocess.
 demo_dir="${LORAPIPE_DEMO_DIR:-build/demo}"
 model_dir="${LORAPIPE_TINY_MODEL_DIR:-build/tiny-model}"
 run_dir="build/run"
@@ -31,9 +32,18 @@ build/bin/lorapipe-cacher --model="${model_dir}/tiny-sd15.safetensors" \
   --tokenizer="${model_dir}/tiny-sd15-tokenizer" --pull="${pull}" --rep="${rep}" &
 cacher_pid=$!
 trap 'kill ${cacher_pid} 2>/dev/null || true' EXIT
-build/bin/lorapipe-preprocess --data_dir="${demo_dir}" --push="${pull}" --request="${rep}" "$@"
+build/bin/lorapipe-preprocess --data_dir="${demo_dir}" --dataset_id=demo --resolution=128 \
+  --min_bucket_reso=64 --max_bucket_reso=256 --push="${pull}" --request="${rep}" "$@"
 wait "${cacher_pid}"
 trap - EXIT
+
 echo
-echo "Training comes next: lorapipe-trainer, lorapipe-sampler and the lorapipe launcher are not"
-echo "built yet. Run ./run.sh again: the cacher reports 100% hits and preprocess decodes nothing."
+echo "== trainer: a rank-8 LoRA on the cached demo dataset =="
+build/bin/lorapipe-trainer --pretrained_model_name_or_path="${model_dir}/tiny-sd15.safetensors" \
+  --tokenizer="${model_dir}/tiny-sd15-tokenizer" --dataset_id=demo --output_dir="${run_dir}" \
+  --output_name=demo --max_train_steps=100 --train_batch_size=4 --network_dim=8 \
+  --network_alpha=8 --learning_rate=1e-3 --lr_scheduler=cosine --lr_warmup_steps=0.05 \
+  --validation_split=0.2 --save_every_n_steps=50 --save_state --device=cpu
+echo
+echo "The LoRA is ${run_dir}/lora/demo.safetensors; TensorBoard events are in ${run_dir}/tensorboard."
+echo "The sampler and the lorapipe launcher come next."
