@@ -307,4 +307,47 @@ void save_diffusers(const StableDiffusion& model, const fs::path& folder,
   write_text(folder / "model_index.json", index.dump(2));
 }
 
+// ---- the DiffusionModel interface -------------------------------------------------------------
+
+at::Tensor StableDiffusion::tokenize(const std::vector<std::string>& captions) const {
+  if (!tokenizer) {
+    throw InputError(source + " has no tokenizer: pass --tokenizer (a diffusers tokenizer/ "
+                     "folder, a merges.txt or bpe_simple_vocab_16e6.txt.gz)");
+  }
+  std::vector<int64_t> ids;
+  for (const std::string& caption : captions) {
+    for (int32_t id : tokenizer->encode_padded(caption, family.text.max_length)) ids.push_back(id);
+  }
+  return torch::tensor(ids, torch::kInt64).view({static_cast<int64_t>(captions.size()), -1});
+}
+
+Conditioning StableDiffusion::encode_text(const at::Tensor& input_ids, int clip_skip) {
+  const ClipTextOutput out =
+      text_encoder->forward(input_ids.to(text_encoder->parameters().front().device()));
+  return {text_encoder->conditioning(out, clip_skip), out.pooled};
+}
+
+at::Tensor StableDiffusion::denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,
+                                    const Conditioning& conditioning) {
+  const at::Tensor& weight = unet->conv_in->weight;
+  return unet->forward(noisy_latents.to(weight.device(), weight.scalar_type()), timesteps,
+                       conditioning.hidden_states.to(weight.device(), weight.scalar_type()));
+}
+
+std::vector<LoraTarget> StableDiffusion::lora_targets(bool with_text_encoder, bool conv_kxk) const {
+  std::vector<LoraTarget> targets = unet_lora_targets(unet, conv_kxk);
+  if (with_text_encoder) {
+    for (LoraTarget& t : text_encoder_lora_targets(text_encoder)) targets.push_back(std::move(t));
+  }
+  return targets;
+}
+
+void StableDiffusion::set_gradient_checkpointing(bool enabled) {
+  unet->gradient_checkpointing = enabled;
+}
+
+torch::nn::Module& StableDiffusion::denoiser_module() { return *unet; }
+
+torch::nn::Module& StableDiffusion::text_encoder_module() { return *text_encoder; }
+
 }  // namespace lorapipe::models

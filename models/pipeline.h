@@ -11,9 +11,11 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "models/clip_text.h"
 #include "models/clip_tokenizer.h"
+#include "models/diffusion_model.h"
 #include "models/family.h"
 #include "models/unet.h"
 #include "models/vae.h"
@@ -32,7 +34,8 @@ struct LoadOptions {
   bool load_unet = true;
 };
 
-struct StableDiffusion {
+// A Stable Diffusion 1.x/2.x model as loaded, and the DiffusionModel the stages call on it.
+struct StableDiffusion : DiffusionModel {
   ModelFamily family;
   UNet unet{nullptr};
   AutoencoderKL vae{nullptr};
@@ -41,6 +44,16 @@ struct StableDiffusion {
   std::filesystem::path tokenizer_path;  // where the tokenizer came from
   std::string source;
   int skipped_keys = 0;  // known extras of a single file that were not loaded (EMA, schedule)
+
+  const ModelFamily& model_family() const override { return family; }
+  at::Tensor tokenize(const std::vector<std::string>& captions) const override;
+  Conditioning encode_text(const at::Tensor& input_ids, int clip_skip) override;
+  at::Tensor denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,
+                     const Conditioning& conditioning) override;
+  std::vector<LoraTarget> lora_targets(bool text_encoder, bool conv_kxk) const override;
+  void set_gradient_checkpointing(bool enabled) override;
+  torch::nn::Module& denoiser_module() override;
+  torch::nn::Module& text_encoder_module() override;
 };
 
 // Throws lorapipe::InputError naming the file and listing missing or unexpected keys.

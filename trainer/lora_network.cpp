@@ -31,8 +31,8 @@ std::string list_some(const std::vector<std::string>& names) {
 
 }  // namespace
 
-LoraNetwork::LoraNetwork(const models::UNet& unet, const models::ClipTextModel* text_encoder,
-                         const NetworkOptions& options, at::Generator generator)
+LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptions& options,
+                         at::Generator generator)
     : options_(options) {
   if (options.dim < 1) {
     throw InputError("--network_dim=" + std::to_string(options.dim) + ": must be at least 1");
@@ -42,10 +42,8 @@ LoraNetwork::LoraNetwork(const models::UNet& unet, const models::ClipTextModel* 
   for (double p : {options.dropout, options.rank_dropout, options.module_dropout}) {
     if (p < 0 || p >= 1) throw InputError("LoRA dropouts must be in [0, 1), got " + std::to_string(p));
   }
-  std::vector<models::LoraTarget> targets = models::unet_lora_targets(unet, options.conv_dim > 0);
-  if (text_encoder != nullptr) {
-    for (auto& t : models::text_encoder_lora_targets(*text_encoder)) targets.push_back(std::move(t));
-  }
+  std::vector<models::LoraTarget> targets =
+      model.lora_targets(options.train_text_encoder, options.conv_dim > 0);
   for (models::LoraTarget& target : targets) {
     const bool kxk = target.is_conv_kxk();
     const int64_t rank = kxk ? options.conv_dim : options.dim;

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "models/sd15_lora.h"
+#include "models/diffusion_model.h"
 
 namespace lorapipe::trainer {
 
@@ -39,12 +39,13 @@ class LoraNetwork {
     double alpha = 1.0;
   };
 
-  // Builds an adapter for every target of `unet` (and of `text_encoder` unless it is null),
-  // fp32 on the target's device, initialised as kohya does: down kaiming-uniform (a = sqrt(5)),
-  // up zero, from `generator`. Fills the layers' LoRA slots; the destructor empties them.
-  // Throws InputError for dim < 1 or a negative alpha or dropout.
-  LoraNetwork(const models::UNet& unet, const models::ClipTextModel* text_encoder,
-              const NetworkOptions& options, at::Generator generator);
+  // Builds an adapter for every layer `model` names as a LoRA target (the text encoder's too with
+  // options.train_text_encoder, the kxk convolutions with conv_dim), fp32 on the layer's device,
+  // initialised as kohya does: down kaiming-uniform (a = sqrt(5)), up zero, from `generator`.
+  // Fills the layers' LoRA slots; the destructor empties them. Throws InputError for dim < 1 or
+  // a negative alpha or dropout.
+  LoraNetwork(const models::DiffusionModel& model, const NetworkOptions& options,
+              at::Generator generator);
   ~LoraNetwork();
   LoraNetwork(const LoraNetwork&) = delete;
   LoraNetwork& operator=(const LoraNetwork&) = delete;

@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "common/error.h"
-#include "models/pipeline.h"
+#include "models/diffusion_model.h"
 #include "trainer/lora_network.h"
 
 namespace lorapipe::trainer {
@@ -20,7 +20,7 @@ constexpr int64_t kScaleGrowthInterval = 2000;
 
 }  // namespace
 
-TrainingStep::TrainingStep(models::StableDiffusion& model, LoraNetwork& network,
+TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
                            const StepOptions& options)
     : model_(model), network_(network), options_(options) {
   if (options.gradient_accumulation_steps < 1) {
@@ -63,7 +63,7 @@ TrainingStep::TrainingStep(models::StableDiffusion& model, LoraNetwork& network,
   if (groups.empty()) throw InputError("nothing to train: the LoRA has no trainable module");
   for (const ParamGroup& g : groups) initial_lrs_.push_back(g.lr);
   optimizer_ = make_optimizer(options.optimizer, std::move(groups));
-  model_.unet->gradient_checkpointing = options.gradient_checkpointing;
+  model_.set_gradient_checkpointing(options.gradient_checkpointing);
 }
 
 TrainingStep::~TrainingStep() = default;
@@ -79,23 +79,20 @@ std::vector<at::Tensor> TrainingStep::trainable() const {
   return out;
 }
 
-at::Tensor TrainingStep::conditioning(const MicroBatch& batch) {
-  const at::Tensor weight = model_.unet->conv_in->weight;
+models::Conditioning TrainingStep::conditioning(const MicroBatch& batch) {
   if (batch.encoder_hidden_states.defined()) {
-    return batch.encoder_hidden_states.to(weight.device(), options_.base_dtype);
+    return model_.cached_conditioning(batch.encoder_hidden_states, batch.pooled);
   }
   TORCH_CHECK(batch.input_ids.defined(), "a micro-batch needs input_ids or hidden states");
-  return model_.text_encoder->encode(batch.input_ids.to(weight.device()), options_.clip_skip)
-      .to(options_.base_dtype);
+  return model_.encode_text(batch.input_ids, options_.clip_skip);
 }
 
 at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
                                          const at::Tensor& timesteps,
-                                         const at::Tensor& conditioning) {
+                                         const models::Conditioning& conditioning) {
   const at::Tensor noisy = schedule_.add_noise(latents, noise, timesteps);
   const at::Tensor prediction =
-      model_.unet->forward(noisy.to(options_.base_dtype), timesteps, conditioning)
-          .to(torch::kFloat32);
+      model_.denoise(noisy, timesteps, conditioning).to(torch::kFloat32);
   const at::Tensor target = options_.v_prediction ? schedule_.velocity(latents, noise, timesteps)
                                                   : noise;
   at::Tensor huber_c = torch::ones({1}, latents.options());
@@ -108,7 +105,7 @@ at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Te
 }
 
 double TrainingStep::accumulate(const MicroBatch& batch, at::Generator generator) {
-  const at::Device device = model_.unet->conv_in->weight.device();
+  const at::Device device = model_.denoiser_module().parameters().front().device();
   const at::Tensor latents = batch.latents.to(device, torch::kFloat32);
   at::Tensor noise;
   if (batch.noise.defined()) {

@@ -22,7 +22,8 @@
 #include "trainer/optimizer.h"
 
 namespace lorapipe::models {
-struct StableDiffusion;
+class DiffusionModel;
+struct Conditioning;
 }
 
 namespace lorapipe::trainer {
@@ -61,6 +62,7 @@ struct MicroBatch {
   at::Tensor latents;                // [B, 4, h, w] fp32
   at::Tensor input_ids;              // [B, 77] int64, or
   at::Tensor encoder_hidden_states;  // [B, 77, C]
+  at::Tensor pooled;                 // [B, C'] cached with the hidden states (families that use it)
   at::Tensor loss_weights;           // [B] fp32: prior_loss_weight for reg images, else 1
   at::Tensor noise;                  // optional [B, 4, h, w]
   at::Tensor offset_noise;           // optional [B, 4, 1, 1] (with noise_offset)
@@ -76,7 +78,7 @@ struct UpdateResult {
 class TrainingStep {
  public:
   // Throws InputError for options that cannot work (unknown loss or schedule, accumulation < 1).
-  TrainingStep(models::StableDiffusion& model, LoraNetwork& network, const StepOptions& options);
+  TrainingStep(models::DiffusionModel& model, LoraNetwork& network, const StepOptions& options);
   ~TrainingStep();
 
   // Forward and backward of one micro-batch; returns its loss (before the division by the
@@ -100,13 +102,14 @@ class TrainingStep {
   // The denoiser's loss for a batch whose text conditioning is already computed (validation
   // uses it with fixed noise and timesteps). Per-sample, before weighting, [B].
   at::Tensor per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
-                             const at::Tensor& timesteps, const at::Tensor& conditioning);
-  at::Tensor conditioning(const MicroBatch& batch);
+                             const at::Tensor& timesteps,
+                             const models::Conditioning& conditioning);
+  models::Conditioning conditioning(const MicroBatch& batch);
 
  private:
   std::vector<at::Tensor> trainable() const;
 
-  models::StableDiffusion& model_;
+  models::DiffusionModel& model_;
   LoraNetwork& network_;
   StepOptions options_;
   NoiseSchedule schedule_;

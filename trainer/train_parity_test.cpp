@@ -123,8 +123,7 @@ class TrainParity : public ::testing::Test {
     net.conv_dim = s.conv ? 2 : 0;
     net.conv_alpha = 1;
     net.train_text_encoder = s.train_text_encoder;
-    LoraNetwork network(model.unet, s.train_text_encoder ? &model.text_encoder : nullptr, net,
-                        at::make_generator<at::CPUGeneratorImpl>(7));
+    LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(7));
     network.load(init_lora);
     StepOptions o;
     o.v_prediction = s.v_prediction;
@@ -208,8 +207,8 @@ class TrainParity : public ::testing::Test {
     net.alpha = 2;
     net.conv_dim = s.conv ? 2 : 0;
     net.conv_alpha = 1;
-    LoraNetwork network(model.unet, s.train_text_encoder ? &model.text_encoder : nullptr, net,
-                        at::make_generator<at::CPUGeneratorImpl>(7));
+    net.train_text_encoder = s.train_text_encoder;
+    LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(7));
     auto state = network.state_dict();
     torch::manual_seed(99);
     for (auto& [name, t] : state) {

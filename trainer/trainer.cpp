@@ -126,6 +126,7 @@ struct PreparedBatch {
   int64_t index = 0;  // micro-batch index within the epoch
   torch::Tensor latents;
   torch::Tensor hidden_states;  // cached text, or undefined
+  torch::Tensor pooled;
   std::vector<std::string> captions;
   torch::Tensor loss_weights;
   std::string error;  // the producer failed: this message, then stop
@@ -398,7 +399,7 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
   if (cached_text_) texts = records_->get(RecordKind::kText, text_keys);
   at::Generator draw = generator_for(o_.seed, epoch, index, "latent");
   std::mt19937_64 rng = stream(o_.seed, epoch, index, "flip+caption");
-  std::vector<torch::Tensor> latent_list, hidden_list;
+  std::vector<torch::Tensor> latent_list, hidden_list, pooled_list;
   std::vector<float> weights;
   for (size_t k = 0; k < plan.entries.size(); ++k) {
     const wire::ManifestEntry& e = manifest_.entries(plan.entries[k]);
@@ -421,12 +422,14 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
         throw Error("text " + text_keys[k] + " vanished from " + records_->describe());
       }
       hidden_list.push_back(from_record(text.hidden_states()));
+      if (text.has_pooled()) pooled_list.push_back(from_record(text.pooled()));
     } else {
       out.captions.push_back(augment_caption(e.caption(), e.caption_settings(), epoch, rng));
     }
   }
   out.latents = torch::stack(latent_list) * o_.step.vae_scaling_factor;
   if (cached_text_) out.hidden_states = torch::stack(hidden_list);
+  if (cached_text_ && pooled_list.size() == hidden_list.size()) out.pooled = torch::stack(pooled_list);
   out.loss_weights = torch::tensor(weights);
   return out;
 }
@@ -459,12 +462,9 @@ MicroBatch Run::to_micro_batch(const PreparedBatch& p) {
   batch.loss_weights = p.loss_weights;
   if (p.hidden_states.defined()) {
     batch.encoder_hidden_states = p.hidden_states;
+    batch.pooled = p.pooled;
   } else {
-    std::vector<int64_t> ids;
-    for (const std::string& caption : p.captions) {
-      for (int32_t id : model_.tokenizer->encode_padded(caption)) ids.push_back(id);
-    }
-    batch.input_ids = torch::tensor(ids).view({static_cast<int64_t>(p.captions.size()), -1});
+    batch.input_ids = model_.tokenize(p.captions);
   }
   return batch;
 }
@@ -496,7 +496,7 @@ double Run::validation_loss() {
   int64_t n = 0;
   for (size_t i = 0; i < validation_.size(); ++i) {
     const MicroBatch batch = to_micro_batch(validation_[i]);
-    const torch::Tensor conditioning = step_->conditioning(batch);
+    const models::Conditioning conditioning = step_->conditioning(batch);
     for (int64_t t : kValidationTimesteps) {
       at::Generator g = generator_for(o_.validation_seed, static_cast<int64_t>(i), t, "val-noise");
       const torch::Tensor latents = batch.latents.to(device_);
@@ -758,9 +758,8 @@ Summary Run::train() {
   preflight();
 
   torch::manual_seed(o_.seed);
-  network_ = std::make_unique<LoraNetwork>(
-      model_.unet, o_.network.train_text_encoder ? &model_.text_encoder : nullptr, o_.network,
-      at::make_generator<at::CPUGeneratorImpl>(o_.seed));
+  network_ = std::make_unique<LoraNetwork>(model_, o_.network,
+                                           at::make_generator<at::CPUGeneratorImpl>(o_.seed));
   if (!o_.network_weights.empty()) network_->load(o_.network_weights);
   const int64_t batches = static_cast<int64_t>(scheduler_->batches_per_epoch());
   const int64_t accumulation = o_.step.gradient_accumulation_steps;

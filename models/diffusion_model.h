@@ -1,0 +1,58 @@
+#pragma once
+// The one interface the stages call on a loaded model, whatever its family (stable-diffusion.cpp's
+// DiffusionModel + Conditioner, in one): text into a conditioning, the denoiser's prediction, the
+// layers a LoRA adapts with kohya's names for them, and the modules to move, freeze or
+// fingerprint. SD1.x/2.x implement it in StableDiffusion (pipeline.h); SDXL and Flux arrive as
+// new implementations, and the trainer does not change.
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+#include "models/family.h"
+#include "models/sd15_lora.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace lorapipe::models {
+
+// What the denoiser is conditioned on: the token states it attends to and, for the families that
+// use it (SDXL, Flux), a pooled text embedding.
+struct Conditioning {
+  at::Tensor hidden_states;  // [B, tokens, width]
+  at::Tensor pooled;         // [B, width'], may be undefined where the family has none
+};
+
+class DiffusionModel {
+ public:
+  virtual ~DiffusionModel() = default;
+
+  virtual const ModelFamily& model_family() const = 0;
+  // Token ids of each caption, padded to the family's length: [B, tokens] int64 on the CPU.
+  // Throws InputError when the model has no tokenizer.
+  virtual at::Tensor tokenize(const std::vector<std::string>& captions) const = 0;
+  // The conditioning for token ids, through any LoRA in the text encoder's slots. `clip_skip`
+  // counts layers from the end, as kohya and A1111 do (1: the last).
+  virtual Conditioning encode_text(const at::Tensor& input_ids, int clip_skip) = 0;
+  // A conditioning read from the cache (hidden states and pooled output as stored).
+  virtual Conditioning cached_conditioning(const at::Tensor& hidden_states,
+                                           const at::Tensor& pooled) const {
+    return {hidden_states, pooled};
+  }
+  // The denoiser's output (noise, or v for v-prediction models) for noised latents at integer
+  // timesteps, in the denoiser's dtype.
+  virtual at::Tensor denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,
+                             const Conditioning& conditioning) = 0;
+  // The layers kohya's LoRA adapts: the denoiser's, and the text encoder's with `text_encoder`;
+  // with `conv_kxk` also the kxk convolutions (LoCon).
+  virtual std::vector<LoraTarget> lora_targets(bool text_encoder, bool conv_kxk) const = 0;
+  // Recompute the denoiser's blocks in backward (see models/checkpoint.h).
+  virtual void set_gradient_checkpointing(bool enabled) = 0;
+  virtual torch::nn::Module& denoiser_module() = 0;
+  virtual torch::nn::Module& text_encoder_module() = 0;
+};
+
+}  // namespace lorapipe::models
