@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/checkpoint.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
 
@@ -106,8 +107,19 @@ ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& input_ids) {
   torch::Tensor x = m.token_embedding(input_ids) + m.position_embedding(positions).unsqueeze(0);
   ClipTextOutput out;
   out.hidden_states.push_back(x);
+  const bool checkpointed = gradient_checkpointing && torch::GradMode::is_enabled();
   for (const auto& layer : *m.layers) {
-    x = layer->as<ClipEncoderLayer>()->forward(x);
+    auto* encoder_layer = layer->as<ClipEncoderLayer>();
+    if (checkpointed) {
+      auto shared = std::dynamic_pointer_cast<ClipEncoderLayerImpl>(layer);
+      x = checkpoint(
+          [shared](const std::vector<torch::Tensor>& in) {
+            return std::vector<torch::Tensor>{shared->forward(in[0])};
+          },
+          {x}, trainable_adapter_tensors(*encoder_layer))[0];
+    } else {
+      x = encoder_layer->forward(x);
+    }
     out.hidden_states.push_back(x);
   }
   out.last_hidden_state = m.final_layer_norm(x);

@@ -94,6 +94,10 @@ class ClipTextModelImpl : public torch::nn::Module {
 
   const ClipTextConfig& config() const { return text_model_->config; }
 
+  // With grad mode on, each encoder layer runs under models::checkpoint (models/checkpoint.h),
+  // its LoRA tensors passed explicitly: kohya checkpoints the text encoder too when it trains.
+  bool gradient_checkpointing = false;
+
  private:
   ClipTextTransformer text_model_{nullptr};
 };

@@ -343,7 +343,8 @@ std::vector<LoraTarget> StableDiffusion::lora_targets(bool with_text_encoder, bo
 }
 
 void StableDiffusion::set_gradient_checkpointing(bool enabled) {
-  unet->gradient_checkpointing = enabled;
+  if (unet) unet->gradient_checkpointing = enabled;
+  if (text_encoder) text_encoder->gradient_checkpointing = enabled;
 }
 
 torch::nn::Module& StableDiffusion::denoiser_module() { return *unet; }
