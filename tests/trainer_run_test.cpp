@@ -233,6 +233,8 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
   EXPECT_EQ(meta.at("ss_network_dim"), "4");
   EXPECT_EQ(meta.at("ss_network_module"), "networks.lora");
   EXPECT_EQ(meta.at("ss_steps"), "4");
+  EXPECT_EQ(meta.at("ss_resolution"), "(128, 128)");  // the suite caches at --resolution=128
+  EXPECT_EQ(meta.at("modelspec.resolution"), "128x128");
   EXPECT_EQ(nlohmann::json::parse(meta.at("ss_network_args"))["conv_dim"], "2");
 
   // diffusers' load_lora_weights loads the file as written: every module adapted, no key left

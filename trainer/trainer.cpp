@@ -581,10 +581,15 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_sd_model_name"] = o_.model.filename().string();
   m["ss_sd_model_hash"] = model_hash_;
   m["ss_new_sd_model_hash"] = model_sha256_;
-  m["ss_resolution"] = scheduler_->buckets().empty()
-                           ? "None"
-                           : "(" + std::to_string(scheduler_->buckets()[0].width) + ", " +
-                                 std::to_string(scheduler_->buckets()[0].height) + ")";
+  // kohya writes the --resolution it bucketed at; the manifest holds the buckets, whose largest
+  // area is that resolution squared (kohya's make_bucket_resolutions keeps w * h <= reso^2).
+  uint64_t max_area = 0;
+  for (const auto& b : scheduler_->buckets()) {
+    max_area = std::max<uint64_t>(max_area, uint64_t{b.width} * b.height);
+  }
+  const int64_t resolution =
+      static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(max_area)) / 64.0)) * 64;
+  m["ss_resolution"] = "(" + std::to_string(resolution) + ", " + std::to_string(resolution) + ")";
   m["ss_enable_bucket"] = scheduler_->buckets().size() > 1 ? "True" : "False";
   m["ss_bucket_info"] = bucket_info.dump();
   m["ss_dataset_dirs"] = json{{o_.dataset_id, {{"n_repeats", 1}, {"img_count",
@@ -602,10 +607,7 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["modelspec.title"] = o_.output_name + "/" + std::to_string(step);
   m["modelspec.date"] = iso_now().substr(0, 10);
   m["modelspec.prediction_type"] = s.v_prediction ? "v" : "epsilon";
-  m["modelspec.resolution"] = m["ss_resolution"] == "None"
-                                  ? "512x512"
-                                  : std::to_string(scheduler_->buckets()[0].width) + "x" +
-                                        std::to_string(scheduler_->buckets()[0].height);
+  m["modelspec.resolution"] = std::to_string(resolution) + "x" + std::to_string(resolution);
   return m;
 }
 
