@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""One LoRA training step, fp32 on CPU: lorapipe's trainer::TrainingStep against diffusers + peft
+on the same UNet weights and inputs, on the same machine in the same run.
+
+    $LORAPIPE_PYTHON bench/trainer_bench.py [--build build] [--size tiny|full] [--rounds N]
+        [--gradient_checkpointing] [--threads N] [--profile DIR]
+    $LORAPIPE_PYTHON bench/trainer_bench.py --checkpointing-memory [--size full] [--rounds N]
+
+The step, both sides: noised latents (kohya's DDPM schedule), UNet forward, l2 loss against the
+noise, backward, clip_grad_norm_ 1.0, AdamW (lr 1e-4, weight decay 0.01) on a LoRA of rank 16,
+alpha 16 on kohya's UNet targets (every Linear and 1x1 conv inside the Transformer2D blocks: 192
+on SD1.5); the base is frozen and the text encoder is not trained (a fixed [B, 77, C] context).
+--size tiny is models/tiny.h's UNet on a 16x16 latent, batch 2; --size full is SD1.5 on 64x64,
+batch 1. The UNet config comes from lorapipe (trainer_bench config), a separate process writes
+random weights and the inputs with diffusers, and both sides load them.
+
+Both sides stay up as separate processes (so each peak RSS is that side's own) and their steps
+are interleaved, the order alternating every round: on a shared, noisy machine the two halves of
+a pair see the same load. Round 0 warms both up, is not counted, and must give both sides the
+same loss (same weights, same inputs, LoRA up = 0). Prints the median milliseconds of each side
+(and of forward+backward and clip+optimizer), the median of the pairwise ratios (lorapipe /
+reference: below 1 means lorapipe is faster) with their range, and each side's peak RSS over the
+steps: once loaded, each side hands back what loading freed (malloc_trim; lorapipe's heap policy
+would otherwise keep its copies of the weights resident) and restarts its high-water mark, so the
+load's own peak, printed beside it, is left out. --checkpointing-memory runs lorapipe with and
+without gradient checkpointing side by side the same way and prints the cut in the steps' peak.
+
+Both sides use every core by default (--threads). On a machine that other processes keep busy,
+OpenMP's spinning barriers make single steps many times slower, on both sides: read the range.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+# Batch, latent side and default counted rounds of each --size (the UNet config is lorapipe's).
+SIZES = {"tiny": {"batch": 2, "latent": 16, "rounds": 20}, "full": {"batch": 1, "latent": 64, "rounds": 3}}
+
+# diffusers warns at import that CUDA is missing, once per module that asks for autocast.
+QUIET = "ignore:CUDA is not available"
+
+WRITER = r'''
+import json, sys, torch
+from diffusers import UNet2DConditionModel
+from safetensors.torch import save_file
+folder, batch, side = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.manual_seed(0)
+unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
+unet.save_pretrained(folder)  # diffusion_pytorch_model.safetensors beside config.json
+save_file({
+    "latents": torch.randn(batch, 4, side, side),
+    "noise": torch.randn(batch, 4, side, side),
+    "timesteps": torch.randint(0, 1000, (batch,)),
+    "context": torch.randn(batch, 77, unet.config.cross_attention_dim),
+    "loss_weights": torch.ones(batch),
+}, f"{folder}/inputs.safetensors")
+'''
+
+REFERENCE = r'''
+import ctypes, resource, sys, time, torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler, UNet2DConditionModel
+from diffusers.models.transformers.transformer_2d import Transformer2DModel
+from peft import LoraConfig
+from safetensors import safe_open
+from safetensors.torch import load_file
+folder, checkpointing, threads = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+torch.set_num_threads(threads)
+def status_mib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    return -1
+def peak_rss_mib():
+    hwm = status_mib("VmHWM:")
+    return hwm if hwm >= 0 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+torch.manual_seed(0)
+unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
+# One tensor at a time, so loading adds no more than one tensor to the peak RSS.
+with safe_open(f"{folder}/diffusion_pytorch_model.safetensors", framework="pt") as f, torch.no_grad():
+    state = unet.state_dict()
+    assert set(f.keys()) == set(state), "the file and diffusers name different weights"
+    for key, value in state.items():
+        value.copy_(f.get_tensor(key))
+unet.requires_grad_(False).train()
+inputs = load_file(f"{folder}/inputs.safetensors")
+latents, noise, timesteps = inputs["latents"], inputs["noise"], inputs["timesteps"]
+context, loss_weights = inputs["context"], inputs["loss_weights"]
+# kohya's rule (networks/lora.py): every Linear and Conv2d inside a Transformer2DModel.
+targets = [f"{path}.{child}" for path, module in unet.named_modules()
+           if isinstance(module, Transformer2DModel)
+           for child, leaf in module.named_modules() if isinstance(leaf, (torch.nn.Linear, torch.nn.Conv2d))]
+unet.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights=True, target_modules=targets))
+params = [p for p in unet.parameters() if p.requires_grad]
+assert len(params) == 2 * len(targets), f"{len(params)} trainable tensors for {len(targets)} targets"
+if checkpointing:
+    unet.enable_gradient_checkpointing()
+optimizer = torch.optim.AdamW(params, lr=1e-4)
+scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
+                          beta_schedule="scaled_linear")
+def work():
+    start = time.perf_counter()
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    pred = unet(noisy, timesteps, context).sample
+    loss = F.mse_loss(pred.float(), noise.float(), reduction="none").mean([1, 2, 3]) * loss_weights
+    loss = loss.mean()
+    value = loss.item()
+    loss.backward()
+    middle = time.perf_counter()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return value, (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
+ctypes.CDLL("libc.so.6").malloc_trim(0)  # what loading freed goes back first, as on our side
+print(f"ready {peak_rss_mib():.0f} {status_mib('VmRSS:'):.0f} {len(targets)} {sum(p.numel() for p in params)}", flush=True)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the steps' peak from here on, not the load's
+for line in sys.stdin:
+    line = line.strip()
+    if line == "step":
+        s, c = time.perf_counter(), time.process_time()
+        loss, forward_backward, update = work()
+        print(f"{(time.perf_counter() - s) * 1e3:.1f} {(time.process_time() - c) * 1e3:.1f} "
+              f"{loss:.6f} {forward_backward:.1f} {update:.1f}", flush=True)
+    elif line.startswith("profile "):
+        with torch.autograd.profiler.profile() as prof:
+            work()
+        prof.export_chrome_trace(line[8:])
+        print("profiled", flush=True)
+print(f"peak_rss {peak_rss_mib():.0f}", flush=True)
+'''
+
+
+class Side:
+    """One side of the comparison: a process that answers the step protocol on stdin/stdout."""
+
+    def __init__(self, name, command):
+        self.name = name
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         text=True, bufsize=1)
+        _, load_peak, loaded, self.modules, self.lora_numel = self.expect("ready").split()
+        self.load_peak, self.loaded = float(load_peak), float(loaded)
+        self.steps = []  # (wall, cpu, loss, forward+backward, update) of each counted step
+
+    def expect(self, prefix):
+        line = self.process.stdout.readline()
+        if not line.startswith(prefix) and not (prefix == "" and line.strip()):
+            sys.exit(f"{self.name}: expected '{prefix}', got {line!r} (exit {self.process.poll()})")
+        return line.strip()
+
+    def command(self, text):
+        self.process.stdin.write(text + "\n")
+        self.process.stdin.flush()
+
+    def step(self):
+        self.command("step")
+        return tuple(float(x) for x in self.expect("").split())
+
+    def median(self, field):
+        return statistics.median(s[field] for s in self.steps)
+
+    def finish(self):
+        self.process.stdin.close()
+        rss = float(self.expect("peak_rss").split()[1])
+        self.process.wait()
+        return rss
+
+
+def prepare(folder, binary, size):
+    """Writes the UNet config (lorapipe's), random weights and the inputs into `folder`."""
+    config = subprocess.run([binary, "config", size], check=True, capture_output=True, text=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        f.write(config.stdout)
+    subprocess.run([sys.executable, "-W", QUIET, "-c", WRITER, folder, str(SIZES[size]["batch"]),
+                    str(SIZES[size]["latent"])], check=True)
+
+
+def interleave(a, b, rounds, label):
+    """Alternating steps of two sides, round 0 a warm-up that is not counted (first-touch
+    allocation, oneDNN primitive creation, the optimizer's state). Both run the same function on
+    the same weights and inputs with LoRA up = 0, so their warm-up losses must agree. Returns the
+    ratio a / b of each counted round."""
+    ratios = []
+    for r in range(rounds + 1):
+        pair = (a, b) if r % 2 == 0 else (b, a)
+        took = {side.name: side.step() for side in pair}
+        ta, tb = took[a.name], took[b.name]
+        if r == 0:
+            if abs(ta[2] - tb[2]) > 1e-4 * abs(tb[2]):
+                sys.exit(f"first-step losses differ: {a.name} {ta[2]}, {b.name} {tb[2]}")
+            continue
+        a.steps.append(ta)
+        b.steps.append(tb)
+        ratios.append(ta[0] / tb[0])
+        print(f"  {label} round {r}: {a.name} {ta[0]:.0f} ms ({ta[1]:.0f} CPU), {b.name} "
+              f"{tb[0]:.0f} ms ({tb[1]:.0f} CPU), ratio {ratios[-1]:.2f}x", flush=True)
+    return ratios
+
+
+def side_summary(side, rss):
+    return (f"{side.name} {side.median(0):.0f} ms (forward+backward {side.median(3):.0f}, "
+            f"clip+AdamW {side.median(4):.1f}), peak RSS {rss:.0f} MiB (loaded {side.loaded:.0f}, "
+            f"load peak {side.load_peak:.0f})")
+
+
+def compare(args, binary, threads):
+    label = args.size + (" checkpointing" if args.gradient_checkpointing else "")
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare(tmp, binary, args.size)
+        checkpointing = ["--gradient_checkpointing"] if args.gradient_checkpointing else []
+        ref = Side("diffusers+peft", [sys.executable, "-W", QUIET, "-c", REFERENCE, tmp,
+                                      "1" if args.gradient_checkpointing else "0", str(threads)])
+        ours = Side("lorapipe", [binary, "step", args.size, tmp, "--threads", str(threads)] +
+                    checkpointing)
+    if (ours.modules, ours.lora_numel) != (ref.modules, ref.lora_numel):
+        sys.exit(f"the LoRAs differ: lorapipe {ours.modules} modules / {ours.lora_numel} "
+                 f"parameters, reference {ref.modules} / {ref.lora_numel}")
+    print(f"{label}: {threads} threads, LoRA of {ours.modules} modules, {int(ours.lora_numel):,} "
+          f"parameters", flush=True)
+    ratios = interleave(ours, ref, args.rounds, label)
+    if args.profile:
+        for side in (ours, ref):
+            path = os.path.abspath(os.path.join(args.profile, f"train_{args.size}_{side.name}.json"))
+            side.command(f"profile {path}")
+            side.expect("profiled")
+    ours_rss, ref_rss = ours.finish(), ref.finish()
+    print(f"{label}: {side_summary(ours, ours_rss)}; {side_summary(ref, ref_rss)}")
+    print(f"{label}: step time ratio lorapipe/reference (median of {len(ratios)} pairs) "
+          f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}], "
+          f"peak RSS ratio {ours_rss / ref_rss:.2f}x")
+
+
+def checkpointing_memory(args, binary, threads):
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare(tmp, binary, args.size)
+        plain = Side("lorapipe", [binary, "step", args.size, tmp, "--threads", str(threads)])
+        checkpointed = Side("lorapipe+checkpointing", [binary, "step", args.size, tmp, "--threads",
+                                                       str(threads), "--gradient_checkpointing"])
+    ratios = interleave(checkpointed, plain, args.rounds, args.size)
+    plain_rss, checkpointed_rss = plain.finish(), checkpointed.finish()
+    print(f"{args.size}: {side_summary(plain, plain_rss)}; {side_summary(checkpointed, checkpointed_rss)}")
+    print(f"{args.size}: gradient checkpointing cuts lorapipe's peak RSS by "
+          f"{100 * (1 - checkpointed_rss / plain_rss):.1f}% ({plain_rss:.0f} -> "
+          f"{checkpointed_rss:.0f} MiB), step time x{statistics.median(ratios):.2f} "
+          f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--build", default="build")
+    parser.add_argument("--size", choices=sorted(SIZES))
+    parser.add_argument("--rounds", type=int, help="counted rounds (tiny 20, full 3)")
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--checkpointing-memory", action="store_true",
+                        help="lorapipe's peak RSS with and without gradient checkpointing")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--profile", metavar="DIR")
+    args = parser.parse_args()
+    args.size = args.size or ("full" if args.checkpointing_memory else "tiny")
+    args.rounds = args.rounds or SIZES[args.size]["rounds"]
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    binary = os.path.join(args.build, "bin", "trainer_bench")
+    if args.checkpointing_memory:
+        checkpointing_memory(args, binary, args.threads)
+    else:
+        compare(args, binary, args.threads)
+
+
+if __name__ == "__main__":
+    main()
