@@ -8,8 +8,9 @@
 //   trainer_bench step tiny|full DIR [--gradient_checkpointing] [--threads N]
 //       loads DIR/diffusion_pytorch_model.safetensors (diffusers names) and DIR/inputs.safetensors
 //       (latents, noise, timesteps, context, loss_weights), prints
-//       "ready <load peak MiB> <RSS now MiB> <LoRA modules> <LoRA parameters>" and serves stdin, one command per
-//       line, so that bench/trainer_bench.py can interleave its steps with the reference's:
+//       "ready <load peak MiB> <RSS now MiB> <LoRA modules> <LoRA parameters>" and serves
+//       stdin, one command per line, so that bench/trainer_bench.py can interleave its steps
+//       with the reference's:
 //         step          one training step; prints its wall and CPU milliseconds, the loss, and
 //                       the milliseconds of forward+backward and of clip+optimizer
 //         profile PATH  one step under the autograd profiler, a chrome trace to PATH
@@ -22,9 +23,9 @@
 #include <malloc.h>
 #endif
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Generator.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
@@ -129,8 +130,7 @@ int serve(m::StableDiffusion& model, const fs::path& dir, bool checkpointing) {
   malloc_trim(0);
 #endif
   std::printf("ready %.0f %.0f %zu %lld\n", peak_rss_mib(), status_mib("VmRSS:"),
-              network.unet_module_count(),
-              static_cast<long long>(lora_numel));
+              network.unet_module_count(), static_cast<long long>(lora_numel));
   std::fflush(stdout);
   reset_peak_rss();
   std::string line;

@@ -36,7 +36,8 @@ import sys
 import tempfile
 
 # Batch, latent side and default counted rounds of each --size (the UNet config is lorapipe's).
-SIZES = {"tiny": {"batch": 2, "latent": 16, "rounds": 20}, "full": {"batch": 1, "latent": 64, "rounds": 3}}
+SIZES = {"tiny": {"batch": 2, "latent": 16, "rounds": 20},
+         "full": {"batch": 1, "latent": 64, "rounds": 3}}
 
 # diffusers warns at import that CUDA is missing, once per module that asks for autocast.
 QUIET = "ignore:CUDA is not available"
@@ -80,7 +81,8 @@ def peak_rss_mib():
 torch.manual_seed(0)
 unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
 # One tensor at a time, so loading adds no more than one tensor to the peak RSS.
-with safe_open(f"{folder}/diffusion_pytorch_model.safetensors", framework="pt") as f, torch.no_grad():
+weights = f"{folder}/diffusion_pytorch_model.safetensors"
+with safe_open(weights, framework="pt") as f, torch.no_grad():
     state = unet.state_dict()
     assert set(f.keys()) == set(state), "the file and diffusers name different weights"
     for key, value in state.items():
@@ -92,10 +94,11 @@ context, loss_weights = inputs["context"], inputs["loss_weights"]
 # kohya's rule (networks/lora.py): every Linear and Conv2d inside a Transformer2DModel.
 targets = [f"{path}.{child}" for path, module in unet.named_modules()
            if isinstance(module, Transformer2DModel)
-           for child, leaf in module.named_modules() if isinstance(leaf, (torch.nn.Linear, torch.nn.Conv2d))]
+           for child, leaf in module.named_modules()
+           if isinstance(leaf, (torch.nn.Linear, torch.nn.Conv2d))]
 unet.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights=True, target_modules=targets))
 params = [p for p in unet.parameters() if p.requires_grad]
-assert len(params) == 2 * len(targets), f"{len(params)} trainable tensors for {len(targets)} targets"
+assert len(params) == 2 * len(targets), f"{len(params)} trainable tensors, {len(targets)} targets"
 if checkpointing:
     unet.enable_gradient_checkpointing()
 optimizer = torch.optim.AdamW(params, lr=1e-4)
@@ -115,7 +118,8 @@ def work():
     optimizer.zero_grad(set_to_none=True)
     return value, (middle - start) * 1e3, (time.perf_counter() - middle) * 1e3
 ctypes.CDLL("libc.so.6").malloc_trim(0)  # what loading freed goes back first, as on our side
-print(f"ready {peak_rss_mib():.0f} {status_mib('VmRSS:'):.0f} {len(targets)} {sum(p.numel() for p in params)}", flush=True)
+print(f"ready {peak_rss_mib():.0f} {status_mib('VmRSS:'):.0f} {len(targets)} "
+      f"{sum(p.numel() for p in params)}", flush=True)
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # the steps' peak from here on, not the load's
 for line in sys.stdin:
@@ -223,7 +227,8 @@ def compare(args, binary, threads):
     ratios = interleave(ours, ref, args.rounds, label)
     if args.profile:
         for side in (ours, ref):
-            path = os.path.abspath(os.path.join(args.profile, f"train_{args.size}_{side.name}.json"))
+            path = os.path.join(args.profile, f"train_{args.size}_{side.name}.json")
+            path = os.path.abspath(path)
             side.command(f"profile {path}")
             side.expect("profiled")
     ours_rss, ref_rss = ours.finish(), ref.finish()
@@ -241,7 +246,8 @@ def checkpointing_memory(args, binary, threads):
                                                        str(threads), "--gradient_checkpointing"])
     ratios = interleave(checkpointed, plain, args.rounds, args.size)
     plain_rss, checkpointed_rss = plain.finish(), checkpointed.finish()
-    print(f"{args.size}: {side_summary(plain, plain_rss)}; {side_summary(checkpointed, checkpointed_rss)}")
+    print(f"{args.size}: {side_summary(plain, plain_rss)}; "
+          f"{side_summary(checkpointed, checkpointed_rss)}")
     print(f"{args.size}: gradient checkpointing cuts lorapipe's peak RSS by "
           f"{100 * (1 - checkpointed_rss / plain_rss):.1f}% ({plain_rss:.0f} -> "
           f"{checkpointed_rss:.0f} MiB), step time x{statistics.median(ratios):.2f} "
