@@ -5,6 +5,7 @@
 #include <torch/autograd.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "models/linear.h"
@@ -49,8 +50,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    auto holder = c10::static_intrusive_pointer_cast<BlockHolder>(
-        ctx->saved_data["block"].toCapsule());
+    auto holder =
+        c10::static_intrusive_pointer_cast<BlockHolder>(ctx->saved_data["block"].toCapsule());
     const variable_list saved = ctx->get_saved_variables();
     const size_t n_inputs = holder->input_count;
     std::vector<at::Tensor> inputs;
@@ -106,6 +107,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 std::vector<at::Tensor> checkpoint(BlockFunction block, const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& trainable) {
   if (!at::GradMode::is_enabled()) return block(inputs);
+  // Nothing inside or coming in needs a gradient: no graph would be kept, nothing to save.
+  const bool any_input_needs_grad =
+      std::any_of(inputs.begin(), inputs.end(),
+                  [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
+  if (!any_input_needs_grad && trainable.empty()) return block(inputs);
   auto holder = c10::make_intrusive<BlockHolder>();
   holder->block = std::move(block);
   return CheckpointFunction::apply(holder, at::TensorList(inputs), at::TensorList(trainable));

@@ -110,9 +110,7 @@ Conv2d conv3x3(int64_t in, int64_t out, int64_t stride = 1) {
   return Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1));
 }
 
-Conv2d conv1x1(int64_t in, int64_t out) {
-  return Conv2d(torch::nn::Conv2dOptions(in, out, 1));
-}
+Conv2d conv1x1(int64_t in, int64_t out) { return Conv2d(torch::nn::Conv2dOptions(in, out, 1)); }
 
 torch::nn::GroupNorm group_norm(int64_t groups, int64_t channels, double eps) {
   return torch::nn::GroupNorm(torch::nn::GroupNormOptions(groups, channels).eps(eps));
@@ -398,6 +396,41 @@ torch::Tensor Upsample2DImpl::forward(const torch::Tensor& x, c10::IntArrayRef s
 
 // ---- blocks ----------------------------------------------------------------------------------
 
+namespace {
+
+// One resnet on x (concatenated with `skip` along channels when given, as the up path does),
+// under models::checkpoint when `checkpointed`. The concatenation happens inside, so its double
+// width copy is not kept for backward either.
+torch::Tensor run_resnet(ResnetBlock2D& resnet, const torch::Tensor& x, const torch::Tensor& skip,
+                         const torch::Tensor& temb, bool checkpointed) {
+  auto run = [r = resnet.ptr()](const torch::Tensor& in, const torch::Tensor& skip_in,
+                                const torch::Tensor& t) {
+    return r->forward(skip_in.defined() ? torch::cat({in, skip_in}, /*dim=*/1) : in, t);
+  };
+  if (!checkpointed) return run(x, skip, temb);
+  // Inputs: x, temb[, skip] (an undefined tensor is not passed through autograd).
+  std::vector<torch::Tensor> inputs{x, temb};
+  if (skip.defined()) inputs.push_back(skip);
+  return checkpoint(
+      [run](const std::vector<torch::Tensor>& in) {
+        return std::vector<torch::Tensor>{
+            run(in[0], in.size() > 2 ? in[2] : torch::Tensor(), in[1])};
+      },
+      inputs, trainable_adapter_tensors(*resnet))[0];
+}
+
+torch::Tensor run_attention(Transformer2D& attention, const torch::Tensor& x,
+                            const torch::Tensor& context, bool checkpointed) {
+  if (!checkpointed) return attention(x, context);
+  return checkpoint(
+      [a = attention.ptr()](const std::vector<torch::Tensor>& in) {
+        return std::vector<torch::Tensor>{a->forward(in[0], in[1])};
+      },
+      {x, context}, trainable_adapter_tensors(*attention))[0];
+}
+
+}  // namespace
+
 DownBlockImpl::DownBlockImpl(int64_t in_channels, int64_t out_channels, int64_t temb_channels,
                              int64_t layers, bool with_attention, int64_t heads,
                              int64_t transformer_layers, int64_t context_dim,
@@ -423,10 +456,10 @@ DownBlockImpl::DownBlockImpl(int64_t in_channels, int64_t out_channels, int64_t 
 
 torch::Tensor DownBlockImpl::forward(torch::Tensor x, const torch::Tensor& temb,
                                      const torch::Tensor& context,
-                                     std::vector<torch::Tensor>& skips) {
+                                     std::vector<torch::Tensor>& skips, bool checkpointed) {
   for (size_t i = 0; i < resnet_list.size(); ++i) {
-    x = resnet_list[i](x, temb);
-    if (!attention_list.empty()) x = attention_list[i](x, context);
+    x = run_resnet(resnet_list[i], x, /*skip=*/{}, temb, checkpointed);
+    if (!attention_list.empty()) x = run_attention(attention_list[i], x, context, checkpointed);
     skips.push_back(x);
   }
   if (downsampler) {
@@ -452,10 +485,10 @@ MidBlockImpl::MidBlockImpl(int64_t channels, int64_t temb_channels, int64_t head
 }
 
 torch::Tensor MidBlockImpl::forward(torch::Tensor x, const torch::Tensor& temb,
-                                    const torch::Tensor& context) {
-  x = resnet_list[0](x, temb);
-  x = attention_list[0](x, context);
-  return resnet_list[1](x, temb);
+                                    const torch::Tensor& context, bool checkpointed) {
+  x = run_resnet(resnet_list[0], x, /*skip=*/{}, temb, checkpointed);
+  x = run_attention(attention_list[0], x, context, checkpointed);
+  return run_resnet(resnet_list[1], x, /*skip=*/{}, temb, checkpointed);
 }
 
 UpBlockImpl::UpBlockImpl(int64_t in_channels, int64_t prev_output_channels, int64_t out_channels,
@@ -487,13 +520,12 @@ UpBlockImpl::UpBlockImpl(int64_t in_channels, int64_t prev_output_channels, int6
 
 torch::Tensor UpBlockImpl::forward(torch::Tensor x, const std::vector<torch::Tensor>& skips,
                                    const torch::Tensor& temb, const torch::Tensor& context,
-                                   c10::IntArrayRef upsample_size) {
+                                   c10::IntArrayRef upsample_size, bool checkpointed) {
   TORCH_CHECK(skips.size() == resnet_list.size(), "up block has ", resnet_list.size(),
               " resnets but got ", skips.size(), " skip tensors");
   for (size_t i = 0; i < resnet_list.size(); ++i) {
-    x = torch::cat({x, skips[skips.size() - 1 - i]}, /*dim=*/1);
-    x = resnet_list[i](x, temb);
-    if (!attention_list.empty()) x = attention_list[i](x, context);
+    x = run_resnet(resnet_list[i], x, skips[skips.size() - 1 - i], temb, checkpointed);
+    if (!attention_list.empty()) x = run_attention(attention_list[i], x, context, checkpointed);
   }
   if (upsampler) x = upsampler(x, upsample_size);
   return x;
@@ -604,32 +636,9 @@ torch::Tensor UNetImpl::forward(const torch::Tensor& sample, const torch::Tensor
   std::vector<torch::Tensor> skips{x};
   const bool checkpointed = gradient_checkpointing && torch::GradMode::is_enabled();
   for (auto& block : down_list) {
-    if (!checkpointed) {
-      x = block->forward(x, emb, encoder_hidden_states, skips);
-      continue;
-    }
-    // Outputs: the block's result, then the skips it appends.
-    auto outputs = checkpoint(
-        [block = block.ptr()](const std::vector<torch::Tensor>& in) {
-          std::vector<torch::Tensor> block_skips;
-          std::vector<torch::Tensor> out{block->forward(in[0], in[1], in[2], block_skips)};
-          out.insert(out.end(), block_skips.begin(), block_skips.end());
-          return out;
-        },
-        {x, emb, encoder_hidden_states}, trainable_adapter_tensors(*block));
-    x = outputs[0];
-    skips.insert(skips.end(), outputs.begin() + 1, outputs.end());
+    x = block->forward(x, emb, encoder_hidden_states, skips, checkpointed);
   }
-  if (checkpointed) {
-    auto mid = mid_block.ptr();
-    x = checkpoint(
-        [mid](const std::vector<torch::Tensor>& in) {
-          return std::vector<torch::Tensor>{mid->forward(in[0], in[1], in[2])};
-        },
-        {x, emb, encoder_hidden_states}, trainable_adapter_tensors(*mid_block))[0];
-  } else {
-    x = mid_block(x, emb, encoder_hidden_states);
-  }
+  x = mid_block->forward(x, emb, encoder_hidden_states, checkpointed);
   for (auto& block : up_list) {
     const size_t take = block->resnet_list.size();
     std::vector<torch::Tensor> own(skips.end() - static_cast<std::ptrdiff_t>(take), skips.end());
@@ -639,19 +648,7 @@ torch::Tensor UNetImpl::forward(const torch::Tensor& sample, const torch::Tensor
     if (block->upsampler) {
       upsample_size.assign(skips.back().sizes().begin() + 2, skips.back().sizes().end());
     }
-    if (!checkpointed) {
-      x = block->forward(x, own, emb, encoder_hidden_states, upsample_size);
-      continue;
-    }
-    std::vector<torch::Tensor> inputs{x, emb, encoder_hidden_states};
-    inputs.insert(inputs.end(), own.begin(), own.end());
-    x = checkpoint(
-        [block = block.ptr(), upsample_size](const std::vector<torch::Tensor>& in) {
-          const std::vector<torch::Tensor> block_skips(in.begin() + 3, in.end());
-          return std::vector<torch::Tensor>{
-              block->forward(in[0], block_skips, in[1], in[2], upsample_size)};
-        },
-        inputs, trainable_adapter_tensors(*block))[0];
+    x = block->forward(x, own, emb, encoder_hidden_states, upsample_size, checkpointed);
   }
   return conv_out(torch::silu(conv_norm_out(x)));
 }

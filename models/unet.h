@@ -165,8 +165,9 @@ struct DownBlockImpl : torch::nn::Module {
   DownBlockImpl(int64_t in_channels, int64_t out_channels, int64_t temb_channels, int64_t layers,
                 bool with_attention, int64_t heads, int64_t transformer_layers, int64_t context_dim,
                 const UNetConfig& config, bool add_downsample);
+  // `checkpointed`: each resnet and each Transformer2D runs under models::checkpoint.
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& temb, const torch::Tensor& context,
-                        std::vector<torch::Tensor>& skips);
+                        std::vector<torch::Tensor>& skips, bool checkpointed = false);
   torch::nn::ModuleList resnets, attentions, downsamplers;
   std::vector<ResnetBlock2D> resnet_list;
   std::vector<Transformer2D> attention_list;  // empty for DownBlock2D
@@ -178,7 +179,8 @@ TORCH_MODULE(DownBlock);
 struct MidBlockImpl : torch::nn::Module {
   MidBlockImpl(int64_t channels, int64_t temb_channels, int64_t heads, int64_t transformer_layers,
                int64_t context_dim, const UNetConfig& config);
-  torch::Tensor forward(torch::Tensor x, const torch::Tensor& temb, const torch::Tensor& context);
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& temb, const torch::Tensor& context,
+                        bool checkpointed = false);
   torch::nn::ModuleList resnets, attentions;
   std::vector<ResnetBlock2D> resnet_list;
   std::vector<Transformer2D> attention_list;
@@ -196,7 +198,7 @@ struct UpBlockImpl : torch::nn::Module {
   // used first). `upsample_size` is required when the block has an upsampler.
   torch::Tensor forward(torch::Tensor x, const std::vector<torch::Tensor>& skips,
                         const torch::Tensor& temb, const torch::Tensor& context,
-                        c10::IntArrayRef upsample_size);
+                        c10::IntArrayRef upsample_size, bool checkpointed = false);
   torch::nn::ModuleList resnets, attentions, upsamplers;
   std::vector<ResnetBlock2D> resnet_list;
   std::vector<Transformer2D> attention_list;
@@ -237,9 +239,11 @@ struct UNetImpl : torch::nn::Module {
 
   const UNetConfig& config() const { return config_; }
 
-  // With grad mode on, each down block, the mid block and each up block runs under
+  // With grad mode on, each resnet and each Transformer2D (diffusers' granularity) runs under
   // models::checkpoint (models/checkpoint.h): its activations are recomputed in backward, and the
   // LoRA tensors inside it are passed explicitly so a frozen base still gives them gradients.
+  // Only the layers' outputs stay alive through the forward, and the recomputation holds one
+  // layer's activations at a time (a whole block's at 64x64 is over a GiB in fp32).
   bool gradient_checkpointing = false;
 
   Conv2d conv_in{nullptr};
