@@ -13,9 +13,11 @@
 #include "trainer/trainer.h"
 
 // Model, data and output.
-DEFINE_string(pretrained_model_name_or_path, "", "Base model: single .safetensors or diffusers folder");
+DEFINE_string(pretrained_model_name_or_path, "",
+              "Base model: single .safetensors or diffusers folder");
 DEFINE_string(tokenizer, "", "CLIP vocabulary for single-file models (folder, merges.txt or .gz)");
-DEFINE_string(cache_dir, "", "Cache folder (default: $LORAPIPE_CACHE_DIR or ~/.cache/lorapipe/cache)");
+DEFINE_string(cache_dir, "",
+              "Cache folder (default: $LORAPIPE_CACHE_DIR or ~/.cache/lorapipe/cache)");
 DEFINE_string(cacher, "", "Read records from a remote lorapipe-cacher --serve (tcp://host:port)");
 DEFINE_string(dataset_id, "", "The manifest preprocess and the cacher wrote");
 DEFINE_string(output_dir, "", "Run folder: lora/, state/, tensorboard/");
@@ -49,17 +51,22 @@ DEFINE_double(timeout_s, 300, "Give up on a silent remote cacher after this long
 DEFINE_int64(network_dim, 4, "LoRA rank");
 DEFINE_double(network_alpha, 1, "LoRA alpha (scale alpha/dim; 0 means dim)");
 DEFINE_double(network_dropout, 0, "Dropout on the LoRA's down output");
-DEFINE_string(network_args, "", "key=value ... (conv_dim, conv_alpha, rank_dropout, module_dropout, loraplus_lr_ratio)");
+DEFINE_string(
+    network_args, "",
+    "key=value ... (conv_dim, conv_alpha, rank_dropout, module_dropout, loraplus_lr_ratio)");
 DEFINE_string(network_weights, "", "Continue from this LoRA file");
 DEFINE_bool(network_train_unet_only, false, "Train no text-encoder LoRA");
 DEFINE_double(network_multiplier, 1.0, "LoRA multiplier while training");
 // Optimizer and schedule.
-DEFINE_string(optimizer_type, "AdamW", "AdamW (AdamW8bit and PagedAdamW8bit arrive with kernels/)");
-DEFINE_string(optimizer_args, "", "key=value ... (weight_decay, betas=b1,b2, eps)");
+DEFINE_string(optimizer_type, "AdamW", "AdamW, AdamW8bit or PagedAdamW8bit (case-insensitive)");
+DEFINE_bool(use_8bit_adam, false, "kohya's older spelling of --optimizer_type=AdamW8bit");
+DEFINE_string(optimizer_args, "",
+              "key=value ... (weight_decay, betas=b1,b2, eps; min_8bit_size for the 8-bit ones)");
 DEFINE_double(learning_rate, 1e-4, "Learning rate");
 DEFINE_double(unet_lr, -1, "UNet learning rate (default: --learning_rate)");
 DEFINE_double(text_encoder_lr, -1, "Text-encoder learning rate (default: --learning_rate)");
-DEFINE_string(lr_scheduler, "constant", "constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial");
+DEFINE_string(lr_scheduler, "constant",
+              "constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial");
 DEFINE_double(lr_warmup_steps, 0, "Warmup steps, or a ratio of the steps below 1");
 DEFINE_int32(lr_scheduler_num_cycles, 1, "Restarts of cosine_with_restarts");
 DEFINE_double(lr_scheduler_power, 1.0, "Power of polynomial");
@@ -181,6 +188,7 @@ int main(int argc, char** argv) {
                    : FLAGS_mixed_precision == "bf16" ? c10::kBFloat16
                                                      : c10::kFloat;
     s.optimizer.type = FLAGS_optimizer_type;
+    if (FLAGS_use_8bit_adam) s.optimizer.type = "AdamW8bit";
     t::apply_optimizer_args(s.optimizer, words(FLAGS_optimizer_args));
     s.optimizer_groups.learning_rate = FLAGS_learning_rate;
     s.optimizer_groups.unet_lr = FLAGS_unet_lr;

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "trainer/adamw8bit_optimizer.h"
 
 namespace lorapipe::trainer {
 namespace {
@@ -40,8 +41,9 @@ class TorchAdamW final : public Optimizer {
       torch_groups.emplace_back(g.params, std::move(group_options));
     }
     torch::optim::AdamWOptions defaults(groups.empty() ? 1e-4 : groups[0].lr);
-    defaults.betas({options.beta1, options.beta2}).eps(options.eps).weight_decay(
-        options.weight_decay);
+    defaults.betas({options.beta1, options.beta2})
+        .eps(options.eps)
+        .weight_decay(options.weight_decay);
     adamw_ = std::make_unique<torch::optim::AdamW>(std::move(torch_groups), defaults);
   }
 
@@ -95,6 +97,12 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
     const std::string value = arg.substr(eq + 1);
     if (key == "weight_decay") {
       options.weight_decay = parse_number(arg, value);
+    } else if (key == "min_8bit_size") {
+      const double v = parse_number(arg, value);
+      if (v < 0 || v != static_cast<double>(static_cast<int64_t>(v))) {
+        throw InputError("--optimizer_args '" + arg + "': min_8bit_size wants a whole number >= 0");
+      }
+      options.min_8bit_size = static_cast<int64_t>(v);
     } else if (key == "eps") {
       options.eps = parse_number(arg, value);
     } else if (key == "betas") {
@@ -110,7 +118,7 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
       options.beta2 = parse_number(arg, v.substr(comma + 1));
     } else {
       throw InputError("--optimizer_args '" + arg + "': unknown argument '" + key +
-                       "' (known: weight_decay, betas, eps)");
+                       "' (known: weight_decay, betas, eps, min_8bit_size)");
     }
   }
 }
@@ -119,11 +127,21 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                                           std::vector<ParamGroup> groups) {
   const std::string type = lower(options.type);
   if (type == "adamw" || type == "torch.optim.adamw") {
+    if (options.min_8bit_size) {
+      throw InputError(
+          "--optimizer_args min_8bit_size: AdamW keeps fp32 state; the argument "
+          "belongs to AdamW8bit and PagedAdamW8bit");
+    }
     return std::make_unique<TorchAdamW>(options, std::move(groups));
   }
+  if (type == "adamw8bit" || type == "bitsandbytes.optim.adamw8bit") {
+    return make_adamw8bit(options, std::move(groups), /*paged=*/false);
+  }
+  if (type == "pagedadamw8bit" || type == "bitsandbytes.optim.pagedadamw8bit") {
+    return make_adamw8bit(options, std::move(groups), /*paged=*/true);
+  }
   throw InputError("--optimizer_type='" + options.type +
-                   "' is not available: use AdamW (AdamW8bit and PagedAdamW8bit arrive with the "
-                   "kernels' 8-bit optimizers)");
+                   "' is not available: use AdamW, AdamW8bit or PagedAdamW8bit");
 }
 
 }  // namespace lorapipe::trainer

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,9 @@ struct OptimizerOptions {
   double beta1 = 0.9, beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.01;  // torch.optim.AdamW's default, which kohya keeps
+  // AdamW8bit / PagedAdamW8bit only (bitsandbytes' argument): tensors with fewer elements keep
+  // fp32 moments. Unset: bitsandbytes' 4096.
+  std::optional<int64_t> min_8bit_size;
 };
 
 class Optimizer {
@@ -43,8 +47,14 @@ class Optimizer {
 // throws InputError naming an unknown or malformed argument.
 void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::string>& args);
 
-// The optimizer named by options.type. Throws InputError naming an unknown type (and saying
-// which are known).
+// The optimizer named by options.type (case-insensitive, kohya's names):
+//   AdamW           torch.optim.AdamW (LibTorch's), 8 bytes of state per parameter;
+//   AdamW8bit       kernels/adamw8bit.h: blockwise 8-bit moments, about 2.03 bytes per parameter
+//                   of tensors with >= min_8bit_size elements (fp32 moments below it);
+//   PagedAdamW8bit  the same, its state in CUDA managed memory that can spill to host memory
+//                   under pressure (on the CPU, or where the device cannot page, plain memory
+//                   with a warning, as bitsandbytes does).
+// Throws InputError naming an unknown type (and saying which are known).
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                                           std::vector<ParamGroup> groups);
 

@@ -791,7 +791,8 @@ Summary Run::train() {
                       << ", " << batches << " batches and " << steps_per_epoch
                       << " steps per epoch; " << max_steps_ << " steps in all on "
                       << models::describe_device(device_)
-                      << (cached_text_ ? "; text from the cache" : "; text encoded online");
+                      << (cached_text_ ? "; text from the cache" : "; text encoded online")
+                      << "; optimizer " << step_->optimizer().describe();
 
   fs::create_directories(o_.output_dir / "lora");
   tensorboard_.emplace(TensorBoardWriter::open(o_.output_dir / "tensorboard"));
