@@ -193,9 +193,12 @@ void TrainRunTest::expect_resume_bit_exact(const std::vector<std::string>& extra
 
 TEST_F(TrainRunTest, ResumeAfterKillNineIsBitExact) { expect_resume_bit_exact({}); }
 
+// The trainer with kernels/' 8-bit optimizer (a suite of its own, so its name says it).
+class AdamW8bitTrainRun : public TrainRunTest {};
+
 // The same with AdamW8bit, every LoRA tensor on 8-bit state (min_8bit_size=0: the tiny model's
 // tensors are all under bitsandbytes' 4096): its bytes and absmax come back exactly.
-TEST_F(TrainRunTest, AdamW8bitResumeAfterKillNineIsBitExact) {
+TEST_F(AdamW8bitTrainRun, ResumeAfterKillNineIsBitExact) {
   expect_resume_bit_exact({"--optimizer_type=AdamW8bit", "--optimizer_args=min_8bit_size=0"});
 }
 
@@ -205,7 +208,7 @@ TEST_F(TrainRunTest, AdamW8bitResumeAfterKillNineIsBitExact) {
 // kernels/adamw8bit_test.cpp), which over 60 steps changes the curve by a few percent of the
 // drop (measured and printed), while a broken update (wrong sign, lost decay of the moments, a
 // stale absmax) stalls or diverges the loss.
-TEST_F(TrainRunTest, AdamW8bitLearnsLikeAdamW) {
+TEST_F(AdamW8bitTrainRun, LearnsLikeAdamW) {
   const std::vector<std::string> common{"--max_train_steps=60", "--validation_split=0.25",
                                         "--validation_seed=5", "--train_batch_size=2",
                                         "--lr_scheduler=constant"};
