@@ -143,8 +143,10 @@ __global__ void __launch_bounds__(kThreads)
     Io<T>::store(t.param, i, rules::update_param(s, Io<T>::load(t.param, i), m, v));
   }
   if (t.quantized) {
-    static_cast<uint8_t*>(t.state1)[i] = rules::quantize_first(code1, mid1, m, max1);
-    static_cast<uint8_t*>(t.state2)[i] = rules::quantize_second(mid2, v, max2);
+    const int index1 = rules::nearest_code(mid1, rules::normalized(m, max1));
+    static_cast<uint8_t*>(t.state1)[i] = static_cast<uint8_t>(rules::sign_fixed(code1, index1, m));
+    static_cast<uint8_t*>(t.state2)[i] =
+        static_cast<uint8_t>(rules::nearest_code(mid2, rules::normalized(v, max2)));
     if (tid == 0) {
       t.absmax1[block] = max1;
       t.absmax2[block] = max2;

@@ -69,37 +69,78 @@ uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
-float load(const void* data, int64_t i, ParamDtype dtype) {
-  switch (dtype) {
-    case ParamDtype::kFloat32:
-      return static_cast<const float*>(data)[i];
-    case ParamDtype::kBFloat16:
-      return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
-    case ParamDtype::kFloat16:
-      return static_cast<float>(static_cast<const _Float16*>(data)[i]);
+template <ParamDtype D>
+float load(const void* data, int64_t i) {
+  if constexpr (D == ParamDtype::kFloat32) {
+    return static_cast<const float*>(data)[i];
+  } else if constexpr (D == ParamDtype::kBFloat16) {
+    return bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+  } else {
+    return static_cast<float>(static_cast<const _Float16*>(data)[i]);
   }
-  return 0.f;
 }
 
-void store(void* data, int64_t i, ParamDtype dtype, float value) {
-  switch (dtype) {
-    case ParamDtype::kFloat32:
-      static_cast<float*>(data)[i] = value;
-      return;
-    case ParamDtype::kBFloat16:
-      static_cast<uint16_t*>(data)[i] = float_to_bf16(value);
-      return;
-    case ParamDtype::kFloat16:
-      static_cast<_Float16*>(data)[i] = static_cast<_Float16>(value);
-      return;
+template <ParamDtype D>
+void store(void* data, int64_t i, float value) {
+  if constexpr (D == ParamDtype::kFloat32) {
+    static_cast<float*>(data)[i] = value;
+  } else if constexpr (D == ParamDtype::kBFloat16) {
+    static_cast<uint16_t*>(data)[i] = float_to_bf16(value);
+  } else {
+    static_cast<_Float16*>(data)[i] = static_cast<_Float16>(value);
   }
 }
+
+// The nearest code without the kernel's 8-step binary search (which is most of a CPU step): the
+// top 13 bits of x (sign, exponent, 4 mantissa bits) pick a bucket of floats; the bucket's
+// smallest and largest value bound the answer to codes [lo, hi], and the answer is lo plus the
+// number of midpoints mid[lo..] below x. Midpoints from hi on are never below x, so comparing a
+// fixed `window` (the widest bucket's hi - lo) of them counts exactly the same: the result equals
+// adamw8bit_rules::nearest_code bit for bit, with independent loads instead of dependent ones.
+class NearestTable {
+ public:
+  explicit NearestTable(const std::array<float, 256>& code) {
+    const std::array<float, 256> mid = code_midpoints(code);
+    std::copy(mid.begin(), mid.end(), mid_.begin());
+    std::fill(mid_.begin() + 256, mid_.end(), INFINITY);
+    for (uint32_t key = 0; key < kKeys; ++key) {
+      const uint32_t first = key << kShift, last = first | ((1u << kShift) - 1);
+      float a, b;
+      std::memcpy(&a, &first, sizeof a);
+      std::memcpy(&b, &last, sizeof b);
+      if (!std::isfinite(a) || !std::isfinite(b)) continue;  // never normalised values
+      const int ia = rules::nearest_code(mid.data(), a), ib = rules::nearest_code(mid.data(), b);
+      lo_[key] = static_cast<uint8_t>(std::min(ia, ib));
+      window_ = std::max(window_, std::abs(ib - ia));
+    }
+    if (window_ > kMaxWindow) throw std::logic_error("adamw8bit: nearest-code window too wide");
+    // Comparing kMaxWindow >= window_ midpoints counts the same (those past hi are never below
+    // x), so the search needs no mask.
+  }
+  int nearest(float x) const {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const int lo = lo_[bits >> kShift];
+    int index = lo;
+#pragma GCC unroll 8
+    for (int k = 0; k < kMaxWindow; ++k) index += static_cast<int>(mid_[lo + k] < x);
+    return index;
+  }
+
+ private:
+  static constexpr int kShift = 19;
+  static constexpr uint32_t kKeys = 1u << (32 - kShift);
+  static constexpr int kMaxWindow = 8;
+  std::array<float, 256 + kMaxWindow> mid_{};
+  std::array<uint8_t, kKeys> lo_{};
+  int window_ = 0;
+};
 
 struct Maps {
   const std::array<float, 256>& code1 = dynamic_map_signed();
   const std::array<float, 256>& code2 = dynamic_map_unsigned();
-  const std::array<float, 256> mid1 = code_midpoints(code1);
-  const std::array<float, 256> mid2 = code_midpoints(code2);
+  const NearestTable nearest1{code1};
+  const NearestTable nearest2{code2};
 };
 
 const Maps& maps() {
@@ -108,45 +149,54 @@ const Maps& maps() {
 }
 
 // One 256-element block of tensor t: steps 1-5 of the header.
-void update_block(const AdamW8bitTensor& t, int64_t block, ParamDtype dtype, const AdamW8bitStep& s,
-                  const Maps& q) {
+template <ParamDtype D>
+void update_block(const AdamW8bitTensor& t, int64_t block, const AdamW8bitStep& s, const Maps& q) {
   const int64_t begin = block * kAdamW8bitBlock;
   const int n = static_cast<int>(std::min<int64_t>(kAdamW8bitBlock, t.numel - begin));
-  float m[kAdamW8bitBlock], v[kAdamW8bitBlock], g[kAdamW8bitBlock];
+  float m[kAdamW8bitBlock], v[kAdamW8bitBlock];
   if (!t.quantized) {
     float* m_state = static_cast<float*>(t.state1) + begin;
     float* v_state = static_cast<float*>(t.state2) + begin;
     for (int j = 0; j < n; ++j) {
-      const float grad = load(t.grad, begin + j, dtype);
+      const float grad = load<D>(t.grad, begin + j);
       if (!rules::is_finite(grad)) continue;
       rules::update_moments(s, grad, m_state[j], v_state[j]);
-      store(t.param, begin + j, dtype,
-            rules::update_param(s, load(t.param, begin + j, dtype), m_state[j], v_state[j]));
+      store<D>(t.param, begin + j,
+               rules::update_param(s, load<D>(t.param, begin + j), m_state[j], v_state[j]));
     }
     return;
   }
+  // Branch-free loops (selects instead of skips) so the compiler can vectorise them.
   const uint8_t* in1 = static_cast<const uint8_t*>(t.state1) + begin;
   const uint8_t* in2 = static_cast<const uint8_t*>(t.state2) + begin;
   const float old_max1 = t.absmax1[block], old_max2 = t.absmax2[block];
+  bool finite[kAdamW8bitBlock];
+  for (int j = 0; j < n; ++j) {
+    const float grad = load<D>(t.grad, begin + j);
+    float m_new = q.code1[in1[j]] * old_max1, v_new = q.code2[in2[j]] * old_max2;
+    const float m_old = m_new, v_old = v_new;
+    rules::update_moments(s, grad, m_new, v_new);
+    finite[j] = rules::is_finite(grad);
+    m[j] = finite[j] ? m_new : m_old;
+    v[j] = finite[j] ? v_new : v_old;
+  }
   float max1 = 0.f, max2 = 0.f;
   for (int j = 0; j < n; ++j) {
-    m[j] = q.code1[in1[j]] * old_max1;
-    v[j] = q.code2[in2[j]] * old_max2;
-    g[j] = load(t.grad, begin + j, dtype);
-    if (rules::is_finite(g[j])) rules::update_moments(s, g[j], m[j], v[j]);
     max1 = std::max(max1, std::fabs(m[j]));
     max2 = std::max(max2, std::fabs(v[j]));
   }
   for (int j = 0; j < n; ++j) {
-    if (!rules::is_finite(g[j])) continue;
-    store(t.param, begin + j, dtype,
-          rules::update_param(s, load(t.param, begin + j, dtype), m[j], v[j]));
+    const float p = load<D>(t.param, begin + j);
+    const float updated = rules::update_param(s, p, m[j], v[j]);
+    // A skipped element is written back as it was read: the same bits in every dtype.
+    store<D>(t.param, begin + j, finite[j] ? updated : p);
   }
   uint8_t* out1 = static_cast<uint8_t*>(t.state1) + begin;
   uint8_t* out2 = static_cast<uint8_t*>(t.state2) + begin;
   for (int j = 0; j < n; ++j) {
-    out1[j] = rules::quantize_first(q.code1.data(), q.mid1.data(), m[j], max1);
-    out2[j] = rules::quantize_second(q.mid2.data(), v[j], max2);
+    const int index1 = q.nearest1.nearest(rules::normalized(m[j], max1));
+    out1[j] = static_cast<uint8_t>(rules::sign_fixed(q.code1.data(), index1, m[j]));
+    out2[j] = static_cast<uint8_t>(q.nearest2.nearest(rules::normalized(v[j], max2)));
   }
   t.absmax1[block] = max1;
   t.absmax2[block] = max2;
@@ -204,21 +254,33 @@ void adamw8bit_step_cpu(const AdamW8bitTensor* tensors, size_t count, ParamDtype
   for (int64_t item = 0; item < items; ++item) {
     const size_t i =
         static_cast<size_t>(std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1);
-    update_block(tensors[i], item - first[i], dtype, group_steps[tensors[i].group], q);
+    const AdamW8bitStep& step = group_steps[tensors[i].group];
+    switch (dtype) {
+      case ParamDtype::kFloat32:
+        update_block<ParamDtype::kFloat32>(tensors[i], item - first[i], step, q);
+        break;
+      case ParamDtype::kBFloat16:
+        update_block<ParamDtype::kBFloat16>(tensors[i], item - first[i], step, q);
+        break;
+      case ParamDtype::kFloat16:
+        update_block<ParamDtype::kFloat16>(tensors[i], item - first[i], step, q);
+        break;
+    }
   }
 }
 
 void quantize_blockwise_cpu(const float* x, int64_t n, const std::array<float, 256>& code,
                             bool sign_fix, uint8_t* bytes, float* absmax) {
-  const std::array<float, 256> mid = code_midpoints(code);
+  const NearestTable table(code);
   for (int64_t block = 0; block < adamw8bit_blocks(n); ++block) {
     const int64_t begin = block * kAdamW8bitBlock;
     const int64_t end = std::min(n, begin + kAdamW8bitBlock);
     float max = 0.f;
     for (int64_t i = begin; i < end; ++i) max = std::max(max, std::fabs(x[i]));
     for (int64_t i = begin; i < end; ++i) {
-      bytes[i] = sign_fix ? rules::quantize_first(code.data(), mid.data(), x[i], max)
-                          : rules::quantize_second(mid.data(), x[i], max);
+      const int index = table.nearest(rules::normalized(x[i], max));
+      bytes[i] =
+          static_cast<uint8_t>(sign_fix ? rules::sign_fixed(code.data(), index, x[i]) : index);
     }
     absmax[block] = max;
   }

@@ -46,18 +46,15 @@ LORAPIPE_HD int nearest_code(const float* mid, float x) {
   return index;
 }
 
-// m's byte: nearest code to m / absmax (0 when the block is all zero), then the sign fix.
-LORAPIPE_HD uint8_t quantize_first(const float* code, const float* mid, float m, float absmax) {
-  const float x = absmax > 0.f ? m / absmax : 0.f;
-  int index = nearest_code(mid, x);
-  if (m < 0.f && code[index] >= 0.f) index -= 1;
-  if (m > 0.f && code[index] < 0.f) index += 1;
-  return static_cast<uint8_t>(index);
+// What is rounded to a code: the value over its block's absmax (0 when the block is all zero).
+LORAPIPE_HD float normalized(float value, float absmax) {
+  return absmax > 0.f ? value / absmax : 0.f;
 }
 
-LORAPIPE_HD uint8_t quantize_second(const float* mid, float v, float absmax) {
-  const float x = absmax > 0.f ? v / absmax : 0.f;
-  return static_cast<uint8_t>(nearest_code(mid, x));
+// The first-moment sign fix on the nearest code's index for m.
+LORAPIPE_HD int sign_fixed(const float* code, int index, float m) {
+  const float c = code[index];
+  return index - static_cast<int>((m < 0.f) & (c >= 0.f)) + static_cast<int>((m > 0.f) & (c < 0.f));
 }
 
 }  // namespace lorapipe::kernels::adamw8bit_rules
