@@ -35,6 +35,8 @@
 //   - Fewer than 4096 elements keep fp32 moments on both sides: the same fp32 Adam in another
 //     operation order, within 1e-5 of each value's scale after 100 steps.
 
+#include "kernels/adamw8bit.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -49,7 +51,7 @@
 #include <string>
 #include <vector>
 
-#include "kernels/adamw8bit.h"
+#include "kernels/cuda_device.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
 
@@ -429,6 +431,137 @@ TEST(AdamW8bitCpu, HalfPrecisionParametersRoundOnce) {
     EXPECT_TRUE(torch::equal(half.s1, fp32.s1));
     EXPECT_TRUE(torch::equal(half.s2, fp32.s2));
   }
+}
+
+// ---- CUDA (tests/gpu/run.sh runs these on a GPU; without one they skip) ----
+
+// Several tensors in one launch, fp32 and 8-bit state, two learning-rate groups, a partial last
+// block, an all-zero block and NaN lanes: the kernel and the CPU reference run the same fp32
+// operations (adamw8bit_rules.h, no FMA on either side), so parameters, state bytes and absmax
+// must be bit-identical after every step. Tolerance: none.
+struct Case {
+  std::vector<torch::Tensor> p, g, s1, s2, a1, a2;
+  std::vector<AdamW8bitTensor> views;
+};
+
+Case make_case(torch::ScalarType dtype, const torch::Device& device, uint64_t seed) {
+  const std::vector<int64_t> sizes{100, 4095, 4096, 256 * 33 + 17, 70000};
+  auto gen = at::detail::createCPUGenerator(seed);
+  Case c;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const int64_t n = sizes[i];
+    const bool quantized = n >= kAdamW8bitMinNumel;
+    c.p.push_back((torch::randn({n}, gen) * 0.1).to(dtype).to(device));
+    c.g.push_back(torch::zeros({n}, dtype).to(device));
+    if (quantized) {
+      c.s1.push_back(torch::full({n}, 127, torch::kUInt8).to(device));
+      c.s2.push_back(torch::zeros({n}, torch::kUInt8).to(device));
+    } else {
+      c.s1.push_back(torch::zeros({n}).to(device));
+      c.s2.push_back(torch::zeros({n}).to(device));
+    }
+    c.a1.push_back(torch::zeros({adamw8bit_blocks(n)}).to(device));
+    c.a2.push_back(torch::zeros({adamw8bit_blocks(n)}).to(device));
+    c.views.push_back({c.p[i].data_ptr(), c.g[i].data_ptr(), c.s1[i].data_ptr(), c.s2[i].data_ptr(),
+                       c.a1[i].data_ptr<float>(), c.a2[i].data_ptr<float>(), n, quantized,
+                       static_cast<int>(i % 2)});
+  }
+  return c;
+}
+
+// The gradients of step t, the same on both sides (drawn on the CPU, copied).
+void fill_gradients(Case& c, int64_t t, torch::ScalarType dtype) {
+  auto gen = at::detail::createCPUGenerator(1000 + t);
+  for (size_t i = 0; i < c.g.size(); ++i) {
+    torch::Tensor g = torch::randn({c.g[i].numel()}, gen) * 0.01;
+    if (i == 3) g.slice(0, 256, 512).zero_();                      // an all-zero block
+    if (t % 3 == 0) g[std::min<int64_t>(5, g.numel() - 1)] = NAN;  // a NaN lane
+    if (t == 4) g[g.numel() - 1] = INFINITY;
+    c.g[i].copy_(g.to(dtype));
+  }
+}
+
+TEST(AdamW8bitCuda, EqualsCpuReferenceBitForBit) {
+  if (!torch::cuda::is_available() || !built_with_cuda()) {
+    GTEST_SKIP() << "needs a CUDA device and a build with LORAPIPE_CUDA (tests/gpu/run.sh)";
+  }
+  const torch::Device gpu(torch::kCUDA, 0);
+  for (auto [dtype, param_dtype] : {std::pair{torch::kFloat32, ParamDtype::kFloat32},
+                                    std::pair{torch::kBFloat16, ParamDtype::kBFloat16},
+                                    std::pair{torch::kFloat16, ParamDtype::kFloat16}}) {
+    Case cpu = make_case(dtype, torch::kCPU, 7), cuda = make_case(dtype, gpu, 7);
+    AdamW8bitCudaPlan plan(cuda.views.data(), cuda.views.size(), param_dtype);
+    for (int64_t t = 1; t <= 6; ++t) {
+      fill_gradients(cpu, t, dtype);
+      fill_gradients(cuda, t, dtype);
+      const AdamW8bitStep steps[2] = {adamw8bit_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, t),
+                                      adamw8bit_step_constants(3e-4, 0.9, 0.99, 1e-6, 0.0, t)};
+      adamw8bit_step_cpu(cpu.views.data(), cpu.views.size(), param_dtype, steps, 2);
+      plan.step(steps, 2, /*stream=*/nullptr);
+      torch::cuda::synchronize();
+      for (size_t i = 0; i < cpu.p.size(); ++i) {
+        const std::string what = std::string(c10::toString(dtype)) + " tensor " +
+                                 std::to_string(i) + " step " + std::to_string(t);
+        // Bits, not values: NaN-free by construction, and -0.0 vs 0.0 would also count.
+        EXPECT_TRUE(torch::equal(cuda.p[i].cpu().view(torch::kUInt8), cpu.p[i].view(torch::kUInt8)))
+            << what;
+        EXPECT_TRUE(torch::equal(cuda.s1[i].cpu(), cpu.s1[i])) << what;
+        EXPECT_TRUE(torch::equal(cuda.s2[i].cpu(), cpu.s2[i])) << what;
+        EXPECT_TRUE(torch::equal(cuda.a1[i].cpu(), cpu.a1[i])) << what;
+        EXPECT_TRUE(torch::equal(cuda.a2[i].cpu(), cpu.a2[i])) << what;
+      }
+    }
+  }
+}
+
+// Paged state (CUDA managed memory, prefetched before the step) gives the same bytes as plain
+// device memory.
+TEST(AdamW8bitCuda, PagedStateEqualsPlainDeviceState) {
+  if (!torch::cuda::is_available() || !built_with_cuda()) {
+    GTEST_SKIP() << "needs a CUDA device and a build with LORAPIPE_CUDA (tests/gpu/run.sh)";
+  }
+  if (!managed_memory_supported(0))
+    GTEST_SKIP() << "device 0 cannot page (no concurrent managed access)";
+  const torch::Device gpu(torch::kCUDA, 0);
+  const int64_t n = 1 << 20, blocks = adamw8bit_blocks(n);
+  auto gen = at::detail::createCPUGenerator(3);
+  const torch::Tensor p0 = torch::randn({n}, gen) * 0.1;
+  torch::Tensor p_plain = p0.to(gpu), p_paged = p0.to(gpu), g = torch::zeros({n}, gpu);
+  const size_t bytes = static_cast<size_t>(2 * n + 8 * blocks);
+  torch::Tensor plain = torch::zeros({static_cast<int64_t>(bytes)},
+                                     torch::TensorOptions().dtype(torch::kUInt8).device(gpu));
+  void* managed = alloc_managed(bytes);
+  ASSERT_NE(managed, nullptr);
+  torch::Tensor paged = torch::from_blob(managed, {static_cast<int64_t>(bytes)},
+                                         torch::TensorOptions().dtype(torch::kUInt8).device(gpu));
+  paged.zero_();
+  auto view = [&](torch::Tensor& p, torch::Tensor& arena) {
+    auto* base = arena.data_ptr<uint8_t>();
+    return AdamW8bitTensor{p.data_ptr(),
+                           g.data_ptr(),
+                           base,
+                           base + n,
+                           reinterpret_cast<float*>(base + 2 * n),
+                           reinterpret_cast<float*>(base + 2 * n + 4 * blocks),
+                           n,
+                           true,
+                           0};
+  };
+  const AdamW8bitTensor v_plain = view(p_plain, plain), v_paged = view(p_paged, paged);
+  AdamW8bitCudaPlan plan_plain(&v_plain, 1, ParamDtype::kFloat32);
+  AdamW8bitCudaPlan plan_paged(&v_paged, 1, ParamDtype::kFloat32);
+  for (int64_t t = 1; t <= 5; ++t) {
+    g.copy_(torch::randn({n}, gen) * 0.01);
+    const AdamW8bitStep c = adamw8bit_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, t);
+    plan_plain.step(&c, 1, nullptr);
+    prefetch_managed(managed, bytes, 0, nullptr);
+    plan_paged.step(&c, 1, nullptr);
+  }
+  torch::cuda::synchronize();
+  EXPECT_TRUE(torch::equal(plain.cpu(), paged.cpu()));
+  EXPECT_TRUE(torch::equal(p_plain.cpu(), p_paged.cpu()));
+  paged = torch::Tensor();
+  free_managed(managed);
 }
 
 }  // namespace
