@@ -62,9 +62,17 @@ def parse_size(text):
 
 
 def run(command):
-    out = subprocess.run(command, capture_output=True, text=True)
+    """The command's output lines, or None (with a note) when it failed: a side that runs out of
+    memory at 1B parameters is reported, and the others still run."""
+    # Not from the checkout: its kernels/ folder would shadow the `kernels` package bitsandbytes
+    # looks for.
+    out = subprocess.run(command, capture_output=True, text=True, cwd="/tmp")
     if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{out.stderr[-2000:]}")
+        reason = "killed (out of memory?)" if out.returncode < 0 else f"exit {out.returncode}"
+        tail = [line for line in out.stderr.splitlines() if "kernels-community" not in line][-3:]
+        side = "ours" if command[0] != sys.executable else command[3]
+        print(f"  {side} failed: {reason} {' | '.join(tail)}", flush=True)
+        return None
     return out.stdout.split("\n")
 
 
@@ -78,7 +86,7 @@ def main():
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
-    binary = os.path.join(args.build, "bin", "adamw8bit_bench")
+    binary = os.path.abspath(os.path.join(args.build, "bin", "adamw8bit_bench"))
     references = ["torch"]
     probe = subprocess.run([sys.executable, "-c", "import bitsandbytes"], capture_output=True)
     if probe.returncode == 0:
@@ -102,7 +110,7 @@ def main():
                 else:
                     cmd = [sys.executable, "-c", WORKER, side, str(n), str(args.steps),
                            args.device, args.dtype, str(args.threads)]
-                for line in run(cmd):
+                for line in run(cmd) or []:
                     words = line.split()
                     if len(words) >= 3 and words[0] == side:
                         ms[side].append(float(words[1]))
@@ -111,8 +119,14 @@ def main():
                             extra["moved"] = int(words[3])
                     elif len(words) == 2:
                         extra[words[0]] = float(words[1])
+        if not ms["ours"]:
+            print(f"{size_text}: lorapipe's side failed", flush=True)
+            continue
         line = f"{size_text}: ours {statistics.median(ms['ours']):.2f} ms ({state['ours'] / n:.3f} B/param)"
         for ref in references:
+            if not ms[ref]:
+                line += f"; {ref} failed"
+                continue
             ratios = [a / b for a, b in zip(ms["ours"], ms[ref])]
             line += (f"; {ref} {statistics.median(ms[ref]):.2f} ms ({state[ref] / n:.3f} B/param), "
                      f"ours/{ref} {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
@@ -125,7 +139,7 @@ def main():
             paged = {}
             for flag in ([], ["--paged"]):
                 for line_out in run([binary, str(n), str(args.steps), "--device", args.device,
-                                     "--dtype", args.dtype] + flag):
+                                     "--dtype", args.dtype] + flag) or []:
                     words = line_out.split()
                     if words and words[0] == "state_device_mib":
                         paged[bool(flag)] = float(words[1])

@@ -51,12 +51,13 @@ class Cacher {
     load.load_unet = false;
     model_ = models::load_stable_diffusion(options.model, load);
     // Fingerprints of what is loaded, in the compute dtype, with the settings that shape the
-    // output: another VAE, dtype, clip skip or tokenizer gives other keys.
-    latents_.emplace(model_.vae, models::weights_fingerprint(*model_.vae, "vae"));
-    const std::string text_settings =
-        models::text_encoder_settings(options.clip_skip, model_.tokenizer_path);
-    texts_.emplace(model_.text_encoder, model_.tokenizer ? &*model_.tokenizer : nullptr,
-                   models::weights_fingerprint(*model_.text_encoder, text_settings),
+    // output: another VAE, dtype, clip skip or tokenizer gives other keys. Everything below goes
+    // through the family interface (models/diffusion_model.h).
+    models::DiffusionModel& model = model_;
+    latents_.emplace(model, models::weights_fingerprint(model.vae_module(), "vae"));
+    texts_.emplace(model,
+                   models::weights_fingerprint(model.text_encoder_module(),
+                                               model.text_encoder_settings(options.clip_skip)),
                    options.clip_skip);
     LP_LOG(kInfo, kLog) << "cache " << store_->dir().string() << ", model " << model_.source
                         << " on " << models::describe_device(load.device) << ", VAE "
@@ -291,8 +292,8 @@ Summary Cacher::run() {
 
   auto last_message = Clock::now();
   while (options_.serve || !stream_done_) {
-    std::array<zmq::pollitem_t, 2> items{{{pull.handle(), 0, ZMQ_POLLIN, 0},
-                                          {rep.handle(), 0, ZMQ_POLLIN, 0}}};
+    std::array<zmq::pollitem_t, 2> items{
+        {{pull.handle(), 0, ZMQ_POLLIN, 0}, {rep.handle(), 0, ZMQ_POLLIN, 0}}};
     zmq::poll(items.data(), items.size(), std::chrono::milliseconds(200));
     if (items[1].revents & ZMQ_POLLIN) {
       requests.poll_once(rep, std::chrono::milliseconds(0), /*reply=*/true);
@@ -304,9 +305,9 @@ Summary Cacher::run() {
     }
     if (!options_.serve && !stream_done_ &&
         Clock::now() - last_message > std::chrono::milliseconds(options_.idle_timeout_ms)) {
-      throw wire::PeerTimeoutError("cacher: nothing from preprocess on " +
-                                   options_.pull_endpoint + " for " +
-                                   std::to_string(options_.idle_timeout_ms / 1000) + " s");
+      throw wire::PeerTimeoutError("cacher: nothing from preprocess on " + options_.pull_endpoint +
+                                   " for " + std::to_string(options_.idle_timeout_ms / 1000) +
+                                   " s");
     }
   }
   return summary_;

@@ -22,21 +22,22 @@ bool finite(const torch::Tensor& t) {
 
 }  // namespace
 
-LatentEncoder::LatentEncoder(models::AutoencoderKL vae, std::string fingerprint)
-    : vae_(std::move(vae)), fingerprint_(std::move(fingerprint)) {}
+LatentEncoder::LatentEncoder(models::DiffusionModel& model, std::string fingerprint)
+    : model_(model), fingerprint_(std::move(fingerprint)) {}
 
-std::vector<EncodedRecord> LatentEncoder::encode(const std::vector<const wire::ImageSample*>& batch) {
+std::vector<EncodedRecord> LatentEncoder::encode(
+    const std::vector<const wire::ImageSample*>& batch) {
   std::vector<EncodedRecord> out;
   if (batch.empty()) return out;
   const int64_t width = batch[0]->bucket().width();
   const int64_t height = batch[0]->bucket().height();
   const size_t bytes = static_cast<size_t>(width * height * 3);
-  const auto parameter = vae_->parameters().front();
-  torch::Tensor pixels = torch::empty({static_cast<int64_t>(batch.size()), height, width, 3},
-                                      torch::kUInt8);
+  torch::Tensor pixels =
+      torch::empty({static_cast<int64_t>(batch.size()), height, width, 3}, torch::kUInt8);
   for (size_t i = 0; i < batch.size(); ++i) {
     const wire::ImageSample& s = *batch[i];
-    if (s.bucket().width() != width || s.bucket().height() != height || s.pixels().size() != bytes) {
+    if (s.bucket().width() != width || s.bucket().height() != height ||
+        s.pixels().size() != bytes) {
       throw InputError("cacher: " + s.path() + ": " + std::to_string(s.pixels().size()) +
                        " pixel bytes for a " + std::to_string(s.bucket().width()) + "x" +
                        std::to_string(s.bucket().height()) + " sample in a " +
@@ -45,6 +46,7 @@ std::vector<EncodedRecord> LatentEncoder::encode(const std::vector<const wire::I
     std::memcpy(pixels[static_cast<int64_t>(i)].data_ptr(), s.pixels().data(), bytes);
   }
   // uint8 HWC in [0, 255] -> float NCHW in [-1, 1], as diffusers' VaeImageProcessor does.
+  const auto parameter = model_.vae_module().parameters().front();
   torch::Tensor images = pixels.permute({0, 3, 1, 2})
                              .to(parameter.device(), parameter.scalar_type())
                              .div(127.5)
@@ -52,9 +54,9 @@ std::vector<EncodedRecord> LatentEncoder::encode(const std::vector<const wire::I
   bool any_flip = false;
   for (const auto* s : batch) any_flip |= s->flip();
   torch::NoGradGuard no_grad;
-  const models::LatentDistribution dist = vae_->encode(images);
-  std::optional<models::LatentDistribution> flipped;
-  if (any_flip) flipped = vae_->encode(torch::flip(images, {3}));
+  const models::ImageLatents dist = model_.encode_images(images);
+  std::optional<models::ImageLatents> flipped;
+  if (any_flip) flipped = model_.encode_images(torch::flip(images, {3}));
 
   for (size_t i = 0; i < batch.size(); ++i) {
     const wire::ImageSample& s = *batch[i];
@@ -62,9 +64,9 @@ std::vector<EncodedRecord> LatentEncoder::encode(const std::vector<const wire::I
     EncodedRecord record;
     record.key = latent_key(s.image_key(), fingerprint_);
     const torch::Tensor mean = dist.mean[k].to(torch::kFloat);
-    const torch::Tensor std = dist.std()[k].to(torch::kFloat);
+    const torch::Tensor std = dist.std[k].to(torch::kFloat);
     if (!finite(mean) || !finite(std) ||
-        (s.flip() && (!finite(flipped->mean[k]) || !finite(flipped->std()[k])))) {
+        (s.flip() && (!finite(flipped->mean[k]) || !finite(flipped->std[k])))) {
       record.rejected = "latent has NaN or Inf values (the VAE overflowed on this image)";
       out.push_back(std::move(record));
       continue;
@@ -75,7 +77,7 @@ std::vector<EncodedRecord> LatentEncoder::encode(const std::vector<const wire::I
     to_record_tensor(std, latent.mutable_std());
     if (s.flip()) {
       to_record_tensor(flipped->mean[k], latent.mutable_flipped_mean());
-      to_record_tensor(flipped->std()[k], latent.mutable_flipped_std());
+      to_record_tensor(flipped->std[k], latent.mutable_flipped_std());
     }
     *latent.mutable_bucket() = s.bucket();
     *latent.mutable_original_size() = s.original_size();
@@ -87,36 +89,27 @@ std::vector<EncodedRecord> LatentEncoder::encode(const std::vector<const wire::I
   return out;
 }
 
-TextEncoder::TextEncoder(models::ClipTextModel model, const models::ClipTokenizer* tokenizer,
-                         std::string fingerprint, int clip_skip)
-    : model_(std::move(model)),
-      tokenizer_(tokenizer),
-      fingerprint_(std::move(fingerprint)),
-      clip_skip_(clip_skip) {
-  if (tokenizer_ == nullptr) {
-    throw InputError("cacher: the model has no tokenizer: pass --tokenizer (a diffusers "
-                     "tokenizer/ folder, a merges.txt or bpe_simple_vocab_16e6.txt.gz)");
+TextEncoder::TextEncoder(models::DiffusionModel& model, std::string fingerprint, int clip_skip)
+    : model_(model), fingerprint_(std::move(fingerprint)), clip_skip_(clip_skip) {
+  if (!model_.has_tokenizer()) {
+    throw InputError(
+        "cacher: the model has no tokenizer: pass --tokenizer (a diffusers "
+        "tokenizer/ folder, a merges.txt or bpe_simple_vocab_16e6.txt.gz)");
   }
 }
 
 std::vector<EncodedRecord> TextEncoder::encode(const std::vector<std::string>& captions) {
   std::vector<EncodedRecord> out;
   if (captions.empty()) return out;
-  std::vector<int64_t> ids;
-  for (const std::string& caption : captions) {
-    for (int32_t id : tokenizer_->encode_padded(caption)) ids.push_back(id);
-  }
-  const auto device = model_->parameters().front().device();
-  const torch::Tensor input_ids =
-      torch::tensor(ids).view({static_cast<int64_t>(captions.size()), -1}).to(device);
   torch::NoGradGuard no_grad;
-  const models::ClipTextOutput result = model_->forward(input_ids);
-  const torch::Tensor hidden = model_->conditioning(result, clip_skip_);
+  const models::Conditioning result = model_.encode_text(model_.tokenize(captions), clip_skip_);
+  const torch::Tensor& hidden = result.hidden_states;
+  const bool pooled = result.pooled.defined();  // SD1.x's CLIP has one; not every family will
   for (size_t i = 0; i < captions.size(); ++i) {
     const int64_t k = static_cast<int64_t>(i);
     EncodedRecord record;
     record.key = text_key(captions[i], fingerprint_);
-    if (!finite(hidden[k]) || !finite(result.pooled[k])) {
+    if (!finite(hidden[k]) || (pooled && !finite(result.pooled[k]))) {
       record.rejected = "text encoding has NaN or Inf values";
       out.push_back(std::move(record));
       continue;
@@ -124,7 +117,7 @@ std::vector<EncodedRecord> TextEncoder::encode(const std::vector<std::string>& c
     wire::TextRecord text;
     text.set_format_version(kRecordFormatVersion);
     to_record_tensor(hidden[k], text.mutable_hidden_states());
-    to_record_tensor(result.pooled[k], text.mutable_pooled());
+    if (pooled) to_record_tensor(result.pooled[k], text.mutable_pooled());
     text.set_clip_skip(clip_skip_);
     text.set_text_encoder_fingerprint(fingerprint_);
     record.record = text.SerializeAsString();

@@ -10,9 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "models/clip_text.h"
-#include "models/clip_tokenizer.h"
-#include "models/vae.h"
+#include "models/diffusion_model.h"
 #include "proto/lorapipe.pb.h"
 
 namespace lorapipe::cacher {
@@ -23,12 +21,12 @@ struct EncodedRecord {
   std::string rejected;  // why, e.g. "latent has NaN or Inf"
 };
 
-// Encodes images with the VAE. Stores the latent distribution (mean and std, fp16) so the
-// trainer can draw a fresh sample every epoch, and the flipped image's distribution when the
-// sample asks for flip_aug.
+// Encodes images with the model family's VAE. Stores the latent distribution (mean and std, fp16)
+// so the trainer can draw a fresh sample every epoch, and the flipped image's distribution when
+// the sample asks for flip_aug. `model` must outlive the encoder.
 class LatentEncoder {
  public:
-  LatentEncoder(models::AutoencoderKL vae, std::string fingerprint);
+  LatentEncoder(models::DiffusionModel& model, std::string fingerprint);
 
   // `batch`: samples of one bucket, with pixels. One record per sample, in order.
   std::vector<EncodedRecord> encode(const std::vector<const wire::ImageSample*>& batch);
@@ -36,24 +34,23 @@ class LatentEncoder {
   const std::string& fingerprint() const { return fingerprint_; }
 
  private:
-  models::AutoencoderKL vae_;
+  models::DiffusionModel& model_;
   std::string fingerprint_;
 };
 
-// Encodes captions with the CLIP text encoder: the hidden states the UNet attends to (clip skip
-// applied, fp16) and the pooled output (fp16).
+// Encodes captions through the model family's text encoding: the hidden states the denoiser
+// attends to (clip skip applied) and the pooled output, fp16. Throws InputError when the model
+// has no tokenizer. `model` must outlive the encoder.
 class TextEncoder {
  public:
-  TextEncoder(models::ClipTextModel model, const models::ClipTokenizer* tokenizer,
-              std::string fingerprint, int clip_skip);
+  TextEncoder(models::DiffusionModel& model, std::string fingerprint, int clip_skip);
 
   std::vector<EncodedRecord> encode(const std::vector<std::string>& captions);
 
   const std::string& fingerprint() const { return fingerprint_; }
 
  private:
-  models::ClipTextModel model_;
-  const models::ClipTokenizer* tokenizer_;
+  models::DiffusionModel& model_;
   std::string fingerprint_;
   int clip_skip_;
 };

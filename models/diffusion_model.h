@@ -19,6 +19,12 @@ class Module;
 
 namespace lorapipe::models {
 
+// The VAE's latent distribution of a batch of images (what the cache stores), in the VAE's dtype.
+struct ImageLatents {
+  at::Tensor mean;  // [B, latent_channels, H / f, W / f]
+  at::Tensor std;
+};
+
 // What the denoiser is conditioned on: the token states it attends to and, for the families that
 // use it (SDXL, Flux), a pooled text embedding.
 struct Conditioning {
@@ -31,6 +37,8 @@ class DiffusionModel {
   virtual ~DiffusionModel() = default;
 
   virtual const ModelFamily& model_family() const = 0;
+  // False when no tokenizer was loaded (single files carry none): tokenize() would throw.
+  virtual bool has_tokenizer() const = 0;
   // Token ids of each caption, padded to the family's length: [B, tokens] int64 on the CPU.
   // Throws InputError when the model has no tokenizer.
   virtual at::Tensor tokenize(const std::vector<std::string>& captions) const = 0;
@@ -42,6 +50,12 @@ class DiffusionModel {
                                            const at::Tensor& pooled) const {
     return {hidden_states, pooled};
   }
+  // The VAE's latent distribution of `images`, [B, 3, H, W] in [-1, 1] (any dtype and device;
+  // moved to the VAE's).
+  virtual ImageLatents encode_images(const at::Tensor& images) = 0;
+  // What, beside the text encoder's weights, decides its output for a caption (clip skip, the
+  // tokenizer): the cache's text keys and the trainer's check of cached text hash this.
+  virtual std::string text_encoder_settings(int clip_skip) const = 0;
   // The denoiser's output (noise, or v for v-prediction models) for noised latents at integer
   // timesteps, in the denoiser's dtype.
   virtual at::Tensor denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,
@@ -53,6 +67,7 @@ class DiffusionModel {
   virtual void set_gradient_checkpointing(bool enabled) = 0;
   virtual torch::nn::Module& denoiser_module() = 0;
   virtual torch::nn::Module& text_encoder_module() = 0;
+  virtual torch::nn::Module& vae_module() = 0;
 };
 
 }  // namespace lorapipe::models

@@ -9,6 +9,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "models/fingerprint.h"
 #include "models/safetensors.h"
 #include "models/sd15_keys.h"
 #include "models/weights.h"
@@ -87,15 +88,16 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
     auto it = meta.find(key);
     return it == meta.end() ? nullptr : &it->second;
   };
-  const UNetConfig unet_config = config_from(kUnetConfigKey)
-                                     ? UNetConfig::from_json(*config_from(kUnetConfigKey), sd.source)
-                                     : UNetConfig::sd15();
+  const UNetConfig unet_config =
+      config_from(kUnetConfigKey) ? UNetConfig::from_json(*config_from(kUnetConfigKey), sd.source)
+                                  : UNetConfig::sd15();
   const VaeConfig vae_config = config_from(kVaeConfigKey)
                                    ? VaeConfig::from_json(*config_from(kVaeConfigKey), sd.source)
                                    : VaeConfig::sd15();
-  const ClipTextConfig text_config = config_from(kTextConfigKey)
-                                         ? ClipTextConfig::from_json(*config_from(kTextConfigKey), sd.source)
-                                         : ClipTextConfig::sd15();
+  const ClipTextConfig text_config =
+      config_from(kTextConfigKey)
+          ? ClipTextConfig::from_json(*config_from(kTextConfigKey), sd.source)
+          : ClipTextConfig::sd15();
   build(sd, unet_config, vae_config, text_config, options);
 
   const KeyMap unet_map = sd15_unet_key_map(layout_of(unet_config));
@@ -171,7 +173,7 @@ StableDiffusion load_diffusers_folder(const fs::path& folder, const LoadOptions&
   if (options.load_unet) load_unet_diffusers(sd.unet, folder / "unet");
   load_vae(sd.vae, folder / "vae");
   load_clip_text(sd.text_encoder, folder / "text_encoder");
-  sd.tokenizer_path = !options.tokenizer.empty() ? options.tokenizer
+  sd.tokenizer_path = !options.tokenizer.empty()               ? options.tokenizer
                       : fs::is_directory(folder / "tokenizer") ? folder / "tokenizer"
                                                                : fs::path();
   if (!sd.tokenizer_path.empty()) sd.tokenizer = ClipTokenizer::from_file(sd.tokenizer_path);
@@ -282,8 +284,7 @@ void save_diffusers(const StableDiffusion& model, const fs::path& folder,
                   const std::string& weights, const std::string& config) {
     fs::create_directories(folder / part);
     std::vector<torch::Tensor> storage;
-    write_safetensors(folder / part / weights, module_tensors(module, storage),
-                      {{"format", "pt"}});
+    write_safetensors(folder / part / weights, module_tensors(module, storage), {{"format", "pt"}});
     write_text(folder / part / "config.json", config);
   };
   save(*model.unet, "unet", "diffusion_pytorch_model.safetensors",
@@ -311,7 +312,8 @@ void save_diffusers(const StableDiffusion& model, const fs::path& folder,
 
 at::Tensor StableDiffusion::tokenize(const std::vector<std::string>& captions) const {
   if (!tokenizer) {
-    throw InputError(source + " has no tokenizer: pass --tokenizer (a diffusers tokenizer/ "
+    throw InputError(source +
+                     " has no tokenizer: pass --tokenizer (a diffusers tokenizer/ "
                      "folder, a merges.txt or bpe_simple_vocab_16e6.txt.gz)");
   }
   std::vector<int64_t> ids;
@@ -325,6 +327,16 @@ Conditioning StableDiffusion::encode_text(const at::Tensor& input_ids, int clip_
   const ClipTextOutput out =
       text_encoder->forward(input_ids.to(text_encoder->parameters().front().device()));
   return {text_encoder->conditioning(out, clip_skip), out.pooled};
+}
+
+ImageLatents StableDiffusion::encode_images(const at::Tensor& images) {
+  const at::Tensor weight = vae->parameters().front();  // a copy: the vector is a temporary
+  const LatentDistribution dist = vae->encode(images.to(weight.device(), weight.scalar_type()));
+  return {dist.mean, dist.std()};
+}
+
+std::string StableDiffusion::text_encoder_settings(int clip_skip) const {
+  return models::text_encoder_settings(clip_skip, tokenizer_path);
 }
 
 at::Tensor StableDiffusion::denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,
@@ -350,5 +362,7 @@ void StableDiffusion::set_gradient_checkpointing(bool enabled) {
 torch::nn::Module& StableDiffusion::denoiser_module() { return *unet; }
 
 torch::nn::Module& StableDiffusion::text_encoder_module() { return *text_encoder; }
+
+torch::nn::Module& StableDiffusion::vae_module() { return *vae; }
 
 }  // namespace lorapipe::models

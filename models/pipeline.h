@@ -46,14 +46,18 @@ struct StableDiffusion : DiffusionModel {
   int skipped_keys = 0;  // known extras of a single file that were not loaded (EMA, schedule)
 
   const ModelFamily& model_family() const override { return family; }
+  bool has_tokenizer() const override { return tokenizer.has_value(); }
   at::Tensor tokenize(const std::vector<std::string>& captions) const override;
   Conditioning encode_text(const at::Tensor& input_ids, int clip_skip) override;
+  ImageLatents encode_images(const at::Tensor& images) override;
+  std::string text_encoder_settings(int clip_skip) const override;
   at::Tensor denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,
                      const Conditioning& conditioning) override;
   std::vector<LoraTarget> lora_targets(bool text_encoder, bool conv_kxk) const override;
   void set_gradient_checkpointing(bool enabled) override;
   torch::nn::Module& denoiser_module() override;
   torch::nn::Module& text_encoder_module() override;
+  torch::nn::Module& vae_module() override;
 };
 
 // Throws lorapipe::InputError naming the file and listing missing or unexpected keys.

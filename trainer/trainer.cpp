@@ -2,9 +2,8 @@
 
 #include <malloc.h>
 #include <sys/resource.h>
-#include <unistd.h>
-
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -138,7 +137,8 @@ struct PreparedBatch {
 void apply_network_args(Options& options) {
   for (const std::string& arg : options.network_args) {
     const size_t eq = arg.find('=');
-    if (eq == std::string::npos) throw InputError("--network_args '" + arg + "': expected key=value");
+    if (eq == std::string::npos)
+      throw InputError("--network_args '" + arg + "': expected key=value");
     const std::string key = arg.substr(0, eq), value = arg.substr(eq + 1);
     double v = 0;
     try {
@@ -171,7 +171,8 @@ void validate(const Options& o) {
     if (!ok) throw InputError(message);
   };
   need(!o.model.empty(), "--pretrained_model_name_or_path is required");
-  need(!o.dataset_id.empty(), "--dataset_id is required (the manifest preprocess and the cacher wrote)");
+  need(!o.dataset_id.empty(),
+       "--dataset_id is required (the manifest preprocess and the cacher wrote)");
   need(!o.output_dir.empty(), "--output_dir is required");
   need(!o.output_name.empty() && o.output_name.find('/') == std::string::npos,
        "--output_name='" + o.output_name + "' must be a plain file name");
@@ -180,10 +181,12 @@ void validate(const Options& o) {
   need(o.max_train_epochs >= 0, "--max_train_epochs must not be negative");
   need(o.train_batch_size >= 1,
        "--train_batch_size=" + std::to_string(o.train_batch_size) + ": must be at least 1");
-  need(o.network.dim >= 1, "--network_dim=" + std::to_string(o.network.dim) + ": must be at least 1");
+  need(o.network.dim >= 1,
+       "--network_dim=" + std::to_string(o.network.dim) + ": must be at least 1");
   need(o.network.alpha >= 0, "--network_alpha must not be negative");
   const auto& lr = o.step.optimizer_groups;
-  need(lr.learning_rate >= 0, "--learning_rate=" + number(lr.learning_rate) + ": must not be negative");
+  need(lr.learning_rate >= 0,
+       "--learning_rate=" + number(lr.learning_rate) + ": must not be negative");
   need(o.step.gradient_accumulation_steps >= 1, "--gradient_accumulation_steps must be at least 1");
   need(o.max_bad_steps >= 1, "--max_bad_steps must be at least 1");
   need(o.validation_split >= 0 && o.validation_split < 1, "--validation_split must be in [0, 1)");
@@ -197,7 +200,8 @@ void validate(const Options& o) {
   trainer::validate(schedule);
   (void)elementwise_loss(torch::zeros({1}), torch::zeros({1}), o.step.loss_type, torch::ones({1}));
   OptimizerOptions optimizer = o.step.optimizer;
-  (void)make_optimizer(optimizer, {ParamGroup{{torch::zeros({1}, torch::requires_grad())}, 1e-4, "x"}});
+  (void)make_optimizer(optimizer,
+                       {ParamGroup{{torch::zeros({1}, torch::requires_grad())}, 1e-4, "x"}});
 }
 
 namespace {
@@ -265,8 +269,9 @@ class Run {
 void Run::load_data() {
   records_ = o_.cacher_endpoint.empty()
                  ? open_local_records(o_.cache_dir)
-                 : open_remote_records(o_.cacher_endpoint,
-                                       std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000)));
+                 : open_remote_records(
+                       o_.cacher_endpoint,
+                       std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000)));
   manifest_ = records_->manifest(o_.dataset_id);
   if (o_.validation_split > 0) {
     // kohya splits the images (not the repeats) with --validation_seed.
@@ -291,8 +296,8 @@ void Run::load_data() {
     }
     manifest_ = std::move(train);
   }
-  scheduler_ = std::make_unique<BatchScheduler>(manifest_, o_.train_batch_size, o_.seed,
-                                                o_.fill_last_batch);
+  scheduler_ =
+      std::make_unique<BatchScheduler>(manifest_, o_.train_batch_size, o_.seed, o_.fill_last_batch);
 }
 
 void Run::preflight() {
@@ -316,8 +321,9 @@ void Run::preflight() {
           problems.push_back(chunk[i] + ": missing");
           continue;
         }
-        const std::string why = kind == RecordKind::kLatent ? cacher::check_latent_record(*values[i])
-                                                            : cacher::check_text_record(*values[i]);
+        const std::string why = kind == RecordKind::kLatent
+                                    ? cacher::check_latent_record(*values[i])
+                                    : cacher::check_text_record(*values[i]);
         if (!why.empty()) problems.push_back(chunk[i] + ": " + why);
       }
     }
@@ -345,10 +351,12 @@ void Run::load_model() {
   }
   // Latents from another VAE would train the LoRA on the wrong images. The cacher fingerprints
   // the VAE in its compute dtype, so each dtype it may have used is tried.
+  models::DiffusionModel& family_model = model_;
   bool vae_matches = false;
   for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
-    model_.vae->to(dtype);
-    if (models::weights_fingerprint(*model_.vae, "vae") == manifest_.vae_fingerprint()) {
+    family_model.vae_module().to(dtype);
+    if (models::weights_fingerprint(family_model.vae_module(), "vae") ==
+        manifest_.vae_fingerprint()) {
       vae_matches = true;
       break;
     }
@@ -361,10 +369,10 @@ void Run::load_model() {
   }
   const bool train_te = o_.network.train_text_encoder;
   if (manifest_.text_cached() && !train_te) {
-    const std::string settings = models::text_encoder_settings(o_.step.clip_skip, model_.tokenizer_path);
+    const std::string settings = family_model.text_encoder_settings(o_.step.clip_skip);
     for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
-      model_.text_encoder->to(dtype);
-      if (models::weights_fingerprint(*model_.text_encoder, settings) ==
+      family_model.text_encoder_module().to(dtype);
+      if (models::weights_fingerprint(family_model.text_encoder_module(), settings) ==
           manifest_.text_encoder_fingerprint()) {
         cached_text_ = true;
         break;
@@ -436,7 +444,8 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
   }
   out.latents = torch::stack(latent_list) * o_.step.vae_scaling_factor;
   if (cached_text_) out.hidden_states = torch::stack(hidden_list);
-  if (cached_text_ && pooled_list.size() == hidden_list.size()) out.pooled = torch::stack(pooled_list);
+  if (cached_text_ && pooled_list.size() == hidden_list.size())
+    out.pooled = torch::stack(pooled_list);
   out.loss_weights = torch::tensor(weights);
   return out;
 }
@@ -486,8 +495,8 @@ void Run::prepare_validation() {
     PreparedBatch p = prepare(/*epoch=*/0, i, plan);
     // Validation uses the stored mean (no draw) and the caption as written.
     wire::LatentRecord record;
-    record.ParseFromString(*records_->get(RecordKind::kLatent,
-                                          {validation_manifest_.entries(i).latent_key()})[0]);
+    record.ParseFromString(
+        *records_->get(RecordKind::kLatent, {validation_manifest_.entries(i).latent_key()})[0]);
     p.latents = from_record(record.mean()).unsqueeze(0) * o_.step.vae_scaling_factor;
     if (!cached_text_) p.captions = {validation_manifest_.entries(i).caption()};
     validation_.push_back(std::move(p));
@@ -507,8 +516,7 @@ double Run::validation_loss() {
     for (int64_t t : kValidationTimesteps) {
       at::Generator g = generator_for(o_.validation_seed, static_cast<int64_t>(i), t, "val-noise");
       const torch::Tensor latents = batch.latents.to(device_);
-      const torch::Tensor noise =
-          at::randn(latents.sizes(), g, torch::kFloat).to(device_);
+      const torch::Tensor noise = at::randn(latents.sizes(), g, torch::kFloat).to(device_);
       const torch::Tensor timesteps = torch::full({latents.size(0)}, t, torch::kInt64).to(device_);
       sum += step_->per_sample_loss(latents, noise, timesteps, conditioning).mean().item<double>();
       ++n;
@@ -534,15 +542,15 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_output_name"] = o_.output_name;
   m["ss_learning_rate"] = number(s.optimizer_groups.learning_rate);
   m["ss_unet_lr"] = number(s.optimizer_groups.unet_lr >= 0 ? s.optimizer_groups.unet_lr
-                                                             : s.optimizer_groups.learning_rate);
-  m["ss_text_encoder_lr"] = number(s.optimizer_groups.text_encoder_lr >= 0
-                                       ? s.optimizer_groups.text_encoder_lr
-                                       : s.optimizer_groups.learning_rate);
+                                                           : s.optimizer_groups.learning_rate);
+  m["ss_text_encoder_lr"] =
+      number(s.optimizer_groups.text_encoder_lr >= 0 ? s.optimizer_groups.text_encoder_lr
+                                                     : s.optimizer_groups.learning_rate);
   m["ss_num_train_images"] = std::to_string(scheduler_->train_images());
   m["ss_num_reg_images"] = std::to_string(scheduler_->reg_images());
   m["ss_num_batches_per_epoch"] = std::to_string(batches);
-  m["ss_num_epochs"] = std::to_string(
-      (max_steps_ * s.gradient_accumulation_steps + batches - 1) / std::max<int64_t>(1, batches));
+  m["ss_num_epochs"] = std::to_string((max_steps_ * s.gradient_accumulation_steps + batches - 1) /
+                                      std::max<int64_t>(1, batches));
   m["ss_batch_size_per_device"] = std::to_string(scheduler_->batch_size());
   m["ss_total_batch_size"] =
       std::to_string(scheduler_->batch_size() * s.gradient_accumulation_steps);
@@ -599,8 +607,8 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_resolution"] = "(" + std::to_string(resolution) + ", " + std::to_string(resolution) + ")";
   m["ss_enable_bucket"] = scheduler_->buckets().size() > 1 ? "True" : "False";
   m["ss_bucket_info"] = bucket_info.dump();
-  m["ss_dataset_dirs"] = json{{o_.dataset_id, {{"n_repeats", 1}, {"img_count",
-                                                scheduler_->train_images()}}}}.dump();
+  m["ss_dataset_dirs"] =
+      json{{o_.dataset_id, {{"n_repeats", 1}, {"img_count", scheduler_->train_images()}}}}.dump();
   m["ss_steps"] = std::to_string(step);
   m["ss_epoch"] = std::to_string(epoch_);
   m["ss_training_finished_at"] = iso_now();
@@ -660,7 +668,8 @@ void Run::save_state(const fs::path& dir) {
 void Run::load_state(const fs::path& dir) {
   const fs::path file = dir / "trainer.json";
   if (!fs::exists(file)) {
-    throw InputError("--resume=" + dir.string() + ": no trainer.json (not a state folder written "
+    throw InputError("--resume=" + dir.string() +
+                     ": no trainer.json (not a state folder written "
                      "with --save_state)");
   }
   json state;
@@ -737,10 +746,10 @@ void Run::publish_progress(double loss, double seconds_per_step, double wait_ms)
     p.set_average_loss(average);
     p.set_learning_rate(lr);
     p.set_seconds_per_step(seconds_per_step);
-    p.set_samples_per_second(seconds_per_step > 0 ? scheduler_->batch_size() *
-                                                        o_.step.gradient_accumulation_steps /
-                                                        seconds_per_step
-                                                  : 0);
+    p.set_samples_per_second(seconds_per_step > 0
+                                 ? scheduler_->batch_size() * o_.step.gradient_accumulation_steps /
+                                       seconds_per_step
+                                 : 0);
     p.set_data_wait_ms(wait_ms);
     p.set_peak_memory_bytes(peak);
     p.set_eta_seconds(eta);
@@ -859,8 +868,9 @@ Summary Run::train() {
         next_index_ = prepared.index + 1;
         // Every random number of this micro-batch follows from (seed, epoch, index).
         torch::manual_seed(stream(o_.seed, prepared.epoch, prepared.index, "dropout")());
-        const double loss = step_->accumulate(
-            to_micro_batch(prepared), generator_for(o_.seed, prepared.epoch, prepared.index, "noise"));
+        const double loss =
+            step_->accumulate(to_micro_batch(prepared),
+                              generator_for(o_.seed, prepared.epoch, prepared.index, "noise"));
         if (!std::isfinite(loss)) bad = true;
         loss_sum += loss;
       }
@@ -884,7 +894,9 @@ Summary Run::train() {
           save_state(dir);
           throw Error("stopping: " + std::to_string(bad_in_a_row) +
                       " steps in a row had a non-finite loss or gradient (--max_bad_steps); "
-                      "state saved in " + dir.string() + " (lower the learning rate, or try "
+                      "state saved in " +
+                      dir.string() +
+                      " (lower the learning rate, or try "
                       "another --mixed_precision, and --resume from it)");
         }
       } else {
