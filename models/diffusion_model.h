@@ -53,6 +53,9 @@ class DiffusionModel {
   // The VAE's latent distribution of `images`, [B, 3, H, W] in [-1, 1] (any dtype and device;
   // moved to the VAE's).
   virtual ImageLatents encode_images(const at::Tensor& images) = 0;
+  // Images [B, 3, H, W] in [-1, 1] (the VAE's dtype) from denoised latents (the family's
+  // scaling undone first).
+  virtual at::Tensor decode_latents(const at::Tensor& latents) = 0;
   // What, beside the text encoder's weights, decides its output for a caption (clip skip, the
   // tokenizer): the cache's text keys and the trainer's check of cached text hash this.
   virtual std::string text_encoder_settings(int clip_skip) const = 0;

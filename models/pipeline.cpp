@@ -335,6 +335,12 @@ ImageLatents StableDiffusion::encode_images(const at::Tensor& images) {
   return {dist.mean, dist.std()};
 }
 
+at::Tensor StableDiffusion::decode_latents(const at::Tensor& latents) {
+  const at::Tensor weight = vae->parameters().front();
+  // diffusers: vae.decode(latents / scaling_factor).
+  return vae->decode(latents.to(weight.device(), weight.scalar_type()) / family.vae_scaling_factor);
+}
+
 std::string StableDiffusion::text_encoder_settings(int clip_skip) const {
   return models::text_encoder_settings(clip_skip, tokenizer_path);
 }

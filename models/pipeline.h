@@ -50,6 +50,7 @@ struct StableDiffusion : DiffusionModel {
   at::Tensor tokenize(const std::vector<std::string>& captions) const override;
   Conditioning encode_text(const at::Tensor& input_ids, int clip_skip) override;
   ImageLatents encode_images(const at::Tensor& images) override;
+  at::Tensor decode_latents(const at::Tensor& latents) override;
   std::string text_encoder_settings(int clip_skip) const override;
   at::Tensor denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,
                      const Conditioning& conditioning) override;

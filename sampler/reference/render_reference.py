@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Reference for sampler/render_test.cpp: diffusers' StableDiffusionPipeline renders on lorapipe's
+tiny SD1.5 folder, one per sampler, with the schedulers kohya builds.
+
+    $LORAPIPE_PYTHON sampler/reference/render_reference.py MODEL_DIR OUT_DIR
+
+Per sampler, OUT_DIR/<sampler>.safetensors: the initial latents handed to the pipeline (seeded),
+the final latents (output_type="latent"), the largest |latent| after any step (trajectory_scale)
+and the decoded image as uint8 [H, W, 3] (the pipeline's own PIL output). The prompt, negative prompt, size, steps and CFG scale are in REQUEST below; the
+generator (Euler ancestral's noise) is torch.Generator().manual_seed(SEED). Attention runs on
+PyTorch's math path (AttnProcessor), as the C++ side's forced math attention does.
+"""
+import json
+import sys
+import warnings
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+warnings.filterwarnings("ignore")
+from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler,  # noqa: E402
+                       EulerAncestralDiscreteScheduler, EulerDiscreteScheduler,
+                       StableDiffusionPipeline)
+from diffusers.models.attention_processor import AttnProcessor  # noqa: E402
+
+SEED = 77
+REQUEST = {"prompt": "a red circle on a blue background", "negative_prompt": "blurry",
+           "width": 64, "height": 48, "steps": 20, "cfg_scale": 7.5}
+SAMPLERS = {"ddim": (DDIMScheduler, {}), "euler": (EulerDiscreteScheduler, {}),
+            "euler_a": (EulerAncestralDiscreteScheduler, {}),
+            "dpmsolver++": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++"})}
+
+
+def kohya_scheduler(cls, kwargs):
+    """train_util.get_my_scheduler."""
+    scheduler = cls(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.0120,
+                    beta_schedule="scaled_linear", **kwargs)
+    if hasattr(scheduler.config, "clip_sample") and scheduler.config.clip_sample is False:
+        scheduler.config.clip_sample = True
+    return scheduler
+
+
+def main():
+    model, out = sys.argv[1], sys.argv[2]
+    pipe = StableDiffusionPipeline.from_pretrained(
+        model, torch_dtype=torch.float32, scheduler=kohya_scheduler(DDIMScheduler, {}),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False).to("cpu")
+    pipe.unet.set_attn_processor(AttnProcessor())
+    pipe.vae.set_attn_processor(AttnProcessor())
+    pipe.set_progress_bar_config(disable=True)
+    r = REQUEST
+    shape = (1, pipe.unet.config.in_channels, r["height"] // pipe.vae_scale_factor,
+             r["width"] // pipe.vae_scale_factor)
+    initial = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    for name, (cls, kwargs) in SAMPLERS.items():
+        pipe.scheduler = kohya_scheduler(cls, kwargs)
+        common = dict(prompt=r["prompt"], negative_prompt=r["negative_prompt"], height=r["height"],
+                      width=r["width"], num_inference_steps=r["steps"],
+                      guidance_scale=r["cfg_scale"])
+        scale = [0.0]
+        steps = {}
+
+        def track(pipeline, step, timestep, kwargs):
+            scale[0] = max(scale[0], kwargs["latents"].abs().max().item())
+            steps[f"step.{step}"] = kwargs["latents"].clone()
+            return kwargs
+
+        with torch.no_grad():
+            latents = pipe(**common, latents=initial.clone(), output_type="latent",
+                           generator=torch.Generator().manual_seed(SEED),
+                           callback_on_step_end=track).images
+            image = pipe(**common, latents=initial.clone(), output_type="pil",
+                         generator=torch.Generator().manual_seed(SEED)).images[0]
+        save_file({"initial": initial.contiguous(), "latents": latents.contiguous(),
+                   "trajectory_scale": torch.tensor(scale[0], dtype=torch.float64), **steps,
+                   "image": torch.from_numpy(np.array(image)).contiguous()},
+                  f"{out}/{name}.safetensors")
+    with open(f"{out}/request.json", "w") as f:
+        json.dump({**r, "seed": SEED, "vae_scale_factor": pipe.vae_scale_factor}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+#include "sampler/render.h"
+
+#include <torch/torch.h>
+
+#include "common/error.h"
+
+namespace lorapipe::sampler {
+
+RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
+                    const RenderOptions& options) {
+  if (request.width < 8 || request.height < 8 || request.width % 8 || request.height % 8) {
+    throw InputError("image size " + std::to_string(request.width) + "x" +
+                     std::to_string(request.height) + " must be positive multiples of 8");
+  }
+  torch::NoGradGuard no_grad;
+  const models::ModelFamily& family = model.model_family();
+  Scheduler scheduler(scheduler_options(request.sampler, options.v_prediction), request.steps);
+  auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(request.seed));
+
+  // [negative, positive] in one batch, as diffusers concatenates them.
+  const bool guided = request.cfg_scale > 1.0;
+  std::vector<std::string> captions;
+  if (guided) captions.push_back(request.negative_prompt);
+  captions.push_back(request.prompt);
+  const models::Conditioning conditioning =
+      model.encode_text(model.tokenize(captions), options.clip_skip);
+
+  const torch::Tensor weight = model.denoiser_module().parameters().front();
+  const int64_t h = request.height / family.vae_downsample,
+                w = request.width / family.vae_downsample;
+  // diffusers' prepare_latents: randn from the generator (or the latents given), times the
+  // scheduler's init_noise_sigma.
+  torch::Tensor latents =
+      options.initial_latents.defined()
+          ? options.initial_latents.to(torch::kFloat32)
+          : torch::randn({1, family.latent_channels, h, w}, generator, torch::kFloat32);
+  latents = (latents * scheduler.init_noise_sigma()).to(weight.device());
+
+  for (int i = 0; i < scheduler.steps(); ++i) {
+    torch::Tensor input = guided ? torch::cat({latents, latents}) : latents;
+    input = scheduler.scale_model_input(input, i);
+    const torch::Tensor t = scheduler.timesteps()[i];
+    torch::Tensor prediction = model.denoise(input, t, conditioning).to(torch::kFloat32);
+    if (guided) {
+      const auto parts = prediction.chunk(2);
+      prediction = parts[0] + request.cfg_scale * (parts[1] - parts[0]);
+    }
+    latents = scheduler.step(prediction, i, latents, generator);
+    if (options.on_step) options.on_step(i, latents);
+  }
+  RenderResult result;
+  result.latents = latents.to(torch::kFloat32).cpu();
+  result.image = to_uint8_image(model.decode_latents(latents).to(torch::kFloat32).cpu());
+  return result;
+}
+
+at::Tensor to_uint8_image(const at::Tensor& decoded) {
+  const torch::Tensor x = (decoded[0] / 2 + 0.5).clamp(0, 1);
+  // diffusers' numpy_to_pil: (images * 255).round().astype("uint8").
+  return (x.permute({1, 2, 0}) * 255).round().to(torch::kUInt8).contiguous();
+}
+
+}  // namespace lorapipe::sampler

@@ -1,0 +1,52 @@
+#pragma once
+// One preview image through any model family (models/diffusion_model.h): the prompt and the
+// negative prompt into conditionings, the initial latents from the seed, the scheduler's steps
+// with classifier-free guidance, the VAE's decode. StableDiffusionPipeline's loop, step for step.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "models/diffusion_model.h"
+#include "sampler/schedulers.h"
+
+namespace lorapipe::sampler {
+
+// One prompt as kohya's prompt files give it (defaults: kohya's sample_image_inference).
+struct RenderRequest {
+  std::string prompt;
+  std::string negative_prompt;
+  int width = 512;  // rounded down to a multiple of 8 by the prompt parser
+  int height = 512;
+  int steps = 30;
+  double cfg_scale = 7.5;
+  int64_t seed = 0;
+  std::string sampler = "ddim";
+};
+
+struct RenderResult {
+  at::Tensor latents;  // [1, C, H/8, W/8] fp32: the denoised latents
+  at::Tensor image;    // [H, W, 3] uint8
+};
+
+struct RenderOptions {
+  bool v_prediction = false;
+  int clip_skip = 1;
+  // Initial latents instead of the seed's (tests hand diffusers' in); fp32 [1, C, H/8, W/8].
+  at::Tensor initial_latents;
+  // Called after each step with the step's index and the latents (progress, tests).
+  std::function<void(int, const at::Tensor&)> on_step;
+};
+
+// The seed's generator draws the initial latents (randn, fp32, CPU) and then Euler ancestral's
+// noise, in diffusers' order: the same seed gives diffusers' image with a CPU generator.
+RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
+                    const RenderOptions& options = {});
+
+// [B, 3, H, W] in [-1, 1] -> [H, W, 3] uint8 of the first image, as diffusers' image processor
+// rounds it ((x / 2 + 0.5).clamp(0, 1) * 255, rounded).
+at::Tensor to_uint8_image(const at::Tensor& decoded);
+
+}  // namespace lorapipe::sampler
