@@ -1,0 +1,231 @@
+#include "sampler/prompts.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cctype>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "common/error.h"
+#include "sampler/schedulers.h"
+
+namespace lorapipe::sampler {
+namespace {
+
+std::string trim(const std::string& s) {
+  const auto begin = s.find_first_not_of(" \t\r\n");
+  if (begin == std::string::npos) return {};
+  const auto end = s.find_last_not_of(" \t\r\n");
+  return s.substr(begin, end - begin + 1);
+}
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s;
+}
+
+int64_t whole_number(const std::string& option, const std::string& value) {
+  if (value.empty() || !std::all_of(value.begin(), value.end(), ::isdigit) || value.size() > 12) {
+    throw InputError("--" + option + " wants a whole number, got '" + value + "'");
+  }
+  return std::stoll(value);
+}
+
+double decimal(const std::string& option, const std::string& value) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != value.size() || v < 0) {
+    throw InputError("--" + option + " wants a number, got '" + value + "'");
+  }
+  return v;
+}
+
+// kohya: sizes rounded down to a multiple of 8, at least 64.
+int size_value(const std::string& option, const std::string& value) {
+  return static_cast<int>(std::max<int64_t>(64, whole_number(option, value) / 8 * 8));
+}
+
+void check_sampler(const std::string& name) { (void)scheduler_options(name, false); }
+
+// Fills `r` from one kohya-style object (TOML table or JSON object, read through `get`).
+template <typename Get>
+void apply_fields(RenderRequest& r, Get&& get) {
+  if (auto v = get("prompt")) r.prompt = *v;
+  if (auto v = get("negative_prompt")) r.negative_prompt = *v;
+  if (auto v = get("width")) r.width = size_value("width", *v);
+  if (auto v = get("height")) r.height = size_value("height", *v);
+  if (auto v = get("seed")) r.seed = whole_number("seed", *v);
+  if (auto v = get("sample_steps")) {
+    r.steps = static_cast<int>(std::clamp<int64_t>(whole_number("sample_steps", *v), 1, 1000));
+  }
+  if (auto v = get("scale")) r.cfg_scale = decimal("scale", *v);
+  if (auto v = get("sample_sampler")) {
+    check_sampler(*v);
+    r.sampler = *v;
+  }
+}
+
+std::string toml_text(const toml::node& node) {
+  if (auto s = node.value<std::string>()) return *s;
+  if (auto i = node.value<int64_t>()) return std::to_string(*i);
+  if (auto d = node.value<double>()) {
+    std::ostringstream out;
+    out << *d;
+    return out.str();
+  }
+  throw InputError("a value that is not text or a number");
+}
+
+std::string json_text(const nlohmann::json& v) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_number_integer()) return std::to_string(v.get<int64_t>());
+  if (v.is_number()) {
+    std::ostringstream out;
+    out << v.get<double>();
+    return out.str();
+  }
+  throw InputError("a value that is not text or a number");
+}
+
+}  // namespace
+
+RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest& defaults) {
+  RenderRequest r = defaults;
+  // A line that starts with an option has no prompt (kohya would render "--w 512" as one).
+  const std::string line = line_in.rfind("--", 0) == 0 ? " " + line_in : line_in;
+  // kohya splits on " --": the first part is the prompt, each other one an option.
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (true) {
+    const size_t at = line.find(" --", start);
+    parts.push_back(line.substr(start, at == std::string::npos ? std::string::npos : at - start));
+    if (at == std::string::npos) break;
+    start = at + 3;
+  }
+  r.prompt = trim(parts[0]);
+  if (r.prompt.empty()) throw InputError("no prompt before the options");
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const std::string part = trim(parts[i]);
+    const size_t space = part.find(' ');
+    const std::string option = lower(part.substr(0, space));
+    const std::string value = space == std::string::npos ? "" : trim(part.substr(space + 1));
+    if (option == "n") {
+      r.negative_prompt = value;
+    } else if (option == "w") {
+      r.width = size_value(option, value);
+    } else if (option == "h") {
+      r.height = size_value(option, value);
+    } else if (option == "d") {
+      r.seed = whole_number(option, value);
+    } else if (option == "s") {
+      r.steps = static_cast<int>(std::clamp<int64_t>(whole_number(option, value), 1, 1000));
+    } else if (option == "l") {
+      r.cfg_scale = decimal(option, value);
+    } else if (option == "ss") {
+      check_sampler(value);
+      r.sampler = value;
+    } else {
+      throw InputError("unknown option --" + option +
+                       " (kohya's options: --n, --w, --h, --d, --s, --l, --ss)");
+    }
+  }
+  return r;
+}
+
+PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& defaults) {
+  std::ifstream in(file);
+  if (!in) throw InputError(file.string() + ": cannot read the prompt file");
+  PromptSet set;
+  auto base = [&] {
+    RenderRequest r;
+    r.sampler = defaults.sampler;
+    r.seed = defaults.first_seed + static_cast<int64_t>(set.prompts.size());
+    return r;
+  };
+  const std::string ext = lower(file.extension().string());
+  if (ext == ".txt") {
+    std::string line;
+    for (int number = 1; std::getline(in, line); ++number) {
+      const std::string text = trim(line);
+      if (text.empty() || text[0] == '#') continue;
+      try {
+        set.prompts.push_back(parse_prompt_line(text, base()));
+      } catch (const InputError& e) {
+        set.problems.push_back(file.string() + ":" + std::to_string(number) + ": " + e.what());
+      }
+    }
+    return set;
+  }
+  if (ext == ".toml") {
+    toml::table root;
+    try {
+      root = toml::parse_file(file.string());
+    } catch (const toml::parse_error& e) {
+      throw InputError(file.string() + ": not TOML: " + std::string(e.description()));
+    }
+    const toml::table* prompt = root["prompt"].as_table();
+    if (prompt == nullptr) throw InputError(file.string() + ": no [prompt] table");
+    const toml::array* subsets = (*prompt)["subset"].as_array();
+    if (subsets == nullptr) throw InputError(file.string() + ": no [[prompt.subset]] entries");
+    for (size_t i = 0; i < subsets->size(); ++i) {
+      try {
+        const toml::table* subset = (*subsets)[i].as_table();
+        if (subset == nullptr) throw InputError("not a table");
+        RenderRequest r = base();
+        auto get = [&](const char* key) -> std::optional<std::string> {
+          if (const toml::node* v = subset->get(key)) return toml_text(*v);
+          if (const toml::node* v = prompt->get(key)) return toml_text(*v);
+          return std::nullopt;
+        };
+        apply_fields(r, get);
+        if (trim(r.prompt).empty()) throw InputError("no prompt");
+        set.prompts.push_back(std::move(r));
+      } catch (const InputError& e) {
+        set.problems.push_back(file.string() + ": prompt.subset " + std::to_string(i + 1) + ": " +
+                               e.what());
+      }
+    }
+    return set;
+  }
+  if (ext == ".json") {
+    nlohmann::json root;
+    try {
+      root = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      throw InputError(file.string() + ": not JSON: " + e.what());
+    }
+    if (!root.is_array()) throw InputError(file.string() + ": expected a list of prompts");
+    for (size_t i = 0; i < root.size(); ++i) {
+      try {
+        RenderRequest r = base();
+        if (root[i].is_string()) {
+          r.prompt = root[i].get<std::string>();
+        } else if (root[i].is_object()) {
+          auto get = [&](const char* key) -> std::optional<std::string> {
+            if (!root[i].contains(key)) return std::nullopt;
+            return json_text(root[i][key]);
+          };
+          apply_fields(r, get);
+        } else {
+          throw InputError("neither a prompt nor an object");
+        }
+        if (trim(r.prompt).empty()) throw InputError("no prompt");
+        set.prompts.push_back(std::move(r));
+      } catch (const InputError& e) {
+        set.problems.push_back(file.string() + ": entry " + std::to_string(i + 1) + ": " +
+                               e.what());
+      }
+    }
+    return set;
+  }
+  throw InputError(file.string() + ": prompt files are .txt, .toml or .json");
+}
+
+}  // namespace lorapipe::sampler

@@ -1,0 +1,41 @@
+#pragma once
+// kohya's sample prompt files (train_util.load_prompts / line_to_prompt_dict):
+//   .txt   one prompt per line, options after " --": --n negative prompt, --w / --h size (rounded
+//          down to a multiple of 8, at least 64), --d seed, --s steps (1-1000), --l CFG scale,
+//          --ss sampler; lines that are empty or start with '#' are skipped;
+//   .toml  [prompt] defaults and [[prompt.subset]] entries (prompt, negative_prompt, width,
+//          height, seed, sample_steps, scale, sample_sampler);
+//   .json  a list of such objects (or of plain prompt strings).
+// A line or entry that cannot be read (an unknown option, a value that is not a number, no
+// prompt) is reported with its line or entry number and skipped; the others are kept.
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "sampler/render.h"
+
+namespace lorapipe::sampler {
+
+struct PromptSet {
+  std::vector<RenderRequest> prompts;
+  std::vector<std::string> problems;  // "FILE:LINE: what" for each skipped line or entry
+};
+
+// Defaults where a prompt sets nothing: kohya's (30 steps, 512x512, CFG 7.5, `sampler`), and a
+// fixed seed per prompt (`first_seed` + its index), so every checkpoint of a run renders from
+// the same noise and the images compare (kohya draws a random seed instead).
+struct PromptDefaults {
+  std::string sampler = "ddim";
+  int64_t first_seed = 1234;
+};
+
+// Throws InputError when the file cannot be read at all (missing, not TOML/JSON where the name
+// says so, an unknown extension).
+PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& defaults = {});
+
+// One .txt line (already known not to be empty or a comment). Throws InputError saying what is
+// wrong with it.
+RenderRequest parse_prompt_line(const std::string& line, const RenderRequest& defaults);
+
+}  // namespace lorapipe::sampler

@@ -1,0 +1,127 @@
+// kohya's prompt-file syntax (sampler/prompts.h): every option, the three file forms, and bad
+// lines reported by number and skipped while the rest is kept.
+#include "sampler/prompts.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "common/error.h"
+
+namespace lorapipe::sampler {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path write(const std::string& name, const std::string& text) {
+  const fs::path dir = fs::temp_directory_path() / ("lorapipe-prompts-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / name) << text;
+  return dir / name;
+}
+
+TEST(SamplerPrompts, TextLinesWithEveryKohyaOption) {
+  const fs::path file = write("p.txt",
+                              "# a comment\n"
+                              "\n"
+                              "a cat, masterpiece --n lowres, blurry --w 770 --h 512 --d 42 --s 25 "
+                              "--l 6.5 --ss euler_a\n"
+                              "a dog\n"
+                              "a bird --W 100 --S 5000\n");
+  const PromptSet set = load_prompts(file);
+  ASSERT_TRUE(set.problems.empty()) << set.problems[0];
+  ASSERT_EQ(set.prompts.size(), 3u);
+  const RenderRequest& a = set.prompts[0];
+  EXPECT_EQ(a.prompt, "a cat, masterpiece");
+  EXPECT_EQ(a.negative_prompt, "lowres, blurry");
+  EXPECT_EQ(a.width, 768) << "rounded down to a multiple of 8";
+  EXPECT_EQ(a.height, 512);
+  EXPECT_EQ(a.seed, 42);
+  EXPECT_EQ(a.steps, 25);
+  EXPECT_DOUBLE_EQ(a.cfg_scale, 6.5);
+  EXPECT_EQ(a.sampler, "euler_a");
+  const RenderRequest& b = set.prompts[1];  // kohya's defaults, a fixed seed per prompt
+  EXPECT_EQ(b.prompt, "a dog");
+  EXPECT_EQ(b.width, 512);
+  EXPECT_EQ(b.steps, 30);
+  EXPECT_DOUBLE_EQ(b.cfg_scale, 7.5);
+  EXPECT_EQ(b.sampler, "ddim");
+  EXPECT_EQ(b.seed, 1234 + 1);
+  const RenderRequest& c = set.prompts[2];  // options in any case; kohya's clamps
+  EXPECT_EQ(c.width, 96);
+  EXPECT_EQ(c.steps, 1000);
+}
+
+TEST(SamplerPrompts, BadLinesAreNamedByNumberAndSkipped) {
+  const fs::path file = write("bad.txt",
+                              "good one\n"
+                              "--w 512\n"
+                              "x --w abc\n"
+                              "y --cfg 7\n"
+                              "z --ss lms9000\n"
+                              "last good --d 7\n");
+  const PromptSet set = load_prompts(file);
+  ASSERT_EQ(set.prompts.size(), 2u);
+  EXPECT_EQ(set.prompts[1].prompt, "last good");
+  ASSERT_EQ(set.problems.size(), 4u);
+  EXPECT_NE(set.problems[0].find("bad.txt:2: no prompt"), std::string::npos) << set.problems[0];
+  EXPECT_NE(set.problems[1].find(":3: --w wants a whole number, got 'abc'"), std::string::npos)
+      << set.problems[1];
+  EXPECT_NE(set.problems[2].find(":4: unknown option --cfg"), std::string::npos) << set.problems[2];
+  EXPECT_NE(set.problems[3].find(":5: unknown sampler 'lms9000'"), std::string::npos)
+      << set.problems[3];
+}
+
+TEST(SamplerPrompts, TomlAndJsonFormsAsKohyaReadsThem) {
+  const fs::path toml = write("p.toml",
+                              "[prompt]\n"
+                              "negative_prompt = \"lowres\"\n"
+                              "width = 640\n"
+                              "sample_steps = 20\n"
+                              "[[prompt.subset]]\n"
+                              "prompt = \"a cat\"\n"
+                              "seed = 3\n"
+                              "[[prompt.subset]]\n"
+                              "prompt = \"a dog\"\n"
+                              "width = 512\n"
+                              "scale = 5.0\n"
+                              "sample_sampler = \"dpmsolver++\"\n"
+                              "[[prompt.subset]]\n"
+                              "width = 512\n");
+  const PromptSet t = load_prompts(toml);
+  ASSERT_EQ(t.prompts.size(), 2u);
+  EXPECT_EQ(t.prompts[0].negative_prompt, "lowres");
+  EXPECT_EQ(t.prompts[0].width, 640);
+  EXPECT_EQ(t.prompts[0].steps, 20);
+  EXPECT_EQ(t.prompts[0].seed, 3);
+  EXPECT_EQ(t.prompts[1].width, 512);
+  EXPECT_DOUBLE_EQ(t.prompts[1].cfg_scale, 5.0);
+  EXPECT_EQ(t.prompts[1].sampler, "dpmsolver++");
+  ASSERT_EQ(t.problems.size(), 1u);
+  EXPECT_NE(t.problems[0].find("prompt.subset 3: no prompt"), std::string::npos) << t.problems[0];
+
+  const fs::path json = write("p.json",
+                              R"([{"prompt": "a cat", "height": 768, "seed": 9},
+                                  "a plain prompt", 42, {"prompt": "x", "width": "wide"}])");
+  const PromptSet j = load_prompts(json);
+  ASSERT_EQ(j.prompts.size(), 2u);
+  EXPECT_EQ(j.prompts[0].height, 768);
+  EXPECT_EQ(j.prompts[0].seed, 9);
+  EXPECT_EQ(j.prompts[1].prompt, "a plain prompt");
+  ASSERT_EQ(j.problems.size(), 2u);
+  EXPECT_NE(j.problems[0].find("entry 3"), std::string::npos) << j.problems[0];
+  EXPECT_NE(j.problems[1].find("entry 4: --width wants a whole number"), std::string::npos)
+      << j.problems[1];
+}
+
+TEST(SamplerPrompts, UnreadableFilesAreAClearError) {
+  EXPECT_THROW(load_prompts("/nonexistent/prompts.txt"), InputError);
+  EXPECT_THROW(load_prompts(write("p.yaml", "a: b\n")), InputError);
+  EXPECT_THROW(load_prompts(write("broken.json", "[{")), InputError);
+  EXPECT_THROW(load_prompts(write("broken.toml", "[prompt\n")), InputError);
+}
+
+}  // namespace
+}  // namespace lorapipe::sampler
