@@ -25,14 +25,18 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
+#include "common/error.h"
 #include "models/attention.h"
 #include "models/pipeline.h"
 #include "models/safetensors.h"
 #include "models/tiny.h"
 #include "models/weights.h"
+#include "sampler/lora_merge.h"
 
 namespace lorapipe::sampler {
 namespace {
@@ -55,13 +59,25 @@ class SamplerRenderParity : public ::testing::Test {
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
 
-  void check(const std::string& sampler) {
+  void check(const std::string& sampler, bool with_lora = false) {
     models::set_force_math_attention(true);
     models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+    std::optional<MergedLora> lora;
+    std::map<std::string, torch::Tensor> before;
+    if (with_lora) {
+      for (const auto& item : model.unet->named_parameters())
+        before[item.key()] = item.value().clone();
+      for (const auto& item : model.text_encoder->named_parameters()) {
+        before["te." + item.key()] = item.value().clone();
+      }
+      lora.emplace(model, dir_ / "ref" / "lora.safetensors", /*multiplier=*/1.0);
+      ASSERT_GT(lora->module_count(), 0u);
+    }
     std::ifstream in(dir_ / "ref" / "request.json");
     const nlohmann::json r = nlohmann::json::parse(in);
-    const auto ref = models::read_tensors(
-        models::SafetensorsFile::open(dir_ / "ref" / (sampler + ".safetensors")));
+    const std::string tag = sampler + (with_lora ? "_lora" : "");
+    const auto ref =
+        models::read_tensors(models::SafetensorsFile::open(dir_ / "ref" / (tag + ".safetensors")));
     RenderRequest request;
     request.prompt = r["prompt"];
     request.negative_prompt = r["negative_prompt"];
@@ -94,10 +110,24 @@ class SamplerRenderParity : public ::testing::Test {
     std::printf(
         "[render] %-12s final latents: %.2e of the trajectory's scale %.3g (limit 1e-4), %.2e "
         "absolute; largest pixel difference %d/255 (limit 1)\n",
-        sampler.c_str(), latent_error, scale,
-        (result.latents - expected).abs().max().item<double>(), pixel_error);
+        tag.c_str(), latent_error, scale, (result.latents - expected).abs().max().item<double>(),
+        pixel_error);
     EXPECT_LE(latent_error, 1e-4) << sampler;
     EXPECT_LE(worst_step, 1e-4) << sampler << ": some step's latents";
+    if (with_lora) {
+      // The LoRA matters: its render is far from the plain one (else the parity says nothing).
+      const auto plain = models::read_tensors(
+          models::SafetensorsFile::open(dir_ / "ref" / (sampler + ".safetensors")));
+      EXPECT_GT((expected - plain.at("latents")).abs().max().item<double>(), 1e-2 * scale);
+      // Taken out again, the base is bit-identical to before.
+      lora->restore();
+      for (const auto& item : model.unet->named_parameters()) {
+        EXPECT_TRUE(torch::equal(item.value(), before.at(item.key()))) << item.key();
+      }
+      for (const auto& item : model.text_encoder->named_parameters()) {
+        EXPECT_TRUE(torch::equal(item.value(), before.at("te." + item.key()))) << item.key();
+      }
+    }
     EXPECT_LE(pixel_error, 1) << sampler;
   }
 
@@ -111,6 +141,48 @@ TEST_F(SamplerRenderParity, Ddim) { check("ddim"); }
 TEST_F(SamplerRenderParity, Euler) { check("euler"); }
 TEST_F(SamplerRenderParity, EulerAncestral) { check("euler_a"); }
 TEST_F(SamplerRenderParity, DpmSolverPlusPlus2M) { check("dpmsolver++"); }
+// A kohya-format LoRA on the UNet and the text encoder: diffusers' load_lora_weights against
+// lorapipe's merge, then the merge taken out bit for bit.
+TEST_F(SamplerRenderParity, DdimWithLora) { check("ddim", /*with_lora=*/true); }
+TEST_F(SamplerRenderParity, EulerAncestralWithLora) { check("euler_a", /*with_lora=*/true); }
+
+TEST_F(SamplerRenderParity, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothing) {
+  models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+  const torch::Tensor probe = model.unet->conv_in->weight.clone();
+  // Keys of another model: named.
+  auto tensors =
+      models::read_tensors(models::SafetensorsFile::open(dir_ / "ref" / "lora.safetensors"));
+  tensors["lora_unet_down_blocks_9_attentions_0_proj_in.lora_down.weight"] = torch::zeros({4, 8});
+  tensors["lora_unet_down_blocks_9_attentions_0_proj_in.lora_up.weight"] = torch::zeros({8, 4});
+  std::vector<torch::Tensor> keep;
+  std::vector<models::TensorToWrite> out;
+  for (const auto& [key, value] : tensors) {
+    keep.push_back(value.to(torch::kFloat32).contiguous());
+    out.push_back(
+        {key, models::Dtype::kF32, keep.back().sizes().vec(),
+         std::string_view(static_cast<const char*>(keep.back().data_ptr()), keep.back().nbytes())});
+  }
+  models::write_safetensors(dir_ / "other.safetensors", out);
+  try {
+    MergedLora lora(model, dir_ / "other.safetensors", 1.0);
+    FAIL() << "merged a LoRA with a layer this model lacks";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("lora_unet_down_blocks_9_attentions_0_proj_in"),
+              std::string::npos)
+        << e.what();
+  }
+  // Half written: named, nothing merged.
+  const auto size = fs::file_size(dir_ / "ref" / "lora.safetensors");
+  fs::copy_file(dir_ / "ref" / "lora.safetensors", dir_ / "half.safetensors",
+                fs::copy_options::overwrite_existing);
+  fs::resize_file(dir_ / "half.safetensors", size / 2);
+  EXPECT_THROW(MergedLora(model, dir_ / "half.safetensors", 1.0), InputError);
+  EXPECT_TRUE(torch::equal(model.unet->conv_in->weight, probe));
+  const auto target = model.lora_targets(true, true).front();
+  const torch::Tensor untouched = target.weight().clone();
+  EXPECT_THROW(MergedLora(model, dir_ / "other.safetensors", 1.0), InputError);
+  EXPECT_TRUE(torch::equal(target.weight(), untouched)) << "a refused file merged nothing";
+}
 
 }  // namespace
 }  // namespace lorapipe::sampler

@@ -41,6 +41,37 @@ def kohya_scheduler(cls, kwargs):
     return scheduler
 
 
+def kohya_lora(pipe, path, rank=4):
+    """A random LoRA in kohya's format (networks/lora.py names) over the UNet's Transformer2D
+    layers and the text encoder's attention and MLP, written to `path` for both sides."""
+    g = torch.Generator().manual_seed(11)
+    tensors = {}
+
+    def add(prefix, path_name, layer):
+        name = f"{prefix}_{path_name}".replace(".", "_")
+        if isinstance(layer, torch.nn.Conv2d):
+            down = torch.randn(rank, layer.in_channels, *layer.kernel_size, generator=g) * 0.2
+            up = torch.randn(layer.out_channels, rank, 1, 1, generator=g) * 0.2
+        else:
+            down = torch.randn(rank, layer.in_features, generator=g) * 0.2
+            up = torch.randn(layer.out_features, rank, generator=g) * 0.2
+        tensors[f"{name}.lora_down.weight"] = down
+        tensors[f"{name}.lora_up.weight"] = up
+        tensors[f"{name}.alpha"] = torch.tensor(rank / 2.0)
+
+    for name, module in pipe.unet.named_modules():
+        if type(module).__name__ == "Transformer2DModel":
+            for child, layer in module.named_modules():
+                if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)):
+                    add("lora_unet", f"{name}.{child}", layer)
+    for name, module in pipe.text_encoder.named_modules():
+        if type(module).__name__ in ("CLIPAttention", "CLIPMLP"):
+            for child, layer in module.named_modules():
+                if isinstance(layer, torch.nn.Linear):
+                    add("lora_te", f"{name}.{child}", layer)
+    save_file(tensors, path)
+
+
 def main():
     model, out = sys.argv[1], sys.argv[2]
     pipe = StableDiffusionPipeline.from_pretrained(
@@ -76,6 +107,33 @@ def main():
                    "trajectory_scale": torch.tensor(scale[0], dtype=torch.float64), **steps,
                    "image": torch.from_numpy(np.array(image)).contiguous()},
                   f"{out}/{name}.safetensors")
+    # With a LoRA: diffusers loads the kohya file (load_lora_weights, scale 1); lorapipe merges it.
+    kohya_lora(pipe, f"{out}/lora.safetensors")
+    pipe.load_lora_weights(f"{out}/lora.safetensors", adapter_name="check")
+    for name in ("ddim", "euler_a"):
+        cls, kwargs = SAMPLERS[name]
+        pipe.scheduler = kohya_scheduler(cls, kwargs)
+        common = dict(prompt=r["prompt"], negative_prompt=r["negative_prompt"], height=r["height"],
+                      width=r["width"], num_inference_steps=r["steps"],
+                      guidance_scale=r["cfg_scale"])
+        scale = [0.0]
+        steps = {}
+
+        def track_lora(pipeline, step, timestep, kwargs):
+            scale[0] = max(scale[0], kwargs["latents"].abs().max().item())
+            steps[f"step.{step}"] = kwargs["latents"].clone()
+            return kwargs
+
+        with torch.no_grad():
+            latents = pipe(**common, latents=initial.clone(), output_type="latent",
+                           generator=torch.Generator().manual_seed(SEED),
+                           callback_on_step_end=track_lora).images
+            image = pipe(**common, latents=initial.clone(), output_type="pil",
+                         generator=torch.Generator().manual_seed(SEED)).images[0]
+        save_file({"initial": initial.contiguous(), "latents": latents.contiguous(),
+                   "trajectory_scale": torch.tensor(scale[0], dtype=torch.float64), **steps,
+                   "image": torch.from_numpy(np.array(image)).contiguous()},
+                  f"{out}/{name}_lora.safetensors")
     with open(f"{out}/request.json", "w") as f:
         json.dump({**r, "seed": SEED, "vae_scale_factor": pipe.vae_scale_factor}, f)
 

@@ -1,0 +1,109 @@
+#include "sampler/lora_merge.h"
+
+#include <torch/torch.h>
+
+#include <map>
+#include <set>
+
+#include "common/error.h"
+#include "models/safetensors.h"
+#include "models/weights.h"
+
+namespace lorapipe::sampler {
+namespace {
+
+struct Module {
+  at::Tensor down, up, alpha;
+};
+
+std::string shape(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + "]";
+}
+
+}  // namespace
+
+MergedLora::MergedLora(models::DiffusionModel& model, const std::filesystem::path& file,
+                       double multiplier) {
+  std::map<std::string, at::Tensor> tensors;
+  try {
+    tensors = models::read_tensors(models::SafetensorsFile::open(file));
+  } catch (const InputError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw InputError(file.string() + ": not a readable safetensors file: " + e.what());
+  }
+  std::map<std::string, Module> modules;
+  for (const auto& [key, tensor] : tensors) {
+    const size_t dot = key.find('.');
+    const std::string name = key.substr(0, dot);
+    const std::string part = dot == std::string::npos ? "" : key.substr(dot + 1);
+    Module& m = modules[name];
+    if (part == "lora_down.weight") {
+      m.down = tensor;
+    } else if (part == "lora_up.weight") {
+      m.up = tensor;
+    } else if (part == "alpha") {
+      m.alpha = tensor;
+    } else {
+      throw InputError(file.string() + ": key '" + key +
+                       "' is not plain LoRA or LoCon (lora_down / lora_up / alpha); other kinds "
+                       "(LoHa, LoKr, DoRA) are not supported yet");
+    }
+  }
+  std::map<std::string, models::LoraTarget> targets;
+  for (models::LoraTarget& t : model.lora_targets(/*text_encoder=*/true, /*conv_kxk=*/true)) {
+    targets.emplace(t.name, std::move(t));
+  }
+  std::vector<std::string> unknown;
+  for (const auto& [name, m] : modules) {
+    if (!targets.count(name)) unknown.push_back(name);
+  }
+  if (!unknown.empty()) {
+    std::string list;
+    for (size_t i = 0; i < std::min<size_t>(unknown.size(), 5); ++i) list += "\n  " + unknown[i];
+    if (unknown.size() > 5) list += "\n  ... " + std::to_string(unknown.size() - 5) + " more";
+    throw InputError(
+        file.string() + ": " + std::to_string(unknown.size()) + " of " +
+        std::to_string(modules.size()) +
+        " modules fit no layer of this model (a LoRA for another base model?):" + list);
+  }
+  // Every delta first, so a bad module leaves the weights as they were.
+  std::vector<std::pair<at::Tensor, at::Tensor>> deltas;
+  for (const auto& [name, m] : modules) {
+    const models::LoraTarget& target = targets.at(name);
+    if (!m.down.defined() || !m.up.defined()) {
+      throw InputError(file.string() + ": module " + name + " lacks its " +
+                       (m.down.defined() ? "lora_up" : "lora_down") + " weight");
+    }
+    const at::Tensor& weight = target.weight();
+    const int64_t rank = m.down.size(0);
+    const at::Tensor down = m.down.to(torch::kFloat32).flatten(1);
+    const at::Tensor up = m.up.to(torch::kFloat32).flatten(1);
+    const int64_t in_size = weight.numel() / weight.size(0);
+    if (up.size(1) != rank || up.size(0) != weight.size(0) || down.size(1) != in_size) {
+      throw InputError(file.string() + ": module " + name + " has lora_down " + shape(m.down) +
+                       " and lora_up " + shape(m.up) + ", which do not fit its layer's weight " +
+                       shape(weight));
+    }
+    const double alpha =
+        m.alpha.defined() ? m.alpha.to(torch::kFloat64).item<double>() : static_cast<double>(rank);
+    // kohya's merge: up @ down (for a kxk conv, the 1x1 up composed with the kxk down).
+    const at::Tensor delta = (up.matmul(down) * (multiplier * alpha / rank)).view(weight.sizes());
+    deltas.emplace_back(weight, delta);
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& [weight, delta] : deltas) {
+    saved_.emplace_back(weight, weight.clone());
+    weight.add_(delta.to(weight.device(), weight.scalar_type()));
+  }
+}
+
+void MergedLora::restore() {
+  torch::NoGradGuard no_grad;
+  for (auto& [weight, original] : saved_) weight.copy_(original);
+  saved_.clear();
+}
+
+}  // namespace lorapipe::sampler

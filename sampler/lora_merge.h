@@ -1,0 +1,38 @@
+#pragma once
+// A LoRA merged into a loaded model for rendering, and taken out again: W += multiplier *
+// (alpha / rank) * up @ down for every module of a kohya-format file (ours, kohya's, anyone's:
+// lora_unet_* / lora_te_* with .lora_down.weight, .lora_up.weight and optionally .alpha, which
+// defaults to the rank), then restore() puts back a copy of each original weight, so the base is
+// bit-identical to before.
+
+#include <ATen/core/Tensor.h>
+
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/diffusion_model.h"
+
+namespace lorapipe::sampler {
+
+class MergedLora {
+ public:
+  // Checks the whole file before touching a weight, and throws InputError naming the file and
+  // what is wrong: unreadable or truncated, a LoRA kind other than plain LoRA/LoCon, keys that
+  // fit no layer of this model (listed: a LoRA made for another base model), shapes that do not
+  // fit their layer.
+  MergedLora(models::DiffusionModel& model, const std::filesystem::path& file, double multiplier);
+  ~MergedLora() { restore(); }
+  MergedLora(const MergedLora&) = delete;
+  MergedLora& operator=(const MergedLora&) = delete;
+
+  // Idempotent.
+  void restore();
+  size_t module_count() const { return saved_.size(); }
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved_;  // the live weight, its original
+};
+
+}  // namespace lorapipe::sampler
