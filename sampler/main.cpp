@@ -1,0 +1,83 @@
+// lorapipe-sampler: flags in, sampler::run_sampler out.
+//   one shot:      --lora=FILE[:multiplier] (repeatable, comma-separated too)
+//   follow a run:  --sub=TRAINER_PUB_ENDPOINT [--pub=ENDPOINT]
+#include <gflags/gflags.h>
+
+#include <cstdio>
+#include <sstream>
+#include <string>
+
+#include "common/error.h"
+#include "common/heap.h"
+#include "common/log.h"
+#include "sampler/sampler.h"
+
+DEFINE_string(pretrained_model_name_or_path, "",
+              "Base model: single .safetensors or diffusers folder");
+DEFINE_string(model, "", "Alias of --pretrained_model_name_or_path");
+DEFINE_string(tokenizer, "", "CLIP vocabulary for single-file models (folder, merges.txt or .gz)");
+DEFINE_string(sample_prompts, "", "kohya prompt file: .txt, .toml or .json");
+DEFINE_string(output_dir, "", "Run folder: images go to OUTPUT_DIR/samples/");
+DEFINE_string(lora, "", "One shot: FILE[:multiplier][,FILE[:multiplier]...] merged together");
+DEFINE_string(sub, "", "Follow a run: the trainer's --pub endpoint (CheckpointReady)");
+DEFINE_string(pub, "", "Bind a PUB endpoint for SampleReady");
+DEFINE_string(device, "auto", "auto, cpu, cuda or cuda:N");
+DEFINE_string(sample_sampler, "ddim", "Sampler for prompts without --ss (kohya's names)");
+DEFINE_bool(v_parameterization, false, "The model predicts v (SD2.x 768-v)");
+DEFINE_int32(clip_skip, 1, "Text-encoder layers to skip from the end (1: the last)");
+DEFINE_int64(seed, 1234, "Seed of the first prompt without --d (the next gets seed+1, ...)");
+DEFINE_double(idle_timeout_s, 0, "Following: stop after this long without a checkpoint (0: never)");
+DEFINE_double(delay_per_image_s, 0, "Testing: sleep this long after each image");
+DEFINE_int32(threads, 0, "CPU threads for compute (0: one per core)");
+
+int main(int argc, char** argv) {
+  lorapipe::keep_freed_memory_for_reuse();
+  gflags::SetUsageMessage(
+      "renders sample images for LoRA checkpoints\n"
+      "  lorapipe-sampler --pretrained_model_name_or_path=MODEL --sample_prompts=FILE "
+      "--output_dir=OUT --lora=FILE[:multiplier]\n"
+      "  lorapipe-sampler --pretrained_model_name_or_path=MODEL --sample_prompts=FILE "
+      "--output_dir=OUT --sub=TRAINER_PUB_ENDPOINT");
+  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  namespace s = lorapipe::sampler;
+  try {
+    if (argc > 1) throw lorapipe::InputError(std::string("unexpected argument '") + argv[1] + "'");
+    s::SamplerOptions o;
+    o.model = FLAGS_pretrained_model_name_or_path.empty() ? FLAGS_model
+                                                          : FLAGS_pretrained_model_name_or_path;
+    o.tokenizer = FLAGS_tokenizer;
+    o.sample_prompts = FLAGS_sample_prompts;
+    o.output_dir = FLAGS_output_dir;
+    o.device = FLAGS_device;
+    o.sampler = FLAGS_sample_sampler;
+    o.v_prediction = FLAGS_v_parameterization;
+    o.clip_skip = FLAGS_clip_skip;
+    o.first_seed = FLAGS_seed;
+    o.sub_endpoint = FLAGS_sub;
+    o.pub_endpoint = FLAGS_pub;
+    o.idle_timeout_s = FLAGS_idle_timeout_s;
+    o.delay_per_image_s = FLAGS_delay_per_image_s;
+    o.threads = FLAGS_threads;
+    std::stringstream list(FLAGS_lora);
+    std::string item;
+    while (std::getline(list, item, ',')) {
+      if (item.empty()) continue;
+      double multiplier = 1.0;
+      const size_t colon = item.rfind(':');
+      if (colon != std::string::npos && colon + 1 < item.size() &&
+          item.find_first_not_of("0123456789.-", colon + 1) == std::string::npos) {
+        multiplier = std::stod(item.substr(colon + 1));
+        item = item.substr(0, colon);
+      }
+      o.loras.emplace_back(item, multiplier);
+    }
+    const s::SamplerSummary summary = s::run_sampler(o);
+    std::printf("sampler: %d checkpoints rendered, %d skipped, %d superseded; %d images\n",
+                summary.checkpoints_rendered, summary.checkpoints_skipped,
+                summary.checkpoints_superseded, summary.images);
+    return 0;
+  } catch (const std::exception& e) {
+    LP_LOG(kError, "sampler") << e.what();
+    return 2;
+  }
+}

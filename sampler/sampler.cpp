@@ -1,0 +1,314 @@
+#include "sampler/sampler.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <regex>
+#include <sstream>
+#include <thread>
+#include <vips/vips8>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "models/device.h"
+#include "models/pipeline.h"
+#include "models/safetensors.h"
+#include "proto/wire.h"
+#include "sampler/lora_merge.h"
+#include "sampler/prompts.h"
+#include "sampler/render.h"
+
+namespace lorapipe::sampler {
+namespace {
+
+namespace fs = std::filesystem;
+using vips::VImage;
+constexpr const char* kLog = "sampler";
+
+void start_vips() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (VIPS_INIT("lorapipe-sampler") != 0) {
+      throw Error("cannot start libvips: " + std::string(vips_error_buffer()));
+    }
+  });
+}
+
+// A1111's "parameters" text: what UIs and image viewers show for a generated image.
+std::string parameters_text(const RenderRequest& r, const std::string& model,
+                            const std::string& lora) {
+  std::ostringstream out;
+  out << r.prompt << "\n";
+  if (!r.negative_prompt.empty()) out << "Negative prompt: " << r.negative_prompt << "\n";
+  out << "Steps: " << r.steps << ", Sampler: " << r.sampler << ", CFG scale: " << r.cfg_scale
+      << ", Seed: " << r.seed << ", Size: " << r.width << "x" << r.height << ", Model: " << model;
+  if (!lora.empty()) out << ", Lora: " << lora;
+  return out.str();
+}
+
+VImage to_vips(const at::Tensor& image) {
+  const at::Tensor c = image.contiguous();
+  return VImage::new_from_memory(c.data_ptr(), static_cast<size_t>(c.numel()),
+                                 static_cast<int>(c.size(1)), static_cast<int>(c.size(0)), 3,
+                                 VIPS_FORMAT_UCHAR)
+      .copy_memory();
+}
+
+// PNG with the parameters in a tEXt chunk (libvips writes "png-comment-N-KEY" fields as text
+// chunks), to a temporary name, then renamed.
+void write_png(const fs::path& path, VImage image, const std::string& parameters) {
+  image.set("png-comment-0-parameters", parameters.c_str());
+  const fs::path tmp = path.string() + ".tmp.png";
+  image.pngsave(tmp.string().c_str());
+  fs::rename(tmp, path);
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  std::ofstream(tmp) << text;
+  fs::rename(tmp, path);
+}
+
+// The gallery: a page that reads samples.json every two seconds and shows checkpoints (rows,
+// newest first) by prompts (columns); new images appear without a reload.
+constexpr const char* kGallery = R"html(<!doctype html>
+<html><head><meta charset="utf-8"><title>lorapipe samples</title>
+<style>
+body{font-family:sans-serif;background:#111;color:#ddd;margin:1em}
+table{border-collapse:collapse}td,th{padding:4px;vertical-align:top}
+img{max-width:256px;display:block}.prompt{font-size:12px;max-width:256px}
+</style></head><body>
+<h1>lorapipe samples</h1><p id="status">loading…</p><table id="grid"></table>
+<script>
+async function refresh(){
+  try{
+    const r=await fetch('samples.json?'+Date.now());const data=await r.json();
+    const grid=document.getElementById('grid');grid.innerHTML='';
+    const head=grid.insertRow();head.insertCell().textContent='step';
+    for(const p of data.prompts){const c=head.insertCell();c.className='prompt';c.textContent=p;}
+    for(const ck of [...data.checkpoints].reverse()){
+      const row=grid.insertRow();row.id='step-'+ck.step;row.insertCell().textContent=ck.step;
+      for(const img of ck.images){const c=row.insertCell();const i=document.createElement('img');
+        i.src=img+'?'+ck.step;i.alt=img;c.appendChild(i);}
+    }
+    document.getElementById('status').textContent=data.checkpoints.length+' checkpoints';
+  }catch(e){document.getElementById('status').textContent='waiting for samples';}
+}
+refresh();setInterval(refresh,2000);
+</script></body></html>
+)html";
+
+std::string run_name(const fs::path& lora) {
+  // NAME-step00000100 / NAME-000002 / NAME: the run's output name.
+  static const std::regex suffix("(-step[0-9]+|-[0-9]{6})$");
+  return std::regex_replace(lora.stem().string(), suffix, "");
+}
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplerOptions& options) : o_(options) {
+    start_vips();
+    models::LoadOptions load;
+    load.device = models::resolve_device(o_.device);
+    load.tokenizer = o_.tokenizer;
+    model_ = models::load_stable_diffusion(o_.model, load);
+    PromptDefaults defaults;
+    defaults.sampler = o_.sampler;
+    defaults.first_seed = o_.first_seed;
+    (void)scheduler_options(o_.sampler, false);  // an unknown --sampler fails now
+    prompts_ = load_prompts(o_.sample_prompts, defaults);
+    for (const std::string& problem : prompts_.problems) {
+      LP_LOG(kWarning, kLog) << "skipped " << problem;
+    }
+    if (prompts_.prompts.empty()) {
+      throw InputError(o_.sample_prompts.string() + ": no prompt could be read");
+    }
+    fs::create_directories(o_.output_dir / "samples");
+    write_text(o_.output_dir / "samples" / "index.html", kGallery);
+    LP_LOG(kInfo, kLog) << "model " << model_.source << " on "
+                        << models::describe_device(load.device) << "; " << prompts_.prompts.size()
+                        << " prompts from " << o_.sample_prompts.string();
+  }
+
+  // Renders every prompt with `loras` merged; false (reported) when it cannot.
+  bool render_checkpoint(const std::vector<std::pair<fs::path, double>>& loras, uint64_t step,
+                         const std::string& name) {
+    std::vector<std::unique_ptr<MergedLora>> merged;
+    std::vector<std::string> images;
+    std::vector<VImage> tiles;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      std::string lora_names;
+      for (const auto& [file, multiplier] : loras) {
+        merged.push_back(std::make_unique<MergedLora>(model_, file, multiplier));
+        lora_names += (lora_names.empty() ? "" : " ") + file.stem().string() + ":" +
+                      std::to_string(multiplier).substr(0, 4);
+      }
+      RenderOptions render_options;
+      render_options.v_prediction = o_.v_prediction;
+      render_options.clip_skip = o_.clip_skip;
+      for (size_t i = 0; i < prompts_.prompts.size(); ++i) {
+        const RenderRequest& r = prompts_.prompts[i];
+        const RenderResult result = render(model_, r, render_options);
+        char file_name[64];
+        std::snprintf(file_name, sizeof file_name, "_%06llu_%02zu.png",
+                      static_cast<unsigned long long>(step), i);
+        const fs::path path = o_.output_dir / "samples" / (name + file_name);
+        VImage image = to_vips(result.image);
+        write_png(path, image, parameters_text(r, model_.source, lora_names));
+        images.push_back(path.filename().string());
+        tiles.push_back(image);
+        if (o_.delay_per_image_s > 0) {
+          std::this_thread::sleep_for(std::chrono::duration<double>(o_.delay_per_image_s));
+        }
+      }
+    } catch (const InputError& e) {
+      LP_LOG(kError, kLog) << "step " << step << " not rendered: " << e.what();
+      return false;
+    } catch (const c10::OutOfMemoryError& e) {
+      LP_LOG(kError, kLog) << "step " << step << " not rendered: out of memory on the device ("
+                           << e.what_without_backtrace() << ")";
+      return false;
+    }
+    merged.clear();  // restore the base before anything else can fail
+    char sheet_name[64];
+    std::snprintf(sheet_name, sizeof sheet_name, "_%06llu_sheet.png",
+                  static_cast<unsigned long long>(step));
+    const fs::path sheet = o_.output_dir / "samples" / (name + sheet_name);
+    write_png(sheet, VImage::arrayjoin(tiles, VImage::option()->set("across", 4)->set("shim", 4)),
+              "contact sheet, step " + std::to_string(step));
+    checkpoints_.push_back(
+        {{"step", step}, {"name", name}, {"images", images}, {"sheet", sheet.filename().string()}});
+    nlohmann::json index{{"checkpoints", checkpoints_}, {"prompts", nlohmann::json::array()}};
+    for (const RenderRequest& r : prompts_.prompts) index["prompts"].push_back(r.prompt);
+    write_text(o_.output_dir / "samples" / "samples.json", index.dump(1));
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    LP_LOG(kInfo, kLog) << "step " << step << ": " << images.size() << " images in " << seconds
+                        << " s (" << seconds / images.size() << " s per image)";
+    summary_.images += static_cast<int>(images.size());
+    summary_.steps_rendered.push_back(step);
+    last_paths_.clear();
+    for (const std::string& image : images) {
+      last_paths_.push_back(fs::absolute(o_.output_dir / "samples" / image).string());
+    }
+    last_sheet_ = fs::absolute(sheet).string();
+    return true;
+  }
+
+  SamplerSummary one_shot() {
+    std::string name = o_.loras.empty() ? "base" : run_name(o_.loras.front().first);
+    uint64_t step = 0;
+    if (!o_.loras.empty()) {
+      // kohya writes the step count into the file's metadata.
+      try {
+        const auto meta = models::SafetensorsFile::open(o_.loras.front().first).metadata();
+        if (auto it = meta.find("ss_steps"); it != meta.end()) step = std::stoull(it->second);
+      } catch (const std::exception&) {
+      }
+    }
+    if (render_checkpoint(o_.loras, step, name)) {
+      ++summary_.checkpoints_rendered;
+    } else {
+      throw InputError("nothing rendered: see the error above");
+    }
+    return summary_;
+  }
+
+  SamplerSummary follow() {
+    zmq::context_t context;
+    zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub);
+    sub.set(zmq::sockopt::subscribe, wire::type_name(wire::CheckpointReady()));
+    sub.connect(o_.sub_endpoint);
+    std::optional<zmq::socket_t> pub;
+    if (!o_.pub_endpoint.empty()) {
+      pub.emplace(wire::make_socket(context, zmq::socket_type::pub));
+      pub->bind(o_.pub_endpoint);
+    }
+    LP_LOG(kInfo, kLog) << "following " << o_.sub_endpoint;
+    auto last_event = std::chrono::steady_clock::now();
+    while (true) {
+      // The newest announced checkpoint: wait for one, then take everything queued.
+      std::optional<wire::CheckpointReady> newest;
+      auto take = [&](const wire::Received& received) {
+        const auto* event = received.as<wire::CheckpointReady>();
+        if (event == nullptr) return;
+        if (newest) ++summary_.checkpoints_superseded;
+        if (!newest || event->step() >= newest->step() || event->final()) newest = *event;
+      };
+      take(wire::receive(sub, std::chrono::milliseconds(500)));
+      while (newest) {
+        const wire::Received more = wire::receive(sub, std::chrono::milliseconds(0));
+        if (more.status == wire::ReceiveStatus::kTimeout) break;
+        take(more);
+      }
+      if (!newest) {
+        const double idle =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - last_event).count();
+        if (o_.idle_timeout_s > 0 && idle > o_.idle_timeout_s) {
+          LP_LOG(kInfo, kLog) << "no checkpoint for " << idle << " s: stopping";
+          return summary_;
+        }
+        continue;
+      }
+      last_event = std::chrono::steady_clock::now();
+      if (rendered_any_ && newest->step() <= last_step_ && !newest->final()) {
+        continue;  // announced again, or older than what is already rendered
+      }
+      const fs::path path = newest->path();
+      rendered_any_ = true;
+      last_step_ = newest->step();
+      if (render_checkpoint({{path, 1.0}}, newest->step(), run_name(path))) {
+        ++summary_.checkpoints_rendered;
+        if (pub) {
+          wire::SampleReady ready;
+          ready.set_run_id(newest->run_id());
+          ready.set_step(newest->step());
+          for (const std::string& p : last_paths_) ready.add_image_paths(p);
+          ready.set_contact_sheet(last_sheet_);
+          ready.set_gallery(fs::absolute(o_.output_dir / "samples" / "index.html").string());
+          (void)wire::send(*pub, ready);
+        }
+      } else {
+        ++summary_.checkpoints_skipped;
+      }
+      if (newest->final()) {
+        LP_LOG(kInfo, kLog) << "rendered the run's final checkpoint: done";
+        return summary_;
+      }
+    }
+  }
+
+ private:
+  SamplerOptions o_;
+  models::StableDiffusion model_;
+  PromptSet prompts_;
+  SamplerSummary summary_;
+  nlohmann::json checkpoints_ = nlohmann::json::array();
+  std::vector<std::string> last_paths_;
+  std::string last_sheet_;
+  bool rendered_any_ = false;
+  uint64_t last_step_ = 0;
+};
+
+}  // namespace
+
+SamplerSummary run_sampler(const SamplerOptions& options) {
+  if (options.model.empty()) throw InputError("--pretrained_model_name_or_path is required");
+  if (options.sample_prompts.empty()) throw InputError("--sample_prompts is required");
+  if (options.output_dir.empty()) throw InputError("--output_dir is required");
+  if (options.sub_endpoint.empty() && options.loras.empty()) {
+    LP_LOG(kInfo, kLog) << "no --sub and no --lora: rendering the base model";
+  }
+  torch::NoGradGuard no_grad;
+  if (options.threads > 0) torch::set_num_threads(options.threads);
+  Sampler sampler(options);
+  return options.sub_endpoint.empty() ? sampler.one_shot() : sampler.follow();
+}
+
+}  // namespace lorapipe::sampler

@@ -1,0 +1,55 @@
+#pragma once
+// lorapipe-sampler, the stage: keeps the base model loaded and renders the prompt set for a LoRA
+// (one shot) or for each checkpoint a training run announces (following its PUB socket), into
+// OUT/samples/: one PNG per prompt (NAME_<step>_<idx>.png, prompt and settings in A1111's
+// `parameters` text chunk), a contact sheet per checkpoint (NAME_<step>_sheet.png), and
+// index.html, a gallery that picks up new images as they arrive.
+//
+// Following a run: SUB to the trainer's CheckpointReady. Before each render every queued event is
+// read and only the newest kept, so a slow sampler skips stale checkpoints instead of queuing
+// them; the run's final checkpoint is always rendered, and then the sampler exits. A checkpoint
+// that cannot be rendered (a half-written or corrupt file, a LoRA for another model, the device
+// out of memory) is reported and skipped; the sampler keeps serving and the trainer never waits.
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace lorapipe::sampler {
+
+struct SamplerOptions {
+  std::filesystem::path model;
+  std::filesystem::path tokenizer;
+  std::filesystem::path sample_prompts;
+  std::filesystem::path output_dir;
+  std::string device = "auto";
+  std::string sampler = "ddim";  // for prompts without --ss
+  bool v_prediction = false;
+  int clip_skip = 1;
+  int64_t first_seed = 1234;
+  // One shot: these LoRAs (file, multiplier), merged together.
+  std::vector<std::pair<std::filesystem::path, double>> loras;
+  // Following: the trainer's PUB endpoint; and our own PUB for SampleReady.
+  std::string sub_endpoint;
+  std::string pub_endpoint;
+  // Following: give up after this long without any checkpoint (0: wait forever).
+  double idle_timeout_s = 0;
+  // Tests: sleep this long after each image (a slow sampler).
+  double delay_per_image_s = 0;
+  int threads = 0;  // CPU threads for compute (0: one per core)
+};
+
+struct SamplerSummary {
+  int checkpoints_rendered = 0;
+  int checkpoints_skipped = 0;     // could not be rendered (reported)
+  int checkpoints_superseded = 0;  // a newer one came first
+  int images = 0;
+  std::vector<uint64_t> steps_rendered;
+};
+
+// Throws InputError for a bad model, prompt file or flag before anything is rendered.
+SamplerSummary run_sampler(const SamplerOptions& options);
+
+}  // namespace lorapipe::sampler

@@ -1,0 +1,185 @@
+// lorapipe-sampler as a real process: one shot on a LoRA file, and following a "trainer" (this
+// test's own PUB socket, real ZeroMQ) that announces checkpoints faster than a slow sampler
+// renders them. Images are read back with libvips (PNG text chunk included).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+#include <vips/vips8>
+
+#include "models/pipeline.h"
+#include "models/safetensors.h"
+#include "models/tiny.h"
+#include "proto/wire.h"
+#include "tests/process_util.h"
+
+namespace lorapipe {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::read_text;
+using testing::spawn;
+using testing::wait_exit;
+
+// A random kohya-format LoRA over every layer kohya adapts in `model` (UNet and text encoder).
+void write_random_lora(const models::StableDiffusion& model, const fs::path& path, uint64_t seed,
+                       int64_t rank = 4) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  std::vector<torch::Tensor> keep;
+  std::vector<models::TensorToWrite> out;
+  auto add = [&](const std::string& name, torch::Tensor t) {
+    keep.push_back(t.contiguous());
+    out.push_back(
+        {name, models::Dtype::kF32, keep.back().sizes().vec(),
+         std::string_view(static_cast<const char*>(keep.back().data_ptr()), keep.back().nbytes())});
+  };
+  for (const models::LoraTarget& t : model.lora_targets(/*text_encoder=*/true, false)) {
+    const auto& w = t.weight();
+    std::vector<int64_t> down_shape{rank}, up_shape{w.size(0), rank};
+    for (int64_t d = 1; d < w.dim(); ++d) down_shape.push_back(w.size(d));
+    for (int64_t d = 2; d < w.dim(); ++d) up_shape.push_back(1);
+    add(t.name + ".lora_down.weight", torch::randn(down_shape, gen) * 0.2);
+    add(t.name + ".lora_up.weight", torch::randn(up_shape, gen) * 0.2);
+    add(t.name + ".alpha", torch::tensor(static_cast<float>(rank)));
+  }
+  models::write_safetensors(path, out, {{"ss_steps", "40"}});
+}
+
+class SamplerRun : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (VIPS_INIT("sampler_run_test") != 0) FAIL() << "libvips";
+    dir_ = fs::temp_directory_path() / ("lorapipe-sampler-run-" + std::to_string(getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    tiny_ = models::write_tiny_checkpoint(dir_ / "model", /*seed=*/4);
+    const models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+    for (int step : {10, 20, 30, 50}) {
+      write_random_lora(
+          model, dir_ / ("run-step" + std::to_string(100000 + step).substr(1) + ".safetensors"),
+          step);
+    }
+    write_random_lora(model, dir_ / "one.safetensors", 1);
+    std::ofstream(dir_ / "prompts.txt") << "# two prompts\n"
+                                        << "a red circle --w 64 --h 64 --s 4 --d 7\n"
+                                        << "a blue square --n blurry --w 85 --h 64 --s 4 "
+                                           "--ss euler_a\n"
+                                        << "broken --w wide\n";
+  }
+  static void TearDownTestSuite() {
+    if (!std::getenv("LORAPIPE_KEEP")) fs::remove_all(dir_);
+  }
+  void SetUp() override {
+    work_ = dir_ / ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    fs::remove_all(work_);
+    fs::create_directories(work_);
+  }
+  std::vector<std::string> args(std::vector<std::string> extra) const {
+    std::vector<std::string> a{LORAPIPE_SAMPLER_BIN,
+                               "--pretrained_model_name_or_path=" + tiny_.diffusers.string(),
+                               "--sample_prompts=" + (dir_ / "prompts.txt").string(),
+                               "--output_dir=" + work_.string(),
+                               "--device=cpu",
+                               "--threads=1"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  }
+
+  static fs::path dir_;
+  static models::TinyCheckpoint tiny_;
+  fs::path work_;
+};
+fs::path SamplerRun::dir_;
+models::TinyCheckpoint SamplerRun::tiny_;
+
+TEST_F(SamplerRun, OneShotWritesImagesSheetAndGallery) {
+  const pid_t pid = spawn(args({"--lora=" + (dir_ / "one.safetensors").string() + ":0.7"}),
+                          work_ / "out", work_ / "err");
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");
+  const std::string err = read_text(work_ / "err");
+  EXPECT_NE(err.find("prompts.txt:4: --w wants a whole number"), std::string::npos) << err;
+  const fs::path samples = work_ / "samples";
+  // NAME_<step>_<idx>.png, the step from the file's ss_steps.
+  vips::VImage a = vips::VImage::new_from_file((samples / "one_000040_00.png").c_str());
+  vips::VImage b = vips::VImage::new_from_file((samples / "one_000040_01.png").c_str());
+  EXPECT_EQ(a.width(), 64);
+  EXPECT_EQ(b.width(), 80) << "85 rounded down to a multiple of 8";
+  const std::string parameters = a.get_string("png-comment-0-parameters");
+  EXPECT_NE(parameters.find("a red circle\nSteps: 4, Sampler: ddim, CFG scale: 7.5, Seed: 7, "
+                            "Size: 64x64"),
+            std::string::npos)
+      << parameters;
+  EXPECT_NE(parameters.find("Lora: one:0.70"), std::string::npos) << parameters;
+  EXPECT_NE(std::string(b.get_string("png-comment-0-parameters")).find("Negative prompt: blurry"),
+            std::string::npos);
+  EXPECT_TRUE(fs::exists(samples / "one_000040_sheet.png"));
+  EXPECT_TRUE(fs::exists(samples / "index.html"));
+  const auto index = nlohmann::json::parse(read_text(samples / "samples.json"));
+  ASSERT_EQ(index["checkpoints"].size(), 1u);
+  EXPECT_EQ(index["checkpoints"][0]["images"].size(), 2u);
+}
+
+// The trainer announces 10; while the sampler (1 s per image) renders it, 20, 30, a corrupt 40
+// and then the final 50 arrive. Newest wins: 20 and 30 are never rendered, the corrupt one is
+// reported by name and skipped, the final one is rendered, and the sampler exits 0.
+TEST_F(SamplerRun, FollowsARunRenderingOnlyTheNewestAndTheFinal) {
+  zmq::context_t context;
+  zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
+  const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
+  pub.bind(endpoint);
+  const pid_t pid =
+      spawn(args({"--sub=" + endpoint, "--delay_per_image_s=1", "--idle_timeout_s=60"}),
+            work_ / "out", work_ / "err");
+  auto announce = [&](int step, const fs::path& file, bool final = false) {
+    wire::CheckpointReady event;
+    event.set_run_id("test");
+    event.set_path(file.string());
+    event.set_step(static_cast<uint64_t>(step));
+    event.set_final(final);
+    ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
+  };
+  auto step_file = [&](int step) {
+    return dir_ / ("run-step" + std::to_string(100000 + step).substr(1) + ".safetensors");
+  };
+  const fs::path first = work_ / "samples" / "run_000010_00.png";
+  // Until the subscription is up (ZeroMQ drops what a PUB sends before), announce 10 again.
+  for (int i = 0; i < 600 && !fs::exists(first); ++i) {
+    announce(10, step_file(10));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(fs::exists(first)) << read_text(work_ / "err");
+  announce(20, step_file(20));
+  announce(30, step_file(30));
+  const fs::path corrupt = work_ / "run-step00040.safetensors";
+  std::ofstream(corrupt) << "not a safetensors file";
+  announce(40, corrupt);
+  // The final one after the sampler has picked up 40 (it is still on 10's second image).
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const pid_t status_pid = pid;
+  for (int i = 0;
+       i < 100 && read_text(work_ / "err").find("step 40 not rendered") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  announce(50, step_file(50), /*final=*/true);
+  const int exit_code = wait_exit(status_pid);
+  const std::string err = read_text(work_ / "err");
+  ASSERT_EQ(exit_code, 0) << err;
+  EXPECT_NE(err.find("step 40 not rendered"), std::string::npos) << err;
+  EXPECT_NE(err.find(corrupt.string()), std::string::npos) << "the bad file is named: " << err;
+  EXPECT_TRUE(fs::exists(work_ / "samples" / "run_000050_00.png")) << err;
+  EXPECT_FALSE(fs::exists(work_ / "samples" / "run_000020_00.png")) << "stale 20 was rendered";
+  EXPECT_FALSE(fs::exists(work_ / "samples" / "run_000030_00.png")) << "stale 30 was rendered";
+  const std::string out = read_text(work_ / "out");
+  EXPECT_NE(out.find("2 checkpoints rendered, 1 skipped"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace lorapipe
