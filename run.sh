@@ -38,12 +38,28 @@ wait "${cacher_pid}"
 trap - EXIT
 
 echo
-echo "== trainer: a rank-8 LoRA on the cached demo dataset =="
+echo "== trainer: a rank-8 LoRA on the cached demo dataset; the sampler renders its checkpoints =="
+prompts="${run_dir}/prompts.txt"
+mkdir -p "${run_dir}"
+cat >"${prompts}" <<'PROMPTS'
+# kohya's prompt syntax: --n negative, --w/--h size, --d seed, --s steps, --l CFG, --ss sampler
+a photo of a red circle --w 128 --h 128 --d 1 --s 20
+a photo of a blue square --n blurry --w 128 --h 128 --d 2 --s 20 --ss euler_a
+PROMPTS
+trainer_pub="ipc://${run_dir}/trainer-pub.sock"
+build/bin/lorapipe-sampler --pretrained_model_name_or_path="${model_dir}/tiny-sd15.safetensors" \
+  --tokenizer="${model_dir}/tiny-sd15-tokenizer" --sample_prompts="${prompts}" \
+  --output_dir="${run_dir}" --sub="${trainer_pub}" --idle_timeout_s=300 --device=cpu &
+sampler_pid=$!
+trap 'kill "${sampler_pid}" 2>/dev/null || true' EXIT
 build/bin/lorapipe-trainer --pretrained_model_name_or_path="${model_dir}/tiny-sd15.safetensors" \
   --tokenizer="${model_dir}/tiny-sd15-tokenizer" --dataset_id=demo --output_dir="${run_dir}" \
   --output_name=demo --max_train_steps=100 --train_batch_size=4 --network_dim=8 \
   --network_alpha=8 --learning_rate=1e-3 --lr_scheduler=cosine --lr_warmup_steps=0.05 \
-  --validation_split=0.2 --save_every_n_steps=50 --save_state --device=cpu
+  --validation_split=0.2 --save_every_n_steps=50 --save_state --device=cpu --pub="${trainer_pub}"
+wait "${sampler_pid}"
+trap - EXIT
 echo
-echo "The LoRA is ${run_dir}/lora/demo.safetensors; TensorBoard events are in ${run_dir}/tensorboard."
-echo "The sampler and the lorapipe launcher come next."
+echo "The LoRA is ${run_dir}/lora/demo.safetensors; samples and the gallery (index.html) are in"
+echo "${run_dir}/samples; TensorBoard events are in ${run_dir}/tensorboard."
+echo "The lorapipe launcher comes next."

@@ -180,7 +180,11 @@ class Sampler {
     std::snprintf(sheet_name, sizeof sheet_name, "_%06llu_sheet.png",
                   static_cast<unsigned long long>(step));
     const fs::path sheet = o_.output_dir / "samples" / (name + sheet_name);
-    write_png(sheet, VImage::arrayjoin(tiles, VImage::option()->set("across", 4)->set("shim", 4)),
+    write_png(sheet,
+              VImage::arrayjoin(
+                  tiles, VImage::option()
+                             ->set("across", static_cast<int>(std::min<size_t>(4, tiles.size())))
+                             ->set("shim", 4)),
               "contact sheet, step " + std::to_string(step));
     checkpoints_.push_back(
         {{"step", step}, {"name", name}, {"images", images}, {"sheet", sheet.filename().string()}});
