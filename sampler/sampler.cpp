@@ -130,6 +130,19 @@ class Sampler {
     }
     fs::create_directories(o_.output_dir / "samples");
     write_text(o_.output_dir / "samples" / "index.html", kGallery);
+    // A restarted sampler adds to the gallery of the one before.
+    const fs::path index = o_.output_dir / "samples" / "samples.json";
+    if (fs::exists(index)) {
+      try {
+        std::ifstream in(index);
+        const nlohmann::json old = nlohmann::json::parse(in);
+        if (old.contains("checkpoints") && old["checkpoints"].is_array()) {
+          checkpoints_ = old["checkpoints"];
+        }
+      } catch (const nlohmann::json::exception& e) {
+        LP_LOG(kWarning, kLog) << index.string() << " unreadable, starting a new one: " << e.what();
+      }
+    }
     LP_LOG(kInfo, kLog) << "model " << model_.source << " on "
                         << models::describe_device(load.device) << "; " << prompts_.prompts.size()
                         << " prompts from " << o_.sample_prompts.string();

@@ -181,5 +181,49 @@ TEST_F(SamplerRun, FollowsARunRenderingOnlyTheNewestAndTheFinal) {
   EXPECT_NE(out.find("2 checkpoints rendered, 1 skipped"), std::string::npos) << out;
 }
 
+// Killed with -9 after rendering step 10 and started again: it renders the newest checkpoint the
+// trainer announces (the trainer repeats its newest CheckpointReady, --checkpoint_reannounce_s;
+// here the test does), then the final one.
+TEST_F(SamplerRun, RestartedAfterKillNineRendersTheNewest) {
+  zmq::context_t context;
+  zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
+  const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
+  pub.bind(endpoint);
+  auto announce = [&](int step, bool final = false) {
+    wire::CheckpointReady event;
+    event.set_run_id("test");
+    event.set_path(
+        (dir_ / ("run-step" + std::to_string(100000 + step).substr(1) + ".safetensors")).string());
+    event.set_step(static_cast<uint64_t>(step));
+    event.set_final(final);
+    ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
+  };
+  auto until_rendered = [&](int step) {
+    char name[32];
+    std::snprintf(name, sizeof name, "run_%06d_01.png", step);
+    for (int i = 0; i < 600 && !fs::exists(work_ / "samples" / name); ++i) {
+      announce(step);
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return fs::exists(work_ / "samples" / name);
+  };
+  const std::vector<std::string> follow = args({"--sub=" + endpoint, "--idle_timeout_s=60"});
+  const pid_t first = spawn(follow, work_ / "out1", work_ / "err1");
+  ASSERT_TRUE(until_rendered(10)) << read_text(work_ / "err1");
+  ::kill(first, SIGKILL);
+  EXPECT_EQ(wait_exit(first), 128 + SIGKILL);
+  announce(20);  // nobody listens: lost, as a real trainer's would be
+  const pid_t second = spawn(follow, work_ / "out2", work_ / "err2");
+  ASSERT_TRUE(until_rendered(20)) << read_text(work_ / "err2");
+  announce(50, /*final=*/true);
+  ASSERT_EQ(wait_exit(second), 0) << read_text(work_ / "err2");
+  EXPECT_TRUE(fs::exists(work_ / "samples" / "run_000050_00.png")) << read_text(work_ / "err2");
+  // The gallery keeps what the first process rendered.
+  const auto index = nlohmann::json::parse(read_text(work_ / "samples" / "samples.json"));
+  std::vector<uint64_t> steps;
+  for (const auto& c : index["checkpoints"]) steps.push_back(c["step"].get<uint64_t>());
+  EXPECT_EQ(steps, (std::vector<uint64_t>{10, 20, 50}));
+}
+
 }  // namespace
 }  // namespace lorapipe

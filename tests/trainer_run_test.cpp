@@ -8,9 +8,10 @@
 
 #include <chrono>
 #include <cmath>
-#include <set>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <thread>
 
 #include "cacher/store.h"
@@ -48,19 +49,18 @@ class TrainRunTest : public ::testing::Test {
     fs::create_directories(dir_);
     tiny_ = models::write_tiny_checkpoint(dir_ / "model", /*seed=*/3);
     preprocess::write_demo_dataset(dir_ / "data");
-    const pid_t cacher = spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
-                                "--cache_dir=" + (dir_ / "cache").string(),
-                                "--pull=ipc://" + (dir_ / "pull.sock").string(),
-                                "--rep=ipc://" + (dir_ / "rep.sock").string(),
-                                "--idle_timeout_s=120"},
-                               dir_ / "cacher.out", dir_ / "cacher.err");
-    const pid_t pre = spawn({LORAPIPE_PREPROCESS_BIN, "--data_dir=" + (dir_ / "data").string(),
-                             std::string("--dataset_id=") + kDataset, "--resolution=128",
-                             "--min_bucket_reso=64", "--max_bucket_reso=256",
-                             "--push=ipc://" + (dir_ / "pull.sock").string(),
-                             "--request=ipc://" + (dir_ / "rep.sock").string(),
-                             "--timeout_ms=20000"},
-                            dir_ / "pre.out", dir_ / "pre.err");
+    const pid_t cacher =
+        spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
+               "--cache_dir=" + (dir_ / "cache").string(),
+               "--pull=ipc://" + (dir_ / "pull.sock").string(),
+               "--rep=ipc://" + (dir_ / "rep.sock").string(), "--idle_timeout_s=120"},
+              dir_ / "cacher.out", dir_ / "cacher.err");
+    const pid_t pre =
+        spawn({LORAPIPE_PREPROCESS_BIN, "--data_dir=" + (dir_ / "data").string(),
+               std::string("--dataset_id=") + kDataset, "--resolution=128", "--min_bucket_reso=64",
+               "--max_bucket_reso=256", "--push=ipc://" + (dir_ / "pull.sock").string(),
+               "--request=ipc://" + (dir_ / "rep.sock").string(), "--timeout_ms=20000"},
+              dir_ / "pre.out", dir_ / "pre.err");
     ASSERT_EQ(wait_exit(pre), 0) << read_text(dir_ / "pre.err");
     ASSERT_EQ(wait_exit(cacher), 0) << read_text(dir_ / "cacher.err");
   }
@@ -146,7 +146,9 @@ TEST_F(TrainRunTest, LearnsAndIsDeterministic) {
   const TrainRun b = run(work_ / "b", extra);
   ASSERT_EQ(b.exit, 0) << b.err;
   std::smatch m;
-  ASSERT_TRUE(std::regex_search(a.out, m, std::regex(R"(validation loss: ([0-9.]+) at the start, ([0-9.]+) at the end)"))) << a.out;
+  ASSERT_TRUE(std::regex_search(
+      a.out, m, std::regex(R"(validation loss: ([0-9.]+) at the start, ([0-9.]+) at the end)")))
+      << a.out;
   const double first = std::stod(m[1]), last = std::stod(m[2]);
   std::printf("[learn] validation loss %.5f -> %.5f (%.1f%% lower)\n", first, last,
               100 * (1 - last / first));
@@ -154,15 +156,19 @@ TEST_F(TrainRunTest, LearnsAndIsDeterministic) {
   const auto la = losses(a.err), lb = losses(b.err);
   ASSERT_EQ(la.size(), 60u) << a.err;
   EXPECT_EQ(la, lb);
-  expect_identical(work_ / "a" / "lora" / "tiny.safetensors", work_ / "b" / "lora" / "tiny.safetensors");
+  expect_identical(work_ / "a" / "lora" / "tiny.safetensors",
+                   work_ / "b" / "lora" / "tiny.safetensors");
 }
 
 // N steps straight against N/2, kill -9, resume, N/2 more: bit-identical LoRA weights.
 void TrainRunTest::expect_resume_bit_exact(const std::vector<std::string>& extra) const {
   const fs::path& work = work_;
-  std::vector<std::string> common{"--max_train_steps=40", "--train_batch_size=2",
-                                  "--lr_scheduler=cosine", "--lr_warmup_steps=4",
-                                  "--gradient_accumulation_steps=2", "--network_dropout=0.1",
+  std::vector<std::string> common{"--max_train_steps=40",
+                                  "--train_batch_size=2",
+                                  "--lr_scheduler=cosine",
+                                  "--lr_warmup_steps=4",
+                                  "--gradient_accumulation_steps=2",
+                                  "--network_dropout=0.1",
                                   "--noise_offset=0.05"};
   common.insert(common.end(), extra.begin(), extra.end());
   const TrainRun straight = run(work / "straight", common);
@@ -172,8 +178,7 @@ void TrainRunTest::expect_resume_bit_exact(const std::vector<std::string>& extra
   fs::create_directories(killed);
   auto with = common;
   with.insert(with.end(), {"--save_every_n_steps=20", "--save_state"});
-  const pid_t pid = spawn(args(killed, with), killed / "trainer.out",
-                          killed / "trainer.err");
+  const pid_t pid = spawn(args(killed, with), killed / "trainer.out", killed / "trainer.err");
   const fs::path state = killed / "state" / "tiny-step00000020";
   for (int i = 0; i < 60000 && !fs::exists(state / "trainer.json"); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -219,13 +224,17 @@ TEST_F(AdamW8bitTrainRun, LearnsLikeAdamW) {
     const TrainRun r = run(work_ / (i == 0 ? "adamw" : "adamw8bit"), i == 0 ? common : eight);
     ASSERT_EQ(r.exit, 0) << r.err;
     std::smatch m;
-    ASSERT_TRUE(std::regex_search(r.out, m, std::regex(R"(validation loss: ([0-9.]+) at the start, ([0-9.]+) at the end)"))) << r.out;
+    ASSERT_TRUE(std::regex_search(
+        r.out, m, std::regex(R"(validation loss: ([0-9.]+) at the start, ([0-9.]+) at the end)")))
+        << r.out;
     first[i] = std::stod(m[1]);
     last[i] = std::stod(m[2]);
   }
   const double drop = first[0] - last[0], drop8 = first[1] - last[1];
-  std::printf("[learn] validation loss AdamW %.5f -> %.5f, AdamW8bit %.5f -> %.5f (%.1f%% of "
-              "AdamW's drop)\n", first[0], last[0], first[1], last[1], 100 * drop8 / drop);
+  std::printf(
+      "[learn] validation loss AdamW %.5f -> %.5f, AdamW8bit %.5f -> %.5f (%.1f%% of "
+      "AdamW's drop)\n",
+      first[0], last[0], first[1], last[1], 100 * drop8 / drop);
   EXPECT_EQ(first[0], first[1]) << "same start";
   EXPECT_GT(drop, 0);
   EXPECT_GE(drop8, 0.8 * drop);
@@ -233,9 +242,9 @@ TEST_F(AdamW8bitTrainRun, LearnsLikeAdamW) {
 
 // Every key maps onto a module of the base model; shapes and metadata are kohya's.
 TEST_F(TrainRunTest, LoraFileIsKohyas) {
-  const TrainRun r = run(work_, {"--max_train_steps=4", "--save_precision=fp16",
-                                 "--learning_rate=1e-2", "--network_args", "conv_dim=2",
-                                 "conv_alpha=1"});
+  const TrainRun r =
+      run(work_, {"--max_train_steps=4", "--save_precision=fp16", "--learning_rate=1e-2",
+                  "--network_args", "conv_dim=2", "conv_alpha=1"});
   ASSERT_EQ(r.exit, 0) << r.err;
   const fs::path file = work_ / "lora" / "tiny.safetensors";
   const auto tensors = lora(file);
@@ -268,10 +277,10 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
   EXPECT_GT(conv_kxk, 0u);
   const auto file_info = models::SafetensorsFile::open(file);
   const auto& meta = file_info.metadata();
-  for (const char* key : {"ss_network_dim", "ss_network_alpha", "ss_network_module",
-                          "ss_network_args", "ss_learning_rate", "ss_optimizer", "ss_seed",
-                          "ss_num_train_images", "ss_bucket_info", "ss_steps",
-                          "ss_base_model_version", "sshs_model_hash", "modelspec.architecture"}) {
+  for (const char* key :
+       {"ss_network_dim", "ss_network_alpha", "ss_network_module", "ss_network_args",
+        "ss_learning_rate", "ss_optimizer", "ss_seed", "ss_num_train_images", "ss_bucket_info",
+        "ss_steps", "ss_base_model_version", "sshs_model_hash", "modelspec.architecture"}) {
     EXPECT_TRUE(meta.count(key)) << key;
   }
   EXPECT_EQ(meta.at("ss_network_dim"), "4");
@@ -307,8 +316,8 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
 }
 
 TEST_F(TrainRunTest, SavesNamedAsKohyaWithRetention) {
-  const TrainRun r = run(work_, {"--max_train_steps=6", "--save_every_n_steps=2",
-                                 "--save_last_n_steps=2"});
+  const TrainRun r =
+      run(work_, {"--max_train_steps=6", "--save_every_n_steps=2", "--save_last_n_steps=2"});
   ASSERT_EQ(r.exit, 0) << r.err;
   EXPECT_TRUE(fs::exists(work_ / "lora" / "tiny.safetensors"));
   EXPECT_TRUE(fs::exists(work_ / "lora" / "tiny-step00000004.safetensors"));
@@ -392,8 +401,8 @@ TEST_F(TrainRunTest, CheckpointWithMissingKeysIsRefused) {
     }
     models::write_safetensors(broken, keep, file.metadata());
   }
-  std::vector<std::string> a = args(work_, {"--max_train_steps=1",
-                                            "--tokenizer=" + tiny_.tokenizer.string()});
+  std::vector<std::string> a =
+      args(work_, {"--max_train_steps=1", "--tokenizer=" + tiny_.tokenizer.string()});
   a[1] = "--pretrained_model_name_or_path=" + broken.string();
   const pid_t pid = spawn(a, work_ / "out", work_ / "err");
   EXPECT_EQ(wait_exit(pid), 2);
@@ -411,6 +420,32 @@ TEST_F(TrainRunTest, NonFiniteLossesStopWithASavedState) {
   EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-state" / "trainer.json")) << r.err;
 }
 
+// A sampler that (re)starts mid-run hears of the newest checkpoint without waiting for the next
+// save: the trainer sends its newest CheckpointReady again every --checkpoint_reannounce_s.
+TEST_F(TrainRunTest, ReannouncesTheNewestCheckpointForLateSamplers) {
+  const std::string endpoint = "ipc://" + (work_ / "events.sock").string();
+  zmq::context_t context;
+  zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub);
+  sub.set(zmq::sockopt::subscribe, wire::type_name(wire::CheckpointReady()));
+  sub.connect(endpoint);
+  const pid_t pid = spawn(args(work_, {"--max_train_steps=40", "--save_every_n_steps=10",
+                                       "--checkpoint_reannounce_s=0", "--pub=" + endpoint}),
+                          work_ / "trainer.out", work_ / "trainer.err");
+  std::map<uint64_t, int> heard;
+  bool done = false;
+  for (int i = 0; i < 600 && !done; ++i) {
+    const wire::Received r = wire::receive(sub, std::chrono::milliseconds(100));
+    if (const auto* c = r.as<wire::CheckpointReady>()) {
+      ++heard[c->step()];
+      done = c->final();
+    }
+  }
+  EXPECT_EQ(wait_exit(pid), 0) << read_text(work_ / "trainer.err");
+  // With an interval of 0 every step after a save repeats it: 9 more times for 10, 20, 30.
+  EXPECT_GE(heard[20], 5) << "step 20 was announced " << heard[20] << " times";
+  EXPECT_EQ(heard[40], 1) << "the final save ends the run";
+}
+
 // Progress and checkpoint events over a real PUB socket: every step's TrainProgress and a
 // CheckpointReady per save whose sha256 is the file's.
 TEST_F(TrainRunTest, PublishesProgressAndCheckpoints) {
@@ -419,9 +454,9 @@ TEST_F(TrainRunTest, PublishesProgressAndCheckpoints) {
   zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub);
   sub.set(zmq::sockopt::subscribe, "");
   sub.connect(endpoint);
-  const pid_t pid = spawn(args(work_, {"--max_train_steps=30", "--save_every_n_steps=10",
-                                       "--pub=" + endpoint}),
-                          work_ / "trainer.out", work_ / "trainer.err");
+  const pid_t pid =
+      spawn(args(work_, {"--max_train_steps=30", "--save_every_n_steps=10", "--pub=" + endpoint}),
+            work_ / "trainer.out", work_ / "trainer.err");
   std::set<uint64_t> steps;
   std::vector<wire::CheckpointReady> checkpoints;
   bool done = false;
@@ -485,7 +520,8 @@ TEST_F(TrainRunTest, RemoteCacherThatGoesAwayIsWaitedFor) {
   wait_exit(cacher);
   const TrainRun local = run(work_ / "local", {"--max_train_steps=150"});
   ASSERT_EQ(local.exit, 0) << local.err;
-  expect_identical(work_ / "lora" / "tiny.safetensors", work_ / "local" / "lora" / "tiny.safetensors");
+  expect_identical(work_ / "lora" / "tiny.safetensors",
+                   work_ / "local" / "lora" / "tiny.safetensors");
 }
 
 // A cacher that stays away longer than --timeout_s: a clear message and exit 2, with a state
@@ -495,8 +531,8 @@ TEST_F(TrainRunTest, RemoteCacherGoneForGoodGivesUpWithAState) {
   const int port = 20000 + (getpid() + 7919) % 20000;
   const std::string rep = "tcp://127.0.0.1:" + std::to_string(port);
   const pid_t cacher = spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
-                              "--cache_dir=" + (dir_ / "cache").string(), "--serve",
-                              "--rep=" + rep, "--pull=ipc://" + (work_ / "pull").string()},
+                              "--cache_dir=" + (dir_ / "cache").string(), "--serve", "--rep=" + rep,
+                              "--pull=ipc://" + (work_ / "pull").string()},
                              work_ / "cacher.out", work_ / "cacher.err");
   const std::vector<std::string> common{"--max_train_steps=60", "--train_batch_size=2",
                                         "--gradient_accumulation_steps=2"};
@@ -548,6 +584,61 @@ TEST_F(TrainRunTest, MixedPrecisionLearnsLikeFp32) {
     }
   }
 }
+
+#ifdef LORAPIPE_SAMPLER_BIN
+// The trainer with a sampler following it (suite named for the sampler's promise).
+class SamplerWithTrainer : public TrainRunTest {};
+
+// A sampler that takes 10 s per image leaves the trainer's time unchanged: the trainer publishes
+// and never waits. Measured as the trainer's wall time with such a
+// sampler subscribed, against the same run with none, each twice and interleaved, the faster of
+// each pair compared (120 steps, a save every 10). Tolerance 1.3: the sampler's own work while the
+// trainer runs is one render of two 64x64 images in 4 steps (a fraction of a second of CPU on these
+// two shared cores) and then sleep; a trainer that waited on it even once would take 10 s more,
+// over twice its time.
+TEST_F(SamplerWithTrainer, SlowSamplerLeavesTheTrainersTimeUnchanged) {
+  std::ofstream(work_ / "prompts.txt") << "a red circle --w 64 --h 64 --s 4\n"
+                                       << "a blue square --w 64 --h 64 --s 4\n";
+  auto timed_run = [&](const std::string& tag, bool with_sampler) {
+    const fs::path out = work_ / tag;
+    fs::create_directories(out);
+    const std::string endpoint = "ipc://" + (out / "pub.sock").string();
+    pid_t sampler = 0;
+    if (with_sampler) {
+      sampler = spawn(
+          {LORAPIPE_SAMPLER_BIN, "--pretrained_model_name_or_path=" + tiny_.diffusers.string(),
+           "--sample_prompts=" + (work_ / "prompts.txt").string(), "--output_dir=" + out.string(),
+           "--sub=" + endpoint, "--device=cpu", "--threads=1", "--delay_per_image_s=10"},
+          out / "sampler.out", out / "sampler.err");
+      std::this_thread::sleep_for(std::chrono::seconds(1));  // let it load and subscribe
+    }
+    const auto start = std::chrono::steady_clock::now();
+    const TrainRun r =
+        run(out, {"--max_train_steps=40", "--save_every_n_steps=5", "--pub=" + endpoint});
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(r.exit, 0) << r.err;
+    if (with_sampler) {
+      bool rendered = false;
+      for (const auto& entry : fs::directory_iterator(out / "samples")) {
+        rendered |= entry.path().extension() == ".png";
+      }
+      ::kill(sampler, SIGKILL);
+      wait_exit(sampler);
+      EXPECT_TRUE(rendered) << "the sampler never rendered: " << read_text(out / "sampler.err");
+    }
+    return seconds;
+  };
+  const double alone1 = timed_run("alone1", false);
+  const double with1 = timed_run("with1", true);
+  const double alone2 = timed_run("alone2", false);
+  const double with2 = timed_run("with2", true);
+  const double alone = std::min(alone1, alone2), with = std::min(with1, with2);
+  std::printf("[sampler] trainer alone %.2f s, with a 10 s/image sampler %.2f s: ratio %.2f\n",
+              alone, with, with / alone);
+  EXPECT_LT(with / alone, 1.3);
+}
+#endif
 
 }  // namespace
 }  // namespace lorapipe

@@ -30,6 +30,8 @@ DEFINE_int64(save_last_n_epochs, 0, "Keep only the last N epoch saves");
 DEFINE_bool(save_state, false, "Also save the full training state with each LoRA save");
 DEFINE_string(resume, "", "Continue from a state folder written with --save_state");
 DEFINE_string(pub, "", "Bind a PUB endpoint for TrainProgress and CheckpointReady");
+DEFINE_double(checkpoint_reannounce_s, 5.0,
+              "Send the newest CheckpointReady again this often, for samplers that join late");
 DEFINE_string(training_comment, "", "Written into the LoRA's metadata");
 DEFINE_string(device, "auto", "auto, cpu, cuda or cuda:N");
 DEFINE_string(mixed_precision, "no", "no, fp16 or bf16: the frozen base's dtype");
@@ -162,6 +164,7 @@ int main(int argc, char** argv) {
     o.save_state = FLAGS_save_state;
     o.resume = FLAGS_resume;
     o.pub_endpoint = FLAGS_pub;
+    o.checkpoint_reannounce_s = FLAGS_checkpoint_reannounce_s;
     o.training_comment = FLAGS_training_comment;
     o.max_train_steps = FLAGS_max_train_steps;
     o.max_train_epochs = FLAGS_max_train_epochs;

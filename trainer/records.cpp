@@ -58,7 +58,9 @@ class RemoteRecords final : public RecordSource {
         for (const auto& item : reply.items()) {
           out.push_back(item.found() ? std::optional<std::string>(item.record()) : std::nullopt);
         }
-        if (waiting_) LP_LOG(kInfo, kLog) << "cacher " << client_.endpoint() << " is back";
+        if (waiting_) {
+          LP_LOG(kInfo, kLog) << "cacher " << client_.endpoint() << " is back";
+        }
         waiting_ = false;
         return out;
       } catch (const wire::PeerTimeoutError&) {

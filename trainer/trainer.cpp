@@ -240,6 +240,11 @@ class Run {
   std::optional<TensorBoardWriter> tensorboard_;
   zmq::context_t context_;
   std::optional<zmq::socket_t> pub_;
+  // The newest CheckpointReady, sent again every checkpoint_reannounce_s while the run goes on: a
+  // sampler that starts (or restarts) mid-run renders the newest checkpoint without waiting for
+  // the next save. Samplers skip a step they have already rendered.
+  std::optional<wire::CheckpointReady> last_checkpoint_;
+  std::chrono::steady_clock::time_point last_announce_;
   std::string run_id_;
   std::string model_hash_, model_sha256_;
   std::string training_started_at_;
@@ -640,6 +645,8 @@ void Run::save_lora(const fs::path& path, int64_t step, bool final) {
   event.set_sha256(written.sha256);
   event.set_final(final);
   (void)wire::send(*pub_, event);
+  last_checkpoint_ = event;
+  last_announce_ = std::chrono::steady_clock::now();
 }
 
 void Run::save_state(const fs::path& dir) {
@@ -755,6 +762,12 @@ void Run::publish_progress(double loss, double seconds_per_step, double wait_ms)
     p.set_eta_seconds(eta);
     p.set_skipped_steps(static_cast<uint64_t>(skipped_));
     (void)wire::send(*pub_, p);
+    const auto now = std::chrono::steady_clock::now();
+    if (last_checkpoint_ &&
+        std::chrono::duration<double>(now - last_announce_).count() > o_.checkpoint_reannounce_s) {
+      (void)wire::send(*pub_, *last_checkpoint_);
+      last_announce_ = now;
+    }
   }
   char line[256];
   std::snprintf(line, sizeof line, "step %lld/%lld  loss %.4f  avg %.4f  %.2f s/it  ETA %.0f s",

@@ -16,7 +16,7 @@ namespace lorapipe::trainer {
 
 struct Options {
   // What to train on.
-  std::filesystem::path model;      // --pretrained_model_name_or_path: single file or diffusers folder
+  std::filesystem::path model;  // --pretrained_model_name_or_path: single file or diffusers folder
   std::filesystem::path tokenizer;  // for single files (folders carry theirs)
   std::filesystem::path cache_dir;  // empty: the default shared cache
   std::string cacher_endpoint;      // --cacher: read records from a remote cacher instead
@@ -35,6 +35,9 @@ struct Options {
   bool save_state = false;
   std::filesystem::path resume;  // a state folder written with --save_state
   std::string pub_endpoint;      // TrainProgress and CheckpointReady
+  // The newest CheckpointReady is sent again this often (seconds) while training goes on, so a
+  // sampler that (re)starts mid-run renders the newest checkpoint without waiting for a save.
+  double checkpoint_reannounce_s = 5.0;
   std::string training_comment;
   // Length.
   int64_t max_train_steps = 1600;

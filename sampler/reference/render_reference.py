@@ -72,6 +72,33 @@ def kohya_lora(pipe, path, rank=4):
     save_file(tensors, path)
 
 
+def render(pipe, sampler, initial, path):
+    """One render with `sampler` from `initial`: the final latents, each step's latents and their
+    largest magnitude (callback_on_step_end), and the pipeline's own PIL image, saved to `path`."""
+    cls, kwargs = SAMPLERS[sampler]
+    pipe.scheduler = kohya_scheduler(cls, kwargs)
+    r = REQUEST
+    common = dict(prompt=r["prompt"], negative_prompt=r["negative_prompt"], height=r["height"],
+                  width=r["width"], num_inference_steps=r["steps"], guidance_scale=r["cfg_scale"])
+    scale = [0.0]
+    steps = {}
+
+    def track(pipeline, step, timestep, kwargs):
+        scale[0] = max(scale[0], kwargs["latents"].abs().max().item())
+        steps[f"step.{step}"] = kwargs["latents"].clone()
+        return kwargs
+
+    with torch.no_grad():
+        latents = pipe(**common, latents=initial.clone(), output_type="latent",
+                       generator=torch.Generator().manual_seed(SEED),
+                       callback_on_step_end=track).images
+        image = pipe(**common, latents=initial.clone(), output_type="pil",
+                     generator=torch.Generator().manual_seed(SEED)).images[0]
+    save_file({"initial": initial.contiguous(), "latents": latents.contiguous(),
+               "trajectory_scale": torch.tensor(scale[0], dtype=torch.float64), **steps,
+               "image": torch.from_numpy(np.array(image)).contiguous()}, path)
+
+
 def main():
     model, out = sys.argv[1], sys.argv[2]
     pipe = StableDiffusionPipeline.from_pretrained(
@@ -84,56 +111,13 @@ def main():
     shape = (1, pipe.unet.config.in_channels, r["height"] // pipe.vae_scale_factor,
              r["width"] // pipe.vae_scale_factor)
     initial = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    for name, (cls, kwargs) in SAMPLERS.items():
-        pipe.scheduler = kohya_scheduler(cls, kwargs)
-        common = dict(prompt=r["prompt"], negative_prompt=r["negative_prompt"], height=r["height"],
-                      width=r["width"], num_inference_steps=r["steps"],
-                      guidance_scale=r["cfg_scale"])
-        scale = [0.0]
-        steps = {}
-
-        def track(pipeline, step, timestep, kwargs):
-            scale[0] = max(scale[0], kwargs["latents"].abs().max().item())
-            steps[f"step.{step}"] = kwargs["latents"].clone()
-            return kwargs
-
-        with torch.no_grad():
-            latents = pipe(**common, latents=initial.clone(), output_type="latent",
-                           generator=torch.Generator().manual_seed(SEED),
-                           callback_on_step_end=track).images
-            image = pipe(**common, latents=initial.clone(), output_type="pil",
-                         generator=torch.Generator().manual_seed(SEED)).images[0]
-        save_file({"initial": initial.contiguous(), "latents": latents.contiguous(),
-                   "trajectory_scale": torch.tensor(scale[0], dtype=torch.float64), **steps,
-                   "image": torch.from_numpy(np.array(image)).contiguous()},
-                  f"{out}/{name}.safetensors")
+    for name in SAMPLERS:
+        render(pipe, name, initial, f"{out}/{name}.safetensors")
     # With a LoRA: diffusers loads the kohya file (load_lora_weights, scale 1); lorapipe merges it.
     kohya_lora(pipe, f"{out}/lora.safetensors")
     pipe.load_lora_weights(f"{out}/lora.safetensors", adapter_name="check")
     for name in ("ddim", "euler_a"):
-        cls, kwargs = SAMPLERS[name]
-        pipe.scheduler = kohya_scheduler(cls, kwargs)
-        common = dict(prompt=r["prompt"], negative_prompt=r["negative_prompt"], height=r["height"],
-                      width=r["width"], num_inference_steps=r["steps"],
-                      guidance_scale=r["cfg_scale"])
-        scale = [0.0]
-        steps = {}
-
-        def track_lora(pipeline, step, timestep, kwargs):
-            scale[0] = max(scale[0], kwargs["latents"].abs().max().item())
-            steps[f"step.{step}"] = kwargs["latents"].clone()
-            return kwargs
-
-        with torch.no_grad():
-            latents = pipe(**common, latents=initial.clone(), output_type="latent",
-                           generator=torch.Generator().manual_seed(SEED),
-                           callback_on_step_end=track_lora).images
-            image = pipe(**common, latents=initial.clone(), output_type="pil",
-                         generator=torch.Generator().manual_seed(SEED)).images[0]
-        save_file({"initial": initial.contiguous(), "latents": latents.contiguous(),
-                   "trajectory_scale": torch.tensor(scale[0], dtype=torch.float64), **steps,
-                   "image": torch.from_numpy(np.array(image)).contiguous()},
-                  f"{out}/{name}_lora.safetensors")
+        render(pipe, name, initial, f"{out}/{name}_lora.safetensors")
     with open(f"{out}/request.json", "w") as f:
         json.dump({**r, "seed": SEED, "vae_scale_factor": pipe.vae_scale_factor}, f)
 
