@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "kernels/cuda_device.h"
+#include "models/parity_util.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
 
@@ -61,23 +62,8 @@ namespace {
 namespace fs = std::filesystem;
 using Tensors = std::map<std::string, torch::Tensor>;
 
-// Runs the reference once per test binary and keeps its folder.
 const fs::path& reference_dir() {
-  static const fs::path dir = [] {
-    const fs::path out =
-        fs::temp_directory_path() / ("lorapipe-adamw8bit-" + std::to_string(getpid()));
-    fs::remove_all(out);
-    fs::create_directories(out);
-    const char* python = std::getenv("LORAPIPE_PYTHON");
-    if (python == nullptr)
-      throw std::runtime_error("LORAPIPE_PYTHON (the test venv's python) is unset");
-    const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
-                                "/kernels/reference/adamw8bit_reference.py " + out.string() +
-                                " 2>/dev/null";
-    if (std::system(command.c_str()) != 0) throw std::runtime_error("reference failed: " + command);
-    return out;
-  }();
-  return dir;
+  return models::testing::reference_output("kernels/reference/adamw8bit_reference.py", "adamw8bit");
 }
 
 Tensors read(const std::string& name) {

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <stdexcept>
 #include <string>
 
 #include "models/safetensors.h"
@@ -39,6 +40,35 @@ inline ::testing::AssertionResult run_reference(const std::string& script,
     return ::testing::AssertionFailure() << "reference script failed: " << command;
   }
   return ::testing::AssertionSuccess();
+}
+
+// Runs LORAPIPE_SOURCE_DIR/<script> OUT_DIR with $LORAPIPE_PYTHON once per test process and
+// returns OUT_DIR, a temporary folder removed when the process exits. `name` labels the folder.
+// Throws when the python is unset or the script fails (the test then fails, it never skips).
+inline const std::filesystem::path& reference_output(const std::string& script,
+                                                     const std::string& name) {
+  struct Folders {
+    std::map<std::string, std::filesystem::path> by_script;
+    ~Folders() {
+      std::error_code ignored;
+      for (const auto& [script, folder] : by_script) std::filesystem::remove_all(folder, ignored);
+    }
+  };
+  static Folders folders;
+  if (auto it = folders.by_script.find(script); it != folders.by_script.end()) return it->second;
+  const char* python = std::getenv("LORAPIPE_PYTHON");
+  if (python == nullptr) {
+    throw std::runtime_error("LORAPIPE_PYTHON (the test venv's python) is unset");
+  }
+  const std::filesystem::path folder = make_temp_dir(name);
+  const std::string command =
+      std::string(python) + " " + LORAPIPE_SOURCE_DIR + "/" + script + " " + folder.string();
+  if (std::system(command.c_str()) != 0) {
+    std::error_code ignored;
+    std::filesystem::remove_all(folder, ignored);
+    throw std::runtime_error("reference script failed: " + command);
+  }
+  return folders.by_script.emplace(script, folder).first->second;
 }
 
 inline std::map<std::string, torch::Tensor> read_all(const std::filesystem::path& path) {

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "models/parity_util.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
 
@@ -30,19 +31,8 @@ namespace {
 namespace fs = std::filesystem;
 
 const fs::path& reference_dir() {
-  static const fs::path dir = [] {
-    const fs::path out =
-        fs::temp_directory_path() / ("lorapipe-schedulers-" + std::to_string(getpid()));
-    fs::remove_all(out);
-    fs::create_directories(out);
-    const char* python = std::getenv("LORAPIPE_PYTHON");
-    if (python == nullptr) throw std::runtime_error("LORAPIPE_PYTHON is unset");
-    const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
-                                "/sampler/reference/schedulers_reference.py " + out.string();
-    if (std::system(command.c_str()) != 0) throw std::runtime_error("failed: " + command);
-    return out;
-  }();
-  return dir;
+  return models::testing::reference_output("sampler/reference/schedulers_reference.py",
+                                           "schedulers");
 }
 
 double scaled_error(const torch::Tensor& a, const torch::Tensor& b) {
