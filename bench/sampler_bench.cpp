@@ -1,7 +1,7 @@
 // lorapipe's render (sampler/render.h) on a diffusers folder, for bench/sampler_bench.py, which
 // runs diffusers' StableDiffusionPipeline on the same folder beside it.
 //
-//   sampler_bench DIR WIDTH HEIGHT STEPS [--threads N] [--sampler NAME] [--default-heap]
+//   sampler_bench DIR WIDTH HEIGHT STEPS [--threads N] [--sampler NAME] [--keep-freed]
 //
 // Loads the model and prints "ready <load peak MiB> <RSS now MiB>"; then for each "render" line
 // on stdin renders the bench's prompt (seed 0, CFG 7.5) and prints "<wall ms> <CPU ms> <mean
@@ -42,10 +42,11 @@ double cpu_ms() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool default_heap = false;
-  for (int i = 1; i < argc; ++i) default_heap |= std::string(argv[i]) == "--default-heap";
-  // lorapipe-sampler's heap policy (common/heap.h), unless --default-heap.
-  if (!default_heap) lorapipe::keep_freed_memory_for_reuse();
+  // lorapipe-sampler runs on glibc's default heap; --keep-freed measures the trainer's policy
+  // (common/heap.h) instead.
+  bool keep_freed = false;
+  for (int i = 1; i < argc; ++i) keep_freed |= std::string(argv[i]) == "--keep-freed";
+  if (keep_freed) lorapipe::keep_freed_memory_for_reuse();
   if (argc < 5) {
     std::fprintf(stderr,
                  "usage: sampler_bench DIR WIDTH HEIGHT STEPS [--threads N] "
@@ -61,7 +62,7 @@ int main(int argc, char** argv) {
   request.seed = 0;
   for (int i = 5; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--default-heap") {
+    if (flag == "--keep-freed") {
       --i;
       continue;
     }

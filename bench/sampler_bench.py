@@ -127,8 +127,9 @@ def main():
     ap.add_argument("--resolution", type=int, default=512)
     ap.add_argument("--sampler", default="ddim")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--default-heap", action="store_true",
-                    help="glibc's default heap instead of the sampler's policy (common/heap.h)")
+    ap.add_argument("--keep-freed", action="store_true",
+                    help="lorapipe on the trainer's heap policy (common/heap.h) instead of "
+                         "glibc's default, which the sampler uses")
     args = ap.parse_args()
     build = os.path.abspath(args.build)
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,7 +147,7 @@ def main():
         size = [str(args.resolution), str(args.resolution), str(args.steps)]
         ours = Side("lorapipe", [f"{build}/bin/sampler_bench", folder, *size, "--threads",
                                  str(args.threads), "--sampler", args.sampler] +
-                    (["--default-heap"] if args.default_heap else []))
+                    (["--keep-freed"] if args.keep_freed else []))
         ref = Side("diffusers", [sys.executable, "-W", QUIET, "-c", REFERENCE, folder, *size,
                                  str(args.threads), args.sampler])
         label = f"{args.size} {args.resolution}px {args.steps} steps {args.sampler}"

@@ -8,7 +8,6 @@
 #include <string>
 
 #include "common/error.h"
-#include "common/heap.h"
 #include "common/log.h"
 #include "sampler/sampler.h"
 
@@ -31,7 +30,9 @@ DEFINE_double(delay_per_image_s, 0, "Testing: sleep this long after each image")
 DEFINE_int32(threads, 0, "CPU threads for compute (0: one per core)");
 
 int main(int argc, char** argv) {
-  lorapipe::keep_freed_memory_for_reuse();
+  // glibc's default heap, not the trainer's keep-freed-memory policy (common/heap.h): a render
+  // has no step that repeats the same allocations often enough to gain from it, and at SD1.5
+  // size the policy kept 1.9 GB more resident (bench/sampler_bench.py --keep-freed).
   gflags::SetUsageMessage(
       "renders sample images for LoRA checkpoints\n"
       "  lorapipe-sampler --pretrained_model_name_or_path=MODEL --sample_prompts=FILE "
