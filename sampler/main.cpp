@@ -30,9 +30,10 @@ DEFINE_double(delay_per_image_s, 0, "Testing: sleep this long after each image")
 DEFINE_int32(threads, 0, "CPU threads for compute (0: one per core)");
 
 int main(int argc, char** argv) {
-  // glibc's default heap, not the trainer's keep-freed-memory policy (common/heap.h): a render
-  // has no step that repeats the same allocations often enough to gain from it, and at SD1.5
-  // size the policy kept 1.9 GB more resident (bench/sampler_bench.py --keep-freed).
+  // glibc's default heap, not the trainer's keep-freed-memory policy (common/heap.h): at SD1.5
+  // size the policy kept 1.9 GB more resident for no measurable speed (0.91x against 0.90x
+  // diffusers' time; bench/sampler_bench.py --size full [--keep-freed]), and the sampler shares
+  // its machine with a trainer or runs on a small card's host.
   gflags::SetUsageMessage(
       "renders sample images for LoRA checkpoints\n"
       "  lorapipe-sampler --pretrained_model_name_or_path=MODEL --sample_prompts=FILE "
