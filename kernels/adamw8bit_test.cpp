@@ -63,7 +63,9 @@ namespace fs = std::filesystem;
 using Tensors = std::map<std::string, torch::Tensor>;
 
 const fs::path& reference_dir() {
-  return models::testing::reference_output("kernels/reference/adamw8bit_reference.py", "adamw8bit");
+  static const fs::path dir =
+      models::testing::reference_output("kernels/reference/adamw8bit_reference.py");
+  return dir;
 }
 
 Tensors read(const std::string& name) {

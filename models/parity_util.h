@@ -4,15 +4,22 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "common/sha256.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
 
@@ -27,48 +34,116 @@ inline std::filesystem::path make_temp_dir(const std::string& name) {
   return dir;
 }
 
-// Runs models/reference/<script> OUT_DIR with the test venv's python ($LORAPIPE_PYTHON).
-inline ::testing::AssertionResult run_reference(const std::string& script,
-                                                const std::filesystem::path& out_dir) {
-  const char* python = std::getenv("LORAPIPE_PYTHON");
-  if (python == nullptr) {
-    return ::testing::AssertionFailure() << "LORAPIPE_PYTHON (the test venv's python) is unset";
+// Reference outputs are computed once per build tree, not once per test process: ctest runs
+// every test in its own process, and a suite of N tests over one reference script would run it
+// N times (two at once on two cores, where each run slows the other several-fold). An output is
+// a pure function of what the script reads, so it is kept under a key that hashes all of it: the
+// python path (its venv names the torch version), scripts/versions.env (the reference packages'
+// pins), every .py file beside the script, and each input file or folder's names and bytes.
+// Cached outputs live in $LORAPIPE_REFERENCE_CACHE, else in reference-cache/ beside the test
+// executable (build/bin/); the first process to need one computes it under an flock while the
+// others wait, then all read the same folder. A failed script caches nothing.
+inline std::filesystem::path reference_cache_root() {
+  if (const char* dir = std::getenv("LORAPIPE_REFERENCE_CACHE"); dir != nullptr && *dir != 0) {
+    return dir;
   }
-  const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
-                              "/models/reference/" + script + " " + out_dir.string();
-  if (std::system(command.c_str()) != 0) {
-    return ::testing::AssertionFailure() << "reference script failed: " << command;
-  }
-  return ::testing::AssertionSuccess();
+  return std::filesystem::read_symlink("/proc/self/exe").parent_path() / "reference-cache";
 }
 
-// Runs LORAPIPE_SOURCE_DIR/<script> OUT_DIR with $LORAPIPE_PYTHON once per test process and
-// returns OUT_DIR, a temporary folder removed when the process exits. `name` labels the folder.
-// Throws when the python is unset or the script fails (the test then fails, it never skips).
-inline const std::filesystem::path& reference_output(const std::string& script,
-                                                     const std::string& name) {
-  struct Folders {
-    std::map<std::string, std::filesystem::path> by_script;
-    ~Folders() {
-      std::error_code ignored;
-      for (const auto& [script, folder] : by_script) std::filesystem::remove_all(folder, ignored);
+inline std::string read_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path.string());
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Hashes a file, or a folder's regular files in name order, each with its relative name.
+inline void hash_tree(Sha256& sha, const std::filesystem::path& path) {
+  std::vector<std::filesystem::path> files;
+  if (std::filesystem::is_directory(path)) {
+    for (const auto& entry : std::filesystem::recursive_directory_iterator(path)) {
+      if (entry.is_regular_file()) files.push_back(entry.path());
     }
-  };
-  static Folders folders;
-  if (auto it = folders.by_script.find(script); it != folders.by_script.end()) return it->second;
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  for (const auto& file : files) {
+    const std::string name = std::filesystem::relative(file, path).generic_string();
+    sha.update(name).update(std::string(1, '\0'));
+    sha.update(sha256_file(file)).update(std::string(1, '\0'));
+  }
+}
+
+// Runs `$LORAPIPE_PYTHON LORAPIPE_SOURCE_DIR/<script> [inputs...] OUT_DIR` unless the cache
+// already holds its output, and returns the cached OUT_DIR (read it, never write into it).
+// Throws when the python is unset or the script fails (the test then fails, it never skips).
+inline std::filesystem::path cached_reference(const std::string& script,
+                                              const std::vector<std::filesystem::path>& inputs = {}) {
+  namespace fs = std::filesystem;
   const char* python = std::getenv("LORAPIPE_PYTHON");
   if (python == nullptr) {
     throw std::runtime_error("LORAPIPE_PYTHON (the test venv's python) is unset");
   }
-  const std::filesystem::path folder = make_temp_dir(name);
-  const std::string command =
-      std::string(python) + " " + LORAPIPE_SOURCE_DIR + "/" + script + " " + folder.string();
+  const fs::path source = LORAPIPE_SOURCE_DIR;
+  const fs::path script_path = source / script;
+  Sha256 sha;
+  sha.update(python).update(std::string(1, '\0')).update(script).update(std::string(1, '\0'));
+  sha.update(read_bytes(source / "scripts" / "versions.env"));
+  std::vector<fs::path> siblings;
+  for (const auto& entry : fs::directory_iterator(script_path.parent_path())) {
+    if (entry.path().extension() == ".py") siblings.push_back(entry.path());
+  }
+  std::sort(siblings.begin(), siblings.end());
+  for (const auto& file : siblings) hash_tree(sha, file);
+  for (const auto& input : inputs) hash_tree(sha, input);
+  const std::string key = script_path.stem().string() + "-" + sha.hex().substr(0, 24);
+
+  const fs::path root = reference_cache_root();
+  fs::create_directories(root);
+  const fs::path folder = root / key;
+  const int lock = ::open((root / (key + ".lock")).c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+  if (lock < 0) throw std::runtime_error("cannot open the lock of " + folder.string());
+  ::flock(lock, LOCK_EX);  // released with the descriptor, also when this process dies
+  struct Unlock {
+    int fd;
+    ~Unlock() { ::close(fd); }
+  } unlock{lock};
+  if (fs::is_directory(folder)) {
+    std::printf("[reference] %s: reusing %s\n", script.c_str(), folder.c_str());
+    return folder;
+  }
+  const fs::path partial = root / (key + ".partial-" + std::to_string(getpid()));
+  fs::remove_all(partial);
+  fs::create_directories(partial);
+  std::string command = std::string(python) + " " + script_path.string();
+  for (const auto& input : inputs) command += " " + input.string();
+  command += " " + partial.string();
   if (std::system(command.c_str()) != 0) {
     std::error_code ignored;
-    std::filesystem::remove_all(folder, ignored);
+    fs::remove_all(partial, ignored);
     throw std::runtime_error("reference script failed: " + command);
   }
-  return folders.by_script.emplace(script, folder).first->second;
+  fs::rename(partial, folder);  // atomic: a folder under `key` is always complete
+  return folder;
+}
+
+// Fills OUT_DIR with models/reference/<script>'s output (computed once per build tree).
+inline ::testing::AssertionResult run_reference(const std::string& script,
+                                                const std::filesystem::path& out_dir) {
+  try {
+    const auto folder = cached_reference("models/reference/" + script);
+    std::filesystem::copy(folder, out_dir,
+                          std::filesystem::copy_options::recursive |
+                              std::filesystem::copy_options::overwrite_existing);
+  } catch (const std::exception& e) {
+    return ::testing::AssertionFailure() << e.what();
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// LORAPIPE_SOURCE_DIR/<script>'s output folder (computed once per build tree); read only.
+inline std::filesystem::path reference_output(const std::string& script) {
+  return cached_reference(script);
 }
 
 inline std::map<std::string, torch::Tensor> read_all(const std::filesystem::path& path) {

@@ -32,6 +32,7 @@
 
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/parity_util.h"
 #include "models/pipeline.h"
 #include "models/safetensors.h"
 #include "models/tiny.h"
@@ -45,17 +46,13 @@ namespace fs = std::filesystem;
 
 class SamplerRenderParity : public ::testing::Test {
  protected:
+  // The tiny model is written per process (seed 5, the same bytes every time); the reference's
+  // renders are computed once per build tree for those bytes (models/parity_util.h).
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("lorapipe-render-" + std::to_string(getpid()));
-    fs::remove_all(dir_);
-    fs::create_directories(dir_ / "ref");
+    dir_ = models::testing::make_temp_dir("render");
     tiny_ = models::write_tiny_checkpoint(dir_ / "model", /*seed=*/5);
-    const char* python = std::getenv("LORAPIPE_PYTHON");
-    ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON is unset";
-    const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
-                                "/sampler/reference/render_reference.py " +
-                                tiny_.diffusers.string() + " " + (dir_ / "ref").string();
-    ASSERT_EQ(std::system(command.c_str()), 0) << command;
+    ref_ = models::testing::cached_reference("sampler/reference/render_reference.py",
+                                             {tiny_.diffusers});
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
 
@@ -70,14 +67,14 @@ class SamplerRenderParity : public ::testing::Test {
       for (const auto& item : model.text_encoder->named_parameters()) {
         before["te." + item.key()] = item.value().clone();
       }
-      lora.emplace(model, dir_ / "ref" / "lora.safetensors", /*multiplier=*/1.0);
+      lora.emplace(model, ref_ / "lora.safetensors", /*multiplier=*/1.0);
       ASSERT_GT(lora->module_count(), 0u);
     }
-    std::ifstream in(dir_ / "ref" / "request.json");
+    std::ifstream in(ref_ / "request.json");
     const nlohmann::json r = nlohmann::json::parse(in);
     const std::string tag = sampler + (with_lora ? "_lora" : "");
     const auto ref =
-        models::read_tensors(models::SafetensorsFile::open(dir_ / "ref" / (tag + ".safetensors")));
+        models::read_tensors(models::SafetensorsFile::open(ref_ / (tag + ".safetensors")));
     RenderRequest request;
     request.prompt = r["prompt"];
     request.negative_prompt = r["negative_prompt"];
@@ -117,7 +114,7 @@ class SamplerRenderParity : public ::testing::Test {
     if (with_lora) {
       // The LoRA matters: its render is far from the plain one (else the parity says nothing).
       const auto plain = models::read_tensors(
-          models::SafetensorsFile::open(dir_ / "ref" / (sampler + ".safetensors")));
+          models::SafetensorsFile::open(ref_ / (sampler + ".safetensors")));
       EXPECT_GT((expected - plain.at("latents")).abs().max().item<double>(), 1e-2 * scale);
       // Taken out again, the base is bit-identical to before.
       lora->restore();
@@ -132,9 +129,11 @@ class SamplerRenderParity : public ::testing::Test {
   }
 
   static fs::path dir_;
+  static fs::path ref_;
   static models::TinyCheckpoint tiny_;
 };
 fs::path SamplerRenderParity::dir_;
+fs::path SamplerRenderParity::ref_;
 models::TinyCheckpoint SamplerRenderParity::tiny_;
 
 TEST_F(SamplerRenderParity, Ddim) { check("ddim"); }
@@ -151,7 +150,7 @@ TEST_F(SamplerRenderParity, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothin
   const torch::Tensor probe = model.unet->conv_in->weight.clone();
   // Keys of another model: named.
   auto tensors =
-      models::read_tensors(models::SafetensorsFile::open(dir_ / "ref" / "lora.safetensors"));
+      models::read_tensors(models::SafetensorsFile::open(ref_ / "lora.safetensors"));
   tensors["lora_unet_down_blocks_9_attentions_0_proj_in.lora_down.weight"] = torch::zeros({4, 8});
   tensors["lora_unet_down_blocks_9_attentions_0_proj_in.lora_up.weight"] = torch::zeros({8, 4});
   std::vector<torch::Tensor> keep;
@@ -172,8 +171,8 @@ TEST_F(SamplerRenderParity, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothin
         << e.what();
   }
   // Half written: named, nothing merged.
-  const auto size = fs::file_size(dir_ / "ref" / "lora.safetensors");
-  fs::copy_file(dir_ / "ref" / "lora.safetensors", dir_ / "half.safetensors",
+  const auto size = fs::file_size(ref_ / "lora.safetensors");
+  fs::copy_file(ref_ / "lora.safetensors", dir_ / "half.safetensors",
                 fs::copy_options::overwrite_existing);
   fs::resize_file(dir_ / "half.safetensors", size / 2);
   EXPECT_THROW(MergedLora(model, dir_ / "half.safetensors", 1.0), InputError);

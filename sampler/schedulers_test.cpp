@@ -31,8 +31,9 @@ namespace {
 namespace fs = std::filesystem;
 
 const fs::path& reference_dir() {
-  return models::testing::reference_output("sampler/reference/schedulers_reference.py",
-                                           "schedulers");
+  static const fs::path dir =
+      models::testing::reference_output("sampler/reference/schedulers_reference.py");
+  return dir;
 }
 
 double scaled_error(const torch::Tensor& a, const torch::Tensor& b) {
