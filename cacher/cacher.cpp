@@ -275,6 +275,12 @@ Summary Cacher::run() {
   stream.watch(context, pull);
   pull.bind(options_.pull_endpoint);
   rep.bind(options_.rep_endpoint);
+  // pub_ outlives this function; it must close before `context`, whose end waits for every
+  // socket of it (else the cacher hangs at exit once the stream is done).
+  struct ClosePub {
+    std::optional<zmq::socket_t>& pub;
+    ~ClosePub() { pub.reset(); }
+  } close_pub{pub_};
   if (!options_.pub_endpoint.empty()) {
     pub_.emplace(wire::make_socket(context, zmq::socket_type::pub, socket_options));
     pub_->bind(options_.pub_endpoint);

@@ -1,6 +1,7 @@
 // lorapipe-trainer: kohya's flags in, trainer::train out.
 #include <gflags/gflags.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
@@ -216,7 +217,16 @@ int main(int argc, char** argv) {
     s.huber_c = FLAGS_huber_c;
     s.huber_scale = FLAGS_huber_scale;
     t::apply_network_args(o);
+    // Ctrl-C or a launcher's SIGTERM: finish the step, save the LoRA and a state, exit 130.
+    std::signal(SIGINT, [](int) { lorapipe::trainer::request_stop(); });
+    std::signal(SIGTERM, [](int) { lorapipe::trainer::request_stop(); });
     const t::Summary summary = t::train(o);
+    if (summary.interrupted) {
+      std::printf("trainer: interrupted after %lld steps; LoRA %s; state %s\n",
+                  static_cast<long long>(summary.steps), summary.lora.c_str(),
+                  summary.state.c_str());
+      return 130;
+    }
     std::printf("trainer: %lld steps, %lld epochs, %lld skipped; last loss %.6f; LoRA %s\n",
                 static_cast<long long>(summary.steps), static_cast<long long>(summary.epochs),
                 static_cast<long long>(summary.skipped_steps), summary.last_loss,

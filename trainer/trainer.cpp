@@ -1,6 +1,7 @@
 #include "trainer/trainer.h"
 
 #include <malloc.h>
+#include <csignal>
 #include <sys/resource.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -205,6 +206,9 @@ void validate(const Options& o) {
 }
 
 namespace {
+
+// Set by request_stop() (from a signal handler), read between steps.
+volatile std::sig_atomic_t g_stop_requested = 0;
 
 class Run {
  public:
@@ -844,6 +848,25 @@ Summary Run::train() {
   int64_t bad_in_a_row = 0;
   try {
     while (global_step_ < max_steps_) {
+      if (g_stop_requested) {
+        stop_producer();
+        char name[64];
+        std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(global_step_));
+        summary.lora = o_.output_dir / "lora" / (o_.output_name + name + ".safetensors");
+        save_lora(summary.lora, global_step_, /*final=*/false);
+        summary.state = state_root / (o_.output_name + "-state");
+        save_state(summary.state);
+        LP_LOG(kInfo, kLog) << "interrupted at step " << global_step_ << " of " << max_steps_
+                            << "; state saved in " << summary.state.string()
+                            << " (--resume from it)";
+        tensorboard_->close();
+        summary.interrupted = true;
+        summary.steps = global_step_;
+        summary.epochs = epoch_;
+        summary.skipped_steps = skipped_;
+        summary.last_loss = last_loss_;
+        return summary;
+      }
       const auto step_started = Clock::now();
       // Where this step starts: a state saved before it completes must resume here.
       const int64_t start_epoch = epoch_, start_index = next_index_;
@@ -972,6 +995,8 @@ Summary Run::train() {
 }
 
 }  // namespace
+
+void request_stop() { g_stop_requested = 1; }
 
 Summary train(const Options& options) {
   Options o = options;

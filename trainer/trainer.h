@@ -67,8 +67,15 @@ struct Summary {
   double last_loss = 0;
   double first_validation_loss = -1;
   double last_validation_loss = -1;
-  std::filesystem::path lora;  // the final LoRA file
+  std::filesystem::path lora;  // the final LoRA file, or the one saved when interrupted
+  bool interrupted = false;    // request_stop() ended the run early; a state was saved
+  std::filesystem::path state;  // that state (--resume from it)
 };
+
+// Asks a running train() to stop after the step in progress: it saves the LoRA and a resumable
+// state (always, in output_dir/state/<output_name>-state), publishes the LoRA as a checkpoint and
+// returns with Summary::interrupted. Async-signal-safe: main's SIGINT/SIGTERM handler calls it.
+void request_stop();
 
 // Checks every option that can be checked without files; throws InputError naming the flag.
 void validate(const Options& options);

@@ -1,0 +1,297 @@
+// The launcher's flags: which stage takes each one, parsing, and run.toml.
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <toml++/toml.h>
+
+#include "common/error.h"
+#include "deploy/launcher.h"
+
+namespace lorapipe::launcher {
+namespace {
+
+namespace fs = std::filesystem;
+using S = Stage;
+
+// Which stage takes each flag, under which name. Flags that name the same thing in several
+// stages go to all of them (one model, one cache, one clip skip). Endpoints, folders and
+// following are the launcher's own and are not accepted from the user.
+std::vector<FlagInfo> make_table() {
+  std::vector<FlagInfo> t;
+  auto add = [&](std::string name, std::vector<std::pair<Stage, std::string>> targets,
+                 bool boolean = false) {
+    for (auto& target : targets) {
+      if (target.second.empty()) target.second = name;
+    }
+    t.push_back({std::move(name), std::move(targets), boolean});
+  };
+  auto value = [&](std::string name, std::vector<Stage> stages) {
+    std::vector<std::pair<Stage, std::string>> targets;
+    for (Stage s : stages) targets.emplace_back(s, "");
+    add(std::move(name), std::move(targets), false);
+  };
+  auto boolean = [&](std::string name, std::vector<Stage> stages) {
+    std::vector<std::pair<Stage, std::string>> targets;
+    for (Stage s : stages) targets.emplace_back(s, "");
+    add(std::move(name), std::move(targets), true);
+  };
+  // The model, its tokenizer, the cache: every stage that loads or reads them.
+  add("pretrained_model_name_or_path",
+      {{S::kCacher, "model"}, {S::kTrainer, ""}, {S::kSampler, ""}});
+  value("tokenizer", {S::kCacher, S::kTrainer, S::kSampler});
+  value("cache_dir", {S::kCacher, S::kTrainer});
+  value("dataset_id", {S::kPreprocess, S::kTrainer});
+  value("clip_skip", {S::kCacher, S::kTrainer, S::kSampler});
+  boolean("v_parameterization", {S::kTrainer, S::kSampler});
+  value("device", {S::kCacher, S::kTrainer});
+  value("seed", {S::kPreprocess, S::kTrainer});
+  // preprocess
+  for (const char* name :
+       {"data_dir", "dataset_config", "resolution", "min_bucket_reso", "max_bucket_reso",
+        "bucket_reso_steps", "caption_extension", "class_tokens", "keep_tokens",
+        "caption_dropout_rate", "min_image_side", "max_aspect_ratio", "max_image_pixels",
+        "resize_filter"}) {
+    value(name, {S::kPreprocess});
+  }
+  for (const char* name : {"enable_bucket", "bucket_no_upscale", "flip_aug", "random_crop",
+                           "shuffle_caption", "jpeg_fast_path"}) {
+    boolean(name, {S::kPreprocess});
+  }
+  add("preprocess_threads", {{S::kPreprocess, "threads"}});
+  // cacher
+  value("vae_batch_size", {S::kCacher});
+  value("max_map_mb", {S::kCacher});
+  add("cache_dtype", {{S::kCacher, "dtype"}});
+  // trainer
+  for (const char* name :
+       {"output_name", "save_precision", "save_every_n_steps", "save_every_n_epochs",
+        "save_last_n_steps", "save_last_n_epochs", "training_comment", "mixed_precision",
+        "threads", "max_train_steps", "max_train_epochs", "train_batch_size",
+        "prior_loss_weight", "validation_split", "validation_seed", "validate_every_n_steps",
+        "max_bad_steps", "timeout_s", "network_dim", "network_alpha", "network_dropout",
+        "network_weights", "network_multiplier", "network_args", "optimizer_type",
+        "optimizer_args", "learning_rate", "unet_lr", "text_encoder_lr", "lr_scheduler",
+        "lr_warmup_steps", "lr_scheduler_num_cycles", "lr_scheduler_power", "max_grad_norm",
+        "gradient_accumulation_steps", "min_snr_gamma", "noise_offset", "adaptive_noise_scale",
+        "multires_noise_iterations", "multires_noise_discount", "min_timestep", "max_timestep",
+        "loss_type", "huber_schedule", "huber_c", "huber_scale", "sample_every_n_steps",
+        "checkpoint_reannounce_s"}) {
+    value(name, {S::kTrainer});
+  }
+  for (const char* name :
+       {"fill_last_batch", "network_train_unet_only", "use_8bit_adam", "gradient_checkpointing",
+        "noise_offset_random_strength", "cache_latents", "cache_latents_to_disk", "sdpa",
+        "xformers", "mem_eff_attn"}) {
+    boolean(name, {S::kTrainer});
+  }
+  // sampler
+  value("sample_prompts", {S::kSampler});
+  value("sample_sampler", {S::kSampler});
+  add("sample_seed", {{S::kSampler, "seed"}});
+  add("sampler_device", {{S::kSampler, "device"}});
+  add("sampler_threads", {{S::kSampler, "threads"}});
+  return t;
+}
+
+const std::vector<FlagInfo>& table() {
+  static const std::vector<FlagInfo> t = make_table();
+  return t;
+}
+
+const FlagInfo* find_flag(const std::string& name) {
+  for (const FlagInfo& f : table()) {
+    if (f.name == name) return &f;
+  }
+  return nullptr;
+}
+
+// kohya's flags that take several space-separated words.
+bool multi_value(const std::string& name) {
+  return name == "optimizer_args" || name == "network_args";
+}
+
+std::string canonical(const std::string& name) {
+  if (name == "model") return "pretrained_model_name_or_path";
+  if (name == "output_dir") return "output";
+  return name;
+}
+
+void check_known(const std::string& name) {
+  if (name == "output" || name == "config" || find_flag(name) != nullptr) return;
+  throw InputError("unknown flag --" + name +
+                   " (lorapipe run takes the stages' kohya-style flags; see lorapipe help)");
+}
+
+std::string toml_quote(const std::string& value) {
+  std::string out = "\"";
+  for (char c : value) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default: out += c;
+    }
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
+const char* stage_name(Stage stage) {
+  switch (stage) {
+    case Stage::kPreprocess: return "preprocess";
+    case Stage::kCacher: return "cacher";
+    case Stage::kTrainer: return "trainer";
+    case Stage::kSampler: return "sampler";
+  }
+  return "?";
+}
+
+bool Settings::has(const std::string& name) const {
+  return std::any_of(flags.begin(), flags.end(), [&](const auto& f) { return f.first == name; });
+}
+
+std::string Settings::get(const std::string& name, const std::string& fallback) const {
+  for (const auto& [key, value] : flags) {
+    if (key == name) return value;
+  }
+  return fallback;
+}
+
+void Settings::set(const std::string& name, const std::string& value) {
+  for (auto& [key, v] : flags) {
+    if (key == name) {
+      v = value;
+      return;
+    }
+  }
+  flags.emplace_back(name, value);
+}
+
+std::vector<FlagInfo> flag_table() { return table(); }
+
+std::vector<std::pair<std::string, std::string>> read_config(const fs::path& file) {
+  toml::table doc;
+  try {
+    doc = toml::parse_file(file.string());
+  } catch (const toml::parse_error& e) {
+    std::ostringstream where;
+    where << file.string() << ":" << e.source().begin.line << ": " << e.description();
+    throw InputError(where.str());
+  }
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& [key, node] : doc) {
+    const std::string name = canonical(std::string(key.str()));
+    if (name == "config") throw InputError(file.string() + ": a config cannot name another");
+    try {
+      check_known(name);
+    } catch (const InputError& e) {
+      throw InputError(file.string() + ": " + e.what());
+    }
+    std::string value;
+    if (const auto* s = node.as_string()) {
+      value = s->get();
+    } else if (const auto* i = node.as_integer()) {
+      value = std::to_string(i->get());
+    } else if (const auto* d = node.as_floating_point()) {
+      std::ostringstream text;
+      text.precision(17);
+      text << d->get();
+      value = text.str();
+    } else if (const auto* b = node.as_boolean()) {
+      value = b->get() ? "true" : "false";
+    } else {
+      throw InputError(file.string() + ": " + name +
+                       " must be a string, a number or a boolean (the flags are flat)");
+    }
+    out.emplace_back(name, value);
+  }
+  return out;
+}
+
+void write_config(const Settings& settings, const fs::path& file) {
+  const fs::path partial = file.string() + ".partial";
+  {
+    std::ofstream out(partial);
+    out << "# The settings of this run, as flags of `lorapipe run` (also --config=FILE).\n";
+    out << "output = " << toml_quote(settings.output.string()) << "\n";
+    for (const auto& [name, value] : settings.flags) {
+      const FlagInfo* f = find_flag(name);
+      if (f != nullptr && f->boolean && (value == "true" || value == "false")) {
+        out << name << " = " << value << "\n";
+      } else {
+        out << name << " = " << toml_quote(value) << "\n";
+      }
+    }
+    if (!out) throw Error("cannot write " + partial.string());
+  }
+  fs::rename(partial, file);
+}
+
+Settings parse_run_args(const std::vector<std::string>& args) {
+  Settings cli;
+  fs::path config;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg.rfind("--", 0) != 0 || arg.size() == 2) {
+      throw InputError("unexpected argument '" + arg + "' (flags are --name=value)");
+    }
+    const size_t eq = arg.find('=');
+    std::string name = canonical(arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2));
+    check_known(name);
+    const FlagInfo* f = find_flag(name);
+    std::string value;
+    if (eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+    } else if (f != nullptr && f->boolean) {
+      value = "true";
+    } else {
+      if (i + 1 >= args.size()) throw InputError("--" + name + " needs a value");
+      value = args[++i];
+    }
+    if (multi_value(name)) {  // kohya: --optimizer_args a=1 b=2
+      while (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) value += " " + args[++i];
+    }
+    if (f != nullptr && f->boolean && value != "true" && value != "false") {
+      throw InputError("--" + name + " is true or false, not '" + value + "'");
+    }
+    if (name == "config") {
+      config = value;
+    } else if (name == "output") {
+      cli.output = value;
+    } else {
+      cli.set(name, value);
+    }
+  }
+  Settings settings;
+  if (!config.empty()) {
+    for (const auto& [name, value] : read_config(config)) {
+      if (name == "output") {
+        settings.output = value;
+      } else {
+        settings.set(name, value);
+      }
+    }
+  }
+  for (const auto& [name, value] : cli.flags) settings.set(name, value);  // flags win
+  if (!cli.output.empty()) settings.output = cli.output;
+  return settings;
+}
+
+std::vector<std::string> stage_args(const Settings& settings, Stage stage) {
+  std::vector<std::string> out;
+  for (const auto& [name, value] : settings.flags) {
+    const FlagInfo* f = find_flag(name);
+    if (f == nullptr) continue;
+    for (const auto& [target, target_name] : f->targets) {
+      if (target == stage) out.push_back("--" + target_name + "=" + value);
+    }
+  }
+  return out;
+}
+
+}  // namespace lorapipe::launcher

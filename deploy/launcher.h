@@ -1,0 +1,79 @@
+#pragma once
+// The `lorapipe` launcher as a library: one command that runs the four stages on one machine.
+// It links no LibTorch (it starts in milliseconds); the stages are the lorapipe-* executables
+// beside it, started as child processes on ipc:// endpoints inside the run folder.
+//
+// Flags are the stages' own kohya-style names. The launcher knows which stage takes each one
+// (kFlags in launcher.cpp; LauncherFlags tests it against every stage's --helpxml) and refuses
+// a flag no stage takes, naming it.
+
+#include <filesystem>
+#include <iosfwd>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace lorapipe::launcher {
+
+enum class Stage { kPreprocess, kCacher, kTrainer, kSampler };
+const char* stage_name(Stage stage);
+
+// Exit codes of `lorapipe` and of every lorapipe-* stage (README, "Exit codes").
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitCheckFailed = 1;  // a check found a problem (verify, no usable image)
+inline constexpr int kExitError = 2;        // bad flags or input, or a failure; the log says why
+inline constexpr int kExitInterrupted = 130;  // SIGINT/SIGTERM: stopped cleanly, state saved
+
+// The settings of one run: flags in the order given (name without dashes, value; "true" for a
+// bare boolean), and the run folder.
+struct Settings {
+  std::vector<std::pair<std::string, std::string>> flags;
+  std::filesystem::path output;
+
+  bool has(const std::string& name) const;
+  std::string get(const std::string& name, const std::string& fallback = "") const;
+  void set(const std::string& name, const std::string& value);  // replaces or appends
+};
+
+// Parses `lorapipe run` arguments: --name=value, --name value, bare booleans, kohya's
+// multi-value --optimizer_args/--network_args, --config=FILE.toml (flags win over it) and
+// --output=DIR (alias --output_dir). Throws InputError naming an unknown flag or a bad file.
+Settings parse_run_args(const std::vector<std::string>& args);
+
+// Reads a flat TOML table of flag names (strings, numbers, booleans) into flags.
+std::vector<std::pair<std::string, std::string>> read_config(const std::filesystem::path& file);
+
+// Writes `settings` as the flat TOML that read_config reads (run.toml).
+void write_config(const Settings& settings, const std::filesystem::path& file);
+
+// The arguments `stage` gets from `settings` (the launcher adds endpoints and folders).
+std::vector<std::string> stage_args(const Settings& settings, Stage stage);
+
+// Every flag the launcher routes, as (name, stages, takes a value); for the flag table's test.
+struct FlagInfo {
+  std::string name;
+  std::vector<std::pair<Stage, std::string>> targets;  // stage, and the stage's flag name
+  bool boolean;
+};
+std::vector<FlagInfo> flag_table();
+
+struct RunOptions {
+  std::filesystem::path bin_dir;  // where lorapipe-* live (the launcher's own folder)
+  std::filesystem::path resume;   // a state folder to resume the trainer from
+};
+
+// Runs the pipeline in settings.output and returns the exit code: 0 when training is done and
+// the sampler has rendered the final checkpoint; 130 after SIGINT/SIGTERM (the trainer saved a
+// state); 2 when a stage failed (named on `display` with its last log lines; the others are
+// stopped). Progress goes to `display`, one line rewritten in place on a terminal.
+int run(Settings settings, const RunOptions& options, std::ostream& display);
+
+// `lorapipe resume DIR`: the settings of DIR/run.toml with `overrides` on top, and the newest
+// state folder under DIR/state. Throws InputError when DIR has no run.toml or no state.
+std::pair<Settings, std::filesystem::path> resume_settings(
+    const std::filesystem::path& dir, const std::vector<std::string>& overrides);
+
+// `lorapipe status DIR [--json]`: what DIR/events.jsonl and the run's files say.
+std::string status(const std::filesystem::path& dir, bool json);
+
+}  // namespace lorapipe::launcher

@@ -1,0 +1,72 @@
+// lorapipe: the launcher. `lorapipe run [flags]`, `lorapipe resume DIR [flags]`,
+// `lorapipe status DIR [--json]`. Links no LibTorch: the stages are the lorapipe-* beside it.
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "deploy/launcher.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage:\n"
+    "  lorapipe run --output=DIR [--config=FILE.toml] [flags]\n"
+    "      Runs preprocess, cacher, trainer and sampler on this machine in the run folder DIR.\n"
+    "      Flags are kohya's names (--pretrained_model_name_or_path or --model, --data_dir,\n"
+    "      --dataset_config, --resolution, --network_dim, --max_train_steps, --sample_prompts,\n"
+    "      --sample_every_n_steps, ...). With no model: the built-in tiny model and demo data.\n"
+    "  lorapipe resume DIR [flags]   continues a stopped run from its newest state\n"
+    "  lorapipe status DIR [--json]  the run's stages, cache, training, checkpoints, samples\n";
+
+std::filesystem::path own_folder() {
+  return std::filesystem::read_symlink("/proc/self/exe").parent_path();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  namespace l = lorapipe::launcher;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
+    std::cout << kUsage;
+    return args.empty() ? l::kExitError : l::kExitOk;
+  }
+  const std::string command = args[0];
+  args.erase(args.begin());
+  try {
+    if (command == "run") {
+      l::Settings settings = l::parse_run_args(args);
+      if (settings.output.empty()) settings.output = "lorapipe-run";
+      return l::run(settings, {own_folder(), {}}, std::cout);
+    }
+    if (command == "resume") {
+      if (args.empty()) throw lorapipe::InputError("lorapipe resume DIR: the run folder is needed");
+      const std::filesystem::path dir = args[0];
+      auto [settings, state] = l::resume_settings(dir, {args.begin() + 1, args.end()});
+      std::cout << "lorapipe: resuming " << dir.string() << " from " << state.string() << "\n";
+      return l::run(settings, {own_folder(), state}, std::cout);
+    }
+    if (command == "status") {
+      if (args.empty()) throw lorapipe::InputError("lorapipe status DIR: the run folder is needed");
+      bool json = false;
+      for (size_t i = 1; i < args.size(); ++i) {
+        if (args[i] != "--json") throw lorapipe::InputError("unknown flag " + args[i]);
+        json = true;
+      }
+      std::cout << l::status(args[0], json);
+      return l::kExitOk;
+    }
+    std::cerr << "lorapipe: unknown command '" << command << "'\n" << kUsage;
+    return l::kExitError;
+  } catch (const std::exception& e) {
+    std::cerr << "lorapipe: " << e.what() << "\n";
+    return l::kExitError;
+  }
+}

@@ -1,0 +1,524 @@
+// `lorapipe run`: the four stages as child processes, one display, events.jsonl, clean stops.
+//
+// Order: preprocess, the cacher and the sampler start together (the sampler loads its model
+// while the cache fills); the trainer starts when the cacher has written the manifest and
+// exited. The run is done when the trainer has saved its final LoRA and the sampler has
+// rendered it. Each child runs in its own process group, so a terminal's Ctrl-C reaches only
+// the launcher, which stops the children in order: SIGTERM to the trainer (it finishes the
+// step and saves a state), SIGTERM to the rest; anything still alive after kStopGrace is
+// killed. Children get SIGTERM too if the launcher itself dies (PR_SET_PDEATHSIG).
+
+#include <fcntl.h>
+#include <google/protobuf/util/json_util.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <deque>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <ostream>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "common/error.h"
+#include "deploy/launcher.h"
+#include "proto/lorapipe.pb.h"
+#include "proto/wire.h"
+
+namespace lorapipe::launcher {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+constexpr auto kStopGrace = 120s;  // a trainer on a big model may need a while to save
+
+volatile sig_atomic_t g_interrupted = 0;
+
+std::string iso_now() {
+  const std::time_t now = std::time(nullptr);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  return text;
+}
+
+// The demo prompts for the built-in run (kohya's prompt-file syntax).
+constexpr const char* kDemoPrompts =
+    "# kohya's prompt syntax: --n negative, --w/--h size, --d seed, --s steps, --ss sampler\n"
+    "a photo of a red circle --w 128 --h 128 --d 1 --s 20\n"
+    "a photo of a blue square --n blurry --w 128 --h 128 --d 2 --s 20 --ss euler_a\n";
+
+struct Child {
+  Stage stage;
+  pid_t pid = -1;
+  bool running = false;
+  int exit_code = -1;  // exit status, or 128 + signal
+  fs::path log;
+};
+
+// Starts `argv` in its own process group with stdout and stderr appended to `log`.
+pid_t start_process(const std::vector<std::string>& argv, const fs::path& log) {
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid != 0) return pid;
+  // The child: only async-signal-safe calls until exec.
+  setpgid(0, 0);
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() != parent) _exit(127);
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
+  const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (fd >= 0) {
+    dup2(fd, 1);
+    dup2(fd, 2);
+    close(fd);
+  }
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  execv(args[0], args.data());
+  dprintf(2, "lorapipe: cannot start %s\n", args[0]);
+  _exit(127);
+}
+
+int run_to_end(const std::vector<std::string>& argv, const fs::path& log) {
+  const pid_t pid = start_process(argv, log);
+  if (pid < 0) return 127;
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+std::vector<std::string> last_lines(const fs::path& path, size_t count) {
+  std::ifstream in(path);
+  std::deque<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    lines.push_back(line);
+    if (lines.size() > count) lines.pop_front();
+  }
+  return {lines.begin(), lines.end()};
+}
+
+std::string duration_text(double seconds) {
+  if (!(seconds >= 0)) return "?";
+  const long s = static_cast<long>(seconds + 0.5);
+  char text[32];
+  if (s >= 3600) {
+    std::snprintf(text, sizeof text, "%ld:%02ld:%02ld", s / 3600, s / 60 % 60, s % 60);
+  } else {
+    std::snprintf(text, sizeof text, "%ld:%02ld", s / 60, s % 60);
+  }
+  return text;
+}
+
+// wire::receive, with a signal's EINTR read as "nothing yet" (the loop then sees the flag).
+wire::Received receive(zmq::socket_t& socket, std::chrono::milliseconds timeout) {
+  try {
+    return wire::receive(socket, timeout);
+  } catch (const zmq::error_t& e) {
+    if (e.num() != EINTR) throw;
+    return {};
+  }
+}
+
+class Supervisor {
+ public:
+  Supervisor(Settings settings, RunOptions options, std::ostream& display)
+      : s_(std::move(settings)), o_(std::move(options)), display_(display) {}
+
+  int run();
+  void stop_all();  // also on the way out of a launcher error
+
+ private:
+  void prepare_folder();
+  void apply_demo_defaults();
+  std::string endpoint(const std::string& name) const;
+  void start(Stage stage, std::vector<std::string> args);
+  Child* child(Stage stage);
+  void event(nlohmann::json e);
+  void on_message(const google::protobuf::Message& m);
+  void reap();
+  int fail(const Child& c);
+  void redraw(bool force);
+
+  Settings s_;
+  RunOptions o_;
+  std::ostream& display_;
+  fs::path dir_;
+  fs::path socket_dir_;
+  std::ofstream events_;
+  std::map<Stage, Child> children_;
+  bool tty_ = false;
+  Clock::time_point last_draw_{};
+  std::string last_line_;
+  // What the display shows.
+  wire::CacheReport cache_;
+  wire::TrainProgress progress_;
+  std::string newest_sample_;
+  std::set<std::string> announced_;
+};
+
+void Supervisor::prepare_folder() {
+  dir_ = fs::absolute(s_.output);
+  // A second run in the same folder would mix its LoRAs, states and samples with the first's
+  // (the sampler skips steps it has rendered): the folder belongs to one run and its resumes.
+  if (o_.resume.empty() && fs::exists(dir_ / "events.jsonl")) {
+    throw InputError(dir_.string() + " already holds a run: `lorapipe resume " + dir_.string() +
+                     "` continues it; a new run needs another --output");
+  }
+  for (const char* sub : {"lora", "samples", "state", "tensorboard", "logs"}) {
+    fs::create_directories(dir_ / sub);
+  }
+  // ipc:// paths are limited to 107 bytes; a deep run folder puts its sockets in /tmp.
+  socket_dir_ = dir_ / "sockets";
+  if ((socket_dir_ / "sampler-pub.sock").string().size() > 100) {
+    socket_dir_ = fs::temp_directory_path() / ("lorapipe-" + std::to_string(getpid()));
+  }
+  fs::create_directories(socket_dir_);
+}
+
+std::string Supervisor::endpoint(const std::string& name) const {
+  return "ipc://" + (socket_dir_ / (name + ".sock")).string();
+}
+
+// No model given: the built-in tiny SD1.5 and the bundled demo dataset, made in DIR/demo by
+// the stages' own generators, with settings that finish on a laptop CPU in about a minute.
+void Supervisor::apply_demo_defaults() {
+  const fs::path demo = dir_ / "demo";
+  const fs::path model = demo / "model" / "tiny-sd15.safetensors";
+  if (!fs::exists(model)) {
+    display_ << "lorapipe: no --pretrained_model_name_or_path: the built-in tiny model and the "
+                "demo dataset\n";
+    if (run_to_end({(o_.bin_dir / "lorapipe-make-tiny-model").string(), (demo / "model").string()},
+                   dir_ / "logs" / "demo.log") != 0) {
+      throw Error("cannot write the tiny model; see " + (dir_ / "logs" / "demo.log").string());
+    }
+  }
+  if (!s_.has("data_dir") && !s_.has("dataset_config") && !fs::exists(demo / "data")) {
+    if (run_to_end({(o_.bin_dir / "lorapipe-demo-dataset").string(), (demo / "data").string()},
+                   dir_ / "logs" / "demo.log") != 0) {
+      throw Error("cannot write the demo dataset; see " + (dir_ / "logs" / "demo.log").string());
+    }
+  }
+  if (!s_.has("sample_prompts") && !fs::exists(demo / "prompts.txt")) {
+    std::ofstream(demo / "prompts.txt") << kDemoPrompts;
+  }
+  const std::vector<std::pair<std::string, std::string>> defaults = {
+      {"pretrained_model_name_or_path", model.string()},
+      {"tokenizer", (demo / "model" / "tiny-sd15-tokenizer").string()},
+      {"data_dir", (demo / "data").string()},
+      {"dataset_id", "demo"},
+      {"resolution", "128"},
+      {"min_bucket_reso", "64"},
+      {"max_bucket_reso", "256"},
+      {"output_name", "demo"},
+      {"max_train_steps", "100"},
+      {"train_batch_size", "4"},
+      {"network_dim", "8"},
+      {"network_alpha", "8"},
+      {"learning_rate", "1e-3"},
+      {"lr_scheduler", "cosine"},
+      {"save_every_n_steps", "50"},
+      {"device", "cpu"},
+      {"sampler_device", "cpu"},
+      {"sample_prompts", (demo / "prompts.txt").string()},
+  };
+  for (const auto& [name, value] : defaults) {
+    if (name == "data_dir" && s_.has("dataset_config")) continue;
+    if (!s_.has(name)) s_.set(name, value);
+  }
+}
+
+void Supervisor::start(Stage stage, std::vector<std::string> args) {
+  Child c;
+  c.stage = stage;
+  c.log = dir_ / "logs" / (std::string(stage_name(stage)) + ".log");
+  args.insert(args.begin(), (o_.bin_dir / ("lorapipe-" + std::string(stage_name(stage)))).string());
+  c.pid = start_process(args, c.log);
+  if (c.pid < 0) throw Error(std::string("cannot start the ") + stage_name(stage));
+  c.running = true;
+  nlohmann::json command = args;
+  event({{"event", "Stage"}, {"stage", stage_name(stage)}, {"state", "started"}, {"pid", c.pid},
+         {"command", command}});
+  children_[stage] = c;
+}
+
+Child* Supervisor::child(Stage stage) {
+  auto it = children_.find(stage);
+  return it == children_.end() ? nullptr : &it->second;
+}
+
+void Supervisor::event(nlohmann::json e) {
+  e["time"] = iso_now();
+  events_ << e.dump() << "\n" << std::flush;
+}
+
+void Supervisor::on_message(const google::protobuf::Message& m) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &json, options);
+  nlohmann::json e = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  if (e.is_discarded()) e = nlohmann::json::object();
+  e["event"] = m.GetDescriptor()->name();
+  event(std::move(e));
+  if (const auto* r = dynamic_cast<const wire::CacheReport*>(&m)) cache_ = *r;
+  if (const auto* p = dynamic_cast<const wire::TrainProgress*>(&m)) progress_ = *p;
+  if (const auto* c = dynamic_cast<const wire::CheckpointReady*>(&m)) {
+    // The trainer announces its newest checkpoint again every few seconds (for samplers
+    // that start late); the display names each one once.
+    if (announced_.insert(c->path()).second) {
+      redraw(true);
+      display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: checkpoint " << c->path() << " (step "
+               << c->step() << (c->final() ? ", final" : "") << ")\n";
+    }
+  }
+  if (const auto* r = dynamic_cast<const wire::SampleReady*>(&m)) {
+    newest_sample_ = r->contact_sheet().empty() && r->image_paths_size() > 0 ? r->image_paths(0)
+                                                                            : r->contact_sheet();
+    display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: samples of step " << r->step() << ": "
+             << newest_sample_ << "\n";
+  }
+  redraw(false);
+}
+
+// Collects every child that ended since the last call.
+void Supervisor::reap() {
+  for (;;) {
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid <= 0) return;
+    for (auto& [stage, c] : children_) {
+      if (c.pid != pid || !c.running) continue;
+      c.running = false;
+      c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      event({{"event", "Stage"}, {"stage", stage_name(stage)}, {"state", "exited"},
+             {"exit_code", c.exit_code}});
+    }
+  }
+}
+
+// The trainer first (it saves a state), then the rest; waits, and kills what outlives the grace.
+void Supervisor::stop_all() {
+  for (auto& [stage, c] : children_) {
+    if (c.running) kill(c.pid, SIGTERM);
+  }
+  const auto deadline = Clock::now() + kStopGrace;
+  for (;;) {
+    reap();
+    bool any = false;
+    for (auto& [stage, c] : children_) any = any || c.running;
+    if (!any) return;
+    if (Clock::now() > deadline) {
+      for (auto& [stage, c] : children_) {
+        if (c.running) kill(c.pid, SIGKILL);
+      }
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+}
+
+int Supervisor::fail(const Child& c) {
+  redraw(true);
+  display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: the " << stage_name(c.stage)
+           << (c.exit_code > 128 ? " was killed by signal " + std::to_string(c.exit_code - 128)
+                                 : " failed with exit code " + std::to_string(c.exit_code))
+           << "; the last lines of " << c.log.string() << ":\n";
+  for (const std::string& line : last_lines(c.log, 15)) display_ << "  | " << line << "\n";
+  display_ << std::flush;
+  stop_all();
+  event({{"event", "Run"}, {"result", "failed"}, {"stage", stage_name(c.stage)},
+         {"exit_code", c.exit_code}});
+  return kExitError;
+}
+
+void Supervisor::redraw(bool force) {
+  const auto now = Clock::now();
+  if (!force && now - last_draw_ < (tty_ ? 250ms : 10s)) return;
+  last_draw_ = now;
+  std::ostringstream line;
+  auto state = [&](Stage stage) -> std::string {
+    const Child* c = child(stage);
+    if (c == nullptr) return "waiting";
+    if (c->running) return "running";
+    return c->exit_code == 0 ? "done" : "exit " + std::to_string(c->exit_code);
+  };
+  line << "cache " << state(Stage::kCacher) << " (" << cache_.hits() << " hits, "
+       << cache_.encoded() << " misses, " << cache_.rejected() << " rejected)";
+  line << " | trainer " << state(Stage::kTrainer);
+  if (progress_.total_steps() > 0) {
+    char text[160];
+    std::snprintf(text, sizeof text, " step %llu/%llu loss %.4f %.2f s/it ETA %s",
+                  static_cast<unsigned long long>(progress_.step()),
+                  static_cast<unsigned long long>(progress_.total_steps()), progress_.loss(),
+                  progress_.seconds_per_step(), duration_text(progress_.eta_seconds()).c_str());
+    line << text;
+  }
+  if (child(Stage::kSampler) != nullptr) {
+    line << " | sampler " << state(Stage::kSampler);
+    if (!newest_sample_.empty()) line << " " << fs::path(newest_sample_).filename().string();
+  }
+  const std::string text = line.str();
+  if (tty_) {
+    display_ << "\r\x1b[K" << text << std::flush;
+  } else if (text != last_line_) {
+    display_ << text << "\n" << std::flush;
+  }
+  last_line_ = text;
+}
+
+int Supervisor::run() {
+  tty_ = &display_ == &std::cout && isatty(1);
+  prepare_folder();
+  if (!s_.has("pretrained_model_name_or_path")) apply_demo_defaults();
+  if (!s_.has("data_dir") && !s_.has("dataset_config")) {
+    throw InputError("--data_dir or --dataset_config is needed with a model of your own");
+  }
+  if (!s_.has("dataset_id")) {
+    s_.set("dataset_id", fs::path(s_.get("data_dir", s_.get("dataset_config")))
+                             .lexically_normal()
+                             .filename()
+                             .string());
+  }
+  // kohya's --sample_every_n_steps: the trainer saves at those steps and the sampler renders.
+  if (s_.has("sample_every_n_steps") && !s_.has("save_every_n_steps")) {
+    s_.set("save_every_n_steps", s_.get("sample_every_n_steps"));
+  }
+  write_config(s_, dir_ / "run.toml");
+  events_.open(dir_ / "events.jsonl", std::ios::app);
+  event({{"event", "Run"}, {"result", "started"}, {"output", dir_.string()},
+         {"resume", o_.resume.string()}});
+
+  zmq::context_t context(1);
+  wire::SocketOptions sub_options;
+  sub_options.receive_timeout = 200ms;
+  zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub, sub_options);
+  sub.set(zmq::sockopt::subscribe, "");
+  for (const char* name : {"cacher-pub", "trainer-pub", "sampler-pub"}) sub.connect(endpoint(name));
+
+  std::vector<std::string> args = stage_args(s_, Stage::kCacher);
+  args.insert(args.end(), {"--pull=" + endpoint("cacher-pull"), "--rep=" + endpoint("cacher-rep"),
+                           "--pub=" + endpoint("cacher-pub")});
+  start(Stage::kCacher, args);
+  args = stage_args(s_, Stage::kPreprocess);
+  args.insert(args.end(),
+              {"--push=" + endpoint("cacher-pull"), "--request=" + endpoint("cacher-rep")});
+  start(Stage::kPreprocess, args);
+  if (s_.has("sample_prompts")) {
+    args = stage_args(s_, Stage::kSampler);
+    args.insert(args.end(), {"--output_dir=" + dir_.string(), "--sub=" + endpoint("trainer-pub"),
+                             "--pub=" + endpoint("sampler-pub")});
+    start(Stage::kSampler, args);
+  }
+
+  for (;;) {
+    const wire::Received r = receive(sub, 200ms);
+    if (r.ok()) on_message(*r.message);
+    reap();
+    if (g_interrupted) {
+      redraw(true);
+      display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: interrupted; stopping the stages"
+               << (child(Stage::kTrainer) != nullptr ? " (the trainer saves a state)" : "")
+               << "\n" << std::flush;
+      stop_all();
+      while (receive(sub, 0ms).ok()) {
+      }
+      event({{"event", "Run"}, {"result", "interrupted"}, {"exit_code", kExitInterrupted}});
+      display_ << "lorapipe: stopped; `lorapipe resume " << dir_.string() << "` continues\n";
+      return kExitInterrupted;
+    }
+    for (auto& [stage, c] : children_) {
+      if (c.running || c.exit_code == 0) continue;
+      return fail(c);
+    }
+    const Child* cacher = child(Stage::kCacher);
+    const Child* preprocess = child(Stage::kPreprocess);
+    if (child(Stage::kTrainer) == nullptr && !cacher->running && !preprocess->running) {
+      args = stage_args(s_, Stage::kTrainer);
+      args.insert(args.end(), {"--output_dir=" + dir_.string(), "--pub=" + endpoint("trainer-pub"),
+                               "--save_state"});
+      if (!o_.resume.empty()) args.push_back("--resume=" + o_.resume.string());
+      start(Stage::kTrainer, args);
+    }
+    const Child* trainer = child(Stage::kTrainer);
+    const Child* sampler = child(Stage::kSampler);
+    if (trainer != nullptr && !trainer->running && (sampler == nullptr || !sampler->running)) {
+      while (true) {  // what the stages published last
+        const wire::Received rest = receive(sub, 100ms);
+        if (!rest.ok()) break;
+        on_message(*rest.message);
+      }
+      redraw(true);
+      if (tty_) display_ << "\n";
+      event({{"event", "Run"}, {"result", "done"}, {"exit_code", kExitOk}});
+      display_ << "lorapipe: done. LoRA files in " << (dir_ / "lora").string();
+      if (sampler != nullptr) display_ << "; samples in " << (dir_ / "samples" / "index.html").string();
+      display_ << "\n" << std::flush;
+      return kExitOk;
+    }
+    redraw(false);
+  }
+}
+
+}  // namespace
+
+int run(Settings settings, const RunOptions& options, std::ostream& display) {
+  if (settings.output.empty()) throw InputError("--output=DIR (the run folder) is needed");
+  struct sigaction action {};
+  action.sa_handler = [](int) { g_interrupted = 1; };
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+  Supervisor supervisor(std::move(settings), options, display);
+  try {
+    return supervisor.run();
+  } catch (...) {
+    supervisor.stop_all();
+    throw;
+  }
+}
+
+std::pair<Settings, fs::path> resume_settings(const fs::path& dir,
+                                              const std::vector<std::string>& overrides) {
+  if (!fs::exists(dir / "run.toml")) {
+    throw InputError(dir.string() + " has no run.toml: not a lorapipe run folder");
+  }
+  std::vector<std::string> args = {"--config=" + (dir / "run.toml").string()};
+  args.insert(args.end(), overrides.begin(), overrides.end());
+  Settings settings = parse_run_args(args);
+  settings.output = dir;
+  // The state folder with the most steps (each holds trainer.json once complete: the trainer
+  // writes a state under a temporary name and renames it).
+  fs::path newest;
+  int64_t newest_step = -1;
+  if (fs::is_directory(dir / "state")) {
+    for (const auto& entry : fs::directory_iterator(dir / "state")) {
+      const fs::path file = entry.path() / "trainer.json";
+      if (!fs::exists(file)) continue;
+      const nlohmann::json state =
+          nlohmann::json::parse(std::ifstream(file), nullptr, /*allow_exceptions=*/false);
+      if (state.is_discarded() || !state.contains("global_step")) continue;
+      const int64_t step = state["global_step"].get<int64_t>();
+      if (step > newest_step) {
+        newest = entry.path();
+        newest_step = step;
+      }
+    }
+  }
+  if (newest.empty()) {
+    throw InputError(dir.string() + "/state holds no saved state to resume from");
+  }
+  return {settings, newest};
+}
+
+}  // namespace lorapipe::launcher

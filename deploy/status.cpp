@@ -1,0 +1,110 @@
+// `lorapipe status DIR [--json]`: the run as its events.jsonl and files tell it.
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "common/error.h"
+#include "deploy/launcher.h"
+
+namespace lorapipe::launcher {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string status(const fs::path& dir, bool as_json) {
+  std::ifstream in(dir / "events.jsonl");
+  if (!in) throw InputError(dir.string() + " has no events.jsonl: not a lorapipe run folder");
+  json stages = json::object();
+  json cache = {{"hits", 0}, {"misses", 0}, {"rejected", 0}};
+  json training = {{"step", 0}, {"total_steps", 0}, {"loss", nullptr}, {"s_per_it", nullptr},
+                   {"eta_s", nullptr}};
+  json checkpoints = json::array();
+  json samples = json::array();
+  std::string state = "unknown";
+  int line_number = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++line_number;
+    const json e = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (e.is_discarded() || !e.is_object()) continue;  // a line cut by a crash
+    const std::string kind = e.value("event", "");
+    // protobuf's JSON leaves out zeros and writes 64-bit integers as strings.
+    auto number = [&](const char* key) -> json {
+      if (!e.contains(key)) return 0;
+      const json& v = e[key];
+      if (v.is_number()) return v;
+      if (v.is_string()) {
+        const std::string text = v.get<std::string>();
+        try {
+          size_t used = 0;
+          const long long n = std::stoll(text, &used);
+          if (used == text.size()) return n;
+          return std::stod(text);
+        } catch (const std::exception&) {
+          return nullptr;
+        }
+      }
+      return 0;
+    };
+    if (kind == "Run") {
+      const std::string result = e.value("result", "");
+      state = result == "started" ? "running" : result;
+    } else if (kind == "Stage") {
+      json& s = stages[e.value("stage", "?")];
+      s["state"] = e.value("state", "");
+      if (e.contains("exit_code")) s["exit_code"] = e["exit_code"];
+      if (e.contains("pid")) s["pid"] = e["pid"];
+    } else if (kind == "CacheReport") {
+      cache = {{"hits", number("hits")}, {"misses", number("encoded")},
+               {"rejected", number("rejected")}, {"done", e.value("done", false)}};
+    } else if (kind == "TrainProgress") {
+      training = {{"step", number("step")},
+                  {"total_steps", number("total_steps")},
+                  {"loss", number("loss")},
+                  {"average_loss", number("average_loss")},
+                  {"s_per_it", number("seconds_per_step")},
+                  {"eta_s", number("eta_seconds")}};
+    } else if (kind == "CheckpointReady") {
+      json c = {{"path", e.value("path", "")}, {"step", number("step")},
+                {"final", e.value("final", false)}};
+      if (checkpoints.empty() || checkpoints.back() != c) checkpoints.push_back(c);
+    } else if (kind == "SampleReady") {
+      samples.push_back({{"step", number("step")},
+                         {"contact_sheet", e.value("contact_sheet", "")},
+                         {"images", e.contains("image_paths") ? e["image_paths"].size() : 0}});
+    }
+  }
+  const json out = {{"run", dir.string()},    {"state", state},
+                    {"stages", stages},       {"cache", cache},
+                    {"training", training},   {"checkpoints", checkpoints},
+                    {"samples", samples}};
+  if (as_json) return out.dump(2) + "\n";
+  std::ostringstream text;
+  text << "run " << dir.string() << ": " << state << "\n";
+  for (const auto& [name, s] : stages.items()) {
+    text << "  " << name << ": " << s.value("state", "");
+    if (s.contains("exit_code")) text << " (exit " << s["exit_code"].get<int>() << ")";
+    text << "\n";
+  }
+  text << "  cache: " << cache["hits"].get<double>() << " hits, "
+       << cache["misses"].get<double>() << " misses, " << cache["rejected"].get<double>()
+       << " rejected\n";
+  char line[200];
+  std::snprintf(line, sizeof line, "  training: step %.0f of %.0f", training["step"].get<double>(),
+                training["total_steps"].get<double>());
+  text << line;
+  if (training["loss"].is_number()) {
+    std::snprintf(line, sizeof line, ", loss %.4f, %.3f s/it", training["loss"].get<double>(),
+                  training["s_per_it"].get<double>());
+    text << line;
+  }
+  text << "\n  checkpoints: " << checkpoints.size();
+  if (!checkpoints.empty()) text << ", newest " << checkpoints.back()["path"].get<std::string>();
+  text << "\n  samples: " << samples.size() << " renders";
+  if (!samples.empty()) text << ", newest " << samples.back()["contact_sheet"].get<std::string>();
+  text << "\n";
+  return text.str();
+}
+
+}  // namespace lorapipe::launcher

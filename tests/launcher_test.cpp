@@ -1,0 +1,314 @@
+// The lorapipe launcher with the real stages as child processes on this machine's CPU: the
+// built-in demo run end to end, Ctrl-C and resume, a stage that dies, and the flag table against
+// every stage's own flags (--helpxml).
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/error.h"
+#include "deploy/launcher.h"
+#include "tests/process_util.h"
+
+namespace lorapipe::launcher {
+namespace {
+
+namespace fs = std::filesystem;
+using lorapipe::testing::read_text;
+using lorapipe::testing::spawn;
+using lorapipe::testing::wait_exit;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+const fs::path kBin = LORAPIPE_BIN_DIR;
+
+class LauncherTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    work_ = fs::temp_directory_path() /
+            (std::string("lorapipe-launcher-") + info->name() + "-" + std::to_string(getpid()));
+    fs::remove_all(work_);
+    fs::create_directories(work_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(work_);
+  }
+
+  // Runs `lorapipe ARGS...` to the end; returns the exit code, output in out_/err_.
+  int lorapipe(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {(kBin / "lorapipe").string()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const pid_t pid = spawn(argv, work_ / "out.txt", work_ / "err.txt");
+    const int code = wait_exit(pid);
+    out_ = read_text(work_ / "out.txt");
+    err_ = read_text(work_ / "err.txt");
+    return code;
+  }
+
+  json status(const fs::path& run) {
+    EXPECT_EQ(lorapipe({"status", run.string(), "--json"}), 0) << err_;
+    return json::parse(out_);
+  }
+
+  // The run's events so far (lines cut mid-write are skipped).
+  static std::vector<json> events(const fs::path& run) {
+    std::vector<json> out;
+    std::ifstream in(run / "events.jsonl");
+    for (std::string line; std::getline(in, line);) {
+      json e = json::parse(line, nullptr, false);
+      if (!e.is_discarded()) out.push_back(std::move(e));
+    }
+    return out;
+  }
+
+  // Waits until a TrainProgress at `step` or later is in the events; returns the trainer's pid.
+  static pid_t wait_for_training(const fs::path& run, int step) {
+    const auto deadline = Clock::now() + std::chrono::seconds(240);
+    while (Clock::now() < deadline) {
+      pid_t trainer = -1;
+      bool reached = false;
+      for (const json& e : events(run)) {
+        if (e.value("event", "") == "Stage" && e.value("stage", "") == "trainer" &&
+            e.contains("pid")) {
+          trainer = e["pid"].get<pid_t>();
+        }
+        if (e.value("event", "") == "TrainProgress" &&
+            std::stoll(e.value("step", std::string("0"))) >= step) {
+          reached = true;
+        }
+      }
+      if (reached && trainer > 0) return trainer;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return -1;
+  }
+
+  // Every stage the launcher started has ended (no orphans left running).
+  static void expect_no_stage_alive(const fs::path& run) {
+    for (const json& e : events(run)) {
+      if (e.value("event", "") != "Stage" || !e.contains("pid")) continue;
+      const pid_t pid = e["pid"].get<pid_t>();
+      EXPECT_TRUE(kill(pid, 0) != 0 && errno == ESRCH)
+          << e.value("stage", "") << " (pid " << pid << ") is still running";
+    }
+  }
+
+  fs::path work_;
+  std::string out_, err_;
+};
+
+using LauncherRun = LauncherTest;
+using LauncherFlags = LauncherTest;
+
+// The issue's one-machine run: no model given, so the built-in tiny model and the demo dataset;
+// it must end with a LoRA, at least two sampled checkpoints, the gallery and every record.
+TEST_F(LauncherRun, DemoRunCompletesWithLoraSamplesGalleryAndEvents) {
+  const fs::path run = work_ / "run";
+  const auto started = Clock::now();
+  ASSERT_EQ(lorapipe({"run", "--output=" + run.string()}), 0) << out_ << err_;
+  const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
+  std::printf("[launcher] the demo run took %.1f s on this machine's CPU\n", seconds);
+  EXPECT_NE(out_.find("lorapipe: done"), std::string::npos) << out_;
+
+  EXPECT_TRUE(fs::exists(run / "lora" / "demo.safetensors"));
+  EXPECT_TRUE(fs::exists(run / "samples" / "index.html"));
+  EXPECT_TRUE(fs::exists(run / "run.toml"));
+  EXPECT_TRUE(fs::exists(run / "state" / "demo-state" / "trainer.json"));
+  EXPECT_FALSE(fs::is_empty(run / "tensorboard"));
+  for (const char* stage : {"preprocess", "cacher", "trainer", "sampler"}) {
+    EXPECT_GT(fs::file_size(run / "logs" / (std::string(stage) + ".log")), 0u) << stage;
+  }
+
+  const json s = status(run);
+  EXPECT_EQ(s["state"], "done");
+  EXPECT_EQ(s["training"]["step"], 100);
+  EXPECT_EQ(s["training"]["total_steps"], 100);
+  EXPECT_EQ(s["cache"]["hits"].get<int>() + s["cache"]["misses"].get<int>(), 36);
+  EXPECT_EQ(s["cache"]["rejected"], 0);
+  std::set<int> sampled;
+  for (const json& sample : s["samples"]) {
+    sampled.insert(sample["step"].get<int>());
+    EXPECT_TRUE(fs::exists(sample["contact_sheet"].get<std::string>()));
+  }
+  EXPECT_GE(sampled.size(), 2u) << s.dump(2);
+  EXPECT_TRUE(sampled.count(100)) << "the final checkpoint was not rendered";
+  ASSERT_FALSE(s["checkpoints"].empty());
+  EXPECT_TRUE(s["checkpoints"].back()["final"].get<bool>());
+  for (const char* stage : {"preprocess", "cacher", "trainer", "sampler"}) {
+    EXPECT_EQ(s["stages"][stage]["exit_code"], 0) << stage;
+  }
+  expect_no_stage_alive(run);
+
+  // The human form says the same.
+  ASSERT_EQ(lorapipe({"status", run.string()}), 0);
+  EXPECT_NE(out_.find("step 100 of 100"), std::string::npos) << out_;
+
+  // The folder belongs to this run: a second `run` into it is refused, naming resume.
+  EXPECT_EQ(lorapipe({"run", "--output=" + run.string()}), kExitError);
+  EXPECT_NE(err_.find("lorapipe resume"), std::string::npos) << err_;
+}
+
+// Ctrl-C mid-training: the trainer saves a state, every stage stops, exit 130; `lorapipe
+// resume` continues from that state to the end.
+TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
+  const fs::path run = work_ / "run";
+  const pid_t launcher =
+      spawn({(kBin / "lorapipe").string(), "run", "--output=" + run.string(),
+             "--max_train_steps=120", "--save_every_n_steps=1000"},
+            work_ / "out.txt", work_ / "err.txt");
+  ASSERT_GT(wait_for_training(run, 10), 0) << read_text(work_ / "out.txt");
+  kill(launcher, SIGINT);
+  EXPECT_EQ(wait_exit(launcher), 130) << read_text(work_ / "out.txt") << read_text(work_ / "err.txt");
+  expect_no_stage_alive(run);
+  const json state = json::parse(read_text(run / "state" / "demo-state" / "trainer.json"));
+  const int saved_at = state["global_step"].get<int>();
+  EXPECT_GE(saved_at, 10);
+  EXPECT_LT(saved_at, 120);
+  EXPECT_EQ(status(run)["state"], "interrupted");
+  EXPECT_EQ(status(run)["stages"]["trainer"]["exit_code"], 130);
+
+  ASSERT_EQ(lorapipe({"resume", run.string()}), 0) << out_ << err_;
+  EXPECT_NE(out_.find("demo-state"), std::string::npos) << out_;
+  const json s = status(run);
+  EXPECT_EQ(s["state"], "done");
+  EXPECT_EQ(s["training"]["step"], 120);
+  // The resumed trainer started where the state was: its log says so.
+  EXPECT_NE(read_text(run / "logs" / "trainer.log").find("resumed"), std::string::npos);
+  EXPECT_TRUE(fs::exists(run / "lora" / "demo.safetensors"));
+}
+
+// A stage that dies mid-run: the launcher names it, shows its last log lines, stops the others
+// and exits non-zero.
+TEST_F(LauncherRun, StageThatDiesIsNamedAndTheOthersAreStopped) {
+  const fs::path run = work_ / "run";
+  const pid_t launcher = spawn({(kBin / "lorapipe").string(), "run", "--output=" + run.string(),
+                                "--max_train_steps=2000", "--save_every_n_steps=1000"},
+                               work_ / "out.txt", work_ / "err.txt");
+  const pid_t trainer = wait_for_training(run, 3);
+  ASSERT_GT(trainer, 0) << read_text(work_ / "out.txt");
+  kill(trainer, SIGKILL);
+  EXPECT_EQ(wait_exit(launcher), kExitError);
+  const std::string out = read_text(work_ / "out.txt");
+  EXPECT_NE(out.find("the trainer was killed by signal 9"), std::string::npos) << out;
+  EXPECT_NE(out.find("the last lines of " + (run / "logs" / "trainer.log").string()),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("  | "), std::string::npos) << "no log lines shown:\n" << out;
+  expect_no_stage_alive(run);
+  const json s = status(run);
+  EXPECT_EQ(s["state"], "failed");
+  EXPECT_EQ(s["stages"]["sampler"]["state"], "exited");
+}
+
+TEST_F(LauncherFlags, UnknownFlagIsAnErrorNamingIt) {
+  EXPECT_EQ(lorapipe({"run", "--output=" + (work_ / "run").string(), "--netwrk_dim=8"}),
+            kExitError);
+  EXPECT_NE(err_.find("--netwrk_dim"), std::string::npos) << err_;
+  EXPECT_FALSE(fs::exists(work_ / "run")) << "nothing may start on a bad flag";
+  // The launcher's own endpoints are not the user's to set.
+  EXPECT_EQ(lorapipe({"run", "--output=" + (work_ / "run").string(), "--pub=tcp://*:5555"}),
+            kExitError);
+  EXPECT_NE(err_.find("--pub"), std::string::npos) << err_;
+  // In a config file, the file and the key are named.
+  std::ofstream(work_ / "bad.toml") << "network_dim = 8\nlearning_rat = 1e-4\n";
+  EXPECT_EQ(lorapipe({"run", "--config=" + (work_ / "bad.toml").string()}), kExitError);
+  EXPECT_NE(err_.find("bad.toml"), std::string::npos) << err_;
+  EXPECT_NE(err_.find("--learning_rat"), std::string::npos) << err_;
+}
+
+TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
+  std::ofstream(work_ / "run.toml") << "network_dim = 16\nlearning_rate = 1e-4\n"
+                                       "gradient_checkpointing = true\nmodel = \"/m.safetensors\"\n"
+                                       "optimizer_args = \"weight_decay=0.1\"\n";
+  const Settings s = parse_run_args({"--config=" + (work_ / "run.toml").string(),
+                                     "--network_dim", "32", "--optimizer_args", "betas=0.9,0.99",
+                                     "eps=1e-8", "--output_dir=/tmp/x"});
+  EXPECT_EQ(s.get("network_dim"), "32");
+  EXPECT_EQ(std::stod(s.get("learning_rate")), 1e-4);
+  EXPECT_EQ(s.get("gradient_checkpointing"), "true");
+  EXPECT_EQ(s.get("pretrained_model_name_or_path"), "/m.safetensors");
+  EXPECT_EQ(s.get("optimizer_args"), "betas=0.9,0.99 eps=1e-8");
+  EXPECT_EQ(s.output, "/tmp/x");
+  // Each stage gets its own flags, under its own names.
+  const auto cacher = stage_args(s, Stage::kCacher);
+  EXPECT_NE(std::find(cacher.begin(), cacher.end(), "--model=/m.safetensors"), cacher.end());
+  const auto trainer = stage_args(s, Stage::kTrainer);
+  EXPECT_NE(std::find(trainer.begin(), trainer.end(), "--network_dim=32"), trainer.end());
+  EXPECT_NE(std::find(trainer.begin(), trainer.end(), "--optimizer_args=betas=0.9,0.99 eps=1e-8"),
+            trainer.end());
+  const auto preprocess = stage_args(s, Stage::kPreprocess);
+  EXPECT_TRUE(preprocess.empty()) << preprocess.front();
+  // run.toml, written back, reads as the same settings.
+  write_config(s, work_ / "again.toml");
+  const Settings again = parse_run_args({"--config=" + (work_ / "again.toml").string()});
+  using Map = std::map<std::string, std::string>;  // TOML keeps no order; the stages need none
+  EXPECT_EQ(Map(again.flags.begin(), again.flags.end()), Map(s.flags.begin(), s.flags.end()));
+  EXPECT_EQ(again.output, s.output);
+  EXPECT_THROW(parse_run_args({"--gradient_checkpointing=maybe"}), InputError);
+}
+
+// The flag table against the stages themselves: every flag the launcher passes exists in the
+// stage it goes to, with the same kind (boolean or value), and every flag a stage has is either
+// routed or one the launcher sets itself (endpoints, folders, tools), listed here with why.
+TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
+  const std::map<Stage, std::set<std::string>> launcher_owned = {
+      {Stage::kPreprocess, {"push", "request", "timeout_ms", "report_only", "report_json"}},
+      {Stage::kCacher,
+       {"pull", "rep", "pub", "serve", "idle_timeout_s", "inspect", "json", "verify", "gc",
+        "export_file", "dataset", "import_file"}},
+      {Stage::kTrainer, {"output_dir", "pub", "save_state", "resume", "cacher"}},
+      {Stage::kSampler,
+       {"output_dir", "sub", "pub", "lora", "idle_timeout_s", "delay_per_image_s", "model"}},
+  };
+  std::map<Stage, std::map<std::string, std::string>> stage_flags;  // name -> gflags type
+  for (Stage stage : {Stage::kPreprocess, Stage::kCacher, Stage::kTrainer, Stage::kSampler}) {
+    const fs::path xml = work_ / (std::string(stage_name(stage)) + ".xml");
+    const pid_t pid = spawn({(kBin / ("lorapipe-" + std::string(stage_name(stage)))).string(),
+                             "--helpxml"},
+                            xml, work_ / "helpxml.err");
+    wait_exit(pid);  // gflags exits 1 after --helpxml
+    const std::string text = read_text(xml);
+    const std::regex flag("<flag><file>([^<]*)</file><name>([^<]+)</name>.*?<type>([^<]+)</type>");
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), flag);
+         it != std::sregex_iterator(); ++it) {
+      // Only the stage's own flags (its main.cpp), not gflags' built-ins.
+      if ((*it)[1].str().find("main.cpp") != std::string::npos) {
+        stage_flags[stage][(*it)[2].str()] = (*it)[3].str();
+      }
+    }
+    ASSERT_GT(stage_flags[stage].size(), 5u) << stage_name(stage) << ":\n" << text;
+  }
+  std::map<Stage, std::set<std::string>> routed;
+  for (const FlagInfo& f : flag_table()) {
+    for (const auto& [stage, name] : f.targets) {
+      routed[stage].insert(name);
+      const auto it = stage_flags[stage].find(name);
+      ASSERT_NE(it, stage_flags[stage].end())
+          << "--" << f.name << " goes to the " << stage_name(stage) << " as --" << name
+          << ", which it does not have";
+      EXPECT_EQ(it->second == "bool", f.boolean) << "--" << f.name << " in the " << stage_name(stage);
+    }
+  }
+  for (const auto& [stage, flags] : stage_flags) {
+    for (const auto& [name, type] : flags) {
+      EXPECT_TRUE(routed[stage].count(name) || launcher_owned.at(stage).count(name))
+          << "the " << stage_name(stage) << "'s --" << name
+          << " is neither routed by the launcher nor set by it";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace lorapipe::launcher
