@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <fstream>
@@ -35,6 +36,22 @@ c10::ScalarType parse_dtype(const std::string& name) {
   throw InputError("--dtype='" + name + "' is not a dtype: use fp32, fp16 or bf16");
 }
 
+// Names a manifest by everything that decides its records, so runs over one folder with other
+// settings keep their own: each entry's keys (image content . transform . VAE fingerprint, and
+// caption . text-encoder fingerprint), its bucket, repeats, caption settings and flags, and the
+// fingerprints. Entries arrive in the order preprocess finishes them, so they are hashed as a
+// sorted set. 12 hex digits (48 bits): a collision needs ~16 million settings of one dataset.
+std::string manifest_hash(const wire::Manifest& manifest) {
+  std::vector<std::string> entries;
+  for (const auto& entry : manifest.entries()) entries.push_back(entry.SerializeAsString());
+  std::sort(entries.begin(), entries.end());
+  Hasher hasher;
+  hasher.field("manifest v1").field(manifest.vae_fingerprint());
+  hasher.field(manifest.text_encoder_fingerprint()).field(manifest.text_cached() ? 1 : 0);
+  for (const std::string& entry : entries) hasher.field(entry);
+  return hasher.digest().hex().substr(0, 12);
+}
+
 // The stage's state for one stream.
 class Cacher {
  public:
@@ -42,6 +59,7 @@ class Cacher {
     StoreOptions store_options;
     store_options.dir = options.cache_dir.empty() ? default_cache_dir() : options.cache_dir;
     store_options.max_map_bytes = options.max_map_bytes;
+    store_options.wait_for_writer_s = options.wait_for_writer_s;
     store_.emplace(Store::open(store_options));
 
     models::LoadOptions load;
@@ -201,7 +219,6 @@ void Cacher::finish(const wire::DatasetReport& report) {
   flush_texts();
   if (summary_.dataset_id.empty()) summary_.dataset_id = report.dataset_id();
   wire::Manifest manifest;
-  manifest.set_dataset_id(summary_.dataset_id);
   manifest.set_text_cached(all_text_cached_);
   manifest.set_vae_fingerprint(latents_->fingerprint());
   manifest.set_text_encoder_fingerprint(texts_->fingerprint());
@@ -209,6 +226,8 @@ void Cacher::finish(const wire::DatasetReport& report) {
     if (rejected_keys_.count(entry.latent_key())) continue;
     *manifest.add_entries() = std::move(entry);
   }
+  if (!report.dataset_id_given()) summary_.dataset_id += "-" + manifest_hash(manifest);
+  manifest.set_dataset_id(summary_.dataset_id);
   summary_.manifest_entries = static_cast<uint64_t>(manifest.entries_size());
   store_->put(Table::kManifests, {{summary_.dataset_id, manifest.SerializeAsString()}});
   const double seconds = std::chrono::duration<double>(Clock::now() - started_).count();

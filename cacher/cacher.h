@@ -21,6 +21,9 @@ struct Options {
   int text_batch_size = 32;
   int clip_skip = 1;
   uint64_t max_map_bytes = uint64_t{1} << 40;
+  // Another cacher writing the same cache: wait this long for it before failing. The sockets
+  // are bound only once the cache is ours, so preprocess can wait for them to appear.
+  double wait_for_writer_s = 0;
 
   std::string pull_endpoint;  // ImageSample, DatasetReport from preprocess
   std::string rep_endpoint;   // Hello, HasKeys, GetRecords

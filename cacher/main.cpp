@@ -20,6 +20,8 @@ DEFINE_uint64(max_map_mb, 1048576, "Largest the cache may grow, in MiB");
 DEFINE_string(pull, "ipc:///tmp/lorapipe-cacher-pull", "ImageSample endpoint to bind (PULL)");
 DEFINE_string(rep, "ipc:///tmp/lorapipe-cacher-rep", "HasKeys/GetRecords endpoint to bind (REP)");
 DEFINE_string(pub, "", "CacheReport endpoint to bind (PUB); empty: none");
+DEFINE_double(wait_for_writer_s, 0,
+              "Another cacher writing this cache: wait this long for it (0: fail at once)");
 DEFINE_bool(serve, false, "Stay up after the stream and serve records to trainers and samplers");
 DEFINE_int32(idle_timeout_s, 600, "Give up when preprocess sends nothing for this long");
 DEFINE_bool(inspect, false, "Tool: record counts and bytes per table, fingerprints, manifests");
@@ -67,6 +69,7 @@ int main(int argc, char** argv) {
     options.vae_batch_size = FLAGS_vae_batch_size;
     options.clip_skip = FLAGS_clip_skip;
     options.max_map_bytes = FLAGS_max_map_mb << 20;
+    options.wait_for_writer_s = FLAGS_wait_for_writer_s;
     options.pull_endpoint = FLAGS_pull;
     options.rep_endpoint = FLAGS_rep;
     options.pub_endpoint = FLAGS_pub;

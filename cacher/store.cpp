@@ -12,11 +12,13 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <set>
 #include <shared_mutex>
+#include <thread>
 
 #include "cacher/keys.h"
 #include "common/error.h"
@@ -143,6 +145,7 @@ std::string_view table_name(Table table) {
 struct Store::Impl {
   fs::path dir;
   bool read_only = false;
+  double wait_for_writer_s = 0;
   uint64_t max_map_bytes = 0;
   size_t max_key_bytes = kMaxKeyBytes;
   MDB_env* env = nullptr;
@@ -298,6 +301,15 @@ struct Store::Impl {
     }
   }
 
+  // Who holds the writer lock, as its holder wrote it there.
+  static std::string lock_holder(int fd) {
+    char holder[128] = {};
+    const ssize_t n = pread(fd, holder, sizeof(holder) - 1, 0);
+    std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "another process";
+    while (!who.empty() && (who.back() == '\n' || who.back() == '\0')) who.pop_back();
+    return who;
+  }
+
   void take_writer_lock() {
     const fs::path path = dir / kWriterLockFile;
     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
@@ -305,12 +317,22 @@ struct Store::Impl {
       throw InputError(where() + ": cannot create the writer lock " + path.string() + ": " +
                        std::strerror(errno));
     }
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration<double>(std::max(0.0, wait_for_writer_s));
+    bool said = false;
+    while (flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK &&
+           std::chrono::steady_clock::now() < deadline) {
+      if (!said) {
+        LP_LOG(kInfo, kLog) << where() << " has a writer (" << lock_holder(fd)
+                            << "); waiting for it to finish (up to " << wait_for_writer_s
+                            << " s)";
+        said = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
-      char holder[128] = {};
-      const ssize_t n = pread(fd, holder, sizeof(holder) - 1, 0);
-      std::string who = n > 0 ? std::string(holder, static_cast<size_t>(n)) : "another process";
-      while (!who.empty() && (who.back() == '\n' || who.back() == '\0')) who.pop_back();
+      const std::string who = lock_holder(fd);
       ::close(fd);
       if (err == EWOULDBLOCK) {
         throw Error(where() + " already has a writer (" + who + " holds " + path.string() +
@@ -421,6 +443,7 @@ Store Store::open(const StoreOptions& options) {
   Impl& s = *impl;
   s.dir = options.dir;
   s.read_only = options.read_only;
+  s.wait_for_writer_s = options.wait_for_writer_s;
   const uint64_t page = page_bytes();
   s.max_map_bytes = std::max(page, options.max_map_bytes / page * page);
 

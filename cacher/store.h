@@ -53,6 +53,9 @@ struct StoreOptions {
   std::filesystem::path dir;
   // Readers never write and take no writer lock; the folder must hold a store already.
   bool read_only = false;
+  // Writer only: how long to wait for another process's writer lock before failing (0: fail at
+  // once). Two runs started at once on one cache take turns instead of failing.
+  double wait_for_writer_s = 0;
   // Writer only. The map starts at this size (or what the data already needs) and doubles on
   // MDB_MAP_FULL up to max_map_bytes. The map is address space, not disk: the file grows with
   // the data.

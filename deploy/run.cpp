@@ -99,6 +99,20 @@ int run_to_end(const std::vector<std::string>& argv, const fs::path& log) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+// The manifest name from the cacher's closing line ("cache report: dataset NAME: ...").
+std::string manifest_from_log(const fs::path& log) {
+  std::ifstream in(log);
+  std::string name;
+  const std::string marker = "cache report: dataset ";
+  for (std::string line; std::getline(in, line);) {
+    const size_t at = line.find(marker);
+    if (at == std::string::npos) continue;
+    const size_t end = line.find(':', at + marker.size());
+    if (end != std::string::npos) name = line.substr(at + marker.size(), end - at - marker.size());
+  }
+  return name;
+}
+
 std::vector<std::string> last_lines(const fs::path& path, size_t count) {
   std::ifstream in(path);
   std::deque<std::string> lines;
@@ -166,6 +180,7 @@ class Supervisor {
   wire::TrainProgress progress_;
   std::string newest_sample_;
   std::set<std::string> announced_;
+  std::string manifest_;  // the name the cacher gave this run's manifest
 };
 
 void Supervisor::prepare_folder() {
@@ -185,6 +200,10 @@ void Supervisor::prepare_folder() {
     socket_dir_ = fs::temp_directory_path() / ("lorapipe-" + std::to_string(getpid()));
   }
   fs::create_directories(socket_dir_);
+  // A socket file left by an earlier launcher of this folder would look like a bound cacher.
+  for (const auto& entry : fs::directory_iterator(socket_dir_)) {
+    if (entry.path().extension() == ".sock") fs::remove(entry.path());
+  }
 }
 
 std::string Supervisor::endpoint(const std::string& name) const {
@@ -217,7 +236,6 @@ void Supervisor::apply_demo_defaults() {
       {"pretrained_model_name_or_path", model.string()},
       {"tokenizer", (demo / "model" / "tiny-sd15-tokenizer").string()},
       {"data_dir", (demo / "data").string()},
-      {"dataset_id", "demo"},
       {"resolution", "128"},
       {"min_bucket_reso", "64"},
       {"max_bucket_reso", "256"},
@@ -272,7 +290,10 @@ void Supervisor::on_message(const google::protobuf::Message& m) {
   if (e.is_discarded()) e = nlohmann::json::object();
   e["event"] = m.GetDescriptor()->name();
   event(std::move(e));
-  if (const auto* r = dynamic_cast<const wire::CacheReport*>(&m)) cache_ = *r;
+  if (const auto* r = dynamic_cast<const wire::CacheReport*>(&m)) {
+    cache_ = *r;
+    if (r->done()) manifest_ = r->dataset_id();
+  }
   if (const auto* p = dynamic_cast<const wire::TrainProgress*>(&m)) progress_ = *p;
   if (const auto* c = dynamic_cast<const wire::CheckpointReady*>(&m)) {
     // The trainer announces its newest checkpoint again every few seconds (for samplers
@@ -384,12 +405,6 @@ int Supervisor::run() {
   if (!s_.has("data_dir") && !s_.has("dataset_config")) {
     throw InputError("--data_dir or --dataset_config is needed with a model of your own");
   }
-  if (!s_.has("dataset_id")) {
-    s_.set("dataset_id", fs::path(s_.get("data_dir", s_.get("dataset_config")))
-                             .lexically_normal()
-                             .filename()
-                             .string());
-  }
   // kohya's --sample_every_n_steps: the trainer saves at those steps and the sampler renders.
   if (s_.has("sample_every_n_steps") && !s_.has("save_every_n_steps")) {
     s_.set("save_every_n_steps", s_.get("sample_every_n_steps"));
@@ -407,13 +422,10 @@ int Supervisor::run() {
   for (const char* name : {"cacher-pub", "trainer-pub", "sampler-pub"}) sub.connect(endpoint(name));
 
   std::vector<std::string> args = stage_args(s_, Stage::kCacher);
+  // Another run's cacher writing the same cache: take turns (it binds once the cache is its).
   args.insert(args.end(), {"--pull=" + endpoint("cacher-pull"), "--rep=" + endpoint("cacher-rep"),
-                           "--pub=" + endpoint("cacher-pub")});
+                           "--pub=" + endpoint("cacher-pub"), "--wait_for_writer_s=86400"});
   start(Stage::kCacher, args);
-  args = stage_args(s_, Stage::kPreprocess);
-  args.insert(args.end(),
-              {"--push=" + endpoint("cacher-pull"), "--request=" + endpoint("cacher-rep")});
-  start(Stage::kPreprocess, args);
   if (s_.has("sample_prompts")) {
     args = stage_args(s_, Stage::kSampler);
     args.insert(args.end(), {"--output_dir=" + dir_.string(), "--sub=" + endpoint("trainer-pub"),
@@ -442,9 +454,31 @@ int Supervisor::run() {
       return fail(c);
     }
     const Child* cacher = child(Stage::kCacher);
+    // preprocess starts once the cacher has bound its sockets: it holds the cache then (another
+    // run's cacher may have had it first), and answers at once.
+    if (child(Stage::kPreprocess) == nullptr && cacher->running &&
+        fs::exists(socket_dir_ / "cacher-rep.sock")) {
+      args = stage_args(s_, Stage::kPreprocess);
+      args.insert(args.end(),
+                  {"--push=" + endpoint("cacher-pull"), "--request=" + endpoint("cacher-rep")});
+      start(Stage::kPreprocess, args);
+    }
     const Child* preprocess = child(Stage::kPreprocess);
-    if (child(Stage::kTrainer) == nullptr && !cacher->running && !preprocess->running) {
-      args = stage_args(s_, Stage::kTrainer);
+    if (child(Stage::kTrainer) == nullptr && preprocess != nullptr && !cacher->running &&
+        !preprocess->running) {
+      // The trainer trains on the manifest this run's cacher wrote, by the name it gave it: its
+      // last CacheReport says, or else its report line in the log.
+      const auto wait_until = Clock::now() + 2s;
+      while (manifest_.empty() && Clock::now() < wait_until) {
+        const wire::Received late = receive(sub, 100ms);
+        if (late.ok()) on_message(*late.message);
+      }
+      if (manifest_.empty()) manifest_ = manifest_from_log(cacher->log);
+      args.clear();
+      for (std::string& arg : stage_args(s_, Stage::kTrainer)) {
+        if (manifest_.empty() || arg.rfind("--dataset_id=", 0) != 0) args.push_back(arg);
+      }
+      if (!manifest_.empty()) args.push_back("--dataset_id=" + manifest_);
       args.insert(args.end(), {"--output_dir=" + dir_.string(), "--pub=" + endpoint("trainer-pub"),
                                "--save_state"});
       if (!o_.resume.empty()) args.push_back("--resume=" + o_.resume.string());

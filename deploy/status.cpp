@@ -56,8 +56,9 @@ std::string status(const fs::path& dir, bool as_json) {
       if (e.contains("exit_code")) s["exit_code"] = e["exit_code"];
       if (e.contains("pid")) s["pid"] = e["pid"];
     } else if (kind == "CacheReport") {
-      cache = {{"hits", number("hits")}, {"misses", number("encoded")},
-               {"rejected", number("rejected")}, {"done", e.value("done", false)}};
+      cache = {{"hits", number("hits")},         {"misses", number("encoded")},
+               {"rejected", number("rejected")}, {"done", e.value("done", false)},
+               {"manifest", e.value("dataset_id", "")}};
     } else if (kind == "TrainProgress") {
       training = {{"step", number("step")},
                   {"total_steps", number("total_steps")},

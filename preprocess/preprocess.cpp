@@ -259,6 +259,7 @@ wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r)
 wire::DatasetReport to_dataset_report(const Report& report) {
   wire::DatasetReport out;
   out.set_dataset_id(report.dataset_id);
+  out.set_dataset_id_given(report.dataset_id_given);
   out.set_images_found(report.images_found);
   out.set_images_used(report.images.size());
   uint64_t cached = 0;
@@ -355,6 +356,7 @@ Report run(const Options& options) {
 
   Report report;
   report.dataset_id = options.dataset_id.empty() ? default_dataset_id(options) : options.dataset_id;
+  report.dataset_id_given = !options.dataset_id.empty();
   report.ignored = discovery.ignored;
   report.skipped = discovery.skipped;
   report.images_found = discovery.images.size() + discovery.skipped.size();

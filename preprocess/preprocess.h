@@ -65,6 +65,7 @@ struct ImageResult {
 
 struct Report {
   std::string dataset_id;
+  bool dataset_id_given = false;  // --dataset_id named it (else derived from the dataset path)
   std::vector<ImageResult> images;
   std::vector<Skipped> skipped;
   std::vector<Ignored> ignored;

@@ -5,7 +5,9 @@
 #include <signal.h>
 
 #include <chrono>
+#include <map>
 #include <regex>
+#include <set>
 #include <thread>
 #include <vips/vips8>
 
@@ -272,6 +274,7 @@ TEST_F(CachePipeline, SampleThatDoesNotFitItsBucketIsRejectedAlone) {
   }
   wire::DatasetReport report;
   report.set_dataset_id("handmade");
+  report.set_dataset_id_given(true);
   ASSERT_EQ(wire::send(push, report), wire::SendStatus::kSent);
   EXPECT_EQ(wait_exit(cacher), 0) << read_text(work_ / "cacher.err");
   EXPECT_NE(read_text(work_ / "cacher.err").find("/photos/broken.png"), std::string::npos)
@@ -321,6 +324,60 @@ TEST_F(CachePipeline, CorruptRecordIsNamedByVerifyAndByTheManifestCheck) {
   const auto check = cacher::check_manifest(store, manifest);
   ASSERT_EQ(check.corrupt.size(), 1u);
   EXPECT_EQ(check.corrupt[0].first, victim);
+}
+
+// Runs over one folder with other settings keep their own manifests (seed 003's resolution
+// sweep); the same settings again find their manifest under the same name; --dataset_id names
+// it as given.
+TEST_F(CachePipeline, ManifestsAreNamedByEverythingThatDecidesTheirRecords) {
+  const std::vector<std::string> small = {"--resolution=128", "--min_bucket_reso=64",
+                                          "--max_bucket_reso=256"};
+  const std::vector<std::string> smaller = {"--resolution=64", "--min_bucket_reso=64",
+                                            "--max_bucket_reso=128"};
+  auto manifests = [&] {
+    std::map<std::string, wire::Manifest> out;
+    const cacher::Store store = open_cache();
+    store.for_each(cacher::Table::kManifests, [&](std::string_view key, std::string_view value) {
+      EXPECT_TRUE(out[std::string(key)].ParseFromArray(value.data(), static_cast<int>(value.size())));
+      return true;
+    });
+    return out;
+  };
+  expect_ok(run(tiny_.single_file, "", small));
+  const auto first = manifests();
+  ASSERT_EQ(first.size(), 1u);
+  const std::string name_128 = first.begin()->first;
+  EXPECT_TRUE(std::regex_match(name_128, std::regex(R"(.+-[0-9a-f]{12})"))) << name_128;
+  EXPECT_NE(read_text(work_ / "cacher.out").find("dataset " + name_128 + ":"), std::string::npos)
+      << "the cacher names the manifest it wrote";
+
+  expect_ok(run(tiny_.single_file, "", smaller));
+  auto both = manifests();
+  ASSERT_EQ(both.size(), 2u) << "the second resolution replaced the first's manifest";
+  EXPECT_EQ(both.at(name_128).SerializeAsString(), first.at(name_128).SerializeAsString());
+  std::string name_64;
+  for (const auto& [name, m] : both) {
+    if (name != name_128) name_64 = name;
+  }
+  EXPECT_EQ(name_64.substr(0, name_64.size() - 12), name_128.substr(0, name_128.size() - 12));
+  std::set<std::string> keys_128, keys_64;
+  for (const auto& e : both.at(name_128).entries()) keys_128.insert(e.latent_key());
+  for (const auto& e : both.at(name_64).entries()) keys_64.insert(e.latent_key());
+  for (const auto& key : keys_64) EXPECT_FALSE(keys_128.count(key)) << "shared record " << key;
+
+  // The same settings again: the same name, nothing new.
+  const RunResult again = run(tiny_.single_file, "", small);
+  expect_ok(again);
+  EXPECT_EQ(again.encoded, 0u);
+  EXPECT_EQ(manifests().size(), 2u);
+
+  // An explicit --dataset_id names the manifest as given.
+  std::vector<std::string> named = small;
+  named.push_back("--dataset_id=mine");
+  expect_ok(run(tiny_.single_file, "", named));
+  const auto all = manifests();
+  EXPECT_EQ(all.size(), 3u);
+  EXPECT_TRUE(all.count("mine"));
 }
 
 TEST_F(CachePipeline, FlipAugAddsFlippedLatentsAndAugmentedCaptionsStayUncached) {

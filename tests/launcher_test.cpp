@@ -212,6 +212,33 @@ TEST_F(LauncherRun, StageThatDiesIsNamedAndTheOthersAreStopped) {
   EXPECT_EQ(s["stages"]["sampler"]["state"], "exited");
 }
 
+// Two runs started at once on one cache, over the same folder at other resolutions: their
+// cachers take turns on the cache, each run keeps its own manifest, and both complete.
+TEST_F(LauncherRun, TwoRunsAtOnceOnOneCacheBothComplete) {
+  const fs::path cache = work_ / "cache";
+  auto start = [&](const std::string& name, const std::string& resolution) {
+    return spawn({(kBin / "lorapipe").string(), "run", "--output=" + (work_ / name).string(),
+                  "--cache_dir=" + cache.string(), "--resolution=" + resolution,
+                  "--max_train_steps=20", "--save_every_n_steps=1000"},
+                 work_ / (name + ".out"), work_ / (name + ".err"));
+  };
+  const pid_t a = start("a", "128");
+  const pid_t b = start("b", "64");
+  EXPECT_EQ(wait_exit(a), 0) << read_text(work_ / "a.out") << read_text(work_ / "a.err");
+  EXPECT_EQ(wait_exit(b), 0) << read_text(work_ / "b.out") << read_text(work_ / "b.err");
+  const json sa = status(work_ / "a");
+  const json sb = status(work_ / "b");
+  EXPECT_EQ(sa["training"]["step"], 20);
+  EXPECT_EQ(sb["training"]["step"], 20);
+  const std::string ma = sa["cache"]["manifest"], mb = sb["cache"]["manifest"];
+  EXPECT_NE(ma, mb) << "two settings, one manifest";
+  // Each trainer trained on its own run's manifest.
+  EXPECT_NE(read_text(work_ / "a" / "logs" / "trainer.log").find(ma), std::string::npos);
+  EXPECT_NE(read_text(work_ / "b" / "logs" / "trainer.log").find(mb), std::string::npos);
+  EXPECT_EQ(sa["cache"]["hits"].get<int>() + sa["cache"]["misses"].get<int>(), 36);
+  EXPECT_EQ(sb["cache"]["hits"].get<int>() + sb["cache"]["misses"].get<int>(), 36);
+}
+
 TEST_F(LauncherFlags, UnknownFlagIsAnErrorNamingIt) {
   EXPECT_EQ(lorapipe({"run", "--output=" + (work_ / "run").string(), "--netwrk_dim=8"}),
             kExitError);
@@ -266,7 +293,7 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
   const std::map<Stage, std::set<std::string>> launcher_owned = {
       {Stage::kPreprocess, {"push", "request", "timeout_ms", "report_only", "report_json"}},
       {Stage::kCacher,
-       {"pull", "rep", "pub", "serve", "idle_timeout_s", "inspect", "json", "verify", "gc",
+       {"pull", "rep", "pub", "wait_for_writer_s", "serve", "idle_timeout_s", "inspect", "json", "verify", "gc",
         "export_file", "dataset", "import_file"}},
       {Stage::kTrainer, {"output_dir", "pub", "save_state", "resume", "cacher"}},
       {Stage::kSampler,

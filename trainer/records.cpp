@@ -20,6 +20,14 @@ class LocalRecords final : public RecordSource {
     return store_.get_many(table(kind), keys);
   }
   std::string describe() const override { return "cache " + store_.dir().string(); }
+  std::vector<std::string> manifest_names() override {
+    std::vector<std::string> names;
+    store_.for_each(cacher::Table::kManifests, [&](std::string_view key, std::string_view) {
+      names.emplace_back(key);
+      return true;
+    });
+    return names;
+  }
 
  private:
   static cacher::Table table(RecordKind kind) {
@@ -88,8 +96,31 @@ class RemoteRecords final : public RecordSource {
 
 }  // namespace
 
-wire::Manifest RecordSource::manifest(const std::string& dataset_id) {
-  const auto found = get(RecordKind::kManifest, {dataset_id});
+wire::Manifest RecordSource::manifest(const std::string& dataset_id, std::string* resolved) {
+  std::string name = dataset_id;
+  auto found = get(RecordKind::kManifest, {name});
+  if (!found[0]) {
+    std::vector<std::string> named_by_content;
+    for (const std::string& candidate : manifest_names()) {
+      const std::string prefix = dataset_id + "-";
+      if (candidate.size() == prefix.size() + 12 && candidate.rfind(prefix, 0) == 0 &&
+          candidate.find_first_not_of("0123456789abcdef", prefix.size()) == std::string::npos) {
+        named_by_content.push_back(candidate);
+      }
+    }
+    if (named_by_content.size() > 1) {
+      std::string list;
+      for (const std::string& n : named_by_content) list += (list.empty() ? "" : ", ") + n;
+      throw InputError("--dataset_id=" + dataset_id + ": " + describe() + " holds " +
+                       std::to_string(named_by_content.size()) +
+                       " manifests of that dataset, cached with other settings (" + list +
+                       "); pass the full name (the cacher prints the name it wrote)");
+    }
+    if (named_by_content.size() == 1) {
+      name = named_by_content[0];
+      found = get(RecordKind::kManifest, {name});
+    }
+  }
   if (!found[0]) {
     throw InputError("no manifest '" + dataset_id + "' in " + describe() +
                      ": run preprocess and the cacher on the dataset first (--dataset_id names the "
@@ -97,8 +128,9 @@ wire::Manifest RecordSource::manifest(const std::string& dataset_id) {
   }
   wire::Manifest manifest;
   if (!manifest.ParseFromString(*found[0])) {
-    throw InputError("manifest '" + dataset_id + "' in " + describe() + " does not parse");
+    throw InputError("manifest '" + name + "' in " + describe() + " does not parse");
   }
+  if (resolved != nullptr) *resolved = name;
   return manifest;
 }
 

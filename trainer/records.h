@@ -25,9 +25,15 @@ class RecordSource {
   // "cache /path" or "cacher tcp://host:port", for messages.
   virtual std::string describe() const = 0;
 
-  // The manifest named `dataset_id`; throws InputError naming it and the source when absent or
-  // unreadable.
-  wire::Manifest manifest(const std::string& dataset_id);
+  // The names of every manifest the source holds (empty where it cannot list them: a remote
+  // cacher answers only for names it is given).
+  virtual std::vector<std::string> manifest_names() { return {}; }
+
+  // The manifest named `dataset_id`, or, when none has that name, the one manifest the cacher
+  // named `<dataset_id>-<12 hex digits>` after its content (a dataset preprocess named from its
+  // path). Throws InputError naming the source when there is none, or several to choose from
+  // (listing them), or it is unreadable. Sets `*resolved` to the name it found.
+  wire::Manifest manifest(const std::string& dataset_id, std::string* resolved = nullptr);
 };
 
 // The local cache folder (`dir` empty: the default shared cache, as the cacher uses). Throws

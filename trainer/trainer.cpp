@@ -281,7 +281,13 @@ void Run::load_data() {
                  : open_remote_records(
                        o_.cacher_endpoint,
                        std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000)));
-  manifest_ = records_->manifest(o_.dataset_id);
+  std::string resolved;
+  manifest_ = records_->manifest(o_.dataset_id, &resolved);
+  if (resolved != o_.dataset_id) {
+    LP_LOG(kInfo, kLog) << "dataset " << o_.dataset_id << ": manifest " << resolved
+                        << " (named by its content)";
+    o_.dataset_id = resolved;
+  }
   if (o_.validation_split > 0) {
     // kohya splits the images (not the repeats) with --validation_seed.
     std::vector<int> order(manifest_.entries_size());
@@ -812,7 +818,8 @@ Summary Run::train() {
   LP_LOG(kInfo, kLog) << "LoRA: " << network_->unet_module_count() << " UNet + "
                       << network_->text_encoder_module_count() << " text-encoder modules, dim "
                       << o_.network.dim << ", alpha " << o_.network.alpha << "; "
-                      << scheduler_->train_images() << " training images (repeats included), "
+                      << scheduler_->train_images() << " training images (repeats included) of "
+                      << o_.dataset_id << ", "
                       << scheduler_->reg_images() << " reg; batch " << scheduler_->batch_size()
                       << ", " << batches << " batches and " << steps_per_epoch
                       << " steps per epoch; " << max_steps_ << " steps in all on "
