@@ -3,6 +3,7 @@
 
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -146,6 +147,13 @@ int main(int argc, char** argv) {
   }
   namespace t = lorapipe::trainer;
   try {
+    // torchrun, Slurm and Kubernetes start ranks with WORLD_SIZE set. Data-parallel ranks are not
+    // built yet: N copies would each train alone and overwrite each other's files.
+    if (const char* world = std::getenv("WORLD_SIZE"); world != nullptr && std::atoi(world) > 1) {
+      throw lorapipe::InputError(std::string("WORLD_SIZE=") + world +
+                                 ": data-parallel trainer ranks are not supported yet; start one "
+                                 "trainer (WORLD_SIZE unset or 1)");
+    }
     t::Options o;
     o.model = FLAGS_pretrained_model_name_or_path;
     o.tokenizer = FLAGS_tokenizer;
