@@ -147,14 +147,9 @@ int main(int argc, char** argv) {
   }
   namespace t = lorapipe::trainer;
   try {
-    // torchrun, Slurm and Kubernetes start ranks with WORLD_SIZE set. Data-parallel ranks are not
-    // built yet: N copies would each train alone and overwrite each other's files.
-    if (const char* world = std::getenv("WORLD_SIZE"); world != nullptr && std::atoi(world) > 1) {
-      throw lorapipe::InputError(std::string("WORLD_SIZE=") + world +
-                                 ": data-parallel trainer ranks are not supported yet; start one "
-                                 "trainer (WORLD_SIZE unset or 1)");
-    }
     t::Options o;
+    // Data-parallel ranks, as torchrun, Slurm and Kubernetes start them (trainer/ranks.h).
+    o.ranks = t::rank_environment();
     o.model = FLAGS_pretrained_model_name_or_path;
     o.tokenizer = FLAGS_tokenizer;
     o.cache_dir = FLAGS_cache_dir;

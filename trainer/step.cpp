@@ -117,18 +117,45 @@ double TrainingStep::accumulate(const MicroBatch& batch, at::Generator generator
   } else {
     noise = draw_noise(latents, options_.noise, generator);
   }
-  const at::Tensor timesteps =
+  at::Tensor timesteps =
       batch.timesteps.defined()
           ? batch.timesteps.to(device, torch::kInt64)
           : draw_timesteps(latents.size(0), options_.noise, generator, device);
 
+  if (batch.rows == 0) {  // a short last batch left this rank no rows: it adds nothing
+    ++accumulated_;
+    return 0.0;
+  }
+  if (batch.rows > 0) {  // this rank's rows of the global batch, drawn whole above
+    const int64_t global = latents.size(0);
+    auto rows = [&](const at::Tensor& t) {
+      return t.defined() ? t.narrow(0, batch.rows_begin, batch.rows) : t;
+    };
+    MicroBatch mine;
+    mine.input_ids = rows(batch.input_ids);
+    mine.encoder_hidden_states = rows(batch.encoder_hidden_states);
+    mine.pooled = rows(batch.pooled);
+    const at::Tensor my_timesteps = rows(timesteps);
+    at::Tensor loss = per_sample_loss(rows(latents), rows(noise), my_timesteps, conditioning(mine));
+    if (batch.loss_weights.defined()) {
+      loss = loss * rows(batch.loss_weights).to(device, torch::kFloat32);
+    }
+    if (options_.min_snr_gamma > 0) {
+      loss = loss * min_snr_weight(schedule_, my_timesteps, options_.min_snr_gamma,
+                                   options_.v_prediction);
+    }
+    return backward(loss.sum() / static_cast<double>(global));
+  }
   at::Tensor loss = per_sample_loss(latents, noise, timesteps, conditioning(batch));
   if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device, torch::kFloat32);
   if (options_.min_snr_gamma > 0) {
     loss = loss * min_snr_weight(schedule_, timesteps, options_.min_snr_gamma,
                                  options_.v_prediction);
   }
-  loss = loss.mean();
+  return backward(loss.mean());
+}
+
+double TrainingStep::backward(const at::Tensor& loss) {
   const double value = loss.item<double>();
   if (!std::isfinite(value)) return value;
   at::Tensor scaled = loss / options_.gradient_accumulation_steps;
@@ -147,6 +174,15 @@ UpdateResult TrainingStep::update() {
   UpdateResult result;
   const std::vector<at::Tensor> params = trainable();
   torch::NoGradGuard no_grad;
+  if (reducer_) {
+    // Every rank must hold every gradient to sum (one without rows this step has none).
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : params) {
+      if (!p.grad().defined()) at::Tensor(p).mutable_grad() = torch::zeros_like(p);
+      grads.push_back(p.grad());
+    }
+    reducer_(grads);
+  }
   if (options_.base_dtype == torch::kHalf) {
     for (const at::Tensor& p : params) {
       if (p.grad().defined()) p.mutable_grad().div_(loss_scale_);

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -67,6 +68,12 @@ struct MicroBatch {
   at::Tensor noise;                  // optional [B, 4, h, w]
   at::Tensor offset_noise;           // optional [B, 4, 1, 1] (with noise_offset)
   at::Tensor timesteps;              // optional [B] int64
+  // Data-parallel ranks (trainer/ranks.h): every rank gets the whole global batch and draws its
+  // noise and timesteps, then computes rows [rows_begin, rows_begin + rows) alone, with a loss
+  // that is their sum over B, so the ranks' summed gradients are the global batch's mean.
+  // rows < 0: every row, the loss their mean.
+  int64_t rows_begin = 0;
+  int64_t rows = -1;
 };
 
 struct UpdateResult {
@@ -87,6 +94,11 @@ class TrainingStep {
   // Clips, updates and advances the schedule once gradient_accumulation_steps micro-batches
   // have been accumulated; then zeroes the gradients.
   UpdateResult update();
+  // Data-parallel ranks: called by update() on the trainable tensors' gradients before anything
+  // reads them, to sum them over the ranks.
+  void set_gradient_reducer(std::function<void(const std::vector<at::Tensor>&)> reducer) {
+    reducer_ = std::move(reducer);
+  }
   // Drops accumulated gradients (after a bad step).
   void zero_grad();
 
@@ -108,6 +120,8 @@ class TrainingStep {
 
  private:
   std::vector<at::Tensor> trainable() const;
+  // The loss's value; unless it is non-finite, its backward (scaled for accumulation and fp16).
+  double backward(const at::Tensor& loss);
 
   models::DiffusionModel& model_;
   LoraNetwork& network_;
@@ -119,6 +133,7 @@ class TrainingStep {
   int accumulated_ = 0;
   double loss_scale_ = 65536.0;
   int64_t growth_tracker_ = 0;
+  std::function<void(const std::vector<at::Tensor>&)> reducer_;
 };
 
 }  // namespace lorapipe::trainer

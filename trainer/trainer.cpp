@@ -35,6 +35,7 @@
 #include "proto/wire.h"
 #include "trainer/dataset.h"
 #include "trainer/lora_file.h"
+#include "trainer/ranks.h"
 #include "trainer/records.h"
 #include "trainer/tensorboard.h"
 
@@ -241,7 +242,9 @@ class Run {
   std::unique_ptr<LoraNetwork> network_;
   std::unique_ptr<TrainingStep> step_;
   std::unique_ptr<BatchScheduler> scheduler_;
-  std::optional<TensorBoardWriter> tensorboard_;
+  std::optional<TensorBoardWriter> tensorboard_;  // rank 0 only
+  std::unique_ptr<RankGroup> ranks_;              // with WORLD_SIZE > 1
+  bool main_ = true;                              // rank 0: saves, publishes, logs
   zmq::context_t context_;
   std::optional<zmq::socket_t> pub_;
   // The newest CheckpointReady, sent again every checkpoint_reannounce_s while the run goes on: a
@@ -312,7 +315,8 @@ void Run::load_data() {
     manifest_ = std::move(train);
   }
   scheduler_ =
-      std::make_unique<BatchScheduler>(manifest_, o_.train_batch_size, o_.seed, o_.fill_last_batch);
+      std::make_unique<BatchScheduler>(manifest_, o_.train_batch_size * o_.ranks.world_size,
+                                       o_.seed, o_.fill_last_batch);
 }
 
 void Run::preflight() {
@@ -497,6 +501,12 @@ MicroBatch Run::to_micro_batch(const PreparedBatch& p) {
   } else {
     batch.input_ids = model_.tokenize(p.captions);
   }
+  if (ranks_) {  // this rank's share of the global batch, the last rank's possibly shorter
+    const int64_t n = batch.latents.size(0), world = ranks_->world_size();
+    const int64_t per = (n + world - 1) / world;
+    batch.rows_begin = std::min(n, per * ranks_->rank());
+    batch.rows = std::min(per, n - batch.rows_begin);
+  }
   return batch;
 }
 
@@ -642,6 +652,7 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
 }
 
 void Run::save_lora(const fs::path& path, int64_t step, bool final) {
+  if (!main_) return;  // every rank holds the same LoRA; rank 0 writes it
   fs::create_directories(path.parent_path());
   const WrittenLora written = write_lora_file(
       path, network_->state_dict(precision(o_.save_precision, "--save_precision")), metadata(step));
@@ -660,6 +671,7 @@ void Run::save_lora(const fs::path& path, int64_t step, bool final) {
 }
 
 void Run::save_state(const fs::path& dir) {
+  if (!main_) return;
   fs::create_directories(dir.parent_path());
   write_folder(dir, [&](const fs::path& folder) {
     write_lora_file(folder / "lora.safetensors", network_->state_dict(torch::kFloat), {});
@@ -676,6 +688,7 @@ void Run::save_state(const fs::path& dir) {
                {"loss_scale", step_->loss_scale()},
                {"scale_growth_tracker", step_->scale_growth_tracker()},
                {"run_id", run_id_},
+               {"world_size", o_.ranks.world_size},
                {"training_started_at", training_started_at_}};
     std::ofstream(folder / "trainer.json") << state.dump(2);
   });
@@ -701,6 +714,13 @@ void Run::load_state(const fs::path& dir) {
                      std::to_string(state.value("seed", 0ull)) + ", this run asks for '" +
                      o_.dataset_id + "' with seed " + std::to_string(o_.seed));
   }
+  // The data cursor counts global batches (train_batch_size x ranks): another rank count would
+  // resume somewhere else in the epoch.
+  if (state.value("world_size", 1) != o_.ranks.world_size) {
+    throw InputError("--resume=" + dir.string() + ": that state was trained by " +
+                     std::to_string(state.value("world_size", 1)) + " ranks, this run has " +
+                     std::to_string(o_.ranks.world_size) + " (WORLD_SIZE)");
+  }
   network_->load(dir / "lora.safetensors");
   step_->optimizer().load(dir / "optimizer.pt");
   global_step_ = state.at("global_step");
@@ -718,6 +738,7 @@ void Run::load_state(const fs::path& dir) {
 }
 
 void Run::retain(int64_t step, int64_t epoch) {
+  if (!main_) return;
   // kohya's --save_last_n_steps / --save_last_n_epochs: older periodic saves are removed.
   const fs::path lora_dir = o_.output_dir / "lora";
   const fs::path state_dir = o_.output_dir / "state";
@@ -741,6 +762,7 @@ void Run::retain(int64_t step, int64_t epoch) {
 }
 
 void Run::publish_progress(double loss, double seconds_per_step, double wait_ms) {
+  if (!main_) return;
   const double average = epoch_loss_count_ ? epoch_loss_sum_ / epoch_loss_count_ : loss;
   const double eta = seconds_per_step * static_cast<double>(max_steps_ - global_step_);
   const uint64_t peak = peak_memory(device_);
@@ -797,6 +819,12 @@ Summary Run::train() {
   load_data();
   load_model();
   preflight();
+  if (o_.ranks.world_size > 1) {
+    // After every check of this rank's input, so a bad flag fails here and not as a lost rank.
+    ranks_ = RankGroup::join(o_.ranks, std::chrono::milliseconds(
+                                           static_cast<int64_t>(o_.timeout_s * 1000)));
+    main_ = ranks_->rank() == 0;
+  }
 
   torch::manual_seed(o_.seed);
   network_ = std::make_unique<LoraNetwork>(model_, o_.network,
@@ -811,6 +839,9 @@ Summary Run::train() {
   step_options.schedule.warmup_steps = warmup_steps_from(o_.lr_warmup_steps, max_steps_);
   step_options.schedule.initial_lr = o_.step.optimizer_groups.learning_rate;
   step_ = std::make_unique<TrainingStep>(model_, *network_, step_options);
+  if (ranks_) {
+    step_->set_gradient_reducer([this](const std::vector<at::Tensor>& grads) { ranks_->sum(grads); });
+  }
   network_->set_training(true);
   if (!o_.resume.empty()) load_state(o_.resume);
   prepare_validation();
@@ -825,11 +856,17 @@ Summary Run::train() {
                       << " steps per epoch; " << max_steps_ << " steps in all on "
                       << models::describe_device(device_)
                       << (cached_text_ ? "; text from the cache" : "; text encoded online")
-                      << "; optimizer " << step_->optimizer().describe();
+                      << "; optimizer " << step_->optimizer().describe()
+                      << (ranks_ ? "; rank " + std::to_string(ranks_->rank()) + " of " +
+                                       std::to_string(ranks_->world_size()) +
+                                       " (the batch is per rank)"
+                                 : std::string());
 
-  fs::create_directories(o_.output_dir / "lora");
-  tensorboard_.emplace(TensorBoardWriter::open(o_.output_dir / "tensorboard"));
-  if (!o_.pub_endpoint.empty()) {
+  if (main_) {
+    fs::create_directories(o_.output_dir / "lora");
+    tensorboard_.emplace(TensorBoardWriter::open(o_.output_dir / "tensorboard"));
+  }
+  if (main_ && !o_.pub_endpoint.empty()) {
     pub_.emplace(wire::make_socket(context_, zmq::socket_type::pub));
     pub_->bind(o_.pub_endpoint);
   }
@@ -839,7 +876,9 @@ Summary Run::train() {
   if (summary.first_validation_loss >= 0) {
     LP_LOG(kInfo, kLog) << "validation loss at step " << global_step_ << ": "
                         << summary.first_validation_loss;
-    tensorboard_->add_scalar("loss/validation", summary.first_validation_loss, global_step_);
+    if (tensorboard_) {
+      tensorboard_->add_scalar("loss/validation", summary.first_validation_loss, global_step_);
+    }
   }
 
   thread_ = std::thread([this, e = epoch_, i = next_index_] { producer(e, i); });
@@ -853,9 +892,14 @@ Summary Run::train() {
   };
   const fs::path state_root = o_.output_dir / "state";
   int64_t bad_in_a_row = 0;
+  // Where the step in progress started: a state saved before it completes must resume here.
+  int64_t start_epoch = epoch_, start_index = next_index_, start_count = epoch_loss_count_;
+  double start_sum = epoch_loss_sum_;
   try {
     while (global_step_ < max_steps_) {
-      if (g_stop_requested) {
+      // Every rank stops together: one asked (its SIGINT), all finish this step.
+      const bool stop = ranks_ ? ranks_->sum(g_stop_requested ? 1.0 : 0.0) > 0 : g_stop_requested;
+      if (stop) {
         stop_producer();
         char name[64];
         std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(global_step_));
@@ -866,7 +910,7 @@ Summary Run::train() {
         LP_LOG(kInfo, kLog) << "interrupted at step " << global_step_ << " of " << max_steps_
                             << "; state saved in " << summary.state.string()
                             << " (--resume from it)";
-        tensorboard_->close();
+        if (tensorboard_) tensorboard_->close();
         summary.interrupted = true;
         summary.steps = global_step_;
         summary.epochs = epoch_;
@@ -875,10 +919,8 @@ Summary Run::train() {
         return summary;
       }
       const auto step_started = Clock::now();
-      // Where this step starts: a state saved before it completes must resume here.
-      const int64_t start_epoch = epoch_, start_index = next_index_;
-      const double start_sum = epoch_loss_sum_;
-      const int64_t start_count = epoch_loss_count_;
+      start_epoch = epoch_, start_index = next_index_;
+      start_sum = epoch_loss_sum_, start_count = epoch_loss_count_;
       double wait_ms = 0;
       double loss_sum = 0;
       bool bad = false;
@@ -917,6 +959,10 @@ Summary Run::train() {
         if (!std::isfinite(loss)) bad = true;
         loss_sum += loss;
       }
+      // Ranks: each loss is its rows' share, so the sum is the global batch's; a non-finite loss
+      // on any rank makes every rank skip the step.
+      if (ranks_) loss_sum = ranks_->sum(loss_sum);
+      if (!std::isfinite(loss_sum)) bad = true;
       const double loss = loss_sum / static_cast<double>(accumulation);
       UpdateResult update;
       if (bad) {
@@ -973,10 +1019,20 @@ Summary Run::train() {
         const double v = validation_loss();
         if (v >= 0) {
           LP_LOG(kInfo, kLog) << "validation loss at step " << global_step_ << ": " << v;
-          tensorboard_->add_scalar("loss/validation", v, global_step_);
+          if (tensorboard_) tensorboard_->add_scalar("loss/validation", v, global_step_);
         }
       }
     }
+  } catch (const RankLostError& e) {
+    // The step in progress is lost with the rank; rank 0 keeps everything before it.
+    stop_producer();
+    if (!main_) throw Error(e.what());
+    const fs::path dir = state_root / (o_.output_name + "-state");
+    epoch_ = start_epoch, next_index_ = start_index;
+    epoch_loss_sum_ = start_sum, epoch_loss_count_ = start_count;
+    save_state(dir);
+    throw Error(std::string(e.what()) + "; state saved in " + dir.string() +
+                " (start every rank again with --resume from it)");
   } catch (...) {
     stop_producer();
     throw;
@@ -987,13 +1043,15 @@ Summary Run::train() {
   if (summary.last_validation_loss >= 0) {
     LP_LOG(kInfo, kLog) << "validation loss at step " << global_step_ << ": "
                         << summary.last_validation_loss;
-    tensorboard_->add_scalar("loss/validation", summary.last_validation_loss, global_step_);
+    if (tensorboard_) {
+      tensorboard_->add_scalar("loss/validation", summary.last_validation_loss, global_step_);
+    }
   }
   summary.lora = o_.output_dir / "lora" / (o_.output_name + ".safetensors");
   save_lora(summary.lora, global_step_, /*final=*/true);
   if (o_.save_state) save_state(state_root / (o_.output_name + "-state"));
   retain(global_step_, epoch_);
-  tensorboard_->close();
+  if (tensorboard_) tensorboard_->close();
   summary.steps = global_step_;
   summary.epochs = epoch_;
   summary.skipped_steps = skipped_;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "trainer/lora_network.h"
+#include "trainer/ranks.h"
 #include "trainer/step.h"
 
 namespace lorapipe::trainer {
@@ -24,6 +25,9 @@ struct Options {
   std::string device = "auto";
   std::string mixed_precision = "no";  // no, fp16, bf16
   int threads = 0;                     // CPU compute threads (0: LibTorch's default, one per core)
+  // Data-parallel ranks (trainer/ranks.h), from the environment torchrun sets. train_batch_size
+  // is per rank, as kohya's: a step trains train_batch_size x world_size samples.
+  RankEnvironment ranks;
   // Output.
   std::filesystem::path output_dir;
   std::string output_name = "last";

@@ -40,6 +40,7 @@ PACKAGES=(
   libprotobuf-dev libprotobuf32 libprotoc32 protobuf-compiler
   libgflags-dev libgflags2.2 libgtest-dev libgmock-dev nlohmann-json3-dev
   liblmdb-dev liblmdb0 libssl-dev libssl3 libicu-dev libicu72 icu-devtools zlib1g-dev
+  libgloo-dev  # headers only: the trainer's ranks use the Gloo inside libtorch_cpu
 )
 
 if [[ ${1:-} == --prepare ]]; then

@@ -1,0 +1,129 @@
+#include "trainer/ranks.h"
+
+// The torch wheel's libtorch_cpu is built with Gloo; its headers declare ProcessGroupGloo only
+// under this macro, which the wheel's CMake config does not set.
+#define USE_C10D_GLOO 1
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "common/error.h"
+
+namespace lorapipe::trainer {
+namespace {
+
+int env_int(const char* name, int fallback) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == 0) return fallback;
+  char* end = nullptr;
+  const long parsed = std::strtol(value, &end, 10);
+  if (*end != 0 || parsed < 0 || parsed > 1 << 20) {
+    throw InputError(std::string(name) + "=" + value + " is not a rank number");
+  }
+  return static_cast<int>(parsed);
+}
+
+}  // namespace
+
+RankEnvironment rank_environment() {
+  RankEnvironment env;
+  env.world_size = env_int("WORLD_SIZE", 1);
+  if (env.world_size < 1) throw InputError("WORLD_SIZE must be at least 1");
+  if (env.world_size > 1 && std::getenv("RANK") == nullptr) {
+    throw InputError("WORLD_SIZE=" + std::to_string(env.world_size) +
+                     " without RANK: start each trainer rank with its RANK (0.." +
+                     std::to_string(env.world_size - 1) + ")");
+  }
+  env.rank = env_int("RANK", 0);
+  if (env.rank >= env.world_size) {
+    throw InputError("RANK=" + std::to_string(env.rank) + " is not below WORLD_SIZE=" +
+                     std::to_string(env.world_size));
+  }
+  env.local_rank = env_int("LOCAL_RANK", 0);
+  if (const char* addr = std::getenv("MASTER_ADDR"); addr != nullptr && *addr != 0) {
+    env.master_addr = addr;
+  }
+  env.master_port = env_int("MASTER_PORT", 29500);
+  if (env.master_port == 0 || env.master_port > 65535) {
+    throw InputError("MASTER_PORT=" + std::to_string(env.master_port) + " is not a port");
+  }
+  return env;
+}
+
+struct RankGroup::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+};
+
+RankGroup::RankGroup(RankEnvironment env, std::unique_ptr<Impl> impl)
+    : env_(std::move(env)), impl_(std::move(impl)) {}
+RankGroup::~RankGroup() = default;
+
+std::unique_ptr<RankGroup> RankGroup::join(const RankEnvironment& env,
+                                           std::chrono::milliseconds timeout) {
+  auto impl = std::make_unique<Impl>();
+  const std::string where = "rank " + std::to_string(env.rank) + " of " +
+                            std::to_string(env.world_size) + " (MASTER_ADDR=" + env.master_addr +
+                            ", MASTER_PORT=" + std::to_string(env.master_port) + ")";
+  try {
+    c10d::TCPStoreOptions store_options;
+    store_options.port = static_cast<uint16_t>(env.master_port);
+    store_options.isServer = env.rank == 0;
+    store_options.numWorkers = env.world_size;
+    store_options.waitWorkers = true;
+    store_options.timeout = timeout;
+    impl->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
+    auto options = c10d::ProcessGroupGloo::Options::create_default(timeout);
+    options->devices = {c10d::ProcessGroupGloo::createDefaultDevice()};
+    impl->group =
+        c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, env.rank, env.world_size, options);
+  } catch (const std::exception& e) {
+    throw RankLostError(where + ": could not join the other ranks: " + e.what());
+  }
+  return std::unique_ptr<RankGroup>(new RankGroup(env, std::move(impl)));
+}
+
+void RankGroup::sum(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> pieces;
+  for (const at::Tensor& t : tensors) {
+    pieces.push_back(t.defined() ? t.detach().to(torch::kCPU, torch::kFloat32).reshape({-1})
+                                 : at::Tensor());
+  }
+  int64_t total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) total += tensors[i].defined() ? tensors[i].numel() : 0;
+  std::vector<at::Tensor> flat = {torch::empty({total}, torch::kFloat32)};
+  int64_t at = 0;
+  for (const at::Tensor& p : pieces) {
+    if (!p.defined()) continue;
+    flat[0].narrow(0, at, p.numel()).copy_(p);
+    at += p.numel();
+  }
+  try {
+    impl_->group->allreduce(flat)->wait();
+  } catch (const std::exception& e) {
+    throw RankLostError("rank " + std::to_string(env_.rank) + ": another trainer rank is gone (" +
+                        std::string(e.what()).substr(0, 300) + ")");
+  }
+  at = 0;
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    at::Tensor(t).copy_(flat[0].narrow(0, at, t.numel()).view(t.sizes()));
+    at += t.numel();
+  }
+}
+
+double RankGroup::sum(double value) {
+  std::vector<at::Tensor> one = {torch::full({1}, value, torch::kFloat64)};
+  try {
+    impl_->group->allreduce(one)->wait();
+  } catch (const std::exception& e) {
+    throw RankLostError("rank " + std::to_string(env_.rank) + ": another trainer rank is gone (" +
+                        std::string(e.what()).substr(0, 300) + ")");
+  }
+  return one[0].item<double>();
+}
+
+}  // namespace lorapipe::trainer
