@@ -23,6 +23,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <regex>
 #include <ostream>
 #include <set>
 #include <sstream>
@@ -99,18 +100,26 @@ int run_to_end(const std::vector<std::string>& argv, const fs::path& log) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-// The manifest name from the cacher's closing line ("cache report: dataset NAME: ...").
-std::string manifest_from_log(const fs::path& log) {
+// The cacher's closing line ("cache report: dataset NAME: E encoded, H cached (P% hits), R
+// rejected; ...") as the CacheReport it also publishes: the published one can be missed when
+// the cacher finishes before the launcher's subscription has connected (all hits take well
+// under a second).
+std::optional<wire::CacheReport> report_from_log(const fs::path& log) {
   std::ifstream in(log);
-  std::string name;
-  const std::string marker = "cache report: dataset ";
+  static const std::regex line_re(
+      R"(cache report: dataset (\S+): (\d+) encoded, (\d+) cached \([^)]*\), (\d+) rejected)");
+  std::optional<wire::CacheReport> report;
   for (std::string line; std::getline(in, line);) {
-    const size_t at = line.find(marker);
-    if (at == std::string::npos) continue;
-    const size_t end = line.find(':', at + marker.size());
-    if (end != std::string::npos) name = line.substr(at + marker.size(), end - at - marker.size());
+    std::smatch m;
+    if (!std::regex_search(line, m, line_re)) continue;
+    report.emplace();
+    report->set_dataset_id(m[1]);
+    report->set_encoded(std::stoull(m[2]));
+    report->set_hits(std::stoull(m[3]));
+    report->set_rejected(std::stoull(m[4]));
+    report->set_done(true);
   }
-  return name;
+  return report;
 }
 
 std::vector<std::string> last_lines(const fs::path& path, size_t count) {
@@ -417,6 +426,9 @@ int Supervisor::run() {
   zmq::context_t context(1);
   wire::SocketOptions sub_options;
   sub_options.receive_timeout = 200ms;
+  // The stages bind after they have loaded their models: retry often, so events from their
+  // first moments are not lost while a backed-off reconnect waits.
+  sub_options.reconnect_interval_max = 100ms;
   zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub, sub_options);
   sub.set(zmq::sockopt::subscribe, "");
   for (const char* name : {"cacher-pub", "trainer-pub", "sampler-pub"}) sub.connect(endpoint(name));
@@ -473,7 +485,9 @@ int Supervisor::run() {
         const wire::Received late = receive(sub, 100ms);
         if (late.ok()) on_message(*late.message);
       }
-      if (manifest_.empty()) manifest_ = manifest_from_log(cacher->log);
+      if (manifest_.empty()) {
+        if (const auto report = report_from_log(cacher->log)) on_message(*report);
+      }
       args.clear();
       for (std::string& arg : stage_args(s_, Stage::kTrainer)) {
         if (manifest_.empty() || arg.rfind("--dataset_id=", 0) != 0) args.push_back(arg);

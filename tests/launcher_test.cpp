@@ -50,7 +50,11 @@ class LauncherTest : public ::testing::Test {
   int lorapipe(const std::vector<std::string>& args) {
     std::vector<std::string> argv = {(kBin / "lorapipe").string()};
     argv.insert(argv.end(), args.begin(), args.end());
+    // Every run of this test gets a cache of its own (not the user's shared one), so the demo
+    // run encodes all it uses and two tests never share a cache by accident.
+    setenv("LORAPIPE_CACHE_DIR", (work_ / "cache").c_str(), 1);
     const pid_t pid = spawn(argv, work_ / "out.txt", work_ / "err.txt");
+    unsetenv("LORAPIPE_CACHE_DIR");
     const int code = wait_exit(pid);
     out_ = read_text(work_ / "out.txt");
     err_ = read_text(work_ / "err.txt");
@@ -166,7 +170,8 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
   const fs::path run = work_ / "run";
   const pid_t launcher =
       spawn({(kBin / "lorapipe").string(), "run", "--output=" + run.string(),
-             "--max_train_steps=120", "--save_every_n_steps=1000"},
+             "--cache_dir=" + (work_ / "cache").string(), "--max_train_steps=120",
+             "--save_every_n_steps=1000"},
             work_ / "out.txt", work_ / "err.txt");
   ASSERT_GT(wait_for_training(run, 10), 0) << read_text(work_ / "out.txt");
   kill(launcher, SIGINT);
@@ -194,6 +199,7 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
 TEST_F(LauncherRun, StageThatDiesIsNamedAndTheOthersAreStopped) {
   const fs::path run = work_ / "run";
   const pid_t launcher = spawn({(kBin / "lorapipe").string(), "run", "--output=" + run.string(),
+                                "--cache_dir=" + (work_ / "cache").string(),
                                 "--max_train_steps=2000", "--save_every_n_steps=1000"},
                                work_ / "out.txt", work_ / "err.txt");
   const pid_t trainer = wait_for_training(run, 3);
