@@ -16,7 +16,7 @@ LORAPIPE_APT_PACKAGES=(
   libzmq3-dev cppzmq-dev libprotobuf-dev protobuf-compiler
   libvips-dev libjpeg62-turbo-dev liblmdb-dev libgflags-dev libgtest-dev libgmock-dev
   nlohmann-json3-dev libxxhash-dev libtomlplusplus-dev libicu-dev zlib1g-dev libssl-dev
-  libgloo-dev
+  libgloo-dev iproute2
 )
 
 _lp_log() { printf '[lorapipe] %s\n' "$*" >&2; }
