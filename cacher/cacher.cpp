@@ -4,6 +4,11 @@
 
 #include <algorithm>
 #include <array>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
 #include <chrono>
 #include <fstream>
 #include <iterator>
@@ -86,6 +91,27 @@ class Cacher {
   Summary run();
 
  private:
+  // Encoding runs on a worker thread, so the main loop keeps answering HasKeys and GetRecords
+  // (other runs' preprocess and trainers) while the VAE or the text encoder works. A job is one
+  // bucket's batch or one batch of captions; the worker writes its records and leaves the
+  // counts for the main loop, which alone touches the sockets and the summary.
+  struct Job {
+    std::vector<wire::ImageSample> samples;  // a latent batch, or
+    std::vector<std::string> captions;       // a text batch
+  };
+  struct Done {  // what finished jobs left for the main loop
+    uint64_t encoded = 0, rejected = 0, texts_encoded = 0;
+    std::vector<std::string> rejected_keys;
+    std::exception_ptr error;  // the first failure; later jobs are dropped
+  };
+  static constexpr size_t kMaxQueuedJobs = 2;  // then the stream waits (ZeroMQ's backpressure)
+  void worker();
+  void run_job(Job& job, Done& done);
+  void submit(Job job);
+  bool queue_full();
+  void collect();    // merges Done into the summary; rethrows a worker's failure
+  void wait_idle();  // every submitted job finished (then collect)
+
   void on_sample(const wire::ImageSample& sample);
   static std::string check_sample(const wire::ImageSample& sample);
   void flush_bucket(std::vector<wire::ImageSample>& pending);
@@ -111,6 +137,12 @@ class Cacher {
   Summary summary_;
   Clock::time_point started_ = Clock::now();
   bool stream_done_ = false;
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool busy_ = false, closing_ = false;
+  Done done_;
 };
 
 // Empty when `s` can be batched with its bucket: a bucket of whole latent cells and, unless it
@@ -178,31 +210,84 @@ void Cacher::on_sample(const wire::ImageSample& s) {
 
 void Cacher::flush_bucket(std::vector<wire::ImageSample>& pending) {
   if (pending.empty()) return;
-  std::vector<const wire::ImageSample*> batch;
-  for (const auto& s : pending) batch.push_back(&s);
-  std::vector<std::pair<std::string, std::string>> records;
-  std::vector<EncodedRecord> encoded = latents_->encode(batch);
-  for (size_t i = 0; i < encoded.size(); ++i) {
-    EncodedRecord& r = encoded[i];
-    if (!r.rejected.empty()) {
-      // kohya stops the whole run here; one bad image costs only itself.
-      ++summary_.rejected;
-      rejected_keys_.insert(r.key);
-      LP_LOG(kWarning, kLog) << "rejected " << batch[i]->path() << ": " << r.rejected;
-      continue;
-    }
-    records.emplace_back(std::move(r.key), std::move(r.record));
-  }
-  store_->put(Table::kLatents, records);  // one transaction per batch
-  summary_.encoded += records.size();
+  Job job;
+  job.samples = std::move(pending);
   pending.clear();
-  publish_report(false);
+  submit(std::move(job));
 }
 
 void Cacher::flush_texts() {
   if (pending_texts_.empty()) return;
+  Job job;
+  job.captions = std::move(pending_texts_);
+  pending_texts_.clear();
+  submit(std::move(job));
+}
+
+void Cacher::submit(Job job) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_all();
+}
+
+bool Cacher::queue_full() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return jobs_.size() >= kMaxQueuedJobs;
+}
+
+void Cacher::worker() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [&] { return closing_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // closing, and nothing left
+    Job job = std::move(jobs_.front());
+    jobs_.pop_front();
+    if (done_.error) continue;  // after a failure the rest is dropped; the main loop stops
+    busy_ = true;
+    lock.unlock();
+    Done done;
+    try {
+      run_job(job, done);
+    } catch (...) {
+      done.error = std::current_exception();
+    }
+    lock.lock();
+    done_.encoded += done.encoded;
+    done_.rejected += done.rejected;
+    done_.texts_encoded += done.texts_encoded;
+    done_.rejected_keys.insert(done_.rejected_keys.end(), done.rejected_keys.begin(),
+                               done.rejected_keys.end());
+    if (done.error && !done_.error) done_.error = done.error;
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+void Cacher::run_job(Job& job, Done& done) {
+  torch::NoGradGuard no_grad;  // thread-local: this thread's own
   std::vector<std::pair<std::string, std::string>> records;
-  for (EncodedRecord& r : texts_->encode(pending_texts_)) {
+  if (!job.samples.empty()) {
+    std::vector<const wire::ImageSample*> batch;
+    for (const auto& s : job.samples) batch.push_back(&s);
+    std::vector<EncodedRecord> encoded = latents_->encode(batch);
+    for (size_t i = 0; i < encoded.size(); ++i) {
+      EncodedRecord& r = encoded[i];
+      if (!r.rejected.empty()) {
+        // kohya stops the whole run here; one bad image costs only itself.
+        ++done.rejected;
+        done.rejected_keys.push_back(r.key);
+        LP_LOG(kWarning, kLog) << "rejected " << batch[i]->path() << ": " << r.rejected;
+        continue;
+      }
+      records.emplace_back(std::move(r.key), std::move(r.record));
+    }
+    store_->put(Table::kLatents, records);  // one transaction per batch
+    done.encoded += records.size();
+    return;
+  }
+  for (EncodedRecord& r : texts_->encode(job.captions)) {
     if (!r.rejected.empty()) {
       LP_LOG(kWarning, kLog) << "text " << r.key.substr(0, 16) << ": " << r.rejected;
       continue;
@@ -210,13 +295,37 @@ void Cacher::flush_texts() {
     records.emplace_back(std::move(r.key), std::move(r.record));
   }
   store_->put(Table::kTexts, records);
-  summary_.texts_encoded += records.size();
-  pending_texts_.clear();
+  done.texts_encoded += records.size();
+}
+
+void Cacher::collect() {
+  Done done;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::swap(done, done_);
+    done_.error = done.error;  // stays set: the worker keeps dropping jobs
+  }
+  if (done.error) std::rethrow_exception(done.error);
+  if (done.encoded + done.rejected + done.texts_encoded == 0) return;
+  summary_.encoded += done.encoded;
+  summary_.rejected += done.rejected;
+  summary_.texts_encoded += done.texts_encoded;
+  rejected_keys_.insert(done.rejected_keys.begin(), done.rejected_keys.end());
+  publish_report(false);
+}
+
+void Cacher::wait_idle() {
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return (jobs_.empty() && !busy_) || done_.error; });
+  }
+  collect();
 }
 
 void Cacher::finish(const wire::DatasetReport& report) {
   for (auto& [bucket, pending] : pending_) flush_bucket(pending);
   flush_texts();
+  wait_idle();  // every record is written before the manifest that names them
   if (summary_.dataset_id.empty()) summary_.dataset_id = report.dataset_id();
   wire::Manifest manifest;
   manifest.set_text_cached(all_text_cached_);
@@ -315,19 +424,38 @@ Summary Cacher::run() {
   LP_LOG(kInfo, kLog) << "listening: samples on " << options_.pull_endpoint << ", requests on "
                       << options_.rep_endpoint;
 
+  std::thread encoder([this] { worker(); });
+  struct StopWorker {  // also on the way out of an error
+    Cacher& c;
+    std::thread& t;
+    ~StopWorker() {
+      {
+        std::lock_guard<std::mutex> lock(c.mutex_);
+        c.closing_ = true;
+        c.jobs_.clear();  // empty after a finished stream; after an error, nothing more to write
+      }
+      c.cv_.notify_all();
+      t.join();
+    }
+  } stop_worker{*this, encoder};
+
   auto last_message = Clock::now();
   while (options_.serve || !stream_done_) {
+    // The stream is read only while the worker has room; requests are answered always.
+    const bool take_samples = !queue_full();
     std::array<zmq::pollitem_t, 2> items{
-        {{pull.handle(), 0, ZMQ_POLLIN, 0}, {rep.handle(), 0, ZMQ_POLLIN, 0}}};
-    zmq::poll(items.data(), items.size(), std::chrono::milliseconds(200));
-    if (items[1].revents & ZMQ_POLLIN) {
+        {{rep.handle(), 0, ZMQ_POLLIN, 0}, {pull.handle(), 0, static_cast<short>(take_samples ? ZMQ_POLLIN : 0), 0}}};
+    zmq::poll(items.data(), items.size(), std::chrono::milliseconds(take_samples ? 200 : 20));
+    collect();
+    if (items[0].revents & ZMQ_POLLIN) {
       requests.poll_once(rep, std::chrono::milliseconds(0), /*reply=*/true);
       last_message = Clock::now();
     }
-    if (items[0].revents & ZMQ_POLLIN) {
+    if (items[1].revents & ZMQ_POLLIN) {
       stream.poll_once(pull, std::chrono::milliseconds(0));
       last_message = Clock::now();
     }
+    if (!take_samples) last_message = Clock::now();  // busy encoding is not preprocess's silence
     if (!options_.serve && !stream_done_ &&
         Clock::now() - last_message > std::chrono::milliseconds(options_.idle_timeout_ms)) {
       throw wire::PeerTimeoutError("cacher: nothing from preprocess on " + options_.pull_endpoint +
