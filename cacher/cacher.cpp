@@ -112,6 +112,9 @@ class Cacher {
   void collect();    // merges Done into the summary; rethrows a worker's failure
   void wait_idle();  // every submitted job finished (then collect)
 
+  // Reads the stream and answers requests until the stream's end (forever with serve).
+  void serve_loop(zmq::socket_t& pull, zmq::socket_t& rep, wire::Dispatcher& stream,
+                  wire::Dispatcher& requests);
   void on_sample(const wire::ImageSample& sample);
   static std::string check_sample(const wire::ImageSample& sample);
   void flush_bucket(std::vector<wire::ImageSample>& pending);
@@ -412,6 +415,7 @@ Summary Cacher::run() {
   if (!options_.pub_endpoint.empty()) {
     pub_.emplace(wire::make_socket(context, zmq::socket_type::pub, socket_options));
     pub_->bind(options_.pub_endpoint);
+    wire::publish_status(*pub_, kLog, wire::StageStatus::READY);
   }
   stream.on<wire::ImageSample>([this](const wire::ImageSample& s) { on_sample(s); });
   stream.on<wire::DatasetReport>([this](const wire::DatasetReport& r) { finish(r); });
@@ -439,6 +443,21 @@ Summary Cacher::run() {
     }
   } stop_worker{*this, encoder};
 
+  try {
+    serve_loop(pull, rep, stream, requests);
+  } catch (const std::exception& e) {
+    if (pub_) wire::publish_status(*pub_, kLog, wire::StageStatus::ERROR, e.what());
+    throw;
+  }
+  if (pub_) {
+    wire::publish_status(*pub_, kLog, wire::StageStatus::DONE,
+                         "manifest " + summary_.dataset_id + " written");
+  }
+  return summary_;
+}
+
+void Cacher::serve_loop(zmq::socket_t& pull, zmq::socket_t& rep, wire::Dispatcher& stream,
+                        wire::Dispatcher& requests) {
   auto last_message = Clock::now();
   while (options_.serve || !stream_done_) {
     // The stream is read only while the worker has room; requests are answered always.
@@ -463,7 +482,6 @@ Summary Cacher::run() {
                                    " s");
     }
   }
-  return summary_;
 }
 
 }  // namespace

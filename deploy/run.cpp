@@ -181,6 +181,7 @@ class Supervisor {
   fs::path socket_dir_;
   std::ofstream events_;
   std::map<Stage, Child> children_;
+  zmq::socket_t* sub_ = nullptr;  // the subscription to every stage's events, in run()
   bool tty_ = false;
   Clock::time_point last_draw_{};
   std::string last_line_;
@@ -190,6 +191,7 @@ class Supervisor {
   std::string newest_sample_;
   std::set<std::string> announced_;
   std::string manifest_;  // the name the cacher gave this run's manifest
+  std::map<std::string, std::string> errors_;  // stage -> the message of its StageStatus ERROR
 };
 
 void Supervisor::prepare_folder() {
@@ -313,6 +315,9 @@ void Supervisor::on_message(const google::protobuf::Message& m) {
                << c->step() << (c->final() ? ", final" : "") << ")\n";
     }
   }
+  if (const auto* st = dynamic_cast<const wire::StageStatus*>(&m)) {
+    if (st->state() == wire::StageStatus::ERROR) errors_[st->stage()] = st->message();
+  }
   if (const auto* r = dynamic_cast<const wire::SampleReady*>(&m)) {
     newest_sample_ = r->contact_sheet().empty() && r->image_paths_size() > 0 ? r->image_paths(0)
                                                                             : r->contact_sheet();
@@ -359,7 +364,17 @@ void Supervisor::stop_all() {
 }
 
 int Supervisor::fail(const Child& c) {
+  // What the stage said of its failure, when it said it before exiting.
+  const auto deadline = Clock::now() + 300ms;
+  while (!errors_.count(stage_name(c.stage)) && Clock::now() < deadline) {
+    const wire::Received late = receive(*sub_, 50ms);
+    if (late.ok()) on_message(*late.message);
+  }
   redraw(true);
+  if (const auto it = errors_.find(stage_name(c.stage)); it != errors_.end()) {
+    display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: the " << stage_name(c.stage)
+             << " failed: " << it->second << "\n";
+  }
   display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: the " << stage_name(c.stage)
            << (c.exit_code > 128 ? " was killed by signal " + std::to_string(c.exit_code - 128)
                                  : " failed with exit code " + std::to_string(c.exit_code))
@@ -430,6 +445,7 @@ int Supervisor::run() {
   // first moments are not lost while a backed-off reconnect waits.
   sub_options.reconnect_interval_max = 100ms;
   zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub, sub_options);
+  sub_ = &sub;
   sub.set(zmq::sockopt::subscribe, "");
   for (const char* name : {"cacher-pub", "trainer-pub", "sampler-pub"}) sub.connect(endpoint(name));
 

@@ -55,6 +55,10 @@ std::string status(const fs::path& dir, bool as_json) {
       s["state"] = e.value("state", "");
       if (e.contains("exit_code")) s["exit_code"] = e["exit_code"];
       if (e.contains("pid")) s["pid"] = e["pid"];
+    } else if (kind == "StageStatus") {  // what the stage itself said
+      json& s = stages[e.value("stage", "?")];
+      s["reported"] = e.value("state", "");
+      if (e.contains("message")) s["message"] = e["message"];
     } else if (kind == "CacheReport") {
       cache = {{"hits", number("hits")},         {"misses", number("encoded")},
                {"rejected", number("rejected")}, {"done", e.value("done", false)},
@@ -86,6 +90,7 @@ std::string status(const fs::path& dir, bool as_json) {
   for (const auto& [name, s] : stages.items()) {
     text << "  " << name << ": " << s.value("state", "");
     if (s.contains("exit_code")) text << " (exit " << s["exit_code"].get<int>() << ")";
+    if (s.value("reported", "") == "ERROR") text << ": " << s.value("message", "");
     text << "\n";
   }
   text << "  cache: " << cache["hits"].get<double>() << " hits, "

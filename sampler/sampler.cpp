@@ -246,8 +246,25 @@ class Sampler {
     if (!o_.pub_endpoint.empty()) {
       pub.emplace(wire::make_socket(context, zmq::socket_type::pub));
       pub->bind(o_.pub_endpoint);
+      wire::publish_status(*pub, kLog, wire::StageStatus::READY);
     }
     LP_LOG(kInfo, kLog) << "following " << o_.sub_endpoint;
+    try {
+      follow_loop(sub, pub);
+    } catch (const std::exception& e) {
+      if (pub) wire::publish_status(*pub, kLog, wire::StageStatus::ERROR, e.what());
+      throw;
+    }
+    if (pub) {
+      wire::publish_status(*pub, kLog, wire::StageStatus::DONE,
+                           std::to_string(summary_.checkpoints_rendered) + " checkpoints rendered");
+    }
+    return summary_;
+  }
+
+  // Renders the newest announced checkpoint, again and again, until the final one (or
+  // --idle_timeout_s without any).
+  void follow_loop(zmq::socket_t& sub, std::optional<zmq::socket_t>& pub) {
     auto last_event = std::chrono::steady_clock::now();
     while (true) {
       // The newest announced checkpoint: wait for one, then take everything queued.
@@ -269,7 +286,7 @@ class Sampler {
             std::chrono::duration<double>(std::chrono::steady_clock::now() - last_event).count();
         if (o_.idle_timeout_s > 0 && idle > o_.idle_timeout_s) {
           LP_LOG(kInfo, kLog) << "no checkpoint for " << idle << " s: stopping";
-          return summary_;
+          return;
         }
         continue;
       }
@@ -296,7 +313,7 @@ class Sampler {
       }
       if (newest->final()) {
         LP_LOG(kInfo, kLog) << "rendered the run's final checkpoint: done";
-        return summary_;
+        return;
       }
     }
   }

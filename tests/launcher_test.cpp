@@ -245,6 +245,24 @@ TEST_F(LauncherRun, TwoRunsAtOnceOnOneCacheBothComplete) {
   EXPECT_EQ(sb["cache"]["hits"].get<int>() + sb["cache"]["misses"].get<int>(), 36);
 }
 
+// A stage that fails with an error says what failed (StageStatus ERROR): the launcher shows that
+// message, then the log lines, and `lorapipe status` keeps it.
+TEST_F(LauncherRun, StageErrorIsShownWithItsMessage) {
+  const fs::path run = work_ / "run";
+  EXPECT_EQ(lorapipe({"run", "--output=" + run.string(), "--learning_rate=1e30",
+                      "--max_grad_norm=0", "--max_bad_steps=3", "--max_train_steps=50"}),
+            kExitError);
+  EXPECT_NE(out_.find("lorapipe: the trainer failed: stopping: 3 steps in a row had a non-finite"),
+            std::string::npos)
+      << out_;
+  expect_no_stage_alive(run);
+  const json s = status(run);
+  EXPECT_EQ(s["stages"]["trainer"]["reported"], "ERROR");
+  EXPECT_NE(s["stages"]["trainer"]["message"].get<std::string>().find("non-finite"),
+            std::string::npos);
+  EXPECT_EQ(s["stages"]["cacher"]["reported"], "DONE") << s.dump(2);
+}
+
 TEST_F(LauncherFlags, UnknownFlagIsAnErrorNamingIt) {
   EXPECT_EQ(lorapipe({"run", "--output=" + (work_ / "run").string(), "--netwrk_dim=8"}),
             kExitError);

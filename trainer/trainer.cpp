@@ -215,6 +215,7 @@ class Run {
  public:
   explicit Run(const Options& options) : o_(options) {}
   Summary train();
+  Summary train_steps();
 
  private:
   void load_data();
@@ -813,7 +814,23 @@ void Run::publish_progress(double loss, double seconds_per_step, double wait_ms)
   }
 }
 
+// The run, with its lifecycle published once the PUB socket is bound (StageStatus).
 Summary Run::train() {
+  try {
+    Summary summary = train_steps();
+    if (pub_) {
+      wire::publish_status(*pub_, kLog, wire::StageStatus::DONE,
+                           summary.interrupted ? "interrupted; state saved in " + summary.state.string()
+                                               : "");
+    }
+    return summary;
+  } catch (const std::exception& e) {
+    if (pub_) wire::publish_status(*pub_, kLog, wire::StageStatus::ERROR, e.what());
+    throw;
+  }
+}
+
+Summary Run::train_steps() {
   run_id_ = o_.output_name + "-" + std::to_string(std::time(nullptr));
   training_started_at_ = iso_now();
   load_data();
@@ -869,6 +886,7 @@ Summary Run::train() {
   if (main_ && !o_.pub_endpoint.empty()) {
     pub_.emplace(wire::make_socket(context_, zmq::socket_type::pub));
     pub_->bind(o_.pub_endpoint);
+    wire::publish_status(*pub_, kLog, wire::StageStatus::READY);
   }
 
   Summary summary;
