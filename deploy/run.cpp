@@ -447,7 +447,9 @@ int Supervisor::run() {
   zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub, sub_options);
   sub_ = &sub;
   sub.set(zmq::sockopt::subscribe, "");
-  for (const char* name : {"cacher-pub", "trainer-pub", "sampler-pub"}) sub.connect(endpoint(name));
+  for (const char* name : {"preprocess-pub", "cacher-pub", "trainer-pub", "sampler-pub"}) {
+    sub.connect(endpoint(name));
+  }
 
   std::vector<std::string> args = stage_args(s_, Stage::kCacher);
   // Another run's cacher writing the same cache: take turns (it binds once the cache is its).
@@ -488,7 +490,8 @@ int Supervisor::run() {
         fs::exists(socket_dir_ / "cacher-rep.sock")) {
       args = stage_args(s_, Stage::kPreprocess);
       args.insert(args.end(),
-                  {"--push=" + endpoint("cacher-pull"), "--request=" + endpoint("cacher-rep")});
+                  {"--push=" + endpoint("cacher-pull"), "--request=" + endpoint("cacher-rep"),
+                   "--pub=" + endpoint("preprocess-pub")});
       start(Stage::kPreprocess, args);
     }
     const Child* preprocess = child(Stage::kPreprocess);

@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
+#include <string>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -35,6 +37,7 @@ DEFINE_string(resize_filter, "lanczos3", "lanczos3, lanczos2, cubic, mitchell, l
 DEFINE_uint64(seed, 0, "Seed of random_crop offsets");
 DEFINE_bool(report_only, false, "Only report buckets and problems; needs no cacher");
 DEFINE_string(report_json, "", "Also write the report as JSON to this file");
+DEFINE_string(pub, "", "Bind a PUB endpoint for this stage's StageStatus (READY, DONE, ERROR)");
 DEFINE_string(push, "ipc:///tmp/lorapipe-cacher-pull", "The cacher's ImageSample endpoint (PULL)");
 DEFINE_string(request, "ipc:///tmp/lorapipe-cacher-rep", "The cacher's HasKeys endpoint (REP)");
 DEFINE_int32(timeout_ms, 30000, "How long to wait for the cacher before failing");
@@ -45,7 +48,20 @@ int main(int argc, char** argv) {
       "Finds images and captions, picks kohya's aspect buckets, decodes what the cacher lacks.");
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   namespace pp = lorapipe::preprocess;
+  namespace wire = lorapipe::wire;
+  // The stage's lifecycle for the launcher (wire::publish_status); opened before anything can
+  // fail, closed (delivering what is queued) when main returns.
+  zmq::context_t context;
+  std::optional<zmq::socket_t> pub;
+  auto status = [&](wire::StageStatus::State state, const std::string& message) {
+    if (pub) wire::publish_status(*pub, "preprocess", state, message);
+  };
   try {
+    if (!FLAGS_pub.empty()) {
+      pub.emplace(wire::make_socket(context, zmq::socket_type::pub));
+      pub->bind(FLAGS_pub);
+      status(wire::StageStatus::READY, "");
+    }
     pp::Options options;
     options.data_dir = FLAGS_data_dir;
     options.dataset_config = FLAGS_dataset_config;
@@ -94,11 +110,17 @@ int main(int argc, char** argv) {
                                                                 : options.data_dir)
                                    << " (" << report.skipped.size() << " skipped, "
                                    << report.ignored.size() << " ignored; reasons above)";
+      status(wire::StageStatus::ERROR, "no usable image found (" +
+                                           std::to_string(report.skipped.size()) + " skipped, " +
+                                           std::to_string(report.ignored.size()) + " ignored)");
       return 1;
     }
+    status(wire::StageStatus::DONE, std::to_string(report.images.size()) + " images used of " +
+                                        std::to_string(report.images_found) + " found");
     return 0;
   } catch (const std::exception& e) {
     LP_LOG(kError, "preprocess") << e.what();
+    status(wire::StageStatus::ERROR, e.what());
     return 2;
   }
 }

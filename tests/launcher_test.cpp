@@ -261,6 +261,7 @@ TEST_F(LauncherRun, StageErrorIsShownWithItsMessage) {
   EXPECT_NE(s["stages"]["trainer"]["message"].get<std::string>().find("non-finite"),
             std::string::npos);
   EXPECT_EQ(s["stages"]["cacher"]["reported"], "DONE") << s.dump(2);
+  EXPECT_EQ(s["stages"]["preprocess"]["reported"], "DONE") << s.dump(2);
 }
 
 TEST_F(LauncherFlags, UnknownFlagIsAnErrorNamingIt) {
@@ -315,7 +316,7 @@ TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
 // routed or one the launcher sets itself (endpoints, folders, tools), listed here with why.
 TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
   const std::map<Stage, std::set<std::string>> launcher_owned = {
-      {Stage::kPreprocess, {"push", "request", "timeout_ms", "report_only", "report_json"}},
+      {Stage::kPreprocess, {"push", "request", "pub", "timeout_ms", "report_only", "report_json"}},
       {Stage::kCacher,
        {"pull", "rep", "pub", "wait_for_writer_s", "serve", "idle_timeout_s", "inspect", "json", "verify", "gc",
         "export_file", "dataset", "import_file"}},
