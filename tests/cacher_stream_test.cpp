@@ -118,6 +118,25 @@ class CachePipeline : public ::testing::Test {
     return n;
   }
 
+  // An ImageSample sent by hand (no preprocess): a square `side` bucket, RGB `pixels`, image key
+  // "content-<name>.transform", path "/photos/<name>", caption "a <name>".
+  static wire::ImageSample handmade_sample(const std::string& dataset, const std::string& name,
+                                           uint32_t side, std::string pixels) {
+    wire::ImageSample s;
+    s.set_dataset_id(dataset);
+    s.set_path("/photos/" + name);
+    s.set_image_key("content-" + name + ".transform");
+    s.mutable_bucket()->set_width(side);
+    s.mutable_bucket()->set_height(side);
+    s.mutable_original_size()->set_width(side);
+    s.mutable_original_size()->set_height(side);
+    s.set_caption("a " + name);
+    s.set_repeats(1);
+    s.set_channels(3);
+    s.set_pixels(std::move(pixels));
+    return s;
+  }
+
   cacher::Store open_cache(bool read_only = true) const {
     cacher::StoreOptions options;
     options.dir = cache_;
@@ -255,19 +274,7 @@ TEST_F(CachePipeline, SampleThatDoesNotFitItsBucketIsRejectedAlone) {
   zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
   push.connect("ipc://" + (work_ / "pull.sock").string());
   auto sample = [](const std::string& name, size_t pixel_bytes) {
-    wire::ImageSample s;
-    s.set_dataset_id("handmade");
-    s.set_path("/photos/" + name);
-    s.set_image_key("content-" + name + ".transform");
-    s.mutable_bucket()->set_width(64);
-    s.mutable_bucket()->set_height(64);
-    s.mutable_original_size()->set_width(64);
-    s.mutable_original_size()->set_height(64);
-    s.set_caption("a " + name);
-    s.set_repeats(1);
-    s.set_channels(3);
-    s.set_pixels(std::string(pixel_bytes, '\x80'));
-    return s;
+    return handmade_sample("handmade", name, 64, std::string(pixel_bytes, '\x80'));
   };
   for (const auto& s : {sample("good1.png", 64 * 64 * 3), sample("broken.png", 1000),
                         sample("good2.png", 64 * 64 * 3)}) {
@@ -307,21 +314,10 @@ TEST_F(CachePipeline, AnswersRequestsWhileItEncodes) {
   (void)client.request<wire::HasKeysReply>(ask);  // the cacher is up
   std::mt19937 rng(5);
   for (int i = 0; i < 8; ++i) {
-    wire::ImageSample s;
-    s.set_dataset_id("busy");
-    s.set_path("/photos/" + std::to_string(i) + ".png");
-    s.set_image_key("content-" + std::to_string(i) + ".transform");
-    s.mutable_bucket()->set_width(512);
-    s.mutable_bucket()->set_height(512);
-    s.mutable_original_size()->set_width(512);
-    s.mutable_original_size()->set_height(512);
-    s.set_caption("image " + std::to_string(i));
-    s.set_repeats(1);
-    s.set_channels(3);
     std::string pixels(512 * 512 * 3, 0);
     for (char& c : pixels) c = static_cast<char>(rng());
-    s.set_pixels(pixels);
-    ASSERT_EQ(wire::send(push, s), wire::SendStatus::kSent);
+    ASSERT_EQ(wire::send(push, handmade_sample("busy", std::to_string(i), 512, pixels)),
+              wire::SendStatus::kSent);
   }
   const auto sent = std::chrono::steady_clock::now();
   // Ask again and again until the batch is in the cache (the reply says so).
