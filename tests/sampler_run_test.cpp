@@ -198,14 +198,24 @@ TEST_F(SamplerRun, RestartedAfterKillNineRendersTheNewest) {
     event.set_final(final);
     ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
   };
+  // A checkpoint's render is complete when the gallery's index lists it (written, atomically,
+  // after its images and sheet): the kill below must come after that, or the index rightly
+  // never heard of it.
+  auto indexed = [&](int step) {
+    const auto index =
+        nlohmann::json::parse(read_text(work_ / "samples" / "samples.json"), nullptr, false);
+    if (index.is_discarded() || !index.contains("checkpoints")) return false;
+    for (const auto& c : index["checkpoints"]) {
+      if (c["step"].get<int>() == step) return true;
+    }
+    return false;
+  };
   auto until_rendered = [&](int step) {
-    char name[32];
-    std::snprintf(name, sizeof name, "run_%06d_01.png", step);
-    for (int i = 0; i < 600 && !fs::exists(work_ / "samples" / name); ++i) {
+    for (int i = 0; i < 600 && !indexed(step); ++i) {
       announce(step);
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    return fs::exists(work_ / "samples" / name);
+    return indexed(step);
   };
   const std::vector<std::string> follow = args({"--sub=" + endpoint, "--idle_timeout_s=60"});
   const pid_t first = spawn(follow, work_ / "out1", work_ / "err1");
