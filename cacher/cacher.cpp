@@ -3,13 +3,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <array>
-#include <condition_variable>
-#include <deque>
-#include <exception>
-#include <mutex>
-#include <thread>
 #include <chrono>
+#include <mutex>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -25,6 +20,8 @@
 #include "models/fingerprint.h"
 #include "models/pipeline.h"
 #include "proto/wire.h"
+#include "runtime/stage.h"
+#include "runtime/workers.h"
 
 namespace lorapipe::cacher {
 namespace fs = std::filesystem;
@@ -91,10 +88,11 @@ class Cacher {
   Summary run();
 
  private:
-  // Encoding runs on a worker thread, so the main loop keeps answering HasKeys and GetRecords
-  // (other runs' preprocess and trainers) while the VAE or the text encoder works. A job is one
-  // bucket's batch or one batch of captions; the worker writes its records and leaves the
-  // counts for the main loop, which alone touches the sockets and the summary.
+  // Encoding runs on a worker (runtime::WorkerPool), so the main loop keeps answering HasKeys
+  // and GetRecords (other runs' preprocess and trainers) while the VAE or the text encoder
+  // works. A job is one bucket's batch or one batch of captions; the worker writes its records
+  // and leaves the counts for the main loop, which alone touches the sockets and the summary.
+  // A job's failure is rethrown on the main loop by collect().
   struct Job {
     std::vector<wire::ImageSample> samples;  // a latent batch, or
     std::vector<std::string> captions;       // a text batch
@@ -102,19 +100,15 @@ class Cacher {
   struct Done {  // what finished jobs left for the main loop
     uint64_t encoded = 0, rejected = 0, texts_encoded = 0;
     std::vector<std::string> rejected_keys;
-    std::exception_ptr error;  // the first failure; later jobs are dropped
   };
   static constexpr size_t kMaxQueuedJobs = 2;  // then the stream waits (ZeroMQ's backpressure)
-  void worker();
   void run_job(Job& job, Done& done);
   void submit(Job job);
-  bool queue_full();
   void collect();    // merges Done into the summary; rethrows a worker's failure
   void wait_idle();  // every submitted job finished (then collect)
 
   // Reads the stream and answers requests until the stream's end (forever with serve).
-  void serve_loop(zmq::socket_t& pull, zmq::socket_t& rep, wire::Dispatcher& stream,
-                  wire::Dispatcher& requests);
+  void serve_loop(runtime::SocketLoop& loop);
   void on_sample(const wire::ImageSample& sample);
   static std::string check_sample(const wire::ImageSample& sample);
   void flush_bucket(std::vector<wire::ImageSample>& pending);
@@ -141,11 +135,10 @@ class Cacher {
   Clock::time_point started_ = Clock::now();
   bool stream_done_ = false;
 
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  bool busy_ = false, closing_ = false;
+  std::mutex done_mutex_;
   Done done_;
+  std::optional<runtime::StatusPublisher> status_;
+  std::optional<runtime::WorkerPool> workers_;  // last: goes first, before what its jobs use
 };
 
 // Empty when `s` can be batched with its bucket: a bucket of whole latent cells and, unless it
@@ -228,44 +221,18 @@ void Cacher::flush_texts() {
 }
 
 void Cacher::submit(Job job) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    jobs_.push_back(std::move(job));
-  }
-  cv_.notify_all();
-}
-
-bool Cacher::queue_full() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return jobs_.size() >= kMaxQueuedJobs;
-}
-
-void Cacher::worker() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  for (;;) {
-    cv_.wait(lock, [&] { return closing_ || !jobs_.empty(); });
-    if (jobs_.empty()) return;  // closing, and nothing left
-    Job job = std::move(jobs_.front());
-    jobs_.pop_front();
-    if (done_.error) continue;  // after a failure the rest is dropped; the main loop stops
-    busy_ = true;
-    lock.unlock();
+  // Waits for room only in finish(), when every bucket is flushed at once; the stream itself
+  // is read only while the queue has room.
+  workers_->submit([this, job = std::move(job)]() mutable {
     Done done;
-    try {
-      run_job(job, done);
-    } catch (...) {
-      done.error = std::current_exception();
-    }
-    lock.lock();
+    run_job(job, done);
+    std::lock_guard<std::mutex> lock(done_mutex_);
     done_.encoded += done.encoded;
     done_.rejected += done.rejected;
     done_.texts_encoded += done.texts_encoded;
     done_.rejected_keys.insert(done_.rejected_keys.end(), done.rejected_keys.begin(),
                                done.rejected_keys.end());
-    if (done.error && !done_.error) done_.error = done.error;
-    busy_ = false;
-    cv_.notify_all();
-  }
+  });
 }
 
 void Cacher::run_job(Job& job, Done& done) {
@@ -302,26 +269,24 @@ void Cacher::run_job(Job& job, Done& done) {
 }
 
 void Cacher::collect() {
+  workers_->rethrow_failure();
   Done done;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(done_mutex_);
     std::swap(done, done_);
-    done_.error = done.error;  // stays set: the worker keeps dropping jobs
   }
-  if (done.error) std::rethrow_exception(done.error);
   if (done.encoded + done.rejected + done.texts_encoded == 0) return;
   summary_.encoded += done.encoded;
   summary_.rejected += done.rejected;
   summary_.texts_encoded += done.texts_encoded;
   rejected_keys_.insert(done.rejected_keys.begin(), done.rejected_keys.end());
   publish_report(false);
+  // Images settled so far; the total is known only at the stream's end (0: not yet).
+  status_->progress(summary_.encoded + summary_.hits + summary_.rejected, 0, "images");
 }
 
 void Cacher::wait_idle() {
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    cv_.wait(lock, [&] { return (jobs_.empty() && !busy_) || done_.error; });
-  }
+  workers_->wait_idle();
   collect();
 }
 
@@ -415,8 +380,9 @@ Summary Cacher::run() {
   if (!options_.pub_endpoint.empty()) {
     pub_.emplace(wire::make_socket(context, zmq::socket_type::pub, socket_options));
     pub_->bind(options_.pub_endpoint);
-    wire::publish_status(*pub_, kLog, wire::StageStatus::READY);
   }
+  status_.emplace(pub_ ? &*pub_ : nullptr, std::string(kLog));
+  status_->ready();
   stream.on<wire::ImageSample>([this](const wire::ImageSample& s) { on_sample(s); });
   stream.on<wire::DatasetReport>([this](const wire::DatasetReport& r) { finish(r); });
   requests.on_request<wire::HasKeysRequest>(
@@ -428,53 +394,35 @@ Summary Cacher::run() {
   LP_LOG(kInfo, kLog) << "listening: samples on " << options_.pull_endpoint << ", requests on "
                       << options_.rep_endpoint;
 
-  std::thread encoder([this] { worker(); });
-  struct StopWorker {  // also on the way out of an error
-    Cacher& c;
-    std::thread& t;
-    ~StopWorker() {
-      {
-        std::lock_guard<std::mutex> lock(c.mutex_);
-        c.closing_ = true;
-        c.jobs_.clear();  // empty after a finished stream; after an error, nothing more to write
-      }
-      c.cv_.notify_all();
-      t.join();
-    }
-  } stop_worker{*this, encoder};
+  workers_.emplace(/*threads=*/1, kMaxQueuedJobs);
+  struct StopWorkers {  // also on the way out of an error: drops what is queued, joins
+    std::optional<runtime::WorkerPool>& workers;
+    ~StopWorkers() { workers.reset(); }
+  } stop_workers{workers_};
+  runtime::SocketLoop loop;
+  loop.add(rep, requests, /*reply=*/true);
+  // The stream is read only while the worker has room; requests are answered always.
+  loop.add(pull, stream, /*reply=*/false, [this] { return !workers_->full(); });
 
   try {
-    serve_loop(pull, rep, stream, requests);
+    serve_loop(loop);
   } catch (const std::exception& e) {
-    if (pub_) wire::publish_status(*pub_, kLog, wire::StageStatus::ERROR, e.what());
+    status_->error(e.what());
     throw;
   }
-  if (pub_) {
-    wire::publish_status(*pub_, kLog, wire::StageStatus::DONE,
-                         "manifest " + summary_.dataset_id + " written");
-  }
+  status_->done("manifest " + summary_.dataset_id + " written");
   return summary_;
 }
 
-void Cacher::serve_loop(zmq::socket_t& pull, zmq::socket_t& rep, wire::Dispatcher& stream,
-                        wire::Dispatcher& requests) {
+void Cacher::serve_loop(runtime::SocketLoop& loop) {
   auto last_message = Clock::now();
   while (options_.serve || !stream_done_) {
-    // The stream is read only while the worker has room; requests are answered always.
-    const bool take_samples = !queue_full();
-    std::array<zmq::pollitem_t, 2> items{
-        {{rep.handle(), 0, ZMQ_POLLIN, 0}, {pull.handle(), 0, static_cast<short>(take_samples ? ZMQ_POLLIN : 0), 0}}};
-    zmq::poll(items.data(), items.size(), std::chrono::milliseconds(take_samples ? 200 : 20));
+    const bool encoding = workers_->full();
+    const int taken = loop.poll(std::chrono::milliseconds(encoding ? 20 : 200));
     collect();
-    if (items[0].revents & ZMQ_POLLIN) {
-      requests.poll_once(rep, std::chrono::milliseconds(0), /*reply=*/true);
-      last_message = Clock::now();
-    }
-    if (items[1].revents & ZMQ_POLLIN) {
-      stream.poll_once(pull, std::chrono::milliseconds(0));
-      last_message = Clock::now();
-    }
-    if (!take_samples) last_message = Clock::now();  // busy encoding is not preprocess's silence
+    status_->tick();
+    // Busy encoding is not preprocess's silence.
+    if (taken > 0 || encoding) last_message = Clock::now();
     if (!options_.serve && !stream_done_ &&
         Clock::now() - last_message > std::chrono::milliseconds(options_.idle_timeout_ms)) {
       throw wire::PeerTimeoutError("cacher: nothing from preprocess on " + options_.pull_endpoint +

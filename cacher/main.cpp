@@ -8,6 +8,7 @@
 #include "cacher/tools.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "runtime/exit_code.h"
 
 DEFINE_string(cache_dir, "", "Cache folder (default: $LORAPIPE_CACHE_DIR or ~/.cache/lorapipe/cache)");
 DEFINE_string(model, "", "Base model: single .safetensors (original layout) or diffusers folder");
@@ -45,20 +46,23 @@ int main(int argc, char** argv) {
     tool.max_map_bytes = FLAGS_max_map_mb << 20;
     if (FLAGS_inspect) {
       std::cout << (FLAGS_json ? c::inspect_json(tool) : c::inspect_text(tool)) << std::flush;
-      return 0;
+      return lorapipe::runtime::kExitOk;
     }
-    if (FLAGS_verify) return c::verify(tool, std::cout) ? 0 : 1;
+    if (FLAGS_verify) {
+      return c::verify(tool, std::cout) ? lorapipe::runtime::kExitOk
+                                        : lorapipe::runtime::kExitCheckFailed;
+    }
     if (FLAGS_gc) {
       c::gc(tool, std::cout);
-      return 0;
+      return lorapipe::runtime::kExitOk;
     }
     if (!FLAGS_export_file.empty()) {
       c::export_dataset(tool, FLAGS_dataset, FLAGS_export_file, std::cout);
-      return 0;
+      return lorapipe::runtime::kExitOk;
     }
     if (!FLAGS_import_file.empty()) {
       c::import_dataset(tool, FLAGS_import_file, std::cout);
-      return 0;
+      return lorapipe::runtime::kExitOk;
     }
     c::Options options;
     options.cache_dir = FLAGS_cache_dir;
@@ -85,9 +89,9 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long long>(s.texts_encoded),
                 static_cast<unsigned long long>(s.texts_cached),
                 static_cast<unsigned long long>(s.manifest_entries), s.images_per_second);
-    return 0;
+    return lorapipe::runtime::kExitOk;
   } catch (const std::exception& e) {
     LP_LOG(kError, "cacher") << e.what();
-    return 2;
+    return lorapipe::runtime::kExitError;
   }
 }

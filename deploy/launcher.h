@@ -13,16 +13,18 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/exit_code.h"
+
 namespace lorapipe::launcher {
 
 enum class Stage { kPreprocess, kCacher, kTrainer, kSampler };
 const char* stage_name(Stage stage);
 
 // Exit codes of `lorapipe` and of every lorapipe-* stage (README, "Exit codes").
-inline constexpr int kExitOk = 0;
-inline constexpr int kExitCheckFailed = 1;  // a check found a problem (verify, no usable image)
-inline constexpr int kExitError = 2;        // bad flags or input, or a failure; the log says why
-inline constexpr int kExitInterrupted = 130;  // SIGINT/SIGTERM: stopped cleanly, state saved
+using runtime::kExitCheckFailed;
+using runtime::kExitError;
+using runtime::kExitInterrupted;
+using runtime::kExitOk;
 
 // The settings of one run: flags in the order given (name without dashes, value; "true" for a
 // bare boolean), and the run folder.

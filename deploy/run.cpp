@@ -8,10 +8,8 @@
 // step and saves a state), SIGTERM to the rest; anything still alive after kStopGrace is
 // killed. Children get SIGTERM too if the launcher itself dies (PR_SET_PDEATHSIG).
 
-#include <fcntl.h>
 #include <google/protobuf/util/json_util.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -33,6 +31,8 @@
 #include "deploy/launcher.h"
 #include "proto/lorapipe.pb.h"
 #include "proto/wire.h"
+#include "runtime/exit_code.h"
+#include "runtime/process.h"
 
 namespace lorapipe::launcher {
 namespace {
@@ -66,38 +66,21 @@ struct Child {
   fs::path log;
 };
 
-// Starts `argv` in its own process group with stdout and stderr appended to `log`.
+// Starts `argv` in its own process group (so stopping a stage stops what it started) with
+// stdout and stderr appended to `log`; it gets SIGTERM if the launcher dies.
 pid_t start_process(const std::vector<std::string>& argv, const fs::path& log) {
-  const pid_t parent = getpid();
-  const pid_t pid = fork();
-  if (pid != 0) return pid;
-  // The child: only async-signal-safe calls until exec.
-  setpgid(0, 0);
-  prctl(PR_SET_PDEATHSIG, SIGTERM);
-  if (getppid() != parent) _exit(127);
-  signal(SIGINT, SIG_DFL);
-  signal(SIGTERM, SIG_DFL);
-  const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  if (fd >= 0) {
-    dup2(fd, 1);
-    dup2(fd, 2);
-    close(fd);
-  }
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  execv(args[0], args.data());
-  dprintf(2, "lorapipe: cannot start %s\n", args[0]);
-  _exit(127);
+  runtime::SpawnOptions options;
+  options.argv = argv;
+  options.stdout_path = log;
+  options.stderr_path = log;
+  options.append = true;
+  options.own_process_group = true;
+  options.die_with_parent = true;
+  return runtime::spawn(options);
 }
 
 int run_to_end(const std::vector<std::string>& argv, const fs::path& log) {
-  const pid_t pid = start_process(argv, log);
-  if (pid < 0) return 127;
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return runtime::wait_exit(start_process(argv, log));
 }
 
 // The cacher's closing line ("cache report: dataset NAME: E encoded, H cached (P% hits), R
@@ -192,6 +175,7 @@ class Supervisor {
   std::set<std::string> announced_;
   std::string manifest_;  // the name the cacher gave this run's manifest
   std::map<std::string, std::string> errors_;  // stage -> the message of its StageStatus ERROR
+  std::map<std::string, wire::StageStatus> reported_;  // stage -> the newest StageStatus
 };
 
 void Supervisor::prepare_folder() {
@@ -273,8 +257,7 @@ void Supervisor::start(Stage stage, std::vector<std::string> args) {
   c.stage = stage;
   c.log = dir_ / "logs" / (std::string(stage_name(stage)) + ".log");
   args.insert(args.begin(), (o_.bin_dir / ("lorapipe-" + std::string(stage_name(stage)))).string());
-  c.pid = start_process(args, c.log);
-  if (c.pid < 0) throw Error(std::string("cannot start the ") + stage_name(stage));
+  c.pid = start_process(args, c.log);  // throws, naming the program, when it cannot start
   c.running = true;
   nlohmann::json command = args;
   event({{"event", "Stage"}, {"stage", stage_name(stage)}, {"state", "started"}, {"pid", c.pid},
@@ -293,6 +276,12 @@ void Supervisor::event(nlohmann::json e) {
 }
 
 void Supervisor::on_message(const google::protobuf::Message& m) {
+  // Stages repeat their status every few seconds for late subscribers; events.jsonl keeps
+  // each change once.
+  if (const auto* st = dynamic_cast<const wire::StageStatus*>(&m)) {
+    const auto it = reported_.find(st->stage());
+    if (it != reported_.end() && it->second.SerializeAsString() == st->SerializeAsString()) return;
+  }
   std::string json;
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
@@ -317,6 +306,7 @@ void Supervisor::on_message(const google::protobuf::Message& m) {
   }
   if (const auto* st = dynamic_cast<const wire::StageStatus*>(&m)) {
     if (st->state() == wire::StageStatus::ERROR) errors_[st->stage()] = st->message();
+    reported_[st->stage()] = *st;
   }
   if (const auto* r = dynamic_cast<const wire::SampleReady*>(&m)) {
     newest_sample_ = r->contact_sheet().empty() && r->image_paths_size() > 0 ? r->image_paths(0)
@@ -336,7 +326,7 @@ void Supervisor::reap() {
     for (auto& [stage, c] : children_) {
       if (c.pid != pid || !c.running) continue;
       c.running = false;
-      c.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      c.exit_code = runtime::exit_code_of_wait_status(status);
       event({{"event", "Stage"}, {"stage", stage_name(stage)}, {"state", "exited"},
              {"exit_code", c.exit_code}});
     }
@@ -398,6 +388,16 @@ void Supervisor::redraw(bool force) {
     if (c->running) return "running";
     return c->exit_code == 0 ? "done" : "exit " + std::to_string(c->exit_code);
   };
+  if (const Child* pre = child(Stage::kPreprocess); pre != nullptr && pre->running) {
+    line << "preprocess";
+    const auto it = reported_.find(stage_name(Stage::kPreprocess));
+    if (it != reported_.end() && it->second.state() == wire::StageStatus::PROGRESS) {
+      line << " " << it->second.done() << "/" << it->second.total() << " " << it->second.unit();
+    } else {
+      line << " running";
+    }
+    line << " | ";
+  }
   line << "cache " << state(Stage::kCacher) << " (" << cache_.hits() << " hits, "
        << cache_.encoded() << " misses, " << cache_.rejected() << " rejected)";
   line << " | trainer " << state(Stage::kTrainer);

@@ -59,6 +59,10 @@ std::string status(const fs::path& dir, bool as_json) {
       json& s = stages[e.value("stage", "?")];
       s["reported"] = e.value("state", "");
       if (e.contains("message")) s["message"] = e["message"];
+      if (e.value("state", "") == "PROGRESS") {
+        s["progress"] = {{"done", number("done")}, {"total", number("total")},
+                         {"unit", e.value("unit", "")}};
+      }
     } else if (kind == "CacheReport") {
       cache = {{"hits", number("hits")},         {"misses", number("encoded")},
                {"rejected", number("rejected")}, {"done", e.value("done", false)},
@@ -91,6 +95,11 @@ std::string status(const fs::path& dir, bool as_json) {
     text << "  " << name << ": " << s.value("state", "");
     if (s.contains("exit_code")) text << " (exit " << s["exit_code"].get<int>() << ")";
     if (s.value("reported", "") == "ERROR") text << ": " << s.value("message", "");
+    if (s.value("reported", "") == "PROGRESS" && s.value("state", "") != "exited") {
+      const json& p = s["progress"];
+      text << ", " << p["done"].dump() << (p["total"] == 0 ? "" : " of " + p["total"].dump())
+           << " " << p.value("unit", "");
+    }
     text << "\n";
   }
   text << "  cache: " << cache["hits"].get<double>() << " hits, "

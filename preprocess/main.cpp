@@ -11,6 +11,8 @@
 #include "common/log.h"
 #include "preprocess/preprocess.h"
 #include "proto/wire.h"
+#include "runtime/exit_code.h"
+#include "runtime/stage.h"
 
 DEFINE_string(data_dir, "", "Folder of images, or of kohya repeat folders <N>_<class tokens>");
 DEFINE_string(dataset_config, "", "kohya dataset TOML (instead of --data_dir)");
@@ -49,19 +51,19 @@ int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&argc, &argv, true);
   namespace pp = lorapipe::preprocess;
   namespace wire = lorapipe::wire;
-  // The stage's lifecycle for the launcher (wire::publish_status); opened before anything can
-  // fail, closed (delivering what is queued) when main returns.
+  namespace rt = lorapipe::runtime;
+  // The stage's lifecycle for the launcher (runtime::StatusPublisher); opened before anything
+  // can fail, closed (delivering what is queued) when main returns.
   zmq::context_t context;
   std::optional<zmq::socket_t> pub;
-  auto status = [&](wire::StageStatus::State state, const std::string& message) {
-    if (pub) wire::publish_status(*pub, "preprocess", state, message);
-  };
+  std::optional<rt::StatusPublisher> status;
   try {
     if (!FLAGS_pub.empty()) {
       pub.emplace(wire::make_socket(context, zmq::socket_type::pub));
       pub->bind(FLAGS_pub);
-      status(wire::StageStatus::READY, "");
     }
+    status.emplace(pub ? &*pub : nullptr, "preprocess");
+    status->ready();
     pp::Options options;
     options.data_dir = FLAGS_data_dir;
     options.dataset_config = FLAGS_dataset_config;
@@ -96,6 +98,10 @@ int main(int argc, char** argv) {
     options.push_endpoint = FLAGS_push;
     options.request_endpoint = FLAGS_request;
     options.timeout_ms = FLAGS_timeout_ms;
+    options.on_progress = [&](size_t done, size_t total) {
+      status->progress(done, total, "images");
+      status->tick();
+    };
 
     const pp::Report report = pp::run(options);
     std::cout << pp::format_report(report) << std::flush;
@@ -110,17 +116,16 @@ int main(int argc, char** argv) {
                                                                 : options.data_dir)
                                    << " (" << report.skipped.size() << " skipped, "
                                    << report.ignored.size() << " ignored; reasons above)";
-      status(wire::StageStatus::ERROR, "no usable image found (" +
-                                           std::to_string(report.skipped.size()) + " skipped, " +
-                                           std::to_string(report.ignored.size()) + " ignored)");
-      return 1;
+      status->error("no usable image found (" + std::to_string(report.skipped.size()) +
+                    " skipped, " + std::to_string(report.ignored.size()) + " ignored)");
+      return rt::kExitCheckFailed;
     }
-    status(wire::StageStatus::DONE, std::to_string(report.images.size()) + " images used of " +
-                                        std::to_string(report.images_found) + " found");
-    return 0;
+    status->done(std::to_string(report.images.size()) + " images used of " +
+                 std::to_string(report.images_found) + " found");
+    return rt::kExitOk;
   } catch (const std::exception& e) {
     LP_LOG(kError, "preprocess") << e.what();
-    status(wire::StageStatus::ERROR, e.what());
-    return 2;
+    if (status) status->error(e.what());
+    return rt::kExitError;
   }
 }

@@ -25,6 +25,7 @@
 #include "common/log.h"
 #include "preprocess/image.h"
 #include "proto/wire.h"
+#include "runtime/workers.h"
 
 namespace lorapipe::preprocess {
 namespace fs = std::filesystem;
@@ -80,20 +81,6 @@ FileBytes read_file(const fs::path& path) {
   std::fclose(file);
   if (failed) throw InputError(std::string("cannot read: ") + std::strerror(error));
   return bytes;
-}
-
-// Runs fn(i) for i in [0, n) on `threads` workers.
-template <typename Fn>
-void parallel_for(size_t n, int threads, Fn fn) {
-  std::atomic<size_t> next{0};
-  std::vector<std::thread> workers;
-  const int count = std::max(1, std::min<int>(threads, static_cast<int>(n)));
-  for (int t = 0; t < count; ++t) {
-    workers.emplace_back([&] {
-      for (size_t i = next++; i < n; i = next++) fn(i);
-    });
-  }
-  for (auto& w : workers) w.join();
 }
 
 struct Probed {
@@ -374,7 +361,7 @@ Report run(const Options& options) {
     std::lock_guard<std::mutex> lock(internal_mutex);
     if (internal_error.empty()) internal_error = path.string() + ": " + e.what();
   };
-  parallel_for(n, threads, [&](size_t i) {
+  runtime::parallel_for(n, threads, [&](size_t i) {
     try {
       probed[i] = probe_one(discovery.images[i], discovery, options, selectors);
     } catch (const InputError& e) {
@@ -450,7 +437,7 @@ Report run(const Options& options) {
   std::deque<Decoded> queue;
   std::atomic<bool> stop{false};
   std::thread producer([&] {
-    parallel_for(to_decode.size(), threads, [&](size_t k) {
+    runtime::parallel_for(to_decode.size(), threads, [&](size_t k) {
       const size_t i = to_decode[k];
       slots.acquire();
       if (stop) return;
@@ -510,6 +497,7 @@ Report run(const Options& options) {
       }
       d.pixels.clear();
       slots.release();
+      if (options.on_progress) options.on_progress(done + 1, to_decode.size());
     }
   } catch (...) {
     // Stop the workers (each waiting one needs a slot to see the flag) before unwinding.

@@ -4,6 +4,7 @@
 // ImageSamples followed by one DatasetReport. main.cpp only parses flags into Options.
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,9 @@ struct Options {
   std::string resize_filter = "lanczos3";
   bool jpeg_fast_path = true;  // false: every JPEG through libvips (see jpeg.h)
   uint64_t seed = 0;  // random_crop offsets derive from it and the image content
+
+  // Called on the calling thread after each decoded (or failed) image: done of total to decode.
+  std::function<void(size_t done, size_t total)> on_progress;
 
   bool report_only = false;  // no cacher: decode to validate, then report
   std::string report_json;   // also write the report here

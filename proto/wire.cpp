@@ -115,16 +115,6 @@ Received receive(zmq::socket_t& socket, std::chrono::milliseconds timeout) {
   return decode(frames[0].to_string_view(), frames[1].to_string_view());
 }
 
-void publish_status(zmq::socket_t& pub, std::string_view stage, StageStatus::State state,
-                    std::string_view message) {
-  StageStatus status;
-  status.set_stage(std::string(stage));
-  status.set_state(state);
-  status.set_message(std::string(message));
-  status.set_pid(static_cast<int32_t>(getpid()));
-  (void)send(pub, status);
-}
-
 Hello make_hello(std::string_view stage) {
   Hello hello;
   hello.set_protocol_version(kProtocolVersion);

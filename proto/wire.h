@@ -201,13 +201,6 @@ class Client {
   zmq::socket_t socket_;
 };
 
-// Publishes `stage`'s lifecycle on its PUB socket: READY once it is bound and loaded, DONE when
-// its work is finished, ERROR with what failed. The launcher records them and shows an ERROR's
-// message; a subscriber that connects late misses them (PUB keeps no history), so exit codes
-// stay the truth and these are the words. Never blocks.
-void publish_status(zmq::socket_t& pub, std::string_view stage, StageStatus::State state,
-                    std::string_view message = {});
-
 // This process's Hello for `stage`.
 Hello make_hello(std::string_view stage);
 

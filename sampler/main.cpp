@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "sampler/sampler.h"
+#include "runtime/exit_code.h"
 
 DEFINE_string(pretrained_model_name_or_path, "",
               "Base model: single .safetensors or diffusers folder");
@@ -77,9 +78,9 @@ int main(int argc, char** argv) {
     std::printf("sampler: %d checkpoints rendered, %d skipped, %d superseded; %d images\n",
                 summary.checkpoints_rendered, summary.checkpoints_skipped,
                 summary.checkpoints_superseded, summary.images);
-    return 0;
+    return lorapipe::runtime::kExitOk;
   } catch (const std::exception& e) {
     LP_LOG(kError, "sampler") << e.what();
-    return 2;
+    return lorapipe::runtime::kExitError;
   }
 }

@@ -19,6 +19,7 @@
 #include "models/pipeline.h"
 #include "models/safetensors.h"
 #include "proto/wire.h"
+#include "runtime/stage.h"
 #include "sampler/lora_merge.h"
 #include "sampler/prompts.h"
 #include "sampler/render.h"
@@ -179,6 +180,9 @@ class Sampler {
         if (o_.delay_per_image_s > 0) {
           std::this_thread::sleep_for(std::chrono::duration<double>(o_.delay_per_image_s));
         }
+        if (status_) {
+          status_->progress(i + 1, prompts_.prompts.size(), "images of step " + std::to_string(step));
+        }
       }
     } catch (const InputError& e) {
       LP_LOG(kError, kLog) << "step " << step << " not rendered: " << e.what();
@@ -246,19 +250,22 @@ class Sampler {
     if (!o_.pub_endpoint.empty()) {
       pub.emplace(wire::make_socket(context, zmq::socket_type::pub));
       pub->bind(o_.pub_endpoint);
-      wire::publish_status(*pub, kLog, wire::StageStatus::READY);
     }
+    // status_ points at `pub`, which goes at the end of this function: so does status_.
+    status_.emplace(pub ? &*pub : nullptr, std::string(kLog));
+    struct DropStatus {
+      std::optional<runtime::StatusPublisher>& status;
+      ~DropStatus() { status.reset(); }
+    } drop_status{status_};
+    status_->ready();
     LP_LOG(kInfo, kLog) << "following " << o_.sub_endpoint;
     try {
       follow_loop(sub, pub);
     } catch (const std::exception& e) {
-      if (pub) wire::publish_status(*pub, kLog, wire::StageStatus::ERROR, e.what());
+      status_->error(e.what());
       throw;
     }
-    if (pub) {
-      wire::publish_status(*pub, kLog, wire::StageStatus::DONE,
-                           std::to_string(summary_.checkpoints_rendered) + " checkpoints rendered");
-    }
+    status_->done(std::to_string(summary_.checkpoints_rendered) + " checkpoints rendered");
     return summary_;
   }
 
@@ -275,6 +282,7 @@ class Sampler {
         if (newest) ++summary_.checkpoints_superseded;
         if (!newest || event->step() >= newest->step() || event->final()) newest = *event;
       };
+      status_->tick();
       take(wire::receive(sub, std::chrono::milliseconds(500)));
       while (newest) {
         const wire::Received more = wire::receive(sub, std::chrono::milliseconds(0));
@@ -323,6 +331,7 @@ class Sampler {
   models::StableDiffusion model_;
   PromptSet prompts_;
   SamplerSummary summary_;
+  std::optional<runtime::StatusPublisher> status_;  // while following a run
   nlohmann::json checkpoints_ = nlohmann::json::array();
   std::vector<std::string> last_paths_;
   std::string last_sheet_;

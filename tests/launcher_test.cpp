@@ -155,6 +155,30 @@ TEST_F(LauncherRun, DemoRunCompletesWithLoraSamplesGalleryAndEvents) {
   }
   expect_no_stage_alive(run);
 
+  // Every stage's own StageStatus reached events.jsonl (runtime::StatusPublisher): the trainer's
+  // progress in steps of the total, and each stage's DONE, once each change.
+  std::map<std::string, std::set<std::string>> reported;
+  uint64_t last_trainer_step = 0, trainer_total = 0;
+  std::ifstream events(run / "events.jsonl");
+  for (std::string line; std::getline(events, line);) {
+    const json e = json::parse(line);
+    if (e.value("event", "") != "StageStatus") continue;
+    reported[e["stage"]].insert(e["state"].get<std::string>());
+    if (e["stage"] == "trainer" && e["state"] == "PROGRESS") {
+      EXPECT_EQ(e["unit"], "steps");
+      const uint64_t step = std::stoull(e["done"].get<std::string>());
+      EXPECT_GT(step, last_trainer_step) << "a repeated status was logged twice: " << line;
+      last_trainer_step = step;
+      trainer_total = std::stoull(e["total"].get<std::string>());
+    }
+  }
+  EXPECT_EQ(trainer_total, 100u);
+  EXPECT_EQ(last_trainer_step, 100u);
+  for (const char* stage : {"preprocess", "cacher", "trainer", "sampler"}) {
+    EXPECT_TRUE(reported[stage].count("DONE")) << stage << " never said DONE";
+  }
+  EXPECT_TRUE(reported["sampler"].count("PROGRESS")) << "the sampler's renders were not reported";
+
   // The human form says the same.
   ASSERT_EQ(lorapipe({"status", run.string()}), 0);
   EXPECT_NE(out_.find("step 100 of 100"), std::string::npos) << out_;

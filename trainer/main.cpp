@@ -13,6 +13,7 @@
 #include "common/heap.h"
 #include "common/log.h"
 #include "trainer/trainer.h"
+#include "runtime/exit_code.h"
 
 // Model, data and output.
 DEFINE_string(pretrained_model_name_or_path, "",
@@ -143,7 +144,7 @@ int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&count, &pointer, true);
   if (count > 1) {
     LP_LOG(kError, "trainer") << "unexpected argument '" << pointer[1] << "'";
-    return 2;
+    return lorapipe::runtime::kExitError;
   }
   namespace t = lorapipe::trainer;
   try {
@@ -228,7 +229,7 @@ int main(int argc, char** argv) {
       std::printf("trainer: interrupted after %lld steps; LoRA %s; state %s\n",
                   static_cast<long long>(summary.steps), summary.lora.c_str(),
                   summary.state.c_str());
-      return 130;
+      return lorapipe::runtime::kExitInterrupted;
     }
     std::printf("trainer: %lld steps, %lld epochs, %lld skipped; last loss %.6f; LoRA %s\n",
                 static_cast<long long>(summary.steps), static_cast<long long>(summary.epochs),
@@ -238,9 +239,9 @@ int main(int argc, char** argv) {
       std::printf("validation loss: %.6f at the start, %.6f at the end\n",
                   summary.first_validation_loss, summary.last_validation_loss);
     }
-    return 0;
+    return lorapipe::runtime::kExitOk;
   } catch (const std::exception& e) {
     LP_LOG(kError, "trainer") << e.what();
-    return 2;
+    return lorapipe::runtime::kExitError;
   }
 }

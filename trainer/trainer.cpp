@@ -33,6 +33,7 @@
 #include "models/fingerprint.h"
 #include "models/pipeline.h"
 #include "proto/wire.h"
+#include "runtime/stage.h"
 #include "trainer/dataset.h"
 #include "trainer/lora_file.h"
 #include "trainer/ranks.h"
@@ -248,6 +249,7 @@ class Run {
   bool main_ = true;                              // rank 0: saves, publishes, logs
   zmq::context_t context_;
   std::optional<zmq::socket_t> pub_;
+  runtime::StatusPublisher status_{nullptr, "trainer"};  // on pub_ once it is bound
   // The newest CheckpointReady, sent again every checkpoint_reannounce_s while the run goes on: a
   // sampler that starts (or restarts) mid-run renders the newest checkpoint without waiting for
   // the next save. Samplers skip a step they have already rendered.
@@ -795,6 +797,9 @@ void Run::publish_progress(double loss, double seconds_per_step, double wait_ms)
     p.set_eta_seconds(eta);
     p.set_skipped_steps(static_cast<uint64_t>(skipped_));
     (void)wire::send(*pub_, p);
+    status_.progress(static_cast<uint64_t>(global_step_), static_cast<uint64_t>(max_steps_),
+                     "steps");
+    status_.tick();
     const auto now = std::chrono::steady_clock::now();
     if (last_checkpoint_ &&
         std::chrono::duration<double>(now - last_announce_).count() > o_.checkpoint_reannounce_s) {
@@ -818,14 +823,11 @@ void Run::publish_progress(double loss, double seconds_per_step, double wait_ms)
 Summary Run::train() {
   try {
     Summary summary = train_steps();
-    if (pub_) {
-      wire::publish_status(*pub_, kLog, wire::StageStatus::DONE,
-                           summary.interrupted ? "interrupted; state saved in " + summary.state.string()
-                                               : "");
-    }
+    status_.done(summary.interrupted ? "interrupted; state saved in " + summary.state.string()
+                                     : "");
     return summary;
   } catch (const std::exception& e) {
-    if (pub_) wire::publish_status(*pub_, kLog, wire::StageStatus::ERROR, e.what());
+    status_.error(e.what());
     throw;
   }
 }
@@ -886,8 +888,9 @@ Summary Run::train_steps() {
   if (main_ && !o_.pub_endpoint.empty()) {
     pub_.emplace(wire::make_socket(context_, zmq::socket_type::pub));
     pub_->bind(o_.pub_endpoint);
-    wire::publish_status(*pub_, kLog, wire::StageStatus::READY);
+    status_ = runtime::StatusPublisher(&*pub_, std::string(kLog));
   }
+  status_.ready();
 
   Summary summary;
   summary.first_validation_loss = validation_loss();
