@@ -391,6 +391,15 @@ Summary Cacher::run() {
       [this](const wire::GetRecordsRequest& r) -> wire::Dispatcher::Reply {
         return get_records(r);
       });
+  requests.on_request<wire::ListManifestsRequest>(
+      [this](const wire::ListManifestsRequest& r) -> wire::Dispatcher::Reply {
+        auto reply = std::make_unique<wire::ListManifestsReply>();
+        store_->for_each(Table::kManifests, [&](std::string_view key, std::string_view) {
+          if (key.substr(0, r.prefix().size()) == r.prefix()) reply->add_names(std::string(key));
+          return true;
+        });
+        return reply;
+      });
   LP_LOG(kInfo, kLog) << "listening: samples on " << options_.pull_endpoint << ", requests on "
                       << options_.rep_endpoint;
 

@@ -524,6 +524,67 @@ TEST_F(TrainRunTest, RemoteCacherThatGoesAwayIsWaitedFor) {
                    work_ / "local" / "lora" / "tiny.safetensors");
 }
 
+// A dataset preprocess named from its path gets a manifest named after its content
+// (`<name>-<12 hex>`); the trainer given the bare name finds the one manifest of that name, in
+// the local cache and through a remote cacher (ListManifests) alike, and names every candidate
+// when there are several.
+TEST_F(TrainRunTest, BareDatasetNameResolvesLocallyAndThroughARemoteCacher) {
+  const fs::path cache = work_ / "cache";
+  fs::copy(dir_ / "cache", cache, fs::copy_options::recursive);
+  auto add_manifest = [&](const std::string& name) {
+    cacher::StoreOptions o;
+    o.dir = cache;
+    cacher::Store store = cacher::Store::open(o);
+    const auto manifest = store.get(cacher::Table::kManifests, kDataset);
+    ASSERT_TRUE(manifest.has_value());
+    store.put(cacher::Table::kManifests, {{name, *manifest}});
+  };
+  add_manifest("shared-0123456789ab");
+  const int port = 20000 + (getpid() * 3 + 11) % 20000;
+  const std::string rep = "tcp://127.0.0.1:" + std::to_string(port);
+  auto train = [&](const std::string& tag, bool remote) {
+    std::vector<std::string> a = args(work_ / tag, {"--max_train_steps=2", "--dataset_id=shared"});
+    a.push_back(remote ? "--cacher=" + rep : "--cache_dir=" + cache.string());
+    fs::create_directories(work_ / tag);
+    TrainRun r;
+    r.exit = wait_exit(spawn(a, work_ / tag / "out", work_ / tag / "err"));
+    r.err = read_text(work_ / tag / "err");
+    return r;
+  };
+  auto serve = [&] {
+    return spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
+                  "--cache_dir=" + cache.string(), "--serve", "--rep=" + rep,
+                  "--pull=ipc://" + (work_ / "pull").string()},
+                 work_ / "cacher.out", work_ / "cacher.err");
+  };
+  const std::string resolved = "manifest shared-0123456789ab";
+  {
+    const TrainRun local = train("local", false);
+    ASSERT_EQ(local.exit, 0) << local.err;
+    EXPECT_NE(local.err.find(resolved), std::string::npos) << local.err;
+    const pid_t cacher = serve();
+    const TrainRun remote = train("remote", true);
+    ::kill(cacher, SIGTERM);
+    wait_exit(cacher);
+    ASSERT_EQ(remote.exit, 0) << remote.err << read_text(work_ / "cacher.err");
+    EXPECT_NE(remote.err.find(resolved), std::string::npos) << remote.err;
+  }
+  // A second manifest of that name: refused, both named, on either side.
+  add_manifest("shared-ba9876543210");
+  const TrainRun local = train("local2", false);
+  EXPECT_EQ(local.exit, 2);
+  const pid_t cacher = serve();
+  const TrainRun remote = train("remote2", true);
+  ::kill(cacher, SIGTERM);
+  wait_exit(cacher);
+  EXPECT_EQ(remote.exit, 2);
+  for (const TrainRun* r : {&local, &remote}) {
+    EXPECT_NE(r->err.find("shared-0123456789ab"), std::string::npos) << r->err;
+    EXPECT_NE(r->err.find("shared-ba9876543210"), std::string::npos) << r->err;
+    EXPECT_NE(r->err.find("pass the full name"), std::string::npos) << r->err;
+  }
+}
+
 // A cacher that stays away longer than --timeout_s: a clear message and exit 2, with a state
 // saved at the last completed step, from which a resume on the local cache ends with the LoRA
 // of a run that never stopped.

@@ -46,6 +46,13 @@ class RemoteRecords final : public RecordSource {
   RemoteRecords(const std::string& endpoint, std::chrono::milliseconds give_up_after)
       : client_(context_, endpoint, "trainer"), give_up_after_(give_up_after) {}
 
+  std::vector<std::string> manifest_names() override {
+    const auto reply = with_retries([&] {
+      return client_.request<wire::ListManifestsReply>(wire::ListManifestsRequest());
+    });
+    return {reply.names().begin(), reply.names().end()};
+  }
+
   std::vector<std::optional<std::string>> get(RecordKind kind,
                                               const std::vector<std::string>& keys) override {
     wire::GetRecordsRequest request;
@@ -53,24 +60,35 @@ class RemoteRecords final : public RecordSource {
                      : kind == RecordKind::kText ? wire::GetRecordsRequest::TEXT
                                                  : wire::GetRecordsRequest::MANIFEST);
     for (const std::string& key : keys) request.add_keys(key);
+    const auto reply =
+        with_retries([&] { return client_.request<wire::GetRecordsReply>(request); });
+    if (reply.items_size() != static_cast<int>(keys.size())) {
+      throw wire::PeerError("cacher " + client_.endpoint() + " answered " +
+                            std::to_string(reply.items_size()) + " records for " +
+                            std::to_string(keys.size()) + " keys");
+    }
+    std::vector<std::optional<std::string>> out;
+    for (const auto& item : reply.items()) {
+      out.push_back(item.found() ? std::optional<std::string>(item.record()) : std::nullopt);
+    }
+    return out;
+  }
+  std::string describe() const override { return "cacher " + client_.endpoint(); }
+
+ private:
+  // Runs `request` until it is answered; a timeout is retried, with one log line saying so each
+  // time, until give_up_after_ has passed without an answer.
+  template <typename Request>
+  auto with_retries(Request request) -> decltype(request()) {
     const auto started = std::chrono::steady_clock::now();
     while (true) {
       try {
-        const auto reply = client_.request<wire::GetRecordsReply>(request);
-        if (reply.items_size() != static_cast<int>(keys.size())) {
-          throw wire::PeerError("cacher " + client_.endpoint() + " answered " +
-                                std::to_string(reply.items_size()) + " records for " +
-                                std::to_string(keys.size()) + " keys");
-        }
-        std::vector<std::optional<std::string>> out;
-        for (const auto& item : reply.items()) {
-          out.push_back(item.found() ? std::optional<std::string>(item.record()) : std::nullopt);
-        }
+        auto reply = request();
         if (waiting_) {
           LP_LOG(kInfo, kLog) << "cacher " << client_.endpoint() << " is back";
         }
         waiting_ = false;
-        return out;
+        return reply;
       } catch (const wire::PeerTimeoutError&) {
         const auto waited = std::chrono::steady_clock::now() - started;
         if (waited > give_up_after_) {
@@ -85,9 +103,7 @@ class RemoteRecords final : public RecordSource {
       }
     }
   }
-  std::string describe() const override { return "cacher " + client_.endpoint(); }
 
- private:
   zmq::context_t context_;
   wire::Client client_;
   std::chrono::milliseconds give_up_after_;

@@ -25,9 +25,8 @@ class RecordSource {
   // "cache /path" or "cacher tcp://host:port", for messages.
   virtual std::string describe() const = 0;
 
-  // The names of every manifest the source holds (empty where it cannot list them: a remote
-  // cacher answers only for names it is given).
-  virtual std::vector<std::string> manifest_names() { return {}; }
+  // The names of every manifest the source holds (a remote cacher lists its own).
+  virtual std::vector<std::string> manifest_names() = 0;
 
   // The manifest named `dataset_id`, or, when none has that name, the one manifest the cacher
   // named `<dataset_id>-<12 hex digits>` after its content (a dataset preprocess named from its
