@@ -7,7 +7,7 @@ cd "$(dirname "$0")"
 source scripts/deps.sh
 
 started=$(date +%s)
-lorapipe_install_apt
+lorapipe_install_apt --test
 lorapipe_ensure_venv --test
 lorapipe_build
 ctest --test-dir build --output-on-failure --parallel "${LORAPIPE_JOBS:-$(nproc)}" \

@@ -75,8 +75,12 @@ void write_text(const fs::path& path, const std::string& text) {
   fs::rename(tmp, path);
 }
 
-// The gallery: a page that reads samples.json every two seconds and shows checkpoints (rows,
-// newest first) by prompts (columns); new images appear without a reload.
+// The gallery: a page that shows checkpoints (rows, newest first) by prompts (columns) and
+// picks up new ones every two seconds without a reload. It must work opened straight from disk
+// (file://), where a browser refuses fetch() and XHR: so the index also comes as samples.js, a
+// script that calls lorapipeSamples(index), loaded again by a fresh <script> element each time.
+// samples.json holds the same for tools. Each image marks itself loaded (data-loaded), and the
+// status line counts them: what the headless-Chromium test reads.
 constexpr const char* kGallery = R"html(<!doctype html>
 <html><head><meta charset="utf-8"><title>lorapipe samples</title>
 <style>
@@ -84,21 +88,34 @@ body{font-family:sans-serif;background:#111;color:#ddd;margin:1em}
 table{border-collapse:collapse}td,th{padding:4px;vertical-align:top}
 img{max-width:256px;display:block}.prompt{font-size:12px;max-width:256px}
 </style></head><body>
-<h1>lorapipe samples</h1><p id="status">loading…</p><table id="grid"></table>
+<h1>lorapipe samples</h1><p id="status">waiting for samples</p><table id="grid"></table>
 <script>
-async function refresh(){
-  try{
-    const r=await fetch('samples.json?'+Date.now());const data=await r.json();
-    const grid=document.getElementById('grid');grid.innerHTML='';
-    const head=grid.insertRow();head.insertCell().textContent='step';
-    for(const p of data.prompts){const c=head.insertCell();c.className='prompt';c.textContent=p;}
-    for(const ck of [...data.checkpoints].reverse()){
-      const row=grid.insertRow();row.id='step-'+ck.step;row.insertCell().textContent=ck.step;
-      for(const img of ck.images){const c=row.insertCell();const i=document.createElement('img');
-        i.src=img+'?'+ck.step;i.alt=img;c.appendChild(i);}
-    }
-    document.getElementById('status').textContent=data.checkpoints.length+' checkpoints';
-  }catch(e){document.getElementById('status').textContent='waiting for samples';}
+let shown='';
+function status(){
+  const all=document.querySelectorAll('#grid img').length;
+  const loaded=document.querySelectorAll('#grid img[data-loaded]').length;
+  const rows=document.querySelectorAll('#grid tr[id^=step-]').length;
+  document.getElementById('status').textContent=rows+' checkpoints, '+loaded+' of '+all+' images shown';
+}
+function lorapipeSamples(data){
+  const text=JSON.stringify(data);
+  if(text===shown)return;
+  shown=text;
+  const grid=document.getElementById('grid');grid.innerHTML='';
+  const head=grid.insertRow();head.insertCell().textContent='step';
+  for(const p of data.prompts){const c=head.insertCell();c.className='prompt';c.textContent=p;}
+  for(const ck of [...data.checkpoints].reverse()){
+    const row=grid.insertRow();row.id='step-'+ck.step;row.insertCell().textContent=ck.step;
+    for(const img of ck.images){const c=row.insertCell();const i=document.createElement('img');
+      i.onload=()=>{i.dataset.loaded='1';status();};i.src=img;i.alt=img;c.appendChild(i);}
+  }
+  status();
+}
+function refresh(){
+  const s=document.createElement('script');
+  s.src='samples.js?'+Date.now();
+  s.onload=s.onerror=()=>s.remove();
+  document.head.appendChild(s);
 }
 refresh();setInterval(refresh,2000);
 </script></body></html>
@@ -208,6 +225,7 @@ class Sampler {
     nlohmann::json index{{"checkpoints", checkpoints_}, {"prompts", nlohmann::json::array()}};
     for (const RenderRequest& r : prompts_.prompts) index["prompts"].push_back(r.prompt);
     write_text(o_.output_dir / "samples" / "samples.json", index.dump(1));
+    write_text(o_.output_dir / "samples" / "samples.js", "lorapipeSamples(" + index.dump() + ");\n");
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     LP_LOG(kInfo, kLog) << "step " << step << ": " << images.size() << " images in " << seconds

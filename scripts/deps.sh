@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what lorapipe needs and is missing; installs nothing when everything is present.
 # Sourced by run.sh and test.sh. Exposes:
-#   lorapipe_install_apt            Debian packages for building and running
+#   lorapipe_install_apt [--test]   Debian packages for building and running (and, with --test,
+#                                   what only the tests use: Chromium for the gallery test)
 #   lorapipe_ensure_venv [--test]   the shared virtual environment with torch (and, with
 #                                   --test, the Python reference packages parity tests use)
 # After lorapipe_ensure_venv, LORAPIPE_VENV names the environment and LORAPIPE_PYTHON its python.
@@ -18,13 +19,17 @@ LORAPIPE_APT_PACKAGES=(
   nlohmann-json3-dev libxxhash-dev libtomlplusplus-dev libicu-dev zlib1g-dev libssl-dev
   libgloo-dev iproute2
 )
+# Only the tests need these: the sampler gallery test opens the page in headless Chromium.
+LORAPIPE_TEST_APT_PACKAGES=(chromium)
 
 _lp_log() { printf '[lorapipe] %s\n' "$*" >&2; }
 
 lorapipe_install_apt() {
   local missing=()
   local pkg
-  for pkg in "${LORAPIPE_APT_PACKAGES[@]}"; do
+  local wanted=("${LORAPIPE_APT_PACKAGES[@]}")
+  [[ ${1:-} == --test ]] && wanted+=("${LORAPIPE_TEST_APT_PACKAGES[@]}")
+  for pkg in "${wanted[@]}"; do
     if ! dpkg-query -W -f='${Status}' "${pkg}" 2>/dev/null | grep -q 'install ok installed'; then
       missing+=("${pkg}")
     fi

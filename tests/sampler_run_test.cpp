@@ -93,6 +93,18 @@ class SamplerRun : public ::testing::Test {
     return a;
   }
 
+  // A checkpoint's render is complete when the gallery's index lists it (written, atomically,
+  // after its images and sheet).
+  bool indexed(int step) const {
+    const auto index =
+        nlohmann::json::parse(read_text(work_ / "samples" / "samples.json"), nullptr, false);
+    if (index.is_discarded() || !index.contains("checkpoints")) return false;
+    for (const auto& c : index["checkpoints"]) {
+      if (c["step"].get<int>() == step) return true;
+    }
+    return false;
+  }
+
   static fs::path dir_;
   static models::TinyCheckpoint tiny_;
   fs::path work_;
@@ -198,18 +210,7 @@ TEST_F(SamplerRun, RestartedAfterKillNineRendersTheNewest) {
     event.set_final(final);
     ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
   };
-  // A checkpoint's render is complete when the gallery's index lists it (written, atomically,
-  // after its images and sheet): the kill below must come after that, or the index rightly
-  // never heard of it.
-  auto indexed = [&](int step) {
-    const auto index =
-        nlohmann::json::parse(read_text(work_ / "samples" / "samples.json"), nullptr, false);
-    if (index.is_discarded() || !index.contains("checkpoints")) return false;
-    for (const auto& c : index["checkpoints"]) {
-      if (c["step"].get<int>() == step) return true;
-    }
-    return false;
-  };
+  // The kill below must come after step 10 is indexed, or the index rightly never heard of it.
   auto until_rendered = [&](int step) {
     for (int i = 0; i < 600 && !indexed(step); ++i) {
       announce(step);
@@ -233,6 +234,65 @@ TEST_F(SamplerRun, RestartedAfterKillNineRendersTheNewest) {
   std::vector<uint64_t> steps;
   for (const auto& c : index["checkpoints"]) steps.push_back(c["step"].get<uint64_t>());
   EXPECT_EQ(steps, (std::vector<uint64_t>{10, 20, 50}));
+}
+
+// The gallery as a user sees it: samples/index.html opened from disk in headless Chromium
+// (Debian's chromium, which test.sh installs), driven by tests/gallery_check.py over the DevTools
+// protocol. The page must show step 10 with every image loaded, then, while it stays open, pick
+// up step 20 once the sampler renders it, without a reload. The screenshot is kept in
+// build/test-artifacts/gallery.png.
+TEST_F(SamplerRun, GalleryInChromiumShowsEachStepAndTheNextWithoutAReload) {
+  const fs::path chromium = "/usr/bin/chromium";
+  ASSERT_TRUE(fs::exists(chromium)) << "no " << chromium << ": scripts/deps.sh installs it for tests";
+  zmq::context_t context;
+  zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
+  const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
+  pub.bind(endpoint);
+  auto announce = [&](int step, bool final) {
+    wire::CheckpointReady event;
+    event.set_run_id("test");
+    event.set_path(
+        (dir_ / ("run-step" + std::to_string(100000 + step).substr(1) + ".safetensors")).string());
+    event.set_step(static_cast<uint64_t>(step));
+    event.set_final(final);
+    ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
+  };
+  const pid_t sampler =
+      spawn(args({"--sub=" + endpoint, "--idle_timeout_s=120"}), work_ / "out", work_ / "err");
+  for (int i = 0; i < 600 && !indexed(10); ++i) {
+    announce(10, false);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(indexed(10)) << read_text(work_ / "err");
+
+  const fs::path screenshot = fs::path(LORAPIPE_ARTIFACT_DIR) / "gallery.png";
+  fs::remove(screenshot);
+  const fs::path ready = work_ / "page-shows-10";
+  const pid_t check =
+      spawn({"/usr/bin/python3", std::string(LORAPIPE_SOURCE_DIR) + "/tests/gallery_check.py",
+             "--chromium=" + chromium.string(),
+             "--gallery=" + (work_ / "samples" / "index.html").string(),
+             "--screenshot=" + screenshot.string(), "--first=10", "--then=20",
+             "--ready=" + ready.string()},
+            work_ / "check.out", work_ / "check.err");
+  for (int i = 0; i < 1200 && !fs::exists(ready); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(fs::exists(ready)) << read_text(work_ / "check.out") << read_text(work_ / "check.err");
+  // The page is open and shows 10: now the sampler renders the final 20.
+  for (int i = 0; i < 600 && !indexed(20); ++i) {
+    announce(20, true);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(wait_exit(check), 0) << read_text(work_ / "check.out") << read_text(work_ / "check.err");
+  EXPECT_EQ(wait_exit(sampler), 0) << read_text(work_ / "err");
+  const std::string said = read_text(work_ / "check.out");
+  std::printf("[gallery] %s", said.c_str());
+  EXPECT_NE(said.find("without a reload: 2 checkpoints, 4 of 4 images shown"), std::string::npos)
+      << said;
+  ASSERT_TRUE(fs::exists(screenshot));
+  vips::VImage shot = vips::VImage::new_from_file(screenshot.c_str());
+  EXPECT_EQ(shot.width(), 1200);
 }
 
 }  // namespace
