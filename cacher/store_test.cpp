@@ -666,7 +666,7 @@ TEST(CacheStoreFullDisk, FullTmpfsFailsClearlyAndKeepsEveryCommittedRecord) {
   const fs::path disk = tmp / "disk";
   fs::create_directories(disk);
   if (mount("tmpfs", disk.c_str(), "tmpfs", 0, "size=8m") != 0) {
-    GTEST_SKIP() << "cannot mount an 8 MiB tmpfs here (" << std::strerror(errno)
+    GTEST_SKIP() << "lorapipe-skip: cannot mount an 8 MiB tmpfs here (" << std::strerror(errno)
                  << "); the file-size-limit test covers the same path";
   }
   struct Unmount {

@@ -39,7 +39,7 @@ long faults_when_allocating_again() {
 // One test, in this order: the control needs the process as it was before the policy.
 TEST(HeapPolicy, FreedLargeBlocksAreReusedWithoutPageFaults) {
 #if defined(__SANITIZE_ADDRESS__)
-  GTEST_SKIP() << "AddressSanitizer replaces malloc; the policy is glibc's";
+  GTEST_SKIP() << "lorapipe-skip: AddressSanitizer replaces malloc; the policy is glibc's";
 #endif
   const long pages = 3 * (40l << 20) / 4096;
   // Control: glibc's default gives each block its own mmap and unmaps it on free, so every page

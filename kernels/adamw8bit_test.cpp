@@ -471,7 +471,8 @@ void fill_gradients(Case& c, int64_t t, torch::ScalarType dtype) {
 
 TEST(AdamW8bitCuda, EqualsCpuReferenceBitForBit) {
   if (!torch::cuda::is_available() || !built_with_cuda()) {
-    GTEST_SKIP() << "needs a CUDA device and a build with LORAPIPE_CUDA (tests/gpu/run.sh)";
+    GTEST_SKIP() << "lorapipe-skip: needs a CUDA device and a build with LORAPIPE_CUDA "
+                    "(tests/gpu/run.sh)";
   }
   const torch::Device gpu(torch::kCUDA, 0);
   for (auto [dtype, param_dtype] : {std::pair{torch::kFloat32, ParamDtype::kFloat32},
@@ -506,10 +507,11 @@ TEST(AdamW8bitCuda, EqualsCpuReferenceBitForBit) {
 // device memory.
 TEST(AdamW8bitCuda, PagedStateEqualsPlainDeviceState) {
   if (!torch::cuda::is_available() || !built_with_cuda()) {
-    GTEST_SKIP() << "needs a CUDA device and a build with LORAPIPE_CUDA (tests/gpu/run.sh)";
+    GTEST_SKIP() << "lorapipe-skip: needs a CUDA device and a build with LORAPIPE_CUDA "
+                    "(tests/gpu/run.sh)";
   }
   if (!managed_memory_supported(0))
-    GTEST_SKIP() << "device 0 cannot page (no concurrent managed access)";
+    GTEST_SKIP() << "lorapipe-skip: device 0 cannot page (no concurrent managed access)";
   const torch::Device gpu(torch::kCUDA, 0);
   const int64_t n = 1 << 20, blocks = adamw8bit_blocks(n);
   auto gen = at::detail::createCPUGenerator(3);

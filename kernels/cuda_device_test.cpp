@@ -18,7 +18,7 @@ TEST(KernelsCudaDevice, CountMatchesLibTorch) {
 }
 
 TEST(KernelsCudaDevice, DescribesEachDevice) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  if (cuda_device_count() == 0) GTEST_SKIP() << "lorapipe-skip: no CUDA device on this machine";
   for (int i = 0; i < cuda_device_count(); ++i) {
     const std::string name = cuda_device_name(i);
     EXPECT_NE(name.find("sm_"), std::string::npos) << name;

@@ -45,7 +45,8 @@ class LauncherHosts : public ::testing::Test {
     // 10.213.<pid-derived>.0/24: private, and only inside these namespaces.
     subnet_ = "10.213." + std::to_string(getpid() % 250 + 1) + ".";
     if (sh("ip netns add " + ns("sw")) != 0) {
-      GTEST_SKIP() << "cannot make network namespaces here (ip netns add needs CAP_SYS_ADMIN)";
+      GTEST_SKIP() << "lorapipe-skip: cannot make network namespaces here (ip netns add needs "
+                       "CAP_SYS_ADMIN)";
     }
     made_ = true;
     ASSERT_EQ(sh("ip -n " + ns("sw") + " link add br0 type bridge"), 0);
