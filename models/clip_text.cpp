@@ -138,6 +138,24 @@ torch::Tensor ClipTextModelImpl::encode(const torch::Tensor& input_ids, int clip
   return conditioning(forward(input_ids), clip_skip);
 }
 
+torch::Tensor ClipTextModelImpl::encode_chunked(const torch::Tensor& input_ids, int clip_skip,
+                                                torch::Tensor* pooled) {
+  const int64_t chunk = text_model_->config.max_position_embeddings;
+  const int64_t batch = input_ids.size(0), tokens = input_ids.size(1);
+  TORCH_CHECK(tokens % chunk == 0, "long-prompt ids must be whole chunks of ", chunk,
+              " tokens, got ", tokens);
+  const int64_t chunks = tokens / chunk;
+  const ClipTextOutput out = forward(input_ids.reshape({batch * chunks, chunk}));
+  if (pooled != nullptr) *pooled = out.pooled.view({batch, chunks, -1}).select(1, 0);
+  const torch::Tensor states = conditioning(out, clip_skip).reshape({batch, tokens, -1});
+  if (chunks == 1) return states;
+  // kohya: [BOS of chunk 0] + states[:, i : i + 75] for i in 1, 78, 155 ... + [the last state].
+  std::vector<torch::Tensor> parts{states.narrow(1, 0, 1)};
+  for (int64_t i = 1; i < tokens - 1; i += chunk) parts.push_back(states.narrow(1, i, chunk - 2));
+  parts.push_back(states.narrow(1, tokens - 1, 1));
+  return torch::cat(parts, /*dim=*/1);
+}
+
 torch::Tensor ClipTextModelImpl::conditioning(const ClipTextOutput& out, int clip_skip) {
   const int64_t layers = text_model_->config.num_hidden_layers;
   TORCH_CHECK(clip_skip >= 1 && clip_skip <= layers, "clip_skip must be in 1..", layers, ", got ",

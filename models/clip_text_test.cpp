@@ -60,6 +60,30 @@ TEST_F(ClipTextParity, HiddenStatesPooledAndClipSkipMatchTransformers) {
                io.at("last_hidden_state"), kTolerance);
 }
 
+// Prompts over 75 tokens, as kohya conditions them (--max_token_length 225, and the sampler's
+// long prompts): three chunks of 77 encoded on their own and joined to 227 states. The reference
+// follows kohya's train_util.get_hidden_states on transformers' model; same 1e-4 tolerance.
+TEST_F(ClipTextParity, LongPromptsChunkedAsKohya) {
+  set_force_math_attention(true);
+  ClipTextModel model = load();
+  const auto io = testing::read_all(dir_ / "clip_text_io.safetensors");
+  torch::NoGradGuard no_grad;
+  const torch::Tensor ids = io.at("long_input_ids");
+  ASSERT_EQ(ids.size(1), 3 * 77);
+  torch::Tensor pooled;
+  const torch::Tensor last = model->encode_chunked(ids, 1, &pooled);
+  EXPECT_EQ(last.size(1), 227);
+  constexpr double kTolerance = 1e-4;
+  expect_close("long prompt, clip skip 1", last, io.at("long_last_hidden_state"), kTolerance);
+  expect_close("long prompt, clip skip 2", model->encode_chunked(ids, 2),
+               io.at("long_clip_skip2"), kTolerance);
+  expect_close("long prompt, first chunk pooled", pooled, io.at("long_pooled"), kTolerance);
+  // One chunk is the plain conditioning.
+  expect_close("one chunk", model->encode_chunked(io.at("input_ids"), 1),
+               io.at("last_hidden_state"), kTolerance);
+  set_force_math_attention(false);
+}
+
 TEST_F(ClipTextParity, MissingOrUnexpectedKeysAreNamed) {
   const SafetensorsFile good = SafetensorsFile::open(dir_ / "text_encoder" / "model.safetensors");
   auto tensors = read_tensors(good);

@@ -40,10 +40,15 @@ class DiffusionModel {
   // False when no tokenizer was loaded (single files carry none): tokenize() would throw.
   virtual bool has_tokenizer() const = 0;
   // Token ids of each caption, padded to the family's length: [B, tokens] int64 on the CPU.
-  // Throws InputError when the model has no tokenizer.
-  virtual at::Tensor tokenize(const std::vector<std::string>& captions) const = 0;
-  // The conditioning for token ids, through any LoRA in the text encoder's slots. `clip_skip`
-  // counts layers from the end, as kohya and A1111 do (1: the last).
+  // `max_token_length` is kohya's: 75 (one chunk, the default), 150 or 225 (kohya's chunked
+  // long-prompt ids, [B, k * chunk]); 0 picks the smallest of those that holds the longest
+  // caption (longer ones are cut at 225, as kohya cuts them). Throws InputError when the model
+  // has no tokenizer.
+  virtual at::Tensor tokenize(const std::vector<std::string>& captions,
+                              int max_token_length = 75) const = 0;
+  // The conditioning for token ids (one chunk, or kohya's long-prompt chunks), through any LoRA
+  // in the text encoder's slots. `clip_skip` counts layers from the end, as kohya and A1111 do
+  // (1: the last).
   virtual Conditioning encode_text(const at::Tensor& input_ids, int clip_skip) = 0;
   // A conditioning read from the cache (hidden states and pooled output as stored).
   virtual Conditioning cached_conditioning(const at::Tensor& hidden_states,

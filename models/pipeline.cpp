@@ -310,23 +310,36 @@ void save_diffusers(const StableDiffusion& model, const fs::path& folder,
 
 // ---- the DiffusionModel interface -------------------------------------------------------------
 
-at::Tensor StableDiffusion::tokenize(const std::vector<std::string>& captions) const {
+at::Tensor StableDiffusion::tokenize(const std::vector<std::string>& captions,
+                                     int max_token_length) const {
   if (!tokenizer) {
     throw InputError(source +
                      " has no tokenizer: pass --tokenizer (a diffusers tokenizer/ "
                      "folder, a merges.txt or bpe_simple_vocab_16e6.txt.gz)");
   }
+  const int per_chunk = family.text.max_length - 2;  // 75 tokens between BOS and EOS
+  if (max_token_length == 0) {  // the smallest of kohya's lengths that holds every caption
+    size_t longest = 0;
+    for (const std::string& caption : captions) {
+      longest = std::max(longest, tokenizer->encode(caption).size());
+    }
+    max_token_length = per_chunk;
+    while (max_token_length < 3 * per_chunk && longest > static_cast<size_t>(max_token_length)) {
+      max_token_length += per_chunk;
+    }
+  }
   std::vector<int64_t> ids;
   for (const std::string& caption : captions) {
-    for (int32_t id : tokenizer->encode_padded(caption, family.text.max_length)) ids.push_back(id);
+    for (int32_t id : tokenizer->encode_long(caption, max_token_length)) ids.push_back(id);
   }
   return torch::tensor(ids, torch::kInt64).view({static_cast<int64_t>(captions.size()), -1});
 }
 
 Conditioning StableDiffusion::encode_text(const at::Tensor& input_ids, int clip_skip) {
-  const ClipTextOutput out =
-      text_encoder->forward(input_ids.to(text_encoder->parameters().front().device()));
-  return {text_encoder->conditioning(out, clip_skip), out.pooled};
+  Conditioning c;
+  c.hidden_states = text_encoder->encode_chunked(
+      input_ids.to(text_encoder->parameters().front().device()), clip_skip, &c.pooled);
+  return c;
 }
 
 ImageLatents StableDiffusion::encode_images(const at::Tensor& images) {

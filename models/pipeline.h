@@ -47,7 +47,8 @@ struct StableDiffusion : DiffusionModel {
 
   const ModelFamily& model_family() const override { return family; }
   bool has_tokenizer() const override { return tokenizer.has_value(); }
-  at::Tensor tokenize(const std::vector<std::string>& captions) const override;
+  at::Tensor tokenize(const std::vector<std::string>& captions,
+                      int max_token_length = 75) const override;
   Conditioning encode_text(const at::Tensor& input_ids, int clip_skip) override;
   ImageLatents encode_images(const at::Tensor& images) override;
   at::Tensor decode_latents(const at::Tensor& latents) override;

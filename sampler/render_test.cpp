@@ -56,7 +56,7 @@ class SamplerRenderParity : public ::testing::Test {
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
 
-  void check(const std::string& sampler, bool with_lora = false) {
+  void check(const std::string& sampler, bool with_lora = false, bool long_prompt = false) {
     models::set_force_math_attention(true);
     models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
     std::optional<MergedLora> lora;
@@ -72,11 +72,11 @@ class SamplerRenderParity : public ::testing::Test {
     }
     std::ifstream in(ref_ / "request.json");
     const nlohmann::json r = nlohmann::json::parse(in);
-    const std::string tag = sampler + (with_lora ? "_lora" : "");
+    const std::string tag = sampler + (with_lora ? "_lora" : "") + (long_prompt ? "_long" : "");
     const auto ref =
         models::read_tensors(models::SafetensorsFile::open(ref_ / (tag + ".safetensors")));
     RenderRequest request;
-    request.prompt = r["prompt"];
+    request.prompt = r[long_prompt ? "long_prompt" : "prompt"];
     request.negative_prompt = r["negative_prompt"];
     request.width = r["width"];
     request.height = r["height"];
@@ -143,6 +143,11 @@ TEST_F(SamplerRenderParity, DpmSolverPlusPlus2M) { check("dpmsolver++"); }
 // A kohya-format LoRA on the UNet and the text encoder: diffusers' load_lora_weights against
 // lorapipe's merge, then the merge taken out bit for bit.
 TEST_F(SamplerRenderParity, DdimWithLora) { check("ddim", /*with_lora=*/true); }
+// A prompt of about 100 tokens: kohya's chunked long-prompt conditioning (two chunks of 77,
+// joined to 152 states) on both sides, the reference's handed to the pipeline as prompt_embeds.
+TEST_F(SamplerRenderParity, DdimWithALongPrompt) {
+  check("ddim", /*with_lora=*/false, /*long_prompt=*/true);
+}
 TEST_F(SamplerRenderParity, EulerAncestralWithLora) { check("euler_a", /*with_lora=*/true); }
 
 TEST_F(SamplerRenderParity, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothing) {

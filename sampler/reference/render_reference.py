@@ -27,6 +27,10 @@ from diffusers.models.attention_processor import AttnProcessor  # noqa: E402
 SEED = 77
 REQUEST = {"prompt": "a red circle on a blue background", "negative_prompt": "blurry",
            "width": 64, "height": 48, "steps": 20, "cfg_scale": 7.5}
+# Over 75 tokens (108 with the tiny model's tokenizer): rendered with kohya's chunked long-prompt
+# conditioning (two chunks, --max_token_length 150), which the pipeline takes as prompt_embeds.
+LONG_PROMPT = ("a detailed photo of a red circle, a blue square, a green triangle, a yellow star, "
+               "a purple hexagon, an orange moon, a white cloud, in soft morning light")
 SAMPLERS = {"ddim": (DDIMScheduler, {}), "euler": (EulerDiscreteScheduler, {}),
             "euler_a": (EulerAncestralDiscreteScheduler, {}),
             "dpmsolver++": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++"})}
@@ -72,14 +76,40 @@ def kohya_lora(pipe, path, rank=4):
     save_file(tensors, path)
 
 
-def render(pipe, sampler, initial, path):
+def kohya_long_embeds(pipe, text, max_token_length):
+    """kohya's long-prompt conditioning (train_util: get_input_ids, then get_hidden_states, SD1
+    branch): ids padded to max_token_length + 2, cut into chunks of BOS + 75 + the last id, each
+    chunk encoded on its own, joined as the first BOS state, each chunk's 75, the last state."""
+    tok, chunk = pipe.tokenizer, pipe.tokenizer.model_max_length
+    ids = tok(text, padding="max_length", truncation=True, max_length=max_token_length + 2,
+              return_tensors="pt").input_ids[0]
+    chunks = [torch.cat((ids[:1], ids[i:i + chunk - 2], ids[-1:]))
+              for i in range(1, max_token_length + 2 - chunk + 2, chunk - 2)]
+    with torch.no_grad():
+        states = pipe.text_encoder(torch.stack(chunks))[0]
+    states = states.reshape(1, -1, states.shape[-1])
+    parts = [states[:, 0].unsqueeze(1)]
+    for i in range(1, max_token_length, chunk):
+        parts.append(states[:, i:i + chunk - 2])
+    parts.append(states[:, -1].unsqueeze(1))
+    return torch.cat(parts, dim=1)
+
+
+def render(pipe, sampler, initial, path, long_prompt=False):
     """One render with `sampler` from `initial`: the final latents, each step's latents and their
-    largest magnitude (callback_on_step_end), and the pipeline's own PIL image, saved to `path`."""
+    largest magnitude (callback_on_step_end), and the pipeline's own PIL image, saved to `path`.
+    With `long_prompt`, LONG_PROMPT conditioned as kohya does past 75 tokens."""
     cls, kwargs = SAMPLERS[sampler]
     pipe.scheduler = kohya_scheduler(cls, kwargs)
     r = REQUEST
     common = dict(prompt=r["prompt"], negative_prompt=r["negative_prompt"], height=r["height"],
                   width=r["width"], num_inference_steps=r["steps"], guidance_scale=r["cfg_scale"])
+    if long_prompt:
+        tokens = len(pipe.tokenizer(LONG_PROMPT).input_ids) - 2
+        assert 75 < tokens <= 150, tokens
+        del common["prompt"], common["negative_prompt"]
+        common["prompt_embeds"] = kohya_long_embeds(pipe, LONG_PROMPT, 150)
+        common["negative_prompt_embeds"] = kohya_long_embeds(pipe, r["negative_prompt"], 150)
     scale = [0.0]
     steps = {}
 
@@ -113,13 +143,15 @@ def main():
     initial = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     for name in SAMPLERS:
         render(pipe, name, initial, f"{out}/{name}.safetensors")
+    render(pipe, "ddim", initial, f"{out}/ddim_long.safetensors", long_prompt=True)
     # With a LoRA: diffusers loads the kohya file (load_lora_weights, scale 1); lorapipe merges it.
     kohya_lora(pipe, f"{out}/lora.safetensors")
     pipe.load_lora_weights(f"{out}/lora.safetensors", adapter_name="check")
     for name in ("ddim", "euler_a"):
         render(pipe, name, initial, f"{out}/{name}_lora.safetensors")
     with open(f"{out}/request.json", "w") as f:
-        json.dump({**r, "seed": SEED, "vae_scale_factor": pipe.vae_scale_factor}, f)
+        json.dump({**r, "seed": SEED, "vae_scale_factor": pipe.vae_scale_factor,
+                   "long_prompt": LONG_PROMPT}, f)
 
 
 if __name__ == "__main__":
