@@ -52,12 +52,16 @@ std::string parameters_text(const RenderRequest& r, const std::string& model,
   return out.str();
 }
 
+// The image owns a copy of the pixels: libvips evaluates lazily (the contact sheet reads the
+// tiles long after the tensor is gone), and copy_memory() on an image made by new_from_memory
+// only takes a reference, which once let a worker thread read freed memory.
 VImage to_vips(const at::Tensor& image) {
   const at::Tensor c = image.contiguous();
-  return VImage::new_from_memory(c.data_ptr(), static_cast<size_t>(c.numel()),
-                                 static_cast<int>(c.size(1)), static_cast<int>(c.size(0)), 3,
-                                 VIPS_FORMAT_UCHAR)
-      .copy_memory();
+  VipsImage* copy = vips_image_new_from_memory_copy(
+      c.data_ptr(), static_cast<size_t>(c.numel()), static_cast<int>(c.size(1)),
+      static_cast<int>(c.size(0)), 3, VIPS_FORMAT_UCHAR);
+  if (copy == nullptr) throw vips::VError();
+  return VImage(copy);
 }
 
 // PNG with the parameters in a tEXt chunk (libvips writes "png-comment-N-KEY" fields as text
