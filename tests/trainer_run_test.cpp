@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "cacher/store.h"
+#include "common/error.h"
 #include "common/sha256.h"
 #include "models/pipeline.h"
 #include "models/safetensors.h"
@@ -25,6 +26,7 @@
 #include "proto/lorapipe.pb.h"
 #include "proto/wire.h"
 #include "tests/process_util.h"
+#include "trainer/ranks.h"
 
 namespace lorapipe {
 namespace {
@@ -724,6 +726,38 @@ class TrainRanks : public TrainRunTest {
   static int port(int offset) { return 20000 + (getpid() * 7 + offset) % 20000; }
 };
 
+// Where a rank trains and how the ranks reduce: with several ranks, --device auto or cuda means
+// the GPU that LOCAL_RANK names (one rank per GPU, as torchrun and Slurm start them), and ranks on
+// GPUs reduce over NCCL where this build has it; on the CPU, or without GPUs, Gloo.
+TEST(TrainRanksDevice, EachRankTakesItsLocalGpuAndTheBackendFollows) {
+  trainer::RankEnvironment env;
+  env.world_size = 2;
+  env.rank = 1;
+  env.local_rank = 1;
+  EXPECT_EQ(trainer::rank_device("cpu", env), c10::Device(c10::kCPU));
+  EXPECT_STREQ(trainer::rank_backend(c10::Device(c10::kCPU)), "gloo");
+#if defined(LORAPIPE_NCCL_BUILT)
+  EXPECT_STREQ(trainer::rank_backend(c10::Device(c10::kCUDA, 1)), "nccl");
+#else
+  EXPECT_STREQ(trainer::rank_backend(c10::Device(c10::kCUDA, 1)), "gloo");
+#endif
+  const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
+  if (gpus == 0) {
+    EXPECT_EQ(trainer::rank_device("auto", env), c10::Device(c10::kCPU));
+    return;
+  }
+  if (gpus > 1) EXPECT_EQ(trainer::rank_device("auto", env), c10::Device(c10::kCUDA, 1));
+  EXPECT_EQ(trainer::rank_device("cuda:0", env), c10::Device(c10::kCUDA, 0)) << "an index wins";
+  env.local_rank = static_cast<int>(gpus);
+  try {
+    trainer::rank_device("cuda", env);
+    ADD_FAILURE() << "LOCAL_RANK past the last GPU must be refused";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("LOCAL_RANK=" + std::to_string(gpus)), std::string::npos)
+        << e.what();
+  }
+}
+
 // Two ranks with batch 2 each against one rank with batch 4: the same global batches, noise and
 // timesteps, so the runs agree up to fp32 rounding. What differs is summation order (each rank
 // sums its rows and the ranks' gradients are summed, where one rank reduces the whole batch at
@@ -749,7 +783,7 @@ TEST_F(TrainRanks, TwoCpuRanksTrainLikeOneRankWithTheGlobalBatch) {
   const pid_t r1 = start_rank(1, 2, p, two, with({"--train_batch_size=2"}));
   ASSERT_EQ(wait_exit(r0), 0) << read_text(two / "rank0.err");
   ASSERT_EQ(wait_exit(r1), 0) << read_text(two / "rank1.err");
-  EXPECT_NE(read_text(two / "rank0.err").find("rank 0 of 2"), std::string::npos);
+  EXPECT_NE(read_text(two / "rank0.err").find("rank 0 of 2 over gloo"), std::string::npos);
 
   const auto a = lora(work_ / "one" / "lora" / "tiny.safetensors");
   const auto b = lora(two / "lora" / "tiny.safetensors");

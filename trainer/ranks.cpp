@@ -6,11 +6,19 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
+// The wheel's libtorch_cuda holds ProcessGroupNCCL; its header declares it under this macro.
+// LORAPIPE_NCCL is set by trainer/CMakeLists.txt where nccl.h was found.
+#if defined(LORAPIPE_NCCL)
+#define USE_C10D_NCCL 1
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include <cstdlib>
 #include <string>
 
 #include "common/error.h"
+#include "models/device.h"
 
 namespace lorapipe::trainer {
 namespace {
@@ -53,9 +61,31 @@ RankEnvironment rank_environment() {
   return env;
 }
 
+c10::Device rank_device(std::string_view spec, const RankEnvironment& env) {
+  if (env.world_size > 1 && (spec == "auto" || spec == "cuda")) {
+    const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
+    if (gpus > 0) {
+      if (env.local_rank >= gpus) {
+        throw InputError("LOCAL_RANK=" + std::to_string(env.local_rank) + " but this host has " +
+                         std::to_string(gpus) + " CUDA device(s): start at most one rank per GPU, " +
+                         "or give each rank its --device=cuda:N");
+      }
+      return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+    }
+  }
+  return models::resolve_device(spec);
+}
+
+const char* rank_backend(const c10::Device& device) {
+#if defined(LORAPIPE_NCCL)
+  if (device.is_cuda()) return "nccl";
+#endif
+  return "gloo";
+}
+
 struct RankGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  c10::intrusive_ptr<c10d::Backend> group;
 };
 
 RankGroup::RankGroup(RankEnvironment env, std::unique_ptr<Impl> impl)
@@ -63,11 +93,13 @@ RankGroup::RankGroup(RankEnvironment env, std::unique_ptr<Impl> impl)
 RankGroup::~RankGroup() = default;
 
 std::unique_ptr<RankGroup> RankGroup::join(const RankEnvironment& env,
-                                           std::chrono::milliseconds timeout) {
+                                           std::chrono::milliseconds timeout, c10::Device device) {
   auto impl = std::make_unique<Impl>();
+  const std::string backend = rank_backend(device);
   const std::string where = "rank " + std::to_string(env.rank) + " of " +
-                            std::to_string(env.world_size) + " (MASTER_ADDR=" + env.master_addr +
-                            ", MASTER_PORT=" + std::to_string(env.master_port) + ")";
+                            std::to_string(env.world_size) + " (" + backend + ", MASTER_ADDR=" +
+                            env.master_addr + ", MASTER_PORT=" + std::to_string(env.master_port) +
+                            ")";
   try {
     c10d::TCPStoreOptions store_options;
     store_options.port = static_cast<uint16_t>(env.master_port);
@@ -76,25 +108,42 @@ std::unique_ptr<RankGroup> RankGroup::join(const RankEnvironment& env,
     store_options.waitWorkers = true;
     store_options.timeout = timeout;
     impl->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
-    auto options = c10d::ProcessGroupGloo::Options::create_default(timeout);
-    options->devices = {c10d::ProcessGroupGloo::createDefaultDevice()};
-    impl->group =
-        c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, env.rank, env.world_size, options);
+#if defined(LORAPIPE_NCCL)
+    if (backend == "nccl") {
+      auto options = c10d::ProcessGroupNCCL::Options::create();
+      options->timeout = timeout;
+      c10::cuda::CUDAGuard on(device);
+      impl->group = c10::make_intrusive<c10d::ProcessGroupNCCL>(impl->store, env.rank,
+                                                                env.world_size, options);
+    }
+#endif
+    if (!impl->group) {
+      auto options = c10d::ProcessGroupGloo::Options::create_default(timeout);
+      options->devices = {c10d::ProcessGroupGloo::createDefaultDevice()};
+      impl->group = c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, env.rank,
+                                                                env.world_size, options);
+    }
   } catch (const std::exception& e) {
     throw RankLostError(where + ": could not join the other ranks: " + e.what());
   }
-  return std::unique_ptr<RankGroup>(new RankGroup(env, std::move(impl)));
+  auto group = std::unique_ptr<RankGroup>(new RankGroup(env, std::move(impl)));
+  // Gloo reduces host buffers; NCCL the device's own.
+  group->device_ = backend == "nccl" ? device : c10::Device(c10::kCPU);
+  return group;
 }
+
+const char* RankGroup::backend() const { return rank_backend(device_); }
 
 void RankGroup::sum(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> pieces;
   for (const at::Tensor& t : tensors) {
-    pieces.push_back(t.defined() ? t.detach().to(torch::kCPU, torch::kFloat32).reshape({-1})
+    pieces.push_back(t.defined() ? t.detach().to(device_, torch::kFloat32).reshape({-1})
                                  : at::Tensor());
   }
   int64_t total = 0;
   for (size_t i = 0; i < tensors.size(); ++i) total += tensors[i].defined() ? tensors[i].numel() : 0;
-  std::vector<at::Tensor> flat = {torch::empty({total}, torch::kFloat32)};
+  std::vector<at::Tensor> flat = {
+      torch::empty({total}, torch::TensorOptions().dtype(torch::kFloat32).device(device_))};
   int64_t at = 0;
   for (const at::Tensor& p : pieces) {
     if (!p.defined()) continue;
@@ -116,7 +165,8 @@ void RankGroup::sum(const std::vector<at::Tensor>& tensors) {
 }
 
 double RankGroup::sum(double value) {
-  std::vector<at::Tensor> one = {torch::full({1}, value, torch::kFloat64)};
+  std::vector<at::Tensor> one = {
+      torch::full({1}, value, torch::TensorOptions().dtype(torch::kFloat64).device(device_))};
   try {
     impl_->group->allreduce(one)->wait();
   } catch (const std::exception& e) {

@@ -362,7 +362,7 @@ void Run::preflight() {
 }
 
 void Run::load_model() {
-  device_ = models::resolve_device(o_.device);
+  device_ = rank_device(o_.device, o_.ranks);  // --device, or LOCAL_RANK's GPU with ranks
   models::LoadOptions load;
   load.tokenizer = o_.tokenizer;
   load.device = torch::kCPU;
@@ -840,8 +840,8 @@ Summary Run::train_steps() {
   preflight();
   if (o_.ranks.world_size > 1) {
     // After every check of this rank's input, so a bad flag fails here and not as a lost rank.
-    ranks_ = RankGroup::join(o_.ranks, std::chrono::milliseconds(
-                                           static_cast<int64_t>(o_.timeout_s * 1000)));
+    ranks_ = RankGroup::join(
+        o_.ranks, std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000)), device_);
     main_ = ranks_->rank() == 0;
   }
 
@@ -877,8 +877,8 @@ Summary Run::train_steps() {
                       << (cached_text_ ? "; text from the cache" : "; text encoded online")
                       << "; optimizer " << step_->optimizer().describe()
                       << (ranks_ ? "; rank " + std::to_string(ranks_->rank()) + " of " +
-                                       std::to_string(ranks_->world_size()) +
-                                       " (the batch is per rank)"
+                                       std::to_string(ranks_->world_size()) + " over " +
+                                       ranks_->backend() + " (the batch is per rank)"
                                  : std::string());
 
   if (main_) {
