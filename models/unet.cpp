@@ -667,4 +667,93 @@ void load_unet_diffusers(UNet& unet, const fs::path& folder_or_file) {
   load_into(*unet, read_tensors(weights), file.string());
 }
 
+double unet_forward_flops(const UNetConfig& config, int64_t batch, int64_t height, int64_t width,
+                          int64_t tokens) {
+  config.validate();
+  const UNetConfig& c = config;
+  const double b = static_cast<double>(batch);
+  double flops = 0;
+  struct Size {
+    int64_t channels, height, width;
+  };
+  auto conv = [&](int64_t in, int64_t out, int64_t kernel, int64_t h, int64_t w) {
+    flops += 2 * b * static_cast<double>(h * w * out * in * kernel * kernel);
+  };
+  auto linear = [&](double rows, int64_t in, int64_t out) {
+    flops += 2 * rows * static_cast<double>(in * out);
+  };
+  const int64_t temb = c.block_out_channels[0] * 4;
+  linear(b, c.block_out_channels[0], temb);  // time_embedding.linear_1, linear_2
+  linear(b, temb, temb);
+  auto resnet = [&](int64_t in, int64_t out, int64_t h, int64_t w) {
+    conv(in, out, 3, h, w);
+    linear(b, temb, out);  // time_emb_proj
+    conv(out, out, 3, h, w);
+    if (in != out) conv(in, out, 1, h, w);  // conv_shortcut
+  };
+  auto transformer = [&](int64_t channels, int64_t layers, int64_t h, int64_t w) {
+    const double pixels = b * static_cast<double>(h * w);
+    const double q = static_cast<double>(h * w), kv = static_cast<double>(tokens);
+    linear(pixels, channels, channels);  // proj_in (a 1x1 conv or a Linear: the same count)
+    for (int64_t l = 0; l < layers; ++l) {
+      linear(pixels, channels, channels * 3);                  // attn1 to_q, to_k, to_v
+      flops += 4 * b * q * q * static_cast<double>(channels);  // attn1 Q K^T, weights x V
+      linear(pixels, channels, channels);                      // attn1 to_out
+      linear(pixels, channels, channels);                      // attn2 to_q
+      linear(b * kv, c.cross_attention_dim, channels * 2);     // attn2 to_k, to_v on the text
+      flops += 4 * b * q * kv * static_cast<double>(channels);
+      linear(pixels, channels, channels);                      // attn2 to_out
+      linear(pixels, channels, channels * 8);                  // ff GEGLU proj (two halves)
+      linear(pixels, channels * 4, channels);                  // ff out
+    }
+    linear(pixels, channels, channels);  // proj_out
+  };
+
+  int64_t h = height, w = width;
+  conv(c.in_channels, c.block_out_channels[0], 3, h, w);
+  std::vector<Size> skips{{c.block_out_channels[0], h, w}};
+  const size_t n = c.block_out_channels.size();
+  int64_t channels = c.block_out_channels[0];
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t out = c.block_out_channels[i];
+    for (int64_t r = 0; r < c.layers_per_block[i]; ++r) {
+      resnet(r == 0 ? channels : out, out, h, w);
+      if (c.down_block_types[i] == kCrossAttnDown) {
+        transformer(out, c.transformer_layers_per_block[i], h, w);
+      }
+      skips.push_back({out, h, w});
+    }
+    channels = out;
+    if (i + 1 < n) {  // a 3x3 convolution with stride 2 and padding 1
+      h = (h + 1) / 2;
+      w = (w + 1) / 2;
+      conv(out, out, 3, h, w);
+      skips.push_back({out, h, w});
+    }
+  }
+  resnet(channels, channels, h, w);
+  transformer(channels, c.transformer_layers_per_block.back(), h, w);
+  resnet(channels, channels, h, w);
+  for (size_t i = 0; i < n; ++i) {
+    const size_t mirror = n - 1 - i;
+    const int64_t out = c.block_out_channels[mirror];
+    for (int64_t r = 0; r < c.layers_per_block[mirror] + 1; ++r) {
+      const Size skip = skips.back();
+      skips.pop_back();
+      resnet(channels + skip.channels, out, h, w);
+      channels = out;
+      if (c.up_block_types[i] == kCrossAttnUp) {
+        transformer(out, c.transformer_layers_per_block[mirror], h, w);
+      }
+    }
+    if (i + 1 < n) {  // nearest to the next skip's size, then a 3x3 convolution
+      h = skips.back().height;
+      w = skips.back().width;
+      conv(out, out, 3, h, w);
+    }
+  }
+  conv(c.block_out_channels[0], c.out_channels, 3, h, w);
+  return flops;
+}
+
 }  // namespace lorapipe::models

@@ -266,4 +266,12 @@ TORCH_MODULE(UNet);
 // InputError naming the file and the missing, unexpected or mis-shaped keys.
 void load_unet_diffusers(UNet& unet, const std::filesystem::path& folder_or_file);
 
+// FLOPs of one forward of the UNet `config` builds, on `batch` latents of height x width with
+// `tokens` text tokens, counted as torch's FlopCounterMode counts them: 2 per multiply-add of
+// every convolution, Linear and attention product (Q K^T and the weights times V); norms,
+// activations, additions and resampling count nothing. The benches divide it by the step time
+// for MFU; UNetFlops checks it against FlopCounterMode on diffusers' UNet.
+double unet_forward_flops(const UNetConfig& config, int64_t batch, int64_t height, int64_t width,
+                          int64_t tokens);
+
 }  // namespace lorapipe::models

@@ -292,5 +292,33 @@ TEST(UNetConfigTest, UnsupportedOrMalformedConfigsNameTheField) {
   EXPECT_NE(error_of("{not json").find("unet/config.json"), std::string::npos);
 }
 
+// ---- FLOPs (the benches' MFU) --------------------------------------------------------------------
+
+// unet_forward_flops against torch's FlopCounterMode over one forward of diffusers' UNet, built
+// from the same config.json (models/reference/unet_flops_reference.py): the tiny SD1- and
+// SD2-shaped UNets, odd latent sizes, and SD1.5 and SD2.1 at full size. Both count whole
+// multiply-adds of the same products, so the figures must be equal; the one tolerance is double
+// rounding, 1e-12 of the count.
+TEST(UNetFlops, CountedAsTorchsFlopCounterOnDiffusersUNet) {
+  const fs::path out = testing::reference_output("models/reference/unet_flops_reference.py");
+  const auto cases = nlohmann::json::parse(read_text(out / "flops.json"));
+  ASSERT_GE(cases.size(), 7u);
+  for (const auto& c : cases) {
+    const std::string name = c["config"].get<std::string>();
+    const UNetConfig config =
+        UNetConfig::from_json(read_text(out / name / "config.json"), name + "/config.json");
+    const double expected = c["flops"].get<double>();
+    const double counted =
+        unet_forward_flops(config, c["batch"].get<int64_t>(), c["height"].get<int64_t>(),
+                           c["width"].get<int64_t>(), c["tokens"].get<int64_t>());
+    EXPECT_NEAR(counted, expected, 1e-12 * expected) << c.dump();
+    std::printf("[flops] %s batch %lld, %lldx%lld, %lld tokens: %.4g (FlopCounterMode %.4g)\n",
+                name.c_str(), static_cast<long long>(c["batch"].get<int64_t>()),
+                static_cast<long long>(c["height"].get<int64_t>()),
+                static_cast<long long>(c["width"].get<int64_t>()),
+                static_cast<long long>(c["tokens"].get<int64_t>()), counted, expected);
+  }
+}
+
 }  // namespace
 }  // namespace lorapipe::models
