@@ -14,8 +14,25 @@
 //         step          one training step; prints its wall and CPU milliseconds, the loss, and
 //                       the milliseconds of forward+backward and of clip+optimizer
 //         profile PATH  one step under the autograd profiler, a chrome trace to PATH
-//       At end of input it prints "peak_rss <MiB>": the steps' peak, from "ready" on (the load's
-//       own peak is the one printed with "ready"; the memory it freed is handed back before).
+//       At end of input it prints "peak_rss <MiB> <tensor peak MiB> <tensors at ready MiB>": the
+//       steps' peak RSS, from "ready" on (the load's own peak is the one printed with "ready"; the
+//       memory it freed is handed back before), then the most tensor storage alive at once over
+//       the steps and what was alive at "ready" (the weights and inputs): the CPU's counterparts
+//       of torch.cuda.max_memory_allocated and memory_allocated, free of the heap's slack.
+//   trainer_bench solo tiny|full [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16]
+//       [--batch N] [--resolution PX] [--steps N] [--gradient_checkpointing] [--threads N]
+//       [--peak_tflops T]
+//       the same step alone, on the UNet's own random initialisation and random inputs (no files,
+//       no Python: what tests/gpu/run.sh runs on a GPU machine). The base is frozen in --dtype
+//       (the LoRA stays fp32, as --mixed_precision trains), batch 1 at 512x512 (64x64 latents)
+//       by default. After two warm-up steps it times --steps steps (default 5) and prints one
+//       line: s/it, samples/s, peak allocated memory over the timed steps (CUDA's caching
+//       allocator's peak, or on the CPU every tensor's storage counted as below) with the weights,
+//       and MFU: the model FLOPs of a step over the time, against --peak_tflops (defaults for
+//       the data-centre GPUs we know; otherwise not printed). A step's model FLOPs are the
+//       UNet forward's (models::unet_forward_flops) twice over: the frozen base's backward
+//       computes input gradients only, about the forward's work again; checkpointing's
+//       recomputation is not counted, as MFU conventionally leaves it out.
 // Runs under the trainer's heap policy (common/heap.h), as lorapipe-trainer does. Nothing here is
 // a test.
 #include <sys/resource.h>
@@ -26,18 +43,29 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Generator.h>
+#include <c10/core/CPUAllocator.h>
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/cuda.h>
+#define LORAPIPE_BENCH_CUDA 1
+#endif
 #include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <exception>
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <map>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "common/heap.h"
+#include "models/device.h"
 #include "models/pipeline.h"
 #include "models/tiny.h"
 #include "models/unet.h"
@@ -79,6 +107,69 @@ double cpu_ms() {
   auto ms = [](const timeval& tv) { return tv.tv_sec * 1e3 + tv.tv_usec / 1e3; };
   return ms(usage.ru_utime) + ms(usage.ru_stime);
 }
+
+// Every CPU tensor's storage passes through here (installed first thing in main): it counts the
+// bytes alive and the most alive at once since reset_peak(). It hands out the default
+// allocator's own blocks (data and context the same pointer, which LibTorch's raw_allocate
+// callers require) and keeps each block's size in a table until it is freed.
+class TensorMemoryCounter final : public c10::Allocator {
+ public:
+  TensorMemoryCounter() : base_(c10::GetDefaultCPUAllocator()) {
+    instance_ = this;
+    base_deleter_ = base_->raw_deleter();
+    if (base_deleter_ == nullptr) throw std::runtime_error("the CPU allocator has no raw deleter");
+  }
+  c10::DataPtr allocate(size_t bytes) override {
+    c10::DataPtr inner = base_->allocate(bytes);
+    const c10::Device device = inner.device();
+    void* data = inner.release_context();  // ours to free now, through release()
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      sizes_[data] = bytes;
+      alive_ += bytes;
+      peak_ = std::max(peak_, alive_);
+    }
+    return {data, data, &TensorMemoryCounter::release, device};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &TensorMemoryCounter::release; }
+  void copy_data(void* dest, const void* src, size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  double alive_mib() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<double>(alive_) / (1 << 20);
+  }
+  double peak_mib() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<double>(peak_) / (1 << 20);
+  }
+  void reset_peak() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    peak_ = alive_;
+  }
+
+ private:
+  static void release(void* data) {
+    TensorMemoryCounter* self = instance_;
+    {
+      std::lock_guard<std::mutex> lock(self->mutex_);
+      auto it = self->sizes_.find(data);
+      if (it != self->sizes_.end()) {
+        self->alive_ -= it->second;
+        self->sizes_.erase(it);
+      }
+    }
+    self->base_deleter_(data);
+  }
+  static inline TensorMemoryCounter* instance_ = nullptr;
+  c10::Allocator* base_;
+  c10::DeleterFnPtr base_deleter_ = nullptr;
+  std::mutex mutex_;
+  std::unordered_map<void*, size_t> sizes_;
+  size_t alive_ = 0, peak_ = 0;
+};
+
+TensorMemoryCounter* tensor_memory = nullptr;
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point start) {
@@ -133,6 +224,8 @@ int serve(m::StableDiffusion& model, const fs::path& dir, bool checkpointing) {
               network.unet_module_count(), static_cast<long long>(lora_numel));
   std::fflush(stdout);
   reset_peak_rss();
+  const double tensors_at_ready = tensor_memory->alive_mib();
+  tensor_memory->reset_peak();
   std::string line;
   while (std::getline(std::cin, line)) {
     if (line == "step") {
@@ -153,7 +246,140 @@ int serve(m::StableDiffusion& model, const fs::path& dir, bool checkpointing) {
     }
     std::fflush(stdout);
   }
-  std::printf("peak_rss %.0f\n", peak_rss_mib());
+  std::printf("peak_rss %.0f %.0f %.0f\n", peak_rss_mib(), tensor_memory->peak_mib(),
+              tensors_at_ready);
+  return 0;
+}
+
+// Dense bf16/fp16 peak TFLOPS of GPUs by the name CUDA gives them (vendor data sheets, without
+// sparsity); 0 where unknown.
+double known_peak_tflops(const c10::Device& device) {
+#ifdef LORAPIPE_BENCH_CUDA
+  if (device.is_cuda()) {
+    const std::string name = m::describe_device(device);
+    for (const auto& [part, tflops] : std::vector<std::pair<std::string, double>>{
+             {"H200", 989.4}, {"H100 80GB HBM3", 989.4}, {"H100 PCIe", 756.0},
+             {"A100", 312.0}, {"L40S", 362.1}, {"L4", 121.0}}) {
+      if (name.find(part) != std::string::npos) return tflops;
+    }
+  }
+#endif
+  (void)device;
+  return 0;
+}
+
+// Peak allocated bytes since the last reset, in MiB: CUDA's caching allocator on a GPU, the
+// counted tensor storage on the CPU.
+double peak_allocated_mib(const c10::Device& device) {
+#ifdef LORAPIPE_BENCH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 20);
+  }
+#endif
+  return tensor_memory->peak_mib();
+}
+
+void reset_peak_allocated(const c10::Device& device) {
+#ifdef LORAPIPE_BENCH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+  tensor_memory->reset_peak();
+}
+
+void synchronize(const c10::Device& device) {
+#ifdef LORAPIPE_BENCH_CUDA
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+#endif
+  (void)device;
+}
+
+int solo(const std::string& size, int argc, char** argv) {
+  std::string device_spec = "cpu", dtype_name = "fp32";
+  int64_t batch = 1, resolution = size == "tiny" ? 128 : 512, steps = 5;
+  bool checkpointing = false;
+  double peak_tflops = -1;
+  for (int i = 3; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(flag + " wants a value");
+      return argv[++i];
+    };
+    if (flag == "--device") {
+      device_spec = value();
+    } else if (flag == "--dtype") {
+      dtype_name = value();
+    } else if (flag == "--batch") {
+      batch = std::stoll(value());
+    } else if (flag == "--resolution") {
+      resolution = std::stoll(value());
+    } else if (flag == "--steps") {
+      steps = std::stoll(value());
+    } else if (flag == "--gradient_checkpointing") {
+      checkpointing = true;
+    } else if (flag == "--threads") {
+      at::set_num_threads(std::stoi(value()));
+    } else if (flag == "--peak_tflops") {
+      peak_tflops = std::stod(value());
+    } else {
+      throw std::invalid_argument("unknown flag '" + flag + "'");
+    }
+  }
+  const std::map<std::string, c10::ScalarType> dtypes{
+      {"fp32", c10::kFloat}, {"bf16", c10::kBFloat16}, {"fp16", c10::kHalf}};
+  if (!dtypes.count(dtype_name)) throw std::invalid_argument("--dtype fp32, bf16 or fp16");
+  const c10::ScalarType dtype = dtypes.at(dtype_name);
+  const c10::Device device = m::resolve_device(device_spec);
+  if (peak_tflops < 0) peak_tflops = known_peak_tflops(device);
+
+  torch::manual_seed(0);
+  m::StableDiffusion model;
+  model.family = m::model_family("sd15");
+  model.unet = m::UNet(config_for(size));
+  model.unet->to(device, dtype);
+  for (auto& p : model.unet->parameters()) p.requires_grad_(false);
+  model.unet->train();
+  t::NetworkOptions net;
+  net.dim = 16;
+  net.alpha = 16;
+  net.train_text_encoder = false;
+  t::LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/7));
+  t::StepOptions options;
+  options.base_dtype = dtype;
+  options.gradient_checkpointing = checkpointing;
+  t::TrainingStep step(model, network, options);
+
+  const m::UNetConfig& config = model.unet->config();
+  const int64_t side = resolution / 8;
+  t::MicroBatch micro;
+  micro.latents = torch::randn({batch, config.in_channels, side, side});
+  micro.encoder_hidden_states = torch::randn({batch, 77, config.cross_attention_dim});
+  micro.loss_weights = torch::ones({batch});
+  int64_t seed = 0;
+  auto one_step = [&] {
+    const double loss = step.accumulate(micro, at::make_generator<at::CPUGeneratorImpl>(seed++));
+    if (!step.update().applied) throw std::runtime_error("the update was skipped (loss " +
+                                                         std::to_string(loss) + ")");
+  };
+  for (int i = 0; i < 2; ++i) one_step();  // warm-up: kernels chosen, optimizer state made
+  synchronize(device);
+  reset_peak_allocated(device);
+  const auto start = Clock::now();
+  for (int64_t i = 0; i < steps; ++i) one_step();
+  synchronize(device);
+  const double seconds = ms_since(start) / 1e3 / static_cast<double>(steps);
+  const double flops = 2 * m::unet_forward_flops(config, batch, side, side, 77);
+  std::printf("%s %s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, peak allocated %.0f MiB",
+              size.c_str(), m::describe_device(device).c_str(), dtype_name.c_str(),
+              static_cast<long long>(batch), static_cast<long long>(resolution),
+              static_cast<long long>(resolution), checkpointing ? ", checkpointing" : "", seconds,
+              static_cast<double>(batch) / seconds, peak_allocated_mib(device));
+  std::printf(", %.3g TFLOPS", flops / seconds / 1e12);
+  if (peak_tflops > 0) {
+    std::printf(", MFU %.1f%% of %.4g TFLOPS", 100 * flops / seconds / 1e12 / peak_tflops,
+                peak_tflops);
+  }
+  std::printf("\n");
   return 0;
 }
 
@@ -164,11 +390,16 @@ int run(int argc, char** argv) {
     std::printf("%s\n", m::to_config_json(config_for(size)).c_str());
     return 0;
   }
+  if (command == "solo" && argc >= 3) return solo(size, argc, argv);
   if (command != "step" || argc < 4) {
     std::fprintf(stderr,
                  "usage: trainer_bench config tiny|full\n"
                  "       trainer_bench step tiny|full DIR [--gradient_checkpointing] "
-                 "[--threads N]\n");
+                 "[--threads N]\n"
+                 "       trainer_bench solo tiny|full [--device D] [--dtype fp32|bf16|fp16] "
+                 "[--batch N]\n"
+                 "             [--resolution PX] [--steps N] [--gradient_checkpointing] "
+                 "[--threads N] [--peak_tflops T]\n");
     return 2;
   }
   const fs::path dir = argv[3];
@@ -197,6 +428,8 @@ int run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   lorapipe::keep_freed_memory_for_reuse();  // the trainer's heap policy, first thing in main
+  tensor_memory = new TensorMemoryCounter();  // lives to the end
+  c10::SetCPUAllocator(tensor_memory, /*priority=*/100);
   try {
     return run(argc, argv);
   } catch (const std::exception& e) {

@@ -5,6 +5,7 @@ on the same UNet weights and inputs, on the same machine in the same run.
     $LORAPIPE_PYTHON bench/trainer_bench.py [--build build] [--size tiny|full] [--rounds N]
         [--gradient_checkpointing] [--threads N] [--profile DIR]
     $LORAPIPE_PYTHON bench/trainer_bench.py --checkpointing-memory [--size full] [--rounds N]
+        [--batch N]
 
 The step, both sides: noised latents (kohya's DDPM schedule), UNet forward, l2 loss against the
 noise, backward, clip_grad_norm_ 1.0, AdamW (lr 1e-4, weight decay 0.01) on a LoRA of rank 16,
@@ -23,7 +24,10 @@ reference: below 1 means lorapipe is faster) with their range, and each side's p
 steps: once loaded, each side hands back what loading freed (malloc_trim; lorapipe's heap policy
 would otherwise keep its copies of the weights resident) and restarts its high-water mark, so the
 load's own peak, printed beside it, is left out. --checkpointing-memory runs lorapipe with and
-without gradient checkpointing side by side the same way and prints the cut in the steps' peak.
+without gradient checkpointing side by side the same way and prints the cut in the steps' peak
+RSS and in peak tensor memory (every CPU tensor's storage counted as it is allocated and freed:
+torch.cuda.max_memory_allocated's counterpart, the weights included, the heap's slack not).
+--batch sets the batch size.
 
 Both sides use every core by default (--threads). On a machine that other processes keep busy,
 OpenMP's spinning barriers make single steps many times slower, on both sides: read the range.
@@ -167,18 +171,22 @@ class Side:
         return statistics.median(s[field] for s in self.steps)
 
     def finish(self):
+        """The steps' peak RSS. lorapipe's side also reports its tensor memory: the most alive at
+        once over the steps and what was alive before them (self.tensor_peak, self.tensor_base)."""
         self.process.stdin.close()
-        rss = float(self.expect("peak_rss").split()[1])
+        fields = [float(x) for x in self.expect("peak_rss").split()[1:]]
         self.process.wait()
-        return rss
+        if len(fields) == 3:
+            self.tensor_peak, self.tensor_base = fields[1], fields[2]
+        return fields[0]
 
 
-def prepare(folder, binary, size):
+def prepare(folder, binary, size, batch):
     """Writes the UNet config (lorapipe's), random weights and the inputs into `folder`."""
     config = subprocess.run([binary, "config", size], check=True, capture_output=True, text=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         f.write(config.stdout)
-    subprocess.run([sys.executable, "-W", QUIET, "-c", WRITER, folder, str(SIZES[size]["batch"]),
+    subprocess.run([sys.executable, "-W", QUIET, "-c", WRITER, folder, str(batch),
                     str(SIZES[size]["latent"])], check=True)
 
 
@@ -213,7 +221,7 @@ def side_summary(side, rss):
 def compare(args, binary, threads):
     label = args.size + (" checkpointing" if args.gradient_checkpointing else "")
     with tempfile.TemporaryDirectory() as tmp:
-        prepare(tmp, binary, args.size)
+        prepare(tmp, binary, args.size, args.batch)
         checkpointing = ["--gradient_checkpointing"] if args.gradient_checkpointing else []
         ref = Side("diffusers+peft", [sys.executable, "-W", QUIET, "-c", REFERENCE, tmp,
                                       "1" if args.gradient_checkpointing else "0", str(threads)])
@@ -240,7 +248,7 @@ def compare(args, binary, threads):
 
 def checkpointing_memory(args, binary, threads):
     with tempfile.TemporaryDirectory() as tmp:
-        prepare(tmp, binary, args.size)
+        prepare(tmp, binary, args.size, args.batch)
         plain = Side("lorapipe", [binary, "step", args.size, tmp, "--threads", str(threads)])
         checkpointed = Side("lorapipe+checkpointing", [binary, "step", args.size, tmp, "--threads",
                                                        str(threads), "--gradient_checkpointing"])
@@ -248,10 +256,21 @@ def checkpointing_memory(args, binary, threads):
     plain_rss, checkpointed_rss = plain.finish(), checkpointed.finish()
     print(f"{args.size}: {side_summary(plain, plain_rss)}; "
           f"{side_summary(checkpointed, checkpointed_rss)}")
-    print(f"{args.size}: gradient checkpointing cuts lorapipe's peak RSS by "
+    label = f"{args.size}, batch {args.batch}"
+    print(f"{label}: gradient checkpointing cuts lorapipe's peak RSS by "
           f"{100 * (1 - checkpointed_rss / plain_rss):.1f}% ({plain_rss:.0f} -> "
           f"{checkpointed_rss:.0f} MiB), step time x{statistics.median(ratios):.2f} "
           f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+    # Tensor memory, as torch.cuda.max_memory_allocated counts it on a GPU: the weights (alive
+    # before the steps) plus the most the steps held at once, without the heap's free space.
+    base = plain.tensor_base
+    print(f"{label}: peak tensor memory {plain.tensor_peak:.0f} -> {checkpointed.tensor_peak:.0f} "
+          f"MiB, a {100 * (1 - checkpointed.tensor_peak / plain.tensor_peak):.1f}% cut; of that "
+          f"{base:.0f} MiB are the weights and inputs, so the steps' own tensors go "
+          f"{plain.tensor_peak - base:.0f} -> {checkpointed.tensor_peak - checkpointed.tensor_base:.0f} "
+          f"MiB ({100 * (1 - (checkpointed.tensor_peak - checkpointed.tensor_base) / (plain.tensor_peak - base)):.1f}% cut); "
+          f"with nothing kept at all the cut could reach "
+          f"{100 * (1 - base / plain.tensor_peak):.1f}%")
 
 
 def main() -> None:
@@ -262,11 +281,13 @@ def main() -> None:
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--checkpointing-memory", action="store_true",
                         help="lorapipe's peak RSS with and without gradient checkpointing")
+    parser.add_argument("--batch", type=int, help="batch size (tiny 2, full 1)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--profile", metavar="DIR")
     args = parser.parse_args()
     args.size = args.size or ("full" if args.checkpointing_memory else "tiny")
     args.rounds = args.rounds or SIZES[args.size]["rounds"]
+    args.batch = args.batch or SIZES[args.size]["batch"]
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     binary = os.path.join(args.build, "bin", "trainer_bench")
