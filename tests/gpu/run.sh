@@ -24,9 +24,11 @@
 #   - bench/adamw8bit_bench.py on CUDA with bf16 parameters: lorapipe's kernel against torch's
 #     fused AdamW (and bitsandbytes' CUDA AdamW8bit where present), the memory-bandwidth bound
 #     it is measured against, and paged against plain device memory.
-# Not yet here (issue 10's GPU items): the trainer bench at SD1.5 size on CUDA (s/it, peak
-# allocated memory and MFU at 512^2, batch 1 and 8, bf16, with and without checkpointing) and the
-# sampler's: trainer_bench runs on the CPU only so far.
+#   - bench/trainer_bench.cpp's `solo` step at SD1.5 size on CUDA: 512^2, bf16, batch 1 and 8,
+#     with and without gradient checkpointing; s/it, peak allocated memory and MFU.
+# Not yet here: the sampler's bench (lorapipe-sampler writes PNGs through libvips, whose Debian
+# packages are more than the carry allows), two-rank NCCL training (one GPU cannot hold two NCCL
+# ranks) and a launcher run.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -41,6 +43,7 @@ PACKAGES=(
   libgflags-dev libgflags2.2 libgtest-dev libgmock-dev nlohmann-json3-dev
   liblmdb-dev liblmdb0 libssl-dev libssl3 libicu-dev libicu72 icu-devtools zlib1g-dev
   libgloo-dev  # headers only: the trainer's ranks use the Gloo inside libtorch_cpu
+  libxxhash-dev libxxhash0 libtomlplusplus-dev libtomlplusplus3  # common's hashes; TOML files
 )
 
 if [[ ${1:-} == --prepare ]]; then
@@ -86,7 +89,7 @@ cmake -S "${ROOT}" -B "${BUILD}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLORAPIPE_
   -DCMAKE_CUDA_ARCHITECTURES=90 -DProtobuf_PROTOC_EXECUTABLE="${PREFIX}/usr/bin/protoc" \
   -DCMAKE_INCLUDE_PATH="${PREFIX}/usr/include" -DCMAKE_LIBRARY_PATH="${LIBDIR}" || exit 1
 cmake --build "${BUILD}" --parallel "$(nproc)" --target kernels_test adamw8bit_test models_test \
-  adamw8bit_bench || exit 1
+  adamw8bit_bench trainer_bench || exit 1
 
 step "GPU tests"
 # adamw8bit_test's parity suite needs bitsandbytes in python3; the rest needs nothing more.
@@ -102,6 +105,17 @@ step "bench: AdamW8bit on CUDA, bf16 parameters"
 PYTHONPATH="${ROOT}" python3 "${ROOT}/bench/adamw8bit_bench.py" --build "${BUILD}" --device cuda \
   --dtype bf16 --sizes "${LORAPIPE_GPU_SIZES:-10M,100M,1B}" --rounds 3 --steps 20 \
   | tee "${OUT}/bench.txt" || FAILED+=("adamw8bit_bench")
+
+step "bench: one LoRA training step at SD1.5 size on CUDA, bf16, 512x512"
+# The trainer's own step (trainer::TrainingStep: SDPA attention, bf16 frozen base, fp32 LoRA of
+# rank 16, AdamW) on random weights: s/it, peak allocated memory and MFU (bench/trainer_bench.cpp).
+for batch in 1 8; do
+  for checkpointing in "" --gradient_checkpointing; do
+    # shellcheck disable=SC2086  # an empty flag is no word
+    "${BUILD}/bin/trainer_bench" solo full --device cuda --dtype bf16 --batch "${batch}" \
+      --steps 10 ${checkpointing} | tee -a "${OUT}/bench.txt" || FAILED+=("trainer_bench b${batch}${checkpointing}")
+  done
+done
 
 step "summary"
 if ((${#FAILED[@]})); then
