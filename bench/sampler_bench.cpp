@@ -7,6 +7,16 @@
 // on stdin renders the bench's prompt (seed 0, CFG 7.5) and prints "<wall ms> <CPU ms> <mean
 // pixel>"; at end of input prints "peak_rss <MiB>", the renders' peak (VmHWM restarted after
 // loading).
+//
+//   sampler_bench solo [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16] [--resolution PX]
+//       [--steps N] [--images N] [--sampler NAME] [--threads N]
+//
+// The same render alone, without files or Python (what tests/gpu/run.sh runs on a GPU machine):
+// SD1.5's real UNet, VAE and text encoder at full size on their own random initialisation, in
+// --dtype on --device, with the tiny checkpoint's tokenizer (models/tiny.h; the text encoder keeps
+// CLIP's full vocabulary). After one warm-up render it renders --images images (default 3) and
+// prints s/image, images/s and the peak allocated memory (CUDA's caching allocator on a GPU, the
+// peak RSS on the CPU).
 
 #include <sys/resource.h>
 #include <torch/torch.h>
@@ -18,8 +28,20 @@
 #include <iostream>
 #include <string>
 
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <torch/cuda.h>
+#define LORAPIPE_BENCH_CUDA 1
+#endif
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+
 #include "common/heap.h"
+#include "models/device.h"
 #include "models/pipeline.h"
+#include "models/tiny.h"
 #include "sampler/render.h"
 
 namespace {
@@ -39,9 +61,109 @@ double cpu_ms() {
   return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
+namespace m = lorapipe::models;
+
+int solo(int argc, char** argv) {
+  std::string device_spec = "cpu", dtype_name = "fp32";
+  lorapipe::sampler::RenderRequest request;
+  request.prompt = "a photo of a cat sitting on a wooden table, soft light";
+  request.negative_prompt = "blurry, lowres";
+  request.steps = 20;
+  int images = 3;
+  for (int i = 2; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (i + 1 >= argc) throw std::invalid_argument(flag + " wants a value");
+    const std::string value = argv[++i];
+    if (flag == "--device") {
+      device_spec = value;
+    } else if (flag == "--dtype") {
+      dtype_name = value;
+    } else if (flag == "--resolution") {
+      request.width = request.height = std::stoi(value);
+    } else if (flag == "--steps") {
+      request.steps = std::stoi(value);
+    } else if (flag == "--images") {
+      images = std::stoi(value);
+    } else if (flag == "--sampler") {
+      request.sampler = value;
+    } else if (flag == "--threads") {
+      torch::set_num_threads(std::stoi(value));
+    } else {
+      throw std::invalid_argument("unknown flag '" + flag + "'");
+    }
+  }
+  const std::map<std::string, c10::ScalarType> dtypes{
+      {"fp32", c10::kFloat}, {"bf16", c10::kBFloat16}, {"fp16", c10::kHalf}};
+  if (!dtypes.count(dtype_name)) throw std::invalid_argument("--dtype fp32, bf16 or fp16");
+  const c10::Device device = m::resolve_device(device_spec);
+
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(0);
+  const std::filesystem::path tiny =
+      std::filesystem::temp_directory_path() / ("lorapipe-sampler-bench-" + std::to_string(getpid()));
+  const m::TinyCheckpoint checkpoint = m::write_tiny_checkpoint(tiny);
+  m::StableDiffusion model;
+  model.family = m::model_family("sd15");
+  model.tokenizer = m::ClipTokenizer::from_file(checkpoint.tokenizer);
+  model.tokenizer_path = checkpoint.tokenizer;
+  std::filesystem::remove_all(tiny);
+  model.unet = m::UNet(m::UNetConfig::sd15());
+  model.vae = m::AutoencoderKL(m::VaeConfig::sd15());
+  model.text_encoder = m::ClipTextModel(m::ClipTextConfig::sd15());
+  for (torch::nn::Module* module : std::initializer_list<torch::nn::Module*>{
+           model.unet.ptr().get(), model.vae.ptr().get(), model.text_encoder.ptr().get()}) {
+    module->to(device, dtypes.at(dtype_name));
+    module->eval();
+  }
+  auto synchronize = [&] {
+#ifdef LORAPIPE_BENCH_CUDA
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+#endif
+  };
+  (void)lorapipe::sampler::render(model, request);  // warm-up: kernels chosen, memory cached
+  synchronize();
+#ifdef LORAPIPE_BENCH_CUDA
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+  std::ofstream("/proc/self/clear_refs") << "5";
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < images; ++i) {
+    request.seed = i + 1;
+    (void)lorapipe::sampler::render(model, request);
+  }
+  synchronize();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / images;
+  double peak_mib = status_mib("VmHWM:");
+  const char* what = "peak RSS";
+#ifdef LORAPIPE_BENCH_CUDA
+  if (device.is_cuda()) {
+    peak_mib = static_cast<double>(c10::cuda::CUDACachingAllocator::getDeviceStats(device.index())
+                                       .allocated_bytes[0]
+                                       .peak) /
+               (1 << 20);
+    what = "peak allocated";
+  }
+#endif
+  std::printf("sampler SD1.5 %s %s %dx%d, %d steps %s, CFG %.1f: %.3f s/image, %.3f images/s, "
+              "%s %.0f MiB\n",
+              m::describe_device(device).c_str(), dtype_name.c_str(), request.width,
+              request.height, request.steps, request.sampler.c_str(), request.cfg_scale, seconds,
+              1 / seconds, what, peak_mib);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "solo") {
+    try {
+      return solo(argc, argv);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "sampler_bench: %s\n", e.what());
+      return 1;
+    }
+  }
   // lorapipe-sampler runs on glibc's default heap; --keep-freed measures the trainer's policy
   // (common/heap.h) instead.
   bool keep_freed = false;

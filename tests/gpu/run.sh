@@ -26,9 +26,10 @@
 #     it is measured against, and paged against plain device memory.
 #   - bench/trainer_bench.cpp's `solo` step at SD1.5 size on CUDA: 512^2, bf16, batch 1 and 8,
 #     with and without gradient checkpointing; s/it, peak allocated memory and MFU.
-# Not yet here: the sampler's bench (lorapipe-sampler writes PNGs through libvips, whose Debian
-# packages are more than the carry allows), two-rank NCCL training (one GPU cannot hold two NCCL
-# ranks) and a launcher run.
+#   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps;
+#     s/image and peak allocated memory.
+# Not yet here: two-rank NCCL training (one GPU cannot hold two NCCL ranks) and a launcher run
+# (its stages write images through libvips, whose Debian packages are more than the carry allows).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -89,7 +90,7 @@ cmake -S "${ROOT}" -B "${BUILD}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLORAPIPE_
   -DCMAKE_CUDA_ARCHITECTURES=90 -DProtobuf_PROTOC_EXECUTABLE="${PREFIX}/usr/bin/protoc" \
   -DCMAKE_INCLUDE_PATH="${PREFIX}/usr/include" -DCMAKE_LIBRARY_PATH="${LIBDIR}" || exit 1
 cmake --build "${BUILD}" --parallel "$(nproc)" --target kernels_test adamw8bit_test models_test \
-  adamw8bit_bench trainer_bench || exit 1
+  adamw8bit_bench trainer_bench sampler_bench || exit 1
 
 step "GPU tests"
 # adamw8bit_test's parity suite needs bitsandbytes in python3; the rest needs nothing more.
@@ -116,6 +117,12 @@ for batch in 1 8; do
       --steps 10 ${checkpointing} | tee -a "${OUT}/bench.txt" || FAILED+=("trainer_bench b${batch}${checkpointing}")
   done
 done
+
+step "bench: one preview render at SD1.5 size on CUDA, bf16, 512x512, 20 steps"
+# The sampler's render (sampler/render.h: text encoding, 20 DDIM steps with CFG, the VAE decode)
+# on random full-size weights: s/image and peak allocated memory (bench/sampler_bench.cpp).
+"${BUILD}/bin/sampler_bench" solo --device cuda --dtype bf16 --resolution 512 --steps 20 \
+  --images 5 | tee -a "${OUT}/bench.txt" || FAILED+=("sampler_bench")
 
 step "summary"
 if ((${#FAILED[@]})); then
