@@ -746,7 +746,9 @@ TEST(TrainRanksDevice, EachRankTakesItsLocalGpuAndTheBackendFollows) {
     EXPECT_EQ(trainer::rank_device("auto", env), c10::Device(c10::kCPU));
     return;
   }
-  if (gpus > 1) EXPECT_EQ(trainer::rank_device("auto", env), c10::Device(c10::kCUDA, 1));
+  if (gpus > 1) {
+    EXPECT_EQ(trainer::rank_device("auto", env), c10::Device(c10::kCUDA, 1));
+  }
   EXPECT_EQ(trainer::rank_device("cuda:0", env), c10::Device(c10::kCUDA, 0)) << "an index wins";
   env.local_rank = static_cast<int>(gpus);
   try {
