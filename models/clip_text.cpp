@@ -171,7 +171,7 @@ void load_clip_text(ClipTextModel& model, const std::filesystem::path& folder_or
                                          : folder_or_file;
   const SafetensorsFile weights = SafetensorsFile::open(file);
   // position_ids is a buffer older transformers versions saved; it carries nothing.
-  load_into(*model, read_tensors(weights), file.string(),
+  load_into(*model, weights, file.string(),
             /*optional=*/{"text_model.embeddings.position_ids"});
 }
 

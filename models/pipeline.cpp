@@ -126,6 +126,7 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
       continue;
     }
     torch::Tensor tensor = read_tensor(file, info);
+    file.release(info);  // the copy is what is kept: the mapping need not stay resident too
     // ldm keeps the VAE mid-block attention projections as 1x1 convolutions.
     if (target == &vae && key.find(".mid.attn_1.") != std::string::npos && tensor.dim() == 4) {
       tensor = tensor.flatten(1);

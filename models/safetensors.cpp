@@ -245,6 +245,15 @@ std::string_view SafetensorsFile::bytes(const TensorInfo& tensor) const {
   return {data_ + tensor.begin, tensor.end - tensor.begin};
 }
 
+void SafetensorsFile::release(const TensorInfo& tensor) const {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data_ + tensor.begin);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data_ + tensor.end);
+  const uintptr_t first = (begin + page - 1) / page * page, last = end / page * page;
+  // Advice only: a failure leaves the pages resident, which costs memory, never correctness.
+  if (last > first) (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
 void write_safetensors(const std::filesystem::path& path, const std::vector<TensorToWrite>& tensors,
                        const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();

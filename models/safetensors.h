@@ -67,6 +67,10 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
   const TensorInfo* find(std::string_view name) const;
   std::string_view bytes(const TensorInfo& tensor) const;
+  // Hands the mapped pages that lie wholly inside `tensor`'s bytes back to the kernel (they are
+  // read from the file again if touched): a loader that has copied a tensor out calls it so that
+  // the mapping does not add the file's size to the process's resident memory.
+  void release(const TensorInfo& tensor) const;
 
  private:
   SafetensorsFile() = default;

@@ -664,7 +664,7 @@ void load_unet_diffusers(UNet& unet, const fs::path& folder_or_file) {
   }
   if (!fs::exists(file)) throw InputError(file.string() + ": no such file");
   const SafetensorsFile weights = SafetensorsFile::open(file);
-  load_into(*unet, read_tensors(weights), file.string());
+  load_into(*unet, weights, file.string());
 }
 
 double unet_forward_flops(const UNetConfig& config, int64_t batch, int64_t height, int64_t width,

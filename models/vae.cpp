@@ -243,7 +243,7 @@ void load_vae(AutoencoderKL& vae, const std::filesystem::path& folder_or_file) {
                                          ? folder_or_file / "diffusion_pytorch_model.safetensors"
                                          : folder_or_file;
   const SafetensorsFile weights = SafetensorsFile::open(file);
-  load_into(*vae, read_tensors(weights), file.string());
+  load_into(*vae, weights, file.string());
 }
 
 }  // namespace lorapipe::models

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <sstream>
 
 #include "common/error.h"
@@ -72,31 +73,39 @@ std::map<std::string, torch::Tensor> read_tensors(const SafetensorsFile& file,
   return out;
 }
 
-void load_into(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
-               const std::string& source, const std::set<std::string>& optional) {
+namespace {
+
+// load_into over any source of named tensors: `names` are the tensors there are, `fetch` gives
+// one (called once per parameter or buffer that has a name there), `done` is told when it has
+// been copied in.
+void load_named(torch::nn::Module& module, const std::set<std::string>& names,
+                const std::function<torch::Tensor(const std::string&)>& fetch,
+                const std::function<void(const std::string&)>& done, const std::string& source,
+                const std::set<std::string>& optional) {
   std::vector<std::string> missing;
   std::vector<std::string> misshaped;
   std::set<std::string> used;
   torch::NoGradGuard no_grad;
   auto assign = [&](const std::string& name, torch::Tensor& target) {
-    auto it = tensors.find(name);
-    if (it == tensors.end()) {
+    if (!names.count(name)) {
       if (!optional.count(name)) missing.push_back(name);
       return;
     }
     used.insert(name);
-    if (it->second.sizes() != target.sizes()) {
+    const torch::Tensor tensor = fetch(name);
+    if (tensor.sizes() != target.sizes()) {
       std::ostringstream why;
-      why << name << " " << it->second.sizes() << " (model wants " << target.sizes() << ")";
+      why << name << " " << tensor.sizes() << " (model wants " << target.sizes() << ")";
       misshaped.push_back(why.str());
       return;
     }
-    target.copy_(it->second.to(target.dtype()));
+    target.copy_(tensor.to(target.dtype()));
+    done(name);
   };
   for (auto& item : module.named_parameters(/*recurse=*/true)) assign(item.key(), item.value());
   for (auto& item : module.named_buffers(/*recurse=*/true)) assign(item.key(), item.value());
   std::vector<std::string> unexpected;
-  for (const auto& [name, tensor] : tensors) {
+  for (const std::string& name : names) {
     if (!used.count(name) && !optional.count(name)) unexpected.push_back(name);
   }
   if (missing.empty() && unexpected.empty() && misshaped.empty()) return;
@@ -106,6 +115,26 @@ void load_into(torch::nn::Module& module, const std::map<std::string, torch::Ten
   if (!unexpected.empty()) why << " unexpected " << list_some(unexpected) << ";";
   if (!misshaped.empty()) why << " wrong shape " << list_some(misshaped) << ";";
   throw InputError(why.str());
+}
+
+}  // namespace
+
+void load_into(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
+               const std::string& source, const std::set<std::string>& optional) {
+  std::set<std::string> names;
+  for (const auto& item : tensors) names.insert(item.first);
+  load_named(
+      module, names, [&](const std::string& name) { return tensors.at(name); },
+      [](const std::string&) {}, source, optional);
+}
+
+void load_into(torch::nn::Module& module, const SafetensorsFile& file, const std::string& source,
+               const std::set<std::string>& optional) {
+  std::set<std::string> names;
+  for (const TensorInfo& info : file.tensors()) names.insert(info.name);
+  load_named(
+      module, names, [&](const std::string& name) { return read_tensor(file, *file.find(name)); },
+      [&](const std::string& name) { file.release(*file.find(name)); }, source, optional);
 }
 
 std::vector<TensorToWrite> module_tensors(const torch::nn::Module& module,

@@ -38,6 +38,12 @@ std::map<std::string, torch::Tensor> read_tensors(const SafetensorsFile& file,
 void load_into(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
                const std::string& source, const std::set<std::string>& optional = {});
 
+// The same, straight from `file`, one tensor at a time: each is copied out of the mapping into
+// its parameter and its pages handed back (SafetensorsFile::release), so loading adds about one
+// tensor to the resident memory rather than the file twice over.
+void load_into(torch::nn::Module& module, const SafetensorsFile& file, const std::string& source,
+               const std::set<std::string>& optional = {});
+
 // The module's parameters and buffers as safetensors entries (for writing checkpoints and LoRA
 // files), floating-point ones converted to `dtype` when given. `storage` keeps the CPU copies
 // alive while the entries are used.
