@@ -150,7 +150,17 @@ TEST_F(SamplerRun, OneShotWritesImagesSheetAndGallery) {
   EXPECT_NE(parameters.find("Lora: one:0.70"), std::string::npos) << parameters;
   EXPECT_NE(std::string(b.get_string("png-comment-0-parameters")).find("Negative prompt: blurry"),
             std::string::npos);
-  EXPECT_TRUE(fs::exists(samples / "one_000040_sheet.png"));
+  // The contact sheet holds the very pixels of each image (tiles in a row, each cell as wide as
+  // the widest image plus a 4-pixel shim): libvips builds it lazily, after the renders, so a tile
+  // that did not own its pixels would show whatever memory was reused by then.
+  ASSERT_TRUE(fs::exists(samples / "one_000040_sheet.png"));
+  vips::VImage sheet = vips::VImage::new_from_file((samples / "one_000040_sheet.png").c_str());
+  EXPECT_EQ(sheet.extract_area(0, 0, 64, 64).relational(a, VIPS_OPERATION_RELATIONAL_NOTEQ).max(),
+            0)
+      << "the sheet's first tile differs from one_000040_00.png";
+  EXPECT_EQ(sheet.extract_area(84, 0, 80, 64).relational(b, VIPS_OPERATION_RELATIONAL_NOTEQ).max(),
+            0)
+      << "the sheet's second tile differs from one_000040_01.png";
   EXPECT_TRUE(fs::exists(samples / "index.html"));
   const auto index = nlohmann::json::parse(read_text(samples / "samples.json"));
   ASSERT_EQ(index["checkpoints"].size(), 1u);
