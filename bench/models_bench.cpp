@@ -6,7 +6,12 @@
 // line, so that bench/models_bench.py can interleave its steps with the reference's:
 //   step          run the work once, print its wall and CPU milliseconds
 //   profile PATH  run it once under the autograd profiler, write a chrome trace to PATH
-// At end of input it prints "peak_rss <MiB>". The UNet runs under the trainer's heap policy
+// At end of input it prints "peak_rss <MiB>".
+// Loading, one command each:
+//   models_bench checkpoint FILE [fp16]   writes SD1.5 at full size, random weights, as one
+//                                         original-layout file (what most users download)
+//   models_bench load PATH                loads a single file or diffusers folder, fp32 on the
+//                                         CPU, and prints the weights' size and the peak RSS The UNet runs under the trainer's heap policy
 // (common/heap.h) unless LORAPIPE_BENCH_DEFAULT_HEAP is set; the VAE, the cacher's work, under
 // glibc's default heap, as the cacher does. Nothing here is a test.
 #include <sys/resource.h>
@@ -21,6 +26,8 @@
 #include <torch/torch.h>
 
 #include "common/heap.h"
+#include "models/family.h"
+#include "models/pipeline.h"
 #include "models/safetensors.h"
 #include "models/unet.h"
 #include "models/vae.h"
@@ -106,6 +113,30 @@ int main(int argc, char** argv) {
     const torch::Tensor timestep = torch::tensor({500});
     return serve([&] { unet->forward(latents, timestep, context).square().mean().backward(); });
   }
-  std::fprintf(stderr, "usage: models_bench vae|unet [WEIGHTS]\n");
+  if (what == "checkpoint" && !weights_out.empty()) {
+    m::StableDiffusion sd;
+    sd.family = m::model_family("sd15");
+    sd.unet = m::UNet(m::UNetConfig::sd15());
+    sd.vae = m::AutoencoderKL(m::VaeConfig::sd15());
+    sd.text_encoder = m::ClipTextModel(m::ClipTextConfig::sd15());
+    const bool half = argc > 3 && std::string(argv[3]) == "fp16";
+    m::save_single_file(sd, weights_out, half ? torch::kHalf : torch::kFloat);
+    return 0;
+  }
+  if (what == "load" && !weights_out.empty()) {
+    const m::StableDiffusion sd = m::load_stable_diffusion(weights_out);
+    double bytes = 0;
+    for (const torch::nn::Module* module :
+         {static_cast<const torch::nn::Module*>(sd.unet.get()),
+          static_cast<const torch::nn::Module*>(sd.vae.get()),
+          static_cast<const torch::nn::Module*>(sd.text_encoder.get())}) {
+      for (const auto& p : module->parameters()) bytes += static_cast<double>(p.nbytes());
+      for (const auto& b : module->buffers()) bytes += static_cast<double>(b.nbytes());
+    }
+    std::printf("loaded %s: weights %.0f MiB, peak_rss %.0f MiB\n", weights_out.c_str(),
+                bytes / (1 << 20), peak_rss_mib());
+    return 0;
+  }
+  std::fprintf(stderr, "usage: models_bench vae|unet [WEIGHTS] | checkpoint FILE [fp16] | load PATH\n");
   return 2;
 }

@@ -103,12 +103,14 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
   const KeyMap unet_map = sd15_unet_key_map(layout_of(unet_config));
   const KeyMap vae_map = sd15_vae_key_map(layout_of(vae_config));
   const KeyMap text_map = sd15_text_key_map();
-  std::map<std::string, torch::Tensor> unet, vae, text;
+  // Each component's diffusers names mapped to the file's tensors; nothing is read until every
+  // key is known to belong somewhere, and then one tensor at a time (load_into).
+  std::map<std::string, const TensorInfo*> unet, vae, text;
   std::vector<std::string> unknown;
   for (const TensorInfo& info : file.tensors()) {
     const std::string& key = info.name;
     std::optional<std::string> name;
-    std::map<std::string, torch::Tensor>* target = nullptr;
+    std::map<std::string, const TensorInfo*>* target = nullptr;
     if (key.rfind(kLdmUnetPrefix, 0) == 0) {
       name = unet_map.to_diffusers(key), target = &unet;
     } else if (key.rfind(kLdmVaePrefix, 0) == 0) {
@@ -125,13 +127,7 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
       unknown.push_back(key);
       continue;
     }
-    torch::Tensor tensor = read_tensor(file, info);
-    file.release(info);  // the copy is what is kept: the mapping need not stay resident too
-    // ldm keeps the VAE mid-block attention projections as 1x1 convolutions.
-    if (target == &vae && key.find(".mid.attn_1.") != std::string::npos && tensor.dim() == 4) {
-      tensor = tensor.flatten(1);
-    }
-    (*target)[*name] = std::move(tensor);
+    (*target)[*name] = &info;
   }
   if (!unknown.empty()) {
     std::string list;
@@ -144,9 +140,15 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
                            << " entries that carry no weights we use (EMA copies, noise "
                               "schedule, position_ids)";
   }
-  if (options.load_unet) load_into(*sd.unet, unet, sd.source + " (unet)");
-  load_into(*sd.vae, vae, sd.source + " (vae)");
-  load_into(*sd.text_encoder, text, sd.source + " (text encoder)");
+  if (options.load_unet) load_into(*sd.unet, file, unet, sd.source + " (unet)");
+  // ldm keeps the VAE mid-block attention projections as 1x1 convolutions.
+  const AdaptTensor vae_attention = [](const TensorInfo& info, torch::Tensor tensor) {
+    const bool conv_projection =
+        info.name.find(".mid.attn_1.") != std::string::npos && tensor.dim() == 4;
+    return conv_projection ? tensor.flatten(1) : tensor;
+  };
+  load_into(*sd.vae, file, vae, sd.source + " (vae)", vae_attention);
+  load_into(*sd.text_encoder, file, text, sd.source + " (text encoder)");
   if (!options.tokenizer.empty()) {
     sd.tokenizer = ClipTokenizer::from_file(options.tokenizer);
     sd.tokenizer_path = options.tokenizer;

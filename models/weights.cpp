@@ -137,6 +137,21 @@ void load_into(torch::nn::Module& module, const SafetensorsFile& file, const std
       [&](const std::string& name) { file.release(*file.find(name)); }, source, optional);
 }
 
+void load_into(torch::nn::Module& module, const SafetensorsFile& file,
+               const std::map<std::string, const TensorInfo*>& names, const std::string& source,
+               const AdaptTensor& adapt, const std::set<std::string>& optional) {
+  std::set<std::string> keys;
+  for (const auto& item : names) keys.insert(item.first);
+  load_named(
+      module, keys,
+      [&](const std::string& name) {
+        const TensorInfo& info = *names.at(name);
+        torch::Tensor tensor = read_tensor(file, info);
+        return adapt ? adapt(info, std::move(tensor)) : tensor;
+      },
+      [&](const std::string& name) { file.release(*names.at(name)); }, source, optional);
+}
+
 std::vector<TensorToWrite> module_tensors(const torch::nn::Module& module,
                                           std::vector<torch::Tensor>& storage,
                                           const std::string& prefix,

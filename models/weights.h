@@ -44,6 +44,14 @@ void load_into(torch::nn::Module& module, const std::map<std::string, torch::Ten
 void load_into(torch::nn::Module& module, const SafetensorsFile& file, const std::string& source,
                const std::set<std::string>& optional = {});
 
+// The same, for a file that names its tensors otherwise (the original ldm single file):
+// `names` maps each name the module knows to the file's tensor, and `adapt`, when given, turns a
+// tensor as read into the shape the module wants. Still one tensor resident at a time.
+using AdaptTensor = std::function<torch::Tensor(const TensorInfo&, torch::Tensor)>;
+void load_into(torch::nn::Module& module, const SafetensorsFile& file,
+               const std::map<std::string, const TensorInfo*>& names, const std::string& source,
+               const AdaptTensor& adapt = nullptr, const std::set<std::string>& optional = {});
+
 // The module's parameters and buffers as safetensors entries (for writing checkpoints and LoRA
 // files), floating-point ones converted to `dtype` when given. `storage` keeps the CPU copies
 // alive while the entries are used.
