@@ -12,7 +12,8 @@
 
 DEFINE_string(cache_dir, "", "Cache folder (default: $LORAPIPE_CACHE_DIR or ~/.cache/lorapipe/cache)");
 DEFINE_string(model, "", "Base model: single .safetensors (original layout) or diffusers folder");
-DEFINE_string(tokenizer, "", "CLIP vocabulary for single-file models (folder, merges.txt or .gz)");
+DEFINE_string(tokenizer, "",
+              "Another CLIP vocabulary (folder, merges.txt or .gz); CLIP's own is built in");
 DEFINE_string(device, "auto", "auto, cpu, cuda or cuda:N");
 DEFINE_string(dtype, "fp32", "Compute dtype: fp32, fp16 or bf16 (records are stored in fp16)");
 DEFINE_int32(vae_batch_size, 4, "Images per VAE batch (one bucket at a time)");

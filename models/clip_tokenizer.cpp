@@ -648,7 +648,20 @@ ClipTokenizer ClipTokenizer::from_file(const fs::path& path) {
     throw InputError(path.string() + ": no such CLIP vocabulary file or tokenizer folder");
   }
 
-  std::string bytes = read_file(merges_path);
+  return from_merges(read_file(merges_path), merges_path, vocab_path);
+}
+
+ClipTokenizer ClipTokenizer::builtin() {
+  const std::string_view bytes = builtin_vocabulary();
+  if (bytes.empty()) {
+    throw Error("this build of lorapipe has no built-in CLIP vocabulary (configured without "
+                "open_clip_torch): give --tokenizer");
+  }
+  return from_merges(std::string(bytes), fs::path("<built-in>") / kBuiltinName, std::nullopt);
+}
+
+ClipTokenizer ClipTokenizer::from_merges(std::string bytes, const fs::path& merges_path,
+                                         const std::optional<fs::path>& vocab_path) {
   if (bytes.size() >= 2 && static_cast<unsigned char>(bytes[0]) == 0x1F &&
       static_cast<unsigned char>(bytes[1]) == 0x8B) {
     bytes = gunzip(bytes, merges_path);

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -56,6 +57,15 @@ class ClipTokenizer {
   // Throws lorapipe::InputError naming the file when it is missing, unreadable, not gzip/UTF-8
   // text as expected, has a malformed merge line, or a vocabulary without the two special tokens.
   static ClipTokenizer from_file(const std::filesystem::path& path);
+
+  // CLIP's own vocabulary (open_clip's bpe_simple_vocab_16e6.txt.gz, the one SD1.x was trained
+  // with), built into lorapipe at configure time from the open_clip_torch wheel that
+  // scripts/deps.sh installs beside torch, so a single-file checkpoint needs no --tokenizer.
+  // Empty when this build has none (configured without that wheel).
+  static constexpr const char* kBuiltinName = "bpe_simple_vocab_16e6.txt.gz";
+  static std::string_view builtin_vocabulary();
+  // The tokenizer of builtin_vocabulary(); throws lorapipe::Error when the build has none.
+  static ClipTokenizer builtin();
 
   ClipTokenizer(ClipTokenizer&&) noexcept;
   ClipTokenizer& operator=(ClipTokenizer&&) noexcept;
@@ -93,6 +103,10 @@ class ClipTokenizer {
   struct Cache;
 
   ClipTokenizer();
+  // `bytes` holds the merges (gzip or plain); `vocab_path` the vocab.json, when there is one.
+  // `source` names what the bytes came from in errors.
+  static ClipTokenizer from_merges(std::string bytes, const std::filesystem::path& source,
+                                   const std::optional<std::filesystem::path>& vocab_path);
   int32_t symbol_id(const std::string& text);
   void bpe(const std::string& word, std::vector<int32_t>* ids) const;
   std::vector<int32_t> bpe_uncached(const std::string& word) const;

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -198,6 +199,25 @@ TEST_F(ClipTokenizerParity, LoadsDiffusersFolderAndPlainMerges) {
     }
     EXPECT_EQ(mismatches, 0);
   }
+}
+
+// The vocabulary built into lorapipe (for single files without --tokenizer) is open_clip's file
+// byte for byte, and tokenizes every case as that file does (and so as transformers does).
+TEST_F(ClipTokenizerParity, BuiltInVocabularyIsOpenClipsFile) {
+  std::ifstream in((*reference_)["vocab_gz"].get<std::string>(), std::ios::binary);
+  const std::string file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_FALSE(ClipTokenizer::builtin_vocabulary().empty())
+      << "this build has no built-in CLIP vocabulary: scripts/deps.sh installs open_clip_torch "
+         "for the build to embed";
+  EXPECT_TRUE(ClipTokenizer::builtin_vocabulary() == file) << "the built-in bytes differ";
+  const ClipTokenizer builtin = ClipTokenizer::builtin();
+  EXPECT_EQ(builtin.vocab_size(), tokenizer_->vocab_size());
+  int mismatches = 0;
+  for (const json& c : cases()) {
+    const std::string text = c["text"];
+    if (builtin.encode(text) != tokenizer_->encode(text)) ++mismatches;
+  }
+  EXPECT_EQ(mismatches, 0);
 }
 
 // clip_tokenizer_tables.inc is what make_clip_tokenizer_tables.py writes with the test venv's

@@ -26,6 +26,12 @@ std::string weights_fingerprint(const torch::nn::Module& module, const std::stri
   return hasher.digest().hex();
 }
 
+std::string tokenizer_fingerprint(std::string_view file_name, std::string_view bytes) {
+  Hasher hasher;
+  hasher.field(file_name).field(bytes);
+  return hasher.digest().hex();
+}
+
 std::string tokenizer_fingerprint(const std::filesystem::path& path) {
   namespace fs = std::filesystem;
   Hasher hasher;
@@ -44,9 +50,9 @@ std::string tokenizer_fingerprint(const std::filesystem::path& path) {
   return hasher.digest().hex();
 }
 
-std::string text_encoder_settings(int clip_skip, const std::filesystem::path& tokenizer) {
+std::string text_encoder_settings(int clip_skip, const std::string& tokenizer_fingerprint) {
   return "clip_skip=" + std::to_string(clip_skip) + ";max_length=77;tokenizer=" +
-         tokenizer_fingerprint(tokenizer);
+         tokenizer_fingerprint;
 }
 
 }  // namespace lorapipe::models

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <string>
+#include <string_view>
 
 namespace torch::nn {
 class Module;
@@ -19,10 +20,13 @@ std::string weights_fingerprint(const torch::nn::Module& module, const std::stri
 // What identifies a tokenizer in text keys: the bytes it was loaded from (vocab.json and
 // merges.txt of a folder, or the one vocabulary file).
 std::string tokenizer_fingerprint(const std::filesystem::path& path);
+// The same for one vocabulary file given by its name and bytes (the built-in vocabulary has the
+// fingerprint of the file it was built from).
+std::string tokenizer_fingerprint(std::string_view file_name, std::string_view bytes);
 
 // The settings that shape a text encoder's output, as the cacher folds them into its
 // fingerprint: clip skip, max length and the tokenizer. The trainer recomputes them to check that
 // cached text was made by the text encoder it trains with.
-std::string text_encoder_settings(int clip_skip, const std::filesystem::path& tokenizer);
+std::string text_encoder_settings(int clip_skip, const std::string& tokenizer_fingerprint);
 
 }  // namespace lorapipe::models

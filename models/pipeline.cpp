@@ -78,6 +78,23 @@ void build(StableDiffusion& sd, const UNetConfig& unet, const VaeConfig& vae,
   }
 }
 
+// The tokenizer from `path`; without one, CLIP's built-in vocabulary when this build has it and
+// the text encoder has CLIP's 49408 ids (every SD1.x checkpoint); else none, and tokenize() asks
+// for --tokenizer.
+void attach_tokenizer(StableDiffusion& sd, const fs::path& path) {
+  if (!path.empty()) {
+    sd.tokenizer = ClipTokenizer::from_file(path);
+    sd.tokenizer_path = path;
+    return;
+  }
+  if (ClipTokenizer::builtin_vocabulary().empty()) return;
+  ClipTokenizer builtin = ClipTokenizer::builtin();
+  if (static_cast<int64_t>(builtin.vocab_size()) != sd.text_encoder->config().vocab_size) return;
+  sd.tokenizer = std::move(builtin);
+  sd.builtin_tokenizer = true;
+  LP_LOG(kInfo, kLog) << sd.source << ": no tokenizer given, using CLIP's vocabulary (built in)";
+}
+
 StableDiffusion load_single_file(const fs::path& path, const LoadOptions& options) {
   const SafetensorsFile file = SafetensorsFile::open(path);
   StableDiffusion sd;
@@ -149,10 +166,7 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
   };
   load_into(*sd.vae, file, vae, sd.source + " (vae)", vae_attention);
   load_into(*sd.text_encoder, file, text, sd.source + " (text encoder)");
-  if (!options.tokenizer.empty()) {
-    sd.tokenizer = ClipTokenizer::from_file(options.tokenizer);
-    sd.tokenizer_path = options.tokenizer;
-  }
+  attach_tokenizer(sd, options.tokenizer);
   return sd;
 }
 
@@ -176,10 +190,9 @@ StableDiffusion load_diffusers_folder(const fs::path& folder, const LoadOptions&
   if (options.load_unet) load_unet_diffusers(sd.unet, folder / "unet");
   load_vae(sd.vae, folder / "vae");
   load_clip_text(sd.text_encoder, folder / "text_encoder");
-  sd.tokenizer_path = !options.tokenizer.empty()               ? options.tokenizer
+  attach_tokenizer(sd, !options.tokenizer.empty()               ? options.tokenizer
                       : fs::is_directory(folder / "tokenizer") ? folder / "tokenizer"
-                                                               : fs::path();
-  if (!sd.tokenizer_path.empty()) sd.tokenizer = ClipTokenizer::from_file(sd.tokenizer_path);
+                                                               : fs::path());
   return sd;
 }
 
@@ -317,8 +330,9 @@ at::Tensor StableDiffusion::tokenize(const std::vector<std::string>& captions,
                                      int max_token_length) const {
   if (!tokenizer) {
     throw InputError(source +
-                     " has no tokenizer: pass --tokenizer (a diffusers tokenizer/ "
-                     "folder, a merges.txt or bpe_simple_vocab_16e6.txt.gz)");
+                     " has no tokenizer and its text encoder is not CLIP's size, so the built-in "
+                     "vocabulary does not fit: pass --tokenizer (a diffusers tokenizer/ folder, a "
+                     "merges.txt or bpe_simple_vocab_16e6.txt.gz)");
   }
   const int per_chunk = family.text.max_length - 2;  // 75 tokens between BOS and EOS
   if (max_token_length == 0) {  // the smallest of kohya's lengths that holds every caption
@@ -358,7 +372,10 @@ at::Tensor StableDiffusion::decode_latents(const at::Tensor& latents) {
 }
 
 std::string StableDiffusion::text_encoder_settings(int clip_skip) const {
-  return models::text_encoder_settings(clip_skip, tokenizer_path);
+  return models::text_encoder_settings(
+      clip_skip, builtin_tokenizer ? tokenizer_fingerprint(ClipTokenizer::kBuiltinName,
+                                                           ClipTokenizer::builtin_vocabulary())
+                                   : tokenizer_fingerprint(tokenizer_path));
 }
 
 at::Tensor StableDiffusion::denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,

@@ -27,7 +27,8 @@ struct LoadOptions {
   c10::ScalarType dtype = c10::kFloat;
   std::string family = "sd15";
   // The CLIP vocabulary for a checkpoint that carries none (single files never do): open_clip's
-  // bpe_simple_vocab_16e6.txt.gz, a merges.txt, or a diffusers tokenizer/ folder.
+  // bpe_simple_vocab_16e6.txt.gz, a merges.txt, or a diffusers tokenizer/ folder. Empty takes
+  // the checkpoint's own, else CLIP's built-in one (ClipTokenizer::builtin) when it fits.
   std::filesystem::path tokenizer;
   // The cacher needs only the VAE and the text encoder: false leaves `unet` empty and reads none
   // of its weights.
@@ -42,6 +43,7 @@ struct StableDiffusion : DiffusionModel {
   ClipTextModel text_encoder{nullptr};
   std::optional<ClipTokenizer> tokenizer;
   std::filesystem::path tokenizer_path;  // where the tokenizer came from
+  bool builtin_tokenizer = false;        // CLIP's vocabulary built into lorapipe, no path
   std::string source;
   int skipped_keys = 0;  // known extras of a single file that were not loaded (EMA, schedule)
 

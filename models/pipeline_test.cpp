@@ -174,5 +174,40 @@ TEST_F(PipelineParity, BadConfigsNameTheirFile) {
   }
 }
 
+// A single file without --tokenizer takes CLIP's built-in vocabulary when its text encoder has
+// CLIP's 49408 ids, and its text keys are those of the vocabulary file given by path; a text
+// encoder of another size gets none, and tokenizing asks for --tokenizer.
+TEST_F(PipelineParity, SingleFileTakesTheBuiltInClipVocabularyWhenItFits) {
+  ASSERT_FALSE(ClipTokenizer::builtin_vocabulary().empty()) << "no built-in CLIP vocabulary";
+  StableDiffusion model = load_stable_diffusion(tiny_.diffusers);
+  ClipTextConfig clip_size = model.text_encoder->config();
+  clip_size.vocab_size = 49408;
+  model.text_encoder = ClipTextModel(clip_size);
+  const fs::path file = dir_ / "clip-size.safetensors";
+  save_single_file(model, file);
+
+  const StableDiffusion builtin = load_stable_diffusion(file);
+  ASSERT_TRUE(builtin.has_tokenizer());
+  EXPECT_TRUE(builtin.builtin_tokenizer);
+  const fs::path vocab = dir_ / ClipTokenizer::kBuiltinName;
+  std::ofstream(vocab, std::ios::binary) << ClipTokenizer::builtin_vocabulary();
+  LoadOptions given;
+  given.tokenizer = vocab;
+  const StableDiffusion by_path = load_stable_diffusion(file, given);
+  EXPECT_FALSE(by_path.builtin_tokenizer);
+  EXPECT_EQ(builtin.text_encoder_settings(1), by_path.text_encoder_settings(1));
+  EXPECT_TRUE(torch::equal(builtin.tokenize({"a red circle, 3 blue squares"}),
+                           by_path.tokenize({"a red circle, 3 blue squares"})));
+
+  const StableDiffusion tiny_vocab = load_stable_diffusion(tiny_.single_file);
+  EXPECT_FALSE(tiny_vocab.has_tokenizer());
+  try {
+    tiny_vocab.tokenize({"a red circle"});
+    FAIL() << "a model without a tokenizer tokenized";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--tokenizer"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace lorapipe::models

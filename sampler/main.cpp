@@ -15,7 +15,8 @@
 DEFINE_string(pretrained_model_name_or_path, "",
               "Base model: single .safetensors or diffusers folder");
 DEFINE_string(model, "", "Alias of --pretrained_model_name_or_path");
-DEFINE_string(tokenizer, "", "CLIP vocabulary for single-file models (folder, merges.txt or .gz)");
+DEFINE_string(tokenizer, "",
+              "Another CLIP vocabulary (folder, merges.txt or .gz); CLIP's own is built in");
 DEFINE_string(sample_prompts, "", "kohya prompt file: .txt, .toml or .json");
 DEFINE_string(output_dir, "", "Run folder: images go to OUTPUT_DIR/samples/");
 DEFINE_string(lora, "", "One shot: FILE[:multiplier][,FILE[:multiplier]...] merged together");

