@@ -336,6 +336,42 @@ TEST_F(TrainRunTest, SavesNamedAsKohyaWithRetention) {
   EXPECT_TRUE(events);
 }
 
+// Gradient accumulation stops at the end of each epoch (accelerate syncs at the end of kohya's
+// dataloader), so an epoch is ceil(batches / accumulation) steps and ends on a step: with an
+// accumulation that does not divide the batches, every epoch save still happens. And
+// --save_last_n_epochs keeps the last N epoch saves, spaced --save_every_n_epochs apart.
+TEST_F(TrainRunTest, EpochsEndOnStepsUnderAccumulationAndKeepTheLastEpochSaves) {
+  const TrainRun probe = run(work_ / "probe", {"--max_train_steps=1", "--train_batch_size=2"});
+  ASSERT_EQ(probe.exit, 0) << probe.err;
+  const std::string probe_log = probe.out + probe.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(probe_log, m, std::regex(R"((\d+) batches and)"))) << probe_log;
+  const int batches = std::stoi(m[1]);
+  int accumulation = 2;
+  while (batches % accumulation == 0) ++accumulation;
+  const int steps_per_epoch = (batches + accumulation - 1) / accumulation;
+
+  const TrainRun r =
+      run(work_, {"--train_batch_size=2", "--max_train_epochs=5",
+                  "--gradient_accumulation_steps=" + std::to_string(accumulation),
+                  "--save_every_n_epochs=2", "--save_last_n_epochs=2"});
+  ASSERT_EQ(r.exit, 0) << r.err;
+  const std::string log = r.out + r.err;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex(R"((\d+) steps per epoch; (\d+) steps in all)")))
+      << log;
+  EXPECT_EQ(std::stoi(m[1]), steps_per_epoch) << batches << " batches, accumulation " << accumulation;
+  std::printf("[epochs] %d batches, accumulation %d: %d steps per epoch\n", batches, accumulation,
+              steps_per_epoch);
+  EXPECT_EQ(std::stoi(m[2]), 5 * steps_per_epoch);
+  // Saves at epochs 2 and 4, both kept: saving 4 drops only 4 - 2 * 2 = 0 (dropping 4 - 2 would
+  // keep one save, not two). Epoch 5 is the final save.
+  const fs::path lora = work_ / "lora";
+  EXPECT_TRUE(fs::exists(lora / "tiny-000002.safetensors")) << "one of the last 2 epoch saves";
+  EXPECT_TRUE(fs::exists(lora / "tiny-000004.safetensors")) << log;
+  EXPECT_FALSE(fs::exists(lora / "tiny-000005.safetensors")) << "the last epoch is the final save";
+  EXPECT_TRUE(fs::exists(lora / "tiny.safetensors"));
+}
+
 // Each bad input: a clear message naming what is wrong, a non-zero exit, before any compute.
 TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
@@ -348,6 +384,9 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--mixed_precision=fp8"}, "fp8"},
       {{"--network_args", "conv_rank=4"}, "conv_rank"},
       {{"--no_such_flag=1"}, "no_such_flag"},
+      {{"--lr_scheduler=constant", "--lr_warmup_steps=10"}, "constant_with_warmup"},
+      {{"--lr_scheduler=polynomial", "--learning_rate=0"}, "--lr_scheduler=polynomial"},
+      {{"--adaptive_noise_scale=0.01"}, "--adaptive_noise_scale needs --noise_offset"},
       {{"--dataset_id=nope"}, "no manifest 'nope'"},
   };
   for (const auto& [flags, expected] : cases) {

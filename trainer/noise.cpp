@@ -80,11 +80,10 @@ at::Tensor draw_noise(const at::Tensor& latents, const NoiseOptions& options,
     // weighted discount^i, then renormalise to unit std.
     const int64_t b = noise.size(0), c = noise.size(1);
     const int64_t full_h = noise.size(2), full_w = noise.size(3);
-    int64_t h = full_h, w = full_w;
     for (int i = 0; i < options.multires_noise_iterations; ++i) {
       const double r = at::rand({1}, generator, cpu).item<double>() * 2 + 2;
-      h = std::max<int64_t>(1, static_cast<int64_t>(h / std::pow(r, i)));
-      w = std::max<int64_t>(1, static_cast<int64_t>(w / std::pow(r, i)));
+      const int64_t h = pyramid_level_size(full_h, r, i);
+      const int64_t w = pyramid_level_size(full_w, r, i);
       const at::Tensor level = at::randn({b, c, h, w}, generator, cpu);
       noise = noise + at::upsample_bilinear2d(level, {full_h, full_w}, /*align_corners=*/false) *
                           std::pow(options.multires_noise_discount, i);
@@ -93,6 +92,10 @@ at::Tensor draw_noise(const at::Tensor& latents, const NoiseOptions& options,
     noise = noise / noise.std();
   }
   return noise.to(latents.device(), latents.scalar_type());
+}
+
+int64_t pyramid_level_size(int64_t full, double r, int level) {
+  return std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(full) / std::pow(r, level)));
 }
 
 at::Tensor draw_timesteps(int64_t batch, const NoiseOptions& options, at::Generator generator,

@@ -58,6 +58,10 @@ struct NoiseOptions {
 // with multires noise, kohya's pyramid_noise_like.
 at::Tensor draw_noise(const at::Tensor& latents, const NoiseOptions& options,
                       at::Generator generator);
+// The side of multires (pyramid) noise level `level` with ratio `r` on a latent side `full`:
+// kohya's max(1, int(full / r**level)), always of the full side (levels do not compound).
+int64_t pyramid_level_size(int64_t full, double r, int level);
+
 // Uniform timesteps in [min_timestep, max_timestep), [batch] int64.
 at::Tensor draw_timesteps(int64_t batch, const NoiseOptions& options, at::Generator generator,
                           const at::Device& device);

@@ -24,6 +24,7 @@
 #include "models/tiny.h"
 #include "trainer/lora_file.h"
 #include "trainer/lora_network.h"
+#include "trainer/noise.h"
 #include "trainer/step.h"
 
 namespace lorapipe::trainer {
@@ -289,6 +290,16 @@ class TrainParity : public ::testing::Test {
 
 fs::path* TrainParity::dir_ = nullptr;
 models::TinyCheckpoint* TrainParity::tiny_ = nullptr;
+
+// kohya's pyramid_noise_like sizes every level from the full latent side,
+// max(1, int(side / r**i)), so with r = 3 a 64-wide latent gets levels 64, 21, 7, 2, 1 (dividing
+// the previous level instead would give 64, 21, 2, 1 and lose the middle frequencies).
+TEST(TrainNoise, PyramidLevelsAreSizedFromTheFullSide) {
+  std::vector<int64_t> sides;
+  for (int i = 0; i < 6; ++i) sides.push_back(pyramid_level_size(64, 3.0, i));
+  EXPECT_EQ(sides, (std::vector<int64_t>{64, 21, 7, 2, 1, 1}));
+  EXPECT_EQ(pyramid_level_size(96, 2.5, 2), 15);  // int(96 / 6.25) = int(15.36)
+}
 
 TEST_F(TrainParity, OneStepEpsilonWithMinSnrAndNoiseOffset) {
   run_scenario(Scenario{}, "eps", /*final_weights=*/true);

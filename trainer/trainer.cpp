@@ -49,8 +49,17 @@ namespace {
 
 constexpr std::string_view kLog = "trainer";
 constexpr int kPrefetchDepth = 2;
-// kohya's validation timesteps (train_network.py, fixed so validation losses compare).
-constexpr int64_t kValidationTimesteps[] = {200, 400, 600, 800};
+// kohya's validation timesteps (train_network.py): four, evenly inside [min_timestep,
+// max_timestep] (np.linspace(min, max, 6, dtype=int)[1:-1]; 200, 400, 600, 800 by default), fixed
+// so validation losses compare.
+std::vector<int64_t> validation_timesteps(const NoiseOptions& noise) {
+  std::vector<int64_t> out;
+  const double step = static_cast<double>(noise.max_timestep - noise.min_timestep) / 5.0;
+  for (int k = 1; k <= 4; ++k) {
+    out.push_back(static_cast<int64_t>(std::floor(static_cast<double>(noise.min_timestep) + k * step)));
+  }
+  return out;
+}
 
 c10::ScalarType precision(const std::string& name, const char* flag) {
   if (name == "no" || name == "float" || name == "fp32") return torch::kFloat;
@@ -201,6 +210,14 @@ void validate(const Options& o) {
   precision(o.save_precision, "--save_precision");
   LrScheduleOptions schedule = o.step.schedule;
   trainer::validate(schedule);
+  // What kohya refuses at start rather than train with silently.
+  need(!(schedule.name == "constant" && o.lr_warmup_steps > 0),
+       "--lr_scheduler=constant takes no --lr_warmup_steps: use constant_with_warmup");
+  need(!(schedule.name == "polynomial" && lr.learning_rate <= schedule.lr_end),
+       "--lr_scheduler=polynomial decays to " + number(schedule.lr_end) +
+           ": --learning_rate=" + number(lr.learning_rate) + " must be above it");
+  need(o.step.noise.adaptive_noise_scale == 0 || o.step.noise.noise_offset > 0,
+       "--adaptive_noise_scale needs --noise_offset");
   (void)elementwise_loss(torch::zeros({1}), torch::zeros({1}), o.step.loss_type, torch::ones({1}));
   OptimizerOptions optimizer = o.step.optimizer;
   (void)make_optimizer(optimizer,
@@ -541,7 +558,7 @@ double Run::validation_loss() {
   for (size_t i = 0; i < validation_.size(); ++i) {
     const MicroBatch batch = to_micro_batch(validation_[i]);
     const models::Conditioning conditioning = step_->conditioning(batch);
-    for (int64_t t : kValidationTimesteps) {
+    for (int64_t t : validation_timesteps(o_.step.noise)) {
       at::Generator g = generator_for(o_.validation_seed, static_cast<int64_t>(i), t, "val-noise");
       const torch::Tensor latents = batch.latents.to(device_);
       const torch::Tensor noise = at::randn(latents.sizes(), g, torch::kFloat).to(device_);
@@ -740,6 +757,7 @@ void Run::load_state(const fs::path& dir) {
                       << ", epoch " << epoch_;
 }
 
+// 0 for `step` or `epoch` leaves that kind of save alone.
 void Run::retain(int64_t step, int64_t epoch) {
   if (!main_) return;
   // kohya's --save_last_n_steps / --save_last_n_epochs: older periodic saves are removed.
@@ -755,8 +773,9 @@ void Run::retain(int64_t step, int64_t epoch) {
       fs::remove_all(state_dir / (o_.output_name + name));
     }
   }
-  if (o_.save_last_n_epochs > 0 && o_.save_every_n_epochs > 0) {
-    for (int64_t e = epoch - o_.save_last_n_epochs; e > 0; --e) {
+  // kohya keeps the last N epoch saves: saving epoch e removes e - every * N, and older ones.
+  if (epoch > 0 && o_.save_last_n_epochs > 0 && o_.save_every_n_epochs > 0) {
+    for (int64_t e = epoch - o_.save_every_n_epochs * o_.save_last_n_epochs; e > 0; --e) {
       std::snprintf(name, sizeof name, "-%06lld", static_cast<long long>(e));
       fs::remove(lora_dir / (o_.output_name + name + ".safetensors"));
       fs::remove_all(state_dir / (o_.output_name + name));
@@ -944,6 +963,7 @@ Summary Run::train_steps() {
       start_sum = epoch_loss_sum_, start_count = epoch_loss_count_;
       double wait_ms = 0;
       double loss_sum = 0;
+      int64_t micro_batches = 0;
       bool bad = false;
       for (int64_t micro = 0; micro < accumulation; ++micro) {
         const auto wait_started = Clock::now();
@@ -979,12 +999,17 @@ Summary Run::train_steps() {
                               generator_for(o_.seed, prepared.epoch, prepared.index, "noise"));
         if (!std::isfinite(loss)) bad = true;
         loss_sum += loss;
+        ++micro_batches;
+        // An epoch's last batch ends the step, as accelerate syncs at the end of kohya's
+        // dataloader: a short step's gradients keep their 1/accumulation scale, and epochs end
+        // on steps (steps_per_epoch above).
+        if (next_index_ >= batches) break;
       }
       // Ranks: each loss is its rows' share, so the sum is the global batch's; a non-finite loss
       // on any rank makes every rank skip the step.
       if (ranks_) loss_sum = ranks_->sum(loss_sum);
       if (!std::isfinite(loss_sum)) bad = true;
-      const double loss = loss_sum / static_cast<double>(accumulation);
+      const double loss = loss_sum / static_cast<double>(micro_batches);
       UpdateResult update;
       if (bad) {
         step_->zero_grad();
@@ -1026,7 +1051,7 @@ Summary Run::train_steps() {
         save_lora(o_.output_dir / "lora" / (o_.output_name + name + ".safetensors"), global_step_,
                   false);
         if (o_.save_state) save_state(state_root / (o_.output_name + name));
-        retain(global_step_, epoch_);
+        retain(global_step_, /*epoch=*/0);
       }
       if (epoch_done && o_.save_every_n_epochs > 0 && epoch_ % o_.save_every_n_epochs == 0 &&
           global_step_ < max_steps_) {
@@ -1034,7 +1059,7 @@ Summary Run::train_steps() {
         save_lora(o_.output_dir / "lora" / (o_.output_name + name + ".safetensors"), global_step_,
                   false);
         if (o_.save_state) save_state(state_root / (o_.output_name + name));
-        retain(global_step_, epoch_);
+        retain(/*step=*/0, epoch_);
       }
       if (o_.validate_every_n_steps > 0 && global_step_ % o_.validate_every_n_steps == 0) {
         const double v = validation_loss();
@@ -1071,7 +1096,9 @@ Summary Run::train_steps() {
   summary.lora = o_.output_dir / "lora" / (o_.output_name + ".safetensors");
   save_lora(summary.lora, global_step_, /*final=*/true);
   if (o_.save_state) save_state(state_root / (o_.output_name + "-state"));
-  retain(global_step_, epoch_);
+  // kohya saves a step file at the last step too, dropping an old one; the final save stands
+  // in for it here. Epoch saves are kept as they are at the end, as in kohya.
+  retain(global_step_, /*epoch=*/0);
   if (tensorboard_) tensorboard_->close();
   summary.steps = global_step_;
   summary.epochs = epoch_;
