@@ -87,8 +87,9 @@ MergedLora::MergedLora(models::DiffusionModel& model, const std::filesystem::pat
                        " and lora_up " + shape(m.up) + ", which do not fit its layer's weight " +
                        shape(weight));
     }
-    const double alpha =
-        m.alpha.defined() ? m.alpha.to(torch::kFloat64).item<double>() : static_cast<double>(rank);
+    // No alpha, or alpha 0, means the rank (scale 1), as kohya's LoRAModule reads it.
+    const double stored = m.alpha.defined() ? m.alpha.to(torch::kFloat64).item<double>() : 0.0;
+    const double alpha = stored != 0 ? stored : static_cast<double>(rank);
     // kohya's merge: up @ down (for a kxk conv, the 1x1 up composed with the kxk down).
     const at::Tensor delta = (up.matmul(down) * (multiplier * alpha / rank)).view(weight.sizes());
     deltas.emplace_back(weight, delta);
@@ -104,6 +105,15 @@ void MergedLora::restore() {
   torch::NoGradGuard no_grad;
   for (auto& [weight, original] : saved_) weight.copy_(original);
   saved_.clear();
+}
+
+void MergedLoras::add(models::DiffusionModel& model, const std::filesystem::path& file,
+                      double multiplier) {
+  merged_.push_back(std::make_unique<MergedLora>(model, file, multiplier));
+}
+
+void MergedLoras::restore() {
+  while (!merged_.empty()) merged_.pop_back();  // newest first: each restores what it found
 }
 
 }  // namespace lorapipe::sampler

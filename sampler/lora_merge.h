@@ -2,12 +2,13 @@
 // A LoRA merged into a loaded model for rendering, and taken out again: W += multiplier *
 // (alpha / rank) * up @ down for every module of a kohya-format file (ours, kohya's, anyone's:
 // lora_unet_* / lora_te_* with .lora_down.weight, .lora_up.weight and optionally .alpha, which
-// defaults to the rank), then restore() puts back a copy of each original weight, so the base is
+// when absent or 0 means the rank, as in kohya), then restore() puts back a copy of each original weight, so the base is
 // bit-identical to before.
 
 #include <ATen/core/Tensor.h>
 
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,6 +34,25 @@ class MergedLora {
 
  private:
   std::vector<std::pair<at::Tensor, at::Tensor>> saved_;  // the live weight, its original
+};
+
+// Several LoRAs merged on top of one another, taken out newest first: each put back the weights
+// it found, so only the reverse order gives back the base bit for bit.
+class MergedLoras {
+ public:
+  MergedLoras() = default;
+  ~MergedLoras() { restore(); }
+  MergedLoras(const MergedLoras&) = delete;
+  MergedLoras& operator=(const MergedLoras&) = delete;
+
+  // Merges `file` on top of what is merged (MergedLora's checks and errors).
+  void add(models::DiffusionModel& model, const std::filesystem::path& file, double multiplier);
+  // Idempotent.
+  void restore();
+  size_t size() const { return merged_.size(); }
+
+ private:
+  std::vector<std::unique_ptr<MergedLora>> merged_;
 };
 
 }  // namespace lorapipe::sampler

@@ -52,11 +52,30 @@ int size_value(const std::string& option, const std::string& value) {
   return static_cast<int>(std::max<int64_t>(64, whole_number(option, value) / 8 * 8));
 }
 
-void check_sampler(const std::string& name) { (void)scheduler_options(name, false); }
+// A sampler as kohya names it (any case): one lorapipe implements is kept, one of kohya's that
+// lorapipe lacks becomes ddim with a note, anything else is an error naming it.
+std::string sampler_choice(const std::string& value, std::vector<std::string>* notes) {
+  const std::string name = lower(trim(value));
+  if (is_kohya_sampler_not_implemented(name)) {
+    if (notes) notes->push_back("sampler '" + name + "' is not implemented here: rendered with ddim");
+    return "ddim";
+  }
+  (void)scheduler_options(name, false);
+  return name;
+}
+
+// kohya's prompt options for other models and networks (ControlNet image, additional-network
+// multipliers, frame count, Flux guidance, flow shift, CFG truncation / renormalisation).
+bool is_other_models_option(const std::string& option) {
+  for (const char* name : {"cn", "am", "f", "g", "fs", "ctr", "rcfg"}) {
+    if (option == name) return true;
+  }
+  return false;
+}
 
 // Fills `r` from one kohya-style object (TOML table or JSON object, read through `get`).
 template <typename Get>
-void apply_fields(RenderRequest& r, Get&& get) {
+void apply_fields(RenderRequest& r, Get&& get, std::vector<std::string>* notes) {
   if (auto v = get("prompt")) r.prompt = *v;
   if (auto v = get("negative_prompt")) r.negative_prompt = *v;
   if (auto v = get("width")) r.width = size_value("width", *v);
@@ -66,10 +85,7 @@ void apply_fields(RenderRequest& r, Get&& get) {
     r.steps = static_cast<int>(std::clamp<int64_t>(whole_number("sample_steps", *v), 1, 1000));
   }
   if (auto v = get("scale")) r.cfg_scale = decimal("scale", *v);
-  if (auto v = get("sample_sampler")) {
-    check_sampler(*v);
-    r.sampler = *v;
-  }
+  if (auto v = get("sample_sampler")) r.sampler = sampler_choice(*v, notes);
 }
 
 std::string toml_text(const toml::node& node) {
@@ -96,7 +112,8 @@ std::string json_text(const nlohmann::json& v) {
 
 }  // namespace
 
-RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest& defaults) {
+RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest& defaults,
+                                std::vector<std::string>* notes) {
   RenderRequest r = defaults;
   // A line that starts with an option has no prompt (kohya would render "--w 512" as one).
   const std::string line = line_in.rfind("--", 0) == 0 ? " " + line_in : line_in;
@@ -129,8 +146,9 @@ RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest&
     } else if (option == "l") {
       r.cfg_scale = decimal(option, value);
     } else if (option == "ss") {
-      check_sampler(value);
-      r.sampler = value;
+      r.sampler = sampler_choice(value, notes);
+    } else if (is_other_models_option(option)) {
+      if (notes) notes->push_back("--" + option + " is for other models or networks: ignored");
     } else {
       throw InputError("unknown option --" + option +
                        " (kohya's options: --n, --w, --h, --d, --s, --l, --ss)");
@@ -155,10 +173,15 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
     for (int number = 1; std::getline(in, line); ++number) {
       const std::string text = trim(line);
       if (text.empty() || text[0] == '#') continue;
+      std::vector<std::string> notes;
       try {
-        set.prompts.push_back(parse_prompt_line(text, base()));
+        set.prompts.push_back(parse_prompt_line(text, base(), &notes));
       } catch (const InputError& e) {
         set.problems.push_back(file.string() + ":" + std::to_string(number) + ": " + e.what());
+        continue;
+      }
+      for (const std::string& note : notes) {
+        set.notes.push_back(file.string() + ":" + std::to_string(number) + ": " + note);
       }
     }
     return set;
@@ -184,9 +207,14 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
           if (const toml::node* v = prompt->get(key)) return toml_text(*v);
           return std::nullopt;
         };
-        apply_fields(r, get);
+        std::vector<std::string> notes;
+        apply_fields(r, get, &notes);
         if (trim(r.prompt).empty()) throw InputError("no prompt");
         set.prompts.push_back(std::move(r));
+        for (const std::string& note : notes) {
+          set.notes.push_back(file.string() + ": prompt.subset " + std::to_string(i + 1) + ": " +
+                              note);
+        }
       } catch (const InputError& e) {
         set.problems.push_back(file.string() + ": prompt.subset " + std::to_string(i + 1) + ": " +
                                e.what());
@@ -205,19 +233,26 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
     for (size_t i = 0; i < root.size(); ++i) {
       try {
         RenderRequest r = base();
+        std::vector<std::string> notes;
         if (root[i].is_string()) {
-          r.prompt = root[i].get<std::string>();
+          // A plain string is a prompt line, options and all (kohya's line_to_prompt_dict).
+          const std::string line = trim(root[i].get<std::string>());
+          if (line.empty()) throw InputError("no prompt");
+          r = parse_prompt_line(line, r, &notes);
         } else if (root[i].is_object()) {
           auto get = [&](const char* key) -> std::optional<std::string> {
             if (!root[i].contains(key)) return std::nullopt;
             return json_text(root[i][key]);
           };
-          apply_fields(r, get);
+          apply_fields(r, get, &notes);
         } else {
           throw InputError("neither a prompt nor an object");
         }
         if (trim(r.prompt).empty()) throw InputError("no prompt");
         set.prompts.push_back(std::move(r));
+        for (const std::string& note : notes) {
+          set.notes.push_back(file.string() + ": entry " + std::to_string(i + 1) + ": " + note);
+        }
       } catch (const InputError& e) {
         set.problems.push_back(file.string() + ": entry " + std::to_string(i + 1) + ": " +
                                e.what());

@@ -6,8 +6,11 @@
 //   .toml  [prompt] defaults and [[prompt.subset]] entries (prompt, negative_prompt, width,
 //          height, seed, sample_steps, scale, sample_sampler);
 //   .json  a list of such objects (or of plain prompt strings).
-// A line or entry that cannot be read (an unknown option, a value that is not a number, no
-// prompt) is reported with its line or entry number and skipped; the others are kept.
+// A line or entry that cannot be read (an unknown option, a value that is not a number, an
+// unknown sampler, no prompt) is reported with its line or entry number and skipped; the others
+// are kept. What kohya reads but SD1.x previews do not use is noted and the prompt kept: the
+// options of other models and networks (--cn, --am, --f, --g, --fs, --ctr, --rcfg), and kohya's
+// samplers that lorapipe lacks (rendered with ddim, kohya's fallback).
 
 #include <filesystem>
 #include <string>
@@ -20,6 +23,7 @@ namespace lorapipe::sampler {
 struct PromptSet {
   std::vector<RenderRequest> prompts;
   std::vector<std::string> problems;  // "FILE:LINE: what" for each skipped line or entry
+  std::vector<std::string> notes;     // "FILE:LINE: what" for each kept one read otherwise
 };
 
 // Defaults where a prompt sets nothing: kohya's (30 steps, 512x512, CFG 7.5, `sampler`), and a
@@ -35,7 +39,8 @@ struct PromptDefaults {
 PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& defaults = {});
 
 // One .txt line (already known not to be empty or a comment). Throws InputError saying what is
-// wrong with it.
-RenderRequest parse_prompt_line(const std::string& line, const RenderRequest& defaults);
+// wrong with it; what it reads otherwise than kohya goes to `notes` when given.
+RenderRequest parse_prompt_line(const std::string& line, const RenderRequest& defaults,
+                                std::vector<std::string>* notes = nullptr);
 
 }  // namespace lorapipe::sampler

@@ -188,5 +188,68 @@ TEST_F(SamplerRenderParity, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothin
   EXPECT_TRUE(torch::equal(target.weight(), untouched)) << "a refused file merged nothing";
 }
 
+// Two LoRAs merged on top of one another come out newest first, so the base is bit-identical to
+// before; and a stored alpha of 0 means the rank (kohya), not a LoRA that does nothing.
+TEST_F(SamplerRenderParity, StackedLorasRestoreTheBaseAndAlphaZeroMeansTheRank) {
+  models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& item : model.unet->named_parameters()) before[item.key()] = item.value().clone();
+  {
+    MergedLoras stack;
+    stack.add(model, ref_ / "lora.safetensors", 1.0);
+    stack.add(model, ref_ / "lora.safetensors", 0.5);
+    ASSERT_EQ(stack.size(), 2u);
+  }
+  for (const auto& item : model.unet->named_parameters()) {
+    EXPECT_TRUE(torch::equal(item.value(), before.at(item.key()))) << item.key() << " changed";
+  }
+
+  // The same LoRA with every alpha written as 0, and as its rank: the same merge.
+  auto unet_weights = [&] {
+    std::map<std::string, torch::Tensor> out;
+    for (const auto& item : model.unet->named_parameters()) out[item.key()] = item.value().clone();
+    return out;
+  };
+  const auto tensors =
+      models::read_tensors(models::SafetensorsFile::open(ref_ / "lora.safetensors"));
+  auto write_with_alpha = [&](const fs::path& path, bool zero) {
+    std::vector<torch::Tensor> keep;
+    std::vector<models::TensorToWrite> out;
+    auto add = [&](const std::string& key, const torch::Tensor& value) {
+      keep.push_back(value.to(torch::kFloat32).contiguous());
+      const torch::Tensor& t = keep.back();
+      out.push_back({key, models::Dtype::kF32, t.sizes().vec(),
+                     std::string_view(static_cast<const char*>(t.data_ptr()), t.nbytes())});
+    };
+    const std::string down_suffix = ".lora_down.weight";
+    for (const auto& [key, value] : tensors) {
+      if (key.ends_with(".alpha")) continue;
+      add(key, value);
+      if (key.ends_with(down_suffix)) {
+        const std::string module = key.substr(0, key.size() - down_suffix.size());
+        add(module + ".alpha", torch::tensor(zero ? 0.0f : static_cast<float>(value.size(0))));
+      }
+    }
+    models::write_safetensors(path, out);
+  };
+  write_with_alpha(dir_ / "alpha0.safetensors", true);
+  write_with_alpha(dir_ / "alpha_rank.safetensors", false);
+  std::map<std::string, torch::Tensor> with_zero, with_rank;
+  {
+    MergedLora zero(model, dir_ / "alpha0.safetensors", 1.0);
+    with_zero = unet_weights();
+  }
+  {
+    MergedLora rank(model, dir_ / "alpha_rank.safetensors", 1.0);
+    with_rank = unet_weights();
+  }
+  int changed = 0;
+  for (const auto& [name, weight] : with_zero) {
+    EXPECT_TRUE(torch::equal(weight, with_rank.at(name))) << name;
+    changed += torch::equal(weight, before.at(name)) ? 0 : 1;
+  }
+  EXPECT_GT(changed, 0) << "an alpha of 0 merged nothing";
+}
+
 }  // namespace
 }  // namespace lorapipe::sampler

@@ -142,11 +142,17 @@ class Sampler {
     PromptDefaults defaults;
     defaults.sampler = o_.sampler;
     defaults.first_seed = o_.first_seed;
-    (void)scheduler_options(o_.sampler, false);  // an unknown --sampler fails now
+    if (is_kohya_sampler_not_implemented(o_.sampler)) {
+      LP_LOG(kWarning, kLog) << "--sampler=" << o_.sampler
+                             << " is not implemented here: rendering with ddim";
+      defaults.sampler = "ddim";
+    }
+    (void)scheduler_options(defaults.sampler, false);  // an unknown --sampler fails now
     prompts_ = load_prompts(o_.sample_prompts, defaults);
     for (const std::string& problem : prompts_.problems) {
       LP_LOG(kWarning, kLog) << "skipped " << problem;
     }
+    for (const std::string& note : prompts_.notes) LP_LOG(kWarning, kLog) << note;
     if (prompts_.prompts.empty()) {
       throw InputError(o_.sample_prompts.string() + ": no prompt could be read");
     }
@@ -173,16 +179,17 @@ class Sampler {
   // Renders every prompt with `loras` merged; false (reported) when it cannot.
   bool render_checkpoint(const std::vector<std::pair<fs::path, double>>& loras, uint64_t step,
                          const std::string& name) {
-    std::vector<std::unique_ptr<MergedLora>> merged;
+    MergedLoras merged;
     std::vector<std::string> images;
     std::vector<VImage> tiles;
     const auto start = std::chrono::steady_clock::now();
     try {
       std::string lora_names;
       for (const auto& [file, multiplier] : loras) {
-        merged.push_back(std::make_unique<MergedLora>(model_, file, multiplier));
-        lora_names += (lora_names.empty() ? "" : " ") + file.stem().string() + ":" +
-                      std::to_string(multiplier).substr(0, 4);
+        merged.add(model_, file, multiplier);
+        std::ostringstream weight;
+        weight << multiplier;  // shortest form: 0.125 stays 0.125, 1 is 1
+        lora_names += (lora_names.empty() ? "" : " ") + file.stem().string() + ":" + weight.str();
       }
       RenderOptions render_options;
       render_options.v_prediction = o_.v_prediction;
@@ -213,7 +220,7 @@ class Sampler {
                            << e.what_without_backtrace() << ")";
       return false;
     }
-    merged.clear();  // restore the base before anything else can fail
+    merged.restore();  // the base back before anything else can fail
     char sheet_name[64];
     std::snprintf(sheet_name, sizeof sheet_name, "_%06llu_sheet.png",
                   static_cast<unsigned long long>(step));

@@ -70,6 +70,14 @@ std::vector<std::string> sampler_names() {
           "euler_karras"};
 }
 
+bool is_kohya_sampler_not_implemented(const std::string& name) {
+  for (const char* kohya : {"ddpm", "pndm", "lms", "k_lms", "heun", "dpm_2", "k_dpm_2", "dpm_2_a",
+                            "k_dpm_2_a", "dpmsolver", "dpmsingle"}) {
+    if (name == kohya) return true;
+  }
+  return false;
+}
+
 SchedulerOptions scheduler_options(const std::string& name, bool v_prediction) {
   SchedulerOptions o;
   o.v_prediction = v_prediction;
