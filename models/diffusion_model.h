@@ -50,6 +50,14 @@ class DiffusionModel {
   // in the text encoder's slots. `clip_skip` counts layers from the end, as kohya and A1111 do
   // (1: the last).
   virtual Conditioning encode_text(const at::Tensor& input_ids, int clip_skip) = 0;
+  // kohya's conditioning for sample images (library/lpw_stable_diffusion.py,
+  // get_weighted_text_embeddings as train_util.sample_images calls it): each prompt's attention
+  // syntax read (models/prompt_attention.h) and its pieces tokenized on their own, at most 225
+  // tokens; every prompt at the chunk count of the longest (1 to 3 chunks of 75 ids), each chunk
+  // encoded as BOS + 75 ids + EOS and kept whole, [B, 77 * chunks, width]; then every state
+  // times its token's weight, and each prompt rescaled to the mean it had before weighting. For
+  // prompts of at most 75 tokens without weights this is encode_text(tokenize(prompts)).
+  virtual Conditioning encode_prompts(const std::vector<std::string>& prompts, int clip_skip) = 0;
   // A conditioning read from the cache (hidden states and pooled output as stored).
   virtual Conditioning cached_conditioning(const at::Tensor& hidden_states,
                                            const at::Tensor& pooled) const {

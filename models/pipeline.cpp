@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "models/fingerprint.h"
+#include "models/prompt_attention.h"
 #include "models/safetensors.h"
 #include "models/sd15_keys.h"
 #include "models/weights.h"
@@ -328,12 +329,7 @@ void save_diffusers(const StableDiffusion& model, const fs::path& folder,
 
 at::Tensor StableDiffusion::tokenize(const std::vector<std::string>& captions,
                                      int max_token_length) const {
-  if (!tokenizer) {
-    throw InputError(source +
-                     " has no tokenizer and its text encoder is not CLIP's size, so the built-in "
-                     "vocabulary does not fit: pass --tokenizer (a diffusers tokenizer/ folder, a "
-                     "merges.txt or bpe_simple_vocab_16e6.txt.gz)");
-  }
+  require_tokenizer();
   const int per_chunk = family.text.max_length - 2;  // 75 tokens between BOS and EOS
   if (max_token_length == 0) {  // the smallest of kohya's lengths that holds every caption
     size_t longest = 0;
@@ -350,6 +346,70 @@ at::Tensor StableDiffusion::tokenize(const std::vector<std::string>& captions,
     for (int32_t id : tokenizer->encode_long(caption, max_token_length)) ids.push_back(id);
   }
   return torch::tensor(ids, torch::kInt64).view({static_cast<int64_t>(captions.size()), -1});
+}
+
+void StableDiffusion::require_tokenizer() const {
+  if (tokenizer) return;
+  const std::string why = ClipTokenizer::builtin_vocabulary().empty()
+                              ? "this build has no built-in CLIP vocabulary"
+                              : "its text encoder is not CLIP's size, so the built-in CLIP "
+                                "vocabulary does not fit";
+  throw InputError(source + " has no tokenizer and " + why +
+                   ": pass --tokenizer (a diffusers tokenizer/ folder, a merges.txt or "
+                   "bpe_simple_vocab_16e6.txt.gz)");
+}
+
+Conditioning StableDiffusion::encode_prompts(const std::vector<std::string>& prompts,
+                                             int clip_skip) {
+  require_tokenizer();
+  const int64_t chunk = family.text.max_length;  // 77
+  const int64_t per_chunk = chunk - 2;            // 75 ids between BOS and EOS
+  const size_t limit = 3 * per_chunk;
+  const int64_t batch = static_cast<int64_t>(prompts.size());
+  std::vector<std::vector<int32_t>> ids(prompts.size());
+  std::vector<std::vector<float>> weights(prompts.size());
+  int64_t longest = 0;
+  bool weighted = false;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    for (const WeightedText& piece : parse_prompt_attention(prompts[i])) {
+      for (int32_t id : tokenizer->encode(piece.text)) {
+        ids[i].push_back(id);
+        weights[i].push_back(static_cast<float>(piece.weight));
+      }
+      if (ids[i].size() > limit) break;
+    }
+    if (ids[i].size() > limit) ids[i].resize(limit), weights[i].resize(limit);
+    for (float w : weights[i]) weighted = weighted || w != 1.0f;
+    longest = std::max(longest, static_cast<int64_t>(ids[i].size()));
+  }
+  const int64_t chunks = std::clamp<int64_t>((longest - 1) / per_chunk + 1, 1, 3);
+  // Row i * chunks + c: BOS, ids 75c .. 75c + 74 (EOS past the end: SD1's pad), EOS.
+  at::Tensor input = torch::full({batch * chunks, chunk}, tokenizer->eos(), torch::kInt64);
+  at::Tensor token_weights = torch::ones({batch, chunks * chunk}, torch::kFloat32);
+  auto in = input.accessor<int64_t, 2>();
+  auto tw = token_weights.accessor<float, 2>();
+  for (int64_t i = 0; i < batch; ++i) {
+    for (int64_t c = 0; c < chunks; ++c) in[i * chunks + c][0] = tokenizer->bos();
+    for (size_t k = 0; k < ids[i].size(); ++k) {
+      const int64_t c = static_cast<int64_t>(k) / per_chunk, at = static_cast<int64_t>(k) % per_chunk;
+      in[i * chunks + c][1 + at] = ids[i][k];
+      tw[i][c * chunk + 1 + at] = weights[i][k];
+    }
+  }
+  const at::Tensor weight = text_encoder->parameters().front();
+  const ClipTextOutput out = text_encoder->forward(input.to(weight.device()));
+  Conditioning c;
+  c.pooled = out.pooled.view({batch, chunks, -1}).select(1, 0);
+  at::Tensor states = text_encoder->conditioning(out, clip_skip).reshape({batch, chunks * chunk, -1});
+  if (weighted) {  // all-1 weights would give back the very same states
+    const auto dtype = states.scalar_type();
+    const at::Tensor before = states.to(torch::kFloat32).mean({-2, -1}).to(dtype);
+    states = states * token_weights.to(states.device(), dtype).unsqueeze(-1);
+    const at::Tensor after = states.to(torch::kFloat32).mean({-2, -1}).to(dtype);
+    states = states * (before / after).unsqueeze(-1).unsqueeze(-1);
+  }
+  c.hidden_states = states;
+  return c;
 }
 
 Conditioning StableDiffusion::encode_text(const at::Tensor& input_ids, int clip_skip) {

@@ -52,6 +52,7 @@ struct StableDiffusion : DiffusionModel {
   at::Tensor tokenize(const std::vector<std::string>& captions,
                       int max_token_length = 75) const override;
   Conditioning encode_text(const at::Tensor& input_ids, int clip_skip) override;
+  Conditioning encode_prompts(const std::vector<std::string>& prompts, int clip_skip) override;
   ImageLatents encode_images(const at::Tensor& images) override;
   at::Tensor decode_latents(const at::Tensor& latents) override;
   std::string text_encoder_settings(int clip_skip) const override;
@@ -62,6 +63,9 @@ struct StableDiffusion : DiffusionModel {
   torch::nn::Module& denoiser_module() override;
   torch::nn::Module& text_encoder_module() override;
   torch::nn::Module& vae_module() override;
+
+ private:
+  void require_tokenizer() const;  // throws InputError asking for --tokenizer
 };
 
 // Throws lorapipe::InputError naming the file and listing missing or unexpected keys.

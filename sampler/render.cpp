@@ -22,10 +22,9 @@ RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
   std::vector<std::string> captions;
   if (guided) captions.push_back(request.negative_prompt);
   captions.push_back(request.prompt);
-  // Prompts over 75 tokens use kohya's chunked long-prompt mode (150 or 225 tokens), both
-  // captions of the pair at the length of the longer.
-  const models::Conditioning conditioning =
-      model.encode_text(model.tokenize(captions, /*max_token_length=*/0), options.clip_skip);
+  // As kohya conditions its sample images: attention weights, and up to 225 tokens in chunks,
+  // both prompts of the pair at the chunk count of the longer.
+  const models::Conditioning conditioning = model.encode_prompts(captions, options.clip_skip);
 
   const torch::Tensor weight = model.denoiser_module().parameters().front();
   const int64_t h = request.height / family.vae_downsample,

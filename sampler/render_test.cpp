@@ -56,7 +56,9 @@ class SamplerRenderParity : public ::testing::Test {
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
 
-  void check(const std::string& sampler, bool with_lora = false, bool long_prompt = false) {
+  // `prompt`: "long" or "weighted" renders that prompt of request.json (conditioned as kohya's
+  // sample images are) instead of the plain one.
+  void check(const std::string& sampler, bool with_lora = false, const std::string& prompt = "") {
     models::set_force_math_attention(true);
     models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
     std::optional<MergedLora> lora;
@@ -72,11 +74,11 @@ class SamplerRenderParity : public ::testing::Test {
     }
     std::ifstream in(ref_ / "request.json");
     const nlohmann::json r = nlohmann::json::parse(in);
-    const std::string tag = sampler + (with_lora ? "_lora" : "") + (long_prompt ? "_long" : "");
+    const std::string tag = sampler + (with_lora ? "_lora" : "") + (prompt.empty() ? "" : "_" + prompt);
     const auto ref =
         models::read_tensors(models::SafetensorsFile::open(ref_ / (tag + ".safetensors")));
     RenderRequest request;
-    request.prompt = r[long_prompt ? "long_prompt" : "prompt"];
+    request.prompt = r[prompt.empty() ? "prompt" : prompt + "_prompt"];
     request.negative_prompt = r["negative_prompt"];
     request.width = r["width"];
     request.height = r["height"];
@@ -143,12 +145,31 @@ TEST_F(SamplerRenderParity, DpmSolverPlusPlus2M) { check("dpmsolver++"); }
 // A kohya-format LoRA on the UNet and the text encoder: diffusers' load_lora_weights against
 // lorapipe's merge, then the merge taken out bit for bit.
 TEST_F(SamplerRenderParity, DdimWithLora) { check("ddim", /*with_lora=*/true); }
-// A prompt of about 100 tokens: kohya's chunked long-prompt conditioning (two chunks of 77,
-// joined to 152 states) on both sides, the reference's handed to the pipeline as prompt_embeds.
+// A prompt of about 100 tokens, conditioned as kohya's sample images are (two chunks of 77, kept
+// whole: 154 states), the reference's handed to the pipeline as prompt_embeds.
 TEST_F(SamplerRenderParity, DdimWithALongPrompt) {
-  check("ddim", /*with_lora=*/false, /*long_prompt=*/true);
+  check("ddim", /*with_lora=*/false, "long");
+}
+// A1111 attention syntax ((x:1.3), [x], ((x)), escaped brackets) weighs the states as kohya's
+// sample images do.
+TEST_F(SamplerRenderParity, DdimWithAttentionWeights) {
+  check("ddim", /*with_lora=*/false, "weighted");
 }
 TEST_F(SamplerRenderParity, EulerAncestralWithLora) { check("euler_a", /*with_lora=*/true); }
+
+// Without weights and within 75 tokens, the sample conditioning is exactly the plain one (what
+// the short-prompt parities above rely on); a weight changes it.
+TEST_F(SamplerRenderParity, PromptConditioningIsPlainWithoutWeights) {
+  models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+  const std::vector<std::string> plain = {"blurry", "a red circle on a blue background"};
+  const models::Conditioning a = model.encode_prompts(plain, /*clip_skip=*/1);
+  const models::Conditioning b = model.encode_text(model.tokenize(plain), /*clip_skip=*/1);
+  EXPECT_TRUE(torch::equal(a.hidden_states, b.hidden_states));
+  const models::Conditioning w =
+      model.encode_prompts({"blurry", "a (red:1.5) circle on a blue background"}, 1);
+  EXPECT_TRUE(torch::equal(w.hidden_states[0], a.hidden_states[0])) << "the negative prompt";
+  EXPECT_GT((w.hidden_states[1] - a.hidden_states[1]).abs().max().item<double>(), 1e-3);
+}
 
 TEST_F(SamplerRenderParity, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothing) {
   models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);

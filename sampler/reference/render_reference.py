@@ -11,6 +11,7 @@ generator (Euler ancestral's noise) is torch.Generator().manual_seed(SEED). Atte
 PyTorch's math path (AttnProcessor), as the C++ side's forced math attention does.
 """
 import json
+import re
 import sys
 import warnings
 
@@ -27,10 +28,11 @@ from diffusers.models.attention_processor import AttnProcessor  # noqa: E402
 SEED = 77
 REQUEST = {"prompt": "a red circle on a blue background", "negative_prompt": "blurry",
            "width": 64, "height": 48, "steps": 20, "cfg_scale": 7.5}
-# Over 75 tokens (108 with the tiny model's tokenizer): rendered with kohya's chunked long-prompt
-# conditioning (two chunks, --max_token_length 150), which the pipeline takes as prompt_embeds.
+# Over 75 tokens (108 with the tiny model's tokenizer), and with attention weights: conditioned as
+# kohya's sample images are (kohya_sample_embeds), which the pipeline takes as prompt_embeds.
 LONG_PROMPT = ("a detailed photo of a red circle, a blue square, a green triangle, a yellow star, "
                "a purple hexagon, an orange moon, a white cloud, in soft morning light")
+WEIGHTED_PROMPT = "a (red:1.3) circle on a [blue] background, ((shiny)), \\(flat\\)"
 SAMPLERS = {"ddim": (DDIMScheduler, {}), "euler": (EulerDiscreteScheduler, {}),
             "euler_a": (EulerAncestralDiscreteScheduler, {}),
             "dpmsolver++": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++"})}
@@ -76,40 +78,100 @@ def kohya_lora(pipe, path, rank=4):
     save_file(tensors, path)
 
 
-def kohya_long_embeds(pipe, text, max_token_length):
-    """kohya's long-prompt conditioning (train_util: get_input_ids, then get_hidden_states, SD1
-    branch): ids padded to max_token_length + 2, cut into chunks of BOS + 75 + the last id, each
-    chunk encoded on its own, joined as the first BOS state, each chunk's 75, the last state."""
+ATTENTION = re.compile(r"\\[()\[\]\\]|\\|\(|\[|:([+-]?[.\d]+)\)|\)|]|[^\\()\[\]:]+|:")
+
+
+def prompt_attention(text):
+    """The attention syntax as kohya's lpw_stable_diffusion.parse_prompt_attention reads it:
+    (x) x1.1, [x] /1.1, (x:w) xw, backslash escapes; open brackets weigh the rest; equal
+    neighbours joined. Pairs [text, weight]."""
+    pieces, round_open, square_open = [], [], []
+
+    def scale(start, factor):
+        for piece in pieces[start:]:
+            piece[1] *= factor
+
+    for m in ATTENTION.finditer(text):
+        token, weight = m.group(0), m.group(1)
+        if token.startswith("\\"):
+            pieces.append([token[1:], 1.0])
+        elif token == "(":
+            round_open.append(len(pieces))
+        elif token == "[":
+            square_open.append(len(pieces))
+        elif weight is not None and round_open:
+            scale(round_open.pop(), float(weight))
+        elif token == ")" and round_open:
+            scale(round_open.pop(), 1.1)
+        elif token == "]" and square_open:
+            scale(square_open.pop(), 1 / 1.1)
+        else:
+            pieces.append([token, 1.0])
+    for start in round_open:
+        scale(start, 1.1)
+    for start in square_open:
+        scale(start, 1 / 1.1)
+    joined = []
+    for piece in pieces or [["", 1.0]]:
+        if joined and joined[-1][1] == piece[1]:
+            joined[-1][0] += piece[0]
+        else:
+            joined.append(piece)
+    return joined
+
+
+def kohya_sample_embeds(pipe, texts):
+    """kohya's sample-image conditioning (lpw_stable_diffusion.get_weighted_text_embeddings with
+    its defaults, as train_util.sample_images calls it): every piece of each prompt tokenized on
+    its own, at most 225 tokens; all prompts at the chunk count of the longest (1 to 3); each
+    chunk BOS + 75 ids + EOS encoded on its own and kept whole; every state times its token's
+    weight, then rescaled to the prompt's mean before weighting. One tensor per text."""
     tok, chunk = pipe.tokenizer, pipe.tokenizer.model_max_length
-    ids = tok(text, padding="max_length", truncation=True, max_length=max_token_length + 2,
-              return_tensors="pt").input_ids[0]
-    chunks = [torch.cat((ids[:1], ids[i:i + chunk - 2], ids[-1:]))
-              for i in range(1, max_token_length + 2 - chunk + 2, chunk - 2)]
-    with torch.no_grad():
-        states = pipe.text_encoder(torch.stack(chunks))[0]
-    states = states.reshape(1, -1, states.shape[-1])
-    parts = [states[:, 0].unsqueeze(1)]
-    for i in range(1, max_token_length, chunk):
-        parts.append(states[:, i:i + chunk - 2])
-    parts.append(states[:, -1].unsqueeze(1))
-    return torch.cat(parts, dim=1)
+    per_chunk = chunk - 2
+    ids, weights = [], []
+    for text in texts:
+        t, w = [], []
+        for piece, weight in prompt_attention(text):
+            piece_ids = tok(piece).input_ids[1:-1]
+            t += piece_ids
+            w += [weight] * len(piece_ids)
+            if len(t) > 3 * per_chunk:
+                break
+        ids.append(t[:3 * per_chunk])
+        weights.append(w[:3 * per_chunk])
+    longest = max(len(t) for t in ids)
+    chunks = max(1, min(3, (longest - 1) // per_chunk + 1))
+    out = []
+    for t, w in zip(ids, weights):
+        full = [tok.bos_token_id] + t + [tok.eos_token_id] * (per_chunk * chunks + 1 - len(t))
+        rows, row_weights = [], []
+        for c in range(chunks):
+            rows.append([tok.bos_token_id] + full[c * per_chunk + 1:(c + 1) * per_chunk + 1] +
+                        [tok.eos_token_id])
+            part = w[c * per_chunk:(c + 1) * per_chunk]
+            row_weights += [1.0] + part + [1.0] * (per_chunk - len(part)) + [1.0]
+        with torch.no_grad():
+            states = pipe.text_encoder(torch.tensor(rows))[0].reshape(1, chunks * chunk, -1)
+        before = states.float().mean(dim=[-2, -1])
+        states = states * torch.tensor(row_weights, dtype=states.dtype).reshape(1, -1, 1)
+        after = states.float().mean(dim=[-2, -1])
+        out.append(states * (before / after).reshape(-1, 1, 1))
+    return out
 
 
-def render(pipe, sampler, initial, path, long_prompt=False):
+def render(pipe, sampler, initial, path, prompt=None):
     """One render with `sampler` from `initial`: the final latents, each step's latents and their
     largest magnitude (callback_on_step_end), and the pipeline's own PIL image, saved to `path`.
-    With `long_prompt`, LONG_PROMPT conditioned as kohya does past 75 tokens."""
+    With `prompt` (long or weighted), it is conditioned as kohya's sample images are."""
     cls, kwargs = SAMPLERS[sampler]
     pipe.scheduler = kohya_scheduler(cls, kwargs)
     r = REQUEST
     common = dict(prompt=r["prompt"], negative_prompt=r["negative_prompt"], height=r["height"],
                   width=r["width"], num_inference_steps=r["steps"], guidance_scale=r["cfg_scale"])
-    if long_prompt:
-        tokens = len(pipe.tokenizer(LONG_PROMPT).input_ids) - 2
-        assert 75 < tokens <= 150, tokens
+    if prompt is not None:
         del common["prompt"], common["negative_prompt"]
-        common["prompt_embeds"] = kohya_long_embeds(pipe, LONG_PROMPT, 150)
-        common["negative_prompt_embeds"] = kohya_long_embeds(pipe, r["negative_prompt"], 150)
+        positive, negative = kohya_sample_embeds(pipe, [prompt, r["negative_prompt"]])
+        common["prompt_embeds"], common["negative_prompt_embeds"] = positive, negative
     scale = [0.0]
     steps = {}
 
@@ -143,7 +205,11 @@ def main():
     initial = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     for name in SAMPLERS:
         render(pipe, name, initial, f"{out}/{name}.safetensors")
-    render(pipe, "ddim", initial, f"{out}/ddim_long.safetensors", long_prompt=True)
+    tokens = len(pipe.tokenizer(LONG_PROMPT).input_ids) - 2
+    assert 75 < tokens <= 150, tokens
+    render(pipe, "ddim", initial, f"{out}/ddim_long.safetensors", prompt=LONG_PROMPT)
+    assert len(prompt_attention(WEIGHTED_PROMPT)) > 3, prompt_attention(WEIGHTED_PROMPT)
+    render(pipe, "ddim", initial, f"{out}/ddim_weighted.safetensors", prompt=WEIGHTED_PROMPT)
     # With a LoRA: diffusers loads the kohya file (load_lora_weights, scale 1); lorapipe merges it.
     kohya_lora(pipe, f"{out}/lora.safetensors")
     pipe.load_lora_weights(f"{out}/lora.safetensors", adapter_name="check")
@@ -151,7 +217,7 @@ def main():
         render(pipe, name, initial, f"{out}/{name}_lora.safetensors")
     with open(f"{out}/request.json", "w") as f:
         json.dump({**r, "seed": SEED, "vae_scale_factor": pipe.vae_scale_factor,
-                   "long_prompt": LONG_PROMPT}, f)
+                   "long_prompt": LONG_PROMPT, "weighted_prompt": WEIGHTED_PROMPT}, f)
 
 
 if __name__ == "__main__":
