@@ -175,13 +175,29 @@ UpdateResult TrainingStep::update() {
   const std::vector<at::Tensor> params = trainable();
   torch::NoGradGuard no_grad;
   if (reducer_) {
-    // Every rank must hold every gradient to sum (one without rows this step has none).
+    // Every rank must hold every gradient to sum (one without rows this step has none). The last
+    // tensor summed counts the ranks that reached each parameter: one that no rank reached (a
+    // dropped module, a text-encoder layer past --clip_skip) is left without a gradient, as one
+    // rank leaves it, so torch's AdamW skips it instead of decaying it (AdamW8bit zeroes
+    // gradients in place, so there the two agree once a parameter has had one).
     std::vector<at::Tensor> grads;
-    for (const at::Tensor& p : params) {
-      if (!p.grad().defined()) at::Tensor(p).mutable_grad() = torch::zeros_like(p);
+    at::Tensor reached = torch::zeros({static_cast<int64_t>(params.size())}, torch::kFloat32);
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
+      if (p.grad().defined()) {
+        reached[static_cast<int64_t>(i)] = 1.0f;
+      } else {
+        at::Tensor(p).mutable_grad() = torch::zeros_like(p);
+      }
       grads.push_back(p.grad());
     }
+    grads.push_back(reached);
     reducer_(grads);
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (reached[static_cast<int64_t>(i)].item<float>() == 0) {
+        at::Tensor(params[i]).mutable_grad() = at::Tensor();
+      }
+    }
   }
   if (options_.base_dtype == torch::kHalf) {
     for (const at::Tensor& p : params) {

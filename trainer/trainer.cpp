@@ -594,8 +594,10 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_num_train_images"] = std::to_string(scheduler_->train_images());
   m["ss_num_reg_images"] = std::to_string(scheduler_->reg_images());
   m["ss_num_batches_per_epoch"] = std::to_string(batches);
-  m["ss_num_epochs"] = std::to_string((max_steps_ * s.gradient_accumulation_steps + batches - 1) /
-                                      std::max<int64_t>(1, batches));
+  // Epochs end on steps (an epoch's last batch ends its step): ceil(batches / accumulation) each.
+  const int64_t steps_per_epoch = std::max<int64_t>(
+      1, (batches + s.gradient_accumulation_steps - 1) / s.gradient_accumulation_steps);
+  m["ss_num_epochs"] = std::to_string((max_steps_ + steps_per_epoch - 1) / steps_per_epoch);
   m["ss_batch_size_per_device"] = std::to_string(scheduler_->batch_size());
   m["ss_total_batch_size"] =
       std::to_string(scheduler_->batch_size() * s.gradient_accumulation_steps);
@@ -1096,9 +1098,11 @@ Summary Run::train_steps() {
   summary.lora = o_.output_dir / "lora" / (o_.output_name + ".safetensors");
   save_lora(summary.lora, global_step_, /*final=*/true);
   if (o_.save_state) save_state(state_root / (o_.output_name + "-state"));
-  // kohya saves a step file at the last step too, dropping an old one; the final save stands
-  // in for it here. Epoch saves are kept as they are at the end, as in kohya.
-  retain(global_step_, /*epoch=*/0);
+  // kohya saves a step file at the last step too when it is a save step, dropping an old one;
+  // the final save stands in for it here. Epoch saves are kept as they are, as in kohya.
+  if (o_.save_every_n_steps > 0 && global_step_ % o_.save_every_n_steps == 0) {
+    retain(global_step_, /*epoch=*/0);
+  }
   if (tensorboard_) tensorboard_->close();
   summary.steps = global_step_;
   summary.epochs = epoch_;
