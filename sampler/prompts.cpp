@@ -9,6 +9,8 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "models/clip_tokenizer.h"
+#include "models/prompt_attention.h"
 #include "sampler/schedulers.h"
 
 namespace lorapipe::sampler {
@@ -62,6 +64,17 @@ std::string sampler_choice(const std::string& value, std::vector<std::string>* n
   }
   (void)scheduler_options(name, false);
   return name;
+}
+
+// Throws InputError when a prompt's text cannot be conditioned: invalid UTF-8 or an attention
+// weight that is not a number. Checked when the file is read, so such a line is skipped there
+// rather than failing every checkpoint's render.
+void check_text(const RenderRequest& r) {
+  for (const std::string* text : {&r.prompt, &r.negative_prompt}) {
+    for (const models::WeightedText& piece : models::parse_prompt_attention(*text)) {
+      (void)models::fix_text(piece.text);
+    }
+  }
 }
 
 // kohya's prompt options for other models and networks (ControlNet image, additional-network
@@ -175,7 +188,9 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
       if (text.empty() || text[0] == '#') continue;
       std::vector<std::string> notes;
       try {
-        set.prompts.push_back(parse_prompt_line(text, base(), &notes));
+        RenderRequest r = parse_prompt_line(text, base(), &notes);
+        check_text(r);
+        set.prompts.push_back(std::move(r));
       } catch (const InputError& e) {
         set.problems.push_back(file.string() + ":" + std::to_string(number) + ": " + e.what());
         continue;
@@ -210,6 +225,7 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
         std::vector<std::string> notes;
         apply_fields(r, get, &notes);
         if (trim(r.prompt).empty()) throw InputError("no prompt");
+        check_text(r);
         set.prompts.push_back(std::move(r));
         for (const std::string& note : notes) {
           set.notes.push_back(file.string() + ": prompt.subset " + std::to_string(i + 1) + ": " +
@@ -249,6 +265,7 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
           throw InputError("neither a prompt nor an object");
         }
         if (trim(r.prompt).empty()) throw InputError("no prompt");
+        check_text(r);
         set.prompts.push_back(std::move(r));
         for (const std::string& note : notes) {
           set.notes.push_back(file.string() + ": entry " + std::to_string(i + 1) + ": " + note);

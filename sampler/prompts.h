@@ -8,9 +8,11 @@
 //   .json  a list of such objects (or of plain prompt strings).
 // A line or entry that cannot be read (an unknown option, a value that is not a number, an
 // unknown sampler, no prompt) is reported with its line or entry number and skipped; the others
-// are kept. What kohya reads but SD1.x previews do not use is noted and the prompt kept: the
+// are kept; so is one whose text cannot be conditioned (invalid UTF-8, an attention weight that
+// is not a number). What kohya reads but lorapipe does not use is noted and the prompt kept: the
 // options of other models and networks (--cn, --am, --f, --g, --fs, --ctr, --rcfg), and kohya's
-// samplers that lorapipe lacks (rendered with ddim, kohya's fallback).
+// samplers that lorapipe lacks (rendered with ddim, kohya's default). Sampler names are read in
+// any case (kohya's must be lower case).
 
 #include <filesystem>
 #include <string>

@@ -118,7 +118,7 @@ TEST(SamplerPrompts, TomlAndJsonFormsAsKohyaReadsThem) {
 
 // What kohya reads but SD1.x previews do not use keeps the prompt, with a note by line: options
 // of other models (--am, --cn, --g) are ignored, and kohya's samplers that lorapipe lacks render
-// with ddim, kohya's fallback. A JSON string is a whole prompt line, options included.
+// with ddim, kohya's default. A JSON string is a whole prompt line, options included.
 TEST(SamplerPrompts, KohyaOptionsAndSamplersOfOtherModelsAreNotedAndTheLineKept) {
   const fs::path file = write("other.txt",
                               "a cat --am 0.5 --ss k_dpm_2_a --d 3\n"
@@ -146,6 +146,24 @@ TEST(SamplerPrompts, KohyaOptionsAndSamplersOfOtherModelsAreNotedAndTheLineKept)
   EXPECT_EQ(j.prompts[0].sampler, "ddim");
   ASSERT_EQ(j.notes.size(), 1u);
   EXPECT_NE(j.notes[0].find("entry 1: sampler 'lms'"), std::string::npos) << j.notes[0];
+}
+
+// Text that cannot be conditioned is found when the file is read, not at every render: invalid
+// UTF-8, or an attention weight that is not a number.
+TEST(SamplerPrompts, TextThatCannotBeConditionedIsSkippedByLine) {
+  const fs::path file = write("text.txt",
+                              "fine (weighted:1.2)\n"
+                              "bad (weight:1.2.3)\n"
+                              "bad \xff byte\n"
+                              "fine --n also \xc3\n");
+  const PromptSet set = load_prompts(file);
+  ASSERT_EQ(set.prompts.size(), 1u);
+  EXPECT_EQ(set.prompts[0].prompt, "fine (weighted:1.2)");
+  ASSERT_EQ(set.problems.size(), 3u);
+  EXPECT_NE(set.problems[0].find("text.txt:2: prompt weight '1.2.3'"), std::string::npos)
+      << set.problems[0];
+  EXPECT_NE(set.problems[1].find("text.txt:3:"), std::string::npos) << set.problems[1];
+  EXPECT_NE(set.problems[2].find("text.txt:4:"), std::string::npos) << set.problems[2];
 }
 
 TEST(SamplerPrompts, UnreadableFilesAreAClearError) {

@@ -2,9 +2,13 @@
 
 #include <torch/torch.h>
 
+#include <zlib.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -40,16 +44,55 @@ void start_vips() {
   });
 }
 
-// A1111's "parameters" text: what UIs and image viewers show for a generated image.
+// A1111's sampler names, so that its PNG Info and "send to txt2img" recognise ours.
+std::string a1111_sampler(const std::string& name) {
+  static const std::map<std::string, std::string> names = {
+      {"ddim", "DDIM"},           {"euler", "Euler"},
+      {"k_euler", "Euler"},       {"euler_karras", "Euler Karras"},
+      {"euler_a", "Euler a"},     {"k_euler_a", "Euler a"},
+      {"dpmsolver++", "DPM++ 2M"}, {"dpmsolver++_karras", "DPM++ 2M Karras"}};
+  const auto it = names.find(name);
+  return it == names.end() ? name : it->second;
+}
+
+// A1111's "parameters" text: what UIs and image viewers show for a generated image. The model by
+// its file name, as A1111 writes it (a path may hold the ", " that separates its fields).
 std::string parameters_text(const RenderRequest& r, const std::string& model,
                             const std::string& lora) {
+  fs::path model_path = fs::path(model);
+  if (!model_path.has_filename()) model_path = model_path.parent_path();  // "folder/"
   std::ostringstream out;
   out << r.prompt << "\n";
   if (!r.negative_prompt.empty()) out << "Negative prompt: " << r.negative_prompt << "\n";
-  out << "Steps: " << r.steps << ", Sampler: " << r.sampler << ", CFG scale: " << r.cfg_scale
-      << ", Seed: " << r.seed << ", Size: " << r.width << "x" << r.height << ", Model: " << model;
+  out << "Steps: " << r.steps << ", Sampler: " << a1111_sampler(r.sampler)
+      << ", CFG scale: " << r.cfg_scale << ", Seed: " << r.seed << ", Size: " << r.width << "x"
+      << r.height << ", Model: " << model_path.stem().string();
   if (!lora.empty()) out << ", Lora: " << lora;
   return out.str();
+}
+
+// The PNG `png` (whole file) with an iTXt chunk `key` = `text` (UTF-8, uncompressed) right after
+// its IHDR: a tEXt chunk is Latin-1 by the PNG standard, so readers (PIL, A1111) would show a
+// UTF-8 prompt as mojibake; PIL itself writes iTXt for such text.
+std::string with_itxt(const std::string& png, const std::string& key, const std::string& text) {
+  constexpr size_t kAfterIhdr = 8 + 8 + 13 + 4;  // signature, IHDR length + type, data, CRC
+  if (png.size() < kAfterIhdr || png.compare(12, 4, "IHDR") != 0) {
+    throw Error("not a PNG from libvips: no IHDR first");
+  }
+  std::string body = "iTXt" + key;
+  body += std::string("\0\0\0", 3);  // end of keyword; not compressed; compression method
+  body += std::string("\0\0", 2);     // empty language tag; empty translated keyword
+  body += text;
+  auto big_endian = [](uint32_t v) {
+    std::string out;
+    for (int shift = 24; shift >= 0; shift -= 8) out += static_cast<char>((v >> shift) & 0xFF);
+    return out;
+  };
+  const auto crc = static_cast<uint32_t>(
+      crc32(0, reinterpret_cast<const Bytef*>(body.data()), static_cast<uInt>(body.size())));
+  const std::string chunk =
+      big_endian(static_cast<uint32_t>(body.size() - 4)) + body + big_endian(crc);  // length: data only
+  return png.substr(0, kAfterIhdr) + chunk + png.substr(kAfterIhdr);
 }
 
 // The image owns a copy of the pixels: libvips evaluates lazily (the contact sheet reads the
@@ -64,12 +107,26 @@ VImage to_vips(const at::Tensor& image) {
   return VImage(copy);
 }
 
-// PNG with the parameters in a tEXt chunk (libvips writes "png-comment-N-KEY" fields as text
-// chunks), to a temporary name, then renamed.
+// PNG with the parameters as A1111 and PIL write them: a tEXt chunk (libvips writes
+// "png-comment-N-KEY" fields as such) when the text is ASCII, else an iTXt chunk (with_itxt).
+// Written to a temporary name, then renamed.
 void write_png(const fs::path& path, VImage image, const std::string& parameters) {
-  image.set("png-comment-0-parameters", parameters.c_str());
+  const bool ascii = std::all_of(parameters.begin(), parameters.end(),
+                                 [](char c) { return static_cast<unsigned char>(c) < 0x80; });
   const fs::path tmp = path.string() + ".tmp.png";
-  image.pngsave(tmp.string().c_str());
+  if (ascii) {
+    image.set("png-comment-0-parameters", parameters.c_str());
+    image.pngsave(tmp.string().c_str());
+  } else {
+    VipsBlob* blob = image.pngsave_buffer();
+    size_t size = 0;
+    const char* data = static_cast<const char*>(vips_blob_get(blob, &size));
+    const std::string png = with_itxt(std::string(data, size), "parameters", parameters);
+    vips_area_unref(VIPS_AREA(blob));
+    std::ofstream out(tmp, std::ios::binary);
+    out.write(png.data(), static_cast<std::streamsize>(png.size()));
+    if (!out.flush()) throw Error(tmp.string() + ": cannot write");
+  }
   fs::rename(tmp, path);
 }
 
@@ -140,9 +197,12 @@ class Sampler {
     load.tokenizer = o_.tokenizer;
     model_ = models::load_stable_diffusion(o_.model, load);
     PromptDefaults defaults;
-    defaults.sampler = o_.sampler;
+    defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
+    for (char c : o_.sampler) {
+      defaults.sampler += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    }
     defaults.first_seed = o_.first_seed;
-    if (is_kohya_sampler_not_implemented(o_.sampler)) {
+    if (is_kohya_sampler_not_implemented(defaults.sampler)) {
       LP_LOG(kWarning, kLog) << "--sampler=" << o_.sampler
                              << " is not implemented here: rendering with ddim";
       defaults.sampler = "ddim";

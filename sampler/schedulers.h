@@ -40,8 +40,9 @@ struct SchedulerOptions {
 SchedulerOptions scheduler_options(const std::string& name, bool v_prediction);
 std::vector<std::string> sampler_names();
 // The names kohya's get_my_scheduler knows that lorapipe does not implement (pndm, lms, heun,
-// dpm_2, dpm_2_a, dpmsolver, dpmsingle, ddpm and their k_ forms): prompt files that ask for one
-// render with ddim, kohya's own fallback, and say so.
+// dpm_2, dpm_2_a, dpmsolver, dpmsingle, ddpm and their k_ forms; kohya renders them with
+// diffusers' schedulers of those names): prompt files that ask for one render with ddim,
+// kohya's default, and say so.
 bool is_kohya_sampler_not_implemented(const std::string& name);
 
 class Scheduler {
