@@ -62,16 +62,21 @@ std::vector<FlagInfo> flag_table();
 struct RunOptions {
   std::filesystem::path bin_dir;  // where lorapipe-* live (the launcher's own folder)
   std::filesystem::path resume;   // a state folder to resume the trainer from
+  // `lorapipe resume` of a run that stopped before its first save: the folder is this run's and
+  // the run starts over in it.
+  bool start_over = false;
 };
 
 // Runs the pipeline in settings.output and returns the exit code: 0 when training is done and
-// the sampler has rendered the final checkpoint; 130 after SIGINT/SIGTERM (the trainer saved a
-// state); 2 when a stage failed (named on `display` with its last log lines; the others are
+// the sampler has rendered the final checkpoint; 130 after SIGINT/SIGTERM (the trainer saves a
+// state when it has started; the message says whether it did); 2 when a stage failed (named on `display` with its last log lines; the others are
 // stopped). Progress goes to `display`, one line rewritten in place on a terminal.
 int run(Settings settings, const RunOptions& options, std::ostream& display);
 
 // `lorapipe resume DIR`: the settings of DIR/run.toml with `overrides` on top, and the newest
-// state folder under DIR/state. Throws InputError when DIR has no run.toml or no state.
+// state folder under DIR/state; an empty path when the run stopped before it saved anything (no
+// state, no LoRA): it starts over. Throws InputError when DIR has no run.toml, or has LoRAs but
+// no state (trained without --save_state: nothing to resume, and starting over would mix runs).
 std::pair<Settings, std::filesystem::path> resume_settings(
     const std::filesystem::path& dir, const std::vector<std::string>& overrides);
 

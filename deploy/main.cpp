@@ -22,7 +22,8 @@ constexpr const char* kUsage =
     "      Flags are kohya's names (--pretrained_model_name_or_path or --model, --data_dir,\n"
     "      --dataset_config, --resolution, --network_dim, --max_train_steps, --sample_prompts,\n"
     "      --sample_every_n_steps, ...). With no model: the built-in tiny model and demo data.\n"
-    "  lorapipe resume DIR [flags]   continues a stopped run from its newest state\n"
+    "  lorapipe resume DIR [flags]   continues a stopped run from its newest state (or starts\n"
+    "                                it over when it stopped before its first save)\n"
     "  lorapipe status DIR [--json]  the run's stages, cache, training, checkpoints, samples\n";
 
 std::filesystem::path own_folder() {
@@ -50,8 +51,13 @@ int main(int argc, char** argv) {
       if (args.empty()) throw lorapipe::InputError("lorapipe resume DIR: the run folder is needed");
       const std::filesystem::path dir = args[0];
       auto [settings, state] = l::resume_settings(dir, {args.begin() + 1, args.end()});
-      std::cout << "lorapipe: resuming " << dir.string() << " from " << state.string() << "\n";
-      return l::run(settings, {own_folder(), state}, std::cout);
+      if (state.empty()) {
+        std::cout << "lorapipe: " << dir.string()
+                  << " stopped before its first save; starting it over\n";
+      } else {
+        std::cout << "lorapipe: resuming " << dir.string() << " from " << state.string() << "\n";
+      }
+      return l::run(settings, {own_folder(), state, /*start_over=*/state.empty()}, std::cout);
     }
     if (command == "status") {
       if (args.empty()) throw lorapipe::InputError("lorapipe status DIR: the run folder is needed");

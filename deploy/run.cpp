@@ -182,7 +182,7 @@ void Supervisor::prepare_folder() {
   dir_ = fs::absolute(s_.output);
   // A second run in the same folder would mix its LoRAs, states and samples with the first's
   // (the sampler skips steps it has rendered): the folder belongs to one run and its resumes.
-  if (o_.resume.empty() && fs::exists(dir_ / "events.jsonl")) {
+  if (o_.resume.empty() && !o_.start_over && fs::exists(dir_ / "events.jsonl")) {
     throw InputError(dir_.string() + " already holds a run: `lorapipe resume " + dir_.string() +
                      "` continues it; a new run needs another --output");
   }
@@ -476,7 +476,24 @@ int Supervisor::run() {
       while (receive(sub, 0ms).ok()) {
       }
       event({{"event", "Run"}, {"result", "interrupted"}, {"exit_code", kExitInterrupted}});
-      display_ << "lorapipe: stopped; `lorapipe resume " << dir_.string() << "` continues\n";
+      // The trainer exits 130 once it has saved its state; anything else saved none.
+      const Child* trainer = child(Stage::kTrainer);
+      const std::string resume = "`lorapipe resume " + dir_.string() + "`";
+      if (trainer != nullptr && trainer->exit_code == kExitInterrupted) {
+        display_ << "lorapipe: stopped; " << resume << " continues from the trainer's state\n";
+      } else if (trainer == nullptr) {
+        display_ << "lorapipe: stopped before the trainer started; " << resume << " runs it\n";
+      } else if (trainer->exit_code == 0) {
+        display_ << "lorapipe: stopped after training finished: the final LoRA is in "
+                 << (dir_ / "lora").string() << "; samples of it may be missing\n";
+      } else {
+        display_ << "lorapipe: stopped, but the trainer "
+                 << (trainer->exit_code > 128
+                         ? "was killed by signal " + std::to_string(trainer->exit_code - 128)
+                         : "exited with code " + std::to_string(trainer->exit_code))
+                 << " without saving this state (see " << trainer->log.string() << "); " << resume
+                 << " continues from an earlier state, if any\n";
+      }
       return kExitInterrupted;
     }
     for (auto& [stage, c] : children_) {
@@ -583,7 +600,17 @@ std::pair<Settings, fs::path> resume_settings(const fs::path& dir,
     }
   }
   if (newest.empty()) {
-    throw InputError(dir.string() + "/state holds no saved state to resume from");
+    // Nothing saved at all (the run failed or was stopped before its first save): start over.
+    // LoRAs without a state (--save_state off) are a trained run that cannot continue here.
+    if (fs::is_directory(dir / "lora")) {
+      for (const auto& entry : fs::directory_iterator(dir / "lora")) {
+        if (entry.path().extension() != ".safetensors") continue;
+        throw InputError(dir.string() + "/state holds no saved state to resume from, but lora/ " +
+                         "holds LoRAs of this run (saved without --save_state); start a new run "
+                         "with another --output, with --network_weights=" +
+                         entry.path().string() + " to go on from a LoRA");
+      }
+    }
   }
   return {settings, newest};
 }

@@ -200,6 +200,9 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
   ASSERT_GT(wait_for_training(run, 10), 0) << read_text(work_ / "out.txt");
   kill(launcher, SIGINT);
   EXPECT_EQ(wait_exit(launcher), 130) << read_text(work_ / "out.txt") << read_text(work_ / "err.txt");
+  EXPECT_NE(read_text(work_ / "out.txt").find("continues from the trainer's state"),
+            std::string::npos)
+      << read_text(work_ / "out.txt");
   expect_no_stage_alive(run);
   const json state = json::parse(read_text(run / "state" / "demo-state" / "trainer.json"));
   const int saved_at = state["global_step"].get<int>();
@@ -215,6 +218,25 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
   EXPECT_EQ(s["training"]["step"], 120);
   // The resumed trainer started where the state was: its log says so.
   EXPECT_NE(read_text(run / "logs" / "trainer.log").find("resumed"), std::string::npos);
+  EXPECT_TRUE(fs::exists(run / "lora" / "demo.safetensors"));
+}
+
+// A run that fails before its first save (the trainer refuses a flag at start) leaves nothing to
+// resume, and no dead end: `lorapipe resume` with the flag corrected starts it over in its own
+// folder and completes it.
+TEST_F(LauncherRun, RunStoppedBeforeItsFirstSaveStartsOverOnResume) {
+  const fs::path run = work_ / "run";
+  EXPECT_EQ(lorapipe({"run", "--output=" + run.string(), "--cache_dir=" + (work_ / "cache").string(),
+                      "--max_train_steps=20", "--save_every_n_steps=1000",
+                      "--lr_scheduler=constant", "--lr_warmup_steps=5"}),
+            kExitError);
+  EXPECT_NE(out_.find("constant_with_warmup"), std::string::npos) << out_;
+  ASSERT_EQ(lorapipe({"resume", run.string(), "--lr_warmup_steps=0"}), 0) << out_ << err_;
+  EXPECT_NE(out_.find("stopped before its first save; starting it over"), std::string::npos)
+      << out_;
+  const json s = status(run);
+  EXPECT_EQ(s["state"], "done");
+  EXPECT_EQ(s["training"]["step"], 20);
   EXPECT_TRUE(fs::exists(run / "lora" / "demo.safetensors"));
 }
 
