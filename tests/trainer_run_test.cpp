@@ -26,6 +26,7 @@
 #include "proto/lorapipe.pb.h"
 #include "proto/wire.h"
 #include "tests/process_util.h"
+#include "trainer/dataset.h"
 #include "trainer/ranks.h"
 
 namespace lorapipe {
@@ -768,6 +769,25 @@ class TrainRanks : public TrainRunTest {
 // Where a rank trains and how the ranks reduce: with several ranks, --device auto or cuda means
 // the GPU that LOCAL_RANK names (one rank per GPU, as torchrun and Slurm start them), and ranks on
 // GPUs reduce over NCCL where this build has it; on the CPU, or without GPUs, Gloo.
+// A dataset TOML's batch_size is per rank, as kohya's is per process: with two ranks a step takes
+// twice as many samples, and --train_batch_size the same.
+TEST(TrainBatches, DatasetBatchSizeIsPerRank) {
+  wire::Manifest manifest;
+  manifest.set_dataset_id("per-rank");
+  for (int i = 0; i < 8; ++i) {
+    wire::ManifestEntry* e = manifest.add_entries();
+    e->mutable_bucket()->set_width(64);
+    e->mutable_bucket()->set_height(64);
+    e->set_repeats(1);
+  }
+  EXPECT_EQ(trainer::BatchScheduler(manifest, 3, 0, false, 2).batch_size(), 6);
+  for (auto& e : *manifest.mutable_entries()) e.set_batch_size(2);
+  EXPECT_EQ(trainer::BatchScheduler(manifest, 3, 0, false, 1).batch_size(), 2);
+  const trainer::BatchScheduler two_ranks(manifest, 3, 0, false, 2);
+  EXPECT_EQ(two_ranks.batch_size(), 4);
+  EXPECT_EQ(two_ranks.batches_per_epoch(), 2u) << "8 samples, 4 a step";
+}
+
 TEST(TrainRanksDevice, EachRankTakesItsLocalGpuAndTheBackendFollows) {
   trainer::RankEnvironment env;
   env.world_size = 2;

@@ -29,17 +29,19 @@ std::mt19937_64 stream(uint64_t seed, int64_t epoch, int64_t batch, std::string_
 }
 
 BatchScheduler::BatchScheduler(const wire::Manifest& manifest, int batch_size, uint64_t seed,
-                               bool fill_last_batch)
-    : batch_size_(batch_size), seed_(seed), fill_last_batch_(fill_last_batch) {
+                               bool fill_last_batch, int ranks)
+    : seed_(seed), fill_last_batch_(fill_last_batch) {
   if (manifest.entries_size() == 0) {
     throw InputError("manifest '" + manifest.dataset_id() + "' has no entries: nothing to train on");
   }
+  int per_rank = batch_size;
   for (const auto& e : manifest.entries()) {
-    if (e.batch_size() > 0) batch_size_ = static_cast<int>(e.batch_size());  // the TOML wins
+    if (e.batch_size() > 0) per_rank = static_cast<int>(e.batch_size());  // the TOML wins
   }
-  if (batch_size_ < 1) {
-    throw InputError("--train_batch_size=" + std::to_string(batch_size_) + ": must be at least 1");
+  if (per_rank < 1) {
+    throw InputError("--train_batch_size=" + std::to_string(per_rank) + ": must be at least 1");
   }
+  batch_size_ = per_rank * std::max(1, ranks);
   std::map<std::pair<uint32_t, uint32_t>, size_t> bucket_of;
   auto add = [&](int index, uint64_t times) {
     const auto& e = manifest.entries(index);

@@ -24,11 +24,13 @@ class BatchScheduler {
   // Each entry appears `repeats` times in its bucket. Regularization entries (is_reg) are
   // repeated, as kohya does, until they are as many as the training images (repeats included),
   // or dropped when there are no training images to balance. A bucket's batches hold
-  // `batch_size` samples (a dataset TOML's batch_size, carried by the manifest, wins over
-  // `batch_size`), the last one fewer unless `fill_last_batch` tops it up with samples drawn
-  // again from the same bucket. Throws InputError for an empty manifest or batch size < 1.
+  // `batch_size` samples per rank (a dataset TOML's batch_size, carried by the manifest, wins
+  // over it, and is per rank too, as kohya's is per process), times `ranks` in all: each step's
+  // batch is split over the ranks. The last batch of a bucket holds fewer unless
+  // `fill_last_batch` tops it up with samples drawn again from the same bucket. Throws
+  // InputError for an empty manifest or batch size < 1.
   BatchScheduler(const wire::Manifest& manifest, int batch_size, uint64_t seed,
-                 bool fill_last_batch);
+                 bool fill_last_batch, int ranks = 1);
 
   size_t batches_per_epoch() const { return batches_per_epoch_; }
   uint64_t train_images() const { return train_images_; }  // training samples per epoch

@@ -334,9 +334,8 @@ void Run::load_data() {
     }
     manifest_ = std::move(train);
   }
-  scheduler_ =
-      std::make_unique<BatchScheduler>(manifest_, o_.train_batch_size * o_.ranks.world_size,
-                                       o_.seed, o_.fill_last_batch);
+  scheduler_ = std::make_unique<BatchScheduler>(manifest_, o_.train_batch_size, o_.seed,
+                                                o_.fill_last_batch, o_.ranks.world_size);
 }
 
 void Run::preflight() {
@@ -598,7 +597,8 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   const int64_t steps_per_epoch = std::max<int64_t>(
       1, (batches + s.gradient_accumulation_steps - 1) / s.gradient_accumulation_steps);
   m["ss_num_epochs"] = std::to_string((max_steps_ + steps_per_epoch - 1) / steps_per_epoch);
-  m["ss_batch_size_per_device"] = std::to_string(scheduler_->batch_size());
+  m["ss_batch_size_per_device"] =
+      std::to_string(scheduler_->batch_size() / std::max(1, o_.ranks.world_size));
   m["ss_total_batch_size"] =
       std::to_string(scheduler_->batch_size() * s.gradient_accumulation_steps);
   m["ss_gradient_checkpointing"] = s.gradient_checkpointing ? "True" : "False";
