@@ -50,7 +50,7 @@ std::vector<FlagInfo> make_table() {
   value("seed", {S::kPreprocess, S::kTrainer});
   // preprocess
   for (const char* name :
-       {"data_dir", "dataset_config", "resolution", "min_bucket_reso", "max_bucket_reso",
+       {"data_dir", "reg_data_dir", "dataset_config", "resolution", "min_bucket_reso", "max_bucket_reso",
         "bucket_reso_steps", "caption_extension", "class_tokens", "keep_tokens",
         "caption_dropout_rate", "min_image_side", "max_aspect_ratio", "max_image_pixels",
         "resize_filter"}) {
@@ -115,6 +115,7 @@ bool multi_value(const std::string& name) {
 
 std::string canonical(const std::string& name) {
   if (name == "model") return "pretrained_model_name_or_path";
+  if (name == "train_data_dir") return "data_dir";  // kohya's name
   if (name == "output_dir") return "output";
   return name;
 }

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "common/log.h"
 
 namespace lorapipe::preprocess {
 
@@ -57,7 +58,26 @@ void validate(const BucketOptions& o) {
   }
 }
 
-BucketSelector::BucketSelector(const BucketOptions& options) : options_(options) {
+BucketOptions adjusted_to_steps(BucketOptions o) {
+  const int steps = o.bucket_reso_steps;
+  if (!o.enable_bucket || steps <= 0) return o;
+  if (o.min_bucket_reso > 0 && o.min_bucket_reso % steps != 0) {
+    const int adjusted = o.min_bucket_reso - o.min_bucket_reso % steps;
+    LP_LOG(kWarning, "preprocess") << "min_bucket_reso " << o.min_bucket_reso << " -> " << adjusted
+                                   << ": a multiple of bucket_reso_steps " << steps << ", as kohya";
+    o.min_bucket_reso = adjusted;
+  }
+  if (o.max_bucket_reso > 0 && o.max_bucket_reso % steps != 0) {
+    const int adjusted = o.max_bucket_reso + steps - o.max_bucket_reso % steps;
+    LP_LOG(kWarning, "preprocess") << "max_bucket_reso " << o.max_bucket_reso << " -> " << adjusted
+                                   << ": a multiple of bucket_reso_steps " << steps << ", as kohya";
+    o.max_bucket_reso = adjusted;
+  }
+  return o;
+}
+
+BucketSelector::BucketSelector(const BucketOptions& options)
+    : options_(adjusted_to_steps(options)) {
   validate(options_);
   if (!options_.enable_bucket) {
     // kohya without buckets: one predefined size, the resolution itself.

@@ -33,6 +33,11 @@ std::vector<Reso> make_bucket_resolutions(Reso max_reso, int min_size, int max_s
 // the same conditions).
 void validate(const BucketOptions& options);
 
+// kohya adjust_min_max_bucket_reso_by_steps: with buckets on, min_bucket_reso rounded down and
+// max_bucket_reso rounded up to multiples of bucket_reso_steps (each change logged, as kohya
+// warns). BucketSelector applies it before validating.
+BucketOptions adjusted_to_steps(BucketOptions options);
+
 struct BucketChoice {
   Reso bucket;             // the training size
   Reso resized;            // the cover size the image is resized to before the crop

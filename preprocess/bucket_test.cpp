@@ -100,6 +100,19 @@ TEST(BucketKohya, WithoutBucketsEveryImageGoesToTheResolution) {
   EXPECT_EQ(choice->resized, (Reso{768, 768}));
 }
 
+// kohya rounds min_bucket_reso down and max_bucket_reso up to the step before making buckets:
+// 300 and 1000 with step 64 give the buckets of 256 and 1024.
+TEST(BucketKohya, MinAndMaxRoundToTheStepFirst) {
+  BucketOptions options;
+  options.min_bucket_reso = 300;
+  options.max_bucket_reso = 1000;
+  EXPECT_EQ(BucketSelector(options).predefined(),
+            make_bucket_resolutions({512, 512}, 256, 1024, 64));
+  const BucketOptions adjusted = adjusted_to_steps(options);
+  EXPECT_EQ(adjusted.min_bucket_reso, 256);
+  EXPECT_EQ(adjusted.max_bucket_reso, 1024);
+}
+
 TEST(BucketKohya, ParsesResolutionAndRefusesBadOptions) {
   EXPECT_EQ(parse_resolution("512"), (Reso{512, 512}));
   EXPECT_EQ(parse_resolution("768,512"), (Reso{768, 512}));

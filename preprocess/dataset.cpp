@@ -122,9 +122,11 @@ std::vector<fs::directory_entry> list_sorted(const fs::path& dir) {
 }
 
 void attach_caption(const SubsetOptions& subset, ImageEntry& entry, Discovery& out) {
+  // kohya reads `.caption` unless told otherwise; lorapipe then also tries `.txt`, where most
+  // taggers write, rather than fall back to the class tokens.
   std::vector<std::string> extensions{subset.caption_extension};
-  if (!subset.caption_extension_set && subset.caption_extension != ".caption") {
-    extensions.push_back(".caption");
+  if (!subset.caption_extension_set && subset.caption_extension != ".txt") {
+    extensions.push_back(".txt");
   }
   for (const std::string& ext : extensions) {
     fs::path caption_path = entry.path;
@@ -167,6 +169,9 @@ void collect_subset(const fs::path& dir, size_t dataset, size_t subset_index,
                     const SubsetOptions& subset, bool top_level, Discovery& out) {
   for (const fs::directory_entry& entry : list_sorted(dir)) {
     const fs::path& path = entry.path();
+    // Hidden files are not looked at, as kohya's glob("*") skips them: macOS's "._x.jpg"
+    // AppleDouble companions are not images.
+    if (path.filename().string().starts_with('.')) continue;
     std::error_code ec;
     const fs::file_status status = fs::status(path, ec);  // follows symlinks
     if (ec) {
@@ -204,7 +209,7 @@ void collect_subset(const fs::path& dir, size_t dataset, size_t subset_index,
 
 // ----- TOML -------------------------------------------------------------------------------
 
-enum class KeyType { kInt, kFloat, kBool, kString, kResolution, kFloatPair };
+enum class KeyType { kInt, kFloat, kBool, kString, kResolution, kFloatPair, kTable };
 enum Level : unsigned { kGeneral = 1, kDataset = 2, kSubset = 4 };
 
 struct KeySpec {
@@ -240,6 +245,8 @@ const std::map<std::string, KeySpec, std::less<>>& key_specs() {
       {"token_warmup_min", {KeyType::kInt, kAll, false}},
       {"token_warmup_step", {KeyType::kFloat, kAll, false}},
       {"cache_info", {KeyType::kBool, kAll, false}},
+      {"caption_separator", {KeyType::kString, kAll, false}},
+      {"custom_attributes", {KeyType::kTable, kAll, false}},
       // subset only
       {"image_dir", {KeyType::kString, kSubset, true}},
       {"is_reg", {KeyType::kBool, kSubset, true}},
@@ -267,6 +274,7 @@ const char* type_word(KeyType type) {
     case KeyType::kString: return "a string";
     case KeyType::kResolution: return "an integer or [width, height]";
     case KeyType::kFloatPair: return "[low, high]";
+    case KeyType::kTable: return "a table";
   }
   return "?";
 }
@@ -318,6 +326,7 @@ class TomlReader {
       case KeyType::kFloatPair:
         ok = node.is_array() && node.as_array()->size() == 2;
         break;
+      case KeyType::kTable: ok = node.is_table(); break;
     }
     if (!ok) {
       fail(node, "key '" + std::string(key) + "' must be " + type_word(type));
@@ -359,8 +368,7 @@ class TomlReader {
     for (const auto& [key, node] : table) {
       const std::string_view k = key.str();
       if (k == "num_repeats") {
-        s.num_repeats = static_cast<int>(integer(node));
-        if (s.num_repeats < 1) fail(node, "num_repeats must be at least 1");
+        s.num_repeats = static_cast<int>(integer(node));  // below 1: skipped (discover_toml)
       } else if (k == "caption_extension") {
         s.caption_extension = *node.value<std::string>();
         s.caption_extension_set = true;
@@ -421,10 +429,14 @@ Caption read_caption_file(const fs::path& path) {
   return caption;
 }
 
-Discovery discover_folder(const fs::path& data_dir, const Defaults& defaults) {
+Discovery discover_folder(const fs::path& data_dir, const Defaults& defaults,
+                          const fs::path& reg_dir) {
   std::error_code ec;
   if (!fs::is_directory(data_dir, ec)) {
     throw InputError("--data_dir=" + data_dir.string() + " is not a folder");
+  }
+  if (!reg_dir.empty() && !fs::is_directory(reg_dir, ec)) {
+    throw InputError("--reg_data_dir=" + reg_dir.string() + " is not a folder");
   }
   Discovery out;
   DatasetOptions dataset = defaults.dataset;
@@ -434,25 +446,37 @@ Discovery discover_folder(const fs::path& data_dir, const Defaults& defaults) {
   top.num_repeats = 1;
   dataset.subsets.push_back(top);
 
-  std::vector<fs::path> repeat_folders;
-  for (const fs::directory_entry& entry : list_sorted(data_dir)) {
-    std::error_code status_ec;
-    if (!fs::is_directory(entry.path(), status_ec)) continue;
-    const std::string name = entry.path().filename().string();
-    int repeats = 0;
-    std::string tokens;
-    if (!parse_repeat_folder(name, &repeats, &tokens)) {
-      out.ignored.push_back({entry.path().string(),
-                             "folder is neither images nor a kohya repeat folder "
-                             "'<N>_<class tokens>' (N a positive number): not used"});
-      continue;
+  // The kohya repeat folders `<N>_<class tokens>` of `dir` as subsets.
+  auto add_repeat_folders = [&](const fs::path& dir, bool is_reg) {
+    for (const fs::directory_entry& entry : list_sorted(dir)) {
+      std::error_code status_ec;
+      if (!fs::is_directory(entry.path(), status_ec)) {
+        if (is_reg && has_image_extension(entry.path())) {
+          out.ignored.push_back({entry.path().string(),
+                                 "regularization images go in '<N>_<class tokens>' folders of "
+                                 "--reg_data_dir, as in kohya: not used"});
+        }
+        continue;
+      }
+      const std::string name = entry.path().filename().string();
+      int repeats = 0;
+      std::string tokens;
+      if (!parse_repeat_folder(name, &repeats, &tokens)) {
+        out.ignored.push_back({entry.path().string(),
+                               "folder is neither images nor a kohya repeat folder "
+                               "'<N>_<class tokens>' (N a positive number): not used"});
+        continue;
+      }
+      SubsetOptions subset = defaults.subset;
+      subset.image_dir = entry.path();
+      subset.num_repeats = repeats;
+      subset.class_tokens = tokens;
+      subset.is_reg = is_reg;
+      dataset.subsets.push_back(subset);
     }
-    SubsetOptions subset = defaults.subset;
-    subset.image_dir = entry.path();
-    subset.num_repeats = repeats;
-    subset.class_tokens = tokens;
-    dataset.subsets.push_back(subset);
-  }
+  };
+  add_repeat_folders(data_dir, /*is_reg=*/false);
+  if (!reg_dir.empty()) add_repeat_folders(reg_dir, /*is_reg=*/true);
   out.datasets.push_back(dataset);
   const DatasetOptions& d = out.datasets.back();
   for (size_t i = 0; i < d.subsets.size(); ++i) {
@@ -539,11 +563,29 @@ Discovery discover_toml(const fs::path& config, const Defaults& defaults) {
   Discovery out;
   out.datasets = parse_dataset_toml(text, config.string(), defaults);
   for (size_t d = 0; d < out.datasets.size(); ++d) {
-    for (size_t s = 0; s < out.datasets[d].subsets.size(); ++s) {
-      SubsetOptions& subset = out.datasets[d].subsets[s];
+    // As kohya's DreamBoothDataset: a subset with num_repeats below 1, or with the image_dir of
+    // an earlier subset of the dataset, is left out with a warning (the first one wins).
+    std::vector<SubsetOptions>& subsets = out.datasets[d].subsets;
+    std::set<fs::path> dirs;
+    std::vector<SubsetOptions> kept;
+    for (SubsetOptions& subset : subsets) {
       if (subset.image_dir.is_relative()) {
         subset.image_dir = config.parent_path() / subset.image_dir;
       }
+      const fs::path dir = subset.image_dir.lexically_normal();
+      if (subset.num_repeats < 1) {
+        LP_LOG(kWarning, kLog) << config.string() << ": subset '" << subset.image_dir.string()
+                               << "' has num_repeats " << subset.num_repeats << ": not used";
+      } else if (!dirs.insert(dir).second) {
+        LP_LOG(kWarning, kLog) << config.string() << ": subset '" << subset.image_dir.string()
+                               << "' repeats an earlier subset's image_dir: the first is used";
+      } else {
+        kept.push_back(std::move(subset));
+      }
+    }
+    subsets = std::move(kept);
+    for (size_t s = 0; s < subsets.size(); ++s) {
+      SubsetOptions& subset = subsets[s];
       std::error_code ec;
       if (!fs::is_directory(subset.image_dir, ec)) {
         throw InputError(config.string() + ": image_dir '" + subset.image_dir.string() +

@@ -16,8 +16,8 @@ namespace lorapipe::preprocess {
 struct SubsetOptions {
   std::filesystem::path image_dir;
   int num_repeats = 1;
-  std::string caption_extension = ".txt";
-  bool caption_extension_set = false;  // false: ".caption" is tried after ".txt"
+  std::string caption_extension = ".caption";  // kohya's default
+  bool caption_extension_set = false;  // false: ".txt" is tried after ".caption"
   std::string class_tokens;
   bool is_reg = false;
   bool flip_aug = false;
@@ -79,8 +79,11 @@ struct Defaults {
 };
 
 // Images directly in `data_dir` (one repeat) and kohya repeat folders `<N>_<class tokens>`
-// below it, as one dataset. Throws InputError when `data_dir` is not a folder.
-Discovery discover_folder(const std::filesystem::path& data_dir, const Defaults& defaults);
+// below it, as one dataset; with `reg_dir` (kohya's --reg_data_dir), its repeat folders too, as
+// regularization subsets (is_reg; images directly in it are not used, as in kohya). Throws
+// InputError when `data_dir` or `reg_dir` is not a folder.
+Discovery discover_folder(const std::filesystem::path& data_dir, const Defaults& defaults,
+                          const std::filesystem::path& reg_dir = {});
 
 // A kohya dataset TOML. Throws InputError naming the key and its line for an unknown key or a
 // value of the wrong type; relative image_dir paths resolve against the TOML's folder.

@@ -82,6 +82,59 @@ TEST(DatasetFolder, KohyaRepeatFoldersCaptionsAndReportedFolders) {
   fs::remove_all(dir);
 }
 
+// kohya's --reg_data_dir: its repeat folders are regularization subsets; images directly in it
+// are not used (reported), nor are hidden files anywhere (macOS's "._x.jpg" are not images).
+// A caption in kohya's default .caption wins over a .txt beside it.
+TEST(DatasetFolder, RegDataDirRepeatFoldersAreRegularizationAndHiddenFilesSkipped) {
+  const fs::path dir = make_temp_dir("reg");
+  write_file(dir / "train" / "5_sks dog" / "a.jpg", "x");
+  write_file(dir / "train" / "5_sks dog" / "._a.jpg", "AppleDouble");
+  write_file(dir / "train" / "5_sks dog" / "both.jpg", "x");  // kohya's .caption before .txt
+  write_file(dir / "train" / "5_sks dog" / "both.caption", "from the caption file");
+  write_file(dir / "train" / "5_sks dog" / "both.txt", "from the tag file");
+  write_file(dir / "reg" / "1_dog" / "r.jpg", "x");
+  write_file(dir / "reg" / "loose.jpg", "x");
+  const Discovery d = discover_folder(dir / "train", Defaults{}, dir / "reg");
+  ASSERT_EQ(d.images.size(), 3u);
+  ASSERT_NE(find_image(d, "both.jpg"), nullptr);
+  EXPECT_EQ(find_image(d, "both.jpg")->caption, "from the caption file");
+  const ImageEntry* a = find_image(d, "a.jpg");
+  const ImageEntry* r = find_image(d, "r.jpg");
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(r, nullptr);
+  EXPECT_FALSE(d.datasets[0].subsets[a->subset].is_reg);
+  EXPECT_TRUE(d.datasets[0].subsets[r->subset].is_reg);
+  EXPECT_EQ(r->caption, "dog");
+  EXPECT_EQ(find_image(d, "._a.jpg"), nullptr);
+  bool loose_reported = false;
+  for (const Ignored& i : d.ignored) loose_reported |= i.path.find("loose.jpg") != std::string::npos;
+  EXPECT_TRUE(loose_reported);
+  EXPECT_THROW(discover_folder(dir / "train", Defaults{}, dir / "nope"), InputError);
+  fs::remove_all(dir);
+}
+
+// As kohya's DreamBoothDataset: a subset with num_repeats below 1, or repeating an earlier
+// subset's image_dir, is left out (the first one wins); kohya's caption_separator and
+// custom_attributes are accepted.
+TEST(DatasetToml, ZeroRepeatAndDuplicateSubsetsAreLeftOut) {
+  const fs::path dir = make_temp_dir("toml-subsets");
+  write_file(dir / "a" / "1.png", "x");
+  write_file(dir / "b" / "2.png", "x");
+  write_file(dir / "config.toml",
+             "[[datasets]]\n"
+             "[[datasets.subsets]]\nimage_dir = 'a'\nnum_repeats = 3\ncaption_separator = ';'\n"
+             "custom_attributes = { style = 'x' }\n"
+             "[[datasets.subsets]]\nimage_dir = 'a'\nnum_repeats = 7\n"
+             "[[datasets.subsets]]\nimage_dir = 'b'\nnum_repeats = 0\n");
+  const Discovery d = discover_toml(dir / "config.toml", Defaults{});
+  ASSERT_EQ(d.datasets.size(), 1u);
+  ASSERT_EQ(d.datasets[0].subsets.size(), 1u);
+  EXPECT_EQ(d.datasets[0].subsets[0].num_repeats, 3) << "the first of the two 'a' subsets";
+  ASSERT_EQ(d.images.size(), 1u);
+  EXPECT_EQ(d.images[0].path.filename(), "1.png");
+  fs::remove_all(dir);
+}
+
 TEST(DatasetFolder, MissingFolderIsAClearError) {
   try {
     discover_folder("/nonexistent/lorapipe/photos", Defaults{});

@@ -15,6 +15,8 @@
 #include "runtime/stage.h"
 
 DEFINE_string(data_dir, "", "Folder of images, or of kohya repeat folders <N>_<class tokens>");
+DEFINE_string(train_data_dir, "", "kohya's name for --data_dir");
+DEFINE_string(reg_data_dir, "", "Folder of kohya repeat folders of regularization images");
 DEFINE_string(dataset_config, "", "kohya dataset TOML (instead of --data_dir)");
 DEFINE_string(dataset_id, "", "Name of the dataset's manifest (default: from the dataset path)");
 DEFINE_string(resolution, "512", "Training resolution: 512, or width,height such as 768,512");
@@ -23,7 +25,7 @@ DEFINE_int32(min_bucket_reso, 256, "Smallest bucket side");
 DEFINE_int32(max_bucket_reso, 1024, "Largest bucket side");
 DEFINE_int32(bucket_reso_steps, 64, "Bucket sides are multiples of this");
 DEFINE_bool(bucket_no_upscale, false, "Never upscale: buckets follow each image's size");
-DEFINE_string(caption_extension, "", "Caption file extension (default .txt, then .caption)");
+DEFINE_string(caption_extension, "", "Caption file extension (default .caption, then .txt)");
 DEFINE_string(class_tokens, "", "Caption for images directly in --data_dir without caption file");
 DEFINE_bool(flip_aug, false, "Also cache horizontally flipped latents");
 DEFINE_bool(random_crop, false, "Random instead of centre crop (fixed per image and --seed)");
@@ -65,7 +67,12 @@ int main(int argc, char** argv) {
     status.emplace(pub ? &*pub : nullptr, "preprocess");
     status->ready();
     pp::Options options;
-    options.data_dir = FLAGS_data_dir;
+    if (!FLAGS_data_dir.empty() && !FLAGS_train_data_dir.empty() &&
+        FLAGS_data_dir != FLAGS_train_data_dir) {
+      throw lorapipe::InputError("--data_dir and --train_data_dir name the same folder: give one");
+    }
+    options.data_dir = FLAGS_data_dir.empty() ? FLAGS_train_data_dir : FLAGS_data_dir;
+    options.reg_data_dir = FLAGS_reg_data_dir;
     options.dataset_config = FLAGS_dataset_config;
     options.dataset_id = FLAGS_dataset_id;
     pp::BucketOptions& b = options.defaults.dataset.buckets;

@@ -207,7 +207,13 @@ std::string default_dataset_id(const Options& options) {
   if (ec) absolute = source;
   std::string name = absolute.filename().string();
   if (name.empty()) name = "dataset";
-  return name + "-" + hash_bytes(absolute.string()).hex().substr(0, 8);
+  std::string identity = absolute.string();
+  if (!options.reg_data_dir.empty()) {  // other regularization images, another dataset
+    fs::path reg = fs::weakly_canonical(options.reg_data_dir, ec);
+    if (ec) reg = options.reg_data_dir;
+    identity += "\nreg=" + reg.string();
+  }
+  return name + "-" + hash_bytes(identity).hex().substr(0, 8);
 }
 
 wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r) {
@@ -333,8 +339,13 @@ Report run(const Options& options) {
   if (options.data_dir.empty() == options.dataset_config.empty()) {
     throw InputError("give exactly one of --data_dir and --dataset_config");
   }
+  if (!options.reg_data_dir.empty() && options.data_dir.empty()) {
+    throw InputError("--reg_data_dir goes with --data_dir; in a --dataset_config, give "
+                     "regularization subsets is_reg = true");
+  }
   Discovery discovery = !options.data_dir.empty()
-                            ? discover_folder(options.data_dir, options.defaults)
+                            ? discover_folder(options.data_dir, options.defaults,
+                                              options.reg_data_dir)
                             : discover_toml(options.dataset_config, options.defaults);
   std::vector<BucketSelector> selectors;
   for (const DatasetOptions& d : discovery.datasets) selectors.emplace_back(d.buckets);

@@ -16,6 +16,7 @@ namespace lorapipe::preprocess {
 struct Options {
   std::string data_dir;        // a folder of images or of kohya repeat folders
   std::string dataset_config;  // or a kohya dataset TOML
+  std::string reg_data_dir;    // with data_dir: kohya repeat folders of regularization images
   std::string dataset_id;      // manifest name; empty: derived from the dataset path
   Defaults defaults;           // flag-level dataset and subset settings
 
