@@ -371,6 +371,28 @@ TEST_F(TrainRunTest, EpochsEndOnStepsUnderAccumulationAndKeepTheLastEpochSaves) 
   EXPECT_TRUE(fs::exists(lora / "tiny-000004.safetensors")) << log;
   EXPECT_FALSE(fs::exists(lora / "tiny-000005.safetensors")) << "the last epoch is the final save";
   EXPECT_TRUE(fs::exists(lora / "tiny.safetensors"));
+
+  // TensorBoard, read by its own loader: kohya's tags, and loss/epoch once per epoch.
+  fs::path events;
+  for (const auto& f : fs::directory_iterator(work_ / "tensorboard")) {
+    if (f.path().filename().string().starts_with("events.out.tfevents.")) events = f.path();
+  }
+  ASSERT_FALSE(events.empty());
+  const char* python = std::getenv("LORAPIPE_PYTHON");
+  ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
+  const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
+                              "/trainer/reference/read_tensorboard.py read " + events.string() +
+                              " > " + (work_ / "tb.json").string();
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  const auto read = nlohmann::json::parse(read_text(work_ / "tb.json"));
+  std::map<std::string, std::vector<int64_t>> steps;
+  for (const auto& scalar : read["scalars"]) {
+    steps[scalar["tag"].get<std::string>()].push_back(scalar["step"].get<int64_t>());
+  }
+  for (const char* tag : {"loss/current", "loss/average", "lr/unet", "lr/textencoder"}) {
+    EXPECT_EQ(steps[tag].size(), static_cast<size_t>(5 * steps_per_epoch)) << tag;
+  }
+  EXPECT_EQ(steps["loss/epoch"], (std::vector<int64_t>{1, 2, 3, 4, 5}));
 }
 
 // Each bad input: a clear message naming what is wrong, a non-zero exit, before any compute.

@@ -62,6 +62,7 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
   }
   if (groups.empty()) throw InputError("nothing to train: the LoRA has no trainable module");
   for (const ParamGroup& g : groups) initial_lrs_.push_back(g.lr);
+  for (const ParamGroup& g : groups) group_names_.push_back(g.name);
   optimizer_ = make_optimizer(options.optimizer, std::move(groups));
   model_.set_gradient_checkpointing(options.gradient_checkpointing);
 }

@@ -105,6 +105,9 @@ class TrainingStep {
   int64_t updates() const { return updates_; }
   void set_updates(int64_t updates) { updates_ = updates; }
   Optimizer& optimizer() { return *optimizer_; }
+  // The optimizer's parameter groups by name, in its order ("text_encoder", "unet", and with
+  // LoRA+ "text_encoder_plus", "unet_plus").
+  const std::vector<std::string>& group_names() const { return group_names_; }
   const StepOptions& options() const { return options_; }
   // fp16 only: the gradient scaler's state, saved with the training state.
   double loss_scale() const { return loss_scale_; }
@@ -128,6 +131,7 @@ class TrainingStep {
   StepOptions options_;
   NoiseSchedule schedule_;
   std::unique_ptr<Optimizer> optimizer_;
+  std::vector<std::string> group_names_;
   std::vector<double> initial_lrs_;
   int64_t updates_ = 0;
   int accumulated_ = 0;

@@ -794,7 +794,13 @@ void Run::publish_progress(double loss, double seconds_per_step, double wait_ms)
   if (tensorboard_) {
     tensorboard_->add_scalar("loss/current", loss, global_step_);
     tensorboard_->add_scalar("loss/average", average, global_step_);
-    tensorboard_->add_scalar("lr/" + std::string("group0"), lr, global_step_);
+    // kohya's tags, so a run shows beside kohya's in one TensorBoard: lr/textencoder, lr/unet.
+    const std::vector<std::string>& groups = step_->group_names();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      std::string tag = groups[g];
+      if (tag.starts_with("text_encoder")) tag.replace(0, 12, "textencoder");
+      tensorboard_->add_scalar("lr/" + tag, step_->optimizer().lr(g), global_step_);
+    }
     tensorboard_->add_scalar("time/s_per_it", seconds_per_step, global_step_);
     tensorboard_->add_scalar("time/data_wait_ms", wait_ms, global_step_);
     tensorboard_->add_scalar("memory/peak_bytes", static_cast<double>(peak), global_step_);
@@ -1046,6 +1052,9 @@ Summary Run::train_steps() {
       publish_progress(loss, seconds, wait_ms);
 
       const bool epoch_done = next_index_ >= batches;
+      if (epoch_done && tensorboard_ && epoch_loss_count_ > 0) {  // kohya's, at step = epoch
+        tensorboard_->add_scalar("loss/epoch", epoch_loss_sum_ / epoch_loss_count_, epoch_);
+      }
       char name[64];
       if (o_.save_every_n_steps > 0 && global_step_ % o_.save_every_n_steps == 0 &&
           global_step_ < max_steps_) {
