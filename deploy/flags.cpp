@@ -52,7 +52,8 @@ std::vector<FlagInfo> make_table() {
   for (const char* name :
        {"data_dir", "reg_data_dir", "dataset_config", "resolution", "min_bucket_reso", "max_bucket_reso",
         "bucket_reso_steps", "caption_extension", "class_tokens", "keep_tokens",
-        "caption_dropout_rate", "min_image_side", "max_aspect_ratio", "max_image_pixels",
+        "caption_dropout_rate", "caption_dropout_every_n_epochs", "caption_tag_dropout_rate",
+        "caption_prefix", "caption_suffix", "min_image_side", "max_aspect_ratio", "max_image_pixels",
         "resize_filter"}) {
     value(name, {S::kPreprocess});
   }
@@ -71,7 +72,7 @@ std::vector<FlagInfo> make_table() {
         "save_last_n_steps", "save_last_n_epochs", "training_comment", "mixed_precision",
         "threads", "max_train_steps", "max_train_epochs", "train_batch_size",
         "prior_loss_weight", "validation_split", "validation_seed", "validate_every_n_steps",
-        "max_bad_steps", "timeout_s", "network_dim", "network_alpha", "network_dropout",
+        "max_bad_steps", "timeout_s", "max_data_loader_n_workers", "network_dim", "network_alpha", "network_dropout",
         "network_weights", "network_multiplier", "network_args", "optimizer_type",
         "optimizer_args", "learning_rate", "unet_lr", "text_encoder_lr", "lr_scheduler",
         "lr_warmup_steps", "lr_scheduler_num_cycles", "lr_scheduler_power", "max_grad_norm",
@@ -84,7 +85,7 @@ std::vector<FlagInfo> make_table() {
   for (const char* name :
        {"fill_last_batch", "network_train_unet_only", "use_8bit_adam", "gradient_checkpointing",
         "noise_offset_random_strength", "cache_latents", "cache_latents_to_disk", "sdpa",
-        "xformers", "mem_eff_attn"}) {
+        "xformers", "mem_eff_attn", "persistent_data_loader_workers"}) {
     boolean(name, {S::kTrainer});
   }
   // sampler

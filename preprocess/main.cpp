@@ -32,6 +32,10 @@ DEFINE_bool(random_crop, false, "Random instead of centre crop (fixed per image 
 DEFINE_bool(shuffle_caption, false, "Shuffle comma-separated tags (text then encoded online)");
 DEFINE_int32(keep_tokens, 0, "Tags kept in front when shuffling");
 DEFINE_double(caption_dropout_rate, 0.0, "Probability of an empty caption (text encoded online)");
+DEFINE_int32(caption_dropout_every_n_epochs, 0, "Empty captions every N epochs (text online)");
+DEFINE_double(caption_tag_dropout_rate, 0.0, "Probability of dropping each tag (text online)");
+DEFINE_string(caption_prefix, "", "Text put before every caption, with a space");
+DEFINE_string(caption_suffix, "", "Text put after every caption, with a space");
 DEFINE_int32(threads, 0, "Decode workers (0: one per core)");
 DEFINE_int32(min_image_side, 64, "Reject images whose shorter side is smaller");
 DEFINE_double(max_aspect_ratio, 8.0, "Reject images with a longer/shorter side ratio above this");
@@ -93,6 +97,10 @@ int main(int argc, char** argv) {
     s.shuffle_caption = FLAGS_shuffle_caption;
     s.keep_tokens = FLAGS_keep_tokens;
     s.caption_dropout_rate = FLAGS_caption_dropout_rate;
+    s.caption_dropout_every_n_epochs = FLAGS_caption_dropout_every_n_epochs;
+    s.caption_tag_dropout_rate = FLAGS_caption_tag_dropout_rate;
+    s.caption_prefix = FLAGS_caption_prefix;
+    s.caption_suffix = FLAGS_caption_suffix;
     options.threads = FLAGS_threads;
     options.min_image_side = FLAGS_min_image_side;
     options.max_aspect_ratio = FLAGS_max_aspect_ratio;

@@ -148,6 +148,45 @@ TEST_F(PreprocessStream, EveryMessageArrivesCheckedDownToThePixels) {
   }
 }
 
+// kohya's caption flags on the command line reach every sample: the prefix and suffix joined
+// with a space, and the dropout settings carried for the trainer.
+TEST_F(PreprocessStream, KohyaCaptionFlagsReachEverySample) {
+  zmq::context_t context;
+  wire::SocketOptions options;
+  zmq::socket_t rep = wire::make_socket(context, zmq::socket_type::rep, options);
+  rep.bind(rep_);
+  zmq::socket_t pull = wire::make_socket(context, zmq::socket_type::pull, options);
+  pull.bind(push_);
+  wire::Dispatcher cacher("cacher");
+  cacher.on_request<wire::HasKeysRequest>([&](const wire::HasKeysRequest& request) {
+    auto reply = std::make_unique<wire::HasKeysReply>();
+    for (int i = 0; i < request.keys_size(); ++i) reply->add_present(false);
+    return reply;
+  });
+  std::vector<std::string> args = preprocess_args(10000);
+  args.insert(args.end(), {"--caption_prefix=masterpiece", "--caption_suffix=high detail",
+                           "--caption_tag_dropout_rate=0.25", "--caption_dropout_every_n_epochs=3"});
+  const pid_t pid = spawn(args, dir_ / "stderr.txt");
+  std::vector<wire::ImageSample> samples;
+  bool done = false;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!done && std::chrono::steady_clock::now() < give_up) {
+    cacher.poll_once(rep, milliseconds(10), /*reply=*/true);
+    wire::Received received = wire::receive(pull, milliseconds(10));
+    if (const auto* sample = received.as<wire::ImageSample>()) samples.push_back(*sample);
+    done = received.as<wire::DatasetReport>() != nullptr;
+  }
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(dir_ / "stderr.txt");
+  ASSERT_EQ(samples.size(), demo_.size());
+  std::map<std::string, std::string> caption_of;
+  for (const auto& d : demo_) caption_of[d.path.string()] = d.caption;
+  for (const wire::ImageSample& s : samples) {
+    EXPECT_EQ(s.caption(), "masterpiece " + caption_of.at(s.path()) + " high detail");
+    EXPECT_DOUBLE_EQ(s.caption_settings().caption_tag_dropout_rate(), 0.25);
+    EXPECT_EQ(s.caption_settings().caption_dropout_every_n_epochs(), 3);
+  }
+}
+
 TEST_F(PreprocessStream, NoCacherIsAClearErrorNamingTheEndpoint) {
   const pid_t pid = spawn(preprocess_args(500), dir_ / "stderr.txt");
   ASSERT_GT(pid, 0);

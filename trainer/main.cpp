@@ -99,6 +99,8 @@ DEFINE_bool(cache_latents_to_disk, true, "Accepted: lorapipe always trains from 
 DEFINE_bool(sdpa, true, "Accepted: attention is always scaled_dot_product_attention");
 DEFINE_bool(xformers, false, "Accepted: attention is always scaled_dot_product_attention");
 DEFINE_bool(mem_eff_attn, false, "Accepted: attention is always scaled_dot_product_attention");
+DEFINE_int32(max_data_loader_n_workers, 0, "Accepted: one prefetch thread reads the cache");
+DEFINE_bool(persistent_data_loader_workers, false, "Accepted: the prefetch thread lives all run");
 DEFINE_int64(sample_every_n_steps, 0, "Accepted: lorapipe-sampler renders each saved checkpoint");
 
 namespace {
