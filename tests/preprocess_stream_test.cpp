@@ -6,8 +6,10 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -49,6 +51,45 @@ class PreprocessStream : public ::testing::Test {
             "--timeout_ms=" + std::to_string(timeout_ms)};
   }
 
+  // A run of preprocess with `extra` flags against a stand-in cacher (real sockets) that answers
+  // HasKeys with `present(key)`: every sample and the report it sent, and its exit code.
+  struct Stream {
+    std::vector<wire::ImageSample> samples;
+    std::optional<wire::DatasetReport> report;
+    int exit_code = -1;
+    uint64_t rejected = 0;
+  };
+  Stream stream(const std::vector<std::string>& extra,
+                const std::function<bool(const std::string&)>& present) const {
+    zmq::context_t context;
+    wire::SocketOptions options;
+    zmq::socket_t rep = wire::make_socket(context, zmq::socket_type::rep, options);
+    rep.bind(rep_);
+    zmq::socket_t pull = wire::make_socket(context, zmq::socket_type::pull, options);
+    pull.bind(push_);
+    wire::Dispatcher cacher("cacher");
+    cacher.on_request<wire::HasKeysRequest>([&](const wire::HasKeysRequest& request) {
+      auto reply = std::make_unique<wire::HasKeysReply>();
+      for (const std::string& key : request.keys()) reply->add_present(present(key));
+      return reply;
+    });
+    std::vector<std::string> args = preprocess_args(10000);
+    args.insert(args.end(), extra.begin(), extra.end());
+    const pid_t pid = spawn(args, dir_ / "stderr.txt");
+    Stream out;
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (!out.report && std::chrono::steady_clock::now() < give_up) {
+      cacher.poll_once(rep, milliseconds(10), /*reply=*/true);
+      wire::Received received = wire::receive(pull, milliseconds(10));
+      if (const auto* sample = received.as<wire::ImageSample>()) out.samples.push_back(*sample);
+      if (const auto* r = received.as<wire::DatasetReport>()) out.report = *r;
+      if (received.status == wire::ReceiveStatus::kRejected) ++out.rejected;
+    }
+    out.exit_code = wait_exit(pid);
+    out.rejected += cacher.rejected();
+    return out;
+  }
+
   fs::path dir_;
   std::vector<preprocess::DemoImage> demo_;
   std::string push_;
@@ -56,43 +97,19 @@ class PreprocessStream : public ::testing::Test {
 };
 
 TEST_F(PreprocessStream, EveryMessageArrivesCheckedDownToThePixels) {
-  zmq::context_t context;
-  wire::SocketOptions options;
-  zmq::socket_t rep = wire::make_socket(context, zmq::socket_type::rep, options);
-  rep.bind(rep_);
-  zmq::socket_t pull = wire::make_socket(context, zmq::socket_type::pull, options);
-  pull.bind(push_);
-
   // The "cacher" holds every third key it is asked about.
   std::set<std::string> held;
   int asked = 0;
-  wire::Dispatcher cacher("cacher");
-  cacher.on_request<wire::HasKeysRequest>([&](const wire::HasKeysRequest& request) {
-    auto reply = std::make_unique<wire::HasKeysReply>();
-    for (const std::string& key : request.keys()) {
-      const bool present = asked++ % 3 == 0;
-      if (present) held.insert(key);
-      reply->add_present(present);
-    }
-    return reply;
+  const Stream run = stream({}, [&](const std::string& key) {
+    const bool present = asked++ % 3 == 0;
+    if (present) held.insert(key);
+    return present;
   });
-
-  const pid_t pid = spawn(preprocess_args(10000), dir_ / "stderr.txt");
-  ASSERT_GT(pid, 0);
-  std::vector<wire::ImageSample> samples;
-  std::optional<wire::DatasetReport> report;
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!report && std::chrono::steady_clock::now() < give_up) {
-    cacher.poll_once(rep, milliseconds(10), /*reply=*/true);
-    wire::Received received = wire::receive(pull, milliseconds(10));
-    if (const auto* sample = received.as<wire::ImageSample>()) samples.push_back(*sample);
-    if (const auto* r = received.as<wire::DatasetReport>()) report = *r;
-    ASSERT_NE(received.status, wire::ReceiveStatus::kRejected) << received.error;
-  }
-  const int exit_code = wait_exit(pid);
-  ASSERT_EQ(exit_code, 0) << read_text(dir_ / "stderr.txt");
-  ASSERT_TRUE(report.has_value()) << "no DatasetReport arrived";
-  EXPECT_EQ(cacher.rejected(), 0u);
+  ASSERT_EQ(run.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  ASSERT_TRUE(run.report.has_value()) << "no DatasetReport arrived";
+  EXPECT_EQ(run.rejected, 0u);
+  const std::vector<wire::ImageSample>& samples = run.samples;
+  const std::optional<wire::DatasetReport>& report = run.report;
 
   ASSERT_EQ(samples.size(), demo_.size());
   EXPECT_EQ(report->images_found(), demo_.size());
@@ -151,32 +168,12 @@ TEST_F(PreprocessStream, EveryMessageArrivesCheckedDownToThePixels) {
 // kohya's caption flags on the command line reach every sample: the prefix and suffix joined
 // with a space, and the dropout settings carried for the trainer.
 TEST_F(PreprocessStream, KohyaCaptionFlagsReachEverySample) {
-  zmq::context_t context;
-  wire::SocketOptions options;
-  zmq::socket_t rep = wire::make_socket(context, zmq::socket_type::rep, options);
-  rep.bind(rep_);
-  zmq::socket_t pull = wire::make_socket(context, zmq::socket_type::pull, options);
-  pull.bind(push_);
-  wire::Dispatcher cacher("cacher");
-  cacher.on_request<wire::HasKeysRequest>([&](const wire::HasKeysRequest& request) {
-    auto reply = std::make_unique<wire::HasKeysReply>();
-    for (int i = 0; i < request.keys_size(); ++i) reply->add_present(false);
-    return reply;
-  });
-  std::vector<std::string> args = preprocess_args(10000);
-  args.insert(args.end(), {"--caption_prefix=masterpiece", "--caption_suffix=high detail",
-                           "--caption_tag_dropout_rate=0.25", "--caption_dropout_every_n_epochs=3"});
-  const pid_t pid = spawn(args, dir_ / "stderr.txt");
-  std::vector<wire::ImageSample> samples;
-  bool done = false;
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!done && std::chrono::steady_clock::now() < give_up) {
-    cacher.poll_once(rep, milliseconds(10), /*reply=*/true);
-    wire::Received received = wire::receive(pull, milliseconds(10));
-    if (const auto* sample = received.as<wire::ImageSample>()) samples.push_back(*sample);
-    done = received.as<wire::DatasetReport>() != nullptr;
-  }
-  ASSERT_EQ(wait_exit(pid), 0) << read_text(dir_ / "stderr.txt");
+  const Stream run = stream({"--caption_prefix=masterpiece", "--caption_suffix=high detail",
+                             "--caption_tag_dropout_rate=0.25",
+                             "--caption_dropout_every_n_epochs=3"},
+                            [](const std::string&) { return false; });
+  ASSERT_EQ(run.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  const std::vector<wire::ImageSample>& samples = run.samples;
   ASSERT_EQ(samples.size(), demo_.size());
   std::map<std::string, std::string> caption_of;
   for (const auto& d : demo_) caption_of[d.path.string()] = d.caption;
