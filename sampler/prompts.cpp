@@ -54,22 +54,18 @@ int size_value(const std::string& option, const std::string& value) {
   return static_cast<int>(std::max<int64_t>(64, whole_number(option, value) / 8 * 8));
 }
 
-// A sampler as kohya names it (any case): one lorapipe implements is kept, one of kohya's that
-// lorapipe lacks becomes ddim with a note, anything else is an error naming it.
-std::string sampler_choice(const std::string& value, std::vector<std::string>* notes) {
+// A sampler as kohya names it (any case); an unknown one is an error naming it.
+std::string sampler_choice(const std::string& value) {
   const std::string name = lower(trim(value));
-  if (is_kohya_sampler_not_implemented(name)) {
-    if (notes) notes->push_back("sampler '" + name + "' is not implemented here: rendered with ddim");
-    return "ddim";
-  }
   (void)scheduler_options(name, false);
   return name;
 }
 
-// Throws InputError when a prompt's text cannot be conditioned: invalid UTF-8 or an attention
-// weight that is not a number. Checked when the file is read, so such a line is skipped there
-// rather than failing every checkpoint's render.
-void check_text(const RenderRequest& r) {
+// Throws InputError when a prompt cannot be rendered: its text invalid UTF-8 or an attention
+// weight not a number, or a step count its sampler cannot take (pndm under 4). Checked when the
+// file is read, so such a line is skipped there rather than failing every checkpoint's render.
+void check_request(const RenderRequest& r) {
+  (void)Scheduler(scheduler_options(r.sampler, false), r.steps);
   for (const std::string* text : {&r.prompt, &r.negative_prompt}) {
     for (const models::WeightedText& piece : models::parse_prompt_attention(*text)) {
       (void)models::fix_text(piece.text);
@@ -88,7 +84,7 @@ bool is_other_models_option(const std::string& option) {
 
 // Fills `r` from one kohya-style object (TOML table or JSON object, read through `get`).
 template <typename Get>
-void apply_fields(RenderRequest& r, Get&& get, std::vector<std::string>* notes) {
+void apply_fields(RenderRequest& r, Get&& get) {
   if (auto v = get("prompt")) r.prompt = *v;
   if (auto v = get("negative_prompt")) r.negative_prompt = *v;
   if (auto v = get("width")) r.width = size_value("width", *v);
@@ -98,7 +94,7 @@ void apply_fields(RenderRequest& r, Get&& get, std::vector<std::string>* notes) 
     r.steps = static_cast<int>(std::clamp<int64_t>(whole_number("sample_steps", *v), 1, 1000));
   }
   if (auto v = get("scale")) r.cfg_scale = decimal("scale", *v);
-  if (auto v = get("sample_sampler")) r.sampler = sampler_choice(*v, notes);
+  if (auto v = get("sample_sampler")) r.sampler = sampler_choice(*v);
 }
 
 std::string toml_text(const toml::node& node) {
@@ -159,7 +155,7 @@ RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest&
     } else if (option == "l") {
       r.cfg_scale = decimal(option, value);
     } else if (option == "ss") {
-      r.sampler = sampler_choice(value, notes);
+      r.sampler = sampler_choice(value);
     } else if (is_other_models_option(option)) {
       if (notes) notes->push_back("--" + option + " is for other models or networks: ignored");
     } else {
@@ -189,7 +185,7 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
       std::vector<std::string> notes;
       try {
         RenderRequest r = parse_prompt_line(text, base(), &notes);
-        check_text(r);
+        check_request(r);
         set.prompts.push_back(std::move(r));
       } catch (const InputError& e) {
         set.problems.push_back(file.string() + ":" + std::to_string(number) + ": " + e.what());
@@ -222,15 +218,10 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
           if (const toml::node* v = prompt->get(key)) return toml_text(*v);
           return std::nullopt;
         };
-        std::vector<std::string> notes;
-        apply_fields(r, get, &notes);
+        apply_fields(r, get);
         if (trim(r.prompt).empty()) throw InputError("no prompt");
-        check_text(r);
+        check_request(r);
         set.prompts.push_back(std::move(r));
-        for (const std::string& note : notes) {
-          set.notes.push_back(file.string() + ": prompt.subset " + std::to_string(i + 1) + ": " +
-                              note);
-        }
       } catch (const InputError& e) {
         set.problems.push_back(file.string() + ": prompt.subset " + std::to_string(i + 1) + ": " +
                                e.what());
@@ -260,12 +251,12 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
             if (!root[i].contains(key)) return std::nullopt;
             return json_text(root[i][key]);
           };
-          apply_fields(r, get, &notes);
+          apply_fields(r, get);
         } else {
           throw InputError("neither a prompt nor an object");
         }
         if (trim(r.prompt).empty()) throw InputError("no prompt");
-        check_text(r);
+        check_request(r);
         set.prompts.push_back(std::move(r));
         for (const std::string& note : notes) {
           set.notes.push_back(file.string() + ": entry " + std::to_string(i + 1) + ": " + note);

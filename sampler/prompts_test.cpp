@@ -117,35 +117,44 @@ TEST(SamplerPrompts, TomlAndJsonFormsAsKohyaReadsThem) {
 }
 
 // What kohya reads but SD1.x previews do not use keeps the prompt, with a note by line: options
-// of other models (--am, --cn, --g) are ignored, and kohya's samplers that lorapipe lacks render
-// with ddim, kohya's default. A JSON string is a whole prompt line, options included.
-TEST(SamplerPrompts, KohyaOptionsAndSamplersOfOtherModelsAreNotedAndTheLineKept) {
+// of other models (--am, --cn, --g) are ignored. Every sampler kohya names is taken, in any case;
+// a step count the sampler cannot take (pndm under 4) skips the line. A JSON string is a whole
+// prompt line, options included.
+TEST(SamplerPrompts, KohyaOptionsOfOtherModelsAreNotedAndEveryKohyaSamplerIsTaken) {
   const fs::path file = write("other.txt",
                               "a cat --am 0.5 --ss k_dpm_2_a --d 3\n"
-                              "a dog --cn control.png --g 3.5 --ss Euler_A\n");
+                              "a dog --cn control.png --g 3.5 --ss Euler_A\n"
+                              "a bird --ss PNDM --s 3\n");
   const PromptSet set = load_prompts(file);
-  ASSERT_TRUE(set.problems.empty()) << set.problems[0];
   ASSERT_EQ(set.prompts.size(), 2u);
-  EXPECT_EQ(set.prompts[0].sampler, "ddim");
+  EXPECT_EQ(set.prompts[0].sampler, "k_dpm_2_a");
   EXPECT_EQ(set.prompts[0].seed, 3);
   EXPECT_EQ(set.prompts[1].sampler, "euler_a") << "sampler names in any case";
-  ASSERT_EQ(set.notes.size(), 4u);
+  ASSERT_EQ(set.problems.size(), 1u);
+  EXPECT_NE(set.problems[0].find("other.txt:3: the pndm sampler needs at least 4 steps, got 3"),
+            std::string::npos)
+      << set.problems[0];
+  ASSERT_EQ(set.notes.size(), 3u);
   EXPECT_NE(set.notes[0].find("other.txt:1: --am is for other models"), std::string::npos)
       << set.notes[0];
-  EXPECT_NE(set.notes[1].find(":1: sampler 'k_dpm_2_a' is not implemented here: rendered with ddim"),
-            std::string::npos)
-      << set.notes[1];
-  EXPECT_NE(set.notes[2].find(":2: --cn"), std::string::npos) << set.notes[2];
-  EXPECT_NE(set.notes[3].find(":2: --g"), std::string::npos) << set.notes[3];
+  EXPECT_NE(set.notes[1].find(":2: --cn"), std::string::npos) << set.notes[1];
+  EXPECT_NE(set.notes[2].find(":2: --g"), std::string::npos) << set.notes[2];
+
+  for (const char* name : {"ddpm", "pndm", "lms", "k_lms", "heun", "dpm_2", "k_dpm_2",
+                                  "dpm_2_a", "dpmsolver", "dpmsolver++", "dpmsingle"}) {
+    const PromptSet one = load_prompts(write("one.txt", std::string("a cat --ss ") + name + "\n"));
+    ASSERT_EQ(one.prompts.size(), 1u) << name;
+    EXPECT_EQ(one.prompts[0].sampler, name);
+    EXPECT_TRUE(one.notes.empty()) << name << ": " << one.notes[0];
+  }
 
   const PromptSet j = load_prompts(write("lines.json", R"(["a cat --w 768 --d 5 --ss lms"])"));
   ASSERT_EQ(j.prompts.size(), 1u);
   EXPECT_EQ(j.prompts[0].prompt, "a cat");
   EXPECT_EQ(j.prompts[0].width, 768);
   EXPECT_EQ(j.prompts[0].seed, 5);
-  EXPECT_EQ(j.prompts[0].sampler, "ddim");
-  ASSERT_EQ(j.notes.size(), 1u);
-  EXPECT_NE(j.notes[0].find("entry 1: sampler 'lms'"), std::string::npos) << j.notes[0];
+  EXPECT_EQ(j.prompts[0].sampler, "lms");
+  EXPECT_TRUE(j.notes.empty());
 }
 
 // Text that cannot be conditioned is found when the file is read, not at every render: invalid

@@ -37,7 +37,7 @@ RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
           : torch::randn({1, family.latent_channels, h, w}, generator, torch::kFloat32);
   latents = (latents * scheduler.init_noise_sigma()).to(weight.device());
 
-  for (int i = 0; i < scheduler.steps(); ++i) {
+  for (int i = 0; i < scheduler.calls(); ++i) {
     torch::Tensor input = guided ? torch::cat({latents, latents}) : latents;
     input = scheduler.scale_model_input(input, i);
     const torch::Tensor t = scheduler.timesteps()[i];

@@ -36,7 +36,8 @@ struct RenderOptions {
   int clip_skip = 1;
   // Initial latents instead of the seed's (tests hand diffusers' in); fp32 [1, C, H/8, W/8].
   at::Tensor initial_latents;
-  // Called after each step with the step's index and the latents (progress, tests).
+  // Called after each model call with its index and the latents (progress, tests); Heun, DPM2
+  // and PNDM call the model more often than their step count.
   std::function<void(int, const at::Tensor&)> on_step;
 };
 

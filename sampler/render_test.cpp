@@ -11,8 +11,8 @@
 // final latents' own scale (1) would measure the rounding against a smaller number than the one
 // it accumulated on. Measured (printed): DDIM 3.3e-5 of its trajectory's scale 3.7 (1.2e-4
 // absolute), growing by about 1.5e-6 a step, since each step adds the guided prediction's
-// rounding to the latents with a weight near 1; Euler, Euler a and DPM++ 2M about 1e-6 of scales
-// near 100. Against the final latents' own scale DDIM measures 1.2e-4, over the 1e-4 bound;
+// rounding to the latents with a weight near 1; the sigma-based samplers (Euler, Euler a, DPM++
+// 2M and 2S, DPM-Solver, Heun, DPM2, DPM2 a, LMS) and PNDM and DDPM about 1e-6 of their scales. Against the final latents' own scale DDIM measures 1.2e-4, over the 1e-4 bound;
 // every decoded pixel stays within 1/255 for every sampler.
 
 #include "sampler/render.h"
@@ -142,6 +142,16 @@ TEST_F(SamplerRenderParity, Ddim) { check("ddim"); }
 TEST_F(SamplerRenderParity, Euler) { check("euler"); }
 TEST_F(SamplerRenderParity, EulerAncestral) { check("euler_a"); }
 TEST_F(SamplerRenderParity, DpmSolverPlusPlus2M) { check("dpmsolver++"); }
+TEST_F(SamplerRenderParity, DpmSolver2M) { check("dpmsolver"); }
+TEST_F(SamplerRenderParity, DpmSolverPlusPlus2SSinglestep) { check("dpmsingle"); }
+// Two model calls a step (the second at an fp32 timestep between the table's), and for DPM2
+// ancestral fresh noise after each pair: the render loop follows the scheduler's calls.
+TEST_F(SamplerRenderParity, Heun) { check("heun"); }
+TEST_F(SamplerRenderParity, Dpm2) { check("dpm_2"); }
+TEST_F(SamplerRenderParity, Dpm2Ancestral) { check("dpm_2_a"); }
+TEST_F(SamplerRenderParity, Lms) { check("lms"); }
+TEST_F(SamplerRenderParity, PndmWithItsRungeKuttaWarmUp) { check("pndm"); }
+TEST_F(SamplerRenderParity, Ddpm) { check("ddpm"); }
 // A kohya-format LoRA on the UNet and the text encoder: diffusers' load_lora_weights against
 // lorapipe's merge, then the merge taken out bit for bit.
 TEST_F(SamplerRenderParity, DdimWithLora) { check("ddim", /*with_lora=*/true); }

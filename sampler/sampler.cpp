@@ -44,13 +44,18 @@ void start_vips() {
   });
 }
 
-// A1111's sampler names, so that its PNG Info and "send to txt2img" recognise ours.
+// A1111's sampler names, so that its PNG Info and "send to txt2img" recognise ours; those A1111
+// lacks (dpmsolver, dpmsingle, ddpm) keep kohya's name.
 std::string a1111_sampler(const std::string& name) {
   static const std::map<std::string, std::string> names = {
       {"ddim", "DDIM"},           {"euler", "Euler"},
       {"k_euler", "Euler"},       {"euler_karras", "Euler Karras"},
       {"euler_a", "Euler a"},     {"k_euler_a", "Euler a"},
-      {"dpmsolver++", "DPM++ 2M"}, {"dpmsolver++_karras", "DPM++ 2M Karras"}};
+      {"dpmsolver++", "DPM++ 2M"}, {"dpmsolver++_karras", "DPM++ 2M Karras"},
+      {"heun", "Heun"},           {"lms", "LMS"},
+      {"k_lms", "LMS"},           {"dpm_2", "DPM2"},
+      {"k_dpm_2", "DPM2"},        {"dpm_2_a", "DPM2 a"},
+      {"k_dpm_2_a", "DPM2 a"},    {"pndm", "PLMS"}};
   const auto it = names.find(name);
   return it == names.end() ? name : it->second;
 }
@@ -202,11 +207,6 @@ class Sampler {
       defaults.sampler += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     }
     defaults.first_seed = o_.first_seed;
-    if (is_kohya_sampler_not_implemented(defaults.sampler)) {
-      LP_LOG(kWarning, kLog) << "--sampler=" << o_.sampler
-                             << " is not implemented here: rendering with ddim";
-      defaults.sampler = "ddim";
-    }
     (void)scheduler_options(defaults.sampler, false);  // an unknown --sampler fails now
     prompts_ = load_prompts(o_.sample_prompts, defaults);
     for (const std::string& problem : prompts_.problems) {

@@ -1,17 +1,26 @@
 #pragma once
 // The samplers of kohya's sample images, each step for step equal to the diffusers scheduler of
-// the same name (diffusers 0.36) on the same model outputs: DDIMScheduler (kohya's default),
-// EulerDiscreteScheduler, EulerAncestralDiscreteScheduler and DPMSolverMultistepScheduler
-// (DPM++ 2M), with epsilon or v-prediction, and Karras sigmas for the last two kinds that have
-// them. The noise schedule is SD's (scaled_linear 0.00085-0.012 over 1000 steps).
+// the same name (diffusers 0.36) on the same model outputs, as kohya's train_util.get_my_scheduler
+// picks them: DDIMScheduler (kohya's default), EulerDiscreteScheduler,
+// EulerAncestralDiscreteScheduler, DPMSolverMultistepScheduler (DPM++ 2M and DPM-Solver 2M),
+// DPMSolverSinglestepScheduler (DPM++ 2S), HeunDiscreteScheduler, KDPM2DiscreteScheduler,
+// KDPM2AncestralDiscreteScheduler, LMSDiscreteScheduler, PNDMScheduler and DDPMScheduler, with
+// epsilon or v-prediction, and Karras sigmas for Euler and DPM++ 2M. The noise schedule is SD's
+// (scaled_linear 0.00085-0.012 over 1000 steps).
 //
 // The arithmetic follows diffusers' code: the tables are built with the same LibTorch ops on the
 // CPU, the scalars of a step are 0-dim fp32 tensors combined in diffusers' order, the timestep
 // grids are computed in double as numpy does, so the samples agree to the last bit or nearly
-// (SamplerParity states the tolerance). Schedulers are built as kohya builds them
-// (train_util.get_my_scheduler: straight from the constructor, then clip_sample on), which for
-// DDIM means steps_offset 0, a final alpha of 1 and x0 clamped to [-1, 1]; the SD1.5 config's
-// DDIM (steps_offset 1, final alpha = alphas_cumprod[0], no clamp) is an option.
+// (SamplerParity states the tolerance). Schedulers are built as kohya builds them (straight from
+// the constructor, then clip_sample switched on where the class has it), which for DDIM means
+// steps_offset 0, a final alpha of 1 and x0 clamped to [-1, 1], for Heun and DDPM x0 clamped
+// too, and for PNDM its Runge-Kutta warm-up (skip_prk_steps off). The SD1.5 config's DDIM
+// (steps_offset 1, final alpha = alphas_cumprod[0], no clamp) is an option. kohya's "dpmsolver"
+// arguments are refused by diffusers 0.36 (a final sigma of 0 needs dpmsolver++): it ends at
+// sigma_min, as diffusers asks and as diffusers did before it had the choice.
+//
+// Heun, DPM2 and PNDM call the model more often than their step count (2 * steps - 1, and
+// steps + 9): timesteps() has one entry per model call and step() is called once per entry.
 
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
@@ -21,47 +30,61 @@
 
 namespace lorapipe::sampler {
 
-enum class SamplerKind { kDdim, kEuler, kEulerAncestral, kDpmSolverPlusPlus };
+enum class SamplerKind {
+  kDdim,
+  kEuler,
+  kEulerAncestral,
+  kDpmSolverPlusPlus,  // DPM++ 2M
+  kDpmSolver,          // DPM-Solver 2M (kohya's "dpmsolver")
+  kDpmSingle,          // DPM++ 2S, single-step (kohya's "dpmsingle")
+  kHeun,
+  kDpm2,
+  kDpm2Ancestral,
+  kLms,
+  kPndm,
+  kDdpm,
+};
 
 struct SchedulerOptions {
   SamplerKind kind = SamplerKind::kDdim;
   bool v_prediction = false;
   bool karras = false;  // Euler and DPM++ 2M: Karras et al.'s sigmas (rho 7)
-  // DDIM only. kohya's: offset 0, final alpha 1, clamp x0; diffusers' SD1.5 config: 1, false,
-  // false.
+  // DDIM only. kohya's: offset 0, final alpha 1; diffusers' SD1.5 config: 1, false.
   int steps_offset = 0;
   bool set_alpha_to_one = true;
+  // DDIM, Heun and DDPM: x0 clamped to [-1, 1], as kohya switches it on.
   bool clip_sample = true;
 };
 
 // kohya's --sample_sampler / --ss names: "ddim", "euler" / "k_euler", "euler_a" / "k_euler_a",
-// "dpmsolver++" (add "_karras" or pass `karras` for Karras sigmas, e.g. "dpmsolver++_karras").
+// "dpmsolver++", "dpmsolver", "dpmsingle", "heun", "dpm_2" / "k_dpm_2", "dpm_2_a" / "k_dpm_2_a",
+// "lms" / "k_lms", "pndm", "ddpm"; and "euler_karras", "dpmsolver++_karras" for Karras sigmas.
 // Throws InputError naming an unknown sampler and listing these.
 SchedulerOptions scheduler_options(const std::string& name, bool v_prediction);
 std::vector<std::string> sampler_names();
-// The names kohya's get_my_scheduler knows that lorapipe does not implement (pndm, lms, heun,
-// dpm_2, dpm_2_a, dpmsolver, dpmsingle, ddpm and their k_ forms; kohya renders them with
-// diffusers' schedulers of those names): prompt files that ask for one render with ddim,
-// kohya's default, and say so.
-bool is_kohya_sampler_not_implemented(const std::string& name);
 
 class Scheduler {
  public:
-  // `steps` denoising steps (>= 1).
+  // `steps` denoising steps (>= 1; PNDM >= 4). Throws InputError otherwise.
   Scheduler(const SchedulerOptions& options, int steps);
 
   int steps() const { return steps_; }
-  // The timestep the denoiser gets at each step: int64 (DDIM, DPM++) or fp32 (Euler), [steps].
+  // How many times the model is called: steps(), or more for Heun, DPM2 and PNDM.
+  int calls() const { return static_cast<int>(timesteps_.size(0)); }
+  // The timestep the denoiser gets at each call: int64 (DDIM, DPM-Solver, PNDM, DDPM) or fp32
+  // (the sigma-based K-samplers), [calls()].
   const at::Tensor& timesteps() const { return timesteps_; }
-  // sigma_0 .. sigma_steps (the last is 0) for the sigma-based kinds; undefined for DDIM.
+  // The sigma table for the sigma-based kinds, as diffusers holds it (for Heun and DPM2 with the
+  // inner sigmas repeated, one per call and one more); undefined for DDIM, PNDM and DDPM.
   const at::Tensor& sigmas() const { return sigmas_; }
   // The initial noise is randn * init_noise_sigma().
   double init_noise_sigma() const { return init_noise_sigma_; }
-  // The denoiser's input at step `index` (Euler's divide by sqrt(sigma^2 + 1)).
+  // The denoiser's input at call `index` (the K-samplers divide by sqrt(sigma^2 + 1)).
   at::Tensor scale_model_input(const at::Tensor& sample, int index) const;
-  // The sample after step `index` (0-based, in order), from the model's output there (after
-  // classifier-free guidance). `generator` feeds Euler ancestral's noise (drawn on the CPU and
-  // moved, as diffusers' randn_tensor does with a CPU generator); the others draw none.
+  // The sample after call `index` (0-based, in order), from the model's output there (after
+  // classifier-free guidance). `generator` feeds the noise of Euler ancestral, DPM2 ancestral and
+  // DDPM (drawn on the CPU and moved, as diffusers' randn_tensor does with a CPU generator); the
+  // others draw none.
   at::Tensor step(const at::Tensor& model_output, int index, const at::Tensor& sample,
                   at::Generator generator);
 
@@ -70,19 +93,41 @@ class Scheduler {
   at::Tensor euler_step(const at::Tensor& model_output, int index, const at::Tensor& sample) const;
   at::Tensor euler_ancestral_step(const at::Tensor& model_output, int index,
                                   const at::Tensor& sample, at::Generator generator) const;
-  at::Tensor dpm_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
+  at::Tensor dpm_multistep(const at::Tensor& model_output, int index, const at::Tensor& sample);
+  at::Tensor dpm_singlestep(const at::Tensor& model_output, int index, const at::Tensor& sample);
+  at::Tensor heun_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
+  at::Tensor dpm2_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
+  at::Tensor dpm2_ancestral_step(const at::Tensor& model_output, int index,
+                                 const at::Tensor& sample, at::Generator generator);
+  at::Tensor lms_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
+  at::Tensor pndm_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
+  at::Tensor ddpm_step(const at::Tensor& model_output, int index, const at::Tensor& sample,
+                       at::Generator generator) const;
   // The x0 prediction at sigma for the sigma-based kinds.
   at::Tensor predicted_original(const at::Tensor& model_output, const at::Tensor& sigma,
                                 const at::Tensor& sample) const;
+  // DPM-Solver's data (dpmsolver++) or noise (dpmsolver) prediction at call `index`.
+  at::Tensor dpm_model_output(const at::Tensor& model_output, int index,
+                              const at::Tensor& sample) const;
+  // PNDM's step from timestep t to prev_t with the (combined) model output.
+  at::Tensor pndm_previous(const at::Tensor& sample, int64_t t, int64_t prev_t,
+                           at::Tensor model_output) const;
 
   SchedulerOptions options_;
   int steps_;
   at::Tensor alphas_cumprod_;  // [1000] fp32
   at::Tensor final_alpha_cumprod_;
   at::Tensor timesteps_, sigmas_;
+  at::Tensor sigmas_interpol_, sigmas_up_, sigmas_down_;  // DPM2 (ancestral)
   double init_noise_sigma_ = 1.0;
-  at::Tensor previous_x0_;  // DPM++ 2M's model output of the step before
+  // The multistep and two-stage samplers' state.
+  at::Tensor previous_x0_;  // DPM-Solver's converted model output of the step before
   int lower_order_count_ = 0;
+  std::vector<int> orders_;                 // DPM++ 2S: the order of each step
+  at::Tensor first_sample_, previous_derivative_, previous_dt_;  // Heun, DPM2, DPM++ 2S
+  std::vector<at::Tensor> derivatives_;     // LMS: the last four, oldest first
+  std::vector<at::Tensor> pndm_outputs_;    // PNDM: its "ets"
+  at::Tensor pndm_combined_;                // PNDM: the Runge-Kutta sum so far
 };
 
 }  // namespace lorapipe::sampler

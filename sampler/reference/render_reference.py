@@ -20,9 +20,11 @@ import torch
 from safetensors.torch import save_file
 
 warnings.filterwarnings("ignore")
-from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler,  # noqa: E402
-                       EulerAncestralDiscreteScheduler, EulerDiscreteScheduler,
-                       StableDiffusionPipeline)
+from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler,  # noqa: E402
+                       DPMSolverSinglestepScheduler, EulerAncestralDiscreteScheduler,
+                       EulerDiscreteScheduler, HeunDiscreteScheduler,
+                       KDPM2AncestralDiscreteScheduler, KDPM2DiscreteScheduler,
+                       LMSDiscreteScheduler, PNDMScheduler, StableDiffusionPipeline)
 from diffusers.models.attention_processor import AttnProcessor  # noqa: E402
 
 SEED = 77
@@ -35,7 +37,14 @@ LONG_PROMPT = ("a detailed photo of a red circle, a blue square, a green triangl
 WEIGHTED_PROMPT = "a (red:1.3) circle on a [blue] background, ((shiny)), \\(flat\\)"
 SAMPLERS = {"ddim": (DDIMScheduler, {}), "euler": (EulerDiscreteScheduler, {}),
             "euler_a": (EulerAncestralDiscreteScheduler, {}),
-            "dpmsolver++": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++"})}
+            "dpmsolver++": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++"}),
+            # kohya's "dpmsolver" ends at sigma_min: diffusers 0.36 refuses it with a final 0.
+            "dpmsolver": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver",
+                                                        "final_sigmas_type": "sigma_min"}),
+            "dpmsingle": (DPMSolverSinglestepScheduler, {}), "heun": (HeunDiscreteScheduler, {}),
+            "dpm_2": (KDPM2DiscreteScheduler, {}), "dpm_2_a": (KDPM2AncestralDiscreteScheduler, {}),
+            "lms": (LMSDiscreteScheduler, {}), "pndm": (PNDMScheduler, {}),
+            "ddpm": (DDPMScheduler, {})}
 
 
 def kohya_scheduler(cls, kwargs):

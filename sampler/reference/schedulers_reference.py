@@ -5,13 +5,17 @@
 
 Each scheduler is built as kohya's train_util.get_my_scheduler builds it (the constructor with
 SD's schedule, then clip_sample switched on where the class has it), except "ddim_sd15", which is
-DDIMScheduler.from_config of the SD1.5 scheduler config. For every case it writes
+DDIMScheduler.from_config of the SD1.5 scheduler config, and "dpmsolver", whose kohya arguments
+diffusers 0.36 refuses (algorithm_type "dpmsolver" with the default final sigma 0): it ends at
+sigma_min, as diffusers' error asks and as diffusers did before it had the option. For every case it writes
 OUT_DIR/<case>.safetensors: the timesteps, sigmas (if any), the initial sample (randn *
 init_noise_sigma), the model output fed at each step (model_output.i, seeded, so the C++ side
 reads rather than draws them), the scaled model input (input.i) and the sample after each step
-(sample.i). Euler ancestral's noise comes from torch.Generator().manual_seed(NOISE_SEED), which the
-C++ side seeds the same way.
+(sample.i), one per model call (Heun, DPM2 and PNDM call the model more often than the step count).
+The noise of the stochastic ones (Euler ancestral, DPM2 ancestral, DDPM) comes from
+torch.Generator().manual_seed(NOISE_SEED), which the C++ side seeds the same way.
 """
+import inspect
 import sys
 import warnings
 
@@ -19,8 +23,11 @@ import torch
 from safetensors.torch import save_file
 
 warnings.filterwarnings("ignore")
-from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler,  # noqa: E402
-                       EulerAncestralDiscreteScheduler, EulerDiscreteScheduler)
+from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler,  # noqa: E402
+                       DPMSolverSinglestepScheduler, EulerAncestralDiscreteScheduler,
+                       EulerDiscreteScheduler, HeunDiscreteScheduler,
+                       KDPM2AncestralDiscreteScheduler, KDPM2DiscreteScheduler,
+                       LMSDiscreteScheduler, PNDMScheduler)
 
 NOISE_SEED = 1234
 SHAPE = (2, 4, 8, 8)
@@ -52,6 +59,16 @@ def cases():
             DPMSolverMultistepScheduler, v, algorithm_type="dpmsolver++", use_karras_sigmas=True)
         yield "euler_karras" + tag, lambda v=v: kohya(EulerDiscreteScheduler, v,
                                                       use_karras_sigmas=True)
+        yield "heun" + tag, lambda v=v: kohya(HeunDiscreteScheduler, v)
+        yield "dpm_2" + tag, lambda v=v: kohya(KDPM2DiscreteScheduler, v)
+        yield "dpm_2_a" + tag, lambda v=v: kohya(KDPM2AncestralDiscreteScheduler, v)
+        yield "lms" + tag, lambda v=v: kohya(LMSDiscreteScheduler, v)
+        yield "pndm" + tag, lambda v=v: kohya(PNDMScheduler, v)
+        yield "ddpm" + tag, lambda v=v: kohya(DDPMScheduler, v)
+        yield "dpmsingle" + tag, lambda v=v: kohya(DPMSolverSinglestepScheduler, v)
+        yield "dpmsolver" + tag, lambda v=v: kohya(DPMSolverMultistepScheduler, v,
+                                                   algorithm_type="dpmsolver",
+                                                   final_sigmas_type="sigma_min")
     yield "ddim_sd15", lambda: DDIMScheduler.from_config(SD15)
 
 
@@ -69,7 +86,9 @@ def run(make, steps, seed):
         out[f"input.{i}"] = scheduler.scale_model_input(sample, t).clone()
         model_output = torch.randn(SHAPE, generator=data)
         out[f"model_output.{i}"] = model_output
-        sample = scheduler.step(model_output, t, sample, generator=noise, return_dict=False)[0]
+        takes_generator = "generator" in inspect.signature(scheduler.step).parameters
+        extra = {"generator": noise} if takes_generator else {}
+        sample = scheduler.step(model_output, t, sample, return_dict=False, **extra)[0]
         out[f"sample.{i}"] = sample.clone()
     return out
 
