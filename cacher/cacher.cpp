@@ -178,6 +178,7 @@ void Cacher::on_sample(const wire::ImageSample& s) {
   entry.set_path(s.path());
   *entry.mutable_caption_settings() = s.caption_settings();
   entry.set_batch_size(s.batch_size());
+  entry.set_dataset_index(s.dataset_index());
   if (s.augment_caption()) {
     all_text_cached_ = false;  // the trainer encodes this caption online, augmented each step
   } else {

@@ -164,6 +164,7 @@ Probed probe_one(const ImageEntry& entry, const Discovery& discovery, const Opti
   r.caption_dropout_every_n_epochs = subset.caption_dropout_every_n_epochs;
   r.caption_tag_dropout_rate = subset.caption_tag_dropout_rate;
   r.batch_size = dataset.batch_size;
+  r.dataset_index = static_cast<uint32_t>(entry.dataset);
   r.resolution = dataset.buckets.resolution;
   r.image_key = make_image_key(p.content_hash, r, options.resize_filter);
   return p;
@@ -245,6 +246,7 @@ wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r)
   caption->set_caption_dropout_every_n_epochs(r.caption_dropout_every_n_epochs);
   caption->set_caption_tag_dropout_rate(r.caption_tag_dropout_rate);
   s.set_batch_size(static_cast<uint32_t>(r.batch_size));
+  s.set_dataset_index(r.dataset_index);
   s.set_channels(3);
   return s;
 }

@@ -63,6 +63,7 @@ struct ImageResult {
   int caption_dropout_every_n_epochs = 0;
   double caption_tag_dropout_rate = 0;
   int batch_size = 0;  // the dataset's batch_size (0: not set in a dataset TOML)
+  uint32_t dataset_index = 0;  // which [[datasets]] of a dataset TOML
   Reso resolution;  // the dataset's resolution, for the square-crop comparison
   std::string image_key;  // content hash . transform hash
   bool cached = false;    // the cacher already holds it: sent key-only

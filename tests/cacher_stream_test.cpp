@@ -266,7 +266,8 @@ TEST_F(CachePipeline, KillNineMidWriteThenRestartCompletes) {
 
 // A sample whose pixels do not fit its bucket is rejected alone, on arrival, with its path: the
 // good samples of the same bucket are encoded and the manifest is written. (It used to be thrown
-// at the batch's flush, which left the bucket poisoned and no manifest written.)
+// at the batch's flush, which left the bucket poisoned and no manifest written.) The kept ones'
+// entries carry their dataset index and batch size.
 TEST_F(CachePipeline, SampleThatDoesNotFitItsBucketIsRejectedAlone) {
   const pid_t cacher = spawn(cacher_args(tiny_.single_file, "--vae_batch_size=4"),
                              work_ / "cacher.out", work_ / "cacher.err");
@@ -276,8 +277,11 @@ TEST_F(CachePipeline, SampleThatDoesNotFitItsBucketIsRejectedAlone) {
   auto sample = [](const std::string& name, size_t pixel_bytes) {
     return handmade_sample("handmade", name, 64, std::string(pixel_bytes, '\x80'));
   };
+  wire::ImageSample second_dataset = sample("good2.png", 64 * 64 * 3);
+  second_dataset.set_dataset_index(1);
+  second_dataset.set_batch_size(3);
   for (const auto& s : {sample("good1.png", 64 * 64 * 3), sample("broken.png", 1000),
-                        sample("good2.png", 64 * 64 * 3)}) {
+                        second_dataset}) {
     ASSERT_EQ(wire::send(push, s), wire::SendStatus::kSent);
   }
   wire::DatasetReport report;
@@ -295,6 +299,10 @@ TEST_F(CachePipeline, SampleThatDoesNotFitItsBucketIsRejectedAlone) {
   ASSERT_EQ(manifest.entries_size(), 2);
   EXPECT_EQ(manifest.entries(0).path(), "/photos/good1.png");
   EXPECT_EQ(manifest.entries(1).path(), "/photos/good2.png");
+  // What a kept sample carries for the trainer's batching reaches its entry.
+  EXPECT_EQ(manifest.entries(0).dataset_index(), 0u);
+  EXPECT_EQ(manifest.entries(1).dataset_index(), 1u);
+  EXPECT_EQ(manifest.entries(1).batch_size(), 3u);
   EXPECT_EQ(store.stats(cacher::Table::kLatents).entries, 2u);
 }
 

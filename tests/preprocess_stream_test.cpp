@@ -52,7 +52,8 @@ class PreprocessStream : public ::testing::Test {
   }
 
   // A run of preprocess with `extra` flags against a stand-in cacher (real sockets) that answers
-  // HasKeys with `present(key)`: every sample and the report it sent, and its exit code.
+  // HasKeys with `present(key)`: every sample and the report it sent, and its exit code. A
+  // --dataset_config among `extra` takes the place of --data_dir.
   struct Stream {
     std::vector<wire::ImageSample> samples;
     std::optional<wire::DatasetReport> report;
@@ -74,6 +75,9 @@ class PreprocessStream : public ::testing::Test {
       return reply;
     });
     std::vector<std::string> args = preprocess_args(10000);
+    for (const std::string& flag : extra) {  // a dataset TOML replaces --data_dir
+      if (flag.rfind("--dataset_config=", 0) == 0) args.erase(args.begin() + 1);
+    }
     args.insert(args.end(), extra.begin(), extra.end());
     const pid_t pid = spawn(args, dir_ / "stderr.txt");
     Stream out;
@@ -182,6 +186,35 @@ TEST_F(PreprocessStream, KohyaCaptionFlagsReachEverySample) {
     EXPECT_DOUBLE_EQ(s.caption_settings().caption_tag_dropout_rate(), 0.25);
     EXPECT_EQ(s.caption_settings().caption_dropout_every_n_epochs(), 3);
   }
+}
+
+// Each [[datasets]] of a dataset TOML travels with its index and its batch_size, so that the
+// trainer batches them apart as kohya does; the same folder in two datasets is two datasets' worth
+// of samples, each bucketed at its own resolution.
+TEST_F(PreprocessStream, EachTomlDatasetTravelsWithItsIndexAndBatchSize) {
+  const fs::path config = dir_ / "two.toml";
+  std::ofstream(config) << "[general]\nmin_bucket_reso = 32\nbucket_reso_steps = 32\n"
+                        << "[[datasets]]\nresolution = 64\nbatch_size = 2\n"
+                        << "  [[datasets.subsets]]\n  image_dir = 'data/" << preprocess::kDemoFolder
+                        << "'\n"
+                        << "[[datasets]]\nresolution = 128\n"
+                        << "  [[datasets.subsets]]\n  image_dir = 'data/" << preprocess::kDemoFolder
+                        << "'\n";
+  std::vector<std::string> args = {"--dataset_config=" + config.string()};
+  const Stream run = stream(args, [](const std::string&) { return false; });
+  ASSERT_EQ(run.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  ASSERT_EQ(run.samples.size(), 2 * demo_.size());
+  std::map<uint32_t, int> per_dataset;
+  for (const wire::ImageSample& s : run.samples) {
+    ++per_dataset[s.dataset_index()];
+    EXPECT_EQ(s.batch_size(), s.dataset_index() == 0 ? 2u : 0u) << s.path();
+    const uint32_t area = s.bucket().width() * s.bucket().height();
+    EXPECT_EQ(area > 64 * 64, s.dataset_index() == 1)
+        << s.path() << " in dataset " << s.dataset_index() << ": bucket " << s.bucket().width()
+        << "x" << s.bucket().height();
+  }
+  EXPECT_EQ(per_dataset[0], static_cast<int>(demo_.size()));
+  EXPECT_EQ(per_dataset[1], static_cast<int>(demo_.size()));
 }
 
 TEST_F(PreprocessStream, NoCacherIsAClearErrorNamingTheEndpoint) {

@@ -34,76 +34,94 @@ BatchScheduler::BatchScheduler(const wire::Manifest& manifest, int batch_size, u
   if (manifest.entries_size() == 0) {
     throw InputError("manifest '" + manifest.dataset_id() + "' has no entries: nothing to train on");
   }
-  int per_rank = batch_size;
-  for (const auto& e : manifest.entries()) {
-    if (e.batch_size() > 0) per_rank = static_cast<int>(e.batch_size());  // the TOML wins
-  }
-  if (per_rank < 1) {
-    throw InputError("--train_batch_size=" + std::to_string(per_rank) + ": must be at least 1");
-  }
-  batch_size_ = per_rank * std::max(1, ranks);
-  std::map<std::pair<uint32_t, uint32_t>, size_t> bucket_of;
-  auto add = [&](int index, uint64_t times) {
-    const auto& e = manifest.entries(index);
-    const auto key = std::make_pair(e.bucket().width(), e.bucket().height());
-    auto [it, fresh] = bucket_of.emplace(key, bucket_samples_.size());
-    if (fresh) bucket_samples_.emplace_back();
-    for (uint64_t r = 0; r < times; ++r) bucket_samples_[it->second].push_back(index);
-  };
-  std::vector<int> reg;
+  std::map<uint32_t, std::vector<int>> by_dataset;
   for (int i = 0; i < manifest.entries_size(); ++i) {
-    const auto& e = manifest.entries(i);
-    const uint64_t repeats = std::max<uint32_t>(1, e.repeats());
-    if (e.is_reg()) {
-      reg.push_back(i);
-      continue;
-    }
-    add(i, repeats);
-    train_images_ += repeats;
+    by_dataset[manifest.entries(i).dataset_index()].push_back(i);
   }
-  // kohya: reg images are registered with their repeats and looped over again, one more repeat
-  // each, until there are at least as many as the training images.
-  if (!reg.empty() && train_images_ > 0) {
-    std::vector<uint64_t> times(reg.size(), 0);
-    uint64_t n = 0;
-    bool first = true;
-    while (n < train_images_) {
-      for (size_t k = 0; k < reg.size() && n < train_images_; ++k) {
-        const uint64_t repeats = std::max<uint32_t>(1, manifest.entries(reg[k]).repeats());
-        times[k] += first ? repeats : 1;
-        n += first ? repeats : 1;
-      }
-      first = false;
+  std::map<std::pair<uint32_t, uint32_t>, uint64_t> bucket_counts;
+  batch_size_ = 0;
+  for (const auto& [dataset, indices] : by_dataset) {
+    int per_rank = batch_size;
+    for (int i : indices) {
+      const uint32_t b = manifest.entries(i).batch_size();
+      if (b > 0) per_rank = static_cast<int>(b);  // the TOML wins
     }
-    for (size_t k = 0; k < reg.size(); ++k) add(reg[k], times[k]);
-    reg_images_ = n;
+    if (per_rank < 1) {
+      throw InputError("--train_batch_size=" + std::to_string(per_rank) + ": must be at least 1");
+    }
+    Group group;
+    group.batch_size = per_rank * std::max(1, ranks);
+    std::map<std::pair<uint32_t, uint32_t>, size_t> bucket_of;
+    auto add = [&](int index, uint64_t times) {
+      const auto& e = manifest.entries(index);
+      const auto key = std::make_pair(e.bucket().width(), e.bucket().height());
+      auto [it, fresh] = bucket_of.emplace(key, group.buckets.size());
+      if (fresh) group.buckets.emplace_back();
+      for (uint64_t r = 0; r < times; ++r) group.buckets[it->second].push_back(index);
+      bucket_counts[key] += times;
+    };
+    std::vector<int> reg;
+    uint64_t train = 0;
+    for (int i : indices) {
+      const auto& e = manifest.entries(i);
+      const uint64_t repeats = std::max<uint32_t>(1, e.repeats());
+      if (e.is_reg()) {
+        reg.push_back(i);
+        continue;
+      }
+      add(i, repeats);
+      train += repeats;
+    }
+    // kohya: reg images are registered with their repeats and looped over again, one more
+    // repeat each, until there are at least as many as the dataset's training images.
+    if (!reg.empty() && train > 0) {
+      std::vector<uint64_t> times(reg.size(), 0);
+      uint64_t n = 0;
+      bool first = true;
+      while (n < train) {
+        for (size_t k = 0; k < reg.size() && n < train; ++k) {
+          const uint64_t repeats = std::max<uint32_t>(1, manifest.entries(reg[k]).repeats());
+          times[k] += first ? repeats : 1;
+          n += first ? repeats : 1;
+        }
+        first = false;
+      }
+      for (size_t k = 0; k < reg.size(); ++k) add(reg[k], times[k]);
+      reg_images_ += n;
+    }
+    if (train == 0) continue;  // only reg images: nothing of this dataset is trained
+    train_images_ += train;
+    for (const std::vector<int>& bucket : group.buckets) {
+      batches_per_epoch_ += (bucket.size() + group.batch_size - 1) / group.batch_size;
+    }
+    batch_size_ = std::max(batch_size_, group.batch_size);
+    groups_.push_back(std::move(group));
   }
   if (train_images_ == 0) {
     throw InputError("manifest '" + manifest.dataset_id() +
                      "' holds only regularization images: nothing to train on");
   }
-  for (const auto& [key, index] : bucket_of) {
-    bucket_info_.push_back({key.first, key.second, bucket_samples_[index].size()});
-    const size_t n = bucket_samples_[index].size();
-    batches_per_epoch_ += (n + batch_size_ - 1) / batch_size_;
-  }
+  for (const auto& [key, count] : bucket_counts) bucket_info_.push_back({key.first, key.second, count});
 }
 
 std::vector<PlannedBatch> BatchScheduler::epoch(int64_t epoch) const {
   std::mt19937_64 rng = stream(seed_, epoch, -1, "shuffle");
   std::vector<PlannedBatch> out;
-  for (size_t b = 0; b < bucket_samples_.size(); ++b) {
-    std::vector<int> samples = bucket_samples_[b];
-    std::shuffle(samples.begin(), samples.end(), rng);
-    for (size_t start = 0; start < samples.size(); start += batch_size_) {
-      PlannedBatch batch;
-      const size_t end = std::min(samples.size(), start + batch_size_);
-      batch.entries.assign(samples.begin() + start, samples.begin() + end);
-      while (fill_last_batch_ && static_cast<int>(batch.entries.size()) < batch_size_) {
-        batch.entries.push_back(samples[std::uniform_int_distribution<size_t>(
-            0, samples.size() - 1)(rng)]);
+  for (const Group& group : groups_) {
+    const size_t size = static_cast<size_t>(group.batch_size);
+    for (const std::vector<int>& bucket : group.buckets) {
+      std::vector<int> samples = bucket;
+      std::shuffle(samples.begin(), samples.end(), rng);
+      for (size_t start = 0; start < samples.size(); start += size) {
+        PlannedBatch batch;
+        const size_t end = std::min(samples.size(), start + size);
+        batch.entries.assign(samples.begin() + start, samples.begin() + end);
+        while (fill_last_batch_ && batch.entries.size() < size) {
+          batch.entries.push_back(samples[std::uniform_int_distribution<size_t>(
+              0, samples.size() - 1)(rng)]);
+        }
+        out.push_back(std::move(batch));
       }
-      out.push_back(std::move(batch));
     }
   }
   std::shuffle(out.begin(), out.end(), rng);

@@ -21,23 +21,28 @@ struct PlannedBatch {
 
 class BatchScheduler {
  public:
-  // Each entry appears `repeats` times in its bucket. Regularization entries (is_reg) are
-  // repeated, as kohya does, until they are as many as the training images (repeats included),
-  // or dropped when there are no training images to balance. A bucket's batches hold
-  // `batch_size` samples per rank (a dataset TOML's batch_size, carried by the manifest, wins
-  // over it, and is per rank too, as kohya's is per process), times `ranks` in all: each step's
-  // batch is split over the ranks. The last batch of a bucket holds fewer unless
-  // `fill_last_batch` tops it up with samples drawn again from the same bucket. Throws
-  // InputError for an empty manifest or batch size < 1.
+  // kohya's datasets, each batched on its own (the manifest entries' dataset_index: a dataset
+  // TOML's [[datasets]]), and their batches shuffled together every epoch, as kohya's
+  // DatasetGroup behind one shuffling DataLoader. Within a dataset: each entry appears `repeats`
+  // times in its bucket; regularization entries (is_reg) are repeated, as kohya does, until they
+  // are as many as the dataset's training images (repeats included), or dropped when it has none
+  // to balance. A dataset's batches hold `batch_size` samples per rank (its TOML batch_size,
+  // carried by the manifest, wins over it, and is per rank too, as kohya's is per process), times
+  // `ranks` in all: each step's batch is split over the ranks. The last batch of a bucket holds
+  // fewer unless `fill_last_batch` tops it up with samples drawn again from the same bucket.
+  // Throws InputError for a manifest without training images or a batch size < 1.
   BatchScheduler(const wire::Manifest& manifest, int batch_size, uint64_t seed,
                  bool fill_last_batch, int ranks = 1);
 
   size_t batches_per_epoch() const { return batches_per_epoch_; }
   uint64_t train_images() const { return train_images_; }  // training samples per epoch
   uint64_t reg_images() const { return reg_images_; }
-  // Batch size as used (the manifest's when it carries one).
+  // Samples a step takes (all ranks): the dataset's; with several datasets of different batch
+  // sizes, the largest.
   int batch_size() const { return batch_size_; }
-  // The buckets and how many samples each holds per epoch: (width, height, count).
+  size_t datasets() const { return groups_.size(); }
+  // The buckets and how many samples each holds per epoch, over all datasets: (width, height,
+  // count).
   struct BucketInfo {
     uint32_t width = 0, height = 0;
     uint64_t count = 0;
@@ -49,7 +54,11 @@ class BatchScheduler {
   std::vector<PlannedBatch> epoch(int64_t epoch) const;
 
  private:
-  std::vector<std::vector<int>> bucket_samples_;  // per bucket: entry index per sample
+  struct Group {  // one dataset
+    int batch_size = 1;
+    std::vector<std::vector<int>> buckets;  // per bucket: entry index per sample
+  };
+  std::vector<Group> groups_;  // by dataset_index
   std::vector<BucketInfo> bucket_info_;
   int batch_size_ = 1;
   uint64_t seed_ = 0;

@@ -898,6 +898,10 @@ Summary Run::train_steps() {
                       << scheduler_->train_images() << " training images (repeats included) of "
                       << o_.dataset_id << ", "
                       << scheduler_->reg_images() << " reg; batch " << scheduler_->batch_size()
+                      << (scheduler_->datasets() > 1
+                              ? " (the largest of " + std::to_string(scheduler_->datasets()) +
+                                    " datasets, each batched on its own)"
+                              : std::string())
                       << ", " << batches << " batches and " << steps_per_epoch
                       << " steps per epoch; " << max_steps_ << " steps in all on "
                       << models::describe_device(device_)
