@@ -76,9 +76,10 @@ class Cacher {
     models::DiffusionModel& model = model_;
     latents_.emplace(model, models::weights_fingerprint(model.vae_module(), "vae"));
     texts_.emplace(model,
-                   models::weights_fingerprint(model.text_encoder_module(),
-                                               model.text_encoder_settings(options.clip_skip)),
-                   options.clip_skip);
+                   models::weights_fingerprint(
+                       model.text_encoder_module(),
+                       model.text_encoder_settings(options.clip_skip, options.max_token_length)),
+                   options.clip_skip, options.max_token_length);
     LP_LOG(kInfo, kLog) << "cache " << store_->dir().string() << ", model " << model_.source
                         << " on " << models::describe_device(load.device) << ", VAE "
                         << latents_->fingerprint().substr(0, 12) << ", text encoder "
@@ -447,6 +448,11 @@ void Cacher::serve_loop(runtime::SocketLoop& loop) {
 Summary run(const Options& options) {
   if (options.model.empty()) throw InputError("cacher: --model is required");
   if (options.vae_batch_size < 1) throw InputError("--vae_batch_size must be at least 1");
+  if (options.max_token_length != 75 && options.max_token_length != 150 &&
+      options.max_token_length != 225) {
+    throw InputError("--max_token_length=" + std::to_string(options.max_token_length) +
+                     ": expected 75, 150 or 225 (kohya's)");
+  }
   Cacher cacher(options);
   return cacher.run();
 }

@@ -20,6 +20,7 @@ struct Options {
   int vae_batch_size = 4;
   int text_batch_size = 32;
   int clip_skip = 1;
+  int max_token_length = 75;  // kohya's: 75 (one chunk), 150 or 225 (chunks of 75)
   uint64_t max_map_bytes = uint64_t{1} << 40;
   // Another cacher writing the same cache: wait this long for it before failing. The sockets
   // are bound only once the cache is ours, so preprocess can wait for them to appear.

@@ -89,8 +89,12 @@ std::vector<EncodedRecord> LatentEncoder::encode(
   return out;
 }
 
-TextEncoder::TextEncoder(models::DiffusionModel& model, std::string fingerprint, int clip_skip)
-    : model_(model), fingerprint_(std::move(fingerprint)), clip_skip_(clip_skip) {
+TextEncoder::TextEncoder(models::DiffusionModel& model, std::string fingerprint, int clip_skip,
+                         int max_token_length)
+    : model_(model),
+      fingerprint_(std::move(fingerprint)),
+      clip_skip_(clip_skip),
+      max_token_length_(max_token_length) {
   if (!model_.has_tokenizer()) {
     throw InputError(
         "cacher: the model has no tokenizer: pass --tokenizer (a diffusers "
@@ -102,7 +106,8 @@ std::vector<EncodedRecord> TextEncoder::encode(const std::vector<std::string>& c
   std::vector<EncodedRecord> out;
   if (captions.empty()) return out;
   torch::NoGradGuard no_grad;
-  const models::Conditioning result = model_.encode_text(model_.tokenize(captions), clip_skip_);
+  const models::Conditioning result =
+      model_.encode_text(model_.tokenize(captions, max_token_length_), clip_skip_);
   const torch::Tensor& hidden = result.hidden_states;
   const bool pooled = result.pooled.defined();  // SD1.x's CLIP has one; not every family will
   for (size_t i = 0; i < captions.size(); ++i) {

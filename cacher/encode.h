@@ -39,11 +39,13 @@ class LatentEncoder {
 };
 
 // Encodes captions through the model family's text encoding: the hidden states the denoiser
-// attends to (clip skip applied) and the pooled output, fp16. Throws InputError when the model
-// has no tokenizer. `model` must outlive the encoder.
+// attends to (clip skip applied; kohya's chunks of 75 tokens up to `max_token_length`) and the
+// pooled output, fp16. Throws InputError when the model has no tokenizer. `model` must outlive
+// the encoder.
 class TextEncoder {
  public:
-  TextEncoder(models::DiffusionModel& model, std::string fingerprint, int clip_skip);
+  TextEncoder(models::DiffusionModel& model, std::string fingerprint, int clip_skip,
+              int max_token_length = 75);
 
   std::vector<EncodedRecord> encode(const std::vector<std::string>& captions);
 
@@ -53,6 +55,7 @@ class TextEncoder {
   models::DiffusionModel& model_;
   std::string fingerprint_;
   int clip_skip_;
+  int max_token_length_;
 };
 
 }  // namespace lorapipe::cacher

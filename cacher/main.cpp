@@ -18,6 +18,8 @@ DEFINE_string(device, "auto", "auto, cpu, cuda or cuda:N");
 DEFINE_string(dtype, "fp32", "Compute dtype: fp32, fp16 or bf16 (records are stored in fp16)");
 DEFINE_int32(vae_batch_size, 4, "Images per VAE batch (one bucket at a time)");
 DEFINE_int32(clip_skip, 1, "Text-encoder layer from the end, as kohya/A1111 (1: last)");
+DEFINE_int32(max_token_length, 75,
+             "kohya's caption length: 75, or 150 / 225 tokens encoded in chunks of 75");
 DEFINE_uint64(max_map_mb, 1048576, "Largest the cache may grow, in MiB");
 DEFINE_string(pull, "ipc:///tmp/lorapipe-cacher-pull", "ImageSample endpoint to bind (PULL)");
 DEFINE_string(rep, "ipc:///tmp/lorapipe-cacher-rep", "HasKeys/GetRecords endpoint to bind (REP)");
@@ -73,6 +75,7 @@ int main(int argc, char** argv) {
     options.dtype = FLAGS_dtype;
     options.vae_batch_size = FLAGS_vae_batch_size;
     options.clip_skip = FLAGS_clip_skip;
+    options.max_token_length = FLAGS_max_token_length;
     options.max_map_bytes = FLAGS_max_map_mb << 20;
     options.wait_for_writer_s = FLAGS_wait_for_writer_s;
     options.pull_endpoint = FLAGS_pull;

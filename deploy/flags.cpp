@@ -45,6 +45,7 @@ std::vector<FlagInfo> make_table() {
   value("cache_dir", {S::kCacher, S::kTrainer});
   value("dataset_id", {S::kPreprocess, S::kTrainer});
   value("clip_skip", {S::kCacher, S::kTrainer, S::kSampler});
+  value("max_token_length", {S::kCacher, S::kTrainer});
   boolean("v_parameterization", {S::kTrainer, S::kSampler});
   value("device", {S::kCacher, S::kTrainer});
   value("seed", {S::kPreprocess, S::kTrainer});
@@ -79,13 +80,16 @@ std::vector<FlagInfo> make_table() {
         "gradient_accumulation_steps", "min_snr_gamma", "noise_offset", "adaptive_noise_scale",
         "multires_noise_iterations", "multires_noise_discount", "min_timestep", "max_timestep",
         "loss_type", "huber_schedule", "huber_c", "huber_scale", "sample_every_n_steps",
-        "checkpoint_reannounce_s"}) {
+        "sample_every_n_epochs", "checkpoint_reannounce_s", "network_module", "save_model_as",
+        "log_with", "logging_dir", "log_prefix", "v_pred_like_loss"}) {
     value(name, {S::kTrainer});
   }
   for (const char* name :
        {"fill_last_batch", "network_train_unet_only", "use_8bit_adam", "gradient_checkpointing",
         "noise_offset_random_strength", "cache_latents", "cache_latents_to_disk", "sdpa",
-        "xformers", "mem_eff_attn", "persistent_data_loader_workers"}) {
+        "xformers", "mem_eff_attn", "persistent_data_loader_workers", "sample_at_first",
+        "no_half_vae", "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",
+        "debiased_estimation_loss"}) {
     boolean(name, {S::kTrainer});
   }
   // sampler

@@ -429,10 +429,6 @@ int Supervisor::run() {
   if (!s_.has("data_dir") && !s_.has("dataset_config")) {
     throw InputError("--data_dir or --dataset_config is needed with a model of your own");
   }
-  // kohya's --sample_every_n_steps: the trainer saves at those steps and the sampler renders.
-  if (s_.has("sample_every_n_steps") && !s_.has("save_every_n_steps")) {
-    s_.set("save_every_n_steps", s_.get("sample_every_n_steps"));
-  }
   write_config(s_, dir_ / "run.toml");
   events_.open(dir_ / "events.jsonl", std::ios::app);
   event({{"event", "Run"}, {"result", "started"}, {"output", dir_.string()},

@@ -70,8 +70,9 @@ class DiffusionModel {
   // scaling undone first).
   virtual at::Tensor decode_latents(const at::Tensor& latents) = 0;
   // What, beside the text encoder's weights, decides its output for a caption (clip skip, the
-  // tokenizer): the cache's text keys and the trainer's check of cached text hash this.
-  virtual std::string text_encoder_settings(int clip_skip) const = 0;
+  // tokenizer, kohya's max_token_length): the cache's text keys and the trainer's check of cached
+  // text hash this.
+  virtual std::string text_encoder_settings(int clip_skip, int max_token_length = 75) const = 0;
   // The denoiser's output (noise, or v for v-prediction models) for noised latents at integer
   // timesteps, in the denoiser's dtype.
   virtual at::Tensor denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,

@@ -50,8 +50,13 @@ std::string tokenizer_fingerprint(const std::filesystem::path& path) {
   return hasher.digest().hex();
 }
 
-std::string text_encoder_settings(int clip_skip, const std::string& tokenizer_fingerprint) {
-  return "clip_skip=" + std::to_string(clip_skip) + ";max_length=77;tokenizer=" +
+std::string text_encoder_settings(int clip_skip, const std::string& tokenizer_fingerprint,
+                                  int max_token_length) {
+  // One chunk keeps the string it always had, so caches made before the option stay valid.
+  const std::string length = max_token_length == 75
+                                 ? "max_length=77"
+                                 : "max_token_length=" + std::to_string(max_token_length);
+  return "clip_skip=" + std::to_string(clip_skip) + ";" + length + ";tokenizer=" +
          tokenizer_fingerprint;
 }
 

@@ -25,8 +25,10 @@ std::string tokenizer_fingerprint(const std::filesystem::path& path);
 std::string tokenizer_fingerprint(std::string_view file_name, std::string_view bytes);
 
 // The settings that shape a text encoder's output, as the cacher folds them into its
-// fingerprint: clip skip, max length and the tokenizer. The trainer recomputes them to check that
-// cached text was made by the text encoder it trains with.
-std::string text_encoder_settings(int clip_skip, const std::string& tokenizer_fingerprint);
+// fingerprint: clip skip, max length (kohya's max_token_length: 75, one chunk, or 150 / 225 in
+// chunks) and the tokenizer. The trainer recomputes them to check that cached text was made by
+// the text encoder it trains with.
+std::string text_encoder_settings(int clip_skip, const std::string& tokenizer_fingerprint,
+                                  int max_token_length = 75);
 
 }  // namespace lorapipe::models

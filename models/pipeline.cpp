@@ -431,11 +431,13 @@ at::Tensor StableDiffusion::decode_latents(const at::Tensor& latents) {
   return vae->decode(latents.to(weight.device(), weight.scalar_type()) / family.vae_scaling_factor);
 }
 
-std::string StableDiffusion::text_encoder_settings(int clip_skip) const {
+std::string StableDiffusion::text_encoder_settings(int clip_skip, int max_token_length) const {
   return models::text_encoder_settings(
-      clip_skip, builtin_tokenizer ? tokenizer_fingerprint(ClipTokenizer::kBuiltinName,
-                                                           ClipTokenizer::builtin_vocabulary())
-                                   : tokenizer_fingerprint(tokenizer_path));
+      clip_skip,
+      builtin_tokenizer
+          ? tokenizer_fingerprint(ClipTokenizer::kBuiltinName, ClipTokenizer::builtin_vocabulary())
+          : tokenizer_fingerprint(tokenizer_path),
+      max_token_length);
 }
 
 at::Tensor StableDiffusion::denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,

@@ -55,7 +55,7 @@ struct StableDiffusion : DiffusionModel {
   Conditioning encode_prompts(const std::vector<std::string>& prompts, int clip_skip) override;
   ImageLatents encode_images(const at::Tensor& images) override;
   at::Tensor decode_latents(const at::Tensor& latents) override;
-  std::string text_encoder_settings(int clip_skip) const override;
+  std::string text_encoder_settings(int clip_skip, int max_token_length = 75) const override;
   at::Tensor denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,
                      const Conditioning& conditioning) override;
   std::vector<LoraTarget> lora_targets(bool text_encoder, bool conv_kxk) const override;

@@ -264,6 +264,47 @@ TEST_F(CachePipeline, KillNineMidWriteThenRestartCompletes) {
   EXPECT_EQ(r.manifest_entries, kImages);
 }
 
+// kohya's --max_token_length=225: captions are encoded in three chunks of 75 tokens and cached
+// as [BOS, 225 states, EOS], 227 in all, under keys of their own (another max_token_length is
+// other text to the trainer). A length kohya does not take is refused by name.
+TEST_F(CachePipeline, LongCaptionsAreCachedInKohyasChunks) {
+  const pid_t cacher = spawn(cacher_args(tiny_.single_file, "--max_token_length=225"),
+                             work_ / "cacher.out", work_ / "cacher.err");
+  zmq::context_t context;
+  zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
+  push.connect("ipc://" + (work_ / "pull.sock").string());
+  wire::ImageSample long_caption = handmade_sample("long", "b.png", 64, std::string(64 * 64 * 3, 'x'));
+  std::string caption;
+  for (int i = 0; i < 40; ++i) caption += "red circle, ";  // over 75 tokens, under 225
+  long_caption.set_caption(caption);
+  for (const auto& s : {handmade_sample("long", "a.png", 64, std::string(64 * 64 * 3, '\x80')),
+                        long_caption}) {
+    ASSERT_EQ(wire::send(push, s), wire::SendStatus::kSent);
+  }
+  wire::DatasetReport report;
+  report.set_dataset_id("long");
+  report.set_dataset_id_given(true);
+  ASSERT_EQ(wire::send(push, report), wire::SendStatus::kSent);
+  ASSERT_EQ(wait_exit(cacher), 0) << read_text(work_ / "cacher.err");
+  const cacher::Store store = open_cache();
+  int records = 0;
+  store.for_each(cacher::Table::kTexts, [&](std::string_view, std::string_view value) -> bool {
+    wire::TextRecord record;
+    EXPECT_TRUE(record.ParseFromArray(value.data(), static_cast<int>(value.size())));
+    EXPECT_GE(record.hidden_states().shape_size(), 2);
+    if (record.hidden_states().shape_size() < 2) return false;
+    EXPECT_EQ(record.hidden_states().shape(0), 227) << "BOS + 3 x 75 + EOS";
+    ++records;
+    return true;
+  });
+  EXPECT_EQ(records, 2);
+  const pid_t bad = spawn(cacher_args(tiny_.single_file, "--max_token_length=100"),
+                          work_ / "bad.out", work_ / "bad.err");
+  EXPECT_NE(wait_exit(bad), 0);
+  EXPECT_NE(read_text(work_ / "bad.err").find("--max_token_length=100"), std::string::npos)
+      << read_text(work_ / "bad.err");
+}
+
 // A sample whose pixels do not fit its bucket is rejected alone, on arrival, with its path: the
 // good samples of the same bucket are encoded and the manifest is written. (It used to be thrown
 // at the batch's flush, which left the bucket poisoned and no manifest written.) The kept ones'

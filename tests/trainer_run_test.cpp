@@ -318,9 +318,15 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
   EXPECT_GT(check["text_change"].get<double>(), 1e-4);
 }
 
-TEST_F(TrainRunTest, SavesNamedAsKohyaWithRetention) {
+// A kohya command line carries over as it is (network_module, save_model_as, no_half_vae,
+// xformers, cache_latents, logging_dir, log_prefix): saves are named as kohya names them and
+// pruned by its rules, and TensorBoard goes where kohya puts it.
+TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
   const TrainRun r =
-      run(work_, {"--max_train_steps=6", "--save_every_n_steps=2", "--save_last_n_steps=2"});
+      run(work_, {"--max_train_steps=6", "--save_every_n_steps=2", "--save_last_n_steps=2",
+                  "--network_module=networks.lora", "--save_model_as=safetensors",
+                  "--no_half_vae", "--xformers", "--cache_latents", "--log_with=tensorboard",
+                  "--logging_dir=" + (work_ / "logs").string(), "--log_prefix=dog-"});
   ASSERT_EQ(r.exit, 0) << r.err;
   EXPECT_TRUE(fs::exists(work_ / "lora" / "tiny.safetensors"));
   EXPECT_TRUE(fs::exists(work_ / "lora" / "tiny-step00000004.safetensors"));
@@ -330,11 +336,17 @@ TEST_F(TrainRunTest, SavesNamedAsKohyaWithRetention) {
       << "--save_last_n_steps=2 keeps only the saves of the last 2 steps";
   EXPECT_FALSE(fs::exists(work_ / "lora" / "tiny-step00000006.safetensors"))
       << "the last step is the final save";
+  // kohya's layout: LOGGING_DIR/<log_prefix><%Y%m%d%H%M%S>/network_train/events...
   bool events = false;
-  for (const auto& f : fs::directory_iterator(work_ / "tensorboard")) {
-    events |= f.path().filename().string().starts_with("events.out.tfevents.");
+  for (const auto& run_dir : fs::directory_iterator(work_ / "logs")) {
+    EXPECT_TRUE(std::regex_match(run_dir.path().filename().string(), std::regex("dog-[0-9]{14}")))
+        << run_dir.path();
+    for (const auto& f : fs::directory_iterator(run_dir.path() / "network_train")) {
+      events |= f.path().filename().string().starts_with("events.out.tfevents.");
+    }
   }
   EXPECT_TRUE(events);
+  EXPECT_FALSE(fs::exists(work_ / "tensorboard"));
 }
 
 // Gradient accumulation stops at the end of each epoch (accelerate syncs at the end of kohya's
@@ -395,6 +407,29 @@ TEST_F(TrainRunTest, EpochsEndOnStepsUnderAccumulationAndKeepTheLastEpochSaves) 
   EXPECT_EQ(steps["loss/epoch"], (std::vector<int64_t>{1, 2, 3, 4, 5}));
 }
 
+// kohya's --max_token_length=225: text cached at 75 tokens is other text (encoded online
+// instead), the denoiser attends to kohya's 227 chunked states (so the LoRA trains otherwise),
+// and the file says so as kohya's does.
+TEST_F(TrainRunTest, MaxTokenLengthEncodesCaptionsInKohyasChunks) {
+  const TrainRun plain =
+      run(work_ / "plain", {"--max_train_steps=2", "--network_train_unet_only"});
+  ASSERT_EQ(plain.exit, 0) << plain.err;
+  EXPECT_NE(plain.err.find("text from the cache"), std::string::npos) << plain.err;
+  const TrainRun long_run = run(work_ / "long", {"--max_train_steps=2", "--network_train_unet_only",
+                                                 "--max_token_length=225"});
+  ASSERT_EQ(long_run.exit, 0) << long_run.err;
+  EXPECT_NE(long_run.err.find("max_token_length: captions are encoded online"), std::string::npos)
+      << long_run.err;
+  const fs::path a = work_ / "plain" / "lora" / "tiny.safetensors";
+  const fs::path b = work_ / "long" / "lora" / "tiny.safetensors";
+  EXPECT_EQ(models::SafetensorsFile::open(a).metadata().at("ss_max_token_length"), "None");
+  EXPECT_EQ(models::SafetensorsFile::open(b).metadata().at("ss_max_token_length"), "225");
+  const auto x = lora(a), y = lora(b);
+  double largest = 0;
+  for (const auto& [name, t] : x) largest = std::max(largest, (t - y.at(name)).abs().max().item<double>());
+  EXPECT_GT(largest, 0) << "the conditioning did not change";
+}
+
 // Each bad input: a clear message naming what is wrong, a non-zero exit, before any compute.
 TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
@@ -411,6 +446,10 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--lr_scheduler=polynomial", "--learning_rate=0"}, "--lr_scheduler=polynomial"},
       {{"--adaptive_noise_scale=0.01"}, "--adaptive_noise_scale needs --noise_offset"},
       {{"--dataset_id=nope"}, "no manifest 'nope'"},
+      {{"--network_module=lycoris.kohya"}, "--network_module=lycoris.kohya"},
+      {{"--save_model_as=ckpt"}, "--save_model_as=ckpt"},
+      {{"--log_with=comet"}, "--log_with=comet"},
+      {{"--max_token_length=100"}, "--max_token_length=100"},
   };
   for (const auto& [flags, expected] : cases) {
     const TrainRun r = run(work_, flags);
@@ -548,6 +587,73 @@ TEST_F(TrainRunTest, PublishesProgressAndCheckpoints) {
   for (const auto& c : checkpoints) {
     EXPECT_EQ(c.sha256(), sha256_file(c.path())) << c.path();
   }
+}
+
+// kohya's sample schedule: --sample_every_n_steps and --sample_every_n_epochs announce a
+// checkpoint at each such step that is not a save (a sample-only LoRA, the newest three kept),
+// --sample_at_first one of the untrained network before step 1; saves announce themselves and no
+// other step announces anything.
+TEST_F(TrainRunTest, SampleScheduleAnnouncesCheckpointsBetweenSaves) {
+  const std::string endpoint = "ipc://" + (work_ / "events.sock").string();
+  zmq::context_t context;
+  zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub);
+  sub.set(zmq::sockopt::subscribe, wire::type_name(wire::CheckpointReady()));
+  sub.connect(endpoint);
+  // Batches of 12 make epochs short enough to end inside the run; the first announcement after
+  // step 0 comes seconds after the trainer binds, when the subscriber has long joined.
+  const int64_t total = 70, every = 20, save = 40;
+  const pid_t pid = spawn(
+      args(work_, {"--max_train_steps=" + std::to_string(total), "--train_batch_size=12",
+                   "--save_every_n_steps=" + std::to_string(save),
+                   "--sample_every_n_steps=" + std::to_string(every), "--sample_every_n_epochs=1",
+                   "--sample_at_first", "--pub=" + endpoint}),
+      work_ / "trainer.out", work_ / "trainer.err");
+  std::set<int64_t> heard;
+  std::map<int64_t, std::string> path_of;
+  bool done = false;
+  for (int i = 0; i < 1200 && !done; ++i) {
+    const wire::Received r = wire::receive(sub, std::chrono::milliseconds(100));
+    if (const auto* c = r.as<wire::CheckpointReady>()) {
+      heard.insert(static_cast<int64_t>(c->step()));
+      path_of[static_cast<int64_t>(c->step())] = c->path();
+      done = c->final();
+    }
+  }
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "trainer.err");
+  const std::string log = read_text(work_ / "trainer.err");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex(R"((\d+) steps per epoch)"))) << log;
+  const int64_t per_epoch = std::stoll(m[1]);
+  ASSERT_LT(per_epoch, total) << "no epoch ends inside the run: the epoch schedule goes untested";
+  std::set<int64_t> expected = {total}, sample_only = {0};
+  for (int64_t s = 1; s < total; ++s) {
+    const bool saves = s % save == 0;
+    if (saves) expected.insert(s);
+    if ((s % every == 0 || s % per_epoch == 0) && !saves) {
+      expected.insert(s);
+      sample_only.insert(s);
+    }
+  }
+  heard.erase(0);  // sent before the subscriber may have joined; the log says it was written
+  EXPECT_EQ(heard, expected) << per_epoch << " steps per epoch";
+  EXPECT_NE(log.find("sample_only/tiny-step00000000.safetensors"), std::string::npos) << log;
+  for (int64_t step : expected) {
+    const bool only = sample_only.count(step) > 0;
+    EXPECT_EQ(path_of[step].find("/lora/sample_only/tiny-step") != std::string::npos, only)
+        << "step " << step << ": " << path_of[step];
+  }
+  // The newest three sample-only saves are kept.
+  std::set<std::string> kept, newest;
+  for (const auto& e : fs::directory_iterator(work_ / "lora" / "sample_only")) {
+    kept.insert(e.path().filename().string());
+  }
+  auto it = sample_only.rbegin();
+  for (int k = 0; k < 3 && it != sample_only.rend(); ++k, ++it) {
+    char name[64];
+    std::snprintf(name, sizeof name, "tiny-step%08lld.safetensors", static_cast<long long>(*it));
+    newest.insert(name);
+  }
+  EXPECT_EQ(kept, newest);
 }
 
 // A remote cacher (lorapipe-cacher --serve over tcp) that dies mid-run: the trainer says it is

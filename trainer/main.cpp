@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -48,6 +49,8 @@ DEFINE_bool(fill_last_batch, false, "Top up each bucket's short last batch from 
 DEFINE_uint64(seed, 42, "Seed of every random choice");
 DEFINE_double(prior_loss_weight, 1.0, "Loss weight of regularization images");
 DEFINE_int32(clip_skip, 1, "Text-encoder layer from the end (1: last)");
+DEFINE_int32(max_token_length, 75,
+             "kohya's caption length: 75, or 150 / 225 tokens encoded in chunks of 75");
 DEFINE_double(validation_split, 0, "Share of the images held out for validation loss");
 DEFINE_uint64(validation_seed, 0, "Seed of the validation split and noise");
 DEFINE_int64(validate_every_n_steps, 0, "Validation loss every N steps (also at start and end)");
@@ -82,6 +85,10 @@ DEFINE_bool(gradient_checkpointing, false, "Recompute UNet blocks in backward to
 // Noise and loss.
 DEFINE_bool(v_parameterization, false, "v-prediction target");
 DEFINE_double(min_snr_gamma, 0, "Min-SNR weighting gamma (0: off)");
+DEFINE_bool(scale_v_pred_loss_like_noise_pred, false,
+            "Weigh the loss by snr / (snr + 1), as an epsilon loss weighs (kohya)");
+DEFINE_double(v_pred_like_loss, 0, "Add this much of a v-prediction-like loss (kohya)");
+DEFINE_bool(debiased_estimation_loss, false, "Weigh the loss by 1 / sqrt(snr) (kohya)");
 DEFINE_double(noise_offset, 0, "Noise offset");
 DEFINE_bool(noise_offset_random_strength, false, "Draw the offset in [0, noise_offset)");
 DEFINE_double(adaptive_noise_scale, 0, "Grow the offset with the latent mean");
@@ -93,7 +100,23 @@ DEFINE_string(loss_type, "l2", "l2, l1, huber or smooth_l1");
 DEFINE_string(huber_schedule, "snr", "constant, exponential or snr");
 DEFINE_double(huber_c, 0.1, "Huber loss parameter");
 DEFINE_double(huber_scale, 1.0, "Huber loss scale");
+DEFINE_int64(sample_every_n_steps, 0,
+             "Announce a checkpoint for lorapipe-sampler every N steps (a sample-only save "
+             "between saves)");
+DEFINE_int64(sample_every_n_epochs, 0, "The same every N epochs");
+DEFINE_bool(sample_at_first, false, "Announce the untrained network before the first step");
 // kohya flags that lorapipe always does its own way, accepted so commands carry over.
+DEFINE_string(network_module, "networks.lora",
+              "kohya's network module; lorapipe trains networks.lora (LoRA, LoCon with conv_dim)");
+DEFINE_string(save_model_as, "safetensors", "LoRA file format: safetensors (the only one)");
+DEFINE_string(log_with, "tensorboard", "tensorboard (wandb and all: TensorBoard alone is written)");
+DEFINE_string(logging_dir, "",
+              "TensorBoard under DIR/<log_prefix><time>/network_train, as kohya "
+              "(default: OUT/tensorboard)");
+DEFINE_string(log_prefix, "", "Prefix of the --logging_dir run folder");
+DEFINE_bool(no_half_vae, false, "Accepted: the trainer never runs the VAE (latents are cached)");
+DEFINE_bool(lowram, false, "Accepted: weights stream from the file, one tensor at a time");
+DEFINE_bool(highvram, false, "Accepted: no effect");
 DEFINE_bool(cache_latents, true, "Accepted: lorapipe always trains from the cache");
 DEFINE_bool(cache_latents_to_disk, true, "Accepted: lorapipe always trains from the cache");
 DEFINE_bool(sdpa, true, "Accepted: attention is always scaled_dot_product_attention");
@@ -101,7 +124,6 @@ DEFINE_bool(xformers, false, "Accepted: attention is always scaled_dot_product_a
 DEFINE_bool(mem_eff_attn, false, "Accepted: attention is always scaled_dot_product_attention");
 DEFINE_int32(max_data_loader_n_workers, 0, "Accepted: one prefetch thread reads the cache");
 DEFINE_bool(persistent_data_loader_workers, false, "Accepted: the prefetch thread lives all run");
-DEFINE_int64(sample_every_n_steps, 0, "Accepted: lorapipe-sampler renders each saved checkpoint");
 
 namespace {
 
@@ -169,11 +191,40 @@ int main(int argc, char** argv) {
     o.save_every_n_epochs = FLAGS_save_every_n_epochs;
     o.save_last_n_steps = FLAGS_save_last_n_steps;
     o.save_last_n_epochs = FLAGS_save_last_n_epochs;
+    o.sample_every_n_steps = FLAGS_sample_every_n_steps;
+    o.sample_every_n_epochs = FLAGS_sample_every_n_epochs;
+    o.sample_at_first = FLAGS_sample_at_first;
     o.save_state = FLAGS_save_state;
     o.resume = FLAGS_resume;
     o.pub_endpoint = FLAGS_pub;
     o.checkpoint_reannounce_s = FLAGS_checkpoint_reannounce_s;
     o.training_comment = FLAGS_training_comment;
+    o.max_token_length = FLAGS_max_token_length;
+    // kohya's choices that have one answer here: anything else is refused by name.
+    if (FLAGS_network_module != "networks.lora") {
+      throw lorapipe::InputError("--network_module=" + FLAGS_network_module +
+                                 ": lorapipe trains kohya's networks.lora (LoRA; LoCon with "
+                                 "--network_args conv_dim=R) and no other module");
+    }
+    if (FLAGS_save_model_as != "safetensors") {
+      throw lorapipe::InputError("--save_model_as=" + FLAGS_save_model_as +
+                                 ": LoRA files are written as safetensors only");
+    }
+    if (FLAGS_log_with != "tensorboard" && FLAGS_log_with != "wandb" && FLAGS_log_with != "all") {
+      throw lorapipe::InputError("--log_with=" + FLAGS_log_with +
+                                 ": expected tensorboard, wandb or all");
+    }
+    if (FLAGS_log_with != "tensorboard") {
+      LP_LOG(kWarning, "trainer") << "--log_with=" << FLAGS_log_with
+                                  << ": lorapipe writes TensorBoard logs only";
+    }
+    if (!FLAGS_logging_dir.empty()) {
+      char stamp[32];
+      const std::time_t now = std::time(nullptr);
+      std::strftime(stamp, sizeof stamp, "%Y%m%d%H%M%S", std::localtime(&now));
+      o.tensorboard_dir = std::filesystem::path(FLAGS_logging_dir) /
+                          (FLAGS_log_prefix + stamp) / "network_train";
+    }
     o.max_train_steps = FLAGS_max_train_steps;
     o.max_train_epochs = FLAGS_max_train_epochs;
     o.train_batch_size = FLAGS_train_batch_size;
@@ -212,6 +263,9 @@ int main(int argc, char** argv) {
     s.gradient_checkpointing = FLAGS_gradient_checkpointing;
     s.v_prediction = FLAGS_v_parameterization;
     s.min_snr_gamma = FLAGS_min_snr_gamma;
+    s.scale_v_pred_loss_like_noise_pred = FLAGS_scale_v_pred_loss_like_noise_pred;
+    s.v_pred_like_loss = FLAGS_v_pred_like_loss;
+    s.debiased_estimation_loss = FLAGS_debiased_estimation_loss;
     s.noise.noise_offset = FLAGS_noise_offset;
     s.noise.noise_offset_random_strength = FLAGS_noise_offset_random_strength;
     s.noise.adaptive_noise_scale = FLAGS_adaptive_noise_scale;

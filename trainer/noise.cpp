@@ -49,6 +49,26 @@ at::Tensor min_snr_weight(const NoiseSchedule& schedule, const at::Tensor& times
   return (v_prediction ? clipped / (snr + 1) : clipped / snr).to(torch::kFloat32);
 }
 
+namespace {
+
+at::Tensor capped_snr(const NoiseSchedule& schedule, const at::Tensor& timesteps) {
+  const at::Tensor snr = schedule.snr(timesteps);
+  return torch::minimum(snr, torch::ones_like(snr) * 1000);
+}
+
+}  // namespace
+
+at::Tensor snr_scale(const NoiseSchedule& schedule, const at::Tensor& timesteps) {
+  const at::Tensor snr = capped_snr(schedule, timesteps);
+  return (snr / (snr + 1)).to(torch::kFloat32);
+}
+
+at::Tensor debiased_estimation_weight(const NoiseSchedule& schedule, const at::Tensor& timesteps,
+                                      bool v_prediction) {
+  const at::Tensor snr = capped_snr(schedule, timesteps);
+  return (v_prediction ? 1 / (snr + 1) : 1 / torch::sqrt(snr)).to(torch::kFloat32);
+}
+
 at::Tensor apply_noise_offset(const at::Tensor& noise, const at::Tensor& latents,
                               const at::Tensor& offset_noise, double noise_offset,
                               double adaptive_noise_scale) {

@@ -41,6 +41,15 @@ class NoiseSchedule {
 at::Tensor min_snr_weight(const NoiseSchedule& schedule, const at::Tensor& timesteps, double gamma,
                           bool v_prediction);
 
+// kohya get_snr_scale: snr / (snr + 1) with snr capped at 1000 (it is infinite at t = 0), the
+// factor that --scale_v_pred_loss_like_noise_pred multiplies by and --v_pred_like_loss divides
+// by.
+at::Tensor snr_scale(const NoiseSchedule& schedule, const at::Tensor& timesteps);
+// kohya apply_debiased_estimation: 1 / sqrt(snr) for epsilon, 1 / (snr + 1) for v-prediction,
+// snr capped at 1000.
+at::Tensor debiased_estimation_weight(const NoiseSchedule& schedule, const at::Tensor& timesteps,
+                                      bool v_prediction);
+
 struct NoiseOptions {
   double noise_offset = 0;              // --noise_offset
   bool noise_offset_random_strength = false;

@@ -28,6 +28,7 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
   }
   if (options.max_grad_norm < 0) throw InputError("--max_grad_norm must not be negative");
   if (options.min_snr_gamma < 0) throw InputError("--min_snr_gamma must not be negative");
+  if (options.v_pred_like_loss < 0) throw InputError("--v_pred_like_loss must not be negative");
   if (options.noise.min_timestep < 0 || options.noise.max_timestep > 1000 ||
       options.noise.min_timestep >= options.noise.max_timestep) {
     throw InputError("--min_timestep/--max_timestep: need 0 <= min < max <= 1000, got " +
@@ -141,19 +142,30 @@ double TrainingStep::accumulate(const MicroBatch& batch, at::Generator generator
     if (batch.loss_weights.defined()) {
       loss = loss * rows(batch.loss_weights).to(device, torch::kFloat32);
     }
-    if (options_.min_snr_gamma > 0) {
-      loss = loss * min_snr_weight(schedule_, my_timesteps, options_.min_snr_gamma,
-                                   options_.v_prediction);
-    }
+    loss = weighted_by_snr(loss, my_timesteps);
     return backward(loss.sum() / static_cast<double>(global));
   }
   at::Tensor loss = per_sample_loss(latents, noise, timesteps, conditioning(batch));
   if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device, torch::kFloat32);
+  loss = weighted_by_snr(loss, timesteps);
+  return backward(loss.mean());
+}
+
+at::Tensor TrainingStep::weighted_by_snr(at::Tensor loss, const at::Tensor& timesteps) const {
+  // kohya train_network's order: min-SNR, v-prediction-like scaling, v-prediction-like loss,
+  // debiased estimation.
   if (options_.min_snr_gamma > 0) {
     loss = loss * min_snr_weight(schedule_, timesteps, options_.min_snr_gamma,
                                  options_.v_prediction);
   }
-  return backward(loss.mean());
+  if (options_.scale_v_pred_loss_like_noise_pred) loss = loss * snr_scale(schedule_, timesteps);
+  if (options_.v_pred_like_loss > 0) {
+    loss = loss + loss / snr_scale(schedule_, timesteps) * options_.v_pred_like_loss;
+  }
+  if (options_.debiased_estimation_loss) {
+    loss = debiased_estimation_weight(schedule_, timesteps, options_.v_prediction) * loss;
+  }
+  return loss;
 }
 
 double TrainingStep::backward(const at::Tensor& loss) {

@@ -34,6 +34,11 @@ class LoraNetwork;
 struct StepOptions {
   bool v_prediction = false;      // --v_parameterization
   double min_snr_gamma = 0;       // --min_snr_gamma (0: off)
+  // kohya's other loss weightings by the timestep's SNR (library/custom_train_functions.py),
+  // applied after min-SNR in kohya's order.
+  bool scale_v_pred_loss_like_noise_pred = false;  // x snr / (snr + 1)
+  double v_pred_like_loss = 0;                     // + loss * (snr + 1) / snr * this
+  bool debiased_estimation_loss = false;           // x 1 / sqrt(snr), v-prediction 1 / (snr + 1)
   NoiseOptions noise;
   std::string loss_type = "l2";   // --loss_type l2 | l1 | huber | smooth_l1
   std::string huber_schedule = "snr";
@@ -125,6 +130,8 @@ class TrainingStep {
   std::vector<at::Tensor> trainable() const;
   // The loss's value; unless it is non-finite, its backward (scaled for accumulation and fp16).
   double backward(const at::Tensor& loss);
+  // Per-sample losses times kohya's SNR weightings that are on (min-SNR and the rest).
+  at::Tensor weighted_by_snr(at::Tensor loss, const at::Tensor& timesteps) const;
 
   models::DiffusionModel& model_;
   LoraNetwork& network_;

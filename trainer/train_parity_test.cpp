@@ -49,6 +49,9 @@ struct Scenario {
   int accumulation = 1;
   bool v_prediction = false;
   double min_snr_gamma = 5.0;
+  bool scale_v_pred_loss_like_noise_pred = false;
+  double v_pred_like_loss = 0;
+  bool debiased_estimation_loss = false;
   double noise_offset = 0.1;
   double learning_rate = 1e-3;
   std::string lr_scheduler = "constant";
@@ -129,6 +132,9 @@ class TrainParity : public ::testing::Test {
     StepOptions o;
     o.v_prediction = s.v_prediction;
     o.min_snr_gamma = s.min_snr_gamma;
+    o.scale_v_pred_loss_like_noise_pred = s.scale_v_pred_loss_like_noise_pred;
+    o.v_pred_like_loss = s.v_pred_like_loss;
+    o.debiased_estimation_loss = s.debiased_estimation_loss;
     o.noise.noise_offset = s.noise_offset;
     o.gradient_accumulation_steps = s.accumulation;
     o.max_grad_norm = s.max_grad_norm;
@@ -176,6 +182,9 @@ class TrainParity : public ::testing::Test {
     nlohmann::json config{{"steps", s.steps},
                           {"prediction_type", s.v_prediction ? "v_prediction" : "epsilon"},
                           {"min_snr_gamma", s.min_snr_gamma},
+                          {"scale_v_pred_loss_like_noise_pred", s.scale_v_pred_loss_like_noise_pred},
+                          {"v_pred_like_loss", s.v_pred_like_loss},
+                          {"debiased_estimation_loss", s.debiased_estimation_loss},
                           {"noise_offset", s.noise_offset},
                           {"learning_rate", s.learning_rate},
                           {"lr_scheduler", s.lr_scheduler},
@@ -309,6 +318,24 @@ TEST_F(TrainParity, OneStepVPredictionWithMinSnrAndNoiseOffset) {
   Scenario s;
   s.v_prediction = true;
   run_scenario(s, "v", /*final_weights=*/true);
+}
+
+// kohya's other SNR weightings on top of min-SNR, in train_network's order: debiased estimation
+// and a v-prediction-like loss on an epsilon model; scaling like a noise prediction and debiased
+// estimation (its 1 / (snr + 1) form) on a v-prediction model.
+TEST_F(TrainParity, OneStepEpsilonWithDebiasedEstimationAndVPredLikeLoss) {
+  Scenario s;
+  s.debiased_estimation_loss = true;
+  s.v_pred_like_loss = 0.5;
+  run_scenario(s, "debiased", /*final_weights=*/true);
+}
+
+TEST_F(TrainParity, OneStepVPredictionScaledLikeNoisePredictionAndDebiased) {
+  Scenario s;
+  s.v_prediction = true;
+  s.scale_v_pred_loss_like_noise_pred = true;
+  s.debiased_estimation_loss = true;
+  run_scenario(s, "v_scaled", /*final_weights=*/true);
 }
 
 TEST_F(TrainParity, OneStepLoConUnetOnly) {

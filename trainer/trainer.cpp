@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -203,9 +204,14 @@ void validate(const Options& o) {
   need(o.max_bad_steps >= 1, "--max_bad_steps must be at least 1");
   need(o.validation_split >= 0 && o.validation_split < 1, "--validation_split must be in [0, 1)");
   need(o.save_every_n_steps >= 0 && o.save_every_n_epochs >= 0, "--save_every_n_* must be >= 0");
+  need(o.sample_every_n_steps >= 0 && o.sample_every_n_epochs >= 0,
+       "--sample_every_n_* must be >= 0");
   need(o.prior_loss_weight >= 0, "--prior_loss_weight must not be negative");
   need(o.threads >= 0, "--threads must not be negative");
   need(o.step.clip_skip >= 1, "--clip_skip must be at least 1");
+  need(o.max_token_length == 75 || o.max_token_length == 150 || o.max_token_length == 225,
+       "--max_token_length=" + std::to_string(o.max_token_length) +
+           ": expected 75, 150 or 225 (kohya's)");
   precision(o.mixed_precision, "--mixed_precision");
   precision(o.save_precision, "--save_precision");
   LrScheduleOptions schedule = o.step.schedule;
@@ -248,6 +254,8 @@ class Run {
   void save_state(const fs::path& dir);
   void load_state(const fs::path& dir);
   void retain(int64_t step, int64_t epoch);
+  // A LoRA for the sampler alone (kohya's sample schedule between saves), announced like a save.
+  void save_for_samples(int64_t step);
   void publish_progress(double loss, double seconds_per_step, double wait_ms);
   std::map<std::string, std::string> metadata(int64_t step) const;
 
@@ -407,7 +415,8 @@ void Run::load_model() {
   }
   const bool train_te = o_.network.train_text_encoder;
   if (manifest_.text_cached() && !train_te) {
-    const std::string settings = family_model.text_encoder_settings(o_.step.clip_skip);
+    const std::string settings =
+        family_model.text_encoder_settings(o_.step.clip_skip, o_.max_token_length);
     for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
       family_model.text_encoder_module().to(dtype);
       if (models::weights_fingerprint(family_model.text_encoder_module(), settings) ==
@@ -417,8 +426,8 @@ void Run::load_model() {
       }
     }
     if (!cached_text_) {
-      LP_LOG(kInfo, kLog) << "cached text was made by another text encoder or clip skip: "
-                             "captions are encoded online";
+      LP_LOG(kInfo, kLog) << "cached text was made by another text encoder, clip skip or "
+                             "max_token_length: captions are encoded online";
     }
   }
   const c10::ScalarType dtype = o_.step.base_dtype;
@@ -518,7 +527,7 @@ MicroBatch Run::to_micro_batch(const PreparedBatch& p) {
     batch.encoder_hidden_states = p.hidden_states;
     batch.pooled = p.pooled;
   } else {
-    batch.input_ids = model_.tokenize(p.captions);
+    batch.input_ids = model_.tokenize(p.captions, o_.max_token_length);
   }
   if (ranks_) {  // this rank's share of the global batch, the last rank's possibly shorter
     const int64_t n = batch.latents.size(0), world = ranks_->world_size();
@@ -621,7 +630,8 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_v2"] = "False";
   m["ss_base_model_version"] = "sd_v1";
   m["ss_clip_skip"] = std::to_string(s.clip_skip);
-  m["ss_max_token_length"] = "None";
+  // kohya writes its argument: None when not given, which is 75.
+  m["ss_max_token_length"] = o_.max_token_length == 75 ? "None" : std::to_string(o_.max_token_length);
   m["ss_cache_latents"] = "True";
   m["ss_seed"] = std::to_string(o_.seed);
   m["ss_noise_offset"] = s.noise.noise_offset > 0 ? number(s.noise.noise_offset) : "None";
@@ -633,6 +643,7 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
                                           : "None";
   m["ss_multires_noise_discount"] = number(s.noise.multires_noise_discount);
   m["ss_min_snr_gamma"] = s.min_snr_gamma > 0 ? number(s.min_snr_gamma) : "None";
+  m["ss_debiased_estimation"] = s.debiased_estimation_loss ? "True" : "False";
   m["ss_prior_loss_weight"] = number(o_.prior_loss_weight);
   m["ss_max_grad_norm"] = number(s.max_grad_norm);
   m["ss_loss_type"] = s.loss_type;
@@ -757,6 +768,22 @@ void Run::load_state(const fs::path& dir) {
   training_started_at_ = state.value("training_started_at", training_started_at_);
   LP_LOG(kInfo, kLog) << "resumed from " << dir.string() << " at step " << global_step_
                       << ", epoch " << epoch_;
+}
+
+void Run::save_for_samples(int64_t step) {
+  if (!main_ || !pub_) return;  // nobody would render it
+  const fs::path dir = o_.output_dir / "lora" / "sample_only";
+  char name[64];
+  std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(step));
+  save_lora(dir / (o_.output_name + name + ".safetensors"), step, false);
+  // The newest three stay: the sampler renders the newest, and one it is still reading is not
+  // pulled from under it.
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (entry.path().extension() == ".safetensors") files.push_back(entry.path());
+  }
+  std::sort(files.begin(), files.end());  // zero-padded steps: oldest first
+  for (size_t i = 0; i + 3 < files.size(); ++i) fs::remove(files[i]);
 }
 
 // 0 for `step` or `epoch` leaves that kind of save alone.
@@ -914,7 +941,8 @@ Summary Run::train_steps() {
 
   if (main_) {
     fs::create_directories(o_.output_dir / "lora");
-    tensorboard_.emplace(TensorBoardWriter::open(o_.output_dir / "tensorboard"));
+    tensorboard_.emplace(TensorBoardWriter::open(
+        o_.tensorboard_dir.empty() ? o_.output_dir / "tensorboard" : o_.tensorboard_dir));
   }
   if (main_ && !o_.pub_endpoint.empty()) {
     pub_.emplace(wire::make_socket(context_, zmq::socket_type::pub));
@@ -931,6 +959,15 @@ Summary Run::train_steps() {
     if (tensorboard_) {
       tensorboard_->add_scalar("loss/validation", summary.first_validation_loss, global_step_);
     }
+  }
+
+  if (o_.sample_at_first) save_for_samples(global_step_);  // kohya's, before the first step
+  if (main_ && !pub_ && (o_.sample_every_n_steps > 0 || o_.sample_every_n_epochs > 0 ||
+                         o_.sample_at_first)) {
+    LP_LOG(kWarning, kLog) << "--sample_every_n_* / --sample_at_first: lorapipe-sampler renders "
+                              "what the trainer announces, and without --pub nothing is "
+                              "announced (lorapipe run sets it; by hand, give --pub and start "
+                              "lorapipe-sampler --sub on it)";
   }
 
   thread_ = std::thread([this, e = epoch_, i = next_index_] { producer(e, i); });
@@ -1060,8 +1097,10 @@ Summary Run::train_steps() {
         tensorboard_->add_scalar("loss/epoch", epoch_loss_sum_ / epoch_loss_count_, epoch_);
       }
       char name[64];
+      bool saved = false;
       if (o_.save_every_n_steps > 0 && global_step_ % o_.save_every_n_steps == 0 &&
           global_step_ < max_steps_) {
+        saved = true;
         std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(global_step_));
         save_lora(o_.output_dir / "lora" / (o_.output_name + name + ".safetensors"), global_step_,
                   false);
@@ -1070,12 +1109,18 @@ Summary Run::train_steps() {
       }
       if (epoch_done && o_.save_every_n_epochs > 0 && epoch_ % o_.save_every_n_epochs == 0 &&
           global_step_ < max_steps_) {
+        saved = true;
         std::snprintf(name, sizeof name, "-%06lld", static_cast<long long>(epoch_));
         save_lora(o_.output_dir / "lora" / (o_.output_name + name + ".safetensors"), global_step_,
                   false);
         if (o_.save_state) save_state(state_root / (o_.output_name + name));
         retain(/*step=*/0, epoch_);
       }
+      // kohya's sample schedule: a save announces itself, and the final save ends the run.
+      const bool sample_step =
+          (o_.sample_every_n_steps > 0 && global_step_ % o_.sample_every_n_steps == 0) ||
+          (epoch_done && o_.sample_every_n_epochs > 0 && epoch_ % o_.sample_every_n_epochs == 0);
+      if (sample_step && !saved && global_step_ < max_steps_) save_for_samples(global_step_);
       if (o_.validate_every_n_steps > 0 && global_step_ % o_.validate_every_n_steps == 0) {
         const double v = validation_loss();
         if (v >= 0) {

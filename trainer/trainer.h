@@ -42,7 +42,21 @@ struct Options {
   // The newest CheckpointReady is sent again this often (seconds) while training goes on, so a
   // sampler that (re)starts mid-run renders the newest checkpoint without waiting for a save.
   double checkpoint_reannounce_s = 5.0;
+  // kohya's sample schedule. lorapipe-sampler renders every checkpoint announced on --pub;
+  // these announce more: at each such step or epoch that is not a save, a sample-only LoRA in
+  // OUT/lora/sample_only/ (named as a step save; the newest three kept), and with
+  // sample_at_first one of the untrained network before the first step. Without --pub nothing
+  // would render them, and none are written.
+  int64_t sample_every_n_steps = 0;
+  int64_t sample_every_n_epochs = 0;
+  bool sample_at_first = false;
   std::string training_comment;
+  // kohya's --max_token_length: captions of up to 75 tokens (one chunk), or 150 / 225 encoded in
+  // chunks of 75 (models::ClipTextModelImpl::encode_chunked). Cached text is used only when the
+  // cacher encoded it with the same length.
+  int max_token_length = 75;
+  // TensorBoard event files: OUT/tensorboard unless given (kohya's --logging_dir layout).
+  std::filesystem::path tensorboard_dir;
   // Length.
   int64_t max_train_steps = 1600;
   int64_t max_train_epochs = 0;  // wins over max_train_steps when set, as kohya

@@ -13,7 +13,8 @@ INIT           kohya-named LoRA: <name>.lora_down.weight, <name>.lora_up.weight,
                path>, '.' -> '_'. Exactly these modules are adapted; scale = alpha / rank.
 INPUTS         latents, noise [S,B,4,H,W]; offset_noise [S,B,4,1,1]; timesteps [S,B] int64;
                input_ids [S,B,77] int64; loss_weights [S,B]. S = steps (micro-batches).
-CONFIG         steps, prediction_type, min_snr_gamma, noise_offset, learning_rate,
+CONFIG         steps, prediction_type, min_snr_gamma, scale_v_pred_loss_like_noise_pred,
+               v_pred_like_loss, debiased_estimation_loss, noise_offset, learning_rate,
                lr_scheduler, lr_warmup_steps, lr_scheduler_num_cycles, lr_scheduler_power,
                max_grad_norm, adam_betas, adam_eps, weight_decay, train_text_encoder,
                clip_skip, loss_type (l2|l1|huber), huber_c, huber_schedule (constant),
@@ -39,7 +40,8 @@ from safetensors.torch import load_file, save_file
 from transformers import CLIPTextModel
 
 CONFIG_DEFAULTS = {
-    "prediction_type": "epsilon", "min_snr_gamma": 0.0, "noise_offset": 0.0, "lr_scheduler": "constant",
+    "prediction_type": "epsilon", "min_snr_gamma": 0.0, "scale_v_pred_loss_like_noise_pred": False,
+    "v_pred_like_loss": 0.0, "debiased_estimation_loss": False, "noise_offset": 0.0, "lr_scheduler": "constant",
     "lr_warmup_steps": 0, "lr_scheduler_num_cycles": 1, "lr_scheduler_power": 1.0, "max_grad_norm": 0.0,
     "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "weight_decay": 0.01, "train_text_encoder": False,
     "clip_skip": 1, "loss_type": "l2", "huber_c": 0.1, "huber_schedule": "constant",
@@ -158,6 +160,14 @@ def micro_batch_loss(cfg, scheduler, all_snr, unet, text_encoder, batch):
     if cfg["min_snr_gamma"]:
         snr = all_snr[timesteps]
         loss = loss * torch.minimum(snr, torch.full_like(snr, cfg["min_snr_gamma"])) / (snr + 1 if v_pred else snr)
+    # kohya's custom_train_functions, in train_network's order, the SNR capped at 1000.
+    capped = torch.minimum(all_snr[timesteps], torch.full_like(all_snr[timesteps], 1000.0))
+    if cfg["scale_v_pred_loss_like_noise_pred"]:
+        loss = loss * (capped / (capped + 1))
+    if cfg["v_pred_like_loss"]:
+        loss = loss + loss / (capped / (capped + 1)) * cfg["v_pred_like_loss"]
+    if cfg["debiased_estimation_loss"]:
+        loss = (1 / (capped + 1) if v_pred else 1 / torch.sqrt(capped)) * loss
     return loss.mean()
 
 
