@@ -319,14 +319,17 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
 }
 
 // A kohya command line carries over as it is (network_module, save_model_as, no_half_vae,
-// xformers, cache_latents, logging_dir, log_prefix): saves are named as kohya names them and
+// xformers, cache_latents, logging_dir, log_prefix, and the noise and loss options drawn in a
+// real run: ip_noise_gamma with random strength): saves are named as kohya names them and
 // pruned by its rules, and TensorBoard goes where kohya puts it.
 TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
   const TrainRun r =
       run(work_, {"--max_train_steps=6", "--save_every_n_steps=2", "--save_last_n_steps=2",
                   "--network_module=networks.lora", "--save_model_as=safetensors",
                   "--no_half_vae", "--xformers", "--cache_latents", "--log_with=tensorboard",
-                  "--logging_dir=" + (work_ / "logs").string(), "--log_prefix=dog-"});
+                  "--logging_dir=" + (work_ / "logs").string(), "--log_prefix=dog-",
+                  "--ip_noise_gamma=0.1", "--ip_noise_gamma_random_strength",
+                  "--debiased_estimation_loss"});
   ASSERT_EQ(r.exit, 0) << r.err;
   EXPECT_TRUE(fs::exists(work_ / "lora" / "tiny.safetensors"));
   EXPECT_TRUE(fs::exists(work_ / "lora" / "tiny-step00000004.safetensors"));

@@ -90,6 +90,8 @@ DEFINE_bool(scale_v_pred_loss_like_noise_pred, false,
 DEFINE_double(v_pred_like_loss, 0, "Add this much of a v-prediction-like loss (kohya)");
 DEFINE_bool(debiased_estimation_loss, false, "Weigh the loss by 1 / sqrt(snr) (kohya)");
 DEFINE_double(noise_offset, 0, "Noise offset");
+DEFINE_double(ip_noise_gamma, 0, "Input perturbation noise strength (kohya; 0.1 is typical)");
+DEFINE_bool(ip_noise_gamma_random_strength, false, "Draw the strength in [0, ip_noise_gamma)");
 DEFINE_bool(noise_offset_random_strength, false, "Draw the offset in [0, noise_offset)");
 DEFINE_double(adaptive_noise_scale, 0, "Grow the offset with the latent mean");
 DEFINE_int32(multires_noise_iterations, 0, "Pyramid (multi-resolution) noise levels");
@@ -267,6 +269,8 @@ int main(int argc, char** argv) {
     s.v_pred_like_loss = FLAGS_v_pred_like_loss;
     s.debiased_estimation_loss = FLAGS_debiased_estimation_loss;
     s.noise.noise_offset = FLAGS_noise_offset;
+    s.noise.ip_noise_gamma = FLAGS_ip_noise_gamma;
+    s.noise.ip_noise_gamma_random_strength = FLAGS_ip_noise_gamma_random_strength;
     s.noise.noise_offset_random_strength = FLAGS_noise_offset_random_strength;
     s.noise.adaptive_noise_scale = FLAGS_adaptive_noise_scale;
     s.noise.multires_noise_iterations = FLAGS_multires_noise_iterations;

@@ -56,6 +56,8 @@ struct NoiseOptions {
   double adaptive_noise_scale = 0;      // --adaptive_noise_scale (0: off)
   int multires_noise_iterations = 0;    // --multires_noise_iterations (0: off)
   double multires_noise_discount = 0.3;
+  double ip_noise_gamma = 0;            // --ip_noise_gamma: input perturbation (0: off)
+  bool ip_noise_gamma_random_strength = false;
   int64_t min_timestep = 0;             // --min_timestep
   int64_t max_timestep = 1000;          // --max_timestep (exclusive, as kohya's randint)
 };

@@ -29,6 +29,7 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
   if (options.max_grad_norm < 0) throw InputError("--max_grad_norm must not be negative");
   if (options.min_snr_gamma < 0) throw InputError("--min_snr_gamma must not be negative");
   if (options.v_pred_like_loss < 0) throw InputError("--v_pred_like_loss must not be negative");
+  if (options.noise.ip_noise_gamma < 0) throw InputError("--ip_noise_gamma must not be negative");
   if (options.noise.min_timestep < 0 || options.noise.max_timestep > 1000 ||
       options.noise.min_timestep >= options.noise.max_timestep) {
     throw InputError("--min_timestep/--max_timestep: need 0 <= min < max <= 1000, got " +
@@ -91,8 +92,10 @@ models::Conditioning TrainingStep::conditioning(const MicroBatch& batch) {
 
 at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
                                          const at::Tensor& timesteps,
-                                         const models::Conditioning& conditioning) {
-  const at::Tensor noisy = schedule_.add_noise(latents, noise, timesteps);
+                                         const models::Conditioning& conditioning,
+                                         const at::Tensor& input_noise) {
+  const at::Tensor noisy =
+      schedule_.add_noise(latents, input_noise.defined() ? input_noise : noise, timesteps);
   const at::Tensor prediction =
       model_.denoise(noisy, timesteps, conditioning).to(torch::kFloat32);
   const at::Tensor target = options_.v_prediction ? schedule_.velocity(latents, noise, timesteps)
@@ -124,6 +127,24 @@ double TrainingStep::accumulate(const MicroBatch& batch, at::Generator generator
           ? batch.timesteps.to(device, torch::kInt64)
           : draw_timesteps(latents.size(0), options_.noise, generator, device);
 
+  // kohya's input perturbation (ip_noise_gamma): the latents are noised with extra noise that the
+  // target does not carry; drawn after the timesteps, as kohya draws it.
+  at::Tensor input_noise;
+  if (options_.noise.ip_noise_gamma > 0) {
+    double strength = options_.noise.ip_noise_gamma;
+    at::Tensor perturbation;
+    if (batch.ip_noise.defined()) {
+      perturbation = batch.ip_noise.to(device, torch::kFloat32);
+    } else {
+      const auto cpu = torch::TensorOptions().dtype(torch::kFloat32);
+      if (options_.noise.ip_noise_gamma_random_strength) {
+        strength = at::rand({1}, generator, cpu).item<double>() * options_.noise.ip_noise_gamma;
+      }
+      perturbation = at::randn(latents.sizes(), generator, cpu).to(device);
+    }
+    input_noise = noise + strength * perturbation;
+  }
+
   if (batch.rows == 0) {  // a short last batch left this rank no rows: it adds nothing
     ++accumulated_;
     return 0.0;
@@ -138,14 +159,15 @@ double TrainingStep::accumulate(const MicroBatch& batch, at::Generator generator
     mine.encoder_hidden_states = rows(batch.encoder_hidden_states);
     mine.pooled = rows(batch.pooled);
     const at::Tensor my_timesteps = rows(timesteps);
-    at::Tensor loss = per_sample_loss(rows(latents), rows(noise), my_timesteps, conditioning(mine));
+    at::Tensor loss = per_sample_loss(rows(latents), rows(noise), my_timesteps, conditioning(mine),
+                                      rows(input_noise));
     if (batch.loss_weights.defined()) {
       loss = loss * rows(batch.loss_weights).to(device, torch::kFloat32);
     }
     loss = weighted_by_snr(loss, my_timesteps);
     return backward(loss.sum() / static_cast<double>(global));
   }
-  at::Tensor loss = per_sample_loss(latents, noise, timesteps, conditioning(batch));
+  at::Tensor loss = per_sample_loss(latents, noise, timesteps, conditioning(batch), input_noise);
   if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device, torch::kFloat32);
   loss = weighted_by_snr(loss, timesteps);
   return backward(loss.mean());

@@ -73,6 +73,7 @@ struct MicroBatch {
   at::Tensor noise;                  // optional [B, 4, h, w]
   at::Tensor offset_noise;           // optional [B, 4, 1, 1] (with noise_offset)
   at::Tensor timesteps;              // optional [B] int64
+  at::Tensor ip_noise;               // optional [B, 4, h, w] (with ip_noise_gamma; fixed strength)
   // Data-parallel ranks (trainer/ranks.h): every rank gets the whole global batch and draws its
   // noise and timesteps, then computes rows [rows_begin, rows_begin + rows) alone, with a loss
   // that is their sum over B, so the ranks' summed gradients are the global batch's mean.
@@ -120,10 +121,13 @@ class TrainingStep {
   void set_scaler(double scale, int64_t tracker) { loss_scale_ = scale, growth_tracker_ = tracker; }
 
   // The denoiser's loss for a batch whose text conditioning is already computed (validation
-  // uses it with fixed noise and timesteps). Per-sample, before weighting, [B].
+  // uses it with fixed noise and timesteps). Per-sample, before weighting, [B]. The latents are
+  // noised with `input_noise` when given (kohya's ip_noise_gamma perturbation), the target
+  // stays `noise`.
   at::Tensor per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
                              const at::Tensor& timesteps,
-                             const models::Conditioning& conditioning);
+                             const models::Conditioning& conditioning,
+                             const at::Tensor& input_noise = {});
   models::Conditioning conditioning(const MicroBatch& batch);
 
  private:

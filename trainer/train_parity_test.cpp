@@ -52,6 +52,7 @@ struct Scenario {
   bool scale_v_pred_loss_like_noise_pred = false;
   double v_pred_like_loss = 0;
   bool debiased_estimation_loss = false;
+  double ip_noise_gamma = 0;
   double noise_offset = 0.1;
   double learning_rate = 1e-3;
   std::string lr_scheduler = "constant";
@@ -111,6 +112,7 @@ class TrainParity : public ::testing::Test {
       }
     }
     in["input_ids"] = torch::tensor(ids).view({S, B, -1});
+    in["ip_noise"] = torch::randn({S, B, 4, 8, 8});  // drawn last: the others stay as they were
     return in;
   }
 
@@ -135,6 +137,7 @@ class TrainParity : public ::testing::Test {
     o.scale_v_pred_loss_like_noise_pred = s.scale_v_pred_loss_like_noise_pred;
     o.v_pred_like_loss = s.v_pred_like_loss;
     o.debiased_estimation_loss = s.debiased_estimation_loss;
+    o.noise.ip_noise_gamma = s.ip_noise_gamma;
     o.noise.noise_offset = s.noise_offset;
     o.gradient_accumulation_steps = s.accumulation;
     o.max_grad_norm = s.max_grad_norm;
@@ -156,6 +159,7 @@ class TrainParity : public ::testing::Test {
       batch.noise = inputs.at("noise")[i];
       batch.offset_noise = inputs.at("offset_noise")[i];
       batch.timesteps = inputs.at("timesteps")[i];
+      if (s.ip_noise_gamma > 0) batch.ip_noise = inputs.at("ip_noise")[i];
       batch.loss_weights = inputs.at("loss_weights")[i];
       batch.input_ids = inputs.at("input_ids")[i];
       result.losses.push_back(step.accumulate(batch, at::make_generator<at::CPUGeneratorImpl>(i)));
@@ -185,6 +189,7 @@ class TrainParity : public ::testing::Test {
                           {"scale_v_pred_loss_like_noise_pred", s.scale_v_pred_loss_like_noise_pred},
                           {"v_pred_like_loss", s.v_pred_like_loss},
                           {"debiased_estimation_loss", s.debiased_estimation_loss},
+                          {"ip_noise_gamma", s.ip_noise_gamma},
                           {"noise_offset", s.noise_offset},
                           {"learning_rate", s.learning_rate},
                           {"lr_scheduler", s.lr_scheduler},
@@ -327,6 +332,7 @@ TEST_F(TrainParity, OneStepEpsilonWithDebiasedEstimationAndVPredLikeLoss) {
   Scenario s;
   s.debiased_estimation_loss = true;
   s.v_pred_like_loss = 0.5;
+  s.ip_noise_gamma = 0.1;  // and kohya's input perturbation: the latents noised, the target not
   run_scenario(s, "debiased", /*final_weights=*/true);
 }
 

@@ -644,6 +644,9 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_multires_noise_discount"] = number(s.noise.multires_noise_discount);
   m["ss_min_snr_gamma"] = s.min_snr_gamma > 0 ? number(s.min_snr_gamma) : "None";
   m["ss_debiased_estimation"] = s.debiased_estimation_loss ? "True" : "False";
+  m["ss_ip_noise_gamma"] = s.noise.ip_noise_gamma > 0 ? number(s.noise.ip_noise_gamma) : "None";
+  m["ss_ip_noise_gamma_random_strength"] =
+      s.noise.ip_noise_gamma_random_strength ? "True" : "False";
   m["ss_prior_loss_weight"] = number(o_.prior_loss_weight);
   m["ss_max_grad_norm"] = number(s.max_grad_norm);
   m["ss_loss_type"] = s.loss_type;

@@ -11,10 +11,11 @@ DIR            diffusers layout; unet/ and text_encoder/ are loaded.
 INIT           kohya-named LoRA: <name>.lora_down.weight, <name>.lora_up.weight, <name>.alpha
                with <name> = lora_unet_<unet module path> or lora_te_<CLIPTextModel module
                path>, '.' -> '_'. Exactly these modules are adapted; scale = alpha / rank.
-INPUTS         latents, noise [S,B,4,H,W]; offset_noise [S,B,4,1,1]; timesteps [S,B] int64;
-               input_ids [S,B,77] int64; loss_weights [S,B]. S = steps (micro-batches).
+INPUTS         latents, noise, ip_noise [S,B,4,H,W]; offset_noise [S,B,4,1,1]; timesteps [S,B]
+               int64; input_ids [S,B,77] int64; loss_weights [S,B]. S = steps (micro-batches).
 CONFIG         steps, prediction_type, min_snr_gamma, scale_v_pred_loss_like_noise_pred,
-               v_pred_like_loss, debiased_estimation_loss, noise_offset, learning_rate,
+               v_pred_like_loss, debiased_estimation_loss, ip_noise_gamma, noise_offset,
+               learning_rate,
                lr_scheduler, lr_warmup_steps, lr_scheduler_num_cycles, lr_scheduler_power,
                max_grad_norm, adam_betas, adam_eps, weight_decay, train_text_encoder,
                clip_skip, loss_type (l2|l1|huber), huber_c, huber_schedule (constant),
@@ -41,7 +42,7 @@ from transformers import CLIPTextModel
 
 CONFIG_DEFAULTS = {
     "prediction_type": "epsilon", "min_snr_gamma": 0.0, "scale_v_pred_loss_like_noise_pred": False,
-    "v_pred_like_loss": 0.0, "debiased_estimation_loss": False, "noise_offset": 0.0, "lr_scheduler": "constant",
+    "v_pred_like_loss": 0.0, "debiased_estimation_loss": False, "ip_noise_gamma": 0.0, "noise_offset": 0.0, "lr_scheduler": "constant",
     "lr_warmup_steps": 0, "lr_scheduler_num_cycles": 1, "lr_scheduler_power": 1.0, "max_grad_norm": 0.0,
     "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "weight_decay": 0.01, "train_text_encoder": False,
     "clip_skip": 1, "loss_type": "l2", "huber_c": 0.1, "huber_schedule": "constant",
@@ -49,7 +50,8 @@ CONFIG_DEFAULTS = {
 }
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 LORA_PARTS = ("lora_down.weight", "lora_up.weight", "alpha")
-INPUT_NDIMS = {"latents": 5, "noise": 5, "offset_noise": 5, "timesteps": 2, "input_ids": 3, "loss_weights": 2}
+INPUT_NDIMS = {"latents": 5, "noise": 5, "offset_noise": 5, "timesteps": 2, "input_ids": 3, "loss_weights": 2,
+               "ip_noise": 5}
 
 
 def fail(message):
@@ -145,7 +147,9 @@ def micro_batch_loss(cfg, scheduler, all_snr, unet, text_encoder, batch):
     latents, timesteps = batch["latents"], batch["timesteps"]
     with torch.set_grad_enabled(cfg["train_text_encoder"]):
         hidden = encode_text(text_encoder, batch["input_ids"], cfg["clip_skip"])
-    noisy = scheduler.add_noise(latents, noise, timesteps)
+    # kohya's ip_noise_gamma: the input is noised with extra noise, the target is not.
+    input_noise = noise + cfg["ip_noise_gamma"] * batch["ip_noise"] if cfg["ip_noise_gamma"] else noise
+    noisy = scheduler.add_noise(latents, input_noise, timesteps)
     pred = unet(noisy, timesteps, hidden).sample
     v_pred = cfg["prediction_type"] == "v_prediction"
     target = scheduler.get_velocity(latents, noise, timesteps) if v_pred else noise
