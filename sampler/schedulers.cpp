@@ -346,6 +346,13 @@ at::Tensor Scheduler::ddim_step(const at::Tensor& model_output, int index,
   return a_prev.pow(0.5) * x0 + direction;
 }
 
+at::Tensor Scheduler::noise_like(const at::Tensor& model_output, at::Generator generator) {
+  // diffusers' randn_tensor with a CPU generator: drawn on the CPU, then moved.
+  return torch::randn(model_output.sizes(), generator,
+                      torch::TensorOptions().dtype(model_output.scalar_type()))
+      .to(model_output.device());
+}
+
 at::Tensor Scheduler::predicted_original(const at::Tensor& model_output, const at::Tensor& sigma,
                                          const at::Tensor& sample) const {
   if (options_.v_prediction) {
@@ -381,10 +388,7 @@ at::Tensor Scheduler::euler_ancestral_step(const at::Tensor& model_output, int i
   at::Tensor prev = sample + derivative * dt;
   // Drawn at every step, the last too (where sigma_up is 0), as diffusers does: the generator's
   // stream stays in step with a diffusers run.
-  const at::Tensor noise = torch::randn(model_output.sizes(), generator,
-                                        torch::TensorOptions().dtype(model_output.scalar_type()))
-                               .to(model_output.device());
-  prev = prev + noise * sigma_up;
+  prev = prev + noise_like(model_output, std::move(generator)) * sigma_up;
   return prev.to(model_output.scalar_type());
 }
 
@@ -494,14 +498,13 @@ at::Tensor Scheduler::heun_step(const at::Tensor& model_output, int index,
   return prev;
 }
 
-at::Tensor Scheduler::dpm2_step(const at::Tensor& model_output, int index,
-                                const at::Tensor& sample) {
-  // diffusers KDPM2DiscreteScheduler.step: an Euler step to the log-midpoint sigma, then the
-  // whole step from the first sample with the slope found there.
+at::Tensor Scheduler::dpm2_stage(const at::Tensor& model_output, int index,
+                                 const at::Tensor& sample, const at::Tensor& sigma,
+                                 const at::Tensor& sigma_interpol, const at::Tensor& sigma_to) {
+  // diffusers KDPM2(Ancestral)DiscreteScheduler.step: even calls take an Euler step from sigma to
+  // the log-midpoint sigma_interpol; odd calls take the whole step from that first sample to
+  // sigma_to with the slope found at the midpoint.
   const bool first_stage = index % 2 == 0;
-  const at::Tensor sigma = first_stage ? sigmas_[index] : sigmas_[index - 1];
-  const at::Tensor sigma_interpol =
-      first_stage ? sigmas_interpol_[index + 1] : sigmas_interpol_[index];
   const at::Tensor x0 =
       predicted_original(model_output, first_stage ? sigma : sigma_interpol, sample);
   if (first_stage) {
@@ -509,32 +512,27 @@ at::Tensor Scheduler::dpm2_step(const at::Tensor& model_output, int index,
     return sample + ((sample - x0) / sigma) * (sigma_interpol - sigma);
   }
   const at::Tensor derivative = (sample - x0) / sigma_interpol;
-  const at::Tensor prev = first_sample_ + derivative * (sigmas_[index] - sigma);
+  const at::Tensor prev = first_sample_ + derivative * (sigma_to - sigma);
   first_sample_ = at::Tensor();
   return prev;
 }
 
+at::Tensor Scheduler::dpm2_step(const at::Tensor& model_output, int index,
+                                const at::Tensor& sample) {
+  const bool first_stage = index % 2 == 0;
+  return dpm2_stage(model_output, index, sample, first_stage ? sigmas_[index] : sigmas_[index - 1],
+                    first_stage ? sigmas_interpol_[index + 1] : sigmas_interpol_[index],
+                    sigmas_[index]);
+}
+
 at::Tensor Scheduler::dpm2_ancestral_step(const at::Tensor& model_output, int index,
                                           const at::Tensor& sample, at::Generator generator) {
-  // diffusers KDPM2AncestralDiscreteScheduler.step: DPM2 towards sigma_down, then fresh noise of
-  // sigma_up after the second stage.
-  const bool first_stage = index % 2 == 0;
-  const int at = first_stage ? index : index - 1;
-  const at::Tensor sigma = sigmas_[at];
-  const at::Tensor sigma_interpol = sigmas_interpol_[at];
-  const at::Tensor x0 =
-      predicted_original(model_output, first_stage ? sigma : sigma_interpol, sample);
-  if (first_stage) {
-    first_sample_ = sample;
-    return sample + ((sample - x0) / sigma) * (sigma_interpol - sigma);
-  }
-  const at::Tensor derivative = (sample - x0) / sigma_interpol;
-  const at::Tensor prev = first_sample_ + derivative * (sigmas_down_[at] - sigma);
-  first_sample_ = at::Tensor();
-  const at::Tensor noise = torch::randn(model_output.sizes(), generator,
-                                        torch::TensorOptions().dtype(model_output.scalar_type()))
-                               .to(model_output.device());
-  return prev + noise * sigmas_up_[at];
+  // Towards sigma_down, then fresh noise of sigma_up after the second stage.
+  const int at = index % 2 == 0 ? index : index - 1;
+  const at::Tensor prev =
+      dpm2_stage(model_output, index, sample, sigmas_[at], sigmas_interpol_[at], sigmas_down_[at]);
+  if (index % 2 == 0) return prev;
+  return prev + noise_like(model_output, generator) * sigmas_up_[at];
 }
 
 at::Tensor Scheduler::lms_step(const at::Tensor& model_output, int index,
@@ -639,11 +637,8 @@ at::Tensor Scheduler::ddpm_step(const at::Tensor& model_output, int index,
   const at::Tensor sample_coeff = current_alpha.pow(0.5) * b_prev / b_t;
   at::Tensor prev = x0_coeff * x0 + sample_coeff * sample;
   if (t > 0) {
-    const at::Tensor noise = torch::randn(model_output.sizes(), generator,
-                                          torch::TensorOptions().dtype(model_output.scalar_type()))
-                                 .to(model_output.device());
     const at::Tensor variance = torch::clamp((1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev), 1e-20);
-    prev = prev + variance.pow(0.5) * noise;
+    prev = prev + variance.pow(0.5) * noise_like(model_output, std::move(generator));
   }
   return prev;
 }

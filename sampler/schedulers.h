@@ -96,6 +96,9 @@ class Scheduler {
   at::Tensor dpm_multistep(const at::Tensor& model_output, int index, const at::Tensor& sample);
   at::Tensor dpm_singlestep(const at::Tensor& model_output, int index, const at::Tensor& sample);
   at::Tensor heun_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
+  at::Tensor dpm2_stage(const at::Tensor& model_output, int index, const at::Tensor& sample,
+                        const at::Tensor& sigma, const at::Tensor& sigma_interpol,
+                        const at::Tensor& sigma_to);
   at::Tensor dpm2_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
   at::Tensor dpm2_ancestral_step(const at::Tensor& model_output, int index,
                                  const at::Tensor& sample, at::Generator generator);
@@ -103,6 +106,8 @@ class Scheduler {
   at::Tensor pndm_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
   at::Tensor ddpm_step(const at::Tensor& model_output, int index, const at::Tensor& sample,
                        at::Generator generator) const;
+  // Standard normal noise shaped as `model_output`, from `generator` on the CPU.
+  static at::Tensor noise_like(const at::Tensor& model_output, at::Generator generator);
   // The x0 prediction at sigma for the sigma-based kinds.
   at::Tensor predicted_original(const at::Tensor& model_output, const at::Tensor& sigma,
                                 const at::Tensor& sample) const;

@@ -137,6 +137,23 @@ class CachePipeline : public ::testing::Test {
     return s;
   }
 
+  // Starts the cacher with `flag`, sends it `samples` as preprocess would (PUSH), then the
+  // end-of-stream report naming dataset `id`; returns the cacher's exit code.
+  int cache_by_hand(const std::string& flag, const std::vector<wire::ImageSample>& samples,
+                    const std::string& id) const {
+    const pid_t cacher =
+        spawn(cacher_args(tiny_.single_file, flag), work_ / "cacher.out", work_ / "cacher.err");
+    zmq::context_t context;
+    zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
+    push.connect("ipc://" + (work_ / "pull.sock").string());
+    for (const auto& s : samples) EXPECT_EQ(wire::send(push, s), wire::SendStatus::kSent);
+    wire::DatasetReport report;
+    report.set_dataset_id(id);
+    report.set_dataset_id_given(true);
+    EXPECT_EQ(wire::send(push, report), wire::SendStatus::kSent);
+    return wait_exit(cacher);
+  }
+
   cacher::Store open_cache(bool read_only = true) const {
     cacher::StoreOptions options;
     options.dir = cache_;
@@ -268,24 +285,16 @@ TEST_F(CachePipeline, KillNineMidWriteThenRestartCompletes) {
 // as [BOS, 225 states, EOS], 227 in all, under keys of their own (another max_token_length is
 // other text to the trainer). A length kohya does not take is refused by name.
 TEST_F(CachePipeline, LongCaptionsAreCachedInKohyasChunks) {
-  const pid_t cacher = spawn(cacher_args(tiny_.single_file, "--max_token_length=225"),
-                             work_ / "cacher.out", work_ / "cacher.err");
-  zmq::context_t context;
-  zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
-  push.connect("ipc://" + (work_ / "pull.sock").string());
   wire::ImageSample long_caption = handmade_sample("long", "b.png", 64, std::string(64 * 64 * 3, 'x'));
   std::string caption;
   for (int i = 0; i < 40; ++i) caption += "red circle, ";  // over 75 tokens, under 225
   long_caption.set_caption(caption);
-  for (const auto& s : {handmade_sample("long", "a.png", 64, std::string(64 * 64 * 3, '\x80')),
-                        long_caption}) {
-    ASSERT_EQ(wire::send(push, s), wire::SendStatus::kSent);
-  }
-  wire::DatasetReport report;
-  report.set_dataset_id("long");
-  report.set_dataset_id_given(true);
-  ASSERT_EQ(wire::send(push, report), wire::SendStatus::kSent);
-  ASSERT_EQ(wait_exit(cacher), 0) << read_text(work_ / "cacher.err");
+  ASSERT_EQ(cache_by_hand("--max_token_length=225",
+                          {handmade_sample("long", "a.png", 64, std::string(64 * 64 * 3, '\x80')),
+                           long_caption},
+                          "long"),
+            0)
+      << read_text(work_ / "cacher.err");
   const cacher::Store store = open_cache();
   int records = 0;
   store.for_each(cacher::Table::kTexts, [&](std::string_view, std::string_view value) -> bool {
@@ -310,26 +319,18 @@ TEST_F(CachePipeline, LongCaptionsAreCachedInKohyasChunks) {
 // at the batch's flush, which left the bucket poisoned and no manifest written.) The kept ones'
 // entries carry their dataset index and batch size.
 TEST_F(CachePipeline, SampleThatDoesNotFitItsBucketIsRejectedAlone) {
-  const pid_t cacher = spawn(cacher_args(tiny_.single_file, "--vae_batch_size=4"),
-                             work_ / "cacher.out", work_ / "cacher.err");
-  zmq::context_t context;
-  zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
-  push.connect("ipc://" + (work_ / "pull.sock").string());
   auto sample = [](const std::string& name, size_t pixel_bytes) {
     return handmade_sample("handmade", name, 64, std::string(pixel_bytes, '\x80'));
   };
   wire::ImageSample second_dataset = sample("good2.png", 64 * 64 * 3);
   second_dataset.set_dataset_index(1);
   second_dataset.set_batch_size(3);
-  for (const auto& s : {sample("good1.png", 64 * 64 * 3), sample("broken.png", 1000),
-                        second_dataset}) {
-    ASSERT_EQ(wire::send(push, s), wire::SendStatus::kSent);
-  }
-  wire::DatasetReport report;
-  report.set_dataset_id("handmade");
-  report.set_dataset_id_given(true);
-  ASSERT_EQ(wire::send(push, report), wire::SendStatus::kSent);
-  EXPECT_EQ(wait_exit(cacher), 0) << read_text(work_ / "cacher.err");
+  EXPECT_EQ(cache_by_hand("--vae_batch_size=4",
+                          {sample("good1.png", 64 * 64 * 3), sample("broken.png", 1000),
+                           second_dataset},
+                          "handmade"),
+            0)
+      << read_text(work_ / "cacher.err");
   EXPECT_NE(read_text(work_ / "cacher.err").find("/photos/broken.png"), std::string::npos)
       << read_text(work_ / "cacher.err");
   const cacher::Store store = open_cache();

@@ -824,12 +824,14 @@ TEST_F(TrainRunTest, MixedPrecisionLearnsLikeFp32) {
 class SamplerWithTrainer : public TrainRunTest {};
 
 // A sampler that takes 10 s per image leaves the trainer's time unchanged: the trainer publishes
-// and never waits. Measured as the trainer's wall time with such a
-// sampler subscribed, against the same run with none, each twice and interleaved, the faster of
-// each pair compared (120 steps, a save every 10). Tolerance 1.3: the sampler's own work while the
-// trainer runs is one render of two 64x64 images in 4 steps (a fraction of a second of CPU on these
-// two shared cores) and then sleep; a trainer that waited on it even once would take 10 s more,
-// over twice its time.
+// and never waits. Measured as the trainer's wall time with such a sampler subscribed, against
+// the same run with none, each twice and interleaved, the faster of each pair compared (40 steps,
+// a save every 5). Tolerance 1.3: the sampler's own work while the trainer runs is one render of
+// two 64x64 images in 4 steps and then sleep; a trainer that waited on it even once would take
+// 10 s more, over four times its time. In a real run the sampler has a device of its own; here it
+// shares two CPU cores with the trainer and with the test ctest runs beside this one, so it runs
+// under `nice -n 19`: the test measures waiting, not the sharing of a core (un-niced, a busy
+// machine once measured 1.49 for that render's CPU alone).
 TEST_F(SamplerWithTrainer, SlowSamplerLeavesTheTrainersTimeUnchanged) {
   std::ofstream(work_ / "prompts.txt") << "a red circle --w 64 --h 64 --s 4\n"
                                        << "a blue square --w 64 --h 64 --s 4\n";
@@ -840,7 +842,8 @@ TEST_F(SamplerWithTrainer, SlowSamplerLeavesTheTrainersTimeUnchanged) {
     pid_t sampler = 0;
     if (with_sampler) {
       sampler = spawn(
-          {LORAPIPE_SAMPLER_BIN, "--pretrained_model_name_or_path=" + tiny_.diffusers.string(),
+          {"/usr/bin/nice", "-n", "19", LORAPIPE_SAMPLER_BIN,
+           "--pretrained_model_name_or_path=" + tiny_.diffusers.string(),
            "--sample_prompts=" + (work_ / "prompts.txt").string(), "--output_dir=" + out.string(),
            "--sub=" + endpoint, "--device=cpu", "--threads=1", "--delay_per_image_s=10"},
           out / "sampler.out", out / "sampler.err");
@@ -853,9 +856,15 @@ TEST_F(SamplerWithTrainer, SlowSamplerLeavesTheTrainersTimeUnchanged) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_EQ(r.exit, 0) << r.err;
     if (with_sampler) {
+      // The niced sampler may not have had a core yet on a busy machine: it must render, but
+      // not necessarily before the trainer is done.
       bool rendered = false;
-      for (const auto& entry : fs::directory_iterator(out / "samples")) {
-        rendered |= entry.path().extension() == ".png";
+      for (int wait = 0; wait < 600 && !rendered; ++wait) {
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator(out / "samples", ec)) {
+          rendered |= entry.path().extension() == ".png";
+        }
+        if (!rendered) std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
       ::kill(sampler, SIGKILL);
       wait_exit(sampler);
