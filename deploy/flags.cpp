@@ -81,7 +81,8 @@ std::vector<FlagInfo> make_table() {
         "multires_noise_iterations", "multires_noise_discount", "min_timestep", "max_timestep",
         "loss_type", "huber_schedule", "huber_c", "huber_scale", "sample_every_n_steps",
         "sample_every_n_epochs", "checkpoint_reannounce_s", "network_module", "save_model_as",
-        "log_with", "logging_dir", "log_prefix", "v_pred_like_loss", "ip_noise_gamma"}) {
+        "log_with", "logging_dir", "log_prefix", "v_pred_like_loss", "ip_noise_gamma",
+        "scale_weight_norms"}) {
     value(name, {S::kTrainer});
   }
   for (const char* name :
@@ -89,7 +90,7 @@ std::vector<FlagInfo> make_table() {
         "noise_offset_random_strength", "cache_latents", "cache_latents_to_disk", "sdpa",
         "xformers", "mem_eff_attn", "persistent_data_loader_workers", "sample_at_first",
         "no_half_vae", "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",
-        "debiased_estimation_loss", "ip_noise_gamma_random_strength"}) {
+        "debiased_estimation_loss", "ip_noise_gamma_random_strength", "zero_terminal_snr"}) {
     boolean(name, {S::kTrainer});
   }
   // sampler

@@ -27,6 +27,7 @@
 #include "proto/wire.h"
 #include "tests/process_util.h"
 #include "trainer/dataset.h"
+#include "trainer/noise.h"
 #include "trainer/ranks.h"
 
 namespace lorapipe {
@@ -439,6 +440,71 @@ TEST_F(TrainRunTest, MaxTokenLengthEncodesCaptionsInKohyasChunks) {
   double largest = 0;
   for (const auto& [name, t] : x) largest = std::max(largest, (t - y.at(name)).abs().max().item<double>());
   EXPECT_GT(largest, 0) << "150 and 225 tokens trained alike: the length never reached the encoder";
+}
+
+// --scale_weight_norms bounds every module of the saved LoRA: its update up @ down * alpha / rank
+// (a 3x3 conv's down convolved by up) is no longer than the bound in Frobenius norm. The rate is
+// high enough that updates outgrow the bound within the run, so some modules sit on it. With
+// --zero_terminal_snr and --v_parameterization too (the pairing kohya expects), both written to
+// the metadata as kohya writes them.
+TEST_F(TrainRunTest, MaxNormBoundsEverySavedModule) {
+  constexpr double kBound = 0.02;
+  const TrainRun r = run(work_ / "bounded",
+                         {"--max_train_steps=6", "--learning_rate=2e-2", "--zero_terminal_snr",
+                          "--v_parameterization", "--scale_weight_norms=" + std::to_string(kBound),
+                          "--network_args", "conv_dim=2", "conv_alpha=1"});
+  ASSERT_EQ(r.exit, 0) << r.err;
+  const fs::path file = work_ / "bounded" / "lora" / "tiny.safetensors";
+  const auto tensors = lora(file);
+  double largest = 0;
+  int modules = 0, convs = 0;
+  for (const auto& [key, down] : tensors) {
+    if (!key.ends_with(".lora_down.weight")) continue;
+    const std::string name = key.substr(0, key.size() - std::string(".lora_down.weight").size());
+    const torch::Tensor up = tensors.at(name + ".lora_up.weight").to(torch::kFloat64);
+    const torch::Tensor d = down.to(torch::kFloat64);
+    torch::Tensor update = d.dim() == 4 && d.size(2) > 1
+                               ? torch::conv2d(d.transpose(0, 1), up).transpose(0, 1)
+                               : up.flatten(1).matmul(d.flatten(1));
+    update = update * tensors.at(name + ".alpha").item<double>() / static_cast<double>(d.size(0));
+    const double norm = update.norm().item<double>();
+    // fp32 rounding of the scaled tensors: a few ulps of the bound.
+    EXPECT_LE(norm, kBound * (1 + 1e-5)) << name;
+    largest = std::max(largest, norm);
+    ++modules;
+    convs += d.dim() == 4 && d.size(2) > 1;
+  }
+  EXPECT_GT(convs, 0) << "no LoCon 3x3 module in the file";
+  std::printf("[max-norm] largest of %d module norms %.6g (bound %g)\n", modules, largest, kBound);
+  EXPECT_GT(largest, kBound * (1 - 1e-4)) << "no module reached the bound: the test shows nothing";
+  const auto meta = models::SafetensorsFile::open(file).metadata();
+  EXPECT_EQ(meta.at("ss_scale_weight_norms"), "0.02");
+  EXPECT_EQ(meta.at("ss_zero_terminal_snr"), "True");
+}
+
+// kohya weighs the validation loss as the training loss. Before the first step the LoRA's up is
+// zero, so both runs see the same model and the same per-timestep losses; min-SNR (gamma 1)
+// weighs t = 200 (SNR above 1) by 1 / SNR and leaves 400, 600 and 800 (SNR below 1) at 1.
+TEST_F(TrainRunTest, ValidationLossIsWeighedAsTheTrainingLoss) {
+  const std::vector<std::string> common{"--max_train_steps=1", "--validation_split=0.25",
+                                        "--validation_seed=5", "--train_batch_size=2"};
+  auto start_loss = [&](const std::string& tag, std::vector<std::string> extra) {
+    extra.insert(extra.end(), common.begin(), common.end());
+    const TrainRun r = run(work_ / tag, extra);
+    EXPECT_EQ(r.exit, 0) << r.err;
+    std::smatch m;
+    EXPECT_TRUE(std::regex_search(r.out, m, std::regex(R"(validation loss: ([0-9.]+) at the start)")))
+        << r.out;
+    return m.empty() ? -1.0 : std::stod(m[1]);
+  };
+  const double plain = start_loss("plain", {});
+  const double weighted = start_loss("min_snr", {"--min_snr_gamma=1"});
+  const double snr200 = trainer::NoiseSchedule().snr(torch::tensor({int64_t{200}})).item<double>();
+  ASSERT_GT(snr200, 1);
+  std::printf("[validation] plain %.6f, min-SNR 1 %.6f (t=200 weighed by %.4f)\n", plain, weighted,
+              1 / snr200);
+  EXPECT_LT(weighted, plain);
+  EXPECT_GT(weighted, plain / snr200);
 }
 
 // Each bad input: a clear message naming what is wrong, a non-zero exit, before any compute.

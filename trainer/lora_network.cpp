@@ -128,6 +128,41 @@ void LoraNetwork::set_multiplier(double multiplier) {
   for (Module& m : modules_) m.adapter->multiplier = multiplier;
 }
 
+MaxNormResult LoraNetwork::apply_max_norm(double max_norm) {
+  torch::NoGradGuard no_grad;
+  MaxNormResult result;
+  double sum = 0;
+  for (Module& m : modules_) {
+    at::Tensor& down = m.adapter->down;
+    at::Tensor& up = m.adapter->up;
+    at::Tensor update;
+    if (down.dim() == 2) {
+      update = up.matmul(down);
+    } else if (down.size(2) == 1 && down.size(3) == 1) {
+      update = up.flatten(1).matmul(down.flatten(1)).unsqueeze(2).unsqueeze(3);
+    } else {  // kxk: up (1x1) applied to down's kernels, [out, in, k, k]
+      update = torch::conv2d(down.permute({1, 0, 2, 3}), up).permute({1, 0, 2, 3});
+    }
+    // kohya: its fp32 alpha buffer over the rank, a 0-d tensor
+    const at::Tensor scale =
+        torch::scalar_tensor(m.alpha, update.options()) / static_cast<double>(down.size(0));
+    update = update * scale;
+    const at::Tensor norm = update.norm().clamp_min(max_norm / 2);
+    const at::Tensor ratio = norm.clamp_max(max_norm) / norm;
+    if (ratio.item<float>() != 1.0f) {
+      ++result.keys_scaled;
+      const at::Tensor root = ratio.pow(0.5);
+      up.mul_(root);
+      down.mul_(root);
+    }
+    const double scaled = (update.norm() * ratio).item<double>();
+    sum += scaled;
+    result.max_norm = std::max(result.max_norm, scaled);
+  }
+  if (!modules_.empty()) result.mean_norm = sum / static_cast<double>(modules_.size());
+  return result;
+}
+
 std::map<std::string, at::Tensor> LoraNetwork::state_dict(c10::ScalarType dtype) const {
   std::map<std::string, at::Tensor> out;
   for (const Module& m : modules_) {

@@ -31,6 +31,13 @@ struct NetworkOptions {
   bool train_text_encoder = true;  // false with --network_train_unet_only
 };
 
+// What one max-norm pass did (kohya's apply_max_norm_regularization returns the same three).
+struct MaxNormResult {
+  int64_t keys_scaled = 0;  // modules scaled down
+  double mean_norm = 0;     // mean over the modules of their update's norm after the pass
+  double max_norm = 0;      // the largest of those norms
+};
+
 class LoraNetwork {
  public:
   struct Module {
@@ -60,6 +67,12 @@ class LoraNetwork {
   std::vector<at::Tensor> text_encoder_parameters() const;
   // Every module's down and up, keyed by kohya's tensor names ("NAME.lora_down.weight").
   std::map<std::string, at::Tensor> named_parameters() const;
+
+  // kohya's max-norm regularization (--scale_weight_norms, networks/lora.py
+  // apply_max_norm_regularization): each module's update W = up @ down * alpha / rank (for a kxk
+  // conv, down convolved by up) whose Frobenius norm exceeds `max_norm` has down and up each
+  // multiplied by sqrt(max_norm / |W|), so |W| becomes max_norm. In fp32 as kohya computes it.
+  MaxNormResult apply_max_norm(double max_norm);
 
   // Dropouts act only in training.
   void set_training(bool training);

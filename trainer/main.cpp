@@ -89,6 +89,12 @@ DEFINE_bool(scale_v_pred_loss_like_noise_pred, false,
             "Weigh the loss by snr / (snr + 1), as an epsilon loss weighs (kohya)");
 DEFINE_double(v_pred_like_loss, 0, "Add this much of a v-prediction-like loss (kohya)");
 DEFINE_bool(debiased_estimation_loss, false, "Weigh the loss by 1 / sqrt(snr) (kohya)");
+DEFINE_bool(zero_terminal_snr, false,
+            "Rescale the noise schedule to zero SNR at the last timestep (kohya; with "
+            "--v_parameterization)");
+DEFINE_double(scale_weight_norms, 0,
+              "Max-norm regularization: scale down each LoRA module whose update's norm exceeds "
+              "this (kohya; 1.0 is typical, 0: off)");
 DEFINE_double(noise_offset, 0, "Noise offset");
 DEFINE_double(ip_noise_gamma, 0, "Input perturbation noise strength (kohya; 0.1 is typical)");
 DEFINE_bool(ip_noise_gamma_random_strength, false, "Draw the strength in [0, ip_noise_gamma)");
@@ -220,6 +226,12 @@ int main(int argc, char** argv) {
       LP_LOG(kWarning, "trainer") << "--log_with=" << FLAGS_log_with
                                   << ": lorapipe writes TensorBoard logs only";
     }
+    if (FLAGS_zero_terminal_snr && !FLAGS_v_parameterization) {
+      // kohya's warning: an epsilon model cannot predict the noise at zero SNR, where the input
+      // is nothing but that noise, so the paper pairs the rescale with v-prediction.
+      LP_LOG(kWarning, "trainer") << "--zero_terminal_snr without --v_parameterization: the "
+                                     "last timesteps teach an epsilon model little";
+    }
     if (!FLAGS_logging_dir.empty()) {
       char stamp[32];
       const std::time_t now = std::time(nullptr);
@@ -268,6 +280,8 @@ int main(int argc, char** argv) {
     s.scale_v_pred_loss_like_noise_pred = FLAGS_scale_v_pred_loss_like_noise_pred;
     s.v_pred_like_loss = FLAGS_v_pred_like_loss;
     s.debiased_estimation_loss = FLAGS_debiased_estimation_loss;
+    s.zero_terminal_snr = FLAGS_zero_terminal_snr;
+    s.scale_weight_norms = FLAGS_scale_weight_norms;
     s.noise.noise_offset = FLAGS_noise_offset;
     s.noise.ip_noise_gamma = FLAGS_ip_noise_gamma;
     s.noise.ip_noise_gamma_random_strength = FLAGS_ip_noise_gamma_random_strength;

@@ -17,9 +17,25 @@ at::Tensor per_sample(const at::Tensor& values, const at::Tensor& like) {
 
 }  // namespace
 
-NoiseSchedule::NoiseSchedule(double beta_start, double beta_end, int64_t steps) : steps_(steps) {
-  const at::Tensor betas =
+NoiseSchedule::NoiseSchedule(double beta_start, double beta_end, int64_t steps,
+                             bool zero_terminal_snr)
+    : steps_(steps) {
+  at::Tensor betas =
       torch::linspace(std::sqrt(beta_start), std::sqrt(beta_end), steps, torch::kFloat32).pow(2);
+  alphas_cumprod_ = torch::cumprod(1.0 - betas, /*dim=*/0);
+  all_snr_ = (alphas_cumprod_.sqrt() / (1.0 - alphas_cumprod_).sqrt()).pow(2);
+  if (!zero_terminal_snr) return;
+  // Shift sqrt(alphas_cumprod) so its last value is 0, scale it back to its first value, and
+  // turn it into betas again; each fp32 operation in diffusers' order, so the schedule is
+  // diffusers' bit for bit.
+  at::Tensor root = alphas_cumprod_.sqrt();
+  const at::Tensor first = root[0].clone();
+  const at::Tensor last = root[-1].clone();
+  root = (root - last) * (first / (first - last));
+  const at::Tensor bar = root.pow(2);
+  const at::Tensor alphas = torch::cat({bar.narrow(0, 0, 1), bar.narrow(0, 1, steps - 1) /
+                                                                 bar.narrow(0, 0, steps - 1)});
+  betas = 1 - alphas;
   alphas_cumprod_ = torch::cumprod(1.0 - betas, /*dim=*/0);
 }
 
@@ -38,8 +54,7 @@ at::Tensor NoiseSchedule::velocity(const at::Tensor& latents, const at::Tensor& 
 }
 
 at::Tensor NoiseSchedule::snr(const at::Tensor& timesteps) const {
-  const at::Tensor all = (alphas_cumprod_.sqrt() / (1.0 - alphas_cumprod_).sqrt()).pow(2);
-  return all.index_select(0, timesteps.to(torch::kCPU)).to(timesteps.device());
+  return all_snr_.index_select(0, timesteps.to(torch::kCPU)).to(timesteps.device());
 }
 
 at::Tensor min_snr_weight(const NoiseSchedule& schedule, const at::Tensor& timesteps, double gamma,

@@ -14,9 +14,18 @@ namespace lorapipe::trainer {
 // diffusers DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
 // num_train_timesteps=1000): betas = linspace(sqrt(0.00085), sqrt(0.012), 1000)^2 in fp32,
 // alphas_cumprod = cumprod(1 - betas) in fp32. Stable Diffusion's training schedule.
+//
+// `zero_terminal_snr` (kohya's --zero_terminal_snr; Lin et al. 2023, arXiv 2305.08891) rescales
+// the betas so that sqrt(alphas_cumprod) keeps its first value and ends at exactly 0: the last
+// timestep is pure noise, as at the start of sampling. It is diffusers' rescale_zero_terminal_snr
+// (DDPMScheduler(rescale_betas_zero_snr=True)), which kohya's fix_noise_scheduler_betas_for_
+// zero_terminal_snr repeats. Noising and the v target use the rescaled schedule; snr() keeps the
+// original one, because kohya computes its all_snr (prepare_scheduler_for_custom_training) before
+// it rescales, so min-SNR and the other SNR weightings stay finite at the last timestep.
 class NoiseSchedule {
  public:
-  NoiseSchedule(double beta_start = 0.00085, double beta_end = 0.012, int64_t steps = 1000);
+  NoiseSchedule(double beta_start = 0.00085, double beta_end = 0.012, int64_t steps = 1000,
+                bool zero_terminal_snr = false);
 
   int64_t num_train_timesteps() const { return steps_; }
   const at::Tensor& alphas_cumprod() const { return alphas_cumprod_; }  // [steps] fp32, CPU
@@ -28,12 +37,14 @@ class NoiseSchedule {
   // DDPMScheduler.get_velocity: sqrt(a_t) * noise - sqrt(1 - a_t) * latents (the v target).
   at::Tensor velocity(const at::Tensor& latents, const at::Tensor& noise,
                       const at::Tensor& timesteps) const;
-  // kohya's all_snr[t] = (sqrt(a_t) / sqrt(1 - a_t))^2, [B] fp32 on the timesteps' device.
+  // kohya's all_snr[t] = (sqrt(a_t) / sqrt(1 - a_t))^2 of the schedule before any zero-terminal
+  // rescale, [B] fp32 on the timesteps' device.
   at::Tensor snr(const at::Tensor& timesteps) const;
 
  private:
   int64_t steps_;
   at::Tensor alphas_cumprod_;
+  at::Tensor all_snr_;
 };
 
 // kohya apply_snr_weight: per-sample weight min(snr, gamma) / snr for epsilon, / (snr + 1) for

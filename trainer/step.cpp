@@ -22,7 +22,13 @@ constexpr int64_t kScaleGrowthInterval = 2000;
 
 TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
                            const StepOptions& options)
-    : model_(model), network_(network), options_(options) {
+    : model_(model),
+      network_(network),
+      options_(options),
+      schedule_(0.00085, 0.012, 1000, options.zero_terminal_snr) {
+  if (options.scale_weight_norms < 0) {
+    throw InputError("--scale_weight_norms must not be negative (0 turns it off)");
+  }
   if (options.gradient_accumulation_steps < 1) {
     throw InputError("--gradient_accumulation_steps must be at least 1");
   }
@@ -110,6 +116,14 @@ at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Te
 }
 
 double TrainingStep::accumulate(const MicroBatch& batch, at::Generator generator) {
+  const double loss = accumulate_micro_batch(batch, generator);
+  if (options_.scale_weight_norms > 0 && accumulated_ % options_.gradient_accumulation_steps != 0) {
+    network_.apply_max_norm(options_.scale_weight_norms);
+  }
+  return loss;
+}
+
+double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generator generator) {
   const at::Device device = model_.denoiser_module().parameters().front().device();
   const at::Tensor latents = batch.latents.to(device, torch::kFloat32);
   at::Tensor noise;
@@ -206,6 +220,14 @@ void TrainingStep::zero_grad() {
 }
 
 UpdateResult TrainingStep::update() {
+  UpdateResult result = update_weights();
+  if (options_.scale_weight_norms > 0) {
+    result.max_norm = network_.apply_max_norm(options_.scale_weight_norms);
+  }
+  return result;
+}
+
+UpdateResult TrainingStep::update_weights() {
   UpdateResult result;
   const std::vector<at::Tensor> params = trainable();
   torch::NoGradGuard no_grad;

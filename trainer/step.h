@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "trainer/lora_network.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/noise.h"
 #include "trainer/optimizer.h"
@@ -29,8 +30,6 @@ struct Conditioning;
 
 namespace lorapipe::trainer {
 
-class LoraNetwork;
-
 struct StepOptions {
   bool v_prediction = false;      // --v_parameterization
   double min_snr_gamma = 0;       // --min_snr_gamma (0: off)
@@ -39,6 +38,10 @@ struct StepOptions {
   bool scale_v_pred_loss_like_noise_pred = false;  // x snr / (snr + 1)
   double v_pred_like_loss = 0;                     // + loss * (snr + 1) / snr * this
   bool debiased_estimation_loss = false;           // x 1 / sqrt(snr), v-prediction 1 / (snr + 1)
+  bool zero_terminal_snr = false;  // --zero_terminal_snr: the rescaled schedule (NoiseSchedule)
+  // --scale_weight_norms (0: off): kohya's max-norm regularization after every micro-batch
+  // (LoraNetwork::apply_max_norm).
+  double scale_weight_norms = 0;
   NoiseOptions noise;
   std::string loss_type = "l2";   // --loss_type l2 | l1 | huber | smooth_l1
   std::string huber_schedule = "snr";
@@ -86,6 +89,8 @@ struct UpdateResult {
   bool applied = false;    // false: an fp16 overflow or a non-finite gradient skipped it
   double grad_norm = 0;    // total norm before clipping
   double learning_rate = 0;  // the (first group's) rate this update used
+  // With scale_weight_norms: what the max-norm pass after this update did.
+  std::optional<MaxNormResult> max_norm;
 };
 
 class TrainingStep {
@@ -95,10 +100,12 @@ class TrainingStep {
   ~TrainingStep();
 
   // Forward and backward of one micro-batch; returns its loss (before the division by the
-  // accumulation steps). A non-finite loss is returned without backward.
+  // accumulation steps). A non-finite loss is returned without backward. With
+  // scale_weight_norms, a micro-batch that does not complete an update ends with the max-norm
+  // pass, as kohya runs it after every micro-batch.
   double accumulate(const MicroBatch& batch, at::Generator generator);
   // Clips, updates and advances the schedule once gradient_accumulation_steps micro-batches
-  // have been accumulated; then zeroes the gradients.
+  // have been accumulated; then zeroes the gradients (and runs the max-norm pass).
   UpdateResult update();
   // Data-parallel ranks: called by update() on the trainable tensors' gradients before anything
   // reads them, to sum them over the ranks.
@@ -129,13 +136,15 @@ class TrainingStep {
                              const models::Conditioning& conditioning,
                              const at::Tensor& input_noise = {});
   models::Conditioning conditioning(const MicroBatch& batch);
+  // Per-sample losses times kohya's SNR weightings that are on (min-SNR and the rest), [B].
+  at::Tensor weighted_by_snr(at::Tensor loss, const at::Tensor& timesteps) const;
 
  private:
   std::vector<at::Tensor> trainable() const;
   // The loss's value; unless it is non-finite, its backward (scaled for accumulation and fp16).
   double backward(const at::Tensor& loss);
-  // Per-sample losses times kohya's SNR weightings that are on (min-SNR and the rest).
-  at::Tensor weighted_by_snr(at::Tensor loss, const at::Tensor& timesteps) const;
+  double accumulate_micro_batch(const MicroBatch& batch, at::Generator generator);
+  UpdateResult update_weights();
 
   models::DiffusionModel& model_;
   LoraNetwork& network_;

@@ -304,6 +304,8 @@ class Run {
 
   // Validation: fixed latents, conditioning inputs and noise.
   std::vector<PreparedBatch> validation_;
+  // --scale_weight_norms: the last max-norm pass, for TensorBoard.
+  std::optional<MaxNormResult> max_norm_;
 };
 
 void Run::load_data() {
@@ -571,7 +573,11 @@ double Run::validation_loss() {
       const torch::Tensor latents = batch.latents.to(device_);
       const torch::Tensor noise = at::randn(latents.sizes(), g, torch::kFloat).to(device_);
       const torch::Tensor timesteps = torch::full({latents.size(0)}, t, torch::kInt64).to(device_);
-      sum += step_->per_sample_loss(latents, noise, timesteps, conditioning).mean().item<double>();
+      // kohya's process_batch weighs the validation loss as the training loss: the samples'
+      // loss weights, then the SNR weightings.
+      torch::Tensor loss = step_->per_sample_loss(latents, noise, timesteps, conditioning);
+      if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device_, torch::kFloat);
+      sum += step_->weighted_by_snr(loss, timesteps).mean().item<double>();
       ++n;
     }
   }
@@ -644,6 +650,8 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_multires_noise_discount"] = number(s.noise.multires_noise_discount);
   m["ss_min_snr_gamma"] = s.min_snr_gamma > 0 ? number(s.min_snr_gamma) : "None";
   m["ss_debiased_estimation"] = s.debiased_estimation_loss ? "True" : "False";
+  m["ss_zero_terminal_snr"] = s.zero_terminal_snr ? "True" : "False";
+  m["ss_scale_weight_norms"] = s.scale_weight_norms > 0 ? number(s.scale_weight_norms) : "None";
   m["ss_ip_noise_gamma"] = s.noise.ip_noise_gamma > 0 ? number(s.noise.ip_noise_gamma) : "None";
   m["ss_ip_noise_gamma_random_strength"] =
       s.noise.ip_noise_gamma_random_strength ? "True" : "False";
@@ -834,6 +842,12 @@ void Run::publish_progress(double loss, double seconds_per_step, double wait_ms)
     tensorboard_->add_scalar("time/s_per_it", seconds_per_step, global_step_);
     tensorboard_->add_scalar("time/data_wait_ms", wait_ms, global_step_);
     tensorboard_->add_scalar("memory/peak_bytes", static_cast<double>(peak), global_step_);
+    if (max_norm_) {  // --scale_weight_norms, under kohya's tags
+      tensorboard_->add_scalar("max_norm/keys_scaled", static_cast<double>(max_norm_->keys_scaled),
+                               global_step_);
+      tensorboard_->add_scalar("max_norm/average_key_norm", max_norm_->mean_norm, global_step_);
+      tensorboard_->add_scalar("max_norm/max_key_norm", max_norm_->max_norm, global_step_);
+    }
   }
   if (pub_) {
     wire::TrainProgress p;
@@ -1067,6 +1081,7 @@ Summary Run::train_steps() {
         step_->zero_grad();
       } else {
         update = step_->update();
+        if (update.max_norm) max_norm_ = update.max_norm;
       }
       ++global_step_;
       ++steps_this_run_;

@@ -15,13 +15,15 @@ INPUTS         latents, noise, ip_noise [S,B,4,H,W]; offset_noise [S,B,4,1,1]; t
                int64; input_ids [S,B,77] int64; loss_weights [S,B]. S = steps (micro-batches).
 CONFIG         steps, prediction_type, min_snr_gamma, scale_v_pred_loss_like_noise_pred,
                v_pred_like_loss, debiased_estimation_loss, ip_noise_gamma, noise_offset,
+               zero_terminal_snr, scale_weight_norms (kohya's max-norm; 0: off),
                learning_rate,
                lr_scheduler, lr_warmup_steps, lr_scheduler_num_cycles, lr_scheduler_power,
                max_grad_norm, adam_betas, adam_eps, weight_decay, train_text_encoder,
                clip_skip, loss_type (l2|l1|huber), huber_c, huber_schedule (constant),
                gradient_accumulation_steps (G; each micro-batch loss is divided by G),
                dtype (float32 | float64: models, LoRA, inputs, optimizer and OUT in it).
-OUT            loss [S]; grad_norm, lr [S/G]; per module <name>.lora_{down,up}.grad (first
+OUT            loss, keys_scaled [S]; grad_norm, lr [S/G]; alphas_cumprod [1000] (the
+               scheduler's, fp32 values); per module <name>.lora_{down,up}.grad (first
                optimizer step, before clipping), <name>.lora_{down,up}.weight (final),
                <name>.alpha. A LoRA the loss never reaches (last TE layer under clip_skip > 1)
                reports zero grads and is skipped by AdamW, as in kohya.
@@ -42,7 +44,8 @@ from transformers import CLIPTextModel
 
 CONFIG_DEFAULTS = {
     "prediction_type": "epsilon", "min_snr_gamma": 0.0, "scale_v_pred_loss_like_noise_pred": False,
-    "v_pred_like_loss": 0.0, "debiased_estimation_loss": False, "ip_noise_gamma": 0.0, "noise_offset": 0.0, "lr_scheduler": "constant",
+    "v_pred_like_loss": 0.0, "debiased_estimation_loss": False, "ip_noise_gamma": 0.0, "noise_offset": 0.0,
+    "zero_terminal_snr": False, "scale_weight_norms": 0.0, "lr_scheduler": "constant",
     "lr_warmup_steps": 0, "lr_scheduler_num_cycles": 1, "lr_scheduler_power": 1.0, "max_grad_norm": 0.0,
     "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "weight_decay": 0.01, "train_text_encoder": False,
     "clip_skip": 1, "loss_type": "l2", "huber_c": 0.1, "huber_schedule": "constant",
@@ -175,6 +178,30 @@ def micro_batch_loss(cfg, scheduler, all_snr, unet, text_encoder, batch):
     return loss.mean()
 
 
+def max_norm_pass(layers, max_norm):
+    """kohya's --scale_weight_norms after a micro-batch: a module whose update (B A scaled by
+    peft's alpha / r; a kxk conv's A convolved by B) is longer than max_norm in Frobenius norm
+    has A and B shrunk by the same factor, so the update's norm becomes max_norm. Returns how
+    many modules were shrunk."""
+    shrunk = 0
+    with torch.no_grad():
+        for layer in layers.values():
+            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            if a.dim() == 2:
+                delta = b @ a
+            elif a.shape[2:] == (1, 1):
+                delta = (b.flatten(1) @ a.flatten(1))[:, :, None, None]
+            else:
+                delta = F.conv2d(a.transpose(0, 1), b).transpose(0, 1)
+            norm = (delta * layer.scaling["default"]).norm()
+            if norm > max_norm:
+                factor = (max_norm / norm).sqrt()
+                a.mul_(factor)
+                b.mul_(factor)
+                shrunk += 1
+    return shrunk
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag in ("--model", "--lora", "--inputs", "--config", "--out"):
@@ -211,10 +238,12 @@ def main():
             fail(f"peft made a {p.dtype} LoRA parameter in a {dtype} model")
         p.requires_grad_(True)
 
-    scheduler = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                              num_train_timesteps=1000, clip_sample=False)
-    # kohya prepare_scheduler_for_custom_training: snr = (sqrt(a) / sqrt(1 - a)) ** 2
-    alphas_cumprod = scheduler.alphas_cumprod.to(dtype)
+    schedule = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                    num_train_timesteps=1000, clip_sample=False)
+    scheduler = DDPMScheduler(**schedule, rescale_betas_zero_snr=cfg["zero_terminal_snr"])
+    # kohya prepare_scheduler_for_custom_training: snr = (sqrt(a) / sqrt(1 - a)) ** 2, computed
+    # before kohya rescales for zero terminal SNR, so of the plain schedule.
+    alphas_cumprod = DDPMScheduler(**schedule).alphas_cumprod.to(dtype)
     all_snr = (alphas_cumprod.sqrt() / (1.0 - alphas_cumprod).sqrt()) ** 2
     optimizer = torch.optim.AdamW(list(params.values()), lr=cfg["learning_rate"], betas=tuple(cfg["adam_betas"]),
                                   eps=cfg["adam_eps"], weight_decay=cfg["weight_decay"])
@@ -222,33 +251,40 @@ def main():
                                  num_training_steps=steps // accum, num_cycles=cfg["lr_scheduler_num_cycles"],
                                  power=cfg["lr_scheduler_power"])
 
-    losses, grad_norms, lrs, first_grads = [], [], [], {}
+    losses, grad_norms, lrs, first_grads, keys_scaled = [], [], [], {}, []
     for step in range(steps):
         batch = {key: inputs[key][step] for key in INPUT_NDIMS}
         loss = micro_batch_loss(cfg, scheduler, all_snr, unet, text_encoder, batch)
         (loss / accum).backward()
         losses.append(loss.item())
-        if (step + 1) % accum:
-            continue
-        # A LoRA the loss never reaches (e.g. the last TE layer under clip_skip > 1) keeps grad None:
-        # it is reported as zeros and AdamW skips it, weight decay included, as in kohya.
-        if not first_grads:
-            first_grads = {f"{k}.grad": (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-                           for k, p in params.items()}
-        total_norm = torch.nn.utils.get_total_norm([p.grad for p in params.values() if p.grad is not None])
-        if cfg["max_grad_norm"] > 0:
-            torch.nn.utils.clip_grads_with_norm_(list(params.values()), cfg["max_grad_norm"], total_norm)
-        grad_norms.append(total_norm.item())
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        lr_scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        if (step + 1) % accum == 0:
+            optimizer_step(cfg, params, optimizer, lr_scheduler, first_grads, grad_norms, lrs)
+        # kohya runs the max-norm pass after every micro-batch, also those that do not step.
+        keys_scaled.append(max_norm_pass(layers, cfg["scale_weight_norms"]) if cfg["scale_weight_norms"] else 0)
 
-    out = {"loss": losses, "grad_norm": grad_norms, "lr": lrs, **first_grads}
+    out = {"loss": losses, "keys_scaled": keys_scaled, "grad_norm": grad_norms, "lr": lrs,
+           "alphas_cumprod": scheduler.alphas_cumprod, **first_grads}
     out.update({f"{key}.weight": p.detach() for key, p in params.items()})
     out.update({f"{name}.alpha": groups[name]["alpha"] for name in layers})
     save_file({k: torch.as_tensor(v, dtype=dtype).contiguous() for k, v in out.items()}, args.out)
 
+
+def optimizer_step(cfg, params, optimizer, lr_scheduler, first_grads, grad_norms, lrs):
+    """Clipping, AdamW and the schedule, once per G micro-batches; the first step's gradients
+    (before clipping) go into first_grads."""
+    # A LoRA the loss never reaches (e.g. the last TE layer under clip_skip > 1) keeps grad None:
+    # it is reported as zeros and AdamW skips it, weight decay included, as in kohya.
+    if not first_grads:
+        first_grads.update({f"{k}.grad": (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+                            for k, p in params.items()})
+    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params.values() if p.grad is not None])
+    if cfg["max_grad_norm"] > 0:
+        torch.nn.utils.clip_grads_with_norm_(list(params.values()), cfg["max_grad_norm"], total_norm)
+    grad_norms.append(total_norm.item())
+    lrs.append(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    lr_scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
 
 if __name__ == "__main__":
     main()
