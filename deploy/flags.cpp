@@ -90,7 +90,8 @@ std::vector<FlagInfo> make_table() {
         "noise_offset_random_strength", "cache_latents", "cache_latents_to_disk", "sdpa",
         "xformers", "mem_eff_attn", "persistent_data_loader_workers", "sample_at_first",
         "no_half_vae", "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",
-        "debiased_estimation_loss", "ip_noise_gamma_random_strength", "zero_terminal_snr"}) {
+        "debiased_estimation_loss", "ip_noise_gamma_random_strength", "zero_terminal_snr",
+        "weighted_captions"}) {
     boolean(name, {S::kTrainer});
   }
   // sampler

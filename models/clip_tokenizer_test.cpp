@@ -164,6 +164,38 @@ TEST_F(ClipTokenizerParity, PaddedMatchesTransformersAndLongMatchesKohya) {
   EXPECT_EQ(mismatches, 0);
 }
 
+// kohya's --weighted_captions tokenization at each max_token_length, on every case (those without
+// attention syntax must give encode_long's ids with all weights 1; the "weights/" cases carry
+// nested, escaped, glued, negative and chunk-crossing weights). Weights are compared as the fp32
+// values kohya's torch.tensor makes of its Python floats: exactly.
+TEST_F(ClipTokenizerParity, WeightedCaptionsMatchKohya) {
+  int mismatches = 0, weighted = 0;
+  for (const json& c : cases()) {
+    const std::string name = c["name"];
+    if (kFtfyGaps.contains(name)) continue;
+    const std::string text = c["text"];
+    for (int length : {75, 150, 225}) {
+      const json& expected = c["weighted_" + std::to_string(length)];
+      if (expected.is_null()) {
+        EXPECT_THROW(tokenizer_->encode_long_weighted(text, length), InputError) << name;
+        continue;
+      }
+      const ClipTokenizer::WeightedIds actual = tokenizer_->encode_long_weighted(text, length);
+      std::string diff = compare(actual.ids, expected["ids"]);
+      std::vector<float> weights;
+      for (double w : expected["weights"]) weights.push_back(static_cast<float>(w));
+      if (diff.empty() && actual.weights != weights) diff = "weights differ";
+      for (float w : weights) weighted += length == 75 && w != 1.0f;
+      if (!diff.empty()) {
+        ++mismatches;
+        ADD_FAILURE() << name << " weighted_" << length << ": '" << text << "'\n  " << diff;
+      }
+    }
+  }
+  EXPECT_GT(weighted, 50) << "too few weighted tokens to test the weights";
+  EXPECT_EQ(mismatches, 0);
+}
+
 // Every code point of planes 0 and 1 (and the newer letters and numbers) through the character
 // tables, NFC, lower-casing and byte-level BPE; the reference runs without mojibake repair here.
 TEST_F(ClipTokenizerParity, UnicodeSweepMatchesTransformers) {

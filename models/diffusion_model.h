@@ -50,6 +50,16 @@ class DiffusionModel {
   // in the text encoder's slots. `clip_skip` counts layers from the end, as kohya and A1111 do
   // (1: the last).
   virtual Conditioning encode_text(const at::Tensor& input_ids, int clip_skip) = 0;
+  // kohya's --weighted_captions: tokenize()'s layout, each caption's A1111 attention syntax read
+  // (models/prompt_attention.h) and its pieces tokenized on their own; `weights` receives each
+  // id's weight, [B, tokens] fp32 (1 at BOS, EOS and padding). `max_token_length` 75, 150 or 225.
+  virtual at::Tensor tokenize_weighted(const std::vector<std::string>& captions,
+                                       int max_token_length, at::Tensor& weights) const = 0;
+  // encode_text(), then every hidden state times its token's weight (`token_weights` from
+  // tokenize_weighted), as kohya's encode_tokens_with_weights; unlike sample prompts
+  // (encode_prompts), the states are not rescaled to their mean afterwards.
+  virtual Conditioning encode_weighted_text(const at::Tensor& input_ids,
+                                            const at::Tensor& token_weights, int clip_skip) = 0;
   // kohya's conditioning for sample images (library/lpw_stable_diffusion.py,
   // get_weighted_text_embeddings as train_util.sample_images calls it): each prompt's attention
   // syntax read (models/prompt_attention.h) and its pieces tokenized on their own, at most 225

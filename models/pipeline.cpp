@@ -419,6 +419,47 @@ Conditioning StableDiffusion::encode_text(const at::Tensor& input_ids, int clip_
   return c;
 }
 
+at::Tensor StableDiffusion::tokenize_weighted(const std::vector<std::string>& captions,
+                                              int max_token_length, at::Tensor& weights) const {
+  require_tokenizer();
+  std::vector<int64_t> ids;
+  std::vector<float> w;
+  for (const std::string& caption : captions) {
+    const ClipTokenizer::WeightedIds t = tokenizer->encode_long_weighted(caption, max_token_length);
+    ids.insert(ids.end(), t.ids.begin(), t.ids.end());
+    w.insert(w.end(), t.weights.begin(), t.weights.end());
+  }
+  const int64_t batch = static_cast<int64_t>(captions.size());
+  weights = torch::tensor(w, torch::kFloat32).view({batch, -1});
+  return torch::tensor(ids, torch::kInt64).view({batch, -1});
+}
+
+Conditioning StableDiffusion::encode_weighted_text(const at::Tensor& input_ids,
+                                                   const at::Tensor& token_weights, int clip_skip) {
+  Conditioning c = encode_text(input_ids, clip_skip);
+  TORCH_CHECK(token_weights.sizes() == input_ids.sizes(), "token weights ",
+              token_weights.sizes(), " do not match the ids ", input_ids.sizes());
+  // The weights laid out as encode_chunked lays out the states: the first chunk's BOS, each
+  // chunk's 75 inner positions, the last position (BOS and EOS weigh 1, as kohya leaves them).
+  const int64_t chunk = family.text.max_length;
+  const int64_t tokens = token_weights.size(1);
+  at::Tensor w = token_weights;
+  if (tokens > chunk) {
+    std::vector<at::Tensor> parts{token_weights.narrow(1, 0, 1)};
+    for (int64_t i = 1; i < tokens - 1; i += chunk) {
+      parts.push_back(token_weights.narrow(1, i, chunk - 2));
+    }
+    parts.push_back(token_weights.narrow(1, tokens - 1, 1));
+    w = torch::cat(parts, /*dim=*/1);
+  }
+  // In fp32 (kohya's weights are fp32 tensors), back in the states' dtype.
+  const at::Tensor& states = c.hidden_states;
+  c.hidden_states = (states.to(torch::kFloat32) *
+                     w.to(states.device(), torch::kFloat32).unsqueeze(-1))
+                        .to(states.scalar_type());
+  return c;
+}
+
 ImageLatents StableDiffusion::encode_images(const at::Tensor& images) {
   const at::Tensor weight = vae->parameters().front();  // a copy: the vector is a temporary
   const LatentDistribution dist = vae->encode(images.to(weight.device(), weight.scalar_type()));

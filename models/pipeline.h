@@ -52,6 +52,10 @@ struct StableDiffusion : DiffusionModel {
   at::Tensor tokenize(const std::vector<std::string>& captions,
                       int max_token_length = 75) const override;
   Conditioning encode_text(const at::Tensor& input_ids, int clip_skip) override;
+  at::Tensor tokenize_weighted(const std::vector<std::string>& captions, int max_token_length,
+                               at::Tensor& weights) const override;
+  Conditioning encode_weighted_text(const at::Tensor& input_ids, const at::Tensor& token_weights,
+                                    int clip_skip) override;
   Conditioning encode_prompts(const std::vector<std::string>& prompts, int clip_skip) override;
   ImageLatents encode_images(const at::Tensor& images) override;
   at::Tensor decode_latents(const at::Tensor& latents) override;

@@ -89,6 +89,8 @@ DEFINE_bool(scale_v_pred_loss_like_noise_pred, false,
             "Weigh the loss by snr / (snr + 1), as an epsilon loss weighs (kohya)");
 DEFINE_double(v_pred_like_loss, 0, "Add this much of a v-prediction-like loss (kohya)");
 DEFINE_bool(debiased_estimation_loss, false, "Weigh the loss by 1 / sqrt(snr) (kohya)");
+DEFINE_bool(weighted_captions, false,
+            "Read A1111 attention syntax in captions, (word:1.2), and weigh those tokens (kohya)");
 DEFINE_bool(zero_terminal_snr, false,
             "Rescale the noise schedule to zero SNR at the last timestep (kohya; with "
             "--v_parameterization)");
@@ -208,6 +210,7 @@ int main(int argc, char** argv) {
     o.checkpoint_reannounce_s = FLAGS_checkpoint_reannounce_s;
     o.training_comment = FLAGS_training_comment;
     o.max_token_length = FLAGS_max_token_length;
+    o.weighted_captions = FLAGS_weighted_captions;
     // kohya's choices that have one answer here: anything else is refused by name.
     if (FLAGS_network_module != "networks.lora") {
       throw lorapipe::InputError("--network_module=" + FLAGS_network_module +

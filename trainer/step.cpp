@@ -93,6 +93,9 @@ models::Conditioning TrainingStep::conditioning(const MicroBatch& batch) {
     return model_.cached_conditioning(batch.encoder_hidden_states, batch.pooled);
   }
   TORCH_CHECK(batch.input_ids.defined(), "a micro-batch needs input_ids or hidden states");
+  if (batch.token_weights.defined()) {
+    return model_.encode_weighted_text(batch.input_ids, batch.token_weights, options_.clip_skip);
+  }
   return model_.encode_text(batch.input_ids, options_.clip_skip);
 }
 
@@ -170,6 +173,7 @@ double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generat
     };
     MicroBatch mine;
     mine.input_ids = rows(batch.input_ids);
+    mine.token_weights = rows(batch.token_weights);
     mine.encoder_hidden_states = rows(batch.encoder_hidden_states);
     mine.pooled = rows(batch.pooled);
     const at::Tensor my_timesteps = rows(timesteps);

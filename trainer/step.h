@@ -69,9 +69,10 @@ struct StepOptions {
 // from the step's generator unless given.
 struct MicroBatch {
   at::Tensor latents;                // [B, 4, h, w] fp32
-  at::Tensor input_ids;              // [B, 77] int64, or
+  at::Tensor input_ids;              // [B, 77] int64 (with token_weights, --weighted_captions), or
   at::Tensor encoder_hidden_states;  // [B, 77, C]
   at::Tensor pooled;                 // [B, C'] cached with the hidden states (families that use it)
+  at::Tensor token_weights;          // optional [B, 77] fp32, input_ids' weights
   at::Tensor loss_weights;           // [B] fp32: prior_loss_weight for reg images, else 1
   at::Tensor noise;                  // optional [B, 4, h, w]
   at::Tensor offset_noise;           // optional [B, 4, 1, 1] (with noise_offset)

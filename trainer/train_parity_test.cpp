@@ -59,6 +59,7 @@ struct Scenario {
   double ip_noise_gamma = 0;
   bool zero_terminal_snr = false;
   double scale_weight_norms = 0;
+  bool weighted_captions = false;  // captions in A1111 attention syntax, tokenized as kohya's
   double noise_offset = 0.1;
   double learning_rate = 1e-3;
   std::string lr_scheduler = "constant";
@@ -110,15 +111,19 @@ class TrainParity : public ::testing::Test {
     in["timesteps"] = torch::randint(0, 1000, {S, B}, torch::kInt64);
     in["loss_weights"] = torch::ones({S, B});
     in["loss_weights"].index_put_({torch::indexing::Slice(), 0}, 0.5);  // a "reg" sample
-    const std::vector<std::string> captions = {"a red circle", "a square on a ring",
-                                               "circle", "red square"};
-    std::vector<int64_t> ids;
-    for (int64_t i = 0; i < S * B; ++i) {
-      for (int32_t id : model.tokenizer->encode_padded(captions[i % captions.size()])) {
-        ids.push_back(id);
-      }
-    }
-    in["input_ids"] = torch::tensor(ids).view({S, B, -1});
+    const std::vector<std::string> captions =
+        s.weighted_captions
+            ? std::vector<std::string>{"a (red:1.4) circle", "a [square] on a ((ring))",
+                                       "(circle:0.6)", "red square"}
+            : std::vector<std::string>{"a red circle", "a square on a ring", "circle",
+                                       "red square"};
+    std::vector<std::string> all;
+    for (int64_t i = 0; i < S * B; ++i) all.push_back(captions[i % captions.size()]);
+    at::Tensor weights = torch::ones({S * B, 77});
+    in["input_ids"] = (s.weighted_captions ? model.tokenize_weighted(all, 75, weights)
+                                           : model.tokenize(all, 75))
+                          .view({S, B, -1});
+    in["token_weights"] = weights.view({S, B, -1});
     in["ip_noise"] = torch::randn({S, B, 4, 8, 8});  // drawn last: the others stay as they were
     // The last timestep, where a zero-terminal-SNR schedule's noising is pure noise.
     if (s.zero_terminal_snr) in["timesteps"].index_put_({0, 0}, 999);
@@ -173,6 +178,7 @@ class TrainParity : public ::testing::Test {
       if (s.ip_noise_gamma > 0) batch.ip_noise = inputs.at("ip_noise")[i];
       batch.loss_weights = inputs.at("loss_weights")[i];
       batch.input_ids = inputs.at("input_ids")[i];
+      if (s.weighted_captions) batch.token_weights = inputs.at("token_weights")[i];
       result.losses.push_back(step.accumulate(batch, at::make_generator<at::CPUGeneratorImpl>(i)));
       if ((i + 1) % s.accumulation != 0) continue;
       if (result.first_grads.empty()) {
@@ -390,6 +396,16 @@ TEST_F(TrainParity, ZeroTerminalSnrAndMaxNormOverEightMicroBatches) {
   EXPECT_GT(reference.at("keys_scaled").sum().item<double>(), 0)
       << "the reference scaled no module: the bound is too loose to test the pass";
   EXPECT_GT(ours.keys_scaled, 0);
+}
+
+// kohya's --weighted_captions: the text encoder's states of (red:1.4), [square], ((ring)) and
+// (circle:0.6) weighed, with the gradient flowing back through the weights into the text
+// encoder's LoRA. The ids and weights are lorapipe's (ClipTokenizerParity.WeightedCaptionsMatchKohya
+// holds them to kohya's); the reference applies them to transformers' CLIP states.
+TEST_F(TrainParity, OneStepWithWeightedCaptions) {
+  Scenario s;
+  s.weighted_captions = true;
+  run_scenario(s, "weighted", /*final_weights=*/true);
 }
 
 TEST_F(TrainParity, OneStepLoConUnetOnly) {

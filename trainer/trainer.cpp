@@ -416,7 +416,10 @@ void Run::load_model() {
                      "'s: re-cache the dataset with this model (run preprocess and the cacher)");
   }
   const bool train_te = o_.network.train_text_encoder;
-  if (manifest_.text_cached() && !train_te) {
+  if (o_.weighted_captions) {
+    LP_LOG(kInfo, kLog) << "--weighted_captions: captions are encoded online, their attention "
+                           "syntax weighing their tokens";
+  } else if (manifest_.text_cached() && !train_te) {
     const std::string settings =
         family_model.text_encoder_settings(o_.step.clip_skip, o_.max_token_length);
     for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
@@ -529,7 +532,9 @@ MicroBatch Run::to_micro_batch(const PreparedBatch& p) {
     batch.encoder_hidden_states = p.hidden_states;
     batch.pooled = p.pooled;
   } else {
-    batch.input_ids = model_.tokenize(p.captions, o_.max_token_length);
+    batch.input_ids = o_.weighted_captions ? model_.tokenize_weighted(p.captions, o_.max_token_length,
+                                                                      batch.token_weights)
+                                           : model_.tokenize(p.captions, o_.max_token_length);
   }
   if (ranks_) {  // this rank's share of the global batch, the last rank's possibly shorter
     const int64_t n = batch.latents.size(0), world = ranks_->world_size();

@@ -55,6 +55,9 @@ struct Options {
   // chunks of 75 (models::ClipTextModelImpl::encode_chunked). Cached text is used only when the
   // cacher encoded it with the same length.
   int max_token_length = 75;
+  // kohya's --weighted_captions: captions' A1111 attention syntax weighs their tokens' states
+  // (models::DiffusionModel::encode_weighted_text); they are always encoded online.
+  bool weighted_captions = false;
   // TensorBoard event files: OUT/tensorboard unless given (kohya's --logging_dir layout).
   std::filesystem::path tensorboard_dir;
   // Length.

@@ -13,13 +13,15 @@ Writes, without touching the network:
 
 reference.json holds the path of open_clip's gz file, the tokenizer's vocab size and special ids,
 and lists of cases. Each case is {name, text, ids, fixed_text, padded_77, long_150, long_225,
-ftfy_gap[, ids_without_fix_encoding]}:
+weighted_75, weighted_150, weighted_225, ftfy_gap[, ids_without_fix_encoding]}:
   ids        tokenizer.encode(text, add_special_tokens=False)
   fixed_text ftfy.fix_text(text, fix_encoding=False): the ftfy subset the C++ tokenizer implements
   padded_77  tokenizer(text, padding="max_length", truncation=True, max_length=77).input_ids,
              as diffusers' StableDiffusionPipeline and kohya (without --max_token_length) call it
   long_150, long_225  kohya sd-scripts' BaseDataset.get_input_ids with --max_token_length 150 /
              225, flattened (n_chunks * 77), transcribed below from library/train_util.py
+  weighted_75, weighted_150, weighted_225  {ids, weights} of kohya's --weighted_captions at that
+             max_token_length (kohya_weighted_input_ids), or null where a weight is no number
   ftfy_gap   true when ftfy's mojibake repair (fix_encoding, which the C++ side does not
              implement) changes the ids; then ids_without_fix_encoding holds the ids transformers
              gives with that one ftfy step disabled.
@@ -47,6 +49,9 @@ import ftfy
 import regex
 import transformers
 from transformers import CLIPTokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prompt_attention import prompt_attention  # noqa: E402  (kohya's parse of the syntax)
 
 MODEL_MAX_LENGTH = 77  # openai/clip-vit-large-patch14's tokenizer_config.json
 NUM_MERGES = 49152 - 256 - 2  # open_clip SimpleTokenizer and transformers CLIPTokenizer
@@ -106,6 +111,34 @@ def kohya_get_input_ids(tokenizer, caption, max_token_length):
     else:
         input_ids = [input_ids]
     return [i for chunk in input_ids for i in chunk]
+
+
+def kohya_weighted_input_ids(tokenizer, caption, max_token_length):
+    """kohya sd-scripts' --weighted_captions ids and weights for SD1.x (library/strategy_base.py
+    TokenizeStrategy._get_weighted_input_ids and the chunking of _get_input_ids; max_length is
+    max_token_length + 2): every piece of the attention syntax tokenized on its own, the ids cut at
+    max_length - 2, laid out as BOS + ids + EOS + padding with weight 1 at BOS, EOS and padding,
+    then cut into chunks as kohya_get_input_ids does, each chunk's ends weighing 1. Flattened."""
+    max_length = max_token_length + 2
+    ids, weights = [], []
+    for piece, weight in prompt_attention(caption):
+        piece_ids = tokenizer(piece).input_ids[1:-1]
+        ids += piece_ids
+        weights += [weight] * len(piece_ids)
+        if len(ids) > max_length - 2:
+            break
+    ids, weights = ids[:max_length - 2], weights[:max_length - 2]
+    ids = [tokenizer.bos_token_id] + ids + [tokenizer.eos_token_id] + [tokenizer.pad_token_id] * (
+        max_length - 2 - len(ids))
+    weights = [1.0] + weights + [1.0] * (max_length - 1 - len(weights))
+    if max_length <= tokenizer.model_max_length:
+        return ids, weights
+    chunk = tokenizer.model_max_length - 2
+    out_ids, out_weights = [], []
+    for i in range(1, max_length - tokenizer.model_max_length + 2, chunk):
+        out_ids += [ids[0]] + ids[i:i + chunk] + [ids[-1]]
+        out_weights += [1.0] + weights[i:i + chunk] + [1.0]
+    return out_ids, out_weights
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,6 +294,18 @@ HAND_WRITTEN = [
                              "eiusmod tempor incididunt ut labore et dolore magna aliqua."] * 20)),
     ("long/no_spaces", "a" * 500 + "b" * 300 + "\u00e9" * 100),
     ("long/one_token_repeated", " ".join(["cat"] * 400)),
+    # A1111 attention syntax (what --weighted_captions reads; every case is also tokenized
+    # weighted, these are the ones whose weights are not all 1).
+    ("weights/documented", "a (((house:1.3)) [on] a (hill:0.5), sun, (((sky)))."),
+    ("weights/booru", "(masterpiece:1.2), (best quality), 1girl, [blurry], (red hair:1.4), "
+     "((blue eyes)), [[lowres]], (smile:0.8)"),
+    ("weights/escapes", "\\(literal\\] a \\\\ b (unbalanced [open"),
+    ("weights/glued", "(red)(blue)cat(dog:1.5)fish[x]"),
+    ("weights/negative", "(ugly:-0.5) (odd:+1.25) (zero:0) (tiny:.5)"),
+    # Weighted tags across the 75- and 150-token chunk boundaries.
+    ("weights/long", ", ".join(f"({TAG}:1.{i % 9 + 1})" if i % 3 else f"[{TAG}]"
+                               for i, TAG in enumerate(["scarlet cloak", "tall tower",
+                                                        "green field"] * 30))),
 ]
 
 TAGS = [
@@ -488,6 +533,12 @@ def main():
             "long_150": kohya_get_input_ids(tokenizer, text, 150),
             "long_225": kohya_get_input_ids(tokenizer, text, 225),
         }
+        for length in (75, 150, 225):
+            try:
+                ids_w, weights = kohya_weighted_input_ids(tokenizer, text, length)
+                case[f"weighted_{length}"] = {"ids": ids_w, "weights": weights}
+            except ValueError:  # float() of a weight like "1.2.3": kohya stops there too
+                case[f"weighted_{length}"] = None
         subset_ids = subset.encode(text, add_special_tokens=False)
         case["ftfy_gap"] = subset_ids != ids
         if case["ftfy_gap"]:

@@ -11,7 +11,7 @@ generator (Euler ancestral's noise) is torch.Generator().manual_seed(SEED). Atte
 PyTorch's math path (AttnProcessor), as the C++ side's forced math attention does.
 """
 import json
-import re
+import os
 import sys
 import warnings
 
@@ -26,6 +26,10 @@ from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
                        KDPM2AncestralDiscreteScheduler, KDPM2DiscreteScheduler,
                        LMSDiscreteScheduler, PNDMScheduler, StableDiffusionPipeline)
 from diffusers.models.attention_processor import AttnProcessor  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "models",
+                                "reference"))
+from prompt_attention import prompt_attention  # noqa: E402  (kohya's parse, shared)
 
 SEED = 77
 REQUEST = {"prompt": "a red circle on a blue background", "negative_prompt": "blurry",
@@ -85,48 +89,6 @@ def kohya_lora(pipe, path, rank=4):
                 if isinstance(layer, torch.nn.Linear):
                     add("lora_te", f"{name}.{child}", layer)
     save_file(tensors, path)
-
-
-ATTENTION = re.compile(r"\\[()\[\]\\]|\\|\(|\[|:([+-]?[.\d]+)\)|\)|]|[^\\()\[\]:]+|:")
-
-
-def prompt_attention(text):
-    """The attention syntax as kohya's lpw_stable_diffusion.parse_prompt_attention reads it:
-    (x) x1.1, [x] /1.1, (x:w) xw, backslash escapes; open brackets weigh the rest; equal
-    neighbours joined. Pairs [text, weight]."""
-    pieces, round_open, square_open = [], [], []
-
-    def scale(start, factor):
-        for piece in pieces[start:]:
-            piece[1] *= factor
-
-    for m in ATTENTION.finditer(text):
-        token, weight = m.group(0), m.group(1)
-        if token.startswith("\\"):
-            pieces.append([token[1:], 1.0])
-        elif token == "(":
-            round_open.append(len(pieces))
-        elif token == "[":
-            square_open.append(len(pieces))
-        elif weight is not None and round_open:
-            scale(round_open.pop(), float(weight))
-        elif token == ")" and round_open:
-            scale(round_open.pop(), 1.1)
-        elif token == "]" and square_open:
-            scale(square_open.pop(), 1 / 1.1)
-        else:
-            pieces.append([token, 1.0])
-    for start in round_open:
-        scale(start, 1.1)
-    for start in square_open:
-        scale(start, 1 / 1.1)
-    joined = []
-    for piece in pieces or [["", 1.0]]:
-        if joined and joined[-1][1] == piece[1]:
-            joined[-1][0] += piece[0]
-        else:
-            joined.append(piece)
-    return joined
 
 
 def kohya_sample_embeds(pipe, texts):

@@ -12,7 +12,9 @@ INIT           kohya-named LoRA: <name>.lora_down.weight, <name>.lora_up.weight,
                with <name> = lora_unet_<unet module path> or lora_te_<CLIPTextModel module
                path>, '.' -> '_'. Exactly these modules are adapted; scale = alpha / rank.
 INPUTS         latents, noise, ip_noise [S,B,4,H,W]; offset_noise [S,B,4,1,1]; timesteps [S,B]
-               int64; input_ids [S,B,77] int64; loss_weights [S,B]. S = steps (micro-batches).
+               int64; input_ids [S,B,77] int64; token_weights [S,B,77] (kohya's
+               --weighted_captions: each text state times its token's weight; ones without);
+               loss_weights [S,B]. S = steps (micro-batches).
 CONFIG         steps, prediction_type, min_snr_gamma, scale_v_pred_loss_like_noise_pred,
                v_pred_like_loss, debiased_estimation_loss, ip_noise_gamma, noise_offset,
                zero_terminal_snr, scale_weight_norms (kohya's max-norm; 0: off),
@@ -54,7 +56,7 @@ CONFIG_DEFAULTS = {
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 LORA_PARTS = ("lora_down.weight", "lora_up.weight", "alpha")
 INPUT_NDIMS = {"latents": 5, "noise": 5, "offset_noise": 5, "timesteps": 2, "input_ids": 3, "loss_weights": 2,
-               "ip_noise": 5}
+               "ip_noise": 5, "token_weights": 3}
 
 
 def fail(message):
@@ -150,6 +152,8 @@ def micro_batch_loss(cfg, scheduler, all_snr, unet, text_encoder, batch):
     latents, timesteps = batch["latents"], batch["timesteps"]
     with torch.set_grad_enabled(cfg["train_text_encoder"]):
         hidden = encode_text(text_encoder, batch["input_ids"], cfg["clip_skip"])
+        # kohya's encode_tokens_with_weights (one chunk): every state times its token's weight.
+        hidden = hidden * batch["token_weights"].unsqueeze(-1)
     # kohya's ip_noise_gamma: the input is noised with extra noise, the target is not.
     input_noise = noise + cfg["ip_noise_gamma"] * batch["ip_noise"] if cfg["ip_noise_gamma"] else noise
     noisy = scheduler.add_noise(latents, input_noise, timesteps)
