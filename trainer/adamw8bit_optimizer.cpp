@@ -81,7 +81,7 @@ class AdamW8bit final : public Optimizer {
     std::vector<k::AdamW8bitStep> constants;
     for (double lr : lrs_) {
       constants.push_back(k::adamw8bit_step_constants(lr, options_.beta1, options_.beta2,
-                                                      options_.eps, options_.weight_decay, step_));
+                                                      options_.eps, weight_decay(), step_));
     }
     // One call per parameter dtype (LoRA parameters are all fp32 in practice).
     for (k::ParamDtype dtype :
@@ -146,7 +146,7 @@ class AdamW8bit final : public Optimizer {
   std::string describe() const override {
     std::ostringstream out;
     out << "bitsandbytes.optim.adamw." << (paged_ ? "PagedAdamW8bit" : "AdamW8bit")
-        << "(weight_decay=" << options_.weight_decay << ",betas=(" << options_.beta1 << ","
+        << "(weight_decay=" << weight_decay() << ",betas=(" << options_.beta1 << ","
         << options_.beta2 << "),eps=" << options_.eps;
     if (options_.min_8bit_size) out << ",min_8bit_size=" << *options_.min_8bit_size;
     out << ")";
@@ -154,6 +154,8 @@ class AdamW8bit final : public Optimizer {
   }
 
  private:
+  double weight_decay() const { return options_.weight_decay.value_or(0.01); }  // bitsandbytes'
+
   struct Slot {
     at::Tensor param;
     int group;

@@ -1,5 +1,6 @@
 // lorapipe-trainer: kohya's flags in, trainer::train out.
 #include <gflags/gflags.h>
+#include <strings.h>
 
 #include <csignal>
 #include <cstdio>
@@ -67,10 +68,13 @@ DEFINE_string(network_weights, "", "Continue from this LoRA file");
 DEFINE_bool(network_train_unet_only, false, "Train no text-encoder LoRA");
 DEFINE_double(network_multiplier, 1.0, "LoRA multiplier while training");
 // Optimizer and schedule.
-DEFINE_string(optimizer_type, "AdamW", "AdamW, AdamW8bit or PagedAdamW8bit (case-insensitive)");
+DEFINE_string(optimizer_type, "AdamW",
+              "AdamW, AdamW8bit, PagedAdamW8bit or Prodigy (case-insensitive)");
 DEFINE_bool(use_8bit_adam, false, "kohya's older spelling of --optimizer_type=AdamW8bit");
 DEFINE_string(optimizer_args, "",
-              "key=value ... (weight_decay, betas=b1,b2, eps; min_8bit_size for the 8-bit ones)");
+              "key=value ... (weight_decay, betas=b1,b2, eps; min_8bit_size for the 8-bit ones; "
+              "decouple, use_bias_correction, safeguard_warmup, d0, d_coef, growth_rate, beta3, "
+              "slice_p for Prodigy)");
 DEFINE_double(learning_rate, 1e-4, "Learning rate");
 DEFINE_double(unet_lr, -1, "UNet learning rate (default: --learning_rate)");
 DEFINE_double(text_encoder_lr, -1, "Text-encoder learning rate (default: --learning_rate)");
@@ -270,6 +274,11 @@ int main(int argc, char** argv) {
     if (FLAGS_use_8bit_adam) s.optimizer.type = "AdamW8bit";
     t::apply_optimizer_args(s.optimizer, words(FLAGS_optimizer_args));
     s.optimizer_groups.learning_rate = FLAGS_learning_rate;
+    if (strcasecmp(s.optimizer.type.c_str(), "prodigy") == 0 && FLAGS_learning_rate <= 0.1) {
+      // kohya's warning: Prodigy's rate scales the step size it finds, 1.0 is the usual one.
+      LP_LOG(kWarning, "trainer") << "--learning_rate=" << FLAGS_learning_rate
+                                  << " is low for Prodigy, which is run with about 1.0";
+    }
     s.optimizer_groups.unet_lr = FLAGS_unet_lr;
     s.optimizer_groups.text_encoder_lr = FLAGS_text_encoder_lr;
     s.schedule.name = FLAGS_lr_scheduler;

@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "trainer/adamw8bit_optimizer.h"
+#include "trainer/prodigy_optimizer.h"
 
 namespace lorapipe::trainer {
 namespace {
@@ -27,6 +28,15 @@ double parse_number(const std::string& arg, const std::string& text) {
   throw InputError("--optimizer_args '" + arg + "': '" + text + "' is not a number");
 }
 
+// torch.optim.AdamW's default weight decay (bitsandbytes' AdamW8bit has the same).
+constexpr double kAdamWWeightDecay = 0.01;
+
+bool parse_bool(const std::string& arg, const std::string& text) {
+  if (text == "True" || text == "true" || text == "1") return true;
+  if (text == "False" || text == "false" || text == "0") return false;
+  throw InputError("--optimizer_args '" + arg + "': '" + text + "' is not True or False");
+}
+
 // torch.optim.AdamW through LibTorch's implementation (the same update as Python's
 // single-tensor AdamW: decoupled decay p *= 1 - lr * wd, then Adam with bias correction).
 class TorchAdamW final : public Optimizer {
@@ -37,13 +47,13 @@ class TorchAdamW final : public Optimizer {
       auto group_options = std::make_unique<torch::optim::AdamWOptions>(g.lr);
       group_options->betas({options.beta1, options.beta2})
           .eps(options.eps)
-          .weight_decay(options.weight_decay);
+          .weight_decay(options.weight_decay.value_or(kAdamWWeightDecay));
       torch_groups.emplace_back(g.params, std::move(group_options));
     }
     torch::optim::AdamWOptions defaults(groups.empty() ? 1e-4 : groups[0].lr);
     defaults.betas({options.beta1, options.beta2})
         .eps(options.eps)
-        .weight_decay(options.weight_decay);
+        .weight_decay(options.weight_decay.value_or(kAdamWWeightDecay));
     adamw_ = std::make_unique<torch::optim::AdamW>(std::move(torch_groups), defaults);
   }
 
@@ -71,7 +81,8 @@ class TorchAdamW final : public Optimizer {
   }
   std::string describe() const override {
     std::ostringstream out;
-    out << "torch.optim.adamw.AdamW(weight_decay=" << options_.weight_decay << ",betas=("
+    out << "torch.optim.adamw.AdamW(weight_decay=" << options_.weight_decay.value_or(kAdamWWeightDecay)
+        << ",betas=("
         << options_.beta1 << "," << options_.beta2 << "),eps=" << options_.eps << ")";
     return out.str();
   }
@@ -95,7 +106,34 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
     }
     const std::string key = arg.substr(0, eq);
     const std::string value = arg.substr(eq + 1);
-    if (key == "weight_decay") {
+    options.given_args.push_back(arg);
+    auto& prodigy = options.prodigy;
+    const bool prodigy_only = key == "decouple" || key == "use_bias_correction" ||
+                              key == "safeguard_warmup" || key == "d0" || key == "d_coef" ||
+                              key == "growth_rate" || key == "beta3" || key == "slice_p";
+    if (prodigy_only && options.prodigy_arg.empty()) options.prodigy_arg = key;
+    if (key == "decouple") {
+      prodigy.decouple = parse_bool(arg, value);
+    } else if (key == "use_bias_correction") {
+      prodigy.use_bias_correction = parse_bool(arg, value);
+    } else if (key == "safeguard_warmup") {
+      prodigy.safeguard_warmup = parse_bool(arg, value);
+    } else if (key == "d0") {
+      prodigy.d0 = parse_number(arg, value);
+    } else if (key == "d_coef") {
+      prodigy.d_coef = parse_number(arg, value);
+    } else if (key == "growth_rate") {
+      prodigy.growth_rate = value == "inf" || value == "float('inf')" ? prodigy.growth_rate
+                                                                       : parse_number(arg, value);
+    } else if (key == "beta3") {
+      prodigy.beta3 = parse_number(arg, value);
+    } else if (key == "slice_p") {
+      const double v = parse_number(arg, value);
+      if (v < 1 || v != static_cast<double>(static_cast<int64_t>(v))) {
+        throw InputError("--optimizer_args '" + arg + "': slice_p wants a whole number >= 1");
+      }
+      prodigy.slice_p = static_cast<int64_t>(v);
+    } else if (key == "weight_decay") {
       options.weight_decay = parse_number(arg, value);
     } else if (key == "min_8bit_size") {
       const double v = parse_number(arg, value);
@@ -118,7 +156,9 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
       options.beta2 = parse_number(arg, v.substr(comma + 1));
     } else {
       throw InputError("--optimizer_args '" + arg + "': unknown argument '" + key +
-                       "' (known: weight_decay, betas, eps, min_8bit_size)");
+                       "' (known: weight_decay, betas, eps; min_8bit_size for the 8-bit AdamW; "
+                       "decouple, use_bias_correction, safeguard_warmup, d0, d_coef, "
+                       "growth_rate, beta3, slice_p for Prodigy)");
     }
   }
 }
@@ -126,6 +166,18 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                                           std::vector<ParamGroup> groups) {
   const std::string type = lower(options.type);
+  if (type == "prodigy" || type == "prodigyopt.prodigy") {
+    if (options.min_8bit_size) {
+      throw InputError("--optimizer_args min_8bit_size belongs to AdamW8bit and PagedAdamW8bit, "
+                       "not Prodigy");
+    }
+    return make_prodigy(options, std::move(groups));
+  }
+  if (!options.prodigy_arg.empty()) {
+    throw InputError("--optimizer_args " + options.prodigy_arg + " is Prodigy's; --optimizer_type=" +
+                     options.type + " takes weight_decay, betas, eps" +
+                     (type == "adamw" ? "" : ", min_8bit_size"));
+  }
   if (type == "adamw" || type == "torch.optim.adamw") {
     if (options.min_8bit_size) {
       throw InputError(
@@ -141,7 +193,7 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
     return make_adamw8bit(options, std::move(groups), /*paged=*/true);
   }
   throw InputError("--optimizer_type='" + options.type +
-                   "' is not available: use AdamW, AdamW8bit or PagedAdamW8bit");
+                   "' is not available: use AdamW, AdamW8bit, PagedAdamW8bit or Prodigy");
 }
 
 }  // namespace lorapipe::trainer

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -22,10 +23,27 @@ struct OptimizerOptions {
   std::string type = "AdamW";  // --optimizer_type, case-insensitive (kohya's names)
   double beta1 = 0.9, beta2 = 0.999;
   double eps = 1e-8;
-  double weight_decay = 0.01;  // torch.optim.AdamW's default, which kohya keeps
+  // Unset: the optimizer's own default, which kohya keeps (torch's and bitsandbytes' AdamW 0.01,
+  // Prodigy 0).
+  std::optional<double> weight_decay;
   // AdamW8bit / PagedAdamW8bit only (bitsandbytes' argument): tensors with fewer elements keep
   // fp32 moments. Unset: bitsandbytes' 4096.
   std::optional<int64_t> min_8bit_size;
+  // Prodigy only: prodigyopt's arguments, with its defaults.
+  struct ProdigyOptions {
+    bool decouple = true;              // AdamW-style decoupled weight decay
+    bool use_bias_correction = false;  // Adam's bias correction in the step size
+    bool safeguard_warmup = false;     // lr out of the d estimate's denominator (for warm-up)
+    double d0 = 1e-6;                  // the initial step-size estimate
+    double d_coef = 1.0;               // scales the estimate: the knob prodigyopt advises
+    double growth_rate = std::numeric_limits<double>::infinity();  // d's largest growth a step
+    std::optional<double> beta3;       // unset: sqrt(beta2)
+    int64_t slice_p = 1;               // estimate d from every slice_p-th element
+  } prodigy;
+  // The first Prodigy-only argument given ("" if none): the AdamW optimizers refuse it by name.
+  std::string prodigy_arg;
+  // --optimizer_args as given, for kohya's ss_optimizer ("name(key=value,...)").
+  std::vector<std::string> given_args;
 };
 
 class Optimizer {
@@ -36,6 +54,9 @@ class Optimizer {
   virtual size_t group_count() const = 0;
   virtual void set_lr(size_t group, double lr) = 0;
   virtual double lr(size_t group) const = 0;
+  // The step size an adaptive optimizer (Prodigy) takes in effect, d * lr, for kohya's
+  // lr/d*lr logs; none for the others.
+  virtual std::optional<double> adapted_lr(size_t /*group*/) const { return std::nullopt; }
   // Every piece of state, bit for bit, for exact resume.
   virtual void save(const std::filesystem::path& file) const = 0;
   virtual void load(const std::filesystem::path& file) = 0;
@@ -53,7 +74,9 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
 //                   of tensors with >= min_8bit_size elements (fp32 moments below it);
 //   PagedAdamW8bit  the same, its state in CUDA managed memory that can spill to host memory
 //                   under pressure (on the CPU, or where the device cannot page, plain memory
-//                   with a warning, as bitsandbytes does).
+//                   with a warning, as bitsandbytes does);
+//   Prodigy         prodigyopt's adaptive Adam (trainer/prodigy_optimizer.h), 16 bytes of
+//                   state per parameter, run with a learning rate near 1.
 // Throws InputError naming an unknown type (and saying which are known).
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                                           std::vector<ParamGroup> groups);

@@ -843,6 +843,9 @@ void Run::publish_progress(double loss, double seconds_per_step, double wait_ms)
       std::string tag = groups[g];
       if (tag.starts_with("text_encoder")) tag.replace(0, 12, "textencoder");
       tensorboard_->add_scalar("lr/" + tag, step_->optimizer().lr(g), global_step_);
+      if (const auto adapted = step_->optimizer().adapted_lr(g)) {  // Prodigy: kohya's d*lr
+        tensorboard_->add_scalar("lr/d*lr/" + tag, *adapted, global_step_);
+      }
     }
     tensorboard_->add_scalar("time/s_per_it", seconds_per_step, global_step_);
     tensorboard_->add_scalar("time/data_wait_ms", wait_ms, global_step_);

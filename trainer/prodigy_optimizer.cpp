@@ -1,0 +1,242 @@
+// Prodigy (Mishchenko & Defazio 2023, arXiv 2306.06101) behind the Optimizer seam: Adam whose step
+// size d is estimated from the run itself, so kohya users train with --learning_rate=1.0 and no
+// search. A port of prodigyopt 1.1.2's Prodigy.step (the PyPI package kohya loads for
+// --optimizer_type=Prodigy), operation for operation: its fp32 tensor updates are the same LibTorch
+// kernels, its scalars (d, d_max, the numerator, the .item() sums) are doubles as Python's floats
+// are, so a run equals prodigyopt's bit for bit (ProdigyParity). Not ported: FSDP's all-reduce of
+// the d statistics (lorapipe's ranks all-reduce gradients, so every rank sees the same numbers).
+
+#include "trainer/prodigy_optimizer.h"
+
+#include <torch/serialize.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace lorapipe::trainer {
+namespace {
+
+class Prodigy final : public Optimizer {
+ public:
+  Prodigy(const OptimizerOptions& options, std::vector<ParamGroup> groups)
+      : options_(options), o_(options.prodigy) {
+    weight_decay_ = options.weight_decay.value_or(0.0);  // prodigyopt's default
+    if (!(o_.d0 > 0)) throw InputError("--optimizer_args d0 must be > 0 (Prodigy)");
+    if (!(options.eps > 0)) throw InputError("--optimizer_args eps must be > 0 (Prodigy)");
+    if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1)) {
+      throw InputError("--optimizer_args betas must lie in [0, 1) (Prodigy)");
+    }
+    if (o_.slice_p < 1) throw InputError("--optimizer_args slice_p must be >= 1 (Prodigy)");
+    double top = 0;
+    for (const ParamGroup& g : groups) top = std::max(top, g.lr);
+    if (!(top > 0)) throw InputError("Prodigy needs a learning rate > 0 (1.0 is its usual one)");
+    for (const ParamGroup& g : groups) {
+      // prodigyopt adapts one step size for all groups and refuses groups whose rates differ
+      // (other than 0) at its first step: refused here, before any compute.
+      if (g.lr != top && g.lr != 0) {
+        throw InputError("Prodigy adapts one step size for every parameter group, so their "
+                         "learning rates must be equal (or 0): the " + g.name + " group has " +
+                         std::to_string(g.lr) + " beside " + std::to_string(top) +
+                         " (set --learning_rate alone, drop --unet_lr/--text_encoder_lr or "
+                         "loraplus_lr_ratio)");
+      }
+      groups_.push_back(Group{g.params, g.lr, {}});
+      groups_.back().state.resize(g.params.size());
+    }
+    d_ = d_max_ = o_.d0;
+  }
+
+  void step() override {
+    torch::NoGradGuard no_grad;
+    const double beta1 = options_.beta1, beta2 = options_.beta2;
+    const double beta3 = o_.beta3.value_or(std::sqrt(beta2));
+    double lr = 0;
+    for (const Group& g : groups_) lr = std::max(lr, g.lr);
+    const double bias_correction =
+        o_.use_bias_correction ? std::pow(1 - std::pow(beta2, k_ + 1), 0.5) /
+                                     (1 - std::pow(beta1, k_ + 1))
+                               : 1.0;
+    const double dlr = d_ * lr * bias_correction;
+    double d = d_;
+    double d_numerator = d_numerator_ * beta3;
+    double delta_numerator = 0.0, d_denom = 0.0;
+
+    for (Group& g : groups_) {
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        at::Tensor& p = g.params[i];
+        if (!p.grad().defined()) continue;
+        at::Tensor grad = p.grad();
+        if (weight_decay_ != 0 && !o_.decouple) grad.add_(p, weight_decay_);
+        State& s = g.state[i];
+        if (!s.initialised) {
+          s.initialised = true;
+          s.s = torch::zeros_like(sliced(p)).detach();
+          // prodigyopt keeps a 0-d zero for a parameter that starts all zero (LoRA's up);
+          // `p0 - p` then broadcasts to the same values a vector of zeros gives.
+          s.p0 = p.any().item<bool>() ? sliced(p).detach().clone()
+                                      : torch::zeros({}, p.options());
+          if (beta1 > 0) s.exp_avg = torch::zeros_like(p).detach();
+          s.exp_avg_sq = torch::zeros_like(p).detach();
+        }
+        if (g.lr > 0.0) {
+          const at::Tensor sliced_grad = sliced(grad);
+          delta_numerator +=
+              (d / o_.d0) * dlr * torch::dot(sliced_grad, s.p0 - sliced(p)).item<double>();
+          if (beta1 > 0) s.exp_avg.mul_(beta1).add_(grad, d * (1 - beta1));
+          s.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, d * d * (1 - beta2));
+          s.s.mul_(beta3).add_(sliced_grad, o_.safeguard_warmup ? (d / o_.d0) * d
+                                                                : (d / o_.d0) * dlr);
+          d_denom += s.s.abs().sum().item<double>();
+        }
+      }
+    }
+    if (d_denom == 0) return;  // no gradient reached any parameter: prodigyopt changes nothing
+
+    const double global_numerator = d_numerator + delta_numerator;
+    double d_hat = d;
+    if (lr > 0.0) {
+      d_hat = o_.d_coef * global_numerator / d_denom;
+      if (d == o_.d0) d = std::max(d, d_hat);
+      d_max_ = std::max(d_max_, d_hat);
+      d = std::min(d_max_, d * o_.growth_rate);
+    }
+    d_numerator_ = global_numerator;
+    d_ = d;
+
+    for (Group& g : groups_) {
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        at::Tensor& p = g.params[i];
+        if (!p.grad().defined()) continue;
+        State& s = g.state[i];
+        ++s.step;
+        const at::Tensor denom = s.exp_avg_sq.sqrt().add_(d * options_.eps);
+        if (weight_decay_ != 0 && o_.decouple) p.add_(p, -weight_decay_ * dlr);
+        if (beta1 > 0) {
+          p.addcdiv_(s.exp_avg, denom, -dlr);
+        } else {
+          p.addcdiv_(p.grad(), denom, -dlr * d);
+        }
+      }
+    }
+    ++k_;
+  }
+
+  void zero_grad() override {
+    for (Group& g : groups_) {
+      for (at::Tensor& p : g.params) p.mutable_grad() = at::Tensor();
+    }
+  }
+  size_t group_count() const override { return groups_.size(); }
+  void set_lr(size_t group, double lr) override { groups_.at(group).lr = lr; }
+  double lr(size_t group) const override { return groups_.at(group).lr; }
+  std::optional<double> adapted_lr(size_t group) const override { return d_ * lr(group); }
+
+  void save(const std::filesystem::path& file) const override {
+    torch::serialize::OutputArchive archive;
+    const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+    archive.write("scalars", torch::tensor({d_, d_max_, d_numerator_, static_cast<double>(k_)}, f64));
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      for (size_t i = 0; i < groups_[g].state.size(); ++i) {
+        const State& s = groups_[g].state[i];
+        const std::string key = "g" + std::to_string(g) + "_" + std::to_string(i) + "_";
+        archive.write(key + "step", torch::tensor(s.initialised ? s.step : -1));
+        if (!s.initialised) continue;
+        archive.write(key + "s", s.s.cpu());
+        archive.write(key + "p0", s.p0.cpu());
+        archive.write(key + "exp_avg_sq", s.exp_avg_sq.cpu());
+        if (s.exp_avg.defined()) archive.write(key + "exp_avg", s.exp_avg.cpu());
+      }
+    }
+    archive.save_to(file.string());
+  }
+
+  void load(const std::filesystem::path& file) override {
+    torch::serialize::InputArchive archive;
+    try {
+      archive.load_from(file.string());
+      at::Tensor scalars;
+      archive.read("scalars", scalars);
+      TORCH_CHECK(scalars.numel() == 4, "scalars");
+      d_ = scalars[0].item<double>();
+      d_max_ = scalars[1].item<double>();
+      d_numerator_ = scalars[2].item<double>();
+      k_ = static_cast<int64_t>(scalars[3].item<double>());
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        for (size_t i = 0; i < groups_[g].state.size(); ++i) {
+          State& s = groups_[g].state[i];
+          const at::Tensor& p = groups_[g].params[i];
+          const std::string key = "g" + std::to_string(g) + "_" + std::to_string(i) + "_";
+          at::Tensor step;
+          archive.read(key + "step", step);
+          s = State{};
+          if (step.item<int64_t>() < 0) continue;
+          s.initialised = true;
+          s.step = step.item<int64_t>();
+          archive.read(key + "s", s.s);
+          archive.read(key + "p0", s.p0);
+          archive.read(key + "exp_avg_sq", s.exp_avg_sq);
+          TORCH_CHECK(s.exp_avg_sq.sizes() == p.sizes(), "state of another shape");
+          s.s = s.s.to(p.device());
+          s.p0 = s.p0.to(p.device());
+          s.exp_avg_sq = s.exp_avg_sq.to(p.device());
+          if (options_.beta1 > 0) {
+            archive.read(key + "exp_avg", s.exp_avg);
+            s.exp_avg = s.exp_avg.to(p.device());
+          }
+        }
+      }
+    } catch (const c10::Error& e) {
+      throw InputError(file.string() + ": not a Prodigy optimizer state for this network: " +
+                       e.what_without_backtrace());
+    }
+  }
+
+  // kohya's ss_optimizer: the class, then the --optimizer_args as given.
+  std::string describe() const override {
+    std::string out = "prodigyopt.prodigy.Prodigy";
+    if (options_.given_args.empty()) return out;
+    out += "(";
+    for (size_t i = 0; i < options_.given_args.size(); ++i) {
+      out += (i ? "," : "") + options_.given_args[i];
+    }
+    return out + ")";
+  }
+
+ private:
+  struct State {
+    bool initialised = false;
+    int64_t step = 0;
+    at::Tensor s, p0, exp_avg, exp_avg_sq;
+  };
+  struct Group {
+    std::vector<at::Tensor> params;
+    double lr;
+    std::vector<State> state;
+  };
+
+  // prodigyopt's p.flatten()[::slice_p]: every slice_p-th element (a view for slice_p 1).
+  at::Tensor sliced(const at::Tensor& t) const {
+    const at::Tensor flat = t.flatten();
+    return o_.slice_p == 1 ? flat : flat.slice(0, 0, flat.numel(), o_.slice_p);
+  }
+
+  OptimizerOptions options_;
+  OptimizerOptions::ProdigyOptions o_;
+  double weight_decay_ = 0;
+  std::vector<Group> groups_;
+  // prodigyopt keeps these in every group, always equal; one copy here.
+  double d_ = 0, d_max_ = 0, d_numerator_ = 0;
+  int64_t k_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Optimizer> make_prodigy(const OptimizerOptions& options,
+                                        std::vector<ParamGroup> groups) {
+  return std::make_unique<Prodigy>(options, std::move(groups));
+}
+
+}  // namespace lorapipe::trainer
