@@ -9,6 +9,7 @@
 #include <iterator>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include "cacher/encode.h"
 #include "cacher/keys.h"
@@ -301,6 +302,17 @@ void Cacher::finish(const wire::DatasetReport& report) {
   manifest.set_text_cached(all_text_cached_);
   manifest.set_vae_fingerprint(latents_->fingerprint());
   manifest.set_text_encoder_fingerprint(texts_->fingerprint());
+  // Entries arrive in the order preprocess's workers finish them, which changes from run to run.
+  // Written in one fixed order instead (dataset, image path, then what tells apart the entries of
+  // one image), so a dataset cached twice gives the same manifest, and the trainer the same
+  // validation split and batches from the same seed.
+  std::sort(entries_.begin(), entries_.end(),
+            [](const wire::ManifestEntry& a, const wire::ManifestEntry& b) {
+              return std::forward_as_tuple(a.dataset_index(), a.path(), a.is_reg(), a.flip(),
+                                           a.caption(), a.latent_key(), a.text_key()) <
+                     std::forward_as_tuple(b.dataset_index(), b.path(), b.is_reg(), b.flip(),
+                                           b.caption(), b.latent_key(), b.text_key());
+            });
   for (auto& entry : entries_) {
     if (rejected_keys_.count(entry.latent_key())) continue;
     *manifest.add_entries() = std::move(entry);

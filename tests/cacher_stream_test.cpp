@@ -200,6 +200,11 @@ TEST_F(CachePipeline, SecondRunEncodesNothingAndDecodesNothing) {
   const auto check = cacher::check_manifest(store, manifest);
   EXPECT_TRUE(check.missing.empty());
   EXPECT_TRUE(check.corrupt.empty());
+  // Entries in path order, whichever order preprocess's workers finished them in: the same
+  // dataset cached twice trains the same run from the same seed.
+  std::vector<std::string> paths;
+  for (const auto& e : manifest.entries()) paths.push_back(e.path());
+  EXPECT_TRUE(std::is_sorted(paths.begin(), paths.end()));
 }
 
 TEST_F(CachePipeline, EditedImageCaptionOrVaeReencodeOnlyWhatChanged) {
