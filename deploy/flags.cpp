@@ -86,7 +86,8 @@ std::vector<FlagInfo> make_table() {
     value(name, {S::kTrainer});
   }
   for (const char* name :
-       {"fill_last_batch", "network_train_unet_only", "use_8bit_adam", "gradient_checkpointing",
+       {"fill_last_batch", "network_train_unet_only", "network_train_text_encoder_only",
+        "use_8bit_adam", "gradient_checkpointing",
         "noise_offset_random_strength", "cache_latents", "cache_latents_to_disk", "sdpa",
         "xformers", "mem_eff_attn", "persistent_data_loader_workers", "sample_at_first",
         "no_half_vae", "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",

@@ -45,6 +45,8 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
   std::vector<models::LoraTarget> targets =
       model.lora_targets(options.train_text_encoder, options.conv_dim > 0);
   for (models::LoraTarget& target : targets) {
+    // kohya's apply_to drops the U-Net's modules when only the text encoder trains.
+    if (!target.text_encoder && !options.train_unet) continue;
     const bool kxk = target.is_conv_kxk();
     const int64_t rank = kxk ? options.conv_dim : options.dim;
     double alpha = kxk ? options.conv_alpha : options.alpha;

@@ -27,7 +27,7 @@ struct NetworkOptions {
   double rank_dropout = 0.0;    // network_args rank_dropout
   double module_dropout = 0.0;  // network_args module_dropout
   double multiplier = 1.0;
-  bool train_unet = true;
+  bool train_unet = true;          // false with --network_train_text_encoder_only: no U-Net modules
   bool train_text_encoder = true;  // false with --network_train_unet_only
 };
 

@@ -66,10 +66,11 @@ DEFINE_string(
     "key=value ... (conv_dim, conv_alpha, rank_dropout, module_dropout, loraplus_lr_ratio)");
 DEFINE_string(network_weights, "", "Continue from this LoRA file");
 DEFINE_bool(network_train_unet_only, false, "Train no text-encoder LoRA");
+DEFINE_bool(network_train_text_encoder_only, false, "Train the text encoder's LoRA alone");
 DEFINE_double(network_multiplier, 1.0, "LoRA multiplier while training");
 // Optimizer and schedule.
 DEFINE_string(optimizer_type, "AdamW",
-              "AdamW, AdamW8bit, PagedAdamW8bit or Prodigy (case-insensitive)");
+              "AdamW, AdamW8bit, PagedAdamW8bit, Prodigy or Lion (case-insensitive)");
 DEFINE_bool(use_8bit_adam, false, "kohya's older spelling of --optimizer_type=AdamW8bit");
 DEFINE_string(optimizer_args, "",
               "key=value ... (weight_decay, betas=b1,b2, eps; min_8bit_size for the 8-bit ones; "
@@ -262,6 +263,11 @@ int main(int argc, char** argv) {
     o.network.dropout = FLAGS_network_dropout;
     o.network.multiplier = FLAGS_network_multiplier;
     o.network.train_text_encoder = !FLAGS_network_train_unet_only;
+    o.network.train_unet = !FLAGS_network_train_text_encoder_only;
+    if (FLAGS_network_train_unet_only && FLAGS_network_train_text_encoder_only) {
+      throw lorapipe::InputError("--network_train_unet_only and --network_train_text_encoder_only: "
+                                 "together they leave nothing to train");
+    }
     o.network_args = words(FLAGS_network_args);
     o.network_weights = FLAGS_network_weights;
     o.lr_warmup_steps = FLAGS_lr_warmup_steps;

@@ -96,7 +96,109 @@ class TorchAdamW final : public Optimizer {
   std::unique_ptr<torch::optim::AdamW> adamw_;
 };
 
+// lion-pytorch's Lion (Chen et al. 2023, arXiv 2302.06675), the class kohya loads for
+// --optimizer_type=Lion, operation for operation (LionParity holds it bit-exact): decay
+// p *= 1 - lr * wd, step p -= lr * sign(beta1 m + (1 - beta1) g), then m = beta2 m + (1 - beta2) g.
+// One moment: 4 bytes of state per parameter.
+class Lion final : public Optimizer {
+ public:
+  Lion(const OptimizerOptions& options, std::vector<ParamGroup> groups) : options_(options) {
+    weight_decay_ = options.weight_decay.value_or(0.0);  // lion-pytorch's default
+    if (!(options.beta1 >= 0 && options.beta1 <= 1 && options.beta2 >= 0 && options.beta2 <= 1)) {
+      throw InputError("--optimizer_args betas must lie in [0, 1] (Lion)");
+    }
+    for (ParamGroup& g : groups) {
+      groups_.push_back(Group{std::move(g.params), g.lr, {}});
+      groups_.back().exp_avg.resize(groups_.back().params.size());
+    }
+  }
+
+  void step() override {
+    torch::NoGradGuard no_grad;
+    const double beta1 = options_.beta1, beta2 = options_.beta2;
+    for (Group& g : groups_) {
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        at::Tensor& p = g.params[i];
+        if (!p.grad().defined()) continue;
+        const at::Tensor& grad = p.grad();
+        if (!g.exp_avg[i].defined()) g.exp_avg[i] = torch::zeros_like(p);
+        at::Tensor& exp_avg = g.exp_avg[i];
+        p.mul_(1. - g.lr * weight_decay_);
+        const at::Tensor update = exp_avg.clone().mul_(beta1).add(grad, 1. - beta1).sgn_();
+        p.add_(update, -g.lr);
+        exp_avg.mul_(beta2).add_(grad, 1. - beta2);
+      }
+    }
+  }
+
+  void zero_grad() override {
+    for (Group& g : groups_) {
+      for (at::Tensor& p : g.params) p.mutable_grad() = at::Tensor();
+    }
+  }
+  size_t group_count() const override { return groups_.size(); }
+  void set_lr(size_t group, double lr) override { groups_.at(group).lr = lr; }
+  double lr(size_t group) const override { return groups_.at(group).lr; }
+
+  void save(const std::filesystem::path& file) const override {
+    torch::serialize::OutputArchive archive;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      for (size_t i = 0; i < groups_[g].exp_avg.size(); ++i) {
+        const at::Tensor& m = groups_[g].exp_avg[i];
+        // An undefined moment (no gradient yet) is saved as an empty tensor.
+        archive.write("g" + std::to_string(g) + "_" + std::to_string(i),
+                      m.defined() ? m.cpu() : torch::empty({0}));
+      }
+    }
+    archive.save_to(file.string());
+  }
+  void load(const std::filesystem::path& file) override {
+    torch::serialize::InputArchive archive;
+    try {
+      archive.load_from(file.string());
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        for (size_t i = 0; i < groups_[g].exp_avg.size(); ++i) {
+          at::Tensor m;
+          archive.read("g" + std::to_string(g) + "_" + std::to_string(i), m);
+          const at::Tensor& p = groups_[g].params[i];
+          if (m.numel() == 0) {
+            groups_[g].exp_avg[i] = at::Tensor();
+            continue;
+          }
+          TORCH_CHECK(m.sizes() == p.sizes(), "a moment of another shape");
+          groups_[g].exp_avg[i] = m.to(p.device(), p.scalar_type());
+        }
+      }
+    } catch (const c10::Error& e) {
+      throw InputError(file.string() + ": not a Lion optimizer state for this network: " +
+                       e.what_without_backtrace());
+    }
+  }
+  std::string describe() const override {
+    return kohya_optimizer_name("lion_pytorch.lion_pytorch.Lion", options_);
+  }
+
+ private:
+  struct Group {
+    std::vector<at::Tensor> params;
+    double lr;
+    std::vector<at::Tensor> exp_avg;
+  };
+  OptimizerOptions options_;
+  double weight_decay_ = 0;
+  std::vector<Group> groups_;
+};
+
 }  // namespace
+
+std::string kohya_optimizer_name(const std::string& cls, const OptimizerOptions& options) {
+  if (options.given_args.empty()) return cls;
+  std::string out = cls + "(";
+  for (size_t i = 0; i < options.given_args.size(); ++i) {
+    out += (i ? "," : "") + options.given_args[i];
+  }
+  return out + ")";
+}
 
 void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::string>& args) {
   for (const std::string& arg : args) {
@@ -154,6 +256,7 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
       }
       options.beta1 = parse_number(arg, v.substr(0, comma));
       options.beta2 = parse_number(arg, v.substr(comma + 1));
+      options.betas_given = true;
     } else {
       throw InputError("--optimizer_args '" + arg + "': unknown argument '" + key +
                        "' (known: weight_decay, betas, eps; min_8bit_size for the 8-bit AdamW; "
@@ -172,6 +275,20 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                        "not Prodigy");
     }
     return make_prodigy(options, std::move(groups));
+  }
+  if (type == "lion" || type == "lion_pytorch.lion") {
+    if (options.min_8bit_size) {
+      throw InputError("--optimizer_args min_8bit_size belongs to AdamW8bit and PagedAdamW8bit, "
+                       "not Lion");
+    }
+    if (!options.prodigy_arg.empty()) {
+      throw InputError("--optimizer_args " + options.prodigy_arg +
+                       " is Prodigy's; Lion takes weight_decay and betas");
+    }
+    // lion-pytorch's defaults, unless given: betas (0.9, 0.99), no eps.
+    OptimizerOptions lion = options;
+    if (!options.betas_given) lion.beta1 = 0.9, lion.beta2 = 0.99;
+    return std::make_unique<Lion>(lion, std::move(groups));
   }
   if (!options.prodigy_arg.empty()) {
     throw InputError("--optimizer_args " + options.prodigy_arg + " is Prodigy's; --optimizer_type=" +
@@ -193,7 +310,7 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
     return make_adamw8bit(options, std::move(groups), /*paged=*/true);
   }
   throw InputError("--optimizer_type='" + options.type +
-                   "' is not available: use AdamW, AdamW8bit, PagedAdamW8bit or Prodigy");
+                   "' is not available: use AdamW, AdamW8bit, PagedAdamW8bit, Prodigy or Lion");
 }
 
 }  // namespace lorapipe::trainer

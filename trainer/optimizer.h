@@ -21,7 +21,8 @@ struct ParamGroup {
 
 struct OptimizerOptions {
   std::string type = "AdamW";  // --optimizer_type, case-insensitive (kohya's names)
-  double beta1 = 0.9, beta2 = 0.999;
+  double beta1 = 0.9, beta2 = 0.999;  // Lion's own defaults (0.9, 0.99) unless given
+  bool betas_given = false;
   double eps = 1e-8;
   // Unset: the optimizer's own default, which kohya keeps (torch's and bitsandbytes' AdamW 0.01,
   // Prodigy 0).
@@ -64,6 +65,10 @@ class Optimizer {
   virtual std::string describe() const = 0;
 };
 
+// kohya's ss_optimizer: the optimizer's class path, then the --optimizer_args as given, e.g.
+// "prodigyopt.prodigy.Prodigy(d_coef=2,decouple=True)"; the class alone without arguments.
+std::string kohya_optimizer_name(const std::string& cls, const OptimizerOptions& options);
+
 // Parses --optimizer_args ("weight_decay=0.1", "betas=0.9,0.99", "eps=1e-6") into `options`;
 // throws InputError naming an unknown or malformed argument.
 void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::string>& args);
@@ -76,7 +81,8 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
 //                   under pressure (on the CPU, or where the device cannot page, plain memory
 //                   with a warning, as bitsandbytes does);
 //   Prodigy         prodigyopt's adaptive Adam (trainer/prodigy_optimizer.h), 16 bytes of
-//                   state per parameter, run with a learning rate near 1.
+//                   state per parameter, run with a learning rate near 1;
+//   Lion            lion-pytorch's sign-momentum optimizer, 4 bytes of state per parameter.
 // Throws InputError naming an unknown type (and saying which are known).
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                                           std::vector<ParamGroup> groups);

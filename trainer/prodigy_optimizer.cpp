@@ -194,15 +194,8 @@ class Prodigy final : public Optimizer {
     }
   }
 
-  // kohya's ss_optimizer: the class, then the --optimizer_args as given.
   std::string describe() const override {
-    std::string out = "prodigyopt.prodigy.Prodigy";
-    if (options_.given_args.empty()) return out;
-    out += "(";
-    for (size_t i = 0; i < options_.given_args.size(); ++i) {
-      out += (i ? "," : "") + options_.given_args[i];
-    }
-    return out + ")";
+    return kohya_optimizer_name("prodigyopt.prodigy.Prodigy", options_);
   }
 
  private:

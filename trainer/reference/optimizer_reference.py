@@ -1,22 +1,25 @@
-"""Reference run of prodigyopt's Prodigy (the package kohya sd-scripts loads for
---optimizer_type=Prodigy) for lorapipe's ProdigyParity tests.
+"""Reference runs of the PyPI optimizers kohya sd-scripts loads (prodigyopt's Prodigy for
+--optimizer_type=Prodigy, lion-pytorch's Lion for Lion) for lorapipe's optimizer parity tests.
 
-    python prodigy_reference.py --inputs IN.safetensors --config CONFIG.json --out OUT.safetensors
+    python optimizer_reference.py --inputs IN.safetensors --config CONFIG.json --out OUT.safetensors
 
 IN      param.<i> the initial parameters (fp32); grad.<s>.<i> the gradient of parameter i at step
         s (absent: no gradient that step, as a parameter the loss did not reach); lr.<g> [S] the
         learning rate of group g at each step (as kohya's schedule sets it).
-CONFIG  groups: [[parameter indices], ...]; steps; and Prodigy's keyword arguments (betas, eps,
-        weight_decay, decouple, use_bias_correction, safeguard_warmup, d0, d_coef,
-        growth_rate, beta3, slice_p) as given to its constructor.
-OUT     param.<i> after the last step; d [S] the step-size estimate after each step (float64).
+CONFIG  optimizer: "Prodigy" or "Lion"; groups: [[parameter indices], ...]; steps; kwargs: the
+        keyword arguments given to its constructor (betas as a list).
+OUT     param.<i> after the last step; for Prodigy, d [S], the step-size estimate after each step
+        (float64).
 """
 import argparse
 import json
 
 import torch
+from lion_pytorch import Lion
 from prodigyopt import Prodigy
 from safetensors.torch import load_file, save_file
+
+OPTIMIZERS = {"Prodigy": Prodigy, "Lion": Lion}
 
 
 def main():
@@ -31,12 +34,13 @@ def main():
     for key, value in inputs.items():
         if key.startswith("param."):
             params[int(key.split(".")[1])] = value.clone().requires_grad_(True)
-    kwargs = {k: v for k, v in cfg.items() if k not in ("groups", "steps")}
+    kwargs = dict(cfg["kwargs"])
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     groups = [{"params": [params[i] for i in g], "lr": inputs[f"lr.{n}"][0].item()}
               for n, g in enumerate(cfg["groups"])]
-    optimizer = Prodigy(groups, **kwargs)
+    # kohya constructs with lr=--learning_rate beside the groups' own rates.
+    optimizer = OPTIMIZERS[cfg["optimizer"]](groups, lr=groups[0]["lr"], **kwargs)
     ds = []
     for step in range(cfg["steps"]):
         for n, group in enumerate(optimizer.param_groups):
@@ -45,9 +49,11 @@ def main():
             grad = inputs.get(f"grad.{step}.{i}")
             p.grad = None if grad is None else grad.clone()
         optimizer.step()
-        ds.append(optimizer.param_groups[0]["d"])
+        if "d" in optimizer.param_groups[0]:
+            ds.append(optimizer.param_groups[0]["d"])
     out = {f"param.{i}": p.detach().contiguous() for i, p in params.items()}
-    out["d"] = torch.tensor(ds, dtype=torch.float64)
+    if ds:
+        out["d"] = torch.tensor(ds, dtype=torch.float64)
     save_file(out, args.out)
 
 
