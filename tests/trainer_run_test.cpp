@@ -309,6 +309,39 @@ TEST_F(LionTrainRun, Learns) {
             "lion_pytorch.lion_pytorch.Lion");
 }
 
+// The trainer with Adafactor (a suite of its own, so its name says it): with kohya's default
+// relative step its state (factored moments, each parameter's RMS, the step size it reports)
+// comes back exactly after kill -9; with kohya's SDXL preset (a fixed rate, no parameter scaling)
+// at AdamW's rate it learns the demo set (validation loss at least 10% lower after 60 steps; the
+// measured drop is printed).
+class AdafactorTrainRun : public TrainRunTest {};
+
+TEST_F(AdafactorTrainRun, ResumeAfterKillNineIsBitExact) {
+  expect_resume_bit_exact({"--optimizer_type=Adafactor", "--optimizer_args=beta1=0.9"});
+}
+
+TEST_F(AdafactorTrainRun, LearnsWithKohyasPreset) {
+  const TrainRun r =
+      run(work_, {"--max_train_steps=60", "--validation_split=0.25", "--validation_seed=5",
+                  "--train_batch_size=2", "--lr_scheduler=constant_with_warmup",
+                  "--lr_warmup_steps=5", "--optimizer_type=adafactor", "--optimizer_args",
+                  "scale_parameter=False", "relative_step=False", "warmup_init=False"});
+  ASSERT_EQ(r.exit, 0) << r.err;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(
+      r.out, m, std::regex(R"(validation loss: ([0-9.]+) at the start, ([0-9.]+) at the end)")))
+      << r.out;
+  const double first = std::stod(m[1]), last = std::stod(m[2]);
+  std::printf("[learn] Adafactor validation loss %.5f -> %.5f (%.1f%% lower)\n", first, last,
+              100 * (1 - last / first));
+  EXPECT_LT(last, first * 0.9);
+  EXPECT_EQ(models::SafetensorsFile::open(work_ / "lora" / "tiny.safetensors")
+                .metadata()
+                .at("ss_optimizer"),
+            "transformers.optimization.Adafactor(scale_parameter=False,relative_step=False,"
+            "warmup_init=False)");
+}
+
 // Every key maps onto a module of the base model; shapes and metadata are kohya's.
 TEST_F(TrainRunTest, LoraFileIsKohyas) {
   const TrainRun r =
@@ -656,7 +689,7 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
        "together they leave nothing to train"},
       {{"--optimizer_type=Prodigy", "--learning_rate=1", "--unet_lr=0.5"},
        "learning rates must be equal"},
-      {{"--optimizer_args", "d_coef=2"}, "d_coef is Prodigy's"},
+      {{"--optimizer_args", "d_coef=2"}, "d_coef: AdamW does not take it"},
   };
   for (const auto& [flags, expected] : cases) {
     const TrainRun r = run(work_, flags);

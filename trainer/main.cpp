@@ -70,12 +70,13 @@ DEFINE_bool(network_train_text_encoder_only, false, "Train the text encoder's Lo
 DEFINE_double(network_multiplier, 1.0, "LoRA multiplier while training");
 // Optimizer and schedule.
 DEFINE_string(optimizer_type, "AdamW",
-              "AdamW, AdamW8bit, PagedAdamW8bit, Prodigy or Lion (case-insensitive)");
+              "AdamW, AdamW8bit, PagedAdamW8bit, Prodigy, Lion or Adafactor (case-insensitive)");
 DEFINE_bool(use_8bit_adam, false, "kohya's older spelling of --optimizer_type=AdamW8bit");
 DEFINE_string(optimizer_args, "",
               "key=value ... (weight_decay, betas=b1,b2, eps; min_8bit_size for the 8-bit ones; "
               "decouple, use_bias_correction, safeguard_warmup, d0, d_coef, growth_rate, beta3, "
-              "slice_p for Prodigy)");
+              "slice_p for Prodigy; eps=a,b, clip_threshold, decay_rate, beta1, scale_parameter, "
+              "relative_step, warmup_init for Adafactor)");
 DEFINE_double(learning_rate, 1e-4, "Learning rate");
 DEFINE_double(unet_lr, -1, "UNet learning rate (default: --learning_rate)");
 DEFINE_double(text_encoder_lr, -1, "Text-encoder learning rate (default: --learning_rate)");

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cctype>
 #include <sstream>
+#include <vector>
 
 #include "common/error.h"
+#include "trainer/adafactor_optimizer.h"
 #include "trainer/adamw8bit_optimizer.h"
 #include "trainer/prodigy_optimizer.h"
 
@@ -200,6 +202,61 @@ std::string kohya_optimizer_name(const std::string& cls, const OptimizerOptions&
   return out + ")";
 }
 
+namespace {
+
+std::vector<double> parse_numbers(const std::string& arg, std::string text) {
+  text.erase(std::remove_if(text.begin(), text.end(),
+                            [](char c) { return c == '(' || c == ')' || c == ' '; }),
+             text.end());
+  std::vector<double> out;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    out.push_back(parse_number(arg, text.substr(start, comma - start)));
+    if (comma == std::string::npos) return out;
+    start = comma + 1;
+  }
+}
+
+int64_t parse_whole(const std::string& arg, const std::string& text, int64_t least) {
+  const double v = parse_number(arg, text);
+  if (v < static_cast<double>(least) || v != static_cast<double>(static_cast<int64_t>(v))) {
+    throw InputError("--optimizer_args '" + arg + "': wants a whole number >= " +
+                     std::to_string(least));
+  }
+  return static_cast<int64_t>(v);
+}
+
+struct Kind {
+  std::vector<std::string> names;  // --optimizer_type spellings, lower case
+  std::string display;
+  std::vector<std::string> keys;   // the --optimizer_args it takes
+};
+
+const std::vector<Kind>& kinds() {
+  static const std::vector<Kind> k = {
+      {{"adamw", "torch.optim.adamw"}, "AdamW", {"weight_decay", "betas", "eps"}},
+      {{"adamw8bit", "bitsandbytes.optim.adamw8bit"},
+       "AdamW8bit",
+       {"weight_decay", "betas", "eps", "min_8bit_size"}},
+      {{"pagedadamw8bit", "bitsandbytes.optim.pagedadamw8bit"},
+       "PagedAdamW8bit",
+       {"weight_decay", "betas", "eps", "min_8bit_size"}},
+      {{"prodigy", "prodigyopt.prodigy"},
+       "Prodigy",
+       {"weight_decay", "betas", "eps", "decouple", "use_bias_correction", "safeguard_warmup",
+        "d0", "d_coef", "growth_rate", "beta3", "slice_p"}},
+      {{"lion", "lion_pytorch.lion"}, "Lion", {"weight_decay", "betas"}},
+      {{"adafactor", "transformers.optimization.adafactor"},
+       "Adafactor",
+       {"weight_decay", "eps", "clip_threshold", "decay_rate", "beta1", "scale_parameter",
+        "relative_step", "warmup_init"}},
+  };
+  return k;
+}
+
+}  // namespace
+
 void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::string>& args) {
   for (const std::string& arg : args) {
     const size_t eq = arg.find('=');
@@ -209,12 +266,34 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
     const std::string key = arg.substr(0, eq);
     const std::string value = arg.substr(eq + 1);
     options.given_args.push_back(arg);
+    options.given_keys.push_back(key);
     auto& prodigy = options.prodigy;
-    const bool prodigy_only = key == "decouple" || key == "use_bias_correction" ||
-                              key == "safeguard_warmup" || key == "d0" || key == "d_coef" ||
-                              key == "growth_rate" || key == "beta3" || key == "slice_p";
-    if (prodigy_only && options.prodigy_arg.empty()) options.prodigy_arg = key;
-    if (key == "decouple") {
+    auto& adafactor = options.adafactor;
+    if (key == "weight_decay") {
+      options.weight_decay = parse_number(arg, value);
+    } else if (key == "betas") {
+      const std::vector<double> b = parse_numbers(arg, value);
+      if (b.size() != 2) {
+        throw InputError("--optimizer_args '" + arg + "': betas wants two numbers, b1,b2");
+      }
+      options.beta1 = b[0];
+      options.beta2 = b[1];
+      options.betas_given = true;
+    } else if (key == "eps") {  // one number; Adafactor's is a pair
+      const std::vector<double> e = parse_numbers(arg, value);
+      if (e.size() == 2) {
+        adafactor.eps1 = e[0];
+        adafactor.eps2 = e[1];
+        options.adafactor_eps_pair = true;
+      } else if (e.size() == 1) {
+        options.eps = e[0];
+      } else {
+        throw InputError("--optimizer_args '" + arg + "': eps wants one number (two for "
+                         "Adafactor)");
+      }
+    } else if (key == "min_8bit_size") {
+      options.min_8bit_size = parse_whole(arg, value, 0);
+    } else if (key == "decouple") {
       prodigy.decouple = parse_bool(arg, value);
     } else if (key == "use_bias_correction") {
       prodigy.use_bias_correction = parse_bool(arg, value);
@@ -230,38 +309,27 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
     } else if (key == "beta3") {
       prodigy.beta3 = parse_number(arg, value);
     } else if (key == "slice_p") {
-      const double v = parse_number(arg, value);
-      if (v < 1 || v != static_cast<double>(static_cast<int64_t>(v))) {
-        throw InputError("--optimizer_args '" + arg + "': slice_p wants a whole number >= 1");
-      }
-      prodigy.slice_p = static_cast<int64_t>(v);
-    } else if (key == "weight_decay") {
-      options.weight_decay = parse_number(arg, value);
-    } else if (key == "min_8bit_size") {
-      const double v = parse_number(arg, value);
-      if (v < 0 || v != static_cast<double>(static_cast<int64_t>(v))) {
-        throw InputError("--optimizer_args '" + arg + "': min_8bit_size wants a whole number >= 0");
-      }
-      options.min_8bit_size = static_cast<int64_t>(v);
-    } else if (key == "eps") {
-      options.eps = parse_number(arg, value);
-    } else if (key == "betas") {
-      std::string v = value;
-      v.erase(std::remove_if(v.begin(), v.end(),
-                             [](char c) { return c == '(' || c == ')' || c == ' '; }),
-              v.end());
-      const size_t comma = v.find(',');
-      if (comma == std::string::npos) {
-        throw InputError("--optimizer_args '" + arg + "': betas wants two numbers, b1,b2");
-      }
-      options.beta1 = parse_number(arg, v.substr(0, comma));
-      options.beta2 = parse_number(arg, v.substr(comma + 1));
-      options.betas_given = true;
+      prodigy.slice_p = parse_whole(arg, value, 1);
+    } else if (key == "clip_threshold") {
+      adafactor.clip_threshold = parse_number(arg, value);
+    } else if (key == "decay_rate") {
+      adafactor.decay_rate = parse_number(arg, value);
+    } else if (key == "beta1") {
+      if (value != "None") adafactor.beta1 = parse_number(arg, value);
+    } else if (key == "scale_parameter") {
+      adafactor.scale_parameter = parse_bool(arg, value);
+    } else if (key == "relative_step") {
+      adafactor.relative_step = parse_bool(arg, value);
+    } else if (key == "warmup_init") {
+      adafactor.warmup_init = parse_bool(arg, value);
     } else {
+      std::string known;
+      for (const Kind& k : kinds()) {
+        known += (known.empty() ? "" : "; ") + k.display + ":";
+        for (const std::string& name : k.keys) known += " " + name;
+      }
       throw InputError("--optimizer_args '" + arg + "': unknown argument '" + key +
-                       "' (known: weight_decay, betas, eps; min_8bit_size for the 8-bit AdamW; "
-                       "decouple, use_bias_correction, safeguard_warmup, d0, d_coef, "
-                       "growth_rate, beta3, slice_p for Prodigy)");
+                       "' (" + known + ")");
     }
   }
 }
@@ -269,48 +337,39 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                                           std::vector<ParamGroup> groups) {
   const std::string type = lower(options.type);
-  if (type == "prodigy" || type == "prodigyopt.prodigy") {
-    if (options.min_8bit_size) {
-      throw InputError("--optimizer_args min_8bit_size belongs to AdamW8bit and PagedAdamW8bit, "
-                       "not Prodigy");
-    }
-    return make_prodigy(options, std::move(groups));
+  const Kind* kind = nullptr;
+  for (const Kind& k : kinds()) {
+    if (std::find(k.names.begin(), k.names.end(), type) != k.names.end()) kind = &k;
   }
-  if (type == "lion" || type == "lion_pytorch.lion") {
-    if (options.min_8bit_size) {
-      throw InputError("--optimizer_args min_8bit_size belongs to AdamW8bit and PagedAdamW8bit, "
-                       "not Lion");
+  if (kind == nullptr) {
+    std::string names;
+    for (const Kind& k : kinds()) names += (names.empty() ? "" : ", ") + k.display;
+    throw InputError("--optimizer_type='" + options.type + "' is not available: use " + names);
+  }
+  for (const std::string& key : options.given_keys) {
+    if (std::find(kind->keys.begin(), kind->keys.end(), key) == kind->keys.end()) {
+      std::string takes;
+      for (const std::string& k : kind->keys) takes += (takes.empty() ? "" : ", ") + k;
+      throw InputError("--optimizer_args " + key + ": " + kind->display +
+                       " does not take it (it takes " + takes + ")");
     }
-    if (!options.prodigy_arg.empty()) {
-      throw InputError("--optimizer_args " + options.prodigy_arg +
-                       " is Prodigy's; Lion takes weight_decay and betas");
-    }
+  }
+  if (kind->display == "Adafactor" && options.eps != OptimizerOptions{}.eps) {
+    throw InputError("--optimizer_args eps: Adafactor's is a pair, eps=1e-30,1e-3");
+  }
+  if (kind->display != "Adafactor" && options.adafactor_eps_pair) {
+    throw InputError("--optimizer_args eps: " + kind->display + " takes one number");
+  }
+  if (kind->display == "Prodigy") return make_prodigy(options, std::move(groups));
+  if (kind->display == "Adafactor") return make_adafactor(options, std::move(groups));
+  if (kind->display == "Lion") {
     // lion-pytorch's defaults, unless given: betas (0.9, 0.99), no eps.
     OptimizerOptions lion = options;
     if (!options.betas_given) lion.beta1 = 0.9, lion.beta2 = 0.99;
     return std::make_unique<Lion>(lion, std::move(groups));
   }
-  if (!options.prodigy_arg.empty()) {
-    throw InputError("--optimizer_args " + options.prodigy_arg + " is Prodigy's; --optimizer_type=" +
-                     options.type + " takes weight_decay, betas, eps" +
-                     (type == "adamw" ? "" : ", min_8bit_size"));
-  }
-  if (type == "adamw" || type == "torch.optim.adamw") {
-    if (options.min_8bit_size) {
-      throw InputError(
-          "--optimizer_args min_8bit_size: AdamW keeps fp32 state; the argument "
-          "belongs to AdamW8bit and PagedAdamW8bit");
-    }
-    return std::make_unique<TorchAdamW>(options, std::move(groups));
-  }
-  if (type == "adamw8bit" || type == "bitsandbytes.optim.adamw8bit") {
-    return make_adamw8bit(options, std::move(groups), /*paged=*/false);
-  }
-  if (type == "pagedadamw8bit" || type == "bitsandbytes.optim.pagedadamw8bit") {
-    return make_adamw8bit(options, std::move(groups), /*paged=*/true);
-  }
-  throw InputError("--optimizer_type='" + options.type +
-                   "' is not available: use AdamW, AdamW8bit, PagedAdamW8bit, Prodigy or Lion");
+  if (kind->display == "AdamW") return std::make_unique<TorchAdamW>(options, std::move(groups));
+  return make_adamw8bit(options, std::move(groups), /*paged=*/kind->display == "PagedAdamW8bit");
 }
 
 }  // namespace lorapipe::trainer

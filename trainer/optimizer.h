@@ -41,10 +41,21 @@ struct OptimizerOptions {
     std::optional<double> beta3;       // unset: sqrt(beta2)
     int64_t slice_p = 1;               // estimate d from every slice_p-th element
   } prodigy;
-  // The first Prodigy-only argument given ("" if none): the AdamW optimizers refuse it by name.
-  std::string prodigy_arg;
-  // --optimizer_args as given, for kohya's ss_optimizer ("name(key=value,...)").
+  // Adafactor only: transformers' arguments, with its defaults (kohya's: relative_step True).
+  struct AdafactorOptions {
+    double eps1 = 1e-30, eps2 = 1e-3;  // eps=(1e-30,1e-3): added to grad^2; the RMS floor
+    double clip_threshold = 1.0;       // the update's RMS is clipped to this
+    double decay_rate = -0.8;          // beta2 at step t: 1 - t^decay_rate
+    std::optional<double> beta1;       // unset: no first moment
+    bool scale_parameter = true;       // step size times the parameter's RMS
+    bool relative_step = true;         // Adafactor's own step size, the learning rate unused
+    bool warmup_init = false;          // a step size growing from 1e-6 (needs relative_step)
+  } adafactor;
+  bool adafactor_eps_pair = false;  // eps given as a pair (Adafactor's form)
+  // --optimizer_args as given (for kohya's ss_optimizer, "name(key=value,...)"), and their keys
+  // (each optimizer refuses, by name, one it does not take).
   std::vector<std::string> given_args;
+  std::vector<std::string> given_keys;
 };
 
 class Optimizer {
@@ -82,7 +93,8 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
 //                   with a warning, as bitsandbytes does);
 //   Prodigy         prodigyopt's adaptive Adam (trainer/prodigy_optimizer.h), 16 bytes of
 //                   state per parameter, run with a learning rate near 1;
-//   Lion            lion-pytorch's sign-momentum optimizer, 4 bytes of state per parameter.
+//   Lion            lion-pytorch's sign-momentum optimizer, 4 bytes of state per parameter;
+//   Adafactor       transformers' Adafactor, factored second moments (rows + columns).
 // Throws InputError naming an unknown type (and saying which are known).
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                                           std::vector<ParamGroup> groups);

@@ -1,13 +1,16 @@
 """Reference runs of the PyPI optimizers kohya sd-scripts loads (prodigyopt's Prodigy for
---optimizer_type=Prodigy, lion-pytorch's Lion for Lion) for lorapipe's optimizer parity tests.
+--optimizer_type=Prodigy, lion-pytorch's Lion for Lion, transformers' Adafactor for Adafactor)
+for lorapipe's optimizer parity tests.
 
     python optimizer_reference.py --inputs IN.safetensors --config CONFIG.json --out OUT.safetensors
 
 IN      param.<i> the initial parameters (fp32); grad.<s>.<i> the gradient of parameter i at step
         s (absent: no gradient that step, as a parameter the loss did not reach); lr.<g> [S] the
         learning rate of group g at each step (as kohya's schedule sets it).
-CONFIG  optimizer: "Prodigy" or "Lion"; groups: [[parameter indices], ...]; steps; kwargs: the
-        keyword arguments given to its constructor (betas as a list).
+CONFIG  optimizer: "Prodigy", "Lion" or "Adafactor"; groups: [[parameter indices], ...]; steps;
+        kwargs: the keyword arguments given to its constructor (betas, eps as lists). Adafactor
+        with relative_step (its default, and kohya's) is built as kohya builds it: lr=None, the
+        groups without rates, none set per step.
 OUT     param.<i> after the last step; for Prodigy, d [S], the step-size estimate after each step
         (float64).
 """
@@ -18,8 +21,9 @@ import torch
 from lion_pytorch import Lion
 from prodigyopt import Prodigy
 from safetensors.torch import load_file, save_file
+from transformers.optimization import Adafactor
 
-OPTIMIZERS = {"Prodigy": Prodigy, "Lion": Lion}
+OPTIMIZERS = {"Prodigy": Prodigy, "Lion": Lion, "Adafactor": Adafactor}
 
 
 def main():
@@ -35,16 +39,24 @@ def main():
         if key.startswith("param."):
             params[int(key.split(".")[1])] = value.clone().requires_grad_(True)
     kwargs = dict(cfg["kwargs"])
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
+    for key in ("betas", "eps"):
+        if isinstance(kwargs.get(key), list):
+            kwargs[key] = tuple(kwargs[key])
+    relative = cfg["optimizer"] == "Adafactor" and kwargs.get("relative_step", True)
     groups = [{"params": [params[i] for i in g], "lr": inputs[f"lr.{n}"][0].item()}
               for n, g in enumerate(cfg["groups"])]
-    # kohya constructs with lr=--learning_rate beside the groups' own rates.
-    optimizer = OPTIMIZERS[cfg["optimizer"]](groups, lr=groups[0]["lr"], **kwargs)
+    if relative:
+        for group in groups:
+            del group["lr"]
+    # kohya constructs with lr=--learning_rate beside the groups' own rates (None for a
+    # relative-step Adafactor).
+    optimizer = OPTIMIZERS[cfg["optimizer"]](groups, lr=None if relative else groups[0]["lr"],
+                                             **kwargs)
     ds = []
     for step in range(cfg["steps"]):
         for n, group in enumerate(optimizer.param_groups):
-            group["lr"] = inputs[f"lr.{n}"][step].item()
+            if not relative:
+                group["lr"] = inputs[f"lr.{n}"][step].item()
         for i, p in params.items():
             grad = inputs.get(f"grad.{step}.{i}")
             p.grad = None if grad is None else grad.clone()

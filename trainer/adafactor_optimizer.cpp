@@ -1,0 +1,247 @@
+// Adafactor (Shazeer & Stern 2018, arXiv 1804.04235) behind the Optimizer seam: transformers'
+// Adafactor (transformers.optimization.Adafactor, the class kohya loads for
+// --optimizer_type=Adafactor), operation for operation, so AdafactorParity holds it bit-exact.
+// Second moments of a matrix (or conv kernel) are kept factored as row and column means: a
+// LoRA's down [r, in] costs r + in floats instead of r * in.
+//
+// kohya's handling is kept: relative_step defaults to True, and then the step size is Adafactor's
+// own (min(1e-2, 1/sqrt(step)), times the parameter's RMS with scale_parameter) and the learning
+// rates and schedule are ignored (kohya swaps in transformers' AdafactorSchedule, which only
+// reports that step size; lr() reports it the same way). warmup_init implies relative_step.
+
+#include "trainer/adafactor_optimizer.h"
+
+#include <torch/serialize.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace lorapipe::trainer {
+namespace {
+
+// transformers' Adafactor._rms: the root mean square, a 0-d tensor.
+at::Tensor rms(const at::Tensor& t) {
+  return t.norm(2) / std::pow(static_cast<double>(t.numel()), 0.5);
+}
+
+class Adafactor final : public Optimizer {
+ public:
+  Adafactor(const OptimizerOptions& options, std::vector<ParamGroup> groups)
+      : options_(options), o_(options.adafactor) {
+    if (o_.warmup_init && !o_.relative_step) {
+      LP_LOG(kInfo, "trainer") << "Adafactor: warmup_init sets relative_step, as kohya does";
+      o_.relative_step = true;
+    }
+    weight_decay_ = options.weight_decay.value_or(0.0);  // transformers' default
+    if (o_.relative_step) {
+      LP_LOG(kInfo, "trainer") << "Adafactor: relative_step: its own step size, so the learning "
+                                  "rates and their schedule are not used (as in kohya)";
+    }
+    for (ParamGroup& g : groups) {
+      groups_.push_back(Group{std::move(g.params), g.lr, {}, g.lr});
+      groups_.back().state.resize(groups_.back().params.size());
+    }
+  }
+
+  void step() override {
+    torch::NoGradGuard no_grad;
+    for (Group& g : groups_) {
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        at::Tensor& p = g.params[i];
+        if (!p.grad().defined()) continue;
+        at::Tensor grad = p.grad();
+        if (grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16) {
+          grad = grad.to(at::kFloat);
+        }
+        State& s = g.state[i];
+        const bool factored = grad.dim() >= 2;
+        if (s.step == 0) {
+          if (o_.beta1) s.exp_avg = torch::zeros_like(grad);
+          if (factored) {
+            std::vector<int64_t> row(grad.sizes().begin(), grad.sizes().end() - 1);
+            std::vector<int64_t> col(grad.sizes().begin(), grad.sizes().end() - 2);
+            col.push_back(grad.size(-1));
+            s.row = torch::zeros(row).to(grad);
+            s.col = torch::zeros(col).to(grad);
+          } else {
+            s.sq = torch::zeros_like(grad);
+          }
+        }
+        at::Tensor p32 = p;
+        if (p.scalar_type() == at::kHalf || p.scalar_type() == at::kBFloat16) p32 = p.to(at::kFloat);
+
+        ++s.step;
+        s.rms = rms(p32);
+        const Lr lr = step_size(g, s);
+        if (i == 0) g.reported_lr = lr.value();
+
+        const double beta2t = 1.0 - std::pow(static_cast<double>(s.step), o_.decay_rate);
+        at::Tensor update = grad.pow(2) + o_.eps1;
+        if (factored) {
+          s.row.mul_(beta2t).add_(update.mean(-1), 1.0 - beta2t);
+          s.col.mul_(beta2t).add_(update.mean(-2), 1.0 - beta2t);
+          const at::Tensor r = (s.row / s.row.mean(-1, /*keepdim=*/true)).rsqrt_().unsqueeze(-1);
+          const at::Tensor c = s.col.unsqueeze(-2).rsqrt();
+          update = torch::mul(r, c);
+          update.mul_(grad);
+        } else {
+          s.sq.mul_(beta2t).add_(update, 1.0 - beta2t);
+          update = s.sq.rsqrt().mul_(grad);
+        }
+        update.div_((rms(update) / o_.clip_threshold).clamp_(1.0));
+        lr.multiply(update);
+        if (o_.beta1) {
+          s.exp_avg.mul_(*o_.beta1).add_(update, 1 - *o_.beta1);
+          update = s.exp_avg;
+        }
+        if (weight_decay_ != 0) p32.add_(p32, lr.scaled(-weight_decay_));
+        p32.add_(-update);
+        if (!p32.is_same(p)) p.copy_(p32);
+      }
+    }
+  }
+
+  void zero_grad() override {
+    for (Group& g : groups_) {
+      for (at::Tensor& p : g.params) p.mutable_grad() = at::Tensor();
+    }
+  }
+  size_t group_count() const override { return groups_.size(); }
+  void set_lr(size_t group, double lr) override { groups_.at(group).lr = lr; }
+  // With relative_step, the step size Adafactor took for the group's first parameter, as kohya's
+  // AdafactorSchedule reports it (its rate before the first step).
+  double lr(size_t group) const override {
+    const Group& g = groups_.at(group);
+    return o_.relative_step ? g.reported_lr : g.lr;
+  }
+
+  void save(const std::filesystem::path& file) const override {
+    torch::serialize::OutputArchive archive;
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      archive.write("g" + std::to_string(g) + "_reported_lr",
+                    torch::tensor(groups_[g].reported_lr, torch::kFloat64));
+      for (size_t i = 0; i < groups_[g].state.size(); ++i) {
+        const State& s = groups_[g].state[i];
+        const std::string key = "g" + std::to_string(g) + "_" + std::to_string(i) + "_";
+        archive.write(key + "step", torch::tensor(s.step));
+        if (s.step == 0) continue;
+        archive.write(key + "rms", s.rms.cpu());
+        for (const auto& [name, t] : {std::pair{"row", s.row}, std::pair{"col", s.col},
+                                      std::pair{"sq", s.sq}, std::pair{"exp_avg", s.exp_avg}}) {
+          if (t.defined()) archive.write(key + name, t.cpu());
+        }
+      }
+    }
+    archive.save_to(file.string());
+  }
+
+  void load(const std::filesystem::path& file) override {
+    torch::serialize::InputArchive archive;
+    try {
+      archive.load_from(file.string());
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        at::Tensor reported;
+        archive.read("g" + std::to_string(g) + "_reported_lr", reported);
+        groups_[g].reported_lr = reported.item<double>();
+        for (size_t i = 0; i < groups_[g].state.size(); ++i) {
+          State& s = groups_[g].state[i];
+          const at::Tensor& p = groups_[g].params[i];
+          const std::string key = "g" + std::to_string(g) + "_" + std::to_string(i) + "_";
+          at::Tensor step;
+          archive.read(key + "step", step);
+          s = State{};
+          s.step = step.item<int64_t>();
+          if (s.step == 0) continue;
+          archive.read(key + "rms", s.rms);
+          s.rms = s.rms.to(p.device());
+          const bool factored = p.dim() >= 2;
+          if (factored) {
+            archive.read(key + "row", s.row);
+            archive.read(key + "col", s.col);
+            s.row = s.row.to(p.device());
+            s.col = s.col.to(p.device());
+          } else {
+            archive.read(key + "sq", s.sq);
+            TORCH_CHECK(s.sq.sizes() == p.sizes(), "state of another shape");
+            s.sq = s.sq.to(p.device());
+          }
+          if (o_.beta1) {
+            archive.read(key + "exp_avg", s.exp_avg);
+            TORCH_CHECK(s.exp_avg.sizes() == p.sizes(), "state of another shape");
+            s.exp_avg = s.exp_avg.to(p.device());
+          }
+        }
+      }
+    } catch (const c10::Error& e) {
+      throw InputError(file.string() + ": not an Adafactor optimizer state for this network: " +
+                       e.what_without_backtrace());
+    }
+  }
+
+  std::string describe() const override {
+    return kohya_optimizer_name("transformers.optimization.Adafactor", options_);
+  }
+
+ private:
+  struct State {
+    int64_t step = 0;
+    at::Tensor rms;                      // 0-d, the parameter's RMS before this step
+    at::Tensor row, col, sq, exp_avg;   // factored moments, or the full one; the first moment
+  };
+  struct Group {
+    std::vector<at::Tensor> params;
+    double lr;
+    std::vector<State> state;
+    double reported_lr;
+  };
+  // transformers' _get_lr. Its result is a Python float, or a 0-d fp32 tensor when
+  // scale_parameter picks the parameter's RMS (max(eps2, RMS) returns the tensor); the update is
+  // multiplied by whichever it is, as transformers multiplies.
+  struct Lr {
+    at::Tensor tensor;  // defined: the step size is this fp32 0-d tensor
+    double number = 0;  // otherwise this
+    double value() const { return tensor.defined() ? tensor.item<double>() : number; }
+    // k * lr as transformers computes it: in fp32 for the tensor, in double for the float.
+    double scaled(double k) const {
+      return tensor.defined() ? (tensor * k).item<double>() : k * number;
+    }
+    void multiply(at::Tensor& t) const {
+      if (tensor.defined()) {
+        t.mul_(tensor);
+      } else {
+        t.mul_(number);
+      }
+    }
+  };
+  Lr step_size(const Group& g, const State& s) const {
+    double rel = g.lr;
+    if (o_.relative_step) {
+      const double min_step = o_.warmup_init ? 1e-6 * static_cast<double>(s.step) : 1e-2;
+      rel = std::min(min_step, 1.0 / std::sqrt(static_cast<double>(s.step)));
+    }
+    Lr lr;
+    if (o_.scale_parameter && (s.rms > o_.eps2).item<bool>()) {
+      lr.tensor = s.rms * rel;
+    } else {
+      lr.number = (o_.scale_parameter ? o_.eps2 : 1.0) * rel;
+    }
+    return lr;
+  }
+
+  OptimizerOptions options_;
+  OptimizerOptions::AdafactorOptions o_;
+  double weight_decay_ = 0;
+  std::vector<Group> groups_;
+};
+
+}  // namespace
+
+std::unique_ptr<Optimizer> make_adafactor(const OptimizerOptions& options,
+                                          std::vector<ParamGroup> groups) {
+  return std::make_unique<Adafactor>(options, std::move(groups));
+}
+
+}  // namespace lorapipe::trainer
