@@ -48,25 +48,29 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
 
   std::vector<ParamGroup> groups;
   const auto& o = options.optimizer_groups;
-  auto add_group = [&](std::vector<at::Tensor> params, double lr, const std::string& name) {
+  auto add_group = [&](std::vector<at::Tensor> params, double lr, const std::string& name,
+                       double side_ratio) {
     if (params.empty()) return;
     if (lr < 0) throw InputError("learning rate for " + name + " is negative: " + std::to_string(lr));
-    if (o.loraplus_lr_ratio > 0) {
-      // LoRA+ (kohya loraplus_lr_ratio): the up matrices learn ratio times faster.
+    const double ratio = side_ratio > 0 ? side_ratio : o.loraplus_lr_ratio;
+    if (ratio > 0) {
+      // LoRA+ (kohya's loraplus ratios): the up matrices learn ratio times faster.
       std::vector<at::Tensor> downs, ups;
       for (size_t i = 0; i < params.size(); ++i) (i % 2 == 0 ? downs : ups).push_back(params[i]);
       groups.push_back(ParamGroup{downs, lr, name});
-      groups.push_back(ParamGroup{ups, lr * o.loraplus_lr_ratio, name + "_plus"});
+      groups.push_back(ParamGroup{ups, lr * ratio, name + "_plus"});
     } else {
       groups.push_back(ParamGroup{std::move(params), lr, name});
     }
   };
   if (network.options().train_text_encoder) {
     add_group(network.text_encoder_parameters(),
-              o.text_encoder_lr >= 0 ? o.text_encoder_lr : o.learning_rate, "text_encoder");
+              o.text_encoder_lr >= 0 ? o.text_encoder_lr : o.learning_rate, "text_encoder",
+              o.loraplus_text_encoder_lr_ratio);
   }
   if (network.options().train_unet) {
-    add_group(network.unet_parameters(), o.unet_lr >= 0 ? o.unet_lr : o.learning_rate, "unet");
+    add_group(network.unet_parameters(), o.unet_lr >= 0 ? o.unet_lr : o.learning_rate, "unet",
+              o.loraplus_unet_lr_ratio);
   }
   if (groups.empty()) throw InputError("nothing to train: the LoRA has no trainable module");
   for (const ParamGroup& g : groups) initial_lrs_.push_back(g.lr);

@@ -59,6 +59,10 @@ struct StepOptions {
     double unet_lr = -1;          // --unet_lr (negative: learning_rate)
     double text_encoder_lr = -1;  // --text_encoder_lr (negative: learning_rate)
     double loraplus_lr_ratio = 0; // network_args loraplus_lr_ratio (0: off)
+    // network_args loraplus_unet_lr_ratio / loraplus_text_encoder_lr_ratio: that side's ratio,
+    // over loraplus_lr_ratio (0: unset), as kohya's prepare_optimizer_params picks it.
+    double loraplus_unet_lr_ratio = 0;
+    double loraplus_text_encoder_lr_ratio = 0;
   } optimizer_groups;
   LrScheduleOptions schedule;
 };

@@ -347,6 +347,44 @@ TEST(TrainNoise, PyramidLevelsAreSizedFromTheFullSide) {
   EXPECT_EQ(pyramid_level_size(96, 2.5, 2), 15);  // int(96 / 6.25) = int(15.36)
 }
 
+// LoRA+ as kohya's prepare_optimizer_params groups it: each side's up matrices in a group of
+// their own at ratio x that side's rate, a side's own ratio over loraplus_lr_ratio; every LoRA
+// tensor in exactly one group.
+TEST_F(TrainParity, LoraPlusPutsTheUpMatricesInGroupsAtTheRatio) {
+  models::StableDiffusion model = load();
+  NetworkOptions net;
+  LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(7));
+  StepOptions o;
+  o.optimizer_groups.learning_rate = 1e-4;
+  o.optimizer_groups.text_encoder_lr = 5e-5;
+  o.optimizer_groups.loraplus_lr_ratio = 16;
+  o.optimizer_groups.loraplus_unet_lr_ratio = 4;
+  TrainingStep step(model, network, o);
+  EXPECT_EQ(step.group_names(), (std::vector<std::string>{"text_encoder", "text_encoder_plus",
+                                                          "unet", "unet_plus"}));
+  EXPECT_DOUBLE_EQ(step.optimizer().lr(0), 5e-5);
+  EXPECT_DOUBLE_EQ(step.optimizer().lr(1), 5e-5 * 16);  // the general ratio
+  EXPECT_DOUBLE_EQ(step.optimizer().lr(2), 1e-4);
+  EXPECT_DOUBLE_EQ(step.optimizer().lr(3), 1e-4 * 4);  // the U-Net's own ratio wins
+  // Which tensor is in which group: with every gradient 1 and no decay, AdamW's first step moves
+  // each element by its group's rate / (1 + eps).
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& [name, t] : network.named_parameters()) {
+    before[name] = t.detach().clone();
+    t.mutable_grad() = torch::ones_like(t);
+  }
+  step.optimizer().step();
+  for (const auto& [name, t] : network.named_parameters()) {
+    const bool te = name.starts_with("lora_te_"), up = name.ends_with(".lora_up.weight");
+    const double lr = (te ? 5e-5 : 1e-4) * (up ? (te ? 16 : 4) : 1);
+    const torch::Tensor moved = (before.at(name) - t.detach()).to(torch::kFloat64);
+    // AdamW's decay (0.01) adds lr * 0.01 * |w| <= 1e-2 * lr here (|w| < 1); fp32 rounding of
+    // the weights (up to 2^-24 of |w| < 1) is far below that.
+    EXPECT_NEAR(moved.min().item<double>(), lr, 1.1e-2 * lr) << name;
+    EXPECT_NEAR(moved.max().item<double>(), lr, 1.1e-2 * lr) << name;
+  }
+}
+
 TEST_F(TrainParity, OneStepEpsilonWithMinSnrAndNoiseOffset) {
   run_scenario(Scenario{}, "eps", /*final_weights=*/true);
 }

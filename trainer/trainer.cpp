@@ -171,10 +171,15 @@ void apply_network_args(Options& options) {
       options.network.module_dropout = v;
     } else if (key == "loraplus_lr_ratio") {
       options.step.optimizer_groups.loraplus_lr_ratio = v;
+    } else if (key == "loraplus_unet_lr_ratio") {
+      options.step.optimizer_groups.loraplus_unet_lr_ratio = v;
+    } else if (key == "loraplus_text_encoder_lr_ratio") {
+      options.step.optimizer_groups.loraplus_text_encoder_lr_ratio = v;
     } else {
       throw InputError("--network_args '" + arg + "': unknown argument '" + key +
                        "' (known: conv_dim, conv_alpha, rank_dropout, module_dropout, "
-                       "loraplus_lr_ratio)");
+                       "loraplus_lr_ratio, loraplus_unet_lr_ratio, "
+                       "loraplus_text_encoder_lr_ratio)");
     }
   }
 }
