@@ -13,6 +13,7 @@
 #include <regex>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "cacher/store.h"
 #include "common/error.h"
@@ -120,6 +121,37 @@ class TrainRunTest : public ::testing::Test {
     }
   }
 
+  // The 60-step learning run the optimizers share (LearnsAndIsDeterministic's), with `extra`:
+  // its validation loss at the start and at the end, from the run's summary.
+  std::pair<double, double> learn(const fs::path& out, std::vector<std::string> extra) const {
+    std::vector<std::string> flags{"--max_train_steps=60", "--validation_split=0.25",
+                                   "--validation_seed=5", "--train_batch_size=2"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    const TrainRun r = run(out, flags);
+    EXPECT_EQ(r.exit, 0) << r.err;
+    std::smatch m;
+    const std::regex re(R"(validation loss: ([0-9.]+) at the start, ([0-9.]+) at the end)");
+    if (!std::regex_search(r.out, m, re)) {
+      ADD_FAILURE() << "no validation summary in: " << r.out;
+      return {0, 0};
+    }
+    return {std::stod(m[1]), std::stod(m[2])};
+  }
+
+  // learn() with `extra`, which must lower the validation loss by at least 10% (the measured drop
+  // is printed) and name the optimizer in ss_optimizer as kohya does.
+  void expect_learns(const std::string& label, const std::vector<std::string>& extra,
+                     const std::string& ss_optimizer) const {
+    const auto [first, last] = learn(work_, extra);
+    std::printf("[learn] %s validation loss %.5f -> %.5f (%.1f%% lower)\n", label.c_str(), first,
+                last, 100 * (1 - last / first));
+    EXPECT_LT(last, first * 0.9);
+    EXPECT_EQ(models::SafetensorsFile::open(work_ / "lora" / "tiny.safetensors")
+                  .metadata()
+                  .at("ss_optimizer"),
+              ss_optimizer);
+  }
+
   static std::vector<double> losses(const std::string& log) {
     std::vector<double> out;
     const std::regex re(R"(step \d+/\d+  loss ([-0-9.naif]+))");
@@ -218,22 +250,11 @@ TEST_F(AdamW8bitTrainRun, ResumeAfterKillNineIsBitExact) {
 // drop (measured and printed), while a broken update (wrong sign, lost decay of the moments, a
 // stale absmax) stalls or diverges the loss.
 TEST_F(AdamW8bitTrainRun, LearnsLikeAdamW) {
-  const std::vector<std::string> common{"--max_train_steps=60", "--validation_split=0.25",
-                                        "--validation_seed=5", "--train_batch_size=2",
-                                        "--lr_scheduler=constant"};
-  auto eight = common;
-  eight.insert(eight.end(), {"--optimizer_type=AdamW8bit", "--optimizer_args=min_8bit_size=0"});
   double first[2], last[2];
-  for (int i = 0; i < 2; ++i) {
-    const TrainRun r = run(work_ / (i == 0 ? "adamw" : "adamw8bit"), i == 0 ? common : eight);
-    ASSERT_EQ(r.exit, 0) << r.err;
-    std::smatch m;
-    ASSERT_TRUE(std::regex_search(
-        r.out, m, std::regex(R"(validation loss: ([0-9.]+) at the start, ([0-9.]+) at the end)")))
-        << r.out;
-    first[i] = std::stod(m[1]);
-    last[i] = std::stod(m[2]);
-  }
+  std::tie(first[0], last[0]) = learn(work_ / "adamw", {"--lr_scheduler=constant"});
+  std::tie(first[1], last[1]) =
+      learn(work_ / "adamw8bit", {"--lr_scheduler=constant", "--optimizer_type=AdamW8bit",
+                                  "--optimizer_args=min_8bit_size=0"});
   const double drop = first[0] - last[0], drop8 = first[1] - last[1];
   std::printf(
       "[learn] validation loss AdamW %.5f -> %.5f, AdamW8bit %.5f -> %.5f (%.1f%% of "
@@ -259,23 +280,10 @@ TEST_F(ProdigyTrainRun, ResumeAfterKillNineIsBitExact) {
 // measured drop is printed). A broken estimate leaves d at its 1e-6 start (no learning) or blows
 // it up (divergence); the step size it settles on is in the metadata kohya writes.
 TEST_F(ProdigyTrainRun, LearnsAtLearningRateOne) {
-  const TrainRun r = run(work_, {"--max_train_steps=60", "--validation_split=0.25",
-                                 "--validation_seed=5", "--train_batch_size=2",
-                                 "--lr_scheduler=constant", "--optimizer_type=prodigy",
-                                 "--learning_rate=1.0", "--optimizer_args", "d_coef=2"});
-  ASSERT_EQ(r.exit, 0) << r.err;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(
-      r.out, m, std::regex(R"(validation loss: ([0-9.]+) at the start, ([0-9.]+) at the end)")))
-      << r.out;
-  const double first = std::stod(m[1]), last = std::stod(m[2]);
-  std::printf("[learn] Prodigy validation loss %.5f -> %.5f (%.1f%% lower)\n", first, last,
-              100 * (1 - last / first));
-  EXPECT_LT(last, first * 0.9);
-  EXPECT_EQ(models::SafetensorsFile::open(work_ / "lora" / "tiny.safetensors")
-                .metadata()
-                .at("ss_optimizer"),
-            "prodigyopt.prodigy.Prodigy(d_coef=2)");
+  expect_learns("Prodigy",
+                {"--lr_scheduler=constant", "--optimizer_type=prodigy", "--learning_rate=1.0",
+                 "--optimizer_args", "d_coef=2"},
+                "prodigyopt.prodigy.Prodigy(d_coef=2)");
 }
 
 // The trainer with Lion (a suite of its own, so its name says it): its moment comes back exactly
@@ -290,23 +298,9 @@ TEST_F(LionTrainRun, ResumeAfterKillNineIsBitExact) {
 }
 
 TEST_F(LionTrainRun, Learns) {
-  const TrainRun r = run(work_, {"--max_train_steps=60", "--validation_split=0.25",
-                                 "--validation_seed=5", "--train_batch_size=2",
-                                 "--lr_scheduler=constant", "--optimizer_type=lion",
-                                 "--learning_rate=3e-4"});
-  ASSERT_EQ(r.exit, 0) << r.err;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(
-      r.out, m, std::regex(R"(validation loss: ([0-9.]+) at the start, ([0-9.]+) at the end)")))
-      << r.out;
-  const double first = std::stod(m[1]), last = std::stod(m[2]);
-  std::printf("[learn] Lion validation loss %.5f -> %.5f (%.1f%% lower)\n", first, last,
-              100 * (1 - last / first));
-  EXPECT_LT(last, first * 0.9);
-  EXPECT_EQ(models::SafetensorsFile::open(work_ / "lora" / "tiny.safetensors")
-                .metadata()
-                .at("ss_optimizer"),
-            "lion_pytorch.lion_pytorch.Lion");
+  expect_learns("Lion",
+                {"--lr_scheduler=constant", "--optimizer_type=lion", "--learning_rate=3e-4"},
+                "lion_pytorch.lion_pytorch.Lion");
 }
 
 // The trainer with Adafactor (a suite of its own, so its name says it): with kohya's default
@@ -321,25 +315,12 @@ TEST_F(AdafactorTrainRun, ResumeAfterKillNineIsBitExact) {
 }
 
 TEST_F(AdafactorTrainRun, LearnsWithKohyasPreset) {
-  const TrainRun r =
-      run(work_, {"--max_train_steps=60", "--validation_split=0.25", "--validation_seed=5",
-                  "--train_batch_size=2", "--lr_scheduler=constant_with_warmup",
-                  "--lr_warmup_steps=5", "--optimizer_type=adafactor", "--optimizer_args",
-                  "scale_parameter=False", "relative_step=False", "warmup_init=False"});
-  ASSERT_EQ(r.exit, 0) << r.err;
-  std::smatch m;
-  ASSERT_TRUE(std::regex_search(
-      r.out, m, std::regex(R"(validation loss: ([0-9.]+) at the start, ([0-9.]+) at the end)")))
-      << r.out;
-  const double first = std::stod(m[1]), last = std::stod(m[2]);
-  std::printf("[learn] Adafactor validation loss %.5f -> %.5f (%.1f%% lower)\n", first, last,
-              100 * (1 - last / first));
-  EXPECT_LT(last, first * 0.9);
-  EXPECT_EQ(models::SafetensorsFile::open(work_ / "lora" / "tiny.safetensors")
-                .metadata()
-                .at("ss_optimizer"),
-            "transformers.optimization.Adafactor(scale_parameter=False,relative_step=False,"
-            "warmup_init=False)");
+  expect_learns("Adafactor",
+                {"--lr_scheduler=constant_with_warmup", "--lr_warmup_steps=5",
+                 "--optimizer_type=adafactor", "--optimizer_args", "scale_parameter=False",
+                 "relative_step=False", "warmup_init=False"},
+                "transformers.optimization.Adafactor(scale_parameter=False,relative_step=False,"
+                "warmup_init=False)");
 }
 
 // Every key maps onto a module of the base model; shapes and metadata are kohya's.

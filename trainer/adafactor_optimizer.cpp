@@ -18,6 +18,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "trainer/optimizer_state.h"
 
 namespace lorapipe::trainer {
 namespace {
@@ -121,17 +122,16 @@ class Adafactor final : public Optimizer {
   void save(const std::filesystem::path& file) const override {
     torch::serialize::OutputArchive archive;
     for (size_t g = 0; g < groups_.size(); ++g) {
-      archive.write("g" + std::to_string(g) + "_reported_lr",
+      archive.write(state_key(g, 0, "reported_lr"),
                     torch::tensor(groups_[g].reported_lr, torch::kFloat64));
       for (size_t i = 0; i < groups_[g].state.size(); ++i) {
         const State& s = groups_[g].state[i];
-        const std::string key = "g" + std::to_string(g) + "_" + std::to_string(i) + "_";
-        archive.write(key + "step", torch::tensor(s.step));
+        archive.write(state_key(g, i, "step"), torch::tensor(s.step));
         if (s.step == 0) continue;
-        archive.write(key + "rms", s.rms.cpu());
+        archive.write(state_key(g, i, "rms"), s.rms.cpu());
         for (const auto& [name, t] : {std::pair{"row", s.row}, std::pair{"col", s.col},
                                       std::pair{"sq", s.sq}, std::pair{"exp_avg", s.exp_avg}}) {
-          if (t.defined()) archive.write(key + name, t.cpu());
+          if (t.defined()) archive.write(state_key(g, i, name), t.cpu());
         }
       }
     }
@@ -139,46 +139,30 @@ class Adafactor final : public Optimizer {
   }
 
   void load(const std::filesystem::path& file) override {
-    torch::serialize::InputArchive archive;
-    try {
-      archive.load_from(file.string());
+    load_state_archive(file, "Adafactor", [&](torch::serialize::InputArchive& archive) {
       for (size_t g = 0; g < groups_.size(); ++g) {
         at::Tensor reported;
-        archive.read("g" + std::to_string(g) + "_reported_lr", reported);
+        archive.read(state_key(g, 0, "reported_lr"), reported);
         groups_[g].reported_lr = reported.item<double>();
         for (size_t i = 0; i < groups_[g].state.size(); ++i) {
           State& s = groups_[g].state[i];
           const at::Tensor& p = groups_[g].params[i];
-          const std::string key = "g" + std::to_string(g) + "_" + std::to_string(i) + "_";
           at::Tensor step;
-          archive.read(key + "step", step);
+          archive.read(state_key(g, i, "step"), step);
           s = State{};
           s.step = step.item<int64_t>();
           if (s.step == 0) continue;
-          archive.read(key + "rms", s.rms);
-          s.rms = s.rms.to(p.device());
-          const bool factored = p.dim() >= 2;
-          if (factored) {
-            archive.read(key + "row", s.row);
-            archive.read(key + "col", s.col);
-            s.row = s.row.to(p.device());
-            s.col = s.col.to(p.device());
+          s.rms = read_state(archive, state_key(g, i, "rms"), p, /*same_shape=*/false);
+          if (p.dim() >= 2) {  // factored
+            s.row = read_state(archive, state_key(g, i, "row"), p, false);
+            s.col = read_state(archive, state_key(g, i, "col"), p, false);
           } else {
-            archive.read(key + "sq", s.sq);
-            TORCH_CHECK(s.sq.sizes() == p.sizes(), "state of another shape");
-            s.sq = s.sq.to(p.device());
+            s.sq = read_state(archive, state_key(g, i, "sq"), p, true);
           }
-          if (o_.beta1) {
-            archive.read(key + "exp_avg", s.exp_avg);
-            TORCH_CHECK(s.exp_avg.sizes() == p.sizes(), "state of another shape");
-            s.exp_avg = s.exp_avg.to(p.device());
-          }
+          if (o_.beta1) s.exp_avg = read_state(archive, state_key(g, i, "exp_avg"), p, true);
         }
       }
-    } catch (const c10::Error& e) {
-      throw InputError(file.string() + ": not an Adafactor optimizer state for this network: " +
-                       e.what_without_backtrace());
-    }
+    });
   }
 
   std::string describe() const override {

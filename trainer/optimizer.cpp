@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "trainer/adafactor_optimizer.h"
 #include "trainer/adamw8bit_optimizer.h"
+#include "trainer/optimizer_state.h"
 #include "trainer/prodigy_optimizer.h"
 
 namespace lorapipe::trainer {
@@ -148,33 +149,22 @@ class Lion final : public Optimizer {
       for (size_t i = 0; i < groups_[g].exp_avg.size(); ++i) {
         const at::Tensor& m = groups_[g].exp_avg[i];
         // An undefined moment (no gradient yet) is saved as an empty tensor.
-        archive.write("g" + std::to_string(g) + "_" + std::to_string(i),
-                      m.defined() ? m.cpu() : torch::empty({0}));
+        archive.write(state_key(g, i, "exp_avg"), m.defined() ? m.cpu() : torch::empty({0}));
       }
     }
     archive.save_to(file.string());
   }
   void load(const std::filesystem::path& file) override {
-    torch::serialize::InputArchive archive;
-    try {
-      archive.load_from(file.string());
+    load_state_archive(file, "Lion", [&](torch::serialize::InputArchive& archive) {
       for (size_t g = 0; g < groups_.size(); ++g) {
         for (size_t i = 0; i < groups_[g].exp_avg.size(); ++i) {
-          at::Tensor m;
-          archive.read("g" + std::to_string(g) + "_" + std::to_string(i), m);
           const at::Tensor& p = groups_[g].params[i];
-          if (m.numel() == 0) {
-            groups_[g].exp_avg[i] = at::Tensor();
-            continue;
-          }
-          TORCH_CHECK(m.sizes() == p.sizes(), "a moment of another shape");
-          groups_[g].exp_avg[i] = m.to(p.device(), p.scalar_type());
+          const at::Tensor m = read_state(archive, state_key(g, i, "exp_avg"), p, false);
+          TORCH_CHECK(m.numel() == 0 || m.sizes() == p.sizes(), "a moment of another shape");
+          groups_[g].exp_avg[i] = m.numel() == 0 ? at::Tensor() : m;
         }
       }
-    } catch (const c10::Error& e) {
-      throw InputError(file.string() + ": not a Lion optimizer state for this network: " +
-                       e.what_without_backtrace());
-    }
+    });
   }
   std::string describe() const override {
     return kohya_optimizer_name("lion_pytorch.lion_pytorch.Lion", options_);

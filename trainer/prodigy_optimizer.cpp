@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "trainer/optimizer_state.h"
 
 namespace lorapipe::trainer {
 namespace {
@@ -141,22 +142,19 @@ class Prodigy final : public Optimizer {
     for (size_t g = 0; g < groups_.size(); ++g) {
       for (size_t i = 0; i < groups_[g].state.size(); ++i) {
         const State& s = groups_[g].state[i];
-        const std::string key = "g" + std::to_string(g) + "_" + std::to_string(i) + "_";
-        archive.write(key + "step", torch::tensor(s.initialised ? s.step : -1));
+        archive.write(state_key(g, i, "step"), torch::tensor(s.initialised ? s.step : -1));
         if (!s.initialised) continue;
-        archive.write(key + "s", s.s.cpu());
-        archive.write(key + "p0", s.p0.cpu());
-        archive.write(key + "exp_avg_sq", s.exp_avg_sq.cpu());
-        if (s.exp_avg.defined()) archive.write(key + "exp_avg", s.exp_avg.cpu());
+        archive.write(state_key(g, i, "s"), s.s.cpu());
+        archive.write(state_key(g, i, "p0"), s.p0.cpu());
+        archive.write(state_key(g, i, "exp_avg_sq"), s.exp_avg_sq.cpu());
+        if (s.exp_avg.defined()) archive.write(state_key(g, i, "exp_avg"), s.exp_avg.cpu());
       }
     }
     archive.save_to(file.string());
   }
 
   void load(const std::filesystem::path& file) override {
-    torch::serialize::InputArchive archive;
-    try {
-      archive.load_from(file.string());
+    load_state_archive(file, "Prodigy", [&](torch::serialize::InputArchive& archive) {
       at::Tensor scalars;
       archive.read("scalars", scalars);
       TORCH_CHECK(scalars.numel() == 4, "scalars");
@@ -168,30 +166,19 @@ class Prodigy final : public Optimizer {
         for (size_t i = 0; i < groups_[g].state.size(); ++i) {
           State& s = groups_[g].state[i];
           const at::Tensor& p = groups_[g].params[i];
-          const std::string key = "g" + std::to_string(g) + "_" + std::to_string(i) + "_";
           at::Tensor step;
-          archive.read(key + "step", step);
+          archive.read(state_key(g, i, "step"), step);
           s = State{};
           if (step.item<int64_t>() < 0) continue;
           s.initialised = true;
           s.step = step.item<int64_t>();
-          archive.read(key + "s", s.s);
-          archive.read(key + "p0", s.p0);
-          archive.read(key + "exp_avg_sq", s.exp_avg_sq);
-          TORCH_CHECK(s.exp_avg_sq.sizes() == p.sizes(), "state of another shape");
-          s.s = s.s.to(p.device());
-          s.p0 = s.p0.to(p.device());
-          s.exp_avg_sq = s.exp_avg_sq.to(p.device());
-          if (options_.beta1 > 0) {
-            archive.read(key + "exp_avg", s.exp_avg);
-            s.exp_avg = s.exp_avg.to(p.device());
-          }
+          s.s = read_state(archive, state_key(g, i, "s"), p, /*same_shape=*/false);
+          s.p0 = read_state(archive, state_key(g, i, "p0"), p, /*same_shape=*/false);
+          s.exp_avg_sq = read_state(archive, state_key(g, i, "exp_avg_sq"), p, true);
+          if (options_.beta1 > 0) s.exp_avg = read_state(archive, state_key(g, i, "exp_avg"), p, true);
         }
       }
-    } catch (const c10::Error& e) {
-      throw InputError(file.string() + ": not a Prodigy optimizer state for this network: " +
-                       e.what_without_backtrace());
-    }
+    });
   }
 
   std::string describe() const override {
