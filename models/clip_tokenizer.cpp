@@ -861,7 +861,7 @@ std::vector<T> chunked(const std::vector<T>& padded, const T& first, const T& la
 std::vector<int32_t> ClipTokenizer::encode_long(std::string_view text, int max_token_length) const {
   check_max_token_length(max_token_length);
   const std::vector<int32_t> ids = encode_padded(text, max_token_length + 2);
-  return chunked(ids, ids.front(), ids.back());
+  return chunked(ids, /*first=*/ids.front(), /*last=*/ids.back());
 }
 
 ClipTokenizer::WeightedIds ClipTokenizer::encode_long_weighted(std::string_view text,
@@ -882,7 +882,8 @@ ClipTokenizer::WeightedIds ClipTokenizer::encode_long_weighted(std::string_view 
   ids.push_back(eos_);
   ids.resize(limit + 2, pad());
   weights.resize(limit + 2, 1.0f);
-  return {chunked(ids, ids.front(), ids.back()), chunked(weights, 1.0f, 1.0f)};
+  return {chunked(ids, /*first=*/ids.front(), /*last=*/ids.back()),
+          chunked(weights, /*first=*/1.0f, /*last=*/1.0f)};
 }
 
 std::string fix_text(std::string_view text) {

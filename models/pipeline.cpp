@@ -452,7 +452,8 @@ Conditioning StableDiffusion::encode_weighted_text(const at::Tensor& input_ids,
     parts.push_back(token_weights.narrow(1, tokens - 1, 1));
     w = torch::cat(parts, /*dim=*/1);
   }
-  // In fp32 (kohya's weights are fp32 tensors), back in the states' dtype.
+  // In fp32 (kohya's weights are fp32 tensors), then back in the states' dtype, which the
+  // denoiser casts to anyway (kohya keeps the promoted fp32 product; under autocast the same).
   const at::Tensor& states = c.hidden_states;
   c.hidden_states = (states.to(torch::kFloat32) *
                      w.to(states.device(), torch::kFloat32).unsqueeze(-1))

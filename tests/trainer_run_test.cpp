@@ -601,21 +601,22 @@ TEST_F(TrainRunTest, WeightedCaptionsWeighTheirTokens) {
     ASSERT_TRUE(manifest.ParseFromString(*store.get(cacher::Table::kManifests, kDataset)));
     std::vector<std::pair<std::string, std::string>> records;
     for (const auto& [id, prefix] : std::vector<std::pair<std::string, std::string>>{
-             {"plain", "glossy "}, {"one", "(glossy:1.0) "}, {"more", "(glossy:1.5) "}}) {
+             {"plain", "glossy "}, {"one", "(glossy:1.0) "}, {"more", "(glossy:1.5) "},
+             {"broken", "(glossy:1.2.3) "}}) {
       wire::Manifest m = manifest;
       for (auto& e : *m.mutable_entries()) e.set_caption(prefix + e.caption());
       records.emplace_back(id, m.SerializeAsString());
     }
     store.put(cacher::Table::kManifests, records);
   }
-  auto train = [&](const std::string& id, bool weighted) {
+  auto train = [&](const std::string& id, bool weighted, int expected_exit = 0) {
     std::vector<std::string> a = args(work_ / id, {"--max_train_steps=3"});
     a[2] = "--cache_dir=" + cache.string();
     a[3] = "--dataset_id=" + id;
     if (weighted) a.push_back("--weighted_captions");
     fs::create_directories(work_ / id);
     const pid_t pid = spawn(a, work_ / id / "out", work_ / id / "err");
-    EXPECT_EQ(wait_exit(pid), 0) << read_text(work_ / id / "err");
+    EXPECT_EQ(wait_exit(pid), expected_exit) << read_text(work_ / id / "err");
     return work_ / id / "lora" / "tiny.safetensors";
   };
   const fs::path plain = train("plain", false);
@@ -628,14 +629,25 @@ TEST_F(TrainRunTest, WeightedCaptionsWeighTheirTokens) {
   double largest = 0;
   for (const auto& [name, t] : x) largest = std::max(largest, (t - y.at(name)).abs().max().item<double>());
   EXPECT_GT(largest, 0) << "a weight of 1.5 trained the same LoRA as 1.0";
+  // A weight that is no number is refused before any compute, naming the image.
+  train("broken", true, /*expected_exit=*/2);
+  const std::string err = read_text(work_ / "broken" / "err");
+  EXPECT_NE(err.find("--weighted_captions"), std::string::npos) << err;
+  EXPECT_NE(err.find(".png"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(work_ / "broken" / "lora" / "tiny.safetensors"));
 }
 
 // --network_train_text_encoder_only: kohya's network without U-Net modules; the text encoder's
 // LoRA trains alone (through the frozen U-Net's loss).
 TEST_F(TrainRunTest, TextEncoderOnlyTrainsTheTextEncodersLoraAlone) {
-  const TrainRun r = run(work_, {"--max_train_steps=2", "--learning_rate=1e-2",
-                                 "--network_train_text_encoder_only"});
+  // It continues from a LoRA of both sides, leaving the U-Net's modules out as kohya does.
+  const TrainRun full = run(work_ / "full", {"--max_train_steps=2", "--learning_rate=1e-2"});
+  ASSERT_EQ(full.exit, 0) << full.err;
+  const TrainRun r =
+      run(work_, {"--max_train_steps=2", "--learning_rate=1e-2", "--network_train_text_encoder_only",
+                  "--network_weights=" + (work_ / "full" / "lora" / "tiny.safetensors").string()});
   ASSERT_EQ(r.exit, 0) << r.err;
+  EXPECT_NE(r.err.find("side that does not train are not loaded"), std::string::npos) << r.err;
   const auto tensors = lora(work_ / "lora" / "tiny.safetensors");
   double largest_up = 0;
   for (const auto& [name, t] : tensors) {

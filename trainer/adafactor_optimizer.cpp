@@ -153,9 +153,12 @@ class Adafactor final : public Optimizer {
           s.step = step.item<int64_t>();
           if (s.step == 0) continue;
           s.rms = read_state(archive, state_key(g, i, "rms"), p, /*same_shape=*/false);
-          if (p.dim() >= 2) {  // factored
+          if (p.dim() >= 2) {  // factored: means over the last and the second-to-last dimension
             s.row = read_state(archive, state_key(g, i, "row"), p, false);
             s.col = read_state(archive, state_key(g, i, "col"), p, false);
+            TORCH_CHECK(s.row.numel() * p.size(-1) == p.numel() &&
+                            s.col.numel() * p.size(-2) == p.numel(),
+                        "factored state of another shape");
           } else {
             s.sq = read_state(archive, state_key(g, i, "sq"), p, true);
           }

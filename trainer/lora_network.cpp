@@ -6,6 +6,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "common/log.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
 
@@ -43,10 +44,13 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
     if (p < 0 || p >= 1) throw InputError("LoRA dropouts must be in [0, 1), got " + std::to_string(p));
   }
   std::vector<models::LoraTarget> targets =
-      model.lora_targets(options.train_text_encoder, options.conv_dim > 0);
+      model.lora_targets(/*with_text_encoder=*/true, options.conv_dim > 0);
   for (models::LoraTarget& target : targets) {
-    // kohya's apply_to drops the U-Net's modules when only the text encoder trains.
-    if (!target.text_encoder && !options.train_unet) continue;
+    // kohya's apply_to drops the modules of a side that does not train.
+    if (!(target.text_encoder ? options.train_text_encoder : options.train_unet)) {
+      untrained_.insert(target.name);
+      continue;
+    }
     const bool kxk = target.is_conv_kxk();
     const int64_t rank = kxk ? options.conv_dim : options.dim;
     double alpha = kxk ? options.conv_alpha : options.alpha;
@@ -212,6 +216,21 @@ void LoraNetwork::load(const std::map<std::string, at::Tensor>& tensors, const s
                                      : alpha->second.to(torch::kFloat64).item<double>();
     unused.erase(alpha_key);
     m.adapter->scale = m.alpha / static_cast<double>(m.adapter->rank());
+  }
+  // A file's modules for the side this network does not train (--network_train_unet_only or
+  // --network_train_text_encoder_only) are left out, as kohya's non-strict load leaves them.
+  size_t skipped = 0;
+  for (auto it = unused.begin(); it != unused.end();) {
+    if (untrained_.count(it->substr(0, it->find('.')))) {
+      it = unused.erase(it);
+      ++skipped;
+    } else {
+      ++it;
+    }
+  }
+  if (skipped > 0) {
+    LP_LOG(kInfo, "trainer") << source << ": " << skipped
+                             << " tensors of the side that does not train are not loaded";
   }
   if (missing.empty() && misshaped.empty() && unused.empty()) return;
   std::string message = source + ": LoRA does not fit this model (network_dim " +

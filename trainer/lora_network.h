@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -84,14 +85,16 @@ class LoraNetwork {
 
   // Continues from an existing LoRA (--network_weights): every module of this network is
   // loaded from `file` (ours or kohya's); a file without NAME.alpha takes alpha = its rank, as
-  // kohya's old files mean. Throws InputError naming the file and the modules that are missing,
-  // left over (keys that fit no module of this model) or of another shape.
+  // kohya's old files mean. The file's modules for a side this network does not train are
+  // skipped. Throws InputError naming the file and the modules that are missing, left over
+  // (keys that fit no module of this model) or of another shape.
   void load(const std::filesystem::path& file);
   void load(const std::map<std::string, at::Tensor>& tensors, const std::string& source);
 
  private:
   NetworkOptions options_;
   std::vector<Module> modules_;
+  std::set<std::string> untrained_;  // the model's LoRA targets on a side that does not train
 };
 
 }  // namespace lorapipe::trainer

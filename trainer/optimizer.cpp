@@ -10,7 +10,7 @@
 #include "common/error.h"
 #include "trainer/adafactor_optimizer.h"
 #include "trainer/adamw8bit_optimizer.h"
-#include "trainer/optimizer_state.h"
+#include "trainer/lion_optimizer.h"
 #include "trainer/prodigy_optimizer.h"
 
 namespace lorapipe::trainer {
@@ -99,88 +99,6 @@ class TorchAdamW final : public Optimizer {
   std::unique_ptr<torch::optim::AdamW> adamw_;
 };
 
-// lion-pytorch's Lion (Chen et al. 2023, arXiv 2302.06675), the class kohya loads for
-// --optimizer_type=Lion, operation for operation (LionParity holds it bit-exact): decay
-// p *= 1 - lr * wd, step p -= lr * sign(beta1 m + (1 - beta1) g), then m = beta2 m + (1 - beta2) g.
-// One moment: 4 bytes of state per parameter.
-class Lion final : public Optimizer {
- public:
-  Lion(const OptimizerOptions& options, std::vector<ParamGroup> groups) : options_(options) {
-    weight_decay_ = options.weight_decay.value_or(0.0);  // lion-pytorch's default
-    if (!(options.beta1 >= 0 && options.beta1 <= 1 && options.beta2 >= 0 && options.beta2 <= 1)) {
-      throw InputError("--optimizer_args betas must lie in [0, 1] (Lion)");
-    }
-    for (ParamGroup& g : groups) {
-      groups_.push_back(Group{std::move(g.params), g.lr, {}});
-      groups_.back().exp_avg.resize(groups_.back().params.size());
-    }
-  }
-
-  void step() override {
-    torch::NoGradGuard no_grad;
-    const double beta1 = options_.beta1, beta2 = options_.beta2;
-    for (Group& g : groups_) {
-      for (size_t i = 0; i < g.params.size(); ++i) {
-        at::Tensor& p = g.params[i];
-        if (!p.grad().defined()) continue;
-        const at::Tensor& grad = p.grad();
-        if (!g.exp_avg[i].defined()) g.exp_avg[i] = torch::zeros_like(p);
-        at::Tensor& exp_avg = g.exp_avg[i];
-        p.mul_(1. - g.lr * weight_decay_);
-        const at::Tensor update = exp_avg.clone().mul_(beta1).add(grad, 1. - beta1).sgn_();
-        p.add_(update, -g.lr);
-        exp_avg.mul_(beta2).add_(grad, 1. - beta2);
-      }
-    }
-  }
-
-  void zero_grad() override {
-    for (Group& g : groups_) {
-      for (at::Tensor& p : g.params) p.mutable_grad() = at::Tensor();
-    }
-  }
-  size_t group_count() const override { return groups_.size(); }
-  void set_lr(size_t group, double lr) override { groups_.at(group).lr = lr; }
-  double lr(size_t group) const override { return groups_.at(group).lr; }
-
-  void save(const std::filesystem::path& file) const override {
-    torch::serialize::OutputArchive archive;
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      for (size_t i = 0; i < groups_[g].exp_avg.size(); ++i) {
-        const at::Tensor& m = groups_[g].exp_avg[i];
-        // An undefined moment (no gradient yet) is saved as an empty tensor.
-        archive.write(state_key(g, i, "exp_avg"), m.defined() ? m.cpu() : torch::empty({0}));
-      }
-    }
-    archive.save_to(file.string());
-  }
-  void load(const std::filesystem::path& file) override {
-    load_state_archive(file, "Lion", [&](torch::serialize::InputArchive& archive) {
-      for (size_t g = 0; g < groups_.size(); ++g) {
-        for (size_t i = 0; i < groups_[g].exp_avg.size(); ++i) {
-          const at::Tensor& p = groups_[g].params[i];
-          const at::Tensor m = read_state(archive, state_key(g, i, "exp_avg"), p, false);
-          TORCH_CHECK(m.numel() == 0 || m.sizes() == p.sizes(), "a moment of another shape");
-          groups_[g].exp_avg[i] = m.numel() == 0 ? at::Tensor() : m;
-        }
-      }
-    });
-  }
-  std::string describe() const override {
-    return kohya_optimizer_name("lion_pytorch.lion_pytorch.Lion", options_);
-  }
-
- private:
-  struct Group {
-    std::vector<at::Tensor> params;
-    double lr;
-    std::vector<at::Tensor> exp_avg;
-  };
-  OptimizerOptions options_;
-  double weight_decay_ = 0;
-  std::vector<Group> groups_;
-};
-
 }  // namespace
 
 std::string kohya_optimizer_name(const std::string& cls, const OptimizerOptions& options) {
@@ -217,7 +135,10 @@ int64_t parse_whole(const std::string& arg, const std::string& text, int64_t lea
   return static_cast<int64_t>(v);
 }
 
+enum class Type { kAdamW, kAdamW8bit, kPagedAdamW8bit, kProdigy, kLion, kAdafactor };
+
 struct Kind {
+  Type type;
   std::vector<std::string> names;  // --optimizer_type spellings, lower case
   std::string display;
   std::vector<std::string> keys;   // the --optimizer_args it takes
@@ -225,19 +146,23 @@ struct Kind {
 
 const std::vector<Kind>& kinds() {
   static const std::vector<Kind> k = {
-      {{"adamw", "torch.optim.adamw"}, "AdamW", {"weight_decay", "betas", "eps"}},
-      {{"adamw8bit", "bitsandbytes.optim.adamw8bit"},
+      {Type::kAdamW, {"adamw", "torch.optim.adamw"}, "AdamW", {"weight_decay", "betas", "eps"}},
+      {Type::kAdamW8bit,
+       {"adamw8bit", "bitsandbytes.optim.adamw8bit"},
        "AdamW8bit",
        {"weight_decay", "betas", "eps", "min_8bit_size"}},
-      {{"pagedadamw8bit", "bitsandbytes.optim.pagedadamw8bit"},
+      {Type::kPagedAdamW8bit,
+       {"pagedadamw8bit", "bitsandbytes.optim.pagedadamw8bit"},
        "PagedAdamW8bit",
        {"weight_decay", "betas", "eps", "min_8bit_size"}},
-      {{"prodigy", "prodigyopt.prodigy"},
+      {Type::kProdigy,
+       {"prodigy", "prodigyopt.prodigy"},
        "Prodigy",
        {"weight_decay", "betas", "eps", "decouple", "use_bias_correction", "safeguard_warmup",
         "d0", "d_coef", "growth_rate", "beta3", "slice_p"}},
-      {{"lion", "lion_pytorch.lion"}, "Lion", {"weight_decay", "betas"}},
-      {{"adafactor", "transformers.optimization.adafactor"},
+      {Type::kLion, {"lion", "lion_pytorch.lion"}, "Lion", {"weight_decay", "betas"}},
+      {Type::kAdafactor,
+       {"adafactor", "transformers.optimization.adafactor"},
        "Adafactor",
        {"weight_decay", "eps", "clip_threshold", "decay_rate", "beta1", "scale_parameter",
         "relative_step", "warmup_init"}},
@@ -344,22 +269,31 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                        " does not take it (it takes " + takes + ")");
     }
   }
-  if (kind->display == "Adafactor" && options.eps != OptimizerOptions{}.eps) {
+  const bool single_eps =
+      std::find(options.given_keys.begin(), options.given_keys.end(), "eps") !=
+          options.given_keys.end() &&
+      !options.adafactor_eps_pair;
+  if (kind->type == Type::kAdafactor && single_eps) {
     throw InputError("--optimizer_args eps: Adafactor's is a pair, eps=1e-30,1e-3");
   }
-  if (kind->display != "Adafactor" && options.adafactor_eps_pair) {
+  if (kind->type != Type::kAdafactor && options.adafactor_eps_pair) {
     throw InputError("--optimizer_args eps: " + kind->display + " takes one number");
   }
-  if (kind->display == "Prodigy") return make_prodigy(options, std::move(groups));
-  if (kind->display == "Adafactor") return make_adafactor(options, std::move(groups));
-  if (kind->display == "Lion") {
-    // lion-pytorch's defaults, unless given: betas (0.9, 0.99), no eps.
-    OptimizerOptions lion = options;
-    if (!options.betas_given) lion.beta1 = 0.9, lion.beta2 = 0.99;
-    return std::make_unique<Lion>(lion, std::move(groups));
+  switch (kind->type) {
+    case Type::kAdamW:
+      return std::make_unique<TorchAdamW>(options, std::move(groups));
+    case Type::kAdamW8bit:
+      return make_adamw8bit(options, std::move(groups), /*paged=*/false);
+    case Type::kPagedAdamW8bit:
+      return make_adamw8bit(options, std::move(groups), /*paged=*/true);
+    case Type::kProdigy:
+      return make_prodigy(options, std::move(groups));
+    case Type::kLion:
+      return make_lion(options, std::move(groups));
+    case Type::kAdafactor:
+      return make_adafactor(options, std::move(groups));
   }
-  if (kind->display == "AdamW") return std::make_unique<TorchAdamW>(options, std::move(groups));
-  return make_adamw8bit(options, std::move(groups), /*paged=*/kind->display == "PagedAdamW8bit");
+  throw Error("unreachable optimizer type");
 }
 
 }  // namespace lorapipe::trainer

@@ -21,7 +21,7 @@ struct ParamGroup {
 
 struct OptimizerOptions {
   std::string type = "AdamW";  // --optimizer_type, case-insensitive (kohya's names)
-  double beta1 = 0.9, beta2 = 0.999;  // Lion's own defaults (0.9, 0.99) unless given
+  double beta1 = 0.9, beta2 = 0.999;  // unless given, each optimizer's own (Lion: 0.9, 0.99)
   bool betas_given = false;
   double eps = 1e-8;
   // Unset: the optimizer's own default, which kohya keeps (torch's and bitsandbytes' AdamW 0.01,

@@ -25,12 +25,17 @@ class Prodigy final : public Optimizer {
   Prodigy(const OptimizerOptions& options, std::vector<ParamGroup> groups)
       : options_(options), o_(options.prodigy) {
     weight_decay_ = options.weight_decay.value_or(0.0);  // prodigyopt's default
-    if (!(o_.d0 > 0)) throw InputError("--optimizer_args d0 must be > 0 (Prodigy)");
-    if (!(options.eps > 0)) throw InputError("--optimizer_args eps must be > 0 (Prodigy)");
-    if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1)) {
-      throw InputError("--optimizer_args betas must lie in [0, 1) (Prodigy)");
+    if (!(o_.d0 > 0)) {
+      throw InputError("--optimizer_args d0=" + std::to_string(o_.d0) + ": Prodigy's must be > 0");
     }
-    if (o_.slice_p < 1) throw InputError("--optimizer_args slice_p must be >= 1 (Prodigy)");
+    if (!(options.eps > 0)) {
+      throw InputError("--optimizer_args eps=" + std::to_string(options.eps) +
+                       ": Prodigy's must be > 0");
+    }
+    if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1)) {
+      throw InputError("--optimizer_args betas=" + std::to_string(options.beta1) + "," +
+                       std::to_string(options.beta2) + ": Prodigy's must lie in [0, 1)");
+    }
     double top = 0;
     for (const ParamGroup& g : groups) top = std::max(top, g.lr);
     if (!(top > 0)) throw InputError("Prodigy needs a learning rate > 0 (1.0 is its usual one)");
@@ -174,6 +179,10 @@ class Prodigy final : public Optimizer {
           s.step = step.item<int64_t>();
           s.s = read_state(archive, state_key(g, i, "s"), p, /*same_shape=*/false);
           s.p0 = read_state(archive, state_key(g, i, "p0"), p, /*same_shape=*/false);
+          // s and p0 hold every slice_p-th element (p0 may be prodigyopt's 0-d zero).
+          const int64_t n = sliced(p).numel();
+          TORCH_CHECK(s.s.numel() == n && (s.p0.dim() == 0 || s.p0.numel() == n),
+                      "state saved with another slice_p");
           s.exp_avg_sq = read_state(archive, state_key(g, i, "exp_avg_sq"), p, true);
           if (options_.beta1 > 0) s.exp_avg = read_state(archive, state_key(g, i, "exp_avg"), p, true);
         }

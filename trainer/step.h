@@ -106,8 +106,10 @@ class TrainingStep {
 
   // Forward and backward of one micro-batch; returns its loss (before the division by the
   // accumulation steps). A non-finite loss is returned without backward. With
-  // scale_weight_norms, a micro-batch that does not complete an update ends with the max-norm
-  // pass, as kohya runs it after every micro-batch.
+  // scale_weight_norms, a micro-batch that does not complete gradient_accumulation_steps ends
+  // with the max-norm pass, as kohya runs it after every micro-batch (an epoch's short last step
+  // also gets one before its update: the weights have not moved since the last pass, so it
+  // changes them by rounding at most).
   double accumulate(const MicroBatch& batch, at::Generator generator);
   // Clips, updates and advances the schedule once gradient_accumulation_steps micro-batches
   // have been accumulated; then zeroes the gradients (and runs the max-norm pass).

@@ -385,6 +385,32 @@ TEST_F(TrainParity, LoraPlusPutsTheUpMatricesInGroupsAtTheRatio) {
   }
 }
 
+// --weighted_captions past 75 tokens: kohya weighs the long-prompt states chunk by chunk,
+// states[:, 75i+1 : 75i+76] *= weights[:, i, 1:-1]; written here as that loop, against
+// encode_weighted_text, which lays the weights out once. Equal bit for bit (the same fp32
+// products); the caption's weights lie in both chunks.
+TEST_F(TrainParity, WeightedCaptionsAcrossChunksWeighAsKohyasLoop) {
+  models::StableDiffusion model = load();
+  std::string caption;
+  for (int i = 0; i < 40; ++i) caption += i % 3 ? "(red circle:1.3), " : "[blue square], ";
+  at::Tensor weights;
+  const at::Tensor ids = model.tokenize_weighted({caption}, 150, weights);
+  ASSERT_EQ(ids.sizes(), (std::vector<int64_t>{1, 154}));
+  const at::Tensor per_chunk = weights.view({1, 2, 77});
+  for (int64_t i = 0; i < 2; ++i) {
+    EXPECT_GT((per_chunk[0][i] != 1).sum().item<int64_t>(), 10) << "chunk " << i << " unweighted";
+  }
+  torch::NoGradGuard no_grad;
+  at::Tensor expected = model.encode_text(ids, /*clip_skip=*/1).hidden_states.clone();
+  ASSERT_EQ(expected.size(1), 152);
+  for (int64_t i = 0; i < 2; ++i) {
+    expected.narrow(1, i * 75 + 1, 75).mul_(per_chunk.select(1, i).narrow(1, 1, 75).unsqueeze(-1));
+  }
+  const at::Tensor actual = model.encode_weighted_text(ids, weights, /*clip_skip=*/1).hidden_states;
+  EXPECT_TRUE(torch::equal(actual, expected))
+      << "max |difference| " << (actual - expected).abs().max().item<double>();
+}
+
 TEST_F(TrainParity, OneStepEpsilonWithMinSnrAndNoiseOffset) {
   run_scenario(Scenario{}, "eps", /*final_weights=*/true);
 }

@@ -33,6 +33,7 @@
 #include "models/device.h"
 #include "models/fingerprint.h"
 #include "models/pipeline.h"
+#include "models/prompt_attention.h"
 #include "proto/wire.h"
 #include "runtime/stage.h"
 #include "trainer/dataset.h"
@@ -325,6 +326,24 @@ void Run::load_data() {
     LP_LOG(kInfo, kLog) << "dataset " << o_.dataset_id << ": manifest " << resolved
                         << " (named by its content)";
     o_.dataset_id = resolved;
+  }
+  if (o_.weighted_captions) {
+    // A caption whose attention syntax cannot be read (a weight like "1.2.3") is refused here,
+    // naming its image, not when its batch comes up hours into the run.
+    std::vector<std::string> bad;
+    for (const wire::ManifestEntry& e : manifest_.entries()) {
+      try {
+        (void)models::parse_prompt_attention(e.caption());
+      } catch (const InputError& error) {
+        bad.push_back(e.path() + ": " + error.what());
+      }
+    }
+    if (!bad.empty()) {
+      std::string message = "--weighted_captions: " + std::to_string(bad.size()) +
+                            " caption(s) whose attention syntax cannot be read";
+      for (size_t i = 0; i < bad.size() && i < 5; ++i) message += "\n  " + bad[i];
+      throw InputError(message);
+    }
   }
   if (o_.validation_split > 0) {
     // kohya splits the images (not the repeats) with --validation_seed.
