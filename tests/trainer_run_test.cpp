@@ -286,6 +286,22 @@ TEST_F(ProdigyTrainRun, LearnsAtLearningRateOne) {
                 "prodigyopt.prodigy.Prodigy(d_coef=2)");
 }
 
+// The trainer with DAdaptAdam, kohya's "DAdaptation" (a suite of its own, so its name says it):
+// its state (moments, the running sum s, d and its weighted numerator) comes back exactly after
+// kill -9, and at lr 1.0 it finds a step size that learns the demo set.
+class DAdaptAdamTrainRun : public TrainRunTest {};
+
+TEST_F(DAdaptAdamTrainRun, ResumeAfterKillNineIsBitExact) {
+  expect_resume_bit_exact({"--optimizer_type=DAdaptation", "--learning_rate=1.0",
+                           "--optimizer_args", "decouple=True", "weight_decay=0.01"});
+}
+
+TEST_F(DAdaptAdamTrainRun, LearnsAtLearningRateOne) {
+  expect_learns("DAdaptAdam",
+                {"--lr_scheduler=constant", "--optimizer_type=DAdaptAdam", "--learning_rate=1.0"},
+                "dadaptation.dadapt_adam.DAdaptAdam");
+}
+
 // The trainer with Lion (a suite of its own, so its name says it): its moment comes back exactly
 // after kill -9, and at a Lion-sized rate (a third of AdamW's 1e-3 here) it learns the demo set
 // like LearnsAndIsDeterministic (validation loss at least 10% lower after 60 steps; the measured

@@ -70,7 +70,8 @@ DEFINE_bool(network_train_text_encoder_only, false, "Train the text encoder's Lo
 DEFINE_double(network_multiplier, 1.0, "LoRA multiplier while training");
 // Optimizer and schedule.
 DEFINE_string(optimizer_type, "AdamW",
-              "AdamW, AdamW8bit, PagedAdamW8bit, Prodigy, Lion or Adafactor (case-insensitive)");
+              "AdamW, AdamW8bit, PagedAdamW8bit, Prodigy, DAdaptAdam (DAdaptation), Lion or "
+              "Adafactor (case-insensitive)");
 DEFINE_bool(use_8bit_adam, false, "kohya's older spelling of --optimizer_type=AdamW8bit");
 DEFINE_string(optimizer_args, "",
               "key=value ... (weight_decay, betas=b1,b2, eps; min_8bit_size for the 8-bit ones; "
@@ -281,10 +282,12 @@ int main(int argc, char** argv) {
     if (FLAGS_use_8bit_adam) s.optimizer.type = "AdamW8bit";
     t::apply_optimizer_args(s.optimizer, words(FLAGS_optimizer_args));
     s.optimizer_groups.learning_rate = FLAGS_learning_rate;
-    if (strcasecmp(s.optimizer.type.c_str(), "prodigy") == 0 && FLAGS_learning_rate <= 0.1) {
-      // kohya's warning: Prodigy's rate scales the step size it finds, 1.0 is the usual one.
-      LP_LOG(kWarning, "trainer") << "--learning_rate=" << FLAGS_learning_rate
-                                  << " is low for Prodigy, which is run with about 1.0";
+    const bool adaptive = strcasecmp(s.optimizer.type.c_str(), "prodigy") == 0 ||
+                          strncasecmp(s.optimizer.type.c_str(), "dadapt", 6) == 0;
+    if (adaptive && FLAGS_learning_rate <= 0.1) {
+      // kohya's warning: the rate scales the step size these find, 1.0 is the usual one.
+      LP_LOG(kWarning, "trainer") << "--learning_rate=" << FLAGS_learning_rate << " is low for "
+                                  << s.optimizer.type << ", which is run with about 1.0";
     }
     s.optimizer_groups.unet_lr = FLAGS_unet_lr;
     s.optimizer_groups.text_encoder_lr = FLAGS_text_encoder_lr;

@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "trainer/adafactor_optimizer.h"
 #include "trainer/adamw8bit_optimizer.h"
+#include "trainer/dadapt_optimizer.h"
 #include "trainer/lion_optimizer.h"
 #include "trainer/prodigy_optimizer.h"
 
@@ -135,7 +136,7 @@ int64_t parse_whole(const std::string& arg, const std::string& text, int64_t lea
   return static_cast<int64_t>(v);
 }
 
-enum class Type { kAdamW, kAdamW8bit, kPagedAdamW8bit, kProdigy, kLion, kAdafactor };
+enum class Type { kAdamW, kAdamW8bit, kPagedAdamW8bit, kProdigy, kDAdaptAdam, kLion, kAdafactor };
 
 struct Kind {
   Type type;
@@ -160,6 +161,10 @@ const std::vector<Kind>& kinds() {
        "Prodigy",
        {"weight_decay", "betas", "eps", "decouple", "use_bias_correction", "safeguard_warmup",
         "d0", "d_coef", "growth_rate", "beta3", "slice_p"}},
+      {Type::kDAdaptAdam,
+       {"dadaptation", "dadaptadam", "dadaptation.dadaptadam"},
+       "DAdaptAdam",
+       {"weight_decay", "betas", "eps", "decouple", "use_bias_correction", "d0", "growth_rate"}},
       {Type::kLion, {"lion", "lion_pytorch.lion"}, "Lion", {"weight_decay", "betas"}},
       {Type::kAdafactor,
        {"adafactor", "transformers.optimization.adafactor"},
@@ -210,6 +215,7 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
       options.min_8bit_size = parse_whole(arg, value, 0);
     } else if (key == "decouple") {
       prodigy.decouple = parse_bool(arg, value);
+      options.decouple_given = true;
     } else if (key == "use_bias_correction") {
       prodigy.use_bias_correction = parse_bool(arg, value);
     } else if (key == "safeguard_warmup") {
@@ -288,6 +294,8 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
       return make_adamw8bit(options, std::move(groups), /*paged=*/true);
     case Type::kProdigy:
       return make_prodigy(options, std::move(groups));
+    case Type::kDAdaptAdam:
+      return make_dadapt_adam(options, std::move(groups));
     case Type::kLion:
       return make_lion(options, std::move(groups));
     case Type::kAdafactor:

@@ -30,7 +30,8 @@ struct OptimizerOptions {
   // AdamW8bit / PagedAdamW8bit only (bitsandbytes' argument): tensors with fewer elements keep
   // fp32 moments. Unset: bitsandbytes' 4096.
   std::optional<int64_t> min_8bit_size;
-  // Prodigy only: prodigyopt's arguments, with its defaults.
+  // Prodigy's (and DAdaptAdam's: decouple, use_bias_correction, d0, growth_rate) arguments,
+  // with prodigyopt's defaults; DAdaptAdam's decouple defaults to false unless given.
   struct ProdigyOptions {
     bool decouple = true;              // AdamW-style decoupled weight decay
     bool use_bias_correction = false;  // Adam's bias correction in the step size
@@ -41,6 +42,7 @@ struct OptimizerOptions {
     std::optional<double> beta3;       // unset: sqrt(beta2)
     int64_t slice_p = 1;               // estimate d from every slice_p-th element
   } prodigy;
+  bool decouple_given = false;
   // Adafactor only: transformers' arguments, with its defaults (kohya's: relative_step True).
   struct AdafactorOptions {
     double eps1 = 1e-30, eps2 = 1e-3;  // eps=(1e-30,1e-3): added to grad^2; the RMS floor
@@ -93,6 +95,8 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
 //                   with a warning, as bitsandbytes does);
 //   Prodigy         prodigyopt's adaptive Adam (trainer/prodigy_optimizer.h), 16 bytes of
 //                   state per parameter, run with a learning rate near 1;
+//   DAdaptAdam      dadaptation's D-Adaptation Adam (also "DAdaptation"), 12 bytes of state
+//                   per parameter, run with a learning rate near 1;
 //   Lion            lion-pytorch's sign-momentum optimizer, 4 bytes of state per parameter;
 //   Adafactor       transformers' Adafactor, factored second moments (rows + columns).
 // Throws InputError naming an unknown type (and saying which are known).

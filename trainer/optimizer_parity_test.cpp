@@ -26,6 +26,7 @@ namespace fs = std::filesystem;
 
 struct OptimizerCase {
   std::string type;               // --optimizer_type, and the reference's class
+  std::string reference;          // the reference's class where its name differs
   std::vector<std::string> args;  // --optimizer_args
   nlohmann::json kwargs;          // the same, as the package's constructor takes them
   bool second_group_frozen = false;  // the text-encoder group at lr 0 throughout
@@ -65,7 +66,7 @@ void run_case(const OptimizerCase& c, const std::string& tag) {
   const fs::path dir = models::testing::make_temp_dir("optimizer-" + tag);
   write_lora_file(dir / "inputs.safetensors", inputs, {});
   nlohmann::json config;
-  config["optimizer"] = c.type;
+  config["optimizer"] = c.reference.empty() ? c.type : c.reference;
   config["kwargs"] = c.kwargs;
   config["groups"] = groups;
   config["steps"] = kSteps;
@@ -105,7 +106,7 @@ void run_case(const OptimizerCase& c, const std::string& tag) {
     optimizer->step();
     if (const auto adapted = optimizer->adapted_lr(0)) ds.push_back(*adapted);  // d * lr
   }
-  EXPECT_EQ(ds.empty(), !reference.count("d")) << "only Prodigy adapts its step size";
+  EXPECT_EQ(ds.empty(), !reference.count("d")) << "only Prodigy and DAdaptAdam adapt their step";
   if (reference.count("d")) {
     const torch::Tensor d = reference.at("d");
     for (size_t s = 0; s < ds.size(); ++s) {
@@ -198,6 +199,21 @@ TEST(AdafactorParity, RelativeStepMatchesTransformersBitForBit) {
   c.args = {"warmup_init=True", "decay_rate=-0.5"};
   c.kwargs = {{"warmup_init", true}, {"relative_step", true}, {"decay_rate", -0.5}};
   run_case(c, "adafactor_warmup");
+}
+
+// dadaptation's DAdaptAdam (kohya's "DAdaptation"): decoupled decay with bias correction; then
+// decay in the gradient (its default form), a growth limit, d0 given and a group at lr 0.
+TEST(DAdaptAdamParity, MatchesDadaptationBitForBit) {
+  OptimizerCase c;
+  c.type = "DAdaptation";
+  c.args = {"decouple=True", "weight_decay=0.01", "use_bias_correction=True"};
+  c.kwargs = {{"decouple", true}, {"weight_decay", 0.01}, {"use_bias_correction", true}};
+  c.reference = "DAdaptAdam";
+  run_case(c, "dadapt");
+  c.args = {"weight_decay=0.1", "growth_rate=1.5", "d0=1e-5", "betas=0.8,0.99"};
+  c.kwargs = {{"weight_decay", 0.1}, {"growth_rate", 1.5}, {"d0", 1e-5}, {"betas", {0.8, 0.99}}};
+  c.second_group_frozen = true;
+  run_case(c, "dadapt_branches");
 }
 
 TEST(ProdigyParity, RefusesWhatProdigyoptRefuses) {

@@ -1,5 +1,6 @@
 """Reference runs of the PyPI optimizers kohya sd-scripts loads (prodigyopt's Prodigy for
---optimizer_type=Prodigy, lion-pytorch's Lion for Lion, transformers' Adafactor for Adafactor)
+--optimizer_type=Prodigy, dadaptation's DAdaptAdam for DAdaptation, lion-pytorch's Lion for
+Lion, transformers' Adafactor for Adafactor)
 for lorapipe's optimizer parity tests.
 
     python optimizer_reference.py --inputs IN.safetensors --config CONFIG.json --out OUT.safetensors
@@ -7,23 +8,24 @@ for lorapipe's optimizer parity tests.
 IN      param.<i> the initial parameters (fp32); grad.<s>.<i> the gradient of parameter i at step
         s (absent: no gradient that step, as a parameter the loss did not reach); lr.<g> [S] the
         learning rate of group g at each step (as kohya's schedule sets it).
-CONFIG  optimizer: "Prodigy", "Lion" or "Adafactor"; groups: [[parameter indices], ...]; steps;
+CONFIG  optimizer: "Prodigy", "DAdaptAdam", "Lion" or "Adafactor"; groups: [[parameter indices], ...]; steps;
         kwargs: the keyword arguments given to its constructor (betas, eps as lists). Adafactor
         with relative_step (its default, and kohya's) is built as kohya builds it: lr=None, the
         groups without rates, none set per step.
-OUT     param.<i> after the last step; for Prodigy, d [S], the step-size estimate after each step
-        (float64).
+OUT     param.<i> after the last step; for Prodigy and DAdaptAdam, d [S], the step-size estimate
+        after each step (float64).
 """
 import argparse
 import json
 
 import torch
+from dadaptation import DAdaptAdam
 from lion_pytorch import Lion
 from prodigyopt import Prodigy
 from safetensors.torch import load_file, save_file
 from transformers.optimization import Adafactor
 
-OPTIMIZERS = {"Prodigy": Prodigy, "Lion": Lion, "Adafactor": Adafactor}
+OPTIMIZERS = {"Prodigy": Prodigy, "DAdaptAdam": DAdaptAdam, "Lion": Lion, "Adafactor": Adafactor}
 
 
 def main():

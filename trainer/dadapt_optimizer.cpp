@@ -1,0 +1,204 @@
+// D-Adaptation Adam (Defazio & Mishchenko 2023, arXiv 2301.07733) behind the Optimizer seam:
+// dadaptation 3.2's DAdaptAdam, the class kohya loads for --optimizer_type=DAdaptation or
+// DAdaptAdam, operation for operation (DAdaptAdamParity holds it bit-exact), its Python floats
+// kept as doubles. Like Prodigy, its predecessor in kohya guides, it estimates the step size d
+// itself and is run with a learning rate near 1. Not ported: FSDP's all-reduce of the estimate
+// (lorapipe's ranks all-reduce gradients), layer_scale (kohya never sets it: 1).
+
+#include "trainer/dadapt_optimizer.h"
+
+#include <torch/serialize.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "common/error.h"
+#include "trainer/optimizer_state.h"
+
+namespace lorapipe::trainer {
+namespace {
+
+class DAdaptAdam final : public Optimizer {
+ public:
+  DAdaptAdam(const OptimizerOptions& options, std::vector<ParamGroup> groups)
+      : options_(options), o_(options.prodigy) {
+    weight_decay_ = options.weight_decay.value_or(0.0);  // dadaptation's defaults
+    if (!(o_.d0 > 0)) {
+      throw InputError("--optimizer_args d0=" + std::to_string(o_.d0) +
+                       ": DAdaptAdam's must be > 0");
+    }
+    if (!(options.eps > 0)) {
+      throw InputError("--optimizer_args eps=" + std::to_string(options.eps) +
+                       ": DAdaptAdam's must be > 0");
+    }
+    if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1)) {
+      throw InputError("--optimizer_args betas=" + std::to_string(options.beta1) + "," +
+                       std::to_string(options.beta2) + ": DAdaptAdam's must lie in [0, 1)");
+    }
+    double top = 0;
+    for (const ParamGroup& g : groups) top = std::max(top, g.lr);
+    if (!(top > 0)) throw InputError("DAdaptAdam needs a learning rate > 0 (1.0 is its usual one)");
+    for (ParamGroup& g : groups) {
+      // dadaptation refuses groups whose rates differ (other than 0) at its first step.
+      if (g.lr != top && g.lr != 0) {
+        throw InputError("DAdaptAdam adapts one step size for every parameter group, so their "
+                         "learning rates must be equal (or 0): the " + g.name + " group has " +
+                         std::to_string(g.lr) + " beside " + std::to_string(top));
+      }
+      groups_.push_back(Group{std::move(g.params), g.lr, {}});
+      groups_.back().state.resize(groups_.back().params.size());
+    }
+    d_ = o_.d0;
+  }
+
+  void step() override {
+    torch::NoGradGuard no_grad;
+    const double beta1 = options_.beta1, beta2 = options_.beta2, eps = options_.eps;
+    const bool decouple = decouple_();
+    double lr = 0;
+    for (const Group& g : groups_) lr = std::max(lr, g.lr);
+    const double bias_correction =
+        o_.use_bias_correction ? std::pow(1 - std::pow(beta2, k_ + 1), 0.5) /
+                                     (1 - std::pow(beta1, k_ + 1))
+                               : 1.0;
+    double d = d_;
+    const double dlr = d * lr * bias_correction;
+    const double sqrt_beta2 = std::pow(beta2, 0.5);
+    const double r = 1.0;  // layer_scale
+    double numerator_acum = 0.0, sk_l1 = 0.0;
+
+    for (Group& g : groups_) {
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        at::Tensor& p = g.params[i];
+        if (!p.grad().defined()) continue;
+        at::Tensor grad = p.grad();
+        if (weight_decay_ != 0 && !decouple) grad.add_(p, weight_decay_);
+        State& s = g.state[i];
+        if (!s.initialised) {
+          s.initialised = true;
+          s.s = torch::zeros_like(p).detach();
+          s.exp_avg = torch::zeros_like(p).detach();
+          s.exp_avg_sq = torch::zeros_like(p).detach();
+        }
+        if (g.lr > 0.0) {
+          const at::Tensor denom = s.exp_avg_sq.sqrt().add_(eps);
+          numerator_acum +=
+              r * dlr * torch::dot(grad.flatten(), s.s.div(denom).flatten()).item<double>();
+          s.exp_avg.mul_(beta1).add_(grad, r * dlr * (1 - beta1));
+          s.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
+          s.s.mul_(sqrt_beta2).add_(grad, dlr * (1 - sqrt_beta2));
+          sk_l1 += r * s.s.abs().sum().item<double>();
+        }
+      }
+    }
+    const double numerator_weighted =
+        sqrt_beta2 * numerator_weighted_ + (1 - sqrt_beta2) * numerator_acum;
+    if (sk_l1 == 0) return;  // no gradient reached any parameter: dadaptation changes nothing
+    if (lr > 0.0) {
+      const double d_hat = numerator_weighted / ((1 - sqrt_beta2) * sk_l1);
+      d = std::max(d, std::min(d_hat, d * o_.growth_rate));
+    }
+    numerator_weighted_ = numerator_weighted;
+    d_ = d;
+
+    for (Group& g : groups_) {
+      for (size_t i = 0; i < g.params.size(); ++i) {
+        at::Tensor& p = g.params[i];
+        if (!p.grad().defined()) continue;
+        State& s = g.state[i];
+        ++s.step;
+        const at::Tensor denom = s.exp_avg_sq.sqrt().add_(eps);
+        if (weight_decay_ != 0 && decouple) p.add_(p, -weight_decay_ * dlr);
+        p.addcdiv_(s.exp_avg, denom, -1);
+      }
+    }
+    ++k_;
+  }
+
+  void zero_grad() override {
+    for (Group& g : groups_) {
+      for (at::Tensor& p : g.params) p.mutable_grad() = at::Tensor();
+    }
+  }
+  size_t group_count() const override { return groups_.size(); }
+  void set_lr(size_t group, double lr) override { groups_.at(group).lr = lr; }
+  double lr(size_t group) const override { return groups_.at(group).lr; }
+  std::optional<double> adapted_lr(size_t group) const override { return d_ * lr(group); }
+
+  void save(const std::filesystem::path& file) const override {
+    torch::serialize::OutputArchive archive;
+    const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+    archive.write("scalars", torch::tensor({d_, numerator_weighted_, static_cast<double>(k_)}, f64));
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      for (size_t i = 0; i < groups_[g].state.size(); ++i) {
+        const State& s = groups_[g].state[i];
+        archive.write(state_key(g, i, "step"), torch::tensor(s.initialised ? s.step : -1));
+        if (!s.initialised) continue;
+        archive.write(state_key(g, i, "s"), s.s.cpu());
+        archive.write(state_key(g, i, "exp_avg"), s.exp_avg.cpu());
+        archive.write(state_key(g, i, "exp_avg_sq"), s.exp_avg_sq.cpu());
+      }
+    }
+    archive.save_to(file.string());
+  }
+
+  void load(const std::filesystem::path& file) override {
+    load_state_archive(file, "DAdaptAdam", [&](torch::serialize::InputArchive& archive) {
+      at::Tensor scalars;
+      archive.read("scalars", scalars);
+      TORCH_CHECK(scalars.numel() == 3, "scalars");
+      d_ = scalars[0].item<double>();
+      numerator_weighted_ = scalars[1].item<double>();
+      k_ = static_cast<int64_t>(scalars[2].item<double>());
+      for (size_t g = 0; g < groups_.size(); ++g) {
+        for (size_t i = 0; i < groups_[g].state.size(); ++i) {
+          State& s = groups_[g].state[i];
+          const at::Tensor& p = groups_[g].params[i];
+          at::Tensor step;
+          archive.read(state_key(g, i, "step"), step);
+          s = State{};
+          if (step.item<int64_t>() < 0) continue;
+          s.initialised = true;
+          s.step = step.item<int64_t>();
+          s.s = read_state(archive, state_key(g, i, "s"), p, /*same_shape=*/true);
+          s.exp_avg = read_state(archive, state_key(g, i, "exp_avg"), p, true);
+          s.exp_avg_sq = read_state(archive, state_key(g, i, "exp_avg_sq"), p, true);
+        }
+      }
+    });
+  }
+
+  std::string describe() const override {
+    return kohya_optimizer_name("dadaptation.dadapt_adam.DAdaptAdam", options_);
+  }
+
+ private:
+  struct State {
+    bool initialised = false;
+    int64_t step = 0;
+    at::Tensor s, exp_avg, exp_avg_sq;
+  };
+  struct Group {
+    std::vector<at::Tensor> params;
+    double lr;
+    std::vector<State> state;
+  };
+  // dadaptation's decouple defaults to False (Prodigy's to True).
+  bool decouple_() const { return options_.decouple_given ? o_.decouple : false; }
+
+  OptimizerOptions options_;
+  OptimizerOptions::ProdigyOptions o_;  // d0, growth_rate, decouple, use_bias_correction
+  double weight_decay_ = 0;
+  std::vector<Group> groups_;
+  double d_ = 0, numerator_weighted_ = 0;
+  int64_t k_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Optimizer> make_dadapt_adam(const OptimizerOptions& options,
+                                            std::vector<ParamGroup> groups) {
+  return std::make_unique<DAdaptAdam>(options, std::move(groups));
+}
+
+}  // namespace lorapipe::trainer
