@@ -28,10 +28,17 @@ at::Tensor rms(const at::Tensor& t) {
   return t.norm(2) / std::pow(static_cast<double>(t.numel()), 0.5);
 }
 
-class Adafactor final : public Optimizer {
+struct AdafactorState {
+  int64_t step = 0;
+  at::Tensor rms;                     // 0-d, the parameter's RMS before this step
+  at::Tensor row, col, sq, exp_avg;  // factored moments, or the full one; the first moment
+};
+
+class Adafactor final : public GroupedOptimizer<AdafactorState> {
  public:
+  using State = AdafactorState;
   Adafactor(const OptimizerOptions& options, std::vector<ParamGroup> groups)
-      : options_(options), o_(options.adafactor) {
+      : GroupedOptimizer(groups), options_(options), o_(options.adafactor) {
     if (o_.warmup_init && !o_.relative_step) {
       LP_LOG(kInfo, "trainer") << "Adafactor: warmup_init sets relative_step, as kohya does";
       o_.relative_step = true;
@@ -41,15 +48,13 @@ class Adafactor final : public Optimizer {
       LP_LOG(kInfo, "trainer") << "Adafactor: relative_step: its own step size, so the learning "
                                   "rates and their schedule are not used (as in kohya)";
     }
-    for (ParamGroup& g : groups) {
-      groups_.push_back(Group{std::move(g.params), g.lr, {}, g.lr});
-      groups_.back().state.resize(groups_.back().params.size());
-    }
+    for (const ParamGroup& g : groups) reported_lr_.push_back(g.lr);
   }
 
   void step() override {
     torch::NoGradGuard no_grad;
-    for (Group& g : groups_) {
+    for (size_t group = 0; group < groups_.size(); ++group) {
+      Group& g = groups_[group];
       for (size_t i = 0; i < g.params.size(); ++i) {
         at::Tensor& p = g.params[i];
         if (!p.grad().defined()) continue;
@@ -77,7 +82,7 @@ class Adafactor final : public Optimizer {
         ++s.step;
         s.rms = rms(p32);
         const Lr lr = step_size(g, s);
-        if (i == 0) g.reported_lr = lr.value();
+        if (i == 0) reported_lr_[group] = lr.value();
 
         const double beta2t = 1.0 - std::pow(static_cast<double>(s.step), o_.decay_rate);
         at::Tensor update = grad.pow(2) + o_.eps1;
@@ -105,25 +110,17 @@ class Adafactor final : public Optimizer {
     }
   }
 
-  void zero_grad() override {
-    for (Group& g : groups_) {
-      for (at::Tensor& p : g.params) p.mutable_grad() = at::Tensor();
-    }
-  }
-  size_t group_count() const override { return groups_.size(); }
-  void set_lr(size_t group, double lr) override { groups_.at(group).lr = lr; }
   // With relative_step, the step size Adafactor took for the group's first parameter, as kohya's
   // AdafactorSchedule reports it (its rate before the first step).
   double lr(size_t group) const override {
-    const Group& g = groups_.at(group);
-    return o_.relative_step ? g.reported_lr : g.lr;
+    return o_.relative_step ? reported_lr_.at(group) : groups_.at(group).lr;
   }
 
   void save(const std::filesystem::path& file) const override {
     torch::serialize::OutputArchive archive;
     for (size_t g = 0; g < groups_.size(); ++g) {
       archive.write(state_key(g, 0, "reported_lr"),
-                    torch::tensor(groups_[g].reported_lr, torch::kFloat64));
+                    torch::tensor(reported_lr_[g], torch::kFloat64));
       for (size_t i = 0; i < groups_[g].state.size(); ++i) {
         const State& s = groups_[g].state[i];
         archive.write(state_key(g, i, "step"), torch::tensor(s.step));
@@ -143,7 +140,7 @@ class Adafactor final : public Optimizer {
       for (size_t g = 0; g < groups_.size(); ++g) {
         at::Tensor reported;
         archive.read(state_key(g, 0, "reported_lr"), reported);
-        groups_[g].reported_lr = reported.item<double>();
+        reported_lr_[g] = reported.item<double>();
         for (size_t i = 0; i < groups_[g].state.size(); ++i) {
           State& s = groups_[g].state[i];
           const at::Tensor& p = groups_[g].params[i];
@@ -173,17 +170,6 @@ class Adafactor final : public Optimizer {
   }
 
  private:
-  struct State {
-    int64_t step = 0;
-    at::Tensor rms;                      // 0-d, the parameter's RMS before this step
-    at::Tensor row, col, sq, exp_avg;   // factored moments, or the full one; the first moment
-  };
-  struct Group {
-    std::vector<at::Tensor> params;
-    double lr;
-    std::vector<State> state;
-    double reported_lr;
-  };
   // transformers' _get_lr. Its result is a Python float, or a 0-d fp32 tensor when
   // scale_parameter picks the parameter's RMS (max(eps2, RMS) returns the tensor); the update is
   // multiplied by whichever it is, as transformers multiplies.
@@ -221,7 +207,7 @@ class Adafactor final : public Optimizer {
   OptimizerOptions options_;
   OptimizerOptions::AdafactorOptions o_;
   double weight_decay_ = 0;
-  std::vector<Group> groups_;
+  std::vector<double> reported_lr_;  // per group: the step size its first parameter last took
 };
 
 }  // namespace

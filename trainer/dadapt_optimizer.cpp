@@ -18,36 +18,19 @@
 namespace lorapipe::trainer {
 namespace {
 
-class DAdaptAdam final : public Optimizer {
+struct DAdaptState {
+  bool initialised = false;
+  int64_t step = 0;
+  at::Tensor s, exp_avg, exp_avg_sq;
+};
+
+class DAdaptAdam final : public GroupedOptimizer<DAdaptState> {
  public:
+  using State = DAdaptState;
   DAdaptAdam(const OptimizerOptions& options, std::vector<ParamGroup> groups)
-      : options_(options), o_(options.prodigy) {
-    weight_decay_ = options.weight_decay.value_or(0.0);  // dadaptation's defaults
-    if (!(o_.d0 > 0)) {
-      throw InputError("--optimizer_args d0=" + std::to_string(o_.d0) +
-                       ": DAdaptAdam's must be > 0");
-    }
-    if (!(options.eps > 0)) {
-      throw InputError("--optimizer_args eps=" + std::to_string(options.eps) +
-                       ": DAdaptAdam's must be > 0");
-    }
-    if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1)) {
-      throw InputError("--optimizer_args betas=" + std::to_string(options.beta1) + "," +
-                       std::to_string(options.beta2) + ": DAdaptAdam's must lie in [0, 1)");
-    }
-    double top = 0;
-    for (const ParamGroup& g : groups) top = std::max(top, g.lr);
-    if (!(top > 0)) throw InputError("DAdaptAdam needs a learning rate > 0 (1.0 is its usual one)");
-    for (ParamGroup& g : groups) {
-      // dadaptation refuses groups whose rates differ (other than 0) at its first step.
-      if (g.lr != top && g.lr != 0) {
-        throw InputError("DAdaptAdam adapts one step size for every parameter group, so their "
-                         "learning rates must be equal (or 0): the " + g.name + " group has " +
-                         std::to_string(g.lr) + " beside " + std::to_string(top));
-      }
-      groups_.push_back(Group{std::move(g.params), g.lr, {}});
-      groups_.back().state.resize(groups_.back().params.size());
-    }
+      : GroupedOptimizer(groups), options_(options), o_(options.prodigy) {
+    weight_decay_ = options.weight_decay.value_or(0.0);  // dadaptation's default
+    check_d_adaptation(options, groups, "DAdaptAdam");
     d_ = o_.d0;
   }
 
@@ -55,8 +38,7 @@ class DAdaptAdam final : public Optimizer {
     torch::NoGradGuard no_grad;
     const double beta1 = options_.beta1, beta2 = options_.beta2, eps = options_.eps;
     const bool decouple = decouple_();
-    double lr = 0;
-    for (const Group& g : groups_) lr = std::max(lr, g.lr);
+    const double lr = top_lr();
     const double bias_correction =
         o_.use_bias_correction ? std::pow(1 - std::pow(beta2, k_ + 1), 0.5) /
                                      (1 - std::pow(beta1, k_ + 1))
@@ -115,14 +97,6 @@ class DAdaptAdam final : public Optimizer {
     ++k_;
   }
 
-  void zero_grad() override {
-    for (Group& g : groups_) {
-      for (at::Tensor& p : g.params) p.mutable_grad() = at::Tensor();
-    }
-  }
-  size_t group_count() const override { return groups_.size(); }
-  void set_lr(size_t group, double lr) override { groups_.at(group).lr = lr; }
-  double lr(size_t group) const override { return groups_.at(group).lr; }
   std::optional<double> adapted_lr(size_t group) const override { return d_ * lr(group); }
 
   void save(const std::filesystem::path& file) const override {
@@ -173,23 +147,12 @@ class DAdaptAdam final : public Optimizer {
   }
 
  private:
-  struct State {
-    bool initialised = false;
-    int64_t step = 0;
-    at::Tensor s, exp_avg, exp_avg_sq;
-  };
-  struct Group {
-    std::vector<at::Tensor> params;
-    double lr;
-    std::vector<State> state;
-  };
   // dadaptation's decouple defaults to False (Prodigy's to True).
   bool decouple_() const { return options_.decouple_given ? o_.decouple : false; }
 
   OptimizerOptions options_;
   OptimizerOptions::ProdigyOptions o_;  // d0, growth_rate, decouple, use_bias_correction
   double weight_decay_ = 0;
-  std::vector<Group> groups_;
   double d_ = 0, numerator_weighted_ = 0;
   int64_t k_ = 0;
 };

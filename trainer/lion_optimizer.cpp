@@ -14,17 +14,15 @@
 namespace lorapipe::trainer {
 namespace {
 
-class Lion final : public Optimizer {
+// Each parameter's state: its moment (undefined until its first gradient).
+class Lion final : public GroupedOptimizer<at::Tensor> {
  public:
-  Lion(const OptimizerOptions& options, std::vector<ParamGroup> groups) : options_(options) {
+  Lion(const OptimizerOptions& options, std::vector<ParamGroup> groups)
+      : GroupedOptimizer(std::move(groups)), options_(options) {
     weight_decay_ = options.weight_decay.value_or(0.0);  // lion-pytorch's default
     if (!(options.beta1 >= 0 && options.beta1 <= 1 && options.beta2 >= 0 && options.beta2 <= 1)) {
       throw InputError("--optimizer_args betas=" + std::to_string(options.beta1) + "," +
                        std::to_string(options.beta2) + ": Lion's must lie in [0, 1]");
-    }
-    for (ParamGroup& g : groups) {
-      groups_.push_back(Group{std::move(g.params), g.lr, {}});
-      groups_.back().exp_avg.resize(groups_.back().params.size());
     }
   }
 
@@ -36,8 +34,8 @@ class Lion final : public Optimizer {
         at::Tensor& p = g.params[i];
         if (!p.grad().defined()) continue;
         const at::Tensor& grad = p.grad();
-        if (!g.exp_avg[i].defined()) g.exp_avg[i] = torch::zeros_like(p);
-        at::Tensor& exp_avg = g.exp_avg[i];
+        if (!g.state[i].defined()) g.state[i] = torch::zeros_like(p);
+        at::Tensor& exp_avg = g.state[i];
         p.mul_(1. - g.lr * weight_decay_);
         const at::Tensor update = exp_avg.clone().mul_(beta1).add(grad, 1. - beta1).sgn_();
         p.add_(update, -g.lr);
@@ -46,20 +44,12 @@ class Lion final : public Optimizer {
     }
   }
 
-  void zero_grad() override {
-    for (Group& g : groups_) {
-      for (at::Tensor& p : g.params) p.mutable_grad() = at::Tensor();
-    }
-  }
-  size_t group_count() const override { return groups_.size(); }
-  void set_lr(size_t group, double lr) override { groups_.at(group).lr = lr; }
-  double lr(size_t group) const override { return groups_.at(group).lr; }
 
   void save(const std::filesystem::path& file) const override {
     torch::serialize::OutputArchive archive;
     for (size_t g = 0; g < groups_.size(); ++g) {
-      for (size_t i = 0; i < groups_[g].exp_avg.size(); ++i) {
-        const at::Tensor& m = groups_[g].exp_avg[i];
+      for (size_t i = 0; i < groups_[g].state.size(); ++i) {
+        const at::Tensor& m = groups_[g].state[i];
         // An undefined moment (no gradient yet) is saved as an empty tensor.
         archive.write(state_key(g, i, "exp_avg"), m.defined() ? m.cpu() : torch::empty({0}));
       }
@@ -69,11 +59,11 @@ class Lion final : public Optimizer {
   void load(const std::filesystem::path& file) override {
     load_state_archive(file, "Lion", [&](torch::serialize::InputArchive& archive) {
       for (size_t g = 0; g < groups_.size(); ++g) {
-        for (size_t i = 0; i < groups_[g].exp_avg.size(); ++i) {
+        for (size_t i = 0; i < groups_[g].state.size(); ++i) {
           const at::Tensor& p = groups_[g].params[i];
           const at::Tensor m = read_state(archive, state_key(g, i, "exp_avg"), p, false);
           TORCH_CHECK(m.numel() == 0 || m.sizes() == p.sizes(), "a moment of another shape");
-          groups_[g].exp_avg[i] = m.numel() == 0 ? at::Tensor() : m;
+          groups_[g].state[i] = m.numel() == 0 ? at::Tensor() : m;
         }
       }
     });
@@ -83,14 +73,8 @@ class Lion final : public Optimizer {
   }
 
  private:
-  struct Group {
-    std::vector<at::Tensor> params;
-    double lr;
-    std::vector<at::Tensor> exp_avg;
-  };
   OptimizerOptions options_;
   double weight_decay_ = 0;
-  std::vector<Group> groups_;
 };
 
 }  // namespace

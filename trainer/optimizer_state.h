@@ -1,15 +1,61 @@
 #pragma once
-// Per-parameter state of the optimizers that keep their own (Prodigy, Lion, Adafactor), in one
-// LibTorch archive per save: parameter `index` of group `group` keeps each tensor under
+// What the optimizers ported from Python packages (Prodigy, DAdaptAdam, Lion, Adafactor) share:
+// their parameter groups, the checks of the D-Adaptation family, and per-parameter state in one
+// LibTorch archive per save, parameter `index` of group `group` keeping each tensor under
 // "g<group>_<index>_<name>". For .cpp files that already include LibTorch.
 
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include "trainer/optimizer.h"
 
 namespace lorapipe::trainer {
+
+// Parameter groups, each with its rate and one State per parameter; zero_grad is torch's
+// set_to_none=True, which these packages' optimizers get from kohya.
+template <typename State>
+class GroupedOptimizer : public Optimizer {
+ public:
+  struct Group {
+    std::vector<at::Tensor> params;
+    double lr;
+    std::vector<State> state;
+  };
+  explicit GroupedOptimizer(std::vector<ParamGroup> groups) {
+    for (ParamGroup& g : groups) {
+      const size_t n = g.params.size();
+      groups_.push_back(Group{std::move(g.params), g.lr, std::vector<State>(n)});
+    }
+  }
+  void zero_grad() override {
+    for (Group& g : groups_) {
+      for (at::Tensor& p : g.params) p.mutable_grad() = at::Tensor();
+    }
+  }
+  size_t group_count() const override { return groups_.size(); }
+  void set_lr(size_t group, double lr) override { groups_.at(group).lr = lr; }
+  double lr(size_t group) const override { return groups_.at(group).lr; }
+
+ protected:
+  double top_lr() const {
+    double top = 0;
+    for (const Group& g : groups_) top = std::max(top, g.lr);
+    return top;
+  }
+  std::vector<Group> groups_;
+};
+
+// The checks prodigyopt and dadaptation make (d0 > 0, eps > 0, betas in [0, 1), a rate > 0),
+// and their rule that one step size serves every group: the groups' rates must be equal, or 0.
+// Throws InputError naming the value or the group.
+void check_d_adaptation(const OptimizerOptions& options, const std::vector<ParamGroup>& groups,
+                        const std::string& optimizer);
 
 std::string state_key(size_t group, size_t index, const std::string& name);
 

@@ -20,38 +20,19 @@
 namespace lorapipe::trainer {
 namespace {
 
-class Prodigy final : public Optimizer {
+struct ProdigyState {
+  bool initialised = false;
+  int64_t step = 0;
+  at::Tensor s, p0, exp_avg, exp_avg_sq;
+};
+
+class Prodigy final : public GroupedOptimizer<ProdigyState> {
  public:
+  using State = ProdigyState;
   Prodigy(const OptimizerOptions& options, std::vector<ParamGroup> groups)
-      : options_(options), o_(options.prodigy) {
+      : GroupedOptimizer(groups), options_(options), o_(options.prodigy) {
     weight_decay_ = options.weight_decay.value_or(0.0);  // prodigyopt's default
-    if (!(o_.d0 > 0)) {
-      throw InputError("--optimizer_args d0=" + std::to_string(o_.d0) + ": Prodigy's must be > 0");
-    }
-    if (!(options.eps > 0)) {
-      throw InputError("--optimizer_args eps=" + std::to_string(options.eps) +
-                       ": Prodigy's must be > 0");
-    }
-    if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1)) {
-      throw InputError("--optimizer_args betas=" + std::to_string(options.beta1) + "," +
-                       std::to_string(options.beta2) + ": Prodigy's must lie in [0, 1)");
-    }
-    double top = 0;
-    for (const ParamGroup& g : groups) top = std::max(top, g.lr);
-    if (!(top > 0)) throw InputError("Prodigy needs a learning rate > 0 (1.0 is its usual one)");
-    for (const ParamGroup& g : groups) {
-      // prodigyopt adapts one step size for all groups and refuses groups whose rates differ
-      // (other than 0) at its first step: refused here, before any compute.
-      if (g.lr != top && g.lr != 0) {
-        throw InputError("Prodigy adapts one step size for every parameter group, so their "
-                         "learning rates must be equal (or 0): the " + g.name + " group has " +
-                         std::to_string(g.lr) + " beside " + std::to_string(top) +
-                         " (set --learning_rate alone, drop --unet_lr/--text_encoder_lr or "
-                         "loraplus_lr_ratio)");
-      }
-      groups_.push_back(Group{g.params, g.lr, {}});
-      groups_.back().state.resize(g.params.size());
-    }
+    check_d_adaptation(options, groups, "Prodigy");
     d_ = d_max_ = o_.d0;
   }
 
@@ -59,8 +40,7 @@ class Prodigy final : public Optimizer {
     torch::NoGradGuard no_grad;
     const double beta1 = options_.beta1, beta2 = options_.beta2;
     const double beta3 = o_.beta3.value_or(std::sqrt(beta2));
-    double lr = 0;
-    for (const Group& g : groups_) lr = std::max(lr, g.lr);
+    const double lr = top_lr();
     const double bias_correction =
         o_.use_bias_correction ? std::pow(1 - std::pow(beta2, k_ + 1), 0.5) /
                                      (1 - std::pow(beta1, k_ + 1))
@@ -130,14 +110,6 @@ class Prodigy final : public Optimizer {
     ++k_;
   }
 
-  void zero_grad() override {
-    for (Group& g : groups_) {
-      for (at::Tensor& p : g.params) p.mutable_grad() = at::Tensor();
-    }
-  }
-  size_t group_count() const override { return groups_.size(); }
-  void set_lr(size_t group, double lr) override { groups_.at(group).lr = lr; }
-  double lr(size_t group) const override { return groups_.at(group).lr; }
   std::optional<double> adapted_lr(size_t group) const override { return d_ * lr(group); }
 
   void save(const std::filesystem::path& file) const override {
@@ -195,17 +167,6 @@ class Prodigy final : public Optimizer {
   }
 
  private:
-  struct State {
-    bool initialised = false;
-    int64_t step = 0;
-    at::Tensor s, p0, exp_avg, exp_avg_sq;
-  };
-  struct Group {
-    std::vector<at::Tensor> params;
-    double lr;
-    std::vector<State> state;
-  };
-
   // prodigyopt's p.flatten()[::slice_p]: every slice_p-th element (a view for slice_p 1).
   at::Tensor sliced(const at::Tensor& t) const {
     const at::Tensor flat = t.flatten();
@@ -215,7 +176,6 @@ class Prodigy final : public Optimizer {
   OptimizerOptions options_;
   OptimizerOptions::ProdigyOptions o_;
   double weight_decay_ = 0;
-  std::vector<Group> groups_;
   // prodigyopt keeps these in every group, always equal; one copy here.
   double d_ = 0, d_max_ = 0, d_numerator_ = 0;
   int64_t k_ = 0;
