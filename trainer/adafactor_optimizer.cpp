@@ -29,9 +29,13 @@ at::Tensor rms(const at::Tensor& t) {
 }
 
 struct AdafactorState {
+  bool initialised = false;
   int64_t step = 0;
   at::Tensor rms;                     // 0-d, the parameter's RMS before this step
   at::Tensor row, col, sq, exp_avg;  // factored moments, or the full one; the first moment
+  std::vector<std::pair<const char*, at::Tensor*>> tensors() {
+    return {{"rms", &rms}, {"row", &row}, {"col", &col}, {"sq", &sq}, {"exp_avg", &exp_avg}};
+  }
 };
 
 class Adafactor final : public GroupedOptimizer<AdafactorState> {
@@ -64,7 +68,8 @@ class Adafactor final : public GroupedOptimizer<AdafactorState> {
         }
         State& s = g.state[i];
         const bool factored = grad.dim() >= 2;
-        if (s.step == 0) {
+        if (!s.initialised) {
+          s.initialised = true;
           if (o_.beta1) s.exp_avg = torch::zeros_like(grad);
           if (factored) {
             std::vector<int64_t> row(grad.sizes().begin(), grad.sizes().end() - 1);
@@ -118,50 +123,33 @@ class Adafactor final : public GroupedOptimizer<AdafactorState> {
 
   void save(const std::filesystem::path& file) const override {
     torch::serialize::OutputArchive archive;
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      archive.write(state_key(g, 0, "reported_lr"),
-                    torch::tensor(reported_lr_[g], torch::kFloat64));
-      for (size_t i = 0; i < groups_[g].state.size(); ++i) {
-        const State& s = groups_[g].state[i];
-        archive.write(state_key(g, i, "step"), torch::tensor(s.step));
-        if (s.step == 0) continue;
-        archive.write(state_key(g, i, "rms"), s.rms.cpu());
-        for (const auto& [name, t] : {std::pair{"row", s.row}, std::pair{"col", s.col},
-                                      std::pair{"sq", s.sq}, std::pair{"exp_avg", s.exp_avg}}) {
-          if (t.defined()) archive.write(state_key(g, i, name), t.cpu());
-        }
-      }
-    }
+    archive.write("reported_lr", torch::tensor(reported_lr_, torch::kFloat64));
+    save_states(archive);
     archive.save_to(file.string());
   }
 
   void load(const std::filesystem::path& file) override {
     load_state_archive(file, "Adafactor", [&](torch::serialize::InputArchive& archive) {
-      for (size_t g = 0; g < groups_.size(); ++g) {
-        at::Tensor reported;
-        archive.read(state_key(g, 0, "reported_lr"), reported);
-        reported_lr_[g] = reported.item<double>();
-        for (size_t i = 0; i < groups_[g].state.size(); ++i) {
-          State& s = groups_[g].state[i];
-          const at::Tensor& p = groups_[g].params[i];
-          at::Tensor step;
-          archive.read(state_key(g, i, "step"), step);
-          s = State{};
-          s.step = step.item<int64_t>();
-          if (s.step == 0) continue;
-          s.rms = read_state(archive, state_key(g, i, "rms"), p, /*same_shape=*/false);
-          if (p.dim() >= 2) {  // factored: means over the last and the second-to-last dimension
-            s.row = read_state(archive, state_key(g, i, "row"), p, false);
-            s.col = read_state(archive, state_key(g, i, "col"), p, false);
-            TORCH_CHECK(s.row.numel() * p.size(-1) == p.numel() &&
-                            s.col.numel() * p.size(-2) == p.numel(),
-                        "factored state of another shape");
-          } else {
-            s.sq = read_state(archive, state_key(g, i, "sq"), p, true);
-          }
-          if (o_.beta1) s.exp_avg = read_state(archive, state_key(g, i, "exp_avg"), p, true);
-        }
+      at::Tensor reported;
+      archive.read("reported_lr", reported);
+      TORCH_CHECK(reported.numel() == static_cast<int64_t>(reported_lr_.size()), "groups");
+      for (size_t g = 0; g < reported_lr_.size(); ++g) {
+        reported_lr_[g] = reported[static_cast<int64_t>(g)].item<double>();
       }
+      load_states(archive, [&](const at::Tensor& p, const State& s) {
+        TORCH_CHECK(s.rms.defined(), "no RMS");
+        if (p.dim() >= 2) {  // factored: means over the last and the second-to-last dimension
+          TORCH_CHECK(s.row.defined() && s.col.defined() &&
+                          s.row.numel() * p.size(-1) == p.numel() &&
+                          s.col.numel() * p.size(-2) == p.numel(),
+                      "factored state of another shape");
+        } else {
+          TORCH_CHECK(s.sq.defined() && s.sq.sizes() == p.sizes(), "state of another shape");
+        }
+        TORCH_CHECK(s.exp_avg.defined() == o_.beta1.has_value() &&
+                        (!s.exp_avg.defined() || s.exp_avg.sizes() == p.sizes()),
+                    "first moment of another shape or another beta1");
+      });
     });
   }
 

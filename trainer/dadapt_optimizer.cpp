@@ -22,6 +22,9 @@ struct DAdaptState {
   bool initialised = false;
   int64_t step = 0;
   at::Tensor s, exp_avg, exp_avg_sq;
+  std::vector<std::pair<const char*, at::Tensor*>> tensors() {
+    return {{"s", &s}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
+  }
 };
 
 class DAdaptAdam final : public GroupedOptimizer<DAdaptState> {
@@ -103,16 +106,7 @@ class DAdaptAdam final : public GroupedOptimizer<DAdaptState> {
     torch::serialize::OutputArchive archive;
     const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
     archive.write("scalars", torch::tensor({d_, numerator_weighted_, static_cast<double>(k_)}, f64));
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      for (size_t i = 0; i < groups_[g].state.size(); ++i) {
-        const State& s = groups_[g].state[i];
-        archive.write(state_key(g, i, "step"), torch::tensor(s.initialised ? s.step : -1));
-        if (!s.initialised) continue;
-        archive.write(state_key(g, i, "s"), s.s.cpu());
-        archive.write(state_key(g, i, "exp_avg"), s.exp_avg.cpu());
-        archive.write(state_key(g, i, "exp_avg_sq"), s.exp_avg_sq.cpu());
-      }
-    }
+    save_states(archive);
     archive.save_to(file.string());
   }
 
@@ -124,21 +118,11 @@ class DAdaptAdam final : public GroupedOptimizer<DAdaptState> {
       d_ = scalars[0].item<double>();
       numerator_weighted_ = scalars[1].item<double>();
       k_ = static_cast<int64_t>(scalars[2].item<double>());
-      for (size_t g = 0; g < groups_.size(); ++g) {
-        for (size_t i = 0; i < groups_[g].state.size(); ++i) {
-          State& s = groups_[g].state[i];
-          const at::Tensor& p = groups_[g].params[i];
-          at::Tensor step;
-          archive.read(state_key(g, i, "step"), step);
-          s = State{};
-          if (step.item<int64_t>() < 0) continue;
-          s.initialised = true;
-          s.step = step.item<int64_t>();
-          s.s = read_state(archive, state_key(g, i, "s"), p, /*same_shape=*/true);
-          s.exp_avg = read_state(archive, state_key(g, i, "exp_avg"), p, true);
-          s.exp_avg_sq = read_state(archive, state_key(g, i, "exp_avg_sq"), p, true);
+      load_states(archive, [](const at::Tensor& p, const State& s) {
+        for (const at::Tensor* t : {&s.s, &s.exp_avg, &s.exp_avg_sq}) {
+          TORCH_CHECK(t->defined() && t->sizes() == p.sizes(), "state of another shape");
         }
-      }
+      });
     });
   }
 

@@ -17,8 +17,11 @@
 
 namespace lorapipe::trainer {
 
+std::string state_key(size_t group, size_t index, const std::string& name);
+
 // Parameter groups, each with its rate and one State per parameter; zero_grad is torch's
-// set_to_none=True, which these packages' optimizers get from kohya.
+// set_to_none=True, which these packages' optimizers get from kohya. A State has
+// `bool initialised`, `int64_t step` and `tensors()`, its tensors by name (undefined: unused).
 template <typename State>
 class GroupedOptimizer : public Optimizer {
  public:
@@ -43,6 +46,42 @@ class GroupedOptimizer : public Optimizer {
   double lr(size_t group) const override { return groups_.at(group).lr; }
 
  protected:
+  // Every parameter's step (-1: no state yet) and defined tensors.
+  void save_states(torch::serialize::OutputArchive& archive) const {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      for (size_t i = 0; i < groups_[g].state.size(); ++i) {
+        State s = groups_[g].state[i];  // tensors() hands out pointers; a copy shares the data
+        archive.write(state_key(g, i, "step"), torch::tensor(s.initialised ? s.step : -1));
+        if (!s.initialised) continue;
+        for (const auto& [name, t] : s.tensors()) {
+          if (t->defined()) archive.write(state_key(g, i, name), t->cpu());
+        }
+      }
+    }
+  }
+  // Reads them back, each tensor onto its parameter's device; `check` then verifies a loaded
+  // state against its parameter (throwing c10::Error, which load_state_archive names the file
+  // for).
+  void load_states(torch::serialize::InputArchive& archive,
+                   const std::function<void(const at::Tensor& param, const State&)>& check) {
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      for (size_t i = 0; i < groups_[g].state.size(); ++i) {
+        State& s = groups_[g].state[i];
+        const at::Tensor& p = groups_[g].params[i];
+        at::Tensor step;
+        archive.read(state_key(g, i, "step"), step);
+        s = State{};
+        if (step.item<int64_t>() < 0) continue;
+        s.initialised = true;
+        s.step = step.item<int64_t>();
+        for (const auto& [name, t] : s.tensors()) {
+          if (archive.try_read(state_key(g, i, name), *t)) *t = t->to(p.device());
+        }
+        check(p, s);
+      }
+    }
+  }
+
   double top_lr() const {
     double top = 0;
     for (const Group& g : groups_) top = std::max(top, g.lr);
@@ -56,8 +95,6 @@ class GroupedOptimizer : public Optimizer {
 // Throws InputError naming the value or the group.
 void check_d_adaptation(const OptimizerOptions& options, const std::vector<ParamGroup>& groups,
                         const std::string& optimizer);
-
-std::string state_key(size_t group, size_t index, const std::string& name);
 
 // The tensor under `key`, on `param`'s device; with `same_shape`, it must have param's shape.
 // Throws c10::Error (load_state_archive turns it into an InputError naming the file).

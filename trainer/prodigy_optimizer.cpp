@@ -24,6 +24,9 @@ struct ProdigyState {
   bool initialised = false;
   int64_t step = 0;
   at::Tensor s, p0, exp_avg, exp_avg_sq;
+  std::vector<std::pair<const char*, at::Tensor*>> tensors() {
+    return {{"s", &s}, {"p0", &p0}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
+  }
 };
 
 class Prodigy final : public GroupedOptimizer<ProdigyState> {
@@ -116,17 +119,7 @@ class Prodigy final : public GroupedOptimizer<ProdigyState> {
     torch::serialize::OutputArchive archive;
     const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
     archive.write("scalars", torch::tensor({d_, d_max_, d_numerator_, static_cast<double>(k_)}, f64));
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      for (size_t i = 0; i < groups_[g].state.size(); ++i) {
-        const State& s = groups_[g].state[i];
-        archive.write(state_key(g, i, "step"), torch::tensor(s.initialised ? s.step : -1));
-        if (!s.initialised) continue;
-        archive.write(state_key(g, i, "s"), s.s.cpu());
-        archive.write(state_key(g, i, "p0"), s.p0.cpu());
-        archive.write(state_key(g, i, "exp_avg_sq"), s.exp_avg_sq.cpu());
-        if (s.exp_avg.defined()) archive.write(state_key(g, i, "exp_avg"), s.exp_avg.cpu());
-      }
-    }
+    save_states(archive);
     archive.save_to(file.string());
   }
 
@@ -139,26 +132,16 @@ class Prodigy final : public GroupedOptimizer<ProdigyState> {
       d_max_ = scalars[1].item<double>();
       d_numerator_ = scalars[2].item<double>();
       k_ = static_cast<int64_t>(scalars[3].item<double>());
-      for (size_t g = 0; g < groups_.size(); ++g) {
-        for (size_t i = 0; i < groups_[g].state.size(); ++i) {
-          State& s = groups_[g].state[i];
-          const at::Tensor& p = groups_[g].params[i];
-          at::Tensor step;
-          archive.read(state_key(g, i, "step"), step);
-          s = State{};
-          if (step.item<int64_t>() < 0) continue;
-          s.initialised = true;
-          s.step = step.item<int64_t>();
-          s.s = read_state(archive, state_key(g, i, "s"), p, /*same_shape=*/false);
-          s.p0 = read_state(archive, state_key(g, i, "p0"), p, /*same_shape=*/false);
-          // s and p0 hold every slice_p-th element (p0 may be prodigyopt's 0-d zero).
-          const int64_t n = sliced(p).numel();
-          TORCH_CHECK(s.s.numel() == n && (s.p0.dim() == 0 || s.p0.numel() == n),
-                      "state saved with another slice_p");
-          s.exp_avg_sq = read_state(archive, state_key(g, i, "exp_avg_sq"), p, true);
-          if (options_.beta1 > 0) s.exp_avg = read_state(archive, state_key(g, i, "exp_avg"), p, true);
-        }
-      }
+      load_states(archive, [&](const at::Tensor& p, const State& s) {
+        // s and p0 hold every slice_p-th element (p0 may be prodigyopt's 0-d zero).
+        const int64_t n = sliced(p).numel();
+        TORCH_CHECK(s.s.numel() == n && (s.p0.dim() == 0 || s.p0.numel() == n),
+                    "state saved with another slice_p");
+        TORCH_CHECK(s.exp_avg_sq.sizes() == p.sizes() &&
+                        s.exp_avg.defined() == (options_.beta1 > 0) &&
+                        (!s.exp_avg.defined() || s.exp_avg.sizes() == p.sizes()),
+                    "moments of another shape or another beta1");
+      });
     });
   }
 
