@@ -121,43 +121,32 @@ class Adafactor final : public GroupedOptimizer<AdafactorState> {
     return o_.relative_step ? reported_lr_.at(group) : groups_.at(group).lr;
   }
 
-  void save(const std::filesystem::path& file) const override {
-    torch::serialize::OutputArchive archive;
-    archive.write("reported_lr", torch::tensor(reported_lr_, torch::kFloat64));
-    save_states(archive);
-    archive.save_to(file.string());
-  }
-
-  void load(const std::filesystem::path& file) override {
-    load_state_archive(file, "Adafactor", [&](torch::serialize::InputArchive& archive) {
-      at::Tensor reported;
-      archive.read("reported_lr", reported);
-      TORCH_CHECK(reported.numel() == static_cast<int64_t>(reported_lr_.size()), "groups");
-      for (size_t g = 0; g < reported_lr_.size(); ++g) {
-        reported_lr_[g] = reported[static_cast<int64_t>(g)].item<double>();
-      }
-      load_states(archive, [&](const at::Tensor& p, const State& s) {
-        TORCH_CHECK(s.rms.defined(), "no RMS");
-        if (p.dim() >= 2) {  // factored: means over the last and the second-to-last dimension
-          TORCH_CHECK(s.row.defined() && s.col.defined() &&
-                          s.row.numel() * p.size(-1) == p.numel() &&
-                          s.col.numel() * p.size(-2) == p.numel(),
-                      "factored state of another shape");
-        } else {
-          TORCH_CHECK(s.sq.defined() && s.sq.sizes() == p.sizes(), "state of another shape");
-        }
-        TORCH_CHECK(s.exp_avg.defined() == o_.beta1.has_value() &&
-                        (!s.exp_avg.defined() || s.exp_avg.sizes() == p.sizes()),
-                    "first moment of another shape or another beta1");
-      });
-    });
-  }
-
   std::string describe() const override {
     return kohya_optimizer_name("transformers.optimization.Adafactor", options_);
   }
 
  private:
+  std::string name() const override { return "Adafactor"; }
+  std::vector<double*> scalars() override {
+    std::vector<double*> out;
+    for (double& lr : reported_lr_) out.push_back(&lr);
+    return out;
+  }
+  void check_loaded(const at::Tensor& p, const State& s) const override {
+    TORCH_CHECK(s.rms.defined(), "no RMS");
+    if (p.dim() >= 2) {  // factored: means over the last and the second-to-last dimension
+      TORCH_CHECK(s.row.defined() && s.col.defined() &&
+                      s.row.numel() * p.size(-1) == p.numel() &&
+                      s.col.numel() * p.size(-2) == p.numel(),
+                  "factored state of another shape");
+    } else {
+      TORCH_CHECK(s.sq.defined() && s.sq.sizes() == p.sizes(), "state of another shape");
+    }
+    TORCH_CHECK(s.exp_avg.defined() == o_.beta1.has_value() &&
+                    (!s.exp_avg.defined() || s.exp_avg.sizes() == p.sizes()),
+                "first moment of another shape or another beta1");
+  }
+
   // transformers' _get_lr. Its result is a Python float, or a 0-d fp32 tensor when
   // scale_parameter picks the parameter's RMS (max(eps2, RMS) returns the tensor); the update is
   // multiplied by whichever it is, as transformers multiplies.

@@ -102,35 +102,19 @@ class DAdaptAdam final : public GroupedOptimizer<DAdaptState> {
 
   std::optional<double> adapted_lr(size_t group) const override { return d_ * lr(group); }
 
-  void save(const std::filesystem::path& file) const override {
-    torch::serialize::OutputArchive archive;
-    const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
-    archive.write("scalars", torch::tensor({d_, numerator_weighted_, static_cast<double>(k_)}, f64));
-    save_states(archive);
-    archive.save_to(file.string());
-  }
-
-  void load(const std::filesystem::path& file) override {
-    load_state_archive(file, "DAdaptAdam", [&](torch::serialize::InputArchive& archive) {
-      at::Tensor scalars;
-      archive.read("scalars", scalars);
-      TORCH_CHECK(scalars.numel() == 3, "scalars");
-      d_ = scalars[0].item<double>();
-      numerator_weighted_ = scalars[1].item<double>();
-      k_ = static_cast<int64_t>(scalars[2].item<double>());
-      load_states(archive, [](const at::Tensor& p, const State& s) {
-        for (const at::Tensor* t : {&s.s, &s.exp_avg, &s.exp_avg_sq}) {
-          TORCH_CHECK(t->defined() && t->sizes() == p.sizes(), "state of another shape");
-        }
-      });
-    });
-  }
-
   std::string describe() const override {
     return kohya_optimizer_name("dadaptation.dadapt_adam.DAdaptAdam", options_);
   }
 
  private:
+  std::string name() const override { return "DAdaptAdam"; }
+  std::vector<double*> scalars() override { return {&d_, &numerator_weighted_, &k_}; }
+  void check_loaded(const at::Tensor& p, const State& s) const override {
+    for (const at::Tensor* t : {&s.s, &s.exp_avg, &s.exp_avg_sq}) {
+      TORCH_CHECK(t->defined() && t->sizes() == p.sizes(), "state of another shape");
+    }
+  }
+
   // dadaptation's decouple defaults to False (Prodigy's to True).
   bool decouple_() const { return options_.decouple_given ? o_.decouple : false; }
 
@@ -138,7 +122,7 @@ class DAdaptAdam final : public GroupedOptimizer<DAdaptState> {
   OptimizerOptions::ProdigyOptions o_;  // d0, growth_rate, decouple, use_bias_correction
   double weight_decay_ = 0;
   double d_ = 0, numerator_weighted_ = 0;
-  int64_t k_ = 0;
+  double k_ = 0;  // steps taken (a double: saved with the other scalars)
 };
 
 }  // namespace

@@ -14,8 +14,15 @@
 namespace lorapipe::trainer {
 namespace {
 
-// Each parameter's state: its moment (undefined until its first gradient).
-class Lion final : public GroupedOptimizer<at::Tensor> {
+// Each parameter's state: its moment, from its first gradient on.
+struct LionState {
+  bool initialised = false;
+  int64_t step = 0;
+  at::Tensor exp_avg;
+  std::vector<std::pair<const char*, at::Tensor*>> tensors() { return {{"exp_avg", &exp_avg}}; }
+};
+
+class Lion final : public GroupedOptimizer<LionState> {
  public:
   Lion(const OptimizerOptions& options, std::vector<ParamGroup> groups)
       : GroupedOptimizer(std::move(groups)), options_(options) {
@@ -34,8 +41,13 @@ class Lion final : public GroupedOptimizer<at::Tensor> {
         at::Tensor& p = g.params[i];
         if (!p.grad().defined()) continue;
         const at::Tensor& grad = p.grad();
-        if (!g.state[i].defined()) g.state[i] = torch::zeros_like(p);
-        at::Tensor& exp_avg = g.state[i];
+        LionState& s = g.state[i];
+        if (!s.initialised) {
+          s.initialised = true;
+          s.exp_avg = torch::zeros_like(p);
+        }
+        ++s.step;
+        at::Tensor& exp_avg = s.exp_avg;
         p.mul_(1. - g.lr * weight_decay_);
         const at::Tensor update = exp_avg.clone().mul_(beta1).add(grad, 1. - beta1).sgn_();
         p.add_(update, -g.lr);
@@ -45,34 +57,16 @@ class Lion final : public GroupedOptimizer<at::Tensor> {
   }
 
 
-  void save(const std::filesystem::path& file) const override {
-    torch::serialize::OutputArchive archive;
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      for (size_t i = 0; i < groups_[g].state.size(); ++i) {
-        const at::Tensor& m = groups_[g].state[i];
-        // An undefined moment (no gradient yet) is saved as an empty tensor.
-        archive.write(state_key(g, i, "exp_avg"), m.defined() ? m.cpu() : torch::empty({0}));
-      }
-    }
-    archive.save_to(file.string());
-  }
-  void load(const std::filesystem::path& file) override {
-    load_state_archive(file, "Lion", [&](torch::serialize::InputArchive& archive) {
-      for (size_t g = 0; g < groups_.size(); ++g) {
-        for (size_t i = 0; i < groups_[g].state.size(); ++i) {
-          const at::Tensor& p = groups_[g].params[i];
-          const at::Tensor m = read_state(archive, state_key(g, i, "exp_avg"), p, false);
-          TORCH_CHECK(m.numel() == 0 || m.sizes() == p.sizes(), "a moment of another shape");
-          groups_[g].state[i] = m.numel() == 0 ? at::Tensor() : m;
-        }
-      }
-    });
-  }
   std::string describe() const override {
     return kohya_optimizer_name("lion_pytorch.lion_pytorch.Lion", options_);
   }
 
  private:
+  std::string name() const override { return "Lion"; }
+  void check_loaded(const at::Tensor& p, const LionState& s) const override {
+    TORCH_CHECK(s.exp_avg.defined() && s.exp_avg.sizes() == p.sizes(), "a moment of another shape");
+  }
+
   OptimizerOptions options_;
   double weight_decay_ = 0;
 };

@@ -216,6 +216,36 @@ TEST(DAdaptAdamParity, MatchesDadaptationBitForBit) {
   run_case(c, "dadapt_branches");
 }
 
+// A saved state resumed under another optimizer or other arguments is refused naming the file,
+// not half-loaded: Prodigy's state under Lion, and under Prodigy with another slice_p.
+TEST(OptimizerState, StateOfAnotherOptimizerOrSettingIsRefusedNamingTheFile) {
+  auto make = [](const std::string& type, std::vector<std::string> args) {
+    OptimizerOptions options;
+    options.type = type;
+    apply_optimizer_args(options, args);
+    torch::manual_seed(3);
+    std::vector<ParamGroup> groups{{{torch::randn({4, 9}).requires_grad_(true)}, 1.0, "unet"}};
+    std::unique_ptr<Optimizer> o = make_optimizer(options, groups);
+    groups[0].params[0].mutable_grad() = torch::randn({4, 9});
+    o->step();
+    return o;
+  };
+  const fs::path dir = models::testing::make_temp_dir("optimizer-state");
+  const fs::path file = dir / "prodigy.pt";
+  make("Prodigy", {})->save(file);
+  EXPECT_NO_THROW(make("Prodigy", {})->load(file));
+  for (const auto& [type, args] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"Lion", {}}, {"Prodigy", {"slice_p=3"}}, {"DAdaptAdam", {}}, {"Adafactor", {}}}) {
+    try {
+      make(type, args)->load(file);
+      ADD_FAILURE() << type << " took Prodigy's state";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(file.string()), std::string::npos) << e.what();
+    }
+  }
+  fs::remove_all(dir);
+}
+
 TEST(ProdigyParity, RefusesWhatProdigyoptRefuses) {
   auto make = [](std::vector<std::string> args, double lr0, double lr1) {
     OptimizerOptions options;

@@ -10,15 +10,6 @@ std::string state_key(size_t group, size_t index, const std::string& name) {
   return "g" + std::to_string(group) + "_" + std::to_string(index) + "_" + name;
 }
 
-at::Tensor read_state(torch::serialize::InputArchive& archive, const std::string& key,
-                      const at::Tensor& param, bool same_shape) {
-  at::Tensor t;
-  archive.read(key, t);
-  TORCH_CHECK(!same_shape || t.sizes() == param.sizes(), key, " is ", t.sizes(),
-              ", its parameter ", param.sizes());
-  return t.to(param.device());
-}
-
 void check_d_adaptation(const OptimizerOptions& options, const std::vector<ParamGroup>& groups,
                         const std::string& optimizer) {
   if (!(options.prodigy.d0 > 0)) {

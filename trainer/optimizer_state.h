@@ -45,7 +45,38 @@ class GroupedOptimizer : public Optimizer {
   void set_lr(size_t group, double lr) override { groups_.at(group).lr = lr; }
   double lr(size_t group) const override { return groups_.at(group).lr; }
 
+  // The state: the optimizer's scalars(), then every parameter's step (-1: no state yet) and
+  // defined tensors. Loading reads each tensor onto its parameter's device and lets
+  // check_loaded() verify it; any mismatch is an InputError naming the file.
+  void save(const std::filesystem::path& file) const override {
+    torch::serialize::OutputArchive archive;
+    std::vector<double> values;
+    for (double* v : const_cast<GroupedOptimizer*>(this)->scalars()) values.push_back(*v);
+    archive.write("scalars", torch::tensor(values, torch::kFloat64));
+    save_states(archive);
+    archive.save_to(file.string());
+  }
+  void load(const std::filesystem::path& file) override {
+    load_state_archive(file, name(), [&](torch::serialize::InputArchive& archive) {
+      at::Tensor values;
+      archive.read("scalars", values);
+      const std::vector<double*> targets = scalars();
+      TORCH_CHECK(values.numel() == static_cast<int64_t>(targets.size()), "scalars");
+      for (size_t k = 0; k < targets.size(); ++k) {
+        *targets[k] = values[static_cast<int64_t>(k)].item<double>();
+      }
+      load_states(archive, [&](const at::Tensor& p, const State& s) { check_loaded(p, s); });
+    });
+  }
+
  protected:
+  // For errors: "Prodigy", ...
+  virtual std::string name() const = 0;
+  // The optimizer's own numbers that are state (a step-size estimate, a step count).
+  virtual std::vector<double*> scalars() { return {}; }
+  // Throws c10::Error when a loaded state does not fit its parameter.
+  virtual void check_loaded(const at::Tensor& /*param*/, const State& /*state*/) const {}
+
   // Every parameter's step (-1: no state yet) and defined tensors.
   void save_states(torch::serialize::OutputArchive& archive) const {
     for (size_t g = 0; g < groups_.size(); ++g) {
@@ -95,11 +126,6 @@ class GroupedOptimizer : public Optimizer {
 // Throws InputError naming the value or the group.
 void check_d_adaptation(const OptimizerOptions& options, const std::vector<ParamGroup>& groups,
                         const std::string& optimizer);
-
-// The tensor under `key`, on `param`'s device; with `same_shape`, it must have param's shape.
-// Throws c10::Error (load_state_archive turns it into an InputError naming the file).
-at::Tensor read_state(torch::serialize::InputArchive& archive, const std::string& key,
-                      const at::Tensor& param, bool same_shape);
 
 // Opens `file` and hands it to `read`; any failure, in the file or in `read`, becomes an
 // InputError naming the file and `optimizer`.

@@ -115,41 +115,23 @@ class Prodigy final : public GroupedOptimizer<ProdigyState> {
 
   std::optional<double> adapted_lr(size_t group) const override { return d_ * lr(group); }
 
-  void save(const std::filesystem::path& file) const override {
-    torch::serialize::OutputArchive archive;
-    const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
-    archive.write("scalars", torch::tensor({d_, d_max_, d_numerator_, static_cast<double>(k_)}, f64));
-    save_states(archive);
-    archive.save_to(file.string());
-  }
-
-  void load(const std::filesystem::path& file) override {
-    load_state_archive(file, "Prodigy", [&](torch::serialize::InputArchive& archive) {
-      at::Tensor scalars;
-      archive.read("scalars", scalars);
-      TORCH_CHECK(scalars.numel() == 4, "scalars");
-      d_ = scalars[0].item<double>();
-      d_max_ = scalars[1].item<double>();
-      d_numerator_ = scalars[2].item<double>();
-      k_ = static_cast<int64_t>(scalars[3].item<double>());
-      load_states(archive, [&](const at::Tensor& p, const State& s) {
-        // s and p0 hold every slice_p-th element (p0 may be prodigyopt's 0-d zero).
-        const int64_t n = sliced(p).numel();
-        TORCH_CHECK(s.s.numel() == n && (s.p0.dim() == 0 || s.p0.numel() == n),
-                    "state saved with another slice_p");
-        TORCH_CHECK(s.exp_avg_sq.sizes() == p.sizes() &&
-                        s.exp_avg.defined() == (options_.beta1 > 0) &&
-                        (!s.exp_avg.defined() || s.exp_avg.sizes() == p.sizes()),
-                    "moments of another shape or another beta1");
-      });
-    });
-  }
-
   std::string describe() const override {
     return kohya_optimizer_name("prodigyopt.prodigy.Prodigy", options_);
   }
 
  private:
+  std::string name() const override { return "Prodigy"; }
+  std::vector<double*> scalars() override { return {&d_, &d_max_, &d_numerator_, &k_}; }
+  void check_loaded(const at::Tensor& p, const State& s) const override {
+    // s and p0 hold every slice_p-th element (p0 may be prodigyopt's 0-d zero).
+    const int64_t n = sliced(p).numel();
+    TORCH_CHECK(s.s.numel() == n && (s.p0.dim() == 0 || s.p0.numel() == n),
+                "state saved with another slice_p");
+    TORCH_CHECK(s.exp_avg_sq.sizes() == p.sizes() && s.exp_avg.defined() == (options_.beta1 > 0) &&
+                    (!s.exp_avg.defined() || s.exp_avg.sizes() == p.sizes()),
+                "moments of another shape or another beta1");
+  }
+
   // prodigyopt's p.flatten()[::slice_p]: every slice_p-th element (a view for slice_p 1).
   at::Tensor sliced(const at::Tensor& t) const {
     const at::Tensor flat = t.flatten();
@@ -161,7 +143,7 @@ class Prodigy final : public GroupedOptimizer<ProdigyState> {
   double weight_decay_ = 0;
   // prodigyopt keeps these in every group, always equal; one copy here.
   double d_ = 0, d_max_ = 0, d_numerator_ = 0;
-  int64_t k_ = 0;
+  double k_ = 0;  // steps taken (a double: saved with the other scalars)
 };
 
 }  // namespace
