@@ -1071,7 +1071,7 @@ class SamplerWithTrainer : public TrainRunTest {};
 
 // A sampler that takes 10 s per image leaves the trainer's time unchanged: the trainer publishes
 // and never waits. Measured as the trainer's wall time with such a sampler subscribed, against
-// the same run with none, each twice and interleaved, the faster of each pair compared (40 steps,
+// the same run with none, three times each and interleaved, the fastest of each compared (40 steps,
 // a save every 5). Tolerance 1.3: the sampler's own work while the trainer runs is one render of
 // two 64x64 images in 4 steps and then sleep; a trainer that waited on it even once would take
 // 10 s more, over four times its time. In a real run the sampler has a device of its own; here it
@@ -1093,7 +1093,12 @@ TEST_F(SamplerWithTrainer, SlowSamplerLeavesTheTrainersTimeUnchanged) {
            "--sample_prompts=" + (work_ / "prompts.txt").string(), "--output_dir=" + out.string(),
            "--sub=" + endpoint, "--device=cpu", "--threads=1", "--delay_per_image_s=10"},
           out / "sampler.out", out / "sampler.err");
-      std::this_thread::sleep_for(std::chrono::seconds(1));  // let it load and subscribe
+      // Timing starts once it has loaded its model and subscribed (its log says "following"),
+      // so its start-up is not counted against the trainer.
+      for (int wait = 0; wait < 600; ++wait) {
+        if (read_text(out / "sampler.err").find("following") != std::string::npos) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
     }
     const auto start = std::chrono::steady_clock::now();
     const TrainRun r =
@@ -1118,11 +1123,13 @@ TEST_F(SamplerWithTrainer, SlowSamplerLeavesTheTrainersTimeUnchanged) {
     }
     return seconds;
   };
-  const double alone1 = timed_run("alone1", false);
-  const double with1 = timed_run("with1", true);
-  const double alone2 = timed_run("alone2", false);
-  const double with2 = timed_run("with2", true);
-  const double alone = std::min(alone1, alone2), with = std::min(with1, with2);
+  // Three interleaved pairs, the fastest of each kind: a test ctest runs beside this one can
+  // take a core during any single run.
+  double alone = 1e30, with = 1e30;
+  for (int pair = 0; pair < 3; ++pair) {
+    alone = std::min(alone, timed_run("alone" + std::to_string(pair), false));
+    with = std::min(with, timed_run("with" + std::to_string(pair), true));
+  }
   std::printf("[sampler] trainer alone %.2f s, with a 10 s/image sampler %.2f s: ratio %.2f\n",
               alone, with, with / alone);
   EXPECT_LT(with / alone, 1.3);
