@@ -21,7 +21,7 @@
 //       of torch.cuda.max_memory_allocated and memory_allocated, free of the heap's slack.
 //   trainer_bench solo tiny|full [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16]
 //       [--batch N] [--resolution PX] [--steps N] [--gradient_checkpointing] [--threads N]
-//       [--peak_tflops T]
+//       [--peak_tflops T] [--optimizer_type NAME [--optimizer_args K=V ...] [--learning_rate LR]]
 //       the same step alone, on the UNet's own random initialisation and random inputs (no files,
 //       no Python: what tests/gpu/run.sh runs on a GPU machine). The base is frozen in --dtype
 //       (the LoRA stays fp32, as --mixed_precision trains), batch 1 at 512x512 (64x64 latents)
@@ -32,7 +32,10 @@
 //       the data-centre GPUs we know; otherwise not printed). A step's model FLOPs are the
 //       UNet forward's (models::unet_forward_flops) twice over: the frozen base's backward
 //       computes input gradients only, about the forward's work again; checkpointing's
-//       recomputation is not counted, as MFU conventionally leaves it out.
+//       recomputation is not counted, as MFU conventionally leaves it out. --optimizer_type
+//       takes the trainer's names (AdamW by default) and --learning_rate the step's rate (1e-4
+//       by default; Prodigy and DAdaptAdam want 1.0), so each optimizer runs on the device where
+//       the trainer would run it; the line names it.
 // Runs under the trainer's heap policy (common/heap.h), as lorapipe-trainer does. Nothing here is
 // a test.
 #include <sys/resource.h>
@@ -299,6 +302,9 @@ int solo(const std::string& size, int argc, char** argv) {
   int64_t batch = 1, resolution = size == "tiny" ? 128 : 512, steps = 5;
   bool checkpointing = false;
   double peak_tflops = -1;
+  t::OptimizerOptions optimizer;
+  std::vector<std::string> optimizer_args;
+  double learning_rate = -1;
   for (int i = 3; i < argc; ++i) {
     const std::string flag = argv[i];
     auto value = [&]() -> std::string {
@@ -321,6 +327,14 @@ int solo(const std::string& size, int argc, char** argv) {
       at::set_num_threads(std::stoi(value()));
     } else if (flag == "--peak_tflops") {
       peak_tflops = std::stod(value());
+    } else if (flag == "--optimizer_type") {
+      optimizer.type = value();
+    } else if (flag == "--optimizer_args") {
+      while (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
+        optimizer_args.emplace_back(argv[++i]);
+      }
+    } else if (flag == "--learning_rate") {
+      learning_rate = std::stod(value());
     } else {
       throw std::invalid_argument("unknown flag '" + flag + "'");
     }
@@ -347,6 +361,9 @@ int solo(const std::string& size, int argc, char** argv) {
   t::StepOptions options;
   options.base_dtype = dtype;
   options.gradient_checkpointing = checkpointing;
+  t::apply_optimizer_args(optimizer, optimizer_args);
+  options.optimizer = optimizer;
+  if (learning_rate > 0) options.optimizer_groups.learning_rate = learning_rate;
   t::TrainingStep step(model, network, options);
 
   const m::UNetConfig& config = model.unet->config();
@@ -369,8 +386,9 @@ int solo(const std::string& size, int argc, char** argv) {
   synchronize(device);
   const double seconds = ms_since(start) / 1e3 / static_cast<double>(steps);
   const double flops = 2 * m::unet_forward_flops(config, batch, side, side, 77);
-  std::printf("%s %s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, peak allocated %.0f MiB",
+  std::printf("%s %s %s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, peak allocated %.0f MiB",
               size.c_str(), m::describe_device(device).c_str(), dtype_name.c_str(),
+              optimizer.type.c_str(),
               static_cast<long long>(batch), static_cast<long long>(resolution),
               static_cast<long long>(resolution), checkpointing ? ", checkpointing" : "", seconds,
               static_cast<double>(batch) / seconds, peak_allocated_mib(device));

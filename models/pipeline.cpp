@@ -491,7 +491,7 @@ at::Tensor StableDiffusion::denoise(const at::Tensor& noisy_latents, const at::T
 
 std::vector<LoraTarget> StableDiffusion::lora_targets(bool with_text_encoder, bool conv_kxk) const {
   std::vector<LoraTarget> targets = unet_lora_targets(unet, conv_kxk);
-  if (with_text_encoder) {
+  if (with_text_encoder && text_encoder) {  // a model loaded without one has none of its targets
     for (LoraTarget& t : text_encoder_lora_targets(text_encoder)) targets.push_back(std::move(t));
   }
   return targets;

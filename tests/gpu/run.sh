@@ -25,7 +25,9 @@
 #     fused AdamW (and bitsandbytes' CUDA AdamW8bit where present), the memory-bandwidth bound
 #     it is measured against, and paged against plain device memory.
 #   - bench/trainer_bench.cpp's `solo` step at SD1.5 size on CUDA: 512^2, bf16, batch 1 and 8,
-#     with and without gradient checkpointing; s/it, peak allocated memory and MFU.
+#     with and without gradient checkpointing; s/it, peak allocated memory and MFU. Then batch 1
+#     again with each of the trainer's other optimizers (AdamW8bit, PagedAdamW8bit, Prodigy,
+#     DAdaptAdam, Lion, Adafactor).
 #   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps;
 #     s/image and peak allocated memory.
 # Not yet here: two-rank NCCL training (one GPU cannot hold two NCCL ranks) and a launcher run
@@ -116,6 +118,17 @@ for batch in 1 8; do
     "${BUILD}/bin/trainer_bench" solo full --device cuda --dtype bf16 --batch "${batch}" \
       --steps 10 ${checkpointing} | tee -a "${OUT}/bench.txt" || FAILED+=("trainer_bench b${batch}${checkpointing}")
   done
+done
+
+step "bench: the same step with each of the trainer's other optimizers (batch 1, bf16)"
+# Each optimizer's update runs on the device the LoRA lives on; the CPU tests check them bit for
+# bit against their packages, this checks that they run on CUDA and what they cost there.
+for spec in AdamW8bit PagedAdamW8bit Prodigy:1.0 DAdaptAdam:1.0 Lion:3e-5 Adafactor; do
+  name="${spec%%:*}" lr="${spec#*:}"
+  [[ ${lr} == "${name}" ]] && lr=1e-4
+  "${BUILD}/bin/trainer_bench" solo full --device cuda --dtype bf16 --batch 1 --steps 10 \
+    --optimizer_type "${name}" --learning_rate "${lr}" | tee -a "${OUT}/bench.txt" \
+    || FAILED+=("trainer_bench ${name}")
 done
 
 step "bench: one preview render at SD1.5 size on CUDA, bf16, 512x512, 20 steps"
