@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <toml++/toml.h>
 
 #include "common/error.h"
+#include "common/kohya_flags.h"
 #include "deploy/launcher.h"
 
 namespace lorapipe::launcher {
@@ -82,7 +84,11 @@ std::vector<FlagInfo> make_table() {
         "loss_type", "huber_schedule", "huber_c", "huber_scale", "sample_every_n_steps",
         "sample_every_n_epochs", "checkpoint_reannounce_s", "network_module", "save_model_as",
         "log_with", "logging_dir", "log_prefix", "v_pred_like_loss", "ip_noise_gamma",
-        "scale_weight_norms"}) {
+        "scale_weight_norms", "save_last_n_steps_state", "save_last_n_epochs_state",
+        "metadata_title", "metadata_author", "metadata_description", "metadata_license",
+        "metadata_tags", "metadata_trigger_phrase", "metadata_usage_hint", "metadata_thumbnail",
+        "metadata_merged_from", "metadata_preprocessor", "metadata_is_negative_embedding",
+        "console_log_level", "console_log_file"}) {
     value(name, {S::kTrainer});
   }
   for (const char* name :
@@ -92,7 +98,7 @@ std::vector<FlagInfo> make_table() {
         "xformers", "mem_eff_attn", "persistent_data_loader_workers", "sample_at_first",
         "no_half_vae", "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",
         "debiased_estimation_loss", "ip_noise_gamma_random_strength", "zero_terminal_snr",
-        "weighted_captions"}) {
+        "weighted_captions", "save_state_on_train_end", "no_metadata", "use_lion_optimizer"}) {
     boolean(name, {S::kTrainer});
   }
   // sampler
@@ -124,12 +130,27 @@ bool multi_value(const std::string& name) {
 std::string canonical(const std::string& name) {
   if (name == "model") return "pretrained_model_name_or_path";
   if (name == "train_data_dir") return "data_dir";  // kohya's name
+  if (name == "caption_extention") return "caption_extension";  // kohya's old spelling
   if (name == "output_dir") return "output";
+  if (name == "config_file") return "config";  // kohya's name (kohya_ss's GUI writes these)
   return name;
 }
 
+// A kohya flag lorapipe does not act on (common/kohya_flags.h): taken at kohya's default,
+// refused naming it and why otherwise; it goes to no stage.
+bool take_foreign(const std::string& name, const std::string& value) {
+  if (name == "save_state") return true;  // lorapipe run always saves states, for lorapipe resume
+  const kohya::ForeignFlag* foreign = kohya::find_foreign_flag(name);
+  if (foreign == nullptr) return false;
+  (void)kohya::check_foreign_flag(*foreign, value);
+  return true;
+}
+
 void check_known(const std::string& name) {
-  if (name == "output" || name == "config" || find_flag(name) != nullptr) return;
+  if (name == "output" || name == "config" || name == "save_state" || find_flag(name) != nullptr ||
+      kohya::find_foreign_flag(name) != nullptr) {
+    return;
+  }
   throw InputError("unknown flag --" + name +
                    " (lorapipe run takes the stages' kohya-style flags; see lorapipe help)");
 }
@@ -183,7 +204,12 @@ void Settings::set(const std::string& name, const std::string& value) {
 
 std::vector<FlagInfo> flag_table() { return table(); }
 
-std::vector<std::pair<std::string, std::string>> read_config(const fs::path& file) {
+std::vector<std::pair<std::string, std::string>> read_config(const fs::path& given) {
+  // kohya's --config_file may leave out the extension.
+  fs::path file = given;
+  if (!fs::exists(file) && file.extension() != ".toml" && fs::exists(file.string() + ".toml")) {
+    file += ".toml";
+  }
   toml::table doc;
   try {
     doc = toml::parse_file(file.string());
@@ -192,9 +218,22 @@ std::vector<std::pair<std::string, std::string>> read_config(const fs::path& fil
     where << file.string() << ":" << e.source().begin.line << ": " << e.description();
     throw InputError(where.str());
   }
+  auto scalar = [&](const std::string& name, const toml::node& node) -> std::optional<std::string> {
+    if (const auto* s = node.as_string()) return s->get();
+    if (const auto* i = node.as_integer()) return std::to_string(i->get());
+    if (const auto* d = node.as_floating_point()) {
+      std::ostringstream text;
+      text.precision(17);
+      text << d->get();
+      return text.str();
+    }
+    if (const auto* b = node.as_boolean()) return b->get() ? "true" : "false";
+    (void)name;
+    return std::nullopt;
+  };
   std::vector<std::pair<std::string, std::string>> out;
-  for (const auto& [key, node] : doc) {
-    const std::string name = canonical(std::string(key.str()));
+  auto take = [&](const std::string& key, const toml::node& node) {
+    const std::string name = canonical(key);
     if (name == "config") throw InputError(file.string() + ": a config cannot name another");
     try {
       check_known(name);
@@ -202,22 +241,43 @@ std::vector<std::pair<std::string, std::string>> read_config(const fs::path& fil
       throw InputError(file.string() + ": " + e.what());
     }
     std::string value;
-    if (const auto* s = node.as_string()) {
-      value = s->get();
-    } else if (const auto* i = node.as_integer()) {
-      value = std::to_string(i->get());
-    } else if (const auto* d = node.as_floating_point()) {
-      std::ostringstream text;
-      text.precision(17);
-      text << d->get();
-      value = text.str();
-    } else if (const auto* b = node.as_boolean()) {
-      value = b->get() ? "true" : "false";
+    if (const auto* list = node.as_array()) {
+      // kohya's lists (network_args = ["conv_dim=4", "conv_alpha=1"]): the words of the flag;
+      // an empty list is the flag not given.
+      for (const toml::node& item : *list) {
+        const auto word = scalar(name, item);
+        if (!word) throw InputError(file.string() + ": " + name + " holds a list or a table");
+        value += (value.empty() ? "" : " ") + *word;
+      }
+      if (value.empty()) return;
+      if (!multi_value(name) && kohya::find_foreign_flag(name) == nullptr) {
+        throw InputError(file.string() + ": " + name + " takes one value, not a list");
+      }
+    } else if (const auto v = scalar(name, node)) {
+      value = *v;
     } else {
-      throw InputError(file.string() + ": " + name +
-                       " must be a string, a number or a boolean (the flags are flat)");
+      throw InputError(file.string() + ": " + name + " must be a string, a number, a boolean or a list");
+    }
+    try {
+      if (take_foreign(name, value)) return;
+    } catch (const InputError& e) {
+      throw InputError(file.string() + ": " + e.what());
     }
     out.emplace_back(name, value);
+  };
+  for (const auto& [key, node] : doc) {
+    // kohya's read_config_from_file flattens one level of tables: [model] path = ... is path.
+    if (const auto* section = node.as_table()) {
+      for (const auto& [inner, inner_node] : *section) {
+        if (inner_node.is_table()) {
+          throw InputError(file.string() + ": [" + std::string(key.str()) + "." +
+                           std::string(inner.str()) + "]: tables nest one level deep");
+        }
+        take(std::string(inner.str()), inner_node);
+      }
+    } else {
+      take(std::string(key.str()), node);
+    }
   }
   return out;
 }
@@ -254,6 +314,19 @@ Settings parse_run_args(const std::vector<std::string>& args) {
     check_known(name);
     const FlagInfo* f = find_flag(name);
     std::string value;
+    if (f == nullptr && name != "config" && name != "output") {  // a kohya flag lorapipe lacks
+      if (eq != std::string::npos) {
+        value = arg.substr(eq + 1);
+      } else if (name == "save_state" || kohya::find_foreign_flag(name)->boolean) {
+        value = "true";
+      } else {  // its words up to the next flag (kohya's lists take several, or none)
+        while (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) {
+          value += (value.empty() ? "" : " ") + args[++i];
+        }
+      }
+      take_foreign(name, value);
+      continue;
+    }
     if (eq != std::string::npos) {
       value = arg.substr(eq + 1);
     } else if (f != nullptr && f->boolean) {

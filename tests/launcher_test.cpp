@@ -357,6 +357,44 @@ TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
   EXPECT_THROW(parse_run_args({"--gradient_checkpointing=maybe"}), InputError);
 }
 
+// The config kohya_ss's GUI writes and hands to train_network.py as --config_file: flat keys or
+// one level of tables, lists for the multi-word flags, and kohya's flags lorapipe does not act
+// on at their defaults. Those are taken and go to no stage; at another value they are refused,
+// naming the file, the flag and why.
+TEST_F(LauncherFlags, KohyasConfigFileIsTakenAsKohyaReadsIt) {
+  std::ofstream(work_ / "config_lora.toml")
+      << "output_dir = \"/tmp/out\"\nnetwork_dim = 8\nnetwork_args = [\"conv_dim=4\", "
+         "\"conv_alpha=1\"]\noptimizer_args = []\nlr_scheduler_args = []\n"
+         "dynamo_backend = \"no\"\ndeepspeed = false\nv2 = false\nfull_bf16 = true\n"
+         "save_state = false\ncaption_extention = \".txt\"\n"
+         "[model]\npretrained_model_name_or_path = \"/m.safetensors\"\n"
+         "[training]\nlearning_rate = 2e-4\ntoken_warmup_min = 1\n";
+  // kohya's --config_file may leave out the extension.
+  const Settings s = parse_run_args({"--config_file=" + (work_ / "config_lora").string(),
+                                     "--ddp_timeout=30", "--lr_scheduler_args"});
+  EXPECT_EQ(s.output, "/tmp/out");
+  EXPECT_EQ(s.get("network_args"), "conv_dim=4 conv_alpha=1");
+  EXPECT_FALSE(s.has("optimizer_args")) << "an empty list is the flag not given";
+  EXPECT_EQ(s.get("pretrained_model_name_or_path"), "/m.safetensors");
+  EXPECT_EQ(std::stod(s.get("learning_rate")), 2e-4);
+  EXPECT_EQ(s.get("caption_extension"), ".txt");
+  for (const char* taken : {"dynamo_backend", "deepspeed", "v2", "full_bf16", "save_state",
+                            "token_warmup_min", "ddp_timeout", "lr_scheduler_args"}) {
+    EXPECT_FALSE(s.has(taken)) << taken << " goes to no stage";
+  }
+  const auto trainer = stage_args(s, Stage::kTrainer);
+  EXPECT_NE(std::find(trainer.begin(), trainer.end(), "--network_args=conv_dim=4 conv_alpha=1"),
+            trainer.end());
+
+  std::ofstream(work_ / "v2.toml") << "network_dim = 8\n[model]\nv2 = true\n";
+  EXPECT_EQ(lorapipe({"run", "--config_file=" + (work_ / "v2.toml").string()}), kExitError);
+  EXPECT_NE(err_.find("v2.toml: --v2=true: Stable Diffusion 2.x"), std::string::npos) << err_;
+  EXPECT_EQ(lorapipe({"run", "--output=" + (work_ / "run").string(), "--vae=/m/vae.safetensors"}),
+            kExitError);
+  EXPECT_NE(err_.find("--vae=/m/vae.safetensors: another VAE"), std::string::npos) << err_;
+  EXPECT_FALSE(fs::exists(work_ / "run")) << "nothing may start on a refused flag";
+}
+
 // The flag table against the stages themselves: every flag the launcher passes exists in the
 // stage it goes to, with the same kind (boolean or value), and every flag a stage has is either
 // routed or one the launcher sets itself (endpoints, folders, tools), listed here with why.

@@ -419,14 +419,25 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
 // real run: ip_noise_gamma with random strength): saves are named as kohya names them and
 // pruned by its rules, and TensorBoard goes where kohya puts it.
 TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
+  std::ofstream(work_ / "thumb.png") << "abcd";  // its bytes, as any file's, go in base64
   const TrainRun r =
       run(work_, {"--max_train_steps=6", "--save_every_n_steps=2", "--save_last_n_steps=2",
                   "--network_module=networks.lora", "--save_model_as=safetensors",
                   "--no_half_vae", "--xformers", "--cache_latents", "--log_with=tensorboard",
                   "--logging_dir=" + (work_ / "logs").string(), "--log_prefix=dog-",
                   "--ip_noise_gamma=0.1", "--ip_noise_gamma_random_strength",
-                  "--debiased_estimation_loss"});
+                  "--debiased_estimation_loss",
+                  // kohya_ss's GUI passes kohya's flags at their defaults, and a few that change
+                  // nothing here: all taken.
+                  "--ddp_timeout=30", "--full_bf16", "--dynamo_backend=no", "--lr_scheduler_args",
+                  "--caption_separator=,", "--deepspeed=false", "--token_warmup_min=1",
+                  // ModelSpec, and states kept by their own count.
+                  "--metadata_title=Dog", "--metadata_author=me", "--metadata_tags=dog,photo",
+                  "--metadata_trigger_phrase=sks dog",
+                  "--metadata_thumbnail=" + (work_ / "thumb.png").string(), "--save_state",
+                  "--save_last_n_steps_state=4"});
   ASSERT_EQ(r.exit, 0) << r.err;
+  EXPECT_NE(r.err.find("--full_bf16=true has no effect in lorapipe"), std::string::npos) << r.err;
   EXPECT_TRUE(fs::exists(work_ / "lora" / "tiny.safetensors"));
   EXPECT_TRUE(fs::exists(work_ / "lora" / "tiny-step00000004.safetensors"));
   // kohya's rule: at step s, the save of step s - N - 1 (rounded down to a save step) goes, so at
@@ -435,6 +446,21 @@ TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
       << "--save_last_n_steps=2 keeps only the saves of the last 2 steps";
   EXPECT_FALSE(fs::exists(work_ / "lora" / "tiny-step00000006.safetensors"))
       << "the last step is the final save";
+  // --save_last_n_steps_state=4 keeps the step-2 state that --save_last_n_steps=2 would remove.
+  EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-step00000002"));
+  EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-step00000004"));
+  EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-state"));
+  // kohya's sai_model_spec: the title is the same on every save, the flags' fields are added,
+  // a thumbnail file becomes a data: URL.
+  for (const char* name : {"tiny.safetensors", "tiny-step00000004.safetensors"}) {
+    const auto meta = models::SafetensorsFile::open(work_ / "lora" / name).metadata();
+    EXPECT_EQ(meta.at("modelspec.title"), "Dog") << name;
+    EXPECT_EQ(meta.at("modelspec.author"), "me") << name;
+    EXPECT_EQ(meta.at("modelspec.tags"), "dog,photo") << name;
+    EXPECT_EQ(meta.at("modelspec.trigger_phrase"), "sks dog") << name;
+    EXPECT_EQ(meta.at("modelspec.thumbnail"), "data:image/png;base64,YWJjZA==") << name;
+    EXPECT_EQ(meta.at("modelspec.sai_model_spec"), "1.0.1") << name;
+  }
   // kohya's layout: LOGGING_DIR/<log_prefix><%Y%m%d%H%M%S>/network_train/events...
   bool events = false;
   for (const auto& run_dir : fs::directory_iterator(work_ / "logs")) {
@@ -675,6 +701,31 @@ TEST_F(TrainRunTest, TextEncoderOnlyTrainsTheTextEncodersLoraAlone) {
 }
 
 // Each bad input: a clear message naming what is wrong, a non-zero exit, before any compute.
+// kohya's --no_metadata keeps its minimum ss_* keys (what a loader needs to apply the file) and
+// the modelspec.* keys; --save_state_on_train_end saves the final state alone; the old
+// --use_lion_optimizer switch trains Lion; --console_log_file takes the log off stderr.
+TEST_F(TrainRunTest, NoMetadataKeepsKohyasMinimumAndTheEndStateIsSaved) {
+  const TrainRun r = run(work_, {"--max_train_steps=2", "--no_metadata", "--save_every_n_steps=1",
+                                 "--save_state_on_train_end", "--use_lion_optimizer",
+                                 "--console_log_file=" + (work_ / "log.txt").string()});
+  ASSERT_EQ(r.exit, 0) << r.err;
+  const auto meta = models::SafetensorsFile::open(work_ / "lora" / "tiny.safetensors").metadata();
+  std::set<std::string> ss;
+  for (const auto& [key, value] : meta) {
+    if (!key.starts_with("modelspec.")) ss.insert(key);
+  }
+  EXPECT_EQ(ss, (std::set<std::string>{"ss_v2", "ss_base_model_version", "ss_network_module",
+                                       "ss_network_dim", "ss_network_alpha", "sshs_model_hash"}));
+  EXPECT_EQ(meta.at("ss_network_dim"), "4");
+  EXPECT_EQ(meta.at("modelspec.title"), "tiny");
+  EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-state"));
+  EXPECT_FALSE(fs::exists(work_ / "state" / "tiny-step00000001")) << "no --save_state";
+  const std::string log = read_text(work_ / "log.txt");
+  EXPECT_NE(log.find("saved"), std::string::npos) << log;
+  EXPECT_EQ(r.err.find("saved"), std::string::npos) << r.err;
+  EXPECT_NE(log.find("; optimizer lion_pytorch.lion_pytorch.Lion"), std::string::npos) << log;
+}
+
 TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--network_dim=0"}, "--network_dim=0"},
@@ -699,6 +750,13 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--optimizer_type=Prodigy", "--learning_rate=1", "--unet_lr=0.5"},
        "learning rates must be equal"},
       {{"--optimizer_args", "d_coef=2"}, "d_coef: AdamW does not take it"},
+      // kohya's flags lorapipe does not act on: refused at any value but kohya's default.
+      {{"--v2"}, "--v2=true: Stable Diffusion 2.x"},
+      {{"--vae=/m/vae.safetensors"}, "--vae=/m/vae.safetensors: another VAE"},
+      {{"--lr_scheduler_args", "T_max=100", "--seed=1"}, "--lr_scheduler_args=T_max=100"},
+      {{"--use_lion_optimizer", "--optimizer_type=AdamW"}, "choose one optimizer"},
+      {{"--metadata_thumbnail=/no/such/thumb.png"}, "--metadata_thumbnail=/no/such/thumb.png"},
+      {{"--console_log_level=LOUD"}, "--console_log_level=LOUD"},
   };
   for (const auto& [flags, expected] : cases) {
     const TrainRun r = run(work_, flags);

@@ -7,12 +7,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <fstream>
+#include <iterator>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "common/error.h"
 #include "common/heap.h"
+#include "common/kohya_flags.h"
 #include "common/log.h"
 #include "trainer/trainer.h"
 #include "runtime/exit_code.h"
@@ -34,6 +38,27 @@ DEFINE_int64(save_every_n_epochs, 0, "Save a LoRA every N epochs (NAME-000002.sa
 DEFINE_int64(save_last_n_steps, 0, "Keep only the step saves of the last N steps");
 DEFINE_int64(save_last_n_epochs, 0, "Keep only the last N epoch saves");
 DEFINE_bool(save_state, false, "Also save the full training state with each LoRA save");
+DEFINE_int64(save_last_n_steps_state, 0,
+             "Keep only the states of the last N steps (0: as --save_last_n_steps)");
+DEFINE_int64(save_last_n_epochs_state, 0,
+             "Keep only the last N epoch states (0: as --save_last_n_epochs)");
+DEFINE_bool(save_state_on_train_end, false, "Save the final state even without --save_state");
+DEFINE_bool(no_metadata, false,
+            "Write only kohya's minimum ss_* metadata (and modelspec.*) into the LoRA");
+// kohya's ModelSpec flags: each becomes modelspec.<field> in the LoRA file.
+DEFINE_string(metadata_title, "", "modelspec.title (default: --output_name)");
+DEFINE_string(metadata_author, "", "modelspec.author");
+DEFINE_string(metadata_description, "", "modelspec.description");
+DEFINE_string(metadata_license, "", "modelspec.license");
+DEFINE_string(metadata_tags, "", "modelspec.tags (comma-separated)");
+DEFINE_string(metadata_trigger_phrase, "", "modelspec.trigger_phrase");
+DEFINE_string(metadata_usage_hint, "", "modelspec.usage_hint");
+DEFINE_string(metadata_thumbnail, "", "modelspec.thumbnail: a data: URL, or an image file");
+DEFINE_string(metadata_merged_from, "", "modelspec.merged_from");
+DEFINE_string(metadata_preprocessor, "", "modelspec.preprocessor");
+DEFINE_string(metadata_is_negative_embedding, "", "modelspec.is_negative_embedding");
+DEFINE_string(console_log_level, "", "DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)");
+DEFINE_string(console_log_file, "", "Write the log to this file instead of stderr");
 DEFINE_string(resume, "", "Continue from a state folder written with --save_state");
 DEFINE_string(pub, "", "Bind a PUB endpoint for TrainProgress and CheckpointReady");
 DEFINE_double(checkpoint_reannounce_s, 5.0,
@@ -73,6 +98,7 @@ DEFINE_string(optimizer_type, "AdamW",
               "AdamW, AdamW8bit, PagedAdamW8bit, Prodigy, DAdaptAdam (DAdaptation), Lion or "
               "Adafactor (case-insensitive)");
 DEFINE_bool(use_8bit_adam, false, "kohya's older spelling of --optimizer_type=AdamW8bit");
+DEFINE_bool(use_lion_optimizer, false, "kohya's older spelling of --optimizer_type=Lion");
 DEFINE_string(optimizer_args, "",
               "key=value ... (weight_decay, betas=b1,b2, eps; min_8bit_size for the 8-bit ones; "
               "decouple, use_bias_correction, safeguard_warmup, d0, d_coef, growth_rate, beta3, "
@@ -146,10 +172,31 @@ namespace {
 
 // kohya's --network_args and --optimizer_args take several values (`--network_args "a=1" "b=2"`);
 // gflags takes one. Words that follow one of them up to the next flag are joined into its value.
+// kohya's flags that lorapipe does not act on (common/kohya_flags.h) are taken out here: at
+// kohya's default they ask for nothing, otherwise they are refused, naming the flag and why.
 std::vector<std::string> join_multi_value_flags(int argc, char** argv) {
   std::vector<std::string> out;
   for (int i = 0; i < argc; ++i) {
     std::string arg = argv[i];
+    if (i > 0 && arg.rfind("--", 0) == 0) {
+      const size_t eq = arg.find('=');
+      const std::string name = arg.substr(2, eq == std::string::npos ? eq : eq - 2);
+      if (const auto* foreign = lorapipe::kohya::find_foreign_flag(name)) {
+        std::string value;
+        if (eq != std::string::npos) {
+          value = arg.substr(eq + 1);
+        } else if (foreign->boolean) {
+          value = "true";
+        } else {  // its words up to the next flag (kohya's lists take several, or none)
+          while (i + 1 < argc && std::strncmp(argv[i + 1], "--", 2) != 0) {
+            value += (value.empty() ? "" : " ") + std::string(argv[++i]);
+          }
+        }
+        const std::string note = lorapipe::kohya::check_foreign_flag(*foreign, value);
+        if (!note.empty()) LP_LOG(kWarning, "trainer") << note;
+        continue;
+      }
+    }
     const bool multi = arg == "--network_args" || arg == "--optimizer_args";
     if (!multi) {
       out.push_back(arg);
@@ -160,6 +207,32 @@ std::vector<std::string> join_multi_value_flags(int argc, char** argv) {
       joined += (joined.empty() ? "" : " ") + std::string(argv[++i]);
     }
     out.push_back(arg + "=" + joined);
+  }
+  return out;
+}
+
+// A file as a data: URL (kohya's --metadata_thumbnail takes either).
+std::string data_url(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw lorapipe::InputError("--metadata_thumbnail=" + file.string() + ": cannot read it");
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string ext = file.extension().string();
+  for (char& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const std::string mime = ext == ".png"                     ? "image/png"
+                           : ext == ".jpg" || ext == ".jpeg" ? "image/jpeg"
+                           : ext == ".webp"                  ? "image/webp"
+                           : ext == ".gif"                   ? "image/gif"
+                                                             : "application/octet-stream";
+  static const char* kDigits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out = "data:" + mime + ";base64,";
+  for (size_t i = 0; i < bytes.size(); i += 3) {
+    uint32_t chunk = static_cast<uint8_t>(bytes[i]) << 16;
+    if (i + 1 < bytes.size()) chunk |= static_cast<uint8_t>(bytes[i + 1]) << 8;
+    if (i + 2 < bytes.size()) chunk |= static_cast<uint8_t>(bytes[i + 2]);
+    out += kDigits[(chunk >> 18) & 63];
+    out += kDigits[(chunk >> 12) & 63];
+    out += i + 1 < bytes.size() ? kDigits[(chunk >> 6) & 63] : '=';
+    out += i + 2 < bytes.size() ? kDigits[chunk & 63] : '=';
   }
   return out;
 }
@@ -178,7 +251,13 @@ int main(int argc, char** argv) {
   gflags::SetUsageMessage(
       "lorapipe-trainer --pretrained_model_name_or_path=MODEL --dataset_id=ID --output_dir=OUT "
       "[kohya flags]");
-  std::vector<std::string> args = join_multi_value_flags(argc, argv);
+  std::vector<std::string> args;
+  try {
+    args = join_multi_value_flags(argc, argv);
+  } catch (const lorapipe::InputError& e) {
+    LP_LOG(kError, "trainer") << e.what();
+    return lorapipe::runtime::kExitError;
+  }
   std::vector<char*> arg_pointers;
   for (std::string& a : args) arg_pointers.push_back(a.data());
   int count = static_cast<int>(arg_pointers.size());
@@ -186,6 +265,26 @@ int main(int argc, char** argv) {
   gflags::ParseCommandLineFlags(&count, &pointer, true);
   if (count > 1) {
     LP_LOG(kError, "trainer") << "unexpected argument '" << pointer[1] << "'";
+    return lorapipe::runtime::kExitError;
+  }
+  if (!FLAGS_console_log_level.empty()) {  // kohya's (Python logging's) level names
+    std::string level = FLAGS_console_log_level;
+    for (char& c : level) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    const std::map<std::string, lorapipe::LogLevel> levels = {
+        {"DEBUG", lorapipe::LogLevel::kDebug},     {"INFO", lorapipe::LogLevel::kInfo},
+        {"WARNING", lorapipe::LogLevel::kWarning}, {"ERROR", lorapipe::LogLevel::kError},
+        {"CRITICAL", lorapipe::LogLevel::kError}};
+    if (!levels.count(level)) {
+      LP_LOG(kError, "trainer") << "--console_log_level=" << FLAGS_console_log_level
+                                << ": expected DEBUG, INFO, WARNING, ERROR or CRITICAL";
+      return lorapipe::runtime::kExitError;
+    }
+    lorapipe::set_log_level(levels.at(level));
+  }
+  if (!FLAGS_console_log_file.empty() &&
+      std::freopen(FLAGS_console_log_file.c_str(), "a", stderr) == nullptr) {
+    LP_LOG(kError, "trainer") << "--console_log_file=" << FLAGS_console_log_file
+                              << ": cannot open it for writing";
     return lorapipe::runtime::kExitError;
   }
   namespace t = lorapipe::trainer;
@@ -212,6 +311,29 @@ int main(int argc, char** argv) {
     o.sample_every_n_epochs = FLAGS_sample_every_n_epochs;
     o.sample_at_first = FLAGS_sample_at_first;
     o.save_state = FLAGS_save_state;
+    o.save_last_n_steps_state = FLAGS_save_last_n_steps_state;
+    o.save_last_n_epochs_state = FLAGS_save_last_n_epochs_state;
+    o.save_state_on_train_end = FLAGS_save_state_on_train_end;
+    o.no_metadata = FLAGS_no_metadata;
+    for (const auto& [field, value] :
+         std::vector<std::pair<std::string, std::string>>{
+             {"title", FLAGS_metadata_title},
+             {"author", FLAGS_metadata_author},
+             {"description", FLAGS_metadata_description},
+             {"license", FLAGS_metadata_license},
+             {"tags", FLAGS_metadata_tags},
+             {"trigger_phrase", FLAGS_metadata_trigger_phrase},
+             {"usage_hint", FLAGS_metadata_usage_hint},
+             {"thumbnail", FLAGS_metadata_thumbnail},
+             {"merged_from", FLAGS_metadata_merged_from},
+             {"preprocessor", FLAGS_metadata_preprocessor},
+             {"is_negative_embedding", FLAGS_metadata_is_negative_embedding}}) {
+      if (value.empty()) continue;
+      // kohya turns a thumbnail file into a data: URL (and skips a missing one with a warning;
+      // here a file that cannot be read stops the run before any compute).
+      o.modelspec[field] = field == "thumbnail" && value.rfind("data:", 0) != 0 ? data_url(value)
+                                                                                : value;
+    }
     o.resume = FLAGS_resume;
     o.pub_endpoint = FLAGS_pub;
     o.checkpoint_reannounce_s = FLAGS_checkpoint_reannounce_s;
@@ -280,6 +402,19 @@ int main(int argc, char** argv) {
                                                      : c10::kFloat;
     s.optimizer.type = FLAGS_optimizer_type;
     if (FLAGS_use_8bit_adam) s.optimizer.type = "AdamW8bit";
+    if (FLAGS_use_lion_optimizer) {
+      // As kohya: the old switch stands alone, never beside another choice of optimizer.
+      const bool typed = !gflags::GetCommandLineFlagInfoOrDie("optimizer_type").is_default &&
+                         strcasecmp(FLAGS_optimizer_type.c_str(), "lion") != 0;
+      if (FLAGS_use_8bit_adam || typed) {
+        throw lorapipe::InputError("--use_lion_optimizer with --" +
+                                   std::string(FLAGS_use_8bit_adam ? "use_8bit_adam"
+                                                                   : "optimizer_type=" +
+                                                                         FLAGS_optimizer_type) +
+                                   ": choose one optimizer");
+      }
+      s.optimizer.type = "Lion";
+    }
     t::apply_optimizer_args(s.optimizer, words(FLAGS_optimizer_args));
     s.optimizer_groups.learning_rate = FLAGS_learning_rate;
     const bool adaptive = strcasecmp(s.optimizer.type.c_str(), "prodigy") == 0 ||

@@ -13,6 +13,7 @@
 #include <ctime>
 #include <deque>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -714,13 +715,30 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_validation_seed"] = std::to_string(o_.validation_seed);
   m["ss_validate_every_n_steps"] = std::to_string(o_.validate_every_n_steps);
   m["ss_v_parameterization"] = s.v_prediction ? "True" : "False";
-  m["modelspec.sai_model_spec"] = "1.0.0";
+  if (o_.no_metadata) {
+    // kohya's minimum metadata (SS_METADATA_MINIMUM_KEYS): what a loader needs to apply the file.
+    std::map<std::string, std::string> minimum;
+    for (const char* key : {"ss_v2", "ss_base_model_version", "ss_network_module", "ss_network_dim",
+                            "ss_network_alpha"}) {
+      minimum[key] = m.at(key);
+    }
+    if (!o_.network_args.empty()) minimum["ss_network_args"] = m.at("ss_network_args");
+    m = std::move(minimum);
+  }
+  // ModelSpec 1.0.1, as kohya's sai_model_spec writes it for an SD1.x LoRA.
+  m["modelspec.sai_model_spec"] = "1.0.1";
   m["modelspec.architecture"] = "stable-diffusion-v1/lora";
   m["modelspec.implementation"] = "diffusers";
-  m["modelspec.title"] = o_.output_name + "/" + std::to_string(step);
-  m["modelspec.date"] = iso_now().substr(0, 10);
+  m["modelspec.title"] = o_.output_name;
+  m["modelspec.date"] = iso_now().substr(0, 19);
   m["modelspec.prediction_type"] = s.v_prediction ? "v" : "epsilon";
   m["modelspec.resolution"] = std::to_string(resolution) + "x" + std::to_string(resolution);
+  if (s.clip_skip != 1) m["modelspec.encoder_layer"] = std::to_string(s.clip_skip);
+  if (s.noise.min_timestep != 0 || s.noise.max_timestep != 1000) {
+    m["modelspec.timestep_range"] =
+        std::to_string(s.noise.min_timestep) + "," + std::to_string(s.noise.max_timestep);
+  }
+  for (const auto& [field, value] : o_.modelspec) m["modelspec." + field] = value;
   return m;
 }
 
@@ -829,27 +847,43 @@ void Run::save_for_samples(int64_t step) {
 // 0 for `step` or `epoch` leaves that kind of save alone.
 void Run::retain(int64_t step, int64_t epoch) {
   if (!main_) return;
-  // kohya's --save_last_n_steps / --save_last_n_epochs: older periodic saves are removed.
+  // kohya's --save_last_n_steps / --save_last_n_epochs remove older periodic saves, LoRA files
+  // and states alike, unless --save_last_n_steps_state / --save_last_n_epochs_state keep states
+  // by their own count.
   const fs::path lora_dir = o_.output_dir / "lora";
   const fs::path state_dir = o_.output_dir / "state";
-  char name[64];
-  if (o_.save_last_n_steps > 0 && o_.save_every_n_steps > 0) {
-    for (int64_t s = step - o_.save_last_n_steps - 1; s > 0; s -= 1) {
+  auto step_name = [&](int64_t s) {
+    char name[32];
+    std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(s));
+    return o_.output_name + name;
+  };
+  auto epoch_name = [&](int64_t e) {
+    char name[32];
+    std::snprintf(name, sizeof name, "-%06lld", static_cast<long long>(e));
+    return o_.output_name + name;
+  };
+  auto prune_steps = [&](int64_t last_n, const std::function<fs::path(int64_t)>& path) {
+    if (step <= 0 || last_n <= 0 || o_.save_every_n_steps <= 0) return;
+    for (int64_t s = step - last_n - 1; s > 0; --s) {  // kohya's rule, and what it left before
       if (s % o_.save_every_n_steps != 0) continue;
-      std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(s));
-      if (!fs::exists(lora_dir / (o_.output_name + name + ".safetensors"))) break;
-      fs::remove(lora_dir / (o_.output_name + name + ".safetensors"));
-      fs::remove_all(state_dir / (o_.output_name + name));
+      if (!fs::exists(path(s))) break;
+      fs::remove_all(path(s));
     }
-  }
-  // kohya keeps the last N epoch saves: saving epoch e removes e - every * N, and older ones.
-  if (epoch > 0 && o_.save_last_n_epochs > 0 && o_.save_every_n_epochs > 0) {
-    for (int64_t e = epoch - o_.save_every_n_epochs * o_.save_last_n_epochs; e > 0; --e) {
-      std::snprintf(name, sizeof name, "-%06lld", static_cast<long long>(e));
-      fs::remove(lora_dir / (o_.output_name + name + ".safetensors"));
-      fs::remove_all(state_dir / (o_.output_name + name));
-    }
-  }
+  };
+  auto prune_epochs = [&](int64_t last_n, const std::function<fs::path(int64_t)>& path) {
+    if (epoch <= 0 || last_n <= 0 || o_.save_every_n_epochs <= 0) return;
+    // kohya keeps the last N epoch saves: saving epoch e removes e - every * N, and older ones.
+    for (int64_t e = epoch - o_.save_every_n_epochs * last_n; e > 0; --e) fs::remove_all(path(e));
+  };
+  prune_steps(o_.save_last_n_steps,
+              [&](int64_t s) { return lora_dir / (step_name(s) + ".safetensors"); });
+  prune_steps(o_.save_last_n_steps_state > 0 ? o_.save_last_n_steps_state : o_.save_last_n_steps,
+              [&](int64_t s) { return state_dir / step_name(s); });
+  prune_epochs(o_.save_last_n_epochs,
+               [&](int64_t e) { return lora_dir / (epoch_name(e) + ".safetensors"); });
+  prune_epochs(o_.save_last_n_epochs_state > 0 ? o_.save_last_n_epochs_state
+                                               : o_.save_last_n_epochs,
+               [&](int64_t e) { return state_dir / epoch_name(e); });
 }
 
 void Run::publish_progress(double loss, double seconds_per_step, double wait_ms) {
@@ -1205,7 +1239,9 @@ Summary Run::train_steps() {
   }
   summary.lora = o_.output_dir / "lora" / (o_.output_name + ".safetensors");
   save_lora(summary.lora, global_step_, /*final=*/true);
-  if (o_.save_state) save_state(state_root / (o_.output_name + "-state"));
+  if (o_.save_state || o_.save_state_on_train_end) {
+    save_state(state_root / (o_.output_name + "-state"));
+  }
   // kohya saves a step file at the last step too when it is a save step, dropping an old one;
   // the final save stands in for it here. Epoch saves are kept as they are, as in kohya.
   if (o_.save_every_n_steps > 0 && global_step_ % o_.save_every_n_steps == 0) {

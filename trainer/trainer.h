@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -37,7 +38,18 @@ struct Options {
   int64_t save_last_n_steps = 0;
   int64_t save_last_n_epochs = 0;
   bool save_state = false;
+  // kohya's retention of states: 0 keeps them as the LoRA files are kept (save_last_n_steps /
+  // save_last_n_epochs); otherwise states follow these instead.
+  int64_t save_last_n_steps_state = 0;
+  int64_t save_last_n_epochs_state = 0;
+  bool save_state_on_train_end = false;  // the final state even without --save_state
   std::filesystem::path resume;  // a state folder written with --save_state
+  // kohya's --no_metadata: the LoRA keeps only kohya's minimum ss_* keys (network module, dim,
+  // alpha, args, base model version, v2) and the modelspec.* keys.
+  bool no_metadata = false;
+  // kohya's --metadata_<field> flags, as modelspec.<field> (title defaults to output_name; a
+  // thumbnail that is a file becomes a data: URL).
+  std::map<std::string, std::string> modelspec;
   std::string pub_endpoint;      // TrainProgress and CheckpointReady
   // The newest CheckpointReady is sent again this often (seconds) while training goes on, so a
   // sampler that (re)starts mid-run renders the newest checkpoint without waiting for a save.

@@ -1,0 +1,41 @@
+#pragma once
+// kohya sd-scripts' train_network.py flags that lorapipe does not act on. kohya commands, and
+// the configs kohya_ss's GUI writes for `--config_file`, carry many of them at kohya's defaults;
+// such a setting asks for nothing lorapipe lacks, so the trainer and the launcher take it. A
+// setting that asks for something lorapipe does not do is refused, naming the flag, the value
+// and why, rather than silently training something else.
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace lorapipe::kohya {
+
+enum class Takes {
+  kDefaultOnly,  // kohya's default only: any other value asks for what lorapipe lacks
+  kAnyValue,     // every value: the flag changes nothing lorapipe trains or writes
+};
+
+struct ForeignFlag {
+  std::string_view name;           // without the dashes
+  bool boolean;                    // store_true: given alone it means true
+  std::string_view kohya_default;  // as kohya's argparse has it; "" for None or an empty list
+  Takes takes;
+  std::string_view why;            // what lorapipe does instead, for the message
+};
+
+// The entry for `name` (no dashes), or nullptr when it is not one of these.
+const ForeignFlag* find_foreign_flag(std::string_view name);
+
+// Whether `value` is kohya's default for `flag`: booleans false / 0; None and empty lists "" or
+// "None"; numbers by value; words case-insensitively.
+bool is_kohya_default(const ForeignFlag& flag, std::string_view value);
+
+// Throws InputError "--name=value: why" when `flag` takes only kohya's default and `value` is
+// another. Returns a note for the log when a value other than the default is taken, else "".
+std::string check_foreign_flag(const ForeignFlag& flag, std::string_view value);
+
+// Every entry, for help texts and tests.
+const std::vector<ForeignFlag>& foreign_flags();
+
+}  // namespace lorapipe::kohya
