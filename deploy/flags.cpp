@@ -98,7 +98,8 @@ std::vector<FlagInfo> make_table() {
         "xformers", "mem_eff_attn", "persistent_data_loader_workers", "sample_at_first",
         "no_half_vae", "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",
         "debiased_estimation_loss", "ip_noise_gamma_random_strength", "zero_terminal_snr",
-        "weighted_captions", "save_state_on_train_end", "no_metadata", "use_lion_optimizer"}) {
+        "weighted_captions", "save_state_on_train_end", "no_metadata", "use_lion_optimizer",
+        "dim_from_weights"}) {
     boolean(name, {S::kTrainer});
   }
   // sampler

@@ -28,6 +28,7 @@
 #include "proto/wire.h"
 #include "tests/process_util.h"
 #include "trainer/dataset.h"
+#include "trainer/lora_file.h"
 #include "trainer/noise.h"
 #include "trainer/ranks.h"
 
@@ -724,6 +725,54 @@ TEST_F(TrainRunTest, NoMetadataKeepsKohyasMinimumAndTheEndStateIsSaved) {
   EXPECT_NE(log.find("saved"), std::string::npos) << log;
   EXPECT_EQ(r.err.find("saved"), std::string::npos) << r.err;
   EXPECT_NE(log.find("; optimizer lion_pytorch.lion_pytorch.Lion"), std::string::npos) << log;
+}
+
+// kohya's --dim_from_weights builds the network as the file to continue from is: its modules
+// (3x3 convs where it has them), each at the file's rank and alpha, whatever --network_dim and
+// --network_alpha say. A file resized to mixed ranks (one module cut to rank 3 here) continues
+// as it is; without the flag the same file is refused for its shapes.
+TEST_F(TrainRunTest, DimFromWeightsBuildsTheNetworkAsTheFileIs) {
+  const TrainRun first = run(work_ / "a", {"--max_train_steps=2", "--learning_rate=1e-2",
+                                           "--network_args", "conv_dim=2", "conv_alpha=1"});
+  ASSERT_EQ(first.exit, 0) << first.err;
+  auto tensors = lora(work_ / "a" / "lora" / "tiny.safetensors");
+  std::string cut;  // the first linear module, cut to rank 3 with alpha 1.5
+  for (const auto& [key, t] : tensors) {
+    if (key.ends_with(".lora_down.weight") && t.dim() == 2) {
+      cut = key.substr(0, key.find('.'));
+      break;
+    }
+  }
+  ASSERT_FALSE(cut.empty());
+  tensors[cut + ".lora_down.weight"] = tensors[cut + ".lora_down.weight"].slice(0, 0, 3).clone();
+  tensors[cut + ".lora_up.weight"] = tensors[cut + ".lora_up.weight"].slice(1, 0, 3).clone();
+  tensors[cut + ".alpha"] = torch::tensor(1.5f);
+  const fs::path resized = work_ / "resized.safetensors";
+  trainer::write_lora_file(resized, tensors, {});
+
+  const TrainRun refused = run(work_ / "b", {"--max_train_steps=1", "--network_weights=" +
+                                             resized.string()});
+  EXPECT_NE(refused.exit, 0);
+  EXPECT_NE(refused.err.find("other shapes"), std::string::npos) << refused.err;
+
+  const TrainRun r = run(work_ / "c", {"--max_train_steps=2", "--network_dim=8",
+                                       "--network_alpha=8", "--dim_from_weights",
+                                       "--network_weights=" + resized.string()});
+  ASSERT_EQ(r.exit, 0) << r.err;
+  const auto out = lora(work_ / "c" / "lora" / "tiny.safetensors");
+  ASSERT_EQ(out.size(), tensors.size()) << "exactly the file's modules";
+  for (const auto& [key, t] : tensors) {
+    ASSERT_TRUE(out.count(key)) << key;
+    EXPECT_EQ(out.at(key).sizes(), t.sizes()) << key;
+    if (key.ends_with(".alpha")) EXPECT_EQ(out.at(key).item<float>(), t.item<float>()) << key;
+  }
+  EXPECT_EQ(out.at(cut + ".lora_down.weight").size(0), 3);
+
+  const TrainRun unset = run(work_ / "d", {"--max_train_steps=1", "--dim_from_weights"});
+  EXPECT_NE(unset.exit, 0);
+  EXPECT_NE(unset.err.find("--dim_from_weights takes the ranks from --network_weights"),
+            std::string::npos)
+      << unset.err;
 }
 
 TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {

@@ -43,8 +43,9 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
   for (double p : {options.dropout, options.rank_dropout, options.module_dropout}) {
     if (p < 0 || p >= 1) throw InputError("LoRA dropouts must be in [0, 1), got " + std::to_string(p));
   }
+  const auto& from_weights = options.ranks_from_weights;
   std::vector<models::LoraTarget> targets =
-      model.lora_targets(/*with_text_encoder=*/true, options.conv_dim > 0);
+      model.lora_targets(/*with_text_encoder=*/true, options.conv_dim > 0 || !from_weights.empty());
   for (models::LoraTarget& target : targets) {
     // kohya's apply_to drops the modules of a side that does not train.
     if (!(target.text_encoder ? options.train_text_encoder : options.train_unet)) {
@@ -52,8 +53,15 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
       continue;
     }
     const bool kxk = target.is_conv_kxk();
-    const int64_t rank = kxk ? options.conv_dim : options.dim;
+    int64_t rank = kxk ? options.conv_dim : options.dim;
     double alpha = kxk ? options.conv_alpha : options.alpha;
+    if (!from_weights.empty()) {
+      const auto it = from_weights.find(target.name);
+      if (it == from_weights.end()) continue;  // not in the file: kohya builds no module
+      rank = it->second;
+      alpha = static_cast<double>(rank);  // until load() reads the file's
+      if (rank < 1) throw InputError(target.name + ": a LoRA module of rank 0 in the file");
+    }
     if (alpha == 0) alpha = static_cast<double>(rank);  // kohya: alpha 0 or None means dim
     auto adapter = std::make_shared<models::LoraAdapter>();
     const at::Tensor& weight = target.weight();
@@ -177,6 +185,21 @@ std::map<std::string, at::Tensor> LoraNetwork::state_dict(c10::ScalarType dtype)
     out[m.target.name + ".alpha"] = torch::tensor(m.alpha, torch::kFloat64).to(dtype);
   }
   return out;
+}
+
+std::map<std::string, int64_t> lora_file_ranks(const std::filesystem::path& file) {
+  const models::SafetensorsFile weights = models::SafetensorsFile::open(file);
+  std::map<std::string, int64_t> ranks;
+  const std::string suffix = ".lora_down.weight";
+  for (const auto& [name, tensor] : models::read_tensors(weights)) {
+    if (name.size() > suffix.size() && name.ends_with(suffix) && tensor.dim() >= 2) {
+      ranks[name.substr(0, name.size() - suffix.size())] = tensor.size(0);
+    }
+  }
+  if (ranks.empty()) {
+    throw InputError(file.string() + ": --dim_from_weights found no NAME.lora_down.weight in it");
+  }
+  return ranks;
 }
 
 void LoraNetwork::load(const std::filesystem::path& file) {

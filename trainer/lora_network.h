@@ -30,7 +30,16 @@ struct NetworkOptions {
   double multiplier = 1.0;
   bool train_unet = true;          // false with --network_train_text_encoder_only: no U-Net modules
   bool train_text_encoder = true;  // false with --network_train_unet_only
+  // kohya's --dim_from_weights (create_network_from_weights): each module's rank as the LoRA file
+  // to continue from has it, by kohya name. When set, exactly these modules are built (3x3 convs
+  // included where the file has them), and dim, alpha and conv_dim above are not used: the
+  // file's alphas come with load().
+  std::map<std::string, int64_t> ranks_from_weights;
 };
+
+// The rank of each module of a LoRA file (NAME -> rows of NAME.lora_down.weight), for
+// NetworkOptions::ranks_from_weights. Throws InputError naming the file when it holds none.
+std::map<std::string, int64_t> lora_file_ranks(const std::filesystem::path& file);
 
 // What one max-norm pass did (kohya's apply_max_norm_regularization returns the same three).
 struct MaxNormResult {

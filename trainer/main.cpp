@@ -90,6 +90,8 @@ DEFINE_string(
     network_args, "",
     "key=value ... (conv_dim, conv_alpha, rank_dropout, module_dropout, loraplus_lr_ratio)");
 DEFINE_string(network_weights, "", "Continue from this LoRA file");
+DEFINE_bool(dim_from_weights, false,
+            "Build the network as --network_weights is: its modules, ranks and alphas");
 DEFINE_bool(network_train_unet_only, false, "Train no text-encoder LoRA");
 DEFINE_bool(network_train_text_encoder_only, false, "Train the text encoder's LoRA alone");
 DEFINE_double(network_multiplier, 1.0, "LoRA multiplier while training");
@@ -394,6 +396,7 @@ int main(int argc, char** argv) {
     }
     o.network_args = words(FLAGS_network_args);
     o.network_weights = FLAGS_network_weights;
+    o.dim_from_weights = FLAGS_dim_from_weights;
     o.lr_warmup_steps = FLAGS_lr_warmup_steps;
     auto& s = o.step;
     s.clip_skip = FLAGS_clip_skip;

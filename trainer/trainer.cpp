@@ -983,6 +983,12 @@ Summary Run::train_steps() {
   }
 
   torch::manual_seed(o_.seed);
+  if (o_.dim_from_weights) {
+    if (o_.network_weights.empty()) {
+      throw InputError("--dim_from_weights takes the ranks from --network_weights, which is unset");
+    }
+    o_.network.ranks_from_weights = lora_file_ranks(o_.network_weights);
+  }
   network_ = std::make_unique<LoraNetwork>(model_, o_.network,
                                            at::make_generator<at::CPUGeneratorImpl>(o_.seed));
   if (!o_.network_weights.empty()) network_->load(o_.network_weights);

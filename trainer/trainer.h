@@ -89,6 +89,7 @@ struct Options {
   NetworkOptions network;
   std::vector<std::string> network_args;  // as given, for ss_network_args
   std::filesystem::path network_weights;
+  bool dim_from_weights = false;  // kohya's: the network's modules and ranks from network_weights
   double lr_warmup_steps = 0;  // a count, or below 1 a ratio of the steps
   StepOptions step;
 };
