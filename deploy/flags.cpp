@@ -88,7 +88,8 @@ std::vector<FlagInfo> make_table() {
         "metadata_title", "metadata_author", "metadata_description", "metadata_license",
         "metadata_tags", "metadata_trigger_phrase", "metadata_usage_hint", "metadata_thumbnail",
         "metadata_merged_from", "metadata_preprocessor", "metadata_is_negative_embedding",
-        "console_log_level", "console_log_file"}) {
+        "console_log_level", "console_log_file", "validate_every_n_epochs",
+        "max_validation_steps"}) {
     value(name, {S::kTrainer});
   }
   for (const char* name :

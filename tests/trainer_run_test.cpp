@@ -629,6 +629,40 @@ TEST_F(TrainRunTest, ValidationLossIsWeighedAsTheTrainingLoss) {
   EXPECT_GT(weighted, plain / snr200);
 }
 
+// kohya validates at the end of every epoch (every N with --validate_every_n_epochs; the last
+// epoch's is the run's final validation) and --max_validation_steps takes the first N held-out
+// items alone, which changes the loss the start reports.
+TEST_F(TrainRunTest, ValidationRunsEveryEpochAndOnTheFirstItemsAsKohya) {
+  // Most images held out keeps the epochs short; two held-out images keep validation cheap.
+  const std::vector<std::string> common{"--validation_split=0.9", "--validation_seed=5",
+                                        "--train_batch_size=4", "--max_validation_steps=2"};
+  auto logged = [&](const std::string& tag, const std::vector<std::string>& extra) {
+    std::vector<std::string> flags = common;  // then extra, which wins
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    const TrainRun r = run(work_ / tag, flags);
+    EXPECT_EQ(r.exit, 0) << r.err;
+    return r.err + r.out;
+  };
+  const std::string every = logged("every", {"--max_train_epochs=3"});
+  EXPECT_NE(every.find("validation loss at the end of epoch 1:"), std::string::npos) << every;
+  EXPECT_NE(every.find("validation loss at the end of epoch 2:"), std::string::npos) << every;
+  EXPECT_EQ(every.find("validation loss at the end of epoch 3:"), std::string::npos) << every;
+  const std::string second = logged("second", {"--max_train_epochs=3", "--validate_every_n_epochs=2"});
+  EXPECT_EQ(second.find("validation loss at the end of epoch 1:"), std::string::npos) << second;
+  EXPECT_NE(second.find("validation loss at the end of epoch 2:"), std::string::npos) << second;
+
+  auto start = [](const std::string& log) {
+    std::smatch m;
+    return std::regex_search(log, m, std::regex(R"(validation loss: ([0-9.]+) at the start)"))
+               ? std::stod(m[1])
+               : -1.0;
+  };
+  const std::string first = logged("first", {"--max_train_steps=1", "--max_validation_steps=1"});
+  ASSERT_GT(start(every), 0) << every;
+  ASSERT_GT(start(first), 0) << first;
+  EXPECT_NE(start(first), start(every)) << "one held-out image of two weighs differently";
+}
+
 // --weighted_captions reads the A1111 attention syntax in captions. Three copies of the demo
 // manifest, each caption led by "glossy": as plain text, as "(glossy:1.0)" and as "(glossy:1.5)".
 // Weighted at 1.0 the run is the plain one bit for bit (the same ids, every state times 1); at

@@ -80,6 +80,10 @@ DEFINE_int32(max_token_length, 75,
 DEFINE_double(validation_split, 0, "Share of the images held out for validation loss");
 DEFINE_uint64(validation_seed, 0, "Seed of the validation split and noise");
 DEFINE_int64(validate_every_n_steps, 0, "Validation loss every N steps (also at start and end)");
+DEFINE_int64(validate_every_n_epochs, 0,
+             "Validation loss at the end of every N epochs (0: every epoch, as kohya)");
+DEFINE_int64(max_validation_steps, 0,
+             "Validate on the first N held-out images only (0: all of them)");
 DEFINE_int32(max_bad_steps, 10, "Stop after this many non-finite steps in a row");
 DEFINE_double(timeout_s, 300, "Give up on a silent remote cacher after this long");
 // Network.
@@ -384,6 +388,13 @@ int main(int argc, char** argv) {
     o.validation_split = FLAGS_validation_split;
     o.validation_seed = FLAGS_validation_seed;
     o.validate_every_n_steps = FLAGS_validate_every_n_steps;
+    o.validate_every_n_epochs = FLAGS_validate_every_n_epochs;
+    o.max_validation_steps = FLAGS_max_validation_steps;
+    if (o.validate_every_n_epochs < 0 || o.max_validation_steps < 0 ||
+        o.validate_every_n_steps < 0) {
+      throw lorapipe::InputError("--validate_every_n_steps, --validate_every_n_epochs and "
+                                 "--max_validation_steps must be >= 0");
+    }
     o.network.dim = FLAGS_network_dim;
     o.network.alpha = FLAGS_network_alpha;
     o.network.dropout = FLAGS_network_dropout;

@@ -595,7 +595,10 @@ double Run::validation_loss() {
   network_->set_training(false);
   double sum = 0;
   int64_t n = 0;
-  for (size_t i = 0; i < validation_.size(); ++i) {
+  const size_t items = o_.max_validation_steps > 0
+                           ? std::min(validation_.size(), static_cast<size_t>(o_.max_validation_steps))
+                           : validation_.size();
+  for (size_t i = 0; i < items; ++i) {
     const MicroBatch batch = to_micro_batch(validation_[i]);
     const models::Conditioning conditioning = step_->conditioning(batch);
     for (int64_t t : validation_timesteps(o_.step.noise)) {
@@ -714,6 +717,10 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_validation_split"] = number(o_.validation_split);
   m["ss_validation_seed"] = std::to_string(o_.validation_seed);
   m["ss_validate_every_n_steps"] = std::to_string(o_.validate_every_n_steps);
+  m["ss_validate_every_n_epochs"] =
+      o_.validate_every_n_epochs > 0 ? std::to_string(o_.validate_every_n_epochs) : "None";
+  m["ss_max_validation_steps"] =
+      o_.max_validation_steps > 0 ? std::to_string(o_.max_validation_steps) : "None";
   m["ss_v_parameterization"] = s.v_prediction ? "True" : "False";
   if (o_.no_metadata) {
     // kohya's minimum metadata (SS_METADATA_MINIMUM_KEYS): what a loader needs to apply the file.
@@ -1211,11 +1218,25 @@ Summary Run::train_steps() {
           (o_.sample_every_n_steps > 0 && global_step_ % o_.sample_every_n_steps == 0) ||
           (epoch_done && o_.sample_every_n_epochs > 0 && epoch_ % o_.sample_every_n_epochs == 0);
       if (sample_step && !saved && global_step_ < max_steps_) save_for_samples(global_step_);
+      double validated = -1;
       if (o_.validate_every_n_steps > 0 && global_step_ % o_.validate_every_n_steps == 0) {
-        const double v = validation_loss();
-        if (v >= 0) {
-          LP_LOG(kInfo, kLog) << "validation loss at step " << global_step_ << ": " << v;
-          if (tensorboard_) tensorboard_->add_scalar("loss/validation", v, global_step_);
+        validated = validation_loss();
+        if (validated >= 0) {
+          LP_LOG(kInfo, kLog) << "validation loss at step " << global_step_ << ": " << validated;
+          if (tensorboard_) tensorboard_->add_scalar("loss/validation", validated, global_step_);
+        }
+      }
+      // kohya's epoch validation (every epoch unless --validate_every_n_epochs); the last
+      // epoch's is the end-of-run validation below.
+      const int64_t every_epochs = std::max<int64_t>(1, o_.validate_every_n_epochs);
+      if (epoch_done && epoch_ % every_epochs == 0 && global_step_ < max_steps_) {
+        if (validated < 0) validated = validation_loss();
+        if (validated >= 0) {
+          LP_LOG(kInfo, kLog) << "validation loss at the end of epoch " << epoch_ << ": "
+                              << validated;
+          if (tensorboard_) {
+            tensorboard_->add_scalar("loss/validation/epoch_average", validated, epoch_);
+          }
         }
       }
     }

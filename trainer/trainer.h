@@ -85,6 +85,12 @@ struct Options {
   double validation_split = 0;
   uint64_t validation_seed = 0;
   int64_t validate_every_n_steps = 0;
+  // kohya's epoch validation: at the end of every N epochs (0: every epoch, kohya's default),
+  // logged as loss/validation/epoch_average at the epoch.
+  int64_t validate_every_n_epochs = 0;
+  // kohya's --max_validation_steps: the first N held-out images only (0: all). kohya counts
+  // batches of its validation loader; lorapipe validates one image at a time.
+  int64_t max_validation_steps = 0;
   // The network and the step.
   NetworkOptions network;
   std::vector<std::string> network_args;  // as given, for ss_network_args
