@@ -16,24 +16,42 @@ enum class Takes {
   kAnyValue,     // every value: the flag changes nothing lorapipe trains or writes
 };
 
+enum class Kind {
+  kBoolean,  // store_true: given alone it means true
+  kValue,    // one value
+  kList,     // nargs="*": the words up to the next flag, or none
+};
+
 struct ForeignFlag {
   std::string_view name;           // without the dashes
-  bool boolean;                    // store_true: given alone it means true
+  Kind kind;
   std::string_view kohya_default;  // as kohya's argparse has it; "" for None or an empty list
   Takes takes;
   std::string_view why;            // what lorapipe does instead, for the message
+  // A value kohya treats as not given (--initial_step=0 is no initial step); "" when none.
+  std::string_view also_default = {};
+  bool secret = false;  // a token or key: never echoed in a message or the log
 };
 
 // The entry for `name` (no dashes), or nullptr when it is not one of these.
 const ForeignFlag* find_foreign_flag(std::string_view name);
 
-// Whether `value` is kohya's default for `flag`: booleans false / 0; None and empty lists "" or
-// "None"; numbers by value; words case-insensitively.
+// Whether `value` is kohya's default for `flag` (or a value kohya treats as not given):
+// booleans false / 0; None and empty lists "" or "None"; numbers by value; words
+// case-insensitively.
 bool is_kohya_default(const ForeignFlag& flag, std::string_view value);
 
 // Throws InputError "--name=value: why" when `flag` takes only kohya's default and `value` is
 // another. Returns a note for the log when a value other than the default is taken, else "".
+// A secret's value shows as "***".
 std::string check_foreign_flag(const ForeignFlag& flag, std::string_view value);
+
+// Takes a foreign flag's value off a command line as kohya's argparse would: `args[i]` is
+// "--name" or "--name=value"; a boolean alone means true, a value takes the next word (an
+// InputError when there is none), a list the words up to the next flag. Advances `i` past the
+// words it takes.
+std::string foreign_flag_value(const ForeignFlag& flag, const std::vector<std::string>& args,
+                               size_t& i);
 
 // Every entry, for help texts and tests.
 const std::vector<ForeignFlag>& foreign_flags();

@@ -51,17 +51,46 @@ TEST(KohyaFlags, FlagsThatChangeNothingAreTakenAtAnyValueWithANote) {
   EXPECT_EQ(check_foreign_flag(*find_foreign_flag("full_bf16"), "false"), "");
 }
 
-TEST(KohyaFlags, TableHoldsEachFlagOnceAndNoneLorapipeImplements) {
+// Each entry once, each with its reason. That no stage's own flag is here is checked against
+// the stages' real flags in LauncherFlags.TableMatchesEveryStagesOwnFlags.
+TEST(KohyaFlags, TableHoldsEachFlagOnceWithItsReason) {
   std::set<std::string_view> seen;
   for (const ForeignFlag& f : foreign_flags()) {
     EXPECT_TRUE(seen.insert(f.name).second) << f.name << " twice";
     EXPECT_FALSE(f.why.empty()) << f.name;
   }
-  // Flags lorapipe acts on must never be swallowed here.
-  for (const char* own : {"network_dim", "optimizer_args", "save_state", "resume", "vae_batch_size",
-                          "mixed_precision", "metadata_title", "no_metadata"}) {
-    EXPECT_EQ(find_foreign_flag(own), nullptr) << own;
-  }
+}
+
+// kohya treats --initial_step=0 and --initial_epoch=1 as not given; secrets are never echoed.
+TEST(KohyaFlags, ValuesKohyaTreatsAsUnsetAreTakenAndSecretsAreMasked) {
+  EXPECT_EQ(refusal("initial_step", "0"), "");
+  EXPECT_EQ(refusal("initial_epoch", "1"), "");
+  EXPECT_NE(refusal("initial_step", "100").find("--initial_step=100"), std::string::npos);
+  const std::string note = check_foreign_flag(*find_foreign_flag("wandb_api_key"), "sk-123");
+  EXPECT_NE(note.find("--wandb_api_key=***"), std::string::npos) << note;
+  EXPECT_EQ(note.find("sk-123"), std::string::npos) << note;
+}
+
+// Off a command line as kohya's argparse takes them: a value one word, a list every word up to
+// the next flag (or none), a boolean nothing.
+TEST(KohyaFlags, ValuesAreTakenOffACommandLineAsArgparseTakesThem) {
+  const std::vector<std::string> args{"--ddp_timeout", "30",  "-max_train_steps=10",
+                                      "--lr_scheduler_args", "a=1", "b=2", "--v2", "--vae"};
+  size_t i = 0;
+  EXPECT_EQ(foreign_flag_value(*find_foreign_flag("ddp_timeout"), args, i), "30");
+  EXPECT_EQ(i, 1u) << "the single dash flag after it is the next flag's";
+  i = 3;
+  EXPECT_EQ(foreign_flag_value(*find_foreign_flag("lr_scheduler_args"), args, i), "a=1 b=2");
+  EXPECT_EQ(i, 5u);
+  i = 6;
+  EXPECT_EQ(foreign_flag_value(*find_foreign_flag("v2"), args, i), "true");
+  EXPECT_EQ(i, 6u);
+  i = 7;
+  EXPECT_THROW(foreign_flag_value(*find_foreign_flag("vae"), args, i), InputError)
+      << "a value flag needs its value";
+  const std::vector<std::string> eq{"--vae=/m/vae.safetensors"};
+  i = 0;
+  EXPECT_EQ(foreign_flag_value(*find_foreign_flag("vae"), eq, i), "/m/vae.safetensors");
 }
 
 }  // namespace

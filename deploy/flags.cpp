@@ -88,7 +88,7 @@ std::vector<FlagInfo> make_table() {
         "metadata_title", "metadata_author", "metadata_description", "metadata_license",
         "metadata_tags", "metadata_trigger_phrase", "metadata_usage_hint", "metadata_thumbnail",
         "metadata_merged_from", "metadata_preprocessor", "metadata_is_negative_embedding",
-        "console_log_level", "console_log_file", "validate_every_n_epochs",
+        "console_log_level", "validate_every_n_epochs",
         "max_validation_steps"}) {
     value(name, {S::kTrainer});
   }
@@ -142,6 +142,11 @@ std::string canonical(const std::string& name) {
 // refused naming it and why otherwise; it goes to no stage.
 bool take_foreign(const std::string& name, const std::string& value) {
   if (name == "save_state") return true;  // lorapipe run always saves states, for lorapipe resume
+  if (name == "console_log_file") {
+    if (value.empty()) return true;
+    throw InputError("--console_log_file=" + value +
+                     ": lorapipe run keeps each stage's log in the run folder's logs/");
+  }
   const kohya::ForeignFlag* foreign = kohya::find_foreign_flag(name);
   if (foreign == nullptr) return false;
   (void)kohya::check_foreign_flag(*foreign, value);
@@ -149,7 +154,8 @@ bool take_foreign(const std::string& name, const std::string& value) {
 }
 
 void check_known(const std::string& name) {
-  if (name == "output" || name == "config" || name == "save_state" || find_flag(name) != nullptr ||
+  if (name == "output" || name == "config" || name == "save_state" ||
+      name == "console_log_file" || find_flag(name) != nullptr ||
       kohya::find_foreign_flag(name) != nullptr) {
     return;
   }
@@ -252,7 +258,8 @@ std::vector<std::pair<std::string, std::string>> read_config(const fs::path& giv
         value += (value.empty() ? "" : " ") + *word;
       }
       if (value.empty()) return;
-      if (!multi_value(name) && kohya::find_foreign_flag(name) == nullptr) {
+      // kohya's text_encoder_lr is a list of one rate per text encoder: one item is one value.
+      if (!multi_value(name) && kohya::find_foreign_flag(name) == nullptr && list->size() > 1) {
         throw InputError(file.string() + ": " + name + " takes one value, not a list");
       }
     } else if (const auto v = scalar(name, node)) {
@@ -317,14 +324,12 @@ Settings parse_run_args(const std::vector<std::string>& args) {
     const FlagInfo* f = find_flag(name);
     std::string value;
     if (f == nullptr && name != "config" && name != "output") {  // a kohya flag lorapipe lacks
-      if (eq != std::string::npos) {
-        value = arg.substr(eq + 1);
-      } else if (name == "save_state" || kohya::find_foreign_flag(name)->boolean) {
-        value = "true";
-      } else {  // its words up to the next flag (kohya's lists take several, or none)
-        while (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) {
-          value += (value.empty() ? "" : " ") + args[++i];
-        }
+      if (name == "save_state") {
+        value = eq == std::string::npos ? "true" : arg.substr(eq + 1);
+      } else if (name == "console_log_file") {
+        value = eq != std::string::npos ? arg.substr(eq + 1) : i + 1 < args.size() ? args[++i] : "";
+      } else {
+        value = kohya::foreign_flag_value(*kohya::find_foreign_flag(name), args, i);
       }
       take_foreign(name, value);
       continue;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/kohya_flags.h"
 #include "deploy/launcher.h"
 #include "tests/process_util.h"
 
@@ -404,7 +405,9 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
       {Stage::kCacher,
        {"pull", "rep", "pub", "wait_for_writer_s", "serve", "idle_timeout_s", "inspect", "json", "verify", "gc",
         "export_file", "dataset", "import_file"}},
-      {Stage::kTrainer, {"output_dir", "pub", "save_state", "resume", "cacher"}},
+      {Stage::kTrainer,
+       {"output_dir", "pub", "save_state", "resume", "cacher",
+        "console_log_file"}},  // the launcher keeps each stage's log in logs/
       {Stage::kSampler,
        {"output_dir", "sub", "pub", "lora", "idle_timeout_s", "delay_per_image_s", "model"}},
   };
@@ -453,8 +456,13 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
       EXPECT_TRUE(routed[stage].count(name) || launcher_owned.at(stage).count(name) || alias)
           << "the " << stage_name(stage) << "'s --" << name
           << " is neither routed by the launcher nor set by it";
+      // A kohya flag a stage acts on must never be swallowed as one lorapipe lacks.
+      EXPECT_EQ(kohya::find_foreign_flag(name), nullptr)
+          << "the " << stage_name(stage) << "'s --" << name
+          << " is also in common/kohya_flags.cpp's table of flags lorapipe does not act on";
     }
   }
+  for (const FlagInfo& f : flag_table()) EXPECT_EQ(kohya::find_foreign_flag(f.name), nullptr) << f.name;
 }
 
 }  // namespace

@@ -436,9 +436,10 @@ TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
                   "--metadata_title=Dog", "--metadata_author=me", "--metadata_tags=dog,photo",
                   "--metadata_trigger_phrase=sks dog",
                   "--metadata_thumbnail=" + (work_ / "thumb.png").string(), "--save_state",
-                  "--save_last_n_steps_state=4"});
+                  "--save_last_n_steps_state=4", "--initial_step=0", "--console_log_level=warning"});
   ASSERT_EQ(r.exit, 0) << r.err;
   EXPECT_NE(r.err.find("--full_bf16=true has no effect in lorapipe"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("trainer] saved"), std::string::npos) << "--console_log_level=warning";
   EXPECT_TRUE(fs::exists(work_ / "lora" / "tiny.safetensors"));
   EXPECT_TRUE(fs::exists(work_ / "lora" / "tiny-step00000004.safetensors"));
   // kohya's rule: at step s, the save of step s - N - 1 (rounded down to a save step) goes, so at
@@ -630,10 +631,11 @@ TEST_F(TrainRunTest, ValidationLossIsWeighedAsTheTrainingLoss) {
 }
 
 // kohya validates at the end of every epoch (every N with --validate_every_n_epochs; the last
-// epoch's is the run's final validation) and --max_validation_steps takes the first N held-out
-// items alone, which changes the loss the start reports.
+// epoch's is the run's final validation) and --max_validation_steps takes the first N batches'
+// worth of held-out images alone, which changes the loss the start reports.
 TEST_F(TrainRunTest, ValidationRunsEveryEpochAndOnTheFirstItemsAsKohya) {
-  // Most images held out keeps the epochs short; two held-out images keep validation cheap.
+  // Most images held out keeps the epochs short; two batches of held-out images keep validation
+  // cheap.
   const std::vector<std::string> common{"--validation_split=0.9", "--validation_seed=5",
                                         "--train_batch_size=4", "--max_validation_steps=2"};
   auto logged = [&](const std::string& tag, const std::vector<std::string>& extra) {
@@ -644,12 +646,15 @@ TEST_F(TrainRunTest, ValidationRunsEveryEpochAndOnTheFirstItemsAsKohya) {
     return r.err + r.out;
   };
   const std::string every = logged("every", {"--max_train_epochs=3"});
-  EXPECT_NE(every.find("validation loss at the end of epoch 1:"), std::string::npos) << every;
-  EXPECT_NE(every.find("validation loss at the end of epoch 2:"), std::string::npos) << every;
-  EXPECT_EQ(every.find("validation loss at the end of epoch 3:"), std::string::npos) << every;
+  for (const char* epoch : {"1", "2", "3"}) {  // the last one is the run's final validation
+    EXPECT_NE(every.find(std::string("validation loss at the end of epoch ") + epoch + ":"),
+              std::string::npos)
+        << every;
+  }
   const std::string second = logged("second", {"--max_train_epochs=3", "--validate_every_n_epochs=2"});
   EXPECT_EQ(second.find("validation loss at the end of epoch 1:"), std::string::npos) << second;
   EXPECT_NE(second.find("validation loss at the end of epoch 2:"), std::string::npos) << second;
+  EXPECT_EQ(second.find("validation loss at the end of epoch 3:"), std::string::npos) << second;
 
   auto start = [](const std::string& log) {
     std::smatch m;
@@ -660,7 +665,7 @@ TEST_F(TrainRunTest, ValidationRunsEveryEpochAndOnTheFirstItemsAsKohya) {
   const std::string first = logged("first", {"--max_train_steps=1", "--max_validation_steps=1"});
   ASSERT_GT(start(every), 0) << every;
   ASSERT_GT(start(first), 0) << first;
-  EXPECT_NE(start(first), start(every)) << "one held-out image of two weighs differently";
+  EXPECT_NE(start(first), start(every)) << "one batch of held-out images of two weighs differently";
 }
 
 // --weighted_captions reads the A1111 attention syntax in captions. Three copies of the demo
@@ -735,7 +740,6 @@ TEST_F(TrainRunTest, TextEncoderOnlyTrainsTheTextEncodersLoraAlone) {
   EXPECT_GT(largest_up, 0) << "the text encoder's LoRA did not train";
 }
 
-// Each bad input: a clear message naming what is wrong, a non-zero exit, before any compute.
 // kohya's --no_metadata keeps its minimum ss_* keys (what a loader needs to apply the file) and
 // the modelspec.* keys; --save_state_on_train_end saves the final state alone; the old
 // --use_lion_optimizer switch trains Lion; --console_log_file takes the log off stderr.
@@ -801,6 +805,11 @@ TEST_F(TrainRunTest, DimFromWeightsBuildsTheNetworkAsTheFileIs) {
     if (key.ends_with(".alpha")) EXPECT_EQ(out.at(key).item<float>(), t.item<float>()) << key;
   }
   EXPECT_EQ(out.at(cut + ".lora_down.weight").size(0), 3);
+  // The metadata describes the file's network (its widest module: rank 4, alpha 4), not the
+  // flags' dim 8.
+  const auto meta = models::SafetensorsFile::open(work_ / "c" / "lora" / "tiny.safetensors").metadata();
+  EXPECT_EQ(meta.at("ss_network_dim"), "4");
+  EXPECT_EQ(meta.at("ss_network_alpha"), "4");
 
   const TrainRun unset = run(work_ / "d", {"--max_train_steps=1", "--dim_from_weights"});
   EXPECT_NE(unset.exit, 0);
@@ -809,6 +818,7 @@ TEST_F(TrainRunTest, DimFromWeightsBuildsTheNetworkAsTheFileIs) {
       << unset.err;
 }
 
+// Each bad input: a clear message naming what is wrong, a non-zero exit, before any compute.
 TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--network_dim=0"}, "--network_dim=0"},
@@ -840,6 +850,8 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--use_lion_optimizer", "--optimizer_type=AdamW"}, "choose one optimizer"},
       {{"--metadata_thumbnail=/no/such/thumb.png"}, "--metadata_thumbnail=/no/such/thumb.png"},
       {{"--console_log_level=LOUD"}, "--console_log_level=LOUD"},
+      {{"--console_log_file=/no/such/dir/log.txt"}, "--console_log_file=/no/such/dir/log.txt"},
+      {{"--initial_step=100"}, "--initial_step=100"},
   };
   for (const auto& [flags, expected] : cases) {
     const TrainRun r = run(work_, flags);

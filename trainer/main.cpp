@@ -1,9 +1,12 @@
 // lorapipe-trainer: kohya's flags in, trainer::train out.
 #include <gflags/gflags.h>
+#include <fcntl.h>
 #include <strings.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
@@ -181,23 +184,15 @@ namespace {
 // kohya's flags that lorapipe does not act on (common/kohya_flags.h) are taken out here: at
 // kohya's default they ask for nothing, otherwise they are refused, naming the flag and why.
 std::vector<std::string> join_multi_value_flags(int argc, char** argv) {
+  const std::vector<std::string> given(argv, argv + argc);
   std::vector<std::string> out;
-  for (int i = 0; i < argc; ++i) {
-    std::string arg = argv[i];
+  for (size_t i = 0; i < given.size(); ++i) {
+    const std::string& arg = given[i];
     if (i > 0 && arg.rfind("--", 0) == 0) {
       const size_t eq = arg.find('=');
       const std::string name = arg.substr(2, eq == std::string::npos ? eq : eq - 2);
       if (const auto* foreign = lorapipe::kohya::find_foreign_flag(name)) {
-        std::string value;
-        if (eq != std::string::npos) {
-          value = arg.substr(eq + 1);
-        } else if (foreign->boolean) {
-          value = "true";
-        } else {  // its words up to the next flag (kohya's lists take several, or none)
-          while (i + 1 < argc && std::strncmp(argv[i + 1], "--", 2) != 0) {
-            value += (value.empty() ? "" : " ") + std::string(argv[++i]);
-          }
-        }
+        const std::string value = lorapipe::kohya::foreign_flag_value(*foreign, given, i);
         const std::string note = lorapipe::kohya::check_foreign_flag(*foreign, value);
         if (!note.empty()) LP_LOG(kWarning, "trainer") << note;
         continue;
@@ -209,8 +204,8 @@ std::vector<std::string> join_multi_value_flags(int argc, char** argv) {
       continue;
     }
     std::string joined;
-    while (i + 1 < argc && std::strncmp(argv[i + 1], "--", 2) != 0) {
-      joined += (joined.empty() ? "" : " ") + std::string(argv[++i]);
+    while (i + 1 < given.size() && given[i + 1].rfind("--", 0) != 0) {
+      joined += (joined.empty() ? "" : " ") + given[++i];
     }
     out.push_back(arg + "=" + joined);
   }
@@ -287,11 +282,16 @@ int main(int argc, char** argv) {
     }
     lorapipe::set_log_level(levels.at(level));
   }
-  if (!FLAGS_console_log_file.empty() &&
-      std::freopen(FLAGS_console_log_file.c_str(), "a", stderr) == nullptr) {
-    LP_LOG(kError, "trainer") << "--console_log_file=" << FLAGS_console_log_file
-                              << ": cannot open it for writing";
-    return lorapipe::runtime::kExitError;
+  if (!FLAGS_console_log_file.empty()) {
+    // Opened before stderr is touched, so a file that cannot be written is reported where the
+    // user looks; truncated, as kohya's logging FileHandler (mode "w") starts it.
+    const int fd = ::open(FLAGS_console_log_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0 || ::dup2(fd, STDERR_FILENO) < 0) {
+      LP_LOG(kError, "trainer") << "--console_log_file=" << FLAGS_console_log_file
+                                << ": cannot open it for writing: " << std::strerror(errno);
+      return lorapipe::runtime::kExitError;
+    }
+    ::close(fd);
   }
   namespace t = lorapipe::trainer;
   try {

@@ -196,6 +196,8 @@ void validate(const Options& o) {
   need(!o.output_dir.empty(), "--output_dir is required");
   need(!o.output_name.empty() && o.output_name.find('/') == std::string::npos,
        "--output_name='" + o.output_name + "' must be a plain file name");
+  need(!o.dim_from_weights || !o.network_weights.empty(),
+       "--dim_from_weights takes the ranks from --network_weights, which is unset");
   need(o.max_train_steps > 0 || o.max_train_epochs > 0,
        "--max_train_steps=" + std::to_string(o.max_train_steps) + ": must be at least 1");
   need(o.max_train_epochs >= 0, "--max_train_epochs must not be negative");
@@ -374,6 +376,8 @@ void Run::load_data() {
 }
 
 void Run::preflight() {
+  // --dim_from_weights: the file the network is built from, read before any compute.
+  if (o_.dim_from_weights) o_.network.ranks_from_weights = lora_file_ranks(o_.network_weights);
   // Every record the run will read, read once and checked, before any compute.
   std::vector<std::string> latent_keys, text_keys;
   std::set<std::string> seen;
@@ -595,8 +599,12 @@ double Run::validation_loss() {
   network_->set_training(false);
   double sum = 0;
   int64_t n = 0;
+  // kohya's --max_validation_steps counts batches of its validation loader; lorapipe validates
+  // one image at a time, so N batches are N times the batch size in images.
+  const int64_t batch = scheduler_->batch_size() / std::max(1, o_.ranks.world_size);
   const size_t items = o_.max_validation_steps > 0
-                           ? std::min(validation_.size(), static_cast<size_t>(o_.max_validation_steps))
+                           ? std::min(validation_.size(),
+                                      static_cast<size_t>(o_.max_validation_steps * batch))
                            : validation_.size();
   for (size_t i = 0; i < items; ++i) {
     const MicroBatch batch = to_micro_batch(validation_[i]);
@@ -657,6 +665,18 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_network_module"] = "networks.lora";
   m["ss_network_dim"] = std::to_string(o_.network.dim);
   m["ss_network_alpha"] = number(o_.network.alpha == 0 ? o_.network.dim : o_.network.alpha);
+  if (o_.dim_from_weights) {
+    // The network is the file's, not the flags': its largest rank and that module's alpha (kohya
+    // writes the flags' here, which then describe no module of the file).
+    const LoraNetwork::Module* widest = nullptr;
+    for (const auto& module : network_->modules()) {
+      if (widest == nullptr || module.adapter->rank() > widest->adapter->rank()) widest = &module;
+    }
+    if (widest != nullptr) {
+      m["ss_network_dim"] = std::to_string(widest->adapter->rank());
+      m["ss_network_alpha"] = number(widest->alpha);
+    }
+  }
   m["ss_network_dropout"] = number(o_.network.dropout);
   json args = json::object();
   for (const std::string& a : o_.network_args) {
@@ -990,12 +1010,6 @@ Summary Run::train_steps() {
   }
 
   torch::manual_seed(o_.seed);
-  if (o_.dim_from_weights) {
-    if (o_.network_weights.empty()) {
-      throw InputError("--dim_from_weights takes the ranks from --network_weights, which is unset");
-    }
-    o_.network.ranks_from_weights = lora_file_ranks(o_.network_weights);
-  }
   network_ = std::make_unique<LoraNetwork>(model_, o_.network,
                                            at::make_generator<at::CPUGeneratorImpl>(o_.seed));
   if (!o_.network_weights.empty()) network_->load(o_.network_weights);
@@ -1016,8 +1030,12 @@ Summary Run::train_steps() {
   prepare_validation();
 
   LP_LOG(kInfo, kLog) << "LoRA: " << network_->unet_module_count() << " UNet + "
-                      << network_->text_encoder_module_count() << " text-encoder modules, dim "
-                      << o_.network.dim << ", alpha " << o_.network.alpha << "; "
+                      << network_->text_encoder_module_count() << " text-encoder modules, "
+                      << (o_.dim_from_weights
+                              ? "ranks and alphas of " + o_.network_weights.string()
+                              : "dim " + std::to_string(o_.network.dim) + ", alpha " +
+                                    number(o_.network.alpha))
+                      << "; "
                       << scheduler_->train_images() << " training images (repeats included) of "
                       << o_.dataset_id << ", "
                       << scheduler_->reg_images() << " reg; batch " << scheduler_->batch_size()
@@ -1227,7 +1245,7 @@ Summary Run::train_steps() {
         }
       }
       // kohya's epoch validation (every epoch unless --validate_every_n_epochs); the last
-      // epoch's is the end-of-run validation below.
+      // epoch's is the end-of-run validation, below the loop.
       const int64_t every_epochs = std::max<int64_t>(1, o_.validate_every_n_epochs);
       if (epoch_done && epoch_ % every_epochs == 0 && global_step_ < max_steps_) {
         if (validated < 0) validated = validation_loss();
@@ -1260,6 +1278,15 @@ Summary Run::train_steps() {
   if (summary.last_validation_loss >= 0) {
     LP_LOG(kInfo, kLog) << "validation loss at step " << global_step_ << ": "
                         << summary.last_validation_loss;
+    // kohya validates after its last epoch too, finished or cut short by --max_train_steps.
+    if (epoch_ % std::max<int64_t>(1, o_.validate_every_n_epochs) == 0) {
+      LP_LOG(kInfo, kLog) << "validation loss at the end of epoch " << epoch_ << ": "
+                          << summary.last_validation_loss;
+      if (tensorboard_) {
+        tensorboard_->add_scalar("loss/validation/epoch_average", summary.last_validation_loss,
+                                 epoch_);
+      }
+    }
     if (tensorboard_) {
       tensorboard_->add_scalar("loss/validation", summary.last_validation_loss, global_step_);
     }
