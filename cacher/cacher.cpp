@@ -70,6 +70,7 @@ class Cacher {
     load.dtype = parse_dtype(options.dtype);
     load.tokenizer = options.tokenizer;
     load.load_unet = false;
+    load.vae = options.vae;
     model_ = models::load_stable_diffusion(options.model, load);
     // Fingerprints of what is loaded, in the compute dtype, with the settings that shape the
     // output: another VAE, dtype, clip skip or tokenizer gives other keys. Everything below goes

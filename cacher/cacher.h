@@ -15,6 +15,7 @@ struct Options {
   std::filesystem::path cache_dir;  // empty: default_cache_dir()
   std::filesystem::path model;      // single .safetensors or diffusers folder
   std::filesystem::path tokenizer;  // for single files (folders carry theirs)
+  std::filesystem::path vae;        // kohya's --vae: another VAE than the checkpoint's
   std::string device = "auto";      // auto, cpu, cuda, cuda:N
   std::string dtype = "fp32";       // compute dtype: fp32, fp16, bf16 (records are fp16)
   int vae_batch_size = 4;

@@ -14,6 +14,9 @@ DEFINE_string(cache_dir, "", "Cache folder (default: $LORAPIPE_CACHE_DIR or ~/.c
 DEFINE_string(model, "", "Base model: single .safetensors (original layout) or diffusers folder");
 DEFINE_string(tokenizer, "",
               "Another CLIP vocabulary (folder, merges.txt or .gz); CLIP's own is built in");
+DEFINE_string(vae, "",
+              "Another VAE than the checkpoint's (kohya's --vae): a .safetensors VAE or a diffusers "
+              "VAE folder; give the trainer and the sampler the same");
 DEFINE_string(device, "auto", "auto, cpu, cuda or cuda:N");
 DEFINE_string(dtype, "fp32", "Compute dtype: fp32, fp16 or bf16 (records are stored in fp16)");
 DEFINE_int32(vae_batch_size, 4, "Images per VAE batch (one bucket at a time)");
@@ -71,6 +74,7 @@ int main(int argc, char** argv) {
     options.cache_dir = FLAGS_cache_dir;
     options.model = FLAGS_model;
     options.tokenizer = FLAGS_tokenizer;
+    options.vae = FLAGS_vae;
     options.device = FLAGS_device;
     options.dtype = FLAGS_dtype;
     options.vae_batch_size = FLAGS_vae_batch_size;

@@ -66,9 +66,6 @@ const std::vector<ForeignFlag> kFlags = {
     {"console_log_simple", K::kBoolean, "", T::kAnyValue, "lorapipe's log lines are always plain"},
     // Models and precision.
     {"v2", K::kBoolean, "", T::kDefaultOnly, "Stable Diffusion 2.x: not in lorapipe yet (SD 1.x only)"},
-    {"vae", K::kValue, "", T::kDefaultOnly,
-     "another VAE: not in lorapipe yet (latents come from the cache, encoded with the "
-     "checkpoint's own VAE)"},
     {"tokenizer_cache_dir", K::kValue, "", T::kAnyValue,
      "lorapipe's CLIP vocabulary is built in (--tokenizer for another)"},
     {"fp8_base", K::kBoolean, "", T::kDefaultOnly,

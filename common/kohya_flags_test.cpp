@@ -25,7 +25,7 @@ TEST(KohyaFlags, DefaultsAreTakenAndOtherValuesRefusedNamingFlagValueAndWhy) {
   for (const auto& [name, value] :
        std::vector<std::pair<std::string, std::string>>{{"deepspeed", "false"},
                                                         {"v2", "False"},
-                                                        {"vae", ""},
+                                                        {"fp8_base", "0"},
                                                         {"lr_scheduler_args", ""},
                                                         {"lr_scheduler_args", "[]"},
                                                         {"lr_decay_steps", "0.0"},
@@ -35,7 +35,7 @@ TEST(KohyaFlags, DefaultsAreTakenAndOtherValuesRefusedNamingFlagValueAndWhy) {
     EXPECT_EQ(check_foreign_flag(*find_foreign_flag(name), value), "") << name << "=" << value;
   }
   EXPECT_EQ(refusal("v2", "true"), "--v2=true: " + std::string(find_foreign_flag("v2")->why));
-  EXPECT_NE(refusal("vae", "/m/vae.safetensors").find("--vae=/m/vae.safetensors: another VAE"),
+  EXPECT_NE(refusal("base_weights", "/m/a.safetensors").find("--base_weights=/m/a.safetensors: "),
             std::string::npos);
   EXPECT_NE(refusal("lr_scheduler_args", "T_max=100").find("--lr_scheduler_args=T_max=100"),
             std::string::npos);
@@ -75,7 +75,8 @@ TEST(KohyaFlags, ValuesKohyaTreatsAsUnsetAreTakenAndSecretsAreMasked) {
 // the next flag (or none), a boolean nothing.
 TEST(KohyaFlags, ValuesAreTakenOffACommandLineAsArgparseTakesThem) {
   const std::vector<std::string> args{"--ddp_timeout", "30",  "-max_train_steps=10",
-                                      "--lr_scheduler_args", "a=1", "b=2", "--v2", "--vae"};
+                                      "--lr_scheduler_args", "a=1", "b=2", "--v2",
+                                      "--log_tracker_config"};
   size_t i = 0;
   EXPECT_EQ(foreign_flag_value(*find_foreign_flag("ddp_timeout"), args, i), "30");
   EXPECT_EQ(i, 1u) << "the single dash flag after it is the next flag's";
@@ -86,11 +87,11 @@ TEST(KohyaFlags, ValuesAreTakenOffACommandLineAsArgparseTakesThem) {
   EXPECT_EQ(foreign_flag_value(*find_foreign_flag("v2"), args, i), "true");
   EXPECT_EQ(i, 6u);
   i = 7;
-  EXPECT_THROW(foreign_flag_value(*find_foreign_flag("vae"), args, i), InputError)
+  EXPECT_THROW(foreign_flag_value(*find_foreign_flag("log_tracker_config"), args, i), InputError)
       << "a value flag needs its value";
-  const std::vector<std::string> eq{"--vae=/m/vae.safetensors"};
+  const std::vector<std::string> eq{"--log_tracker_config=/m/t.toml"};
   i = 0;
-  EXPECT_EQ(foreign_flag_value(*find_foreign_flag("vae"), eq, i), "/m/vae.safetensors");
+  EXPECT_EQ(foreign_flag_value(*find_foreign_flag("log_tracker_config"), eq, i), "/m/t.toml");
 }
 
 }  // namespace

@@ -44,6 +44,7 @@ std::vector<FlagInfo> make_table() {
   add("pretrained_model_name_or_path",
       {{S::kCacher, "model"}, {S::kTrainer, ""}, {S::kSampler, ""}});
   value("tokenizer", {S::kCacher, S::kTrainer, S::kSampler});
+  value("vae", {S::kCacher, S::kTrainer, S::kSampler});  // kohya's: the one VAE of the run
   value("cache_dir", {S::kCacher, S::kTrainer});
   value("dataset_id", {S::kPreprocess, S::kTrainer});
   value("clip_skip", {S::kCacher, S::kTrainer, S::kSampler});

@@ -96,6 +96,15 @@ void attach_tokenizer(StableDiffusion& sd, const fs::path& path) {
   LP_LOG(kInfo, kLog) << sd.source << ": no tokenizer given, using CLIP's vocabulary (built in)";
 }
 
+// ldm keeps the VAE mid-block attention projections as 1x1 convolutions.
+AdaptTensor vae_attention_from_ldm() {
+  return [](const TensorInfo& info, torch::Tensor tensor) {
+    const bool conv_projection =
+        info.name.find(".mid.attn_1.") != std::string::npos && tensor.dim() == 4;
+    return conv_projection ? tensor.flatten(1) : tensor;
+  };
+}
+
 StableDiffusion load_single_file(const fs::path& path, const LoadOptions& options) {
   const SafetensorsFile file = SafetensorsFile::open(path);
   StableDiffusion sd;
@@ -159,13 +168,7 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
                               "schedule, position_ids)";
   }
   if (options.load_unet) load_into(*sd.unet, file, unet, sd.source + " (unet)");
-  // ldm keeps the VAE mid-block attention projections as 1x1 convolutions.
-  const AdaptTensor vae_attention = [](const TensorInfo& info, torch::Tensor tensor) {
-    const bool conv_projection =
-        info.name.find(".mid.attn_1.") != std::string::npos && tensor.dim() == 4;
-    return conv_projection ? tensor.flatten(1) : tensor;
-  };
-  load_into(*sd.vae, file, vae, sd.source + " (vae)", vae_attention);
+  load_into(*sd.vae, file, vae, sd.source + " (vae)", vae_attention_from_ldm());
   load_into(*sd.text_encoder, file, text, sd.source + " (text encoder)");
   attach_tokenizer(sd, options.tokenizer);
   return sd;
@@ -201,9 +204,83 @@ StableDiffusion load_diffusers_folder(const fs::path& folder, const LoadOptions&
 
 StableDiffusion load_stable_diffusion(const fs::path& path, const LoadOptions& options) {
   std::error_code ec;
-  if (fs::is_directory(path, ec)) return load_diffusers_folder(path, options);
-  if (!fs::exists(path, ec)) throw InputError(path.string() + ": no such file or folder");
-  return load_single_file(path, options);
+  StableDiffusion sd;
+  if (fs::is_directory(path, ec)) {
+    sd = load_diffusers_folder(path, options);
+  } else if (!fs::exists(path, ec)) {
+    throw InputError(path.string() + ": no such file or folder");
+  } else {
+    sd = load_single_file(path, options);
+  }
+  if (!options.vae.empty()) load_vae_override(sd, options.vae);
+  return sd;
+}
+
+void load_vae_override(StableDiffusion& model, const fs::path& path) {
+  std::error_code ec;
+  const std::string source = path.string() + " (--vae)";
+  if (fs::is_directory(path, ec)) {
+    const fs::path folder = fs::is_directory(path / "vae") ? path / "vae" : path;
+    if (!fs::exists(folder / "diffusion_pytorch_model.safetensors")) {
+      throw InputError(source + ": no diffusion_pytorch_model.safetensors in " + folder.string());
+    }
+    load_vae(model.vae, folder);
+    return;
+  }
+  if (!fs::exists(path, ec)) throw InputError(source + ": no such file or folder");
+  if (path.extension() != ".safetensors") {
+    throw InputError(source + ": only .safetensors VAEs are read (a .ckpt or .pt file is a "
+                              "pickle, which can run code; convert it to safetensors first)");
+  }
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  bool ldm = false, diffusers = false, whole = false;
+  for (const TensorInfo& info : file.tensors()) {
+    whole |= info.name.rfind(kLdmVaePrefix, 0) == 0;
+    diffusers |= info.name.find("down_blocks.") != std::string::npos ||
+                 info.name.find("up_blocks.") != std::string::npos;
+    ldm |= info.name.rfind("encoder.down.", 0) == 0 || info.name.rfind("decoder.up.", 0) == 0;
+  }
+  if (diffusers && !whole) {
+    load_into(*model.vae, file, source);
+    return;
+  }
+  if (!ldm && !whole) {
+    throw InputError(source + ": holds no VAE weights (neither encoder.* / decoder.* nor "
+                              "first_stage_model.*)");
+  }
+  const KeyMap vae_map = sd15_vae_key_map(layout_of(model.vae->config()));
+  std::map<std::string, const TensorInfo*> names;
+  std::vector<std::string> unknown;
+  int skipped = 0;
+  for (const TensorInfo& info : file.tensors()) {
+    std::string key = info.name;
+    if (whole) {
+      if (key.rfind(kLdmVaePrefix, 0) != 0) continue;  // the checkpoint's other models
+    } else {
+      if (key.rfind("loss.", 0) == 0 || key.rfind("model_ema.", 0) == 0) {
+        ++skipped;
+        continue;
+      }
+      key = std::string(kLdmVaePrefix) + key;
+    }
+    const std::optional<std::string> name = vae_map.to_diffusers(key);
+    if (!name) {
+      unknown.push_back(info.name);
+      continue;
+    }
+    names[*name] = &info;
+  }
+  if (!unknown.empty()) {
+    std::string list;
+    for (size_t i = 0; i < unknown.size() && i < 8; ++i) list += (i ? ", " : "") + unknown[i];
+    throw InputError(source + ": " + std::to_string(unknown.size()) +
+                     " keys are no weight of an SD1.x VAE: " + list);
+  }
+  if (skipped > 0) {
+    LP_LOG(kInfo, kLog) << source << ": skipped " << skipped
+                        << " entries of its training run (loss.*, model_ema.*)";
+  }
+  load_into(*model.vae, file, names, source, vae_attention_from_ldm());
 }
 
 std::string to_config_json(const UNetConfig& c) {

@@ -33,6 +33,8 @@ struct LoadOptions {
   // The cacher needs only the VAE and the text encoder: false leaves `unet` empty and reads none
   // of its weights.
   bool load_unet = true;
+  // kohya's --vae: another VAE in place of the checkpoint's own (load_vae_override).
+  std::filesystem::path vae;
 };
 
 // A Stable Diffusion 1.x/2.x model as loaded, and the DiffusionModel the stages call on it.
@@ -75,6 +77,14 @@ struct StableDiffusion : DiffusionModel {
 // Throws lorapipe::InputError naming the file and listing missing or unexpected keys.
 StableDiffusion load_stable_diffusion(const std::filesystem::path& path,
                                       const LoadOptions& options = {});
+
+// Replaces the weights of `model`'s VAE with those of `path`, as kohya's --vae does: a VAE alone
+// in the original layout ("encoder.*", "decoder.*", "quant_conv.*", as vae-ft-mse-840000 and
+// most VAE downloads ship), a whole checkpoint in that layout (its first_stage_model.*), a
+// diffusers VAE file (diffusion_pytorch_model.safetensors) or folder, or a diffusers model
+// folder (its vae/). Every weight of the VAE must be found with its shape; a training run's
+// discriminator ("loss.*") and EMA copies are skipped. Throws InputError naming the file.
+void load_vae_override(StableDiffusion& model, const std::filesystem::path& path);
 
 // Writes the models as one .safetensors in the original layout. The module configs travel in
 // the file's metadata ("lorapipe.unet_config", ...) so non-standard sizes load back; files

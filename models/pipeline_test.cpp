@@ -9,11 +9,14 @@
 #include <torch/torch.h>
 
 #include <fstream>
+#include <map>
 
 #include "common/error.h"
 #include "models/attention.h"
 #include "models/parity_util.h"
+#include "models/safetensors.h"
 #include "models/tiny.h"
+#include "models/weights.h"
 
 namespace lorapipe::models {
 namespace {
@@ -59,6 +62,65 @@ TEST_F(PipelineParity, SingleFileAndDiffusersFolderLoadTheSameWeights) {
   EXPECT_EQ(folder.tokenizer->encode_padded("a red circle"),
             single.tokenizer->encode_padded("a red circle"));
   EXPECT_EQ(folder.family.name, "sd15");
+}
+
+// A safetensors file of fp32 tensors, as VAE downloads are.
+void write_tensors(const fs::path& path, const std::map<std::string, torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> keep;
+  std::vector<TensorToWrite> out;
+  for (const auto& [name, tensor] : tensors) {
+    keep.push_back(tensor.to(torch::kFloat).contiguous());
+    const torch::Tensor& t = keep.back();
+    out.push_back({name, Dtype::kF32, t.sizes().vec(),
+                   std::string_view(static_cast<const char*>(t.data_ptr()), t.nbytes())});
+  }
+  write_safetensors(path, out);
+}
+
+// kohya's --vae: another VAE's weights in place of the checkpoint's, from every layout a VAE
+// comes in, bit for bit. Keys that are no VAE weight, and pickles, are refused by name.
+TEST_F(PipelineParity, VaeOverrideLoadsEveryLayoutBitForBit) {
+  const TinyCheckpoint other = write_tiny_checkpoint(dir_ / "other", /*seed=*/9);
+  StableDiffusion want = load_stable_diffusion(other.diffusers);
+  // The VAE alone in the original layout (as vae-ft-mse-840000 ships), with its training run's
+  // discriminator left in, which is skipped.
+  std::map<std::string, torch::Tensor> alone =
+      read_tensors(SafetensorsFile::open(other.single_file), "first_stage_model.");
+  ASSERT_GT(alone.size(), 10u);
+  alone["loss.discriminator.main.0.weight"] = torch::ones({2, 2});
+  const fs::path ldm = dir_ / "vae-alone.safetensors";
+  write_tensors(ldm, alone);
+  for (const fs::path& vae :
+       {ldm, other.single_file, other.diffusers / "vae" / "diffusion_pytorch_model.safetensors",
+        other.diffusers / "vae", other.diffusers}) {
+    LoadOptions options;
+    options.vae = vae;
+    StableDiffusion sd = load_stable_diffusion(tiny_.diffusers, options);
+    SCOPED_TRACE(vae.string());
+    expect_same_weights(*want.vae, *sd.vae);
+  }
+  StableDiffusion own = load_stable_diffusion(tiny_.diffusers);
+  EXPECT_FALSE(torch::equal(own.vae->parameters().front(), want.vae->parameters().front()))
+      << "the two checkpoints' VAEs must differ for the comparison above to mean anything";
+
+  auto refusal = [&](const fs::path& vae) {
+    LoadOptions options;
+    options.vae = vae;
+    try {
+      load_stable_diffusion(tiny_.diffusers, options);
+    } catch (const InputError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  alone["encoder.extra.weight"] = torch::ones({1});
+  write_tensors(dir_ / "junk.safetensors", alone);
+  const std::string junk = refusal(dir_ / "junk.safetensors");
+  EXPECT_NE(junk.find("junk.safetensors (--vae)"), std::string::npos) << junk;
+  EXPECT_NE(junk.find("encoder.extra.weight"), std::string::npos) << junk;
+  std::ofstream(dir_ / "vae.ckpt") << "not a pickle either";
+  EXPECT_NE(refusal(dir_ / "vae.ckpt").find("pickle"), std::string::npos);
+  EXPECT_NE(refusal(dir_ / "none.safetensors").find("no such file"), std::string::npos);
 }
 
 TEST_F(PipelineParity, DiffusersAndTransformersLoadTheFolderAndAgree) {

@@ -17,6 +17,7 @@ DEFINE_string(pretrained_model_name_or_path, "",
 DEFINE_string(model, "", "Alias of --pretrained_model_name_or_path");
 DEFINE_string(tokenizer, "",
               "Another CLIP vocabulary (folder, merges.txt or .gz); CLIP's own is built in");
+DEFINE_string(vae, "", "Decode with another VAE than the checkpoint's (kohya's --vae)");
 DEFINE_string(sample_prompts, "", "kohya prompt file: .txt, .toml or .json");
 DEFINE_string(output_dir, "", "Run folder: images go to OUTPUT_DIR/samples/");
 DEFINE_string(lora, "", "One shot: FILE[:multiplier][,FILE[:multiplier]...] merged together");
@@ -50,6 +51,7 @@ int main(int argc, char** argv) {
     o.model = FLAGS_pretrained_model_name_or_path.empty() ? FLAGS_model
                                                           : FLAGS_pretrained_model_name_or_path;
     o.tokenizer = FLAGS_tokenizer;
+    o.vae = FLAGS_vae;
     o.sample_prompts = FLAGS_sample_prompts;
     o.output_dir = FLAGS_output_dir;
     o.device = FLAGS_device;

@@ -200,6 +200,7 @@ class Sampler {
     models::LoadOptions load;
     load.device = models::resolve_device(o_.device);
     load.tokenizer = o_.tokenizer;
+    load.vae = o_.vae;
     model_ = models::load_stable_diffusion(o_.model, load);
     PromptDefaults defaults;
     defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read

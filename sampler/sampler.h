@@ -22,6 +22,7 @@ namespace lorapipe::sampler {
 struct SamplerOptions {
   std::filesystem::path model;
   std::filesystem::path tokenizer;
+  std::filesystem::path vae;  // kohya's --vae: decode with another VAE than the checkpoint's
   std::filesystem::path sample_prompts;
   std::filesystem::path output_dir;
   std::string device = "auto";

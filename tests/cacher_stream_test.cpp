@@ -15,6 +15,8 @@
 #include "cacher/records.h"
 #include "cacher/store.h"
 #include "models/pipeline.h"
+#include "models/weights.h"
+#include "models/safetensors.h"
 #include "models/tiny.h"
 #include "preprocess/demo_dataset.h"
 #include "proto/lorapipe.pb.h"
@@ -245,6 +247,29 @@ TEST_F(CachePipeline, EditedImageCaptionOrVaeReencodeOnlyWhatChanged) {
   expect_ok(r);
   EXPECT_EQ(r.encoded, kImages);
   EXPECT_EQ(r.texts_encoded, 0u);
+
+  // kohya's --vae: the first checkpoint with that VAE given alone (the VAE's own weights in the
+  // original layout, as VAE downloads ship) finds every latent cached; a third VAE encodes all.
+  const fs::path vae_alone = work_ / "vae-alone.safetensors";
+  const fs::path third_vae = work_ / "third-vae.safetensors";
+  {
+    auto alone = models::read_tensors(models::SafetensorsFile::open(other_vae), "first_stage_model.");
+    std::vector<models::TensorToWrite> out;
+    for (const auto& [name, t] : alone) {
+      out.push_back({name, models::Dtype::kF32, t.sizes().vec(),
+                     std::string_view(static_cast<const char*>(t.data_ptr()), t.nbytes())});
+    }
+    models::write_safetensors(vae_alone, out);
+    torch::NoGradGuard no_grad;
+    for (auto& [name, t] : alone) t.add_(0.01);
+    models::write_safetensors(third_vae, out);  // the same views, over the changed tensors
+  }
+  r = run(tiny_.single_file, "--vae=" + vae_alone.string());
+  expect_ok(r);
+  EXPECT_EQ(r.encoded, 0u) << "the other VAE's latents are cached";
+  r = run(tiny_.single_file, "--vae=" + third_vae.string());
+  expect_ok(r);
+  EXPECT_EQ(r.encoded, kImages);
 }
 
 TEST_F(CachePipeline, KillNineMidWriteThenRestartCompletes) {

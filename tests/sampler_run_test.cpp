@@ -170,6 +170,33 @@ TEST_F(SamplerRun, OneShotWritesImagesSheetAndGallery) {
   EXPECT_EQ(index["checkpoints"][0]["images"].size(), 2u);
 }
 
+// kohya's --vae: the sampler decodes with the VAE it is given. The same render with another
+// checkpoint's VAE gives other pixels; a VAE that cannot be read stops it, naming the file.
+TEST_F(SamplerRun, VaeDecodesTheImages) {
+  const auto other = models::write_tiny_checkpoint(work_ / "other", /*seed=*/12);
+  auto render = [&](const std::string& tag, std::vector<std::string> extra) {
+    extra.push_back("--lora=" + (dir_ / "one.safetensors").string());
+    std::vector<std::string> a = args(extra);
+    a[3] = "--output_dir=" + (work_ / tag).string();
+    fs::create_directories(work_ / tag);
+    const int exit = wait_exit(spawn(a, work_ / tag / "out", work_ / tag / "err"));
+    return std::make_pair(exit, read_text(work_ / tag / "err"));
+  };
+  ASSERT_EQ(render("own", {}).first, 0);
+  const auto with = render("with", {"--vae=" + (other.diffusers / "vae").string()});
+  ASSERT_EQ(with.first, 0) << with.second;
+  vips::VImage own = vips::VImage::new_from_file(
+      (work_ / "own" / "samples" / "one_000040_00.png").c_str());
+  vips::VImage decoded = vips::VImage::new_from_file(
+      (work_ / "with" / "samples" / "one_000040_00.png").c_str());
+  EXPECT_GT(own.relational(decoded, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
+      << "the other VAE decoded the same pixels";
+  const auto missing = render("missing", {"--vae=" + (work_ / "none.safetensors").string()});
+  EXPECT_NE(missing.first, 0);
+  EXPECT_NE(missing.second.find("none.safetensors (--vae): no such file"), std::string::npos)
+      << missing.second;
+}
+
 // The trainer announces 10; while the sampler (1 s per image) renders it, 20, 30, a corrupt 40
 // and then the final 50 arrive. Newest wins: 20 and 30 are never rendered, the corrupt one is
 // reported by name and skipped, the final one is rendered, and the sampler exits 0.

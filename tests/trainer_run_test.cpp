@@ -845,7 +845,8 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--optimizer_args", "d_coef=2"}, "d_coef: AdamW does not take it"},
       // kohya's flags lorapipe does not act on: refused at any value but kohya's default.
       {{"--v2"}, "--v2=true: Stable Diffusion 2.x"},
-      {{"--vae=/m/vae.safetensors"}, "--vae=/m/vae.safetensors: another VAE"},
+      {{"--vae=/m/vae.safetensors"}, "/m/vae.safetensors (--vae): no such file"},
+      {{"--fp8_base"}, "--fp8_base=true: fp8 base weights"},
       {{"--lr_scheduler_args", "T_max=100", "--seed=1"}, "--lr_scheduler_args=T_max=100"},
       {{"--use_lion_optimizer", "--optimizer_type=AdamW"}, "choose one optimizer"},
       {{"--metadata_thumbnail=/no/such/thumb.png"}, "--metadata_thumbnail=/no/such/thumb.png"},
@@ -869,6 +870,36 @@ TEST_F(TrainRunTest, ManifestFromAnotherVaeIsRefused) {
   EXPECT_EQ(wait_exit(pid), 2);
   EXPECT_NE(read_text(work_ / "err").find("another VAE"), std::string::npos)
       << read_text(work_ / "err");
+}
+
+// kohya's --vae: the trainer checks the manifest against the VAE it is given. A checkpoint
+// whose own VAE is another trains on this suite's cache when --vae names the VAE the cache was
+// made with (here in the original layout, alone, as VAE downloads ship), and the LoRA records
+// it as kohya does; the suite's own checkpoint with the other VAE is refused, naming --vae.
+TEST_F(TrainRunTest, VaeTheCacheWasMadeWithIsGivenWithVae) {
+  const auto other = models::write_tiny_checkpoint(work_ / "other", /*seed=*/11);
+  auto alone = models::read_tensors(models::SafetensorsFile::open(tiny_.single_file),
+                                    "first_stage_model.");
+  ASSERT_GT(alone.size(), 10u);
+  const fs::path own_vae = work_ / "own-vae.safetensors";
+  trainer::write_lora_file(own_vae, alone, {});  // a plain safetensors file of these tensors
+
+  std::vector<std::string> a = args(work_ / "a", {"--max_train_steps=1", "--vae=" + own_vae.string()});
+  a[1] = "--pretrained_model_name_or_path=" + other.diffusers.string();
+  fs::create_directories(work_ / "a");
+  EXPECT_EQ(wait_exit(spawn(a, work_ / "a" / "out", work_ / "a" / "err")), 0)
+      << read_text(work_ / "a" / "err");
+  const auto meta =
+      models::SafetensorsFile::open(work_ / "a" / "lora" / "tiny.safetensors").metadata();
+  EXPECT_EQ(meta.at("ss_vae_name"), "own-vae.safetensors");
+  EXPECT_EQ(meta.at("ss_new_vae_hash"), sha256_file(own_vae));
+
+  const TrainRun refused =
+      run(work_ / "b", {"--max_train_steps=1", "--vae=" + (other.diffusers / "vae").string()});
+  EXPECT_EQ(refused.exit, 2);
+  EXPECT_NE(refused.err.find("another VAE"), std::string::npos) << refused.err;
+  EXPECT_NE(refused.err.find("--vae=" + (other.diffusers / "vae").string()), std::string::npos)
+      << refused.err;
 }
 
 TEST_F(TrainRunTest, MissingRecordsAreListedBeforeTraining) {

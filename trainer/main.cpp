@@ -29,6 +29,8 @@ DEFINE_string(pretrained_model_name_or_path, "",
               "Base model: single .safetensors or diffusers folder");
 DEFINE_string(tokenizer, "",
               "Another CLIP vocabulary (folder, merges.txt or .gz); CLIP's own is built in");
+DEFINE_string(vae, "",
+              "The VAE the cacher was given with --vae, in place of the checkpoint's (kohya's)");
 DEFINE_string(cache_dir, "",
               "Cache folder (default: $LORAPIPE_CACHE_DIR or ~/.cache/lorapipe/cache)");
 DEFINE_string(cacher, "", "Read records from a remote lorapipe-cacher --serve (tcp://host:port)");
@@ -300,6 +302,7 @@ int main(int argc, char** argv) {
     o.ranks = t::rank_environment();
     o.model = FLAGS_pretrained_model_name_or_path;
     o.tokenizer = FLAGS_tokenizer;
+    o.vae = FLAGS_vae;
     o.cache_dir = FLAGS_cache_dir;
     o.cacher_endpoint = FLAGS_cacher;
     o.dataset_id = FLAGS_dataset_id;

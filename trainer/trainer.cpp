@@ -290,7 +290,7 @@ class Run {
   std::optional<wire::CheckpointReady> last_checkpoint_;
   std::chrono::steady_clock::time_point last_announce_;
   std::string run_id_;
-  std::string model_hash_, model_sha256_;
+  std::string model_hash_, model_sha256_, vae_hash_, vae_sha256_;
   std::string training_started_at_;
 
   int64_t max_steps_ = 0;
@@ -422,6 +422,7 @@ void Run::load_model() {
   load.tokenizer = o_.tokenizer;
   load.device = torch::kCPU;
   load.dtype = torch::kFloat;
+  load.vae = o_.vae;
   model_ = models::load_stable_diffusion(o_.model, load);
   if (!model_.tokenizer) {
     throw InputError(o_.model.string() + " carries no tokenizer: pass --tokenizer");
@@ -440,9 +441,11 @@ void Run::load_model() {
   }
   model_.vae = nullptr;  // training needs no VAE
   if (!vae_matches) {
+    const std::string vae = o_.vae.empty() ? o_.model.string() + "'s" : "--vae=" + o_.vae.string();
     throw InputError("manifest '" + o_.dataset_id + "' was cached with another VAE (fingerprint " +
-                     manifest_.vae_fingerprint().substr(0, 12) + ") than " + o_.model.string() +
-                     "'s: re-cache the dataset with this model (run preprocess and the cacher)");
+                     manifest_.vae_fingerprint().substr(0, 12) + ") than " + vae +
+                     ": re-cache the dataset with this model (run preprocess and the cacher, "
+                     "with the same --vae), or give the trainer the cacher's --vae");
   }
   const bool train_te = o_.network.train_text_encoder;
   if (o_.weighted_captions) {
@@ -472,6 +475,10 @@ void Run::load_model() {
   if (fs::is_regular_file(o_.model)) {
     model_hash_ = legacy_model_hash(o_.model);
     model_sha256_ = sha256_file(o_.model);
+  }
+  if (fs::is_regular_file(o_.vae)) {
+    vae_hash_ = legacy_model_hash(o_.vae);
+    vae_sha256_ = sha256_file(o_.vae);
   }
 #ifdef __GLIBC__
   // Loading went through copies of every weight (and the VAE, dropped above); under the heap
@@ -718,6 +725,13 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_sd_model_name"] = o_.model.filename().string();
   m["ss_sd_model_hash"] = model_hash_;
   m["ss_new_sd_model_hash"] = model_sha256_;
+  if (!o_.vae.empty()) {  // kohya's: the file's name and hashes (a folder: its path alone)
+    m["ss_vae_name"] = fs::is_regular_file(o_.vae) ? o_.vae.filename().string() : o_.vae.string();
+    if (!vae_hash_.empty()) {
+      m["ss_vae_hash"] = vae_hash_;
+      m["ss_new_vae_hash"] = vae_sha256_;
+    }
+  }
   // kohya writes the --resolution it bucketed at; the manifest holds the buckets, whose largest
   // area is that resolution squared (kohya's make_bucket_resolutions keeps w * h <= reso^2).
   uint64_t max_area = 0;

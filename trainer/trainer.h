@@ -20,6 +20,9 @@ struct Options {
   // What to train on.
   std::filesystem::path model;  // --pretrained_model_name_or_path: single file or diffusers folder
   std::filesystem::path tokenizer;  // for single files (folders carry theirs)
+  // kohya's --vae: the VAE the cacher encoded with, in place of the checkpoint's (the manifest's
+  // VAE fingerprint is checked against it).
+  std::filesystem::path vae;
   std::filesystem::path cache_dir;  // empty: the default shared cache
   std::string cacher_endpoint;      // --cacher: read records from a remote cacher instead
   std::string dataset_id;
