@@ -88,10 +88,6 @@ const std::vector<ForeignFlag> kFlags = {
     // Schedules and steps.
     {"lr_scheduler_type", K::kValue, "", T::kDefaultOnly,
      "a scheduler class of your own: lorapipe has kohya's named schedulers (--lr_scheduler)"},
-    {"lr_scheduler_args", K::kList, "", T::kDefaultOnly, kNotYet},
-    {"lr_decay_steps", K::kValue, "0", T::kDefaultOnly, kNotYet},
-    {"lr_scheduler_timescale", K::kValue, "", T::kDefaultOnly, kNotYet},
-    {"lr_scheduler_min_lr_ratio", K::kValue, "", T::kDefaultOnly, kNotYet},
     {"initial_epoch", K::kValue, "", T::kDefaultOnly,
      "starting the count elsewhere: lorapipe continues runs exactly with --resume", "1"},
     {"initial_step", K::kValue, "", T::kDefaultOnly,

@@ -89,7 +89,8 @@ std::vector<FlagInfo> make_table() {
         "metadata_title", "metadata_author", "metadata_description", "metadata_license",
         "metadata_tags", "metadata_trigger_phrase", "metadata_usage_hint", "metadata_thumbnail",
         "metadata_merged_from", "metadata_preprocessor", "metadata_is_negative_embedding",
-        "console_log_level", "validate_every_n_epochs",
+        "console_log_level", "validate_every_n_epochs", "lr_scheduler_min_lr_ratio",
+        "lr_decay_steps", "lr_scheduler_timescale", "lr_scheduler_args",
         "max_validation_steps"}) {
     value(name, {S::kTrainer});
   }
@@ -127,7 +128,7 @@ const FlagInfo* find_flag(const std::string& name) {
 
 // kohya's flags that take several space-separated words.
 bool multi_value(const std::string& name) {
-  return name == "optimizer_args" || name == "network_args";
+  return name == "optimizer_args" || name == "network_args" || name == "lr_scheduler_args";
 }
 
 std::string canonical(const std::string& name) {
@@ -339,12 +340,14 @@ Settings parse_run_args(const std::vector<std::string>& args) {
       value = arg.substr(eq + 1);
     } else if (f != nullptr && f->boolean) {
       value = "true";
+    } else if (multi_value(name)) {  // kohya: --optimizer_args a=1 b=2, or no words at all
+      while (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) {
+        value += (value.empty() ? "" : " ") + args[++i];
+      }
+      if (value.empty()) continue;  // kohya's empty list: the flag not given
     } else {
       if (i + 1 >= args.size()) throw InputError("--" + name + " needs a value");
       value = args[++i];
-    }
-    if (multi_value(name)) {  // kohya: --optimizer_args a=1 b=2
-      while (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) value += " " + args[++i];
     }
     if (f != nullptr && f->boolean && value != "true" && value != "false") {
       throw InputError("--" + name + " is true or false, not '" + value + "'");

@@ -380,7 +380,8 @@ TEST_F(LauncherFlags, KohyasConfigFileIsTakenAsKohyaReadsIt) {
   EXPECT_EQ(std::stod(s.get("learning_rate")), 2e-4);
   EXPECT_EQ(s.get("caption_extension"), ".txt");
   for (const char* taken : {"dynamo_backend", "deepspeed", "v2", "full_bf16", "save_state",
-                            "token_warmup_min", "ddp_timeout", "lr_scheduler_args"}) {
+                            "token_warmup_min", "ddp_timeout",
+                            "lr_scheduler_args"}) {  // an empty list is the flag not given
     EXPECT_FALSE(s.has(taken)) << taken << " goes to no stage";
   }
   const auto trainer = stage_args(s, Stage::kTrainer);

@@ -29,6 +29,7 @@
 #include "tests/process_util.h"
 #include "trainer/dataset.h"
 #include "trainer/lora_file.h"
+#include "trainer/lr_schedule.h"
 #include "trainer/noise.h"
 #include "trainer/ranks.h"
 
@@ -534,6 +535,46 @@ TEST_F(TrainRunTest, EpochsEndOnStepsUnderAccumulationAndKeepTheLastEpochSaves) 
   EXPECT_EQ(steps["loss/epoch"], (std::vector<int64_t>{1, 2, 3, 4, 5}));
 }
 
+// The newer schedules kohya takes, driven by their flags: warmup_stable_decay with its warmup as
+// kohya's percentage, its decay steps, floor and decay shape (--lr_scheduler_args). The rate TensorBoard records at each step
+// is the schedule's (trainer/lr_schedule.cpp, which TrainLrSchedule checks against
+// transformers) times --learning_rate; TensorBoard keeps float32, hence 1e-6 relative.
+TEST_F(TrainRunTest, LrSchedulesFollowTheirFlags) {
+  const TrainRun r = run(work_, {"--max_train_steps=10", "--learning_rate=1e-3",
+                                 "--lr_scheduler=warmup_stable_decay", "--lr_warmup_steps=20%",
+                                 "--lr_decay_steps=0.4", "--lr_scheduler_min_lr_ratio=0.1",
+                                 "--lr_scheduler_args", "decay_type='linear'"});
+  ASSERT_EQ(r.exit, 0) << r.err;
+  fs::path events;
+  for (const auto& f : fs::directory_iterator(work_ / "tensorboard")) {
+    if (f.path().filename().string().starts_with("events.out.tfevents.")) events = f.path();
+  }
+  ASSERT_FALSE(events.empty());
+  const char* python = std::getenv("LORAPIPE_PYTHON");
+  ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
+  const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
+                              "/trainer/reference/read_tensorboard.py read " + events.string() +
+                              " > " + (work_ / "tb.json").string();
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  const auto read = nlohmann::json::parse(read_text(work_ / "tb.json"));
+  trainer::LrScheduleOptions schedule;
+  schedule.name = "warmup_stable_decay";
+  schedule.warmup_steps = 2;
+  schedule.training_steps = 10;
+  schedule.decay_steps = 0.4;
+  schedule.min_lr_ratio = 0.1;
+  schedule.decay_type = "linear";
+  int seen = 0;
+  for (const auto& scalar : read["scalars"]) {
+    if (scalar["tag"] != "lr/unet") continue;
+    const int64_t step = scalar["step"].get<int64_t>();
+    const double want = 1e-3 * trainer::lr_multiplier(schedule, step - 1);
+    EXPECT_NEAR(scalar["value"].get<double>(), want, 1e-6 * want + 1e-12) << "step " << step;
+    ++seen;
+  }
+  EXPECT_EQ(seen, 10);
+}
+
 // kohya's --max_token_length: text cached at 75 tokens is other text (encoded online instead),
 // the denoiser attends to kohya's chunked states, and the file says so as kohya's does. Two
 // lengths, both encoded online from the same seed, must train differently (152 against 227
@@ -847,7 +888,13 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--v2"}, "--v2=true: Stable Diffusion 2.x"},
       {{"--vae=/m/vae.safetensors"}, "/m/vae.safetensors (--vae): no such file"},
       {{"--fp8_base"}, "--fp8_base=true: fp8 base weights"},
-      {{"--lr_scheduler_args", "T_max=100", "--seed=1"}, "--lr_scheduler_args=T_max=100"},
+      {{"--lr_scheduler_args", "T_max=100", "--seed=1"}, "--lr_scheduler_args 'T_max=100'"},
+      {{"--lr_scheduler=cosine_with_min_lr"}, "needs --lr_scheduler_min_lr_ratio"},
+      {{"--lr_scheduler=cosine", "--lr_warmup_steps=lots"}, "--lr_warmup_steps=lots"},
+      {{"--lr_scheduler=piecewise_constant", "--lr_scheduler_args", "step_rules='1:2,0.5'",
+        "--lr_warmup_steps=2"},
+       "piecewise_constant takes no --lr_warmup_steps"},
+      {{"--lr_scheduler_type=CosineAnnealingLR"}, "--lr_scheduler_type=CosineAnnealingLR: "},
       {{"--use_lion_optimizer", "--optimizer_type=AdamW"}, "choose one optimizer"},
       {{"--metadata_thumbnail=/no/such/thumb.png"}, "--metadata_thumbnail=/no/such/thumb.png"},
       {{"--console_log_level=LOUD"}, "--console_log_level=LOUD"},

@@ -119,10 +119,19 @@ DEFINE_double(learning_rate, 1e-4, "Learning rate");
 DEFINE_double(unet_lr, -1, "UNet learning rate (default: --learning_rate)");
 DEFINE_double(text_encoder_lr, -1, "Text-encoder learning rate (default: --learning_rate)");
 DEFINE_string(lr_scheduler, "constant",
-              "constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial");
-DEFINE_double(lr_warmup_steps, 0, "Warmup steps, or a ratio of the steps below 1");
+              "constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial, "
+              "cosine_with_min_lr, warmup_stable_decay, inverse_sqrt or piecewise_constant");
+DEFINE_string(lr_warmup_steps, "0", "Warmup steps, or a ratio of the steps below 1 (or N%)");
 DEFINE_int32(lr_scheduler_num_cycles, 1, "Restarts of cosine_with_restarts");
 DEFINE_double(lr_scheduler_power, 1.0, "Power of polynomial");
+DEFINE_double(lr_scheduler_min_lr_ratio, -1,
+              "cosine_with_min_lr's floor and warmup_stable_decay's, a ratio of the rate");
+DEFINE_string(lr_decay_steps, "0",
+              "warmup_stable_decay's decay steps, or a ratio of the steps below 1 (or N%)");
+DEFINE_int64(lr_scheduler_timescale, 0, "inverse_sqrt's timescale (0: the warmup steps)");
+DEFINE_string(lr_scheduler_args, "",
+              "key=value ... (lr_end for polynomial, min_lr for cosine_with_min_lr, warmup_type "
+              "and decay_type for warmup_stable_decay, step_rules for piecewise_constant)");
 DEFINE_double(max_grad_norm, 1.0, "Gradient clipping (0: none)");
 DEFINE_int32(gradient_accumulation_steps, 1, "Micro-batches per optimizer step");
 DEFINE_bool(gradient_checkpointing, false, "Recompute UNet blocks in backward to save memory");
@@ -200,7 +209,8 @@ std::vector<std::string> join_multi_value_flags(int argc, char** argv) {
         continue;
       }
     }
-    const bool multi = arg == "--network_args" || arg == "--optimizer_args";
+    const bool multi =
+        arg == "--network_args" || arg == "--optimizer_args" || arg == "--lr_scheduler_args";
     if (!multi) {
       out.push_back(arg);
       continue;
@@ -238,6 +248,24 @@ std::string data_url(const std::filesystem::path& file) {
     out += i + 2 < bytes.size() ? kDigits[chunk & 63] : '=';
   }
   return out;
+}
+
+// kohya's int_or_float: a count of steps, a ratio of them below 1, or "N%" (N / 100).
+double steps_or_ratio(const std::string& flag, const std::string& text) {
+  const bool percent = !text.empty() && text.back() == '%';
+  const std::string number = percent ? text.substr(0, text.size() - 1) : text;
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(number, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (number.empty() || used != number.size() || value < 0) {
+    throw lorapipe::InputError(flag + "=" + text + ": expected a count of steps, a ratio below 1 "
+                                                   "or a percentage (10%)");
+  }
+  return percent ? value / 100.0 : value;
 }
 
 std::vector<std::string> words(const std::string& text) {
@@ -411,7 +439,7 @@ int main(int argc, char** argv) {
     o.network_args = words(FLAGS_network_args);
     o.network_weights = FLAGS_network_weights;
     o.dim_from_weights = FLAGS_dim_from_weights;
-    o.lr_warmup_steps = FLAGS_lr_warmup_steps;
+    o.lr_warmup_steps = steps_or_ratio("--lr_warmup_steps", FLAGS_lr_warmup_steps);
     auto& s = o.step;
     s.clip_skip = FLAGS_clip_skip;
     s.base_dtype = FLAGS_mixed_precision == "fp16"   ? c10::kHalf
@@ -446,6 +474,11 @@ int main(int argc, char** argv) {
     s.schedule.name = FLAGS_lr_scheduler;
     s.schedule.num_cycles = FLAGS_lr_scheduler_num_cycles;
     s.schedule.power = FLAGS_lr_scheduler_power;
+    s.schedule.initial_lr = FLAGS_learning_rate;
+    if (FLAGS_lr_scheduler_min_lr_ratio >= 0) s.schedule.min_lr_ratio = FLAGS_lr_scheduler_min_lr_ratio;
+    s.schedule.decay_steps = steps_or_ratio("--lr_decay_steps", FLAGS_lr_decay_steps);
+    s.schedule.timescale = FLAGS_lr_scheduler_timescale;
+    t::apply_lr_scheduler_args(s.schedule, words(FLAGS_lr_scheduler_args));
     s.max_grad_norm = FLAGS_max_grad_norm;
     s.gradient_accumulation_steps = FLAGS_gradient_accumulation_steps;
     s.gradient_checkpointing = FLAGS_gradient_checkpointing;

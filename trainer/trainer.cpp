@@ -228,6 +228,9 @@ void validate(const Options& o) {
   // What kohya refuses at start rather than train with silently.
   need(!(schedule.name == "constant" && o.lr_warmup_steps > 0),
        "--lr_scheduler=constant takes no --lr_warmup_steps: use constant_with_warmup");
+  need(!(schedule.name == "piecewise_constant" && o.lr_warmup_steps > 0),
+       "--lr_scheduler=piecewise_constant takes no --lr_warmup_steps: its step_rules set every "
+       "step's rate");
   need(!(schedule.name == "polynomial" && lr.learning_rate <= schedule.lr_end),
        "--lr_scheduler=polynomial decays to " + number(schedule.lr_end) +
            ": --learning_rate=" + number(lr.learning_rate) + " must be above it");
