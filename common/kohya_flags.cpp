@@ -81,10 +81,6 @@ const std::vector<ForeignFlag> kFlags = {
     {"cpu_offload_checkpointing", K::kBoolean, "", T::kDefaultOnly, kNotYet},
     {"fused_backward_pass", K::kBoolean, "", T::kAnyValue,
      "kohya fuses the backward with the optimizer for SDXL, SD3 and Flux only, not SD 1.x"},
-    {"base_weights", K::kList, "", T::kDefaultOnly,
-     "merging LoRAs into the base before training: not in lorapipe yet"},
-    {"base_weights_multiplier", K::kList, "", T::kDefaultOnly,
-     "merging LoRAs into the base before training: not in lorapipe yet"},
     // Schedules and steps.
     {"lr_scheduler_type", K::kValue, "", T::kDefaultOnly,
      "a scheduler class of your own: lorapipe has kohya's named schedulers (--lr_scheduler)"},
@@ -185,13 +181,6 @@ std::string foreign_flag_value(const ForeignFlag& flag, const std::vector<std::s
         throw InputError(arg + " needs a value");
       }
       return args[++i];
-    case Kind::kList: {
-      std::string words;
-      while (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) {
-        words += (words.empty() ? "" : " ") + args[++i];
-      }
-      return words;
-    }
   }
   return "";
 }

@@ -19,13 +19,12 @@ enum class Takes {
 enum class Kind {
   kBoolean,  // store_true: given alone it means true
   kValue,    // one value
-  kList,     // nargs="*": the words up to the next flag, or none
 };
 
 struct ForeignFlag {
   std::string_view name;           // without the dashes
   Kind kind;
-  std::string_view kohya_default;  // as kohya's argparse has it; "" for None or an empty list
+  std::string_view kohya_default;  // as kohya's argparse has it; "" for None
   Takes takes;
   std::string_view why;            // what lorapipe does instead, for the message
   // A value kohya treats as not given (--initial_step=0 is no initial step); "" when none.
@@ -48,8 +47,7 @@ std::string check_foreign_flag(const ForeignFlag& flag, std::string_view value);
 
 // Takes a foreign flag's value off a command line as kohya's argparse would: `args[i]` is
 // "--name" or "--name=value"; a boolean alone means true, a value takes the next word (an
-// InputError when there is none), a list the words up to the next flag. Advances `i` past the
-// words it takes.
+// InputError when there is none). Advances `i` past the word it takes.
 std::string foreign_flag_value(const ForeignFlag& flag, const std::vector<std::string>& args,
                                size_t& i);
 

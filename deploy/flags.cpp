@@ -90,7 +90,8 @@ std::vector<FlagInfo> make_table() {
         "metadata_tags", "metadata_trigger_phrase", "metadata_usage_hint", "metadata_thumbnail",
         "metadata_merged_from", "metadata_preprocessor", "metadata_is_negative_embedding",
         "console_log_level", "validate_every_n_epochs", "lr_scheduler_min_lr_ratio",
-        "lr_decay_steps", "lr_scheduler_timescale", "lr_scheduler_args",
+        "lr_decay_steps", "lr_scheduler_timescale", "lr_scheduler_args", "base_weights",
+        "base_weights_multiplier",
         "max_validation_steps"}) {
     value(name, {S::kTrainer});
   }
@@ -128,7 +129,8 @@ const FlagInfo* find_flag(const std::string& name) {
 
 // kohya's flags that take several space-separated words.
 bool multi_value(const std::string& name) {
-  return name == "optimizer_args" || name == "network_args" || name == "lr_scheduler_args";
+  return name == "optimizer_args" || name == "network_args" || name == "lr_scheduler_args" ||
+         name == "base_weights" || name == "base_weights_multiplier";
 }
 
 std::string canonical(const std::string& name) {

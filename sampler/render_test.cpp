@@ -37,12 +37,14 @@
 #include "models/safetensors.h"
 #include "models/tiny.h"
 #include "models/weights.h"
-#include "sampler/lora_merge.h"
+#include "models/lora_merge.h"
 
 namespace lorapipe::sampler {
 namespace {
 
 namespace fs = std::filesystem;
+using models::MergedLora;
+using models::MergedLoras;
 
 class SamplerRenderParity : public ::testing::Test {
  protected:

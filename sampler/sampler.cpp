@@ -24,7 +24,7 @@
 #include "models/safetensors.h"
 #include "proto/wire.h"
 #include "runtime/stage.h"
-#include "sampler/lora_merge.h"
+#include "models/lora_merge.h"
 #include "sampler/prompts.h"
 #include "sampler/render.h"
 
@@ -32,6 +32,7 @@ namespace lorapipe::sampler {
 namespace {
 
 namespace fs = std::filesystem;
+using models::MergedLoras;
 using vips::VImage;
 constexpr const char* kLog = "sampler";
 

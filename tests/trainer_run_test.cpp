@@ -806,6 +806,31 @@ TEST_F(TrainRunTest, NoMetadataKeepsKohyasMinimumAndTheEndStateIsSaved) {
   EXPECT_NE(log.find("; optimizer lion_pytorch.lion_pytorch.Lion"), std::string::npos) << log;
 }
 
+// kohya's --base_weights merges LoRAs into the base model for good before training: the
+// validation loss at step 0 (before any update) is the merged model's. At multiplier 0 the
+// merge adds exact zeros and the model is the plain one bit for bit; at 1 it is another.
+TEST_F(TrainRunTest, BaseWeightsAreMergedIntoTheModelBeforeTraining) {
+  const TrainRun trained = run(work_ / "a", {"--max_train_steps=3", "--learning_rate=1e-2"});
+  ASSERT_EQ(trained.exit, 0) << trained.err;
+  const std::string file = (work_ / "a" / "lora" / "tiny.safetensors").string();
+  auto start = [&](const std::string& tag, std::vector<std::string> extra) {
+    extra.insert(extra.end(), {"--max_train_steps=1", "--validation_split=0.25",
+                               "--validation_seed=5", "--max_validation_steps=1"});
+    const TrainRun r = run(work_ / tag, extra);
+    EXPECT_EQ(r.exit, 0) << r.err;
+    std::smatch m;
+    return std::regex_search(r.out, m, std::regex(R"(validation loss: ([0-9.]+) at the start)"))
+               ? std::stod(m[1])
+               : -1.0;
+  };
+  const double plain = start("plain", {});
+  const double zero = start("zero", {"--base_weights", file, "--base_weights_multiplier", "0"});
+  const double merged = start("merged", {"--base_weights", file});
+  ASSERT_GT(plain, 0);
+  EXPECT_EQ(zero, plain);
+  EXPECT_NE(merged, plain);
+}
+
 // kohya's --dim_from_weights builds the network as the file to continue from is: its modules
 // (3x3 convs where it has them), each at the file's rank and alpha, whatever --network_dim and
 // --network_alpha say. A file resized to mixed ranks (one module cut to rank 3 here) continues
@@ -890,7 +915,8 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--fp8_base"}, "--fp8_base=true: fp8 base weights"},
       {{"--lr_scheduler_args", "T_max=100", "--seed=1"}, "--lr_scheduler_args 'T_max=100'"},
       {{"--lr_scheduler=cosine_with_min_lr"}, "needs --lr_scheduler_min_lr_ratio"},
-      {{"--lr_scheduler=cosine", "--lr_warmup_steps=lots"}, "--lr_warmup_steps=lots"},
+      {{"--lr_scheduler=cosine", "--lr_warmup_steps=lots"}, "--lr_warmup_steps=lots: not a number"},
+      {{"--base_weights=/no/such/lora.safetensors"}, "/no/such/lora.safetensors"},
       {{"--lr_scheduler=piecewise_constant", "--lr_scheduler_args", "step_rules='1:2,0.5'",
         "--lr_warmup_steps=2"},
        "piecewise_constant takes no --lr_warmup_steps"},

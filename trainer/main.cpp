@@ -99,6 +99,8 @@ DEFINE_string(
     network_args, "",
     "key=value ... (conv_dim, conv_alpha, rank_dropout, module_dropout, loraplus_lr_ratio)");
 DEFINE_string(network_weights, "", "Continue from this LoRA file");
+DEFINE_string(base_weights, "", "LoRA files merged into the base model before training (kohya's)");
+DEFINE_string(base_weights_multiplier, "", "Their multipliers, in order (1 for those not given)");
 DEFINE_bool(dim_from_weights, false,
             "Build the network as --network_weights is: its modules, ranks and alphas");
 DEFINE_bool(network_train_unet_only, false, "Train no text-encoder LoRA");
@@ -209,8 +211,9 @@ std::vector<std::string> join_multi_value_flags(int argc, char** argv) {
         continue;
       }
     }
-    const bool multi =
-        arg == "--network_args" || arg == "--optimizer_args" || arg == "--lr_scheduler_args";
+    const bool multi = arg == "--network_args" || arg == "--optimizer_args" ||
+                       arg == "--lr_scheduler_args" || arg == "--base_weights" ||
+                       arg == "--base_weights_multiplier";
     if (!multi) {
       out.push_back(arg);
       continue;
@@ -250,18 +253,26 @@ std::string data_url(const std::filesystem::path& file) {
   return out;
 }
 
-// kohya's int_or_float: a count of steps, a ratio of them below 1, or "N%" (N / 100).
-double steps_or_ratio(const std::string& flag, const std::string& text) {
-  const bool percent = !text.empty() && text.back() == '%';
-  const std::string number = percent ? text.substr(0, text.size() - 1) : text;
+// A number given as `flag`'s value; InputError naming both otherwise.
+double flag_number(const std::string& flag, const std::string& text) {
   size_t used = 0;
   double value = 0;
   try {
-    value = std::stod(number, &used);
+    value = std::stod(text, &used);
   } catch (const std::exception&) {
     used = 0;
   }
-  if (number.empty() || used != number.size() || value < 0) {
+  if (text.empty() || used != text.size()) {
+    throw lorapipe::InputError(flag + "=" + text + ": not a number");
+  }
+  return value;
+}
+
+// kohya's int_or_float: a count of steps, a ratio of them below 1, or "N%" (N / 100).
+double steps_or_ratio(const std::string& flag, const std::string& text) {
+  const bool percent = !text.empty() && text.back() == '%';
+  const double value = flag_number(flag, percent ? text.substr(0, text.size() - 1) : text);
+  if (value < 0) {
     throw lorapipe::InputError(flag + "=" + text + ": expected a count of steps, a ratio below 1 "
                                                    "or a percentage (10%)");
   }
@@ -439,6 +450,19 @@ int main(int argc, char** argv) {
     o.network_args = words(FLAGS_network_args);
     o.network_weights = FLAGS_network_weights;
     o.dim_from_weights = FLAGS_dim_from_weights;
+    const std::vector<std::string> multipliers = words(FLAGS_base_weights_multiplier);
+    const std::vector<std::string> base_files = words(FLAGS_base_weights);
+    if (multipliers.size() > base_files.size()) {
+      throw lorapipe::InputError("--base_weights_multiplier gives " +
+                                 std::to_string(multipliers.size()) + " multipliers for " +
+                                 std::to_string(base_files.size()) + " --base_weights files");
+    }
+    for (size_t i = 0; i < base_files.size(); ++i) {
+      o.base_weights.emplace_back(
+          base_files[i], i < multipliers.size()
+                             ? flag_number("--base_weights_multiplier", multipliers[i])
+                             : 1.0);
+    }
     o.lr_warmup_steps = steps_or_ratio("--lr_warmup_steps", FLAGS_lr_warmup_steps);
     auto& s = o.step;
     s.clip_skip = FLAGS_clip_skip;

@@ -33,6 +33,7 @@
 #include "common/sha256.h"
 #include "models/device.h"
 #include "models/fingerprint.h"
+#include "models/lora_merge.h"
 #include "models/pipeline.h"
 #include "models/prompt_attention.h"
 #include "proto/wire.h"
@@ -429,6 +430,14 @@ void Run::load_model() {
   model_ = models::load_stable_diffusion(o_.model, load);
   if (!model_.tokenizer) {
     throw InputError(o_.model.string() + " carries no tokenizer: pass --tokenizer");
+  }
+  for (const auto& [file, multiplier] : o_.base_weights) {
+    // Into the fp32 weights, before they take the compute dtype. The text encoder changes with
+    // them, so text cached from the plain one no longer matches and is encoded online.
+    models::MergedLora merged(model_, file, multiplier);
+    merged.keep();
+    LP_LOG(kInfo, kLog) << "--base_weights: merged " << file.string() << " x" << multiplier
+                        << " into the base model";
   }
   // Latents from another VAE would train the LoRA on the wrong images. The cacher fingerprints
   // the VAE in its compute dtype, so each dtype it may have used is tried.

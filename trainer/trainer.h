@@ -99,6 +99,9 @@ struct Options {
   std::vector<std::string> network_args;  // as given, for ss_network_args
   std::filesystem::path network_weights;
   bool dim_from_weights = false;  // kohya's: the network's modules and ranks from network_weights
+  // kohya's --base_weights / --base_weights_multiplier: LoRAs merged into the base model for good
+  // before the network is built (a multiplier of 1 for those not given one).
+  std::vector<std::pair<std::filesystem::path, double>> base_weights;
   double lr_warmup_steps = 0;  // a count, or below 1 a ratio of the steps
   StepOptions step;
 };

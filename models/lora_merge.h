@@ -1,5 +1,6 @@
 #pragma once
-// A LoRA merged into a loaded model for rendering, and taken out again: W += multiplier *
+// A LoRA merged into a loaded model (the sampler's renders, the trainer's --base_weights), and
+// taken out again: W += multiplier *
 // (alpha / rank) * up @ down for every module of a kohya-format file (ours, kohya's, anyone's:
 // lora_unet_* / lora_te_* with .lora_down.weight, .lora_up.weight and optionally .alpha, which
 // when absent or 0 means the rank, as in kohya), then restore() puts back a copy of each original weight, so the base is
@@ -15,7 +16,7 @@
 
 #include "models/diffusion_model.h"
 
-namespace lorapipe::sampler {
+namespace lorapipe::models {
 
 class MergedLora {
  public:
@@ -23,13 +24,16 @@ class MergedLora {
   // what is wrong: unreadable or truncated, a LoRA kind other than plain LoRA/LoCon, keys that
   // fit no layer of this model (listed: a LoRA made for another base model), shapes that do not
   // fit their layer.
-  MergedLora(models::DiffusionModel& model, const std::filesystem::path& file, double multiplier);
+  MergedLora(DiffusionModel& model, const std::filesystem::path& file, double multiplier);
   ~MergedLora() { restore(); }
   MergedLora(const MergedLora&) = delete;
   MergedLora& operator=(const MergedLora&) = delete;
 
   // Idempotent.
   void restore();
+  // Drops the copies of the original weights: the merge stays for good (the trainer's
+  // --base_weights, which never takes it out) and costs no memory beyond the model.
+  void keep() { saved_.clear(); }
   size_t module_count() const { return saved_.size(); }
 
  private:
@@ -46,7 +50,7 @@ class MergedLoras {
   MergedLoras& operator=(const MergedLoras&) = delete;
 
   // Merges `file` on top of what is merged (MergedLora's checks and errors).
-  void add(models::DiffusionModel& model, const std::filesystem::path& file, double multiplier);
+  void add(DiffusionModel& model, const std::filesystem::path& file, double multiplier);
   // Idempotent.
   void restore();
   size_t size() const { return merged_.size(); }
@@ -55,4 +59,4 @@ class MergedLoras {
   std::vector<std::unique_ptr<MergedLora>> merged_;
 };
 
-}  // namespace lorapipe::sampler
+}  // namespace lorapipe::models

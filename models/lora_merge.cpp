@@ -1,4 +1,4 @@
-#include "sampler/lora_merge.h"
+#include "models/lora_merge.h"
 
 #include <torch/torch.h>
 
@@ -9,7 +9,7 @@
 #include "models/safetensors.h"
 #include "models/weights.h"
 
-namespace lorapipe::sampler {
+namespace lorapipe::models {
 namespace {
 
 struct Module {
@@ -24,11 +24,11 @@ std::string shape(const at::Tensor& t) {
 
 }  // namespace
 
-MergedLora::MergedLora(models::DiffusionModel& model, const std::filesystem::path& file,
+MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
                        double multiplier) {
   std::map<std::string, at::Tensor> tensors;
   try {
-    tensors = models::read_tensors(models::SafetensorsFile::open(file));
+    tensors = read_tensors(SafetensorsFile::open(file));
   } catch (const InputError&) {
     throw;
   } catch (const std::exception& e) {
@@ -52,8 +52,8 @@ MergedLora::MergedLora(models::DiffusionModel& model, const std::filesystem::pat
                        "(LoHa, LoKr, DoRA) are not supported yet");
     }
   }
-  std::map<std::string, models::LoraTarget> targets;
-  for (models::LoraTarget& t : model.lora_targets(/*text_encoder=*/true, /*conv_kxk=*/true)) {
+  std::map<std::string, LoraTarget> targets;
+  for (LoraTarget& t : model.lora_targets(/*text_encoder=*/true, /*conv_kxk=*/true)) {
     targets.emplace(t.name, std::move(t));
   }
   std::vector<std::string> unknown;
@@ -72,7 +72,7 @@ MergedLora::MergedLora(models::DiffusionModel& model, const std::filesystem::pat
   // Every delta first, so a bad module leaves the weights as they were.
   std::vector<std::pair<at::Tensor, at::Tensor>> deltas;
   for (const auto& [name, m] : modules) {
-    const models::LoraTarget& target = targets.at(name);
+    const LoraTarget& target = targets.at(name);
     if (!m.down.defined() || !m.up.defined()) {
       throw InputError(file.string() + ": module " + name + " lacks its " +
                        (m.down.defined() ? "lora_up" : "lora_down") + " weight");
@@ -107,7 +107,7 @@ void MergedLora::restore() {
   saved_.clear();
 }
 
-void MergedLoras::add(models::DiffusionModel& model, const std::filesystem::path& file,
+void MergedLoras::add(DiffusionModel& model, const std::filesystem::path& file,
                       double multiplier) {
   merged_.push_back(std::make_unique<MergedLora>(model, file, multiplier));
 }
@@ -116,4 +116,4 @@ void MergedLoras::restore() {
   while (!merged_.empty()) merged_.pop_back();  // newest first: each restores what it found
 }
 
-}  // namespace lorapipe::sampler
+}  // namespace lorapipe::models
