@@ -45,6 +45,9 @@ std::vector<FlagInfo> make_table() {
       {{S::kCacher, "model"}, {S::kTrainer, ""}, {S::kSampler, ""}});
   value("tokenizer", {S::kCacher, S::kTrainer, S::kSampler});
   value("vae", {S::kCacher, S::kTrainer, S::kSampler});  // kohya's: the one VAE of the run
+  // LoRAs merged into the base before training: the sampler renders on the same base.
+  value("base_weights", {S::kTrainer, S::kSampler});
+  value("base_weights_multiplier", {S::kTrainer, S::kSampler});
   value("cache_dir", {S::kCacher, S::kTrainer});
   value("dataset_id", {S::kPreprocess, S::kTrainer});
   value("clip_skip", {S::kCacher, S::kTrainer, S::kSampler});
@@ -90,8 +93,7 @@ std::vector<FlagInfo> make_table() {
         "metadata_tags", "metadata_trigger_phrase", "metadata_usage_hint", "metadata_thumbnail",
         "metadata_merged_from", "metadata_preprocessor", "metadata_is_negative_embedding",
         "console_log_level", "validate_every_n_epochs", "lr_scheduler_min_lr_ratio",
-        "lr_decay_steps", "lr_scheduler_timescale", "lr_scheduler_args", "base_weights",
-        "base_weights_multiplier",
+        "lr_decay_steps", "lr_scheduler_timescale", "lr_scheduler_args",
         "max_validation_steps"}) {
     value(name, {S::kTrainer});
   }

@@ -25,7 +25,7 @@ std::string shape(const at::Tensor& t) {
 }  // namespace
 
 MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
-                       double multiplier) {
+                       double multiplier, bool keep_originals) {
   std::map<std::string, at::Tensor> tensors;
   try {
     tensors = read_tensors(SafetensorsFile::open(file));
@@ -96,7 +96,7 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
   }
   torch::NoGradGuard no_grad;
   for (auto& [weight, delta] : deltas) {
-    saved_.emplace_back(weight, weight.clone());
+    if (keep_originals) saved_.emplace_back(weight, weight.clone());
     weight.add_(delta.to(weight.device(), weight.scalar_type()));
   }
 }

@@ -1,10 +1,11 @@
 #pragma once
 // A LoRA merged into a loaded model (the sampler's renders, the trainer's --base_weights), and
-// taken out again: W += multiplier *
-// (alpha / rank) * up @ down for every module of a kohya-format file (ours, kohya's, anyone's:
-// lora_unet_* / lora_te_* with .lora_down.weight, .lora_up.weight and optionally .alpha, which
-// when absent or 0 means the rank, as in kohya), then restore() puts back a copy of each original weight, so the base is
-// bit-identical to before.
+// taken out again: W += multiplier * (alpha / rank) * up @ down for every module of a
+// kohya-format file (ours, kohya's, anyone's: lora_unet_* / lora_te_* with .lora_down.weight,
+// .lora_up.weight and optionally .alpha, which when absent or 0 means the rank, as in kohya),
+// then restore() puts back a copy of each original weight, so the base is bit-identical to
+// before. Every module's update is computed before the first weight changes (a file that does
+// not fit leaves the model as it was), so a merge briefly holds those updates beside the model.
 
 #include <ATen/core/Tensor.h>
 
@@ -24,16 +25,16 @@ class MergedLora {
   // what is wrong: unreadable or truncated, a LoRA kind other than plain LoRA/LoCon, keys that
   // fit no layer of this model (listed: a LoRA made for another base model), shapes that do not
   // fit their layer.
-  MergedLora(DiffusionModel& model, const std::filesystem::path& file, double multiplier);
+  // With keep_originals false the merge is for good (the trainer's and sampler's --base_weights):
+  // no copy of a weight is made, and restore() has nothing to put back.
+  MergedLora(DiffusionModel& model, const std::filesystem::path& file, double multiplier,
+             bool keep_originals = true);
   ~MergedLora() { restore(); }
   MergedLora(const MergedLora&) = delete;
   MergedLora& operator=(const MergedLora&) = delete;
 
   // Idempotent.
   void restore();
-  // Drops the copies of the original weights: the merge stays for good (the trainer's
-  // --base_weights, which never takes it out) and costs no memory beyond the model.
-  void keep() { saved_.clear(); }
   size_t module_count() const { return saved_.size(); }
 
  private:

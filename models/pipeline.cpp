@@ -241,7 +241,7 @@ void load_vae_override(StableDiffusion& model, const fs::path& path) {
     ldm |= info.name.rfind("encoder.down.", 0) == 0 || info.name.rfind("decoder.up.", 0) == 0;
   }
   if (diffusers && !whole) {
-    load_into(*model.vae, file, source);
+    load_vae(model.vae, path);  // diffusers' names, old attention names too
     return;
   }
   if (!ldm && !whole) {

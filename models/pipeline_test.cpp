@@ -90,9 +90,24 @@ TEST_F(PipelineParity, VaeOverrideLoadsEveryLayoutBitForBit) {
   alone["loss.discriminator.main.0.weight"] = torch::ones({2, 2});
   const fs::path ldm = dir_ / "vae-alone.safetensors";
   write_tensors(ldm, alone);
+  // A diffusers VAE from before diffusers renamed the attention projections (many hub VAEs).
+  std::map<std::string, torch::Tensor> old_names;
+  for (const auto& [key, tensor] : read_tensors(SafetensorsFile::open(
+           other.diffusers / "vae" / "diffusion_pytorch_model.safetensors"))) {
+    std::string name = key;
+    for (const auto& [now, before] : std::vector<std::pair<std::string, std::string>>{
+             {".to_q.", ".query."}, {".to_k.", ".key."}, {".to_v.", ".value."},
+             {".to_out.0.", ".proj_attn."}}) {
+      if (const size_t at = name.find(now); at != std::string::npos) name.replace(at, now.size(), before);
+    }
+    old_names[name] = tensor;
+  }
+  ASSERT_TRUE(old_names.count("encoder.mid_block.attentions.0.query.weight"));
+  const fs::path old_diffusers = dir_ / "vae-old-names.safetensors";
+  write_tensors(old_diffusers, old_names);
   for (const fs::path& vae :
        {ldm, other.single_file, other.diffusers / "vae" / "diffusion_pytorch_model.safetensors",
-        other.diffusers / "vae", other.diffusers}) {
+        other.diffusers / "vae", other.diffusers, old_diffusers}) {
     LoadOptions options;
     options.vae = vae;
     StableDiffusion sd = load_stable_diffusion(tiny_.diffusers, options);

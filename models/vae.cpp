@@ -2,7 +2,10 @@
 
 #include <torch/torch.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
+#include <string_view>
+#include <utility>
 
 #include "common/error.h"
 #include "models/attention.h"
@@ -243,7 +246,20 @@ void load_vae(AutoencoderKL& vae, const std::filesystem::path& folder_or_file) {
                                          ? folder_or_file / "diffusion_pytorch_model.safetensors"
                                          : folder_or_file;
   const SafetensorsFile weights = SafetensorsFile::open(file);
-  load_into(*vae, weights, file.string());
+  // Many VAEs on the hub predate diffusers' rename of the attention projections (query, key,
+  // value, proj_attn); diffusers renames them on load, and so does this.
+  const std::pair<std::string_view, std::string_view> renames[] = {
+      {".query.", ".to_q."}, {".key.", ".to_k."}, {".value.", ".to_v."}, {".proj_attn.", ".to_out.0."}};
+  std::map<std::string, const TensorInfo*> names;
+  for (const TensorInfo& info : weights.tensors()) {
+    std::string name = info.name;
+    for (const auto& [old_part, new_part] : renames) {
+      const size_t at = name.find(old_part);
+      if (at != std::string::npos) name.replace(at, old_part.size(), new_part);
+    }
+    names[name] = &info;
+  }
+  load_into(*vae, weights, names, file.string());
 }
 
 }  // namespace lorapipe::models

@@ -20,6 +20,9 @@ DEFINE_string(tokenizer, "",
 DEFINE_string(vae, "", "Decode with another VAE than the checkpoint's (kohya's --vae)");
 DEFINE_string(sample_prompts, "", "kohya prompt file: .txt, .toml or .json");
 DEFINE_string(output_dir, "", "Run folder: images go to OUTPUT_DIR/samples/");
+DEFINE_string(base_weights, "",
+              "The trainer's --base_weights: LoRAs merged into the base for good, space-separated");
+DEFINE_string(base_weights_multiplier, "", "Their multipliers, in order (1 for those not given)");
 DEFINE_string(lora, "", "One shot: FILE[:multiplier][,FILE[:multiplier]...] merged together");
 DEFINE_string(sub, "", "Follow a run: the trainer's --pub endpoint (CheckpointReady)");
 DEFINE_string(pub, "", "Bind a PUB endpoint for SampleReady");
@@ -64,6 +67,20 @@ int main(int argc, char** argv) {
     o.idle_timeout_s = FLAGS_idle_timeout_s;
     o.delay_per_image_s = FLAGS_delay_per_image_s;
     o.threads = FLAGS_threads;
+    std::istringstream files(FLAGS_base_weights), multipliers(FLAGS_base_weights_multiplier);
+    for (std::string file; files >> file;) {
+      std::string multiplier;
+      double value = 1.0;
+      if (multipliers >> multiplier) {
+        try {
+          value = std::stod(multiplier);
+        } catch (const std::exception&) {
+          throw lorapipe::InputError("--base_weights_multiplier: '" + multiplier +
+                                     "' is not a number");
+        }
+      }
+      o.base_weights.emplace_back(file, value);
+    }
     std::stringstream list(FLAGS_lora);
     std::string item;
     while (std::getline(list, item, ',')) {

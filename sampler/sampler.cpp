@@ -203,6 +203,9 @@ class Sampler {
     load.tokenizer = o_.tokenizer;
     load.vae = o_.vae;
     model_ = models::load_stable_diffusion(o_.model, load);
+    for (const auto& [file, multiplier] : o_.base_weights) {
+      const models::MergedLora merged(model_, file, multiplier, /*keep_originals=*/false);
+    }
     PromptDefaults defaults;
     defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
     for (char c : o_.sampler) {

@@ -30,6 +30,9 @@ struct SamplerOptions {
   bool v_prediction = false;
   int clip_skip = 1;
   int64_t first_seed = 1234;
+  // The trainer's --base_weights (file, multiplier): merged into the base for good at load, so
+  // previews are of the model the run trains on.
+  std::vector<std::pair<std::filesystem::path, double>> base_weights;
   // One shot: these LoRAs (file, multiplier), merged together.
   std::vector<std::pair<std::filesystem::path, double>> loras;
   // Following: the trainer's PUB endpoint; and our own PUB for SampleReady.

@@ -171,8 +171,9 @@ TEST_F(SamplerRun, OneShotWritesImagesSheetAndGallery) {
 }
 
 // kohya's --vae: the sampler decodes with the VAE it is given. The same render with another
-// checkpoint's VAE gives other pixels; a VAE that cannot be read stops it, naming the file.
-TEST_F(SamplerRun, VaeDecodesTheImages) {
+// checkpoint's VAE gives other pixels, and so does one on a base merged with --base_weights; a
+// VAE that cannot be read stops it, naming the file.
+TEST_F(SamplerRun, VaeAndBaseWeightsShapeTheImages) {
   const auto other = models::write_tiny_checkpoint(work_ / "other", /*seed=*/12);
   auto render = [&](const std::string& tag, std::vector<std::string> extra) {
     extra.push_back("--lora=" + (dir_ / "one.safetensors").string());
@@ -191,6 +192,13 @@ TEST_F(SamplerRun, VaeDecodesTheImages) {
       (work_ / "with" / "samples" / "one_000040_00.png").c_str());
   EXPECT_GT(own.relational(decoded, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
       << "the other VAE decoded the same pixels";
+  // --base_weights (the trainer's, routed here by lorapipe run): renders on the merged base.
+  const auto based = render("based", {"--base_weights=" + (dir_ / "run-step00010.safetensors").string()});
+  ASSERT_EQ(based.first, 0) << based.second;
+  vips::VImage on_merged = vips::VImage::new_from_file(
+      (work_ / "based" / "samples" / "one_000040_00.png").c_str());
+  EXPECT_GT(own.relational(on_merged, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
+      << "the merged base rendered the same pixels";
   const auto missing = render("missing", {"--vae=" + (work_ / "none.safetensors").string()});
   EXPECT_NE(missing.first, 0);
   EXPECT_NE(missing.second.find("none.safetensors (--vae): no such file"), std::string::npos)

@@ -124,7 +124,9 @@ DEFINE_string(lr_scheduler, "constant",
               "constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial, "
               "cosine_with_min_lr, warmup_stable_decay, inverse_sqrt or piecewise_constant");
 DEFINE_string(lr_warmup_steps, "0", "Warmup steps, or a ratio of the steps below 1 (or N%)");
-DEFINE_int32(lr_scheduler_num_cycles, 1, "Restarts of cosine_with_restarts");
+DEFINE_int32(lr_scheduler_num_cycles, 1,
+             "Restarts of cosine_with_restarts; twice the half-cycles of cosine_with_min_lr and "
+             "of warmup_stable_decay's cosine decay (kohya halves it)");
 DEFINE_double(lr_scheduler_power, 1.0, "Power of polynomial");
 DEFINE_double(lr_scheduler_min_lr_ratio, -1,
               "cosine_with_min_lr's floor and warmup_stable_decay's, a ratio of the rate");
@@ -272,9 +274,10 @@ double flag_number(const std::string& flag, const std::string& text) {
 double steps_or_ratio(const std::string& flag, const std::string& text) {
   const bool percent = !text.empty() && text.back() == '%';
   const double value = flag_number(flag, percent ? text.substr(0, text.size() - 1) : text);
-  if (value < 0) {
+  // A ratio is below 1 (100% would read as one step): kohya's own percentages are of the steps.
+  if (value < 0 || (percent && value >= 100)) {
     throw lorapipe::InputError(flag + "=" + text + ": expected a count of steps, a ratio below 1 "
-                                                   "or a percentage (10%)");
+                                                   "or a percentage below 100%");
   }
   return percent ? value / 100.0 : value;
 }
@@ -501,6 +504,10 @@ int main(int argc, char** argv) {
     s.schedule.initial_lr = FLAGS_learning_rate;
     if (FLAGS_lr_scheduler_min_lr_ratio >= 0) s.schedule.min_lr_ratio = FLAGS_lr_scheduler_min_lr_ratio;
     s.schedule.decay_steps = steps_or_ratio("--lr_decay_steps", FLAGS_lr_decay_steps);
+    if (s.schedule.name == "piecewise_constant" && o.lr_warmup_steps > 0) {
+      LP_LOG(kWarning, "trainer") << "--lr_warmup_steps is not used by piecewise_constant, whose "
+                                     "step_rules set every step's rate (kohya ignores it too)";
+    }
     s.schedule.timescale = FLAGS_lr_scheduler_timescale;
     t::apply_lr_scheduler_args(s.schedule, words(FLAGS_lr_scheduler_args));
     s.max_grad_norm = FLAGS_max_grad_norm;

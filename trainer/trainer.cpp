@@ -229,9 +229,7 @@ void validate(const Options& o) {
   // What kohya refuses at start rather than train with silently.
   need(!(schedule.name == "constant" && o.lr_warmup_steps > 0),
        "--lr_scheduler=constant takes no --lr_warmup_steps: use constant_with_warmup");
-  need(!(schedule.name == "piecewise_constant" && o.lr_warmup_steps > 0),
-       "--lr_scheduler=piecewise_constant takes no --lr_warmup_steps: its step_rules set every "
-       "step's rate");
+
   need(!(schedule.name == "polynomial" && lr.learning_rate <= schedule.lr_end),
        "--lr_scheduler=polynomial decays to " + number(schedule.lr_end) +
            ": --learning_rate=" + number(lr.learning_rate) + " must be above it");
@@ -434,8 +432,7 @@ void Run::load_model() {
   for (const auto& [file, multiplier] : o_.base_weights) {
     // Into the fp32 weights, before they take the compute dtype. The text encoder changes with
     // them, so text cached from the plain one no longer matches and is encoded online.
-    models::MergedLora merged(model_, file, multiplier);
-    merged.keep();
+    const models::MergedLora merged(model_, file, multiplier, /*keep_originals=*/false);
     LP_LOG(kInfo, kLog) << "--base_weights: merged " << file.string() << " x" << multiplier
                         << " into the base model";
   }
@@ -466,15 +463,25 @@ void Run::load_model() {
   } else if (manifest_.text_cached() && !train_te) {
     const std::string settings =
         family_model.text_encoder_settings(o_.step.clip_skip, o_.max_token_length);
+    // Each dtype the cacher may have used is tried on the weights as loaded. A conversion rounds
+    // them, so when none matches and the text is to be encoded online, the loaded fp32 weights
+    // are put back (else it would encode through weights rounded to bf16).
+    torch::nn::Module& text_encoder = family_model.text_encoder_module();
+    std::vector<torch::Tensor> loaded;
+    for (const torch::Tensor& p : text_encoder.parameters()) loaded.push_back(p.detach().clone());
     for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
-      family_model.text_encoder_module().to(dtype);
-      if (models::weights_fingerprint(family_model.text_encoder_module(), settings) ==
+      text_encoder.to(dtype);
+      if (models::weights_fingerprint(text_encoder, settings) ==
           manifest_.text_encoder_fingerprint()) {
         cached_text_ = true;
         break;
       }
     }
     if (!cached_text_) {
+      torch::NoGradGuard no_grad;
+      text_encoder.to(torch::kFloat);
+      const auto params = text_encoder.parameters();
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(loaded[i]);
       LP_LOG(kInfo, kLog) << "cached text was made by another text encoder, clip skip or "
                              "max_token_length: captions are encoded online";
     }
@@ -738,7 +745,8 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_sd_model_hash"] = model_hash_;
   m["ss_new_sd_model_hash"] = model_sha256_;
   if (!o_.vae.empty()) {  // kohya's: the file's name and hashes (a folder: its path alone)
-    m["ss_vae_name"] = fs::is_regular_file(o_.vae) ? o_.vae.filename().string() : o_.vae.string();
+    const fs::path name = o_.vae.has_filename() ? o_.vae.filename() : o_.vae.parent_path().filename();
+    m["ss_vae_name"] = name.string();
     if (!vae_hash_.empty()) {
       m["ss_vae_hash"] = vae_hash_;
       m["ss_new_vae_hash"] = vae_sha256_;
