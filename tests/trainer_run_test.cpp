@@ -154,6 +154,24 @@ class TrainRunTest : public ::testing::Test {
               ss_optimizer);
   }
 
+  // The run's TensorBoard events file in `out`/tensorboard, as TensorBoard's own loader reads it
+  // (trainer/reference/read_tensorboard.py): {"scalars": [{"tag", "step", "value"}, ...], ...}.
+  static nlohmann::json tensorboard_events(const fs::path& out) {
+    fs::path events;
+    for (const auto& f : fs::directory_iterator(out / "tensorboard")) {
+      if (f.path().filename().string().starts_with("events.out.tfevents.")) events = f.path();
+    }
+    EXPECT_FALSE(events.empty()) << "no events file in " << (out / "tensorboard");
+    const char* python = std::getenv("LORAPIPE_PYTHON");
+    EXPECT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
+    if (events.empty() || python == nullptr) return nlohmann::json::object();
+    const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
+                                "/trainer/reference/read_tensorboard.py read " + events.string() +
+                                " > " + (out / "tb.json").string();
+    EXPECT_EQ(std::system(command.c_str()), 0) << command;
+    return nlohmann::json::parse(read_text(out / "tb.json"), nullptr, false);
+  }
+
   static std::vector<double> losses(const std::string& log) {
     std::vector<double> out;
     const std::regex re(R"(step \d+/\d+  loss ([-0-9.naif]+))");
@@ -513,18 +531,7 @@ TEST_F(TrainRunTest, EpochsEndOnStepsUnderAccumulationAndKeepTheLastEpochSaves) 
   EXPECT_TRUE(fs::exists(lora / "tiny.safetensors"));
 
   // TensorBoard, read by its own loader: kohya's tags, and loss/epoch once per epoch.
-  fs::path events;
-  for (const auto& f : fs::directory_iterator(work_ / "tensorboard")) {
-    if (f.path().filename().string().starts_with("events.out.tfevents.")) events = f.path();
-  }
-  ASSERT_FALSE(events.empty());
-  const char* python = std::getenv("LORAPIPE_PYTHON");
-  ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
-  const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
-                              "/trainer/reference/read_tensorboard.py read " + events.string() +
-                              " > " + (work_ / "tb.json").string();
-  ASSERT_EQ(std::system(command.c_str()), 0) << command;
-  const auto read = nlohmann::json::parse(read_text(work_ / "tb.json"));
+  const nlohmann::json read = tensorboard_events(work_);
   std::map<std::string, std::vector<int64_t>> steps;
   for (const auto& scalar : read["scalars"]) {
     steps[scalar["tag"].get<std::string>()].push_back(scalar["step"].get<int64_t>());
@@ -545,18 +552,7 @@ TEST_F(TrainRunTest, LrSchedulesFollowTheirFlags) {
                                  "--lr_decay_steps=0.4", "--lr_scheduler_min_lr_ratio=0.1",
                                  "--lr_scheduler_args", "decay_type='linear'"});
   ASSERT_EQ(r.exit, 0) << r.err;
-  fs::path events;
-  for (const auto& f : fs::directory_iterator(work_ / "tensorboard")) {
-    if (f.path().filename().string().starts_with("events.out.tfevents.")) events = f.path();
-  }
-  ASSERT_FALSE(events.empty());
-  const char* python = std::getenv("LORAPIPE_PYTHON");
-  ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
-  const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
-                              "/trainer/reference/read_tensorboard.py read " + events.string() +
-                              " > " + (work_ / "tb.json").string();
-  ASSERT_EQ(std::system(command.c_str()), 0) << command;
-  const auto read = nlohmann::json::parse(read_text(work_ / "tb.json"));
+  const nlohmann::json read = tensorboard_events(work_);
   trainer::LrScheduleOptions schedule;
   schedule.name = "warmup_stable_decay";
   schedule.warmup_steps = 2;
