@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/numbers.h"
 
 namespace lorapipe::trainer {
 namespace {
@@ -25,12 +26,7 @@ std::string unquote(const std::string& value) {
 }
 
 double number(const std::string& arg, const std::string& value) {
-  try {
-    size_t used = 0;
-    const double v = std::stod(value, &used);
-    if (used == value.size()) return v;
-  } catch (const std::exception&) {
-  }
+  if (const auto parsed = parse_double(value)) return *parsed;
   throw InputError("--lr_scheduler_args '" + arg + "': '" + value + "' is not a number");
 }
 

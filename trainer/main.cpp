@@ -20,6 +20,7 @@
 #include "common/error.h"
 #include "common/heap.h"
 #include "common/kohya_flags.h"
+#include "common/numbers.h"
 #include "common/log.h"
 #include "trainer/trainer.h"
 #include "runtime/exit_code.h"
@@ -257,17 +258,8 @@ std::string data_url(const std::filesystem::path& file) {
 
 // A number given as `flag`'s value; InputError naming both otherwise.
 double flag_number(const std::string& flag, const std::string& text) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (text.empty() || used != text.size()) {
-    throw lorapipe::InputError(flag + "=" + text + ": not a number");
-  }
-  return value;
+  if (const auto value = lorapipe::parse_double(text)) return *value;
+  throw lorapipe::InputError(flag + "=" + text + ": not a number");
 }
 
 // kohya's int_or_float: a count of steps, a ratio of them below 1, or "N%" (N / 100).

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "common/numbers.h"
 #include "trainer/adafactor_optimizer.h"
 #include "trainer/adamw8bit_optimizer.h"
 #include "trainer/dadapt_optimizer.h"
@@ -23,12 +24,7 @@ std::string lower(std::string s) {
 }
 
 double parse_number(const std::string& arg, const std::string& text) {
-  try {
-    size_t used = 0;
-    const double v = std::stod(text, &used);
-    if (used == text.size()) return v;
-  } catch (const std::exception&) {
-  }
+  if (const auto value = parse_double(text)) return *value;
   throw InputError("--optimizer_args '" + arg + "': '" + text + "' is not a number");
 }
 
