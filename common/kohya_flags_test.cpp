@@ -30,9 +30,8 @@ TEST(KohyaFlags, DefaultsAreTakenAndOtherValuesRefusedNamingFlagValueAndWhy) {
                                                         {"fp8_base", "0"},
                                                         {"deepspeed", "False"},
                                                         {"huggingface_repo_id", ""},
-                                                        {"token_warmup_step", "0.0"},
-                                                        {"token_warmup_min", "1"},
-                                                        {"caption_separator", ","},
+                                                        {"initial_step", "0"},
+                                                        {"initial_epoch", "1"},
                                                         {"huggingface_repo_id", "None"}}) {
     const ForeignFlag* flag = find_foreign_flag(name);
     ASSERT_NE(flag, nullptr) << name;
@@ -41,8 +40,9 @@ TEST(KohyaFlags, DefaultsAreTakenAndOtherValuesRefusedNamingFlagValueAndWhy) {
   EXPECT_EQ(refusal("v2", "true"), "--v2=true: " + std::string(find_foreign_flag("v2")->why));
   EXPECT_NE(refusal("log_tracker_config", "t.toml").find("--log_tracker_config=t.toml"),
             std::string::npos);
-  EXPECT_NE(refusal("token_warmup_min", "3").find("--token_warmup_min=3"), std::string::npos);
-  EXPECT_NE(refusal("caption_separator", ";").find("--caption_separator=;"), std::string::npos);
+  EXPECT_NE(refusal("initial_step", "3").find("--initial_step=3"), std::string::npos);
+  EXPECT_NE(refusal("face_crop_aug_range", "2,4").find("--face_crop_aug_range=2,4"),
+            std::string::npos);
 }
 
 TEST(KohyaFlags, FlagsThatChangeNothingAreTakenAtAnyValueWithANote) {

@@ -60,12 +60,13 @@ std::vector<FlagInfo> make_table() {
        {"data_dir", "reg_data_dir", "dataset_config", "resolution", "min_bucket_reso", "max_bucket_reso",
         "bucket_reso_steps", "caption_extension", "class_tokens", "keep_tokens",
         "caption_dropout_rate", "caption_dropout_every_n_epochs", "caption_tag_dropout_rate",
-        "caption_prefix", "caption_suffix", "min_image_side", "max_aspect_ratio", "max_image_pixels",
+        "caption_prefix", "caption_suffix", "caption_separator", "keep_tokens_separator",
+        "secondary_separator", "token_warmup_min", "token_warmup_step", "min_image_side", "max_aspect_ratio", "max_image_pixels",
         "resize_filter"}) {
     value(name, {S::kPreprocess});
   }
   for (const char* name : {"enable_bucket", "bucket_no_upscale", "flip_aug", "random_crop",
-                           "shuffle_caption", "jpeg_fast_path"}) {
+                           "shuffle_caption", "enable_wildcard", "jpeg_fast_path"}) {
     boolean(name, {S::kPreprocess});
   }
   add("preprocess_threads", {{S::kPreprocess, "threads"}});

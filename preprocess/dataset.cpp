@@ -134,7 +134,7 @@ void attach_caption(const SubsetOptions& subset, ImageEntry& entry, Discovery& o
     std::error_code ec;
     if (!fs::is_regular_file(caption_path, ec)) continue;
     try {
-      Caption caption = read_caption_file(caption_path);
+      Caption caption = read_caption_file(caption_path, subset.enable_wildcard);
       entry.caption = caption.text;
       entry.caption_source = "file";
       entry.caption_note = caption.note;
@@ -239,13 +239,13 @@ const std::map<std::string, KeySpec, std::less<>>& key_specs() {
       {"caption_suffix", {KeyType::kString, kAll, true}},
       {"color_aug", {KeyType::kBool, kAll, false}},
       {"face_crop_aug_range", {KeyType::kFloatPair, kAll, false}},
-      {"keep_tokens_separator", {KeyType::kString, kAll, false}},
-      {"secondary_separator", {KeyType::kString, kAll, false}},
-      {"enable_wildcard", {KeyType::kBool, kAll, false}},
-      {"token_warmup_min", {KeyType::kInt, kAll, false}},
-      {"token_warmup_step", {KeyType::kFloat, kAll, false}},
+      {"keep_tokens_separator", {KeyType::kString, kAll, true}},
+      {"secondary_separator", {KeyType::kString, kAll, true}},
+      {"enable_wildcard", {KeyType::kBool, kAll, true}},
+      {"token_warmup_min", {KeyType::kInt, kAll, true}},
+      {"token_warmup_step", {KeyType::kFloat, kAll, true}},
       {"cache_info", {KeyType::kBool, kAll, false}},
-      {"caption_separator", {KeyType::kString, kAll, false}},
+      {"caption_separator", {KeyType::kString, kAll, true}},
       {"custom_attributes", {KeyType::kTable, kAll, false}},
       // subset only
       {"image_dir", {KeyType::kString, kSubset, true}},
@@ -392,6 +392,20 @@ class TomlReader {
         s.caption_prefix = *node.value<std::string>();
       } else if (k == "caption_suffix") {
         s.caption_suffix = *node.value<std::string>();
+      } else if (k == "caption_separator") {
+        s.caption_separator = *node.value<std::string>();
+        if (s.caption_separator.empty()) fail(node, "'caption_separator' must not be empty");
+      } else if (k == "keep_tokens_separator") {
+        s.keep_tokens_separator = *node.value<std::string>();
+      } else if (k == "secondary_separator") {
+        s.secondary_separator = *node.value<std::string>();
+      } else if (k == "enable_wildcard") {
+        s.enable_wildcard = *node.value<bool>();
+      } else if (k == "token_warmup_min") {
+        s.token_warmup_min = static_cast<int>(integer(node));
+      } else if (k == "token_warmup_step") {
+        s.token_warmup_step = number(node);
+        if (s.token_warmup_step < 0) fail(node, "'token_warmup_step' must not be negative");
       } else if (k == "image_dir") {
         s.image_dir = *node.value<std::string>();
       } else if (k == "is_reg") {
@@ -406,6 +420,20 @@ class TomlReader {
 
 }  // namespace
 
+std::string SubsetOptions::fixed_caption(const std::string& caption) const {
+  // Without wildcards kohya keeps the first line (a prefix or class tokens may hold a newline).
+  const std::string text = enable_wildcard ? caption : caption.substr(0, caption.find('\n'));
+  if (secondary_separator.empty()) return text;
+  std::string out;
+  for (size_t begin = 0;;) {
+    const size_t at = text.find(secondary_separator, begin);
+    out.append(text, begin, at == std::string::npos ? std::string::npos : at - begin);
+    if (at == std::string::npos) return out;
+    out += caption_separator;
+    begin = at + secondary_separator.size();
+  }
+}
+
 bool has_image_extension(const fs::path& path) {
   static const std::set<std::string> kExtensions{
       ".jpg", ".jpeg", ".jpe", ".png", ".webp", ".tif", ".tiff", ".gif",
@@ -413,7 +441,7 @@ bool has_image_extension(const fs::path& path) {
   return kExtensions.count(lower(path.extension().string())) > 0;
 }
 
-Caption read_caption_file(const fs::path& path) {
+Caption read_caption_file(const fs::path& path, bool all_lines) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError("cannot read caption file " + path.string());
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -424,8 +452,18 @@ Caption read_caption_file(const fs::path& path) {
     bytes = latin1_to_utf8(bytes);
     caption.note = "caption is not valid UTF-8: read as Latin-1";
   }
-  const size_t newline = bytes.find('\n');
-  caption.text = strip(std::string_view(bytes).substr(0, newline));
+  std::vector<std::string> lines;
+  for (size_t begin = 0; begin <= bytes.size();) {
+    const size_t end = std::min(bytes.find_first_of("\r\n", begin), bytes.size());
+    lines.push_back(strip(std::string_view(bytes).substr(begin, end - begin)));
+    if (!all_lines || end == bytes.size()) break;
+    begin = end + (bytes.compare(end, 2, "\r\n") == 0 ? 2 : 1);
+  }
+  for (const std::string& line : lines) {
+    if (line.empty() && all_lines) continue;  // kohya drops blank lines
+    caption.text += (caption.text.empty() ? "" : "\n") + line;
+    if (!all_lines) break;
+  }
   return caption;
 }
 

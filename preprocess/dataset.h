@@ -29,12 +29,27 @@ struct SubsetOptions {
   double caption_tag_dropout_rate = 0.0;
   std::string caption_prefix;
   std::string caption_suffix;
+  std::string caption_separator = ",";  // kohya's: splits a caption into tags
+  std::string keep_tokens_separator;    // "fixed ||| flexible ||| fixed suffix"
+  std::string secondary_separator;      // turned into caption_separator after the shuffle
+  bool enable_wildcard = false;         // "{a|b}" drawn, every line of the caption file kept
+  int token_warmup_min = 1;
+  double token_warmup_step = 0;
 
   // Caption augmentations make the text differ per step: the trainer encodes text online.
   bool augments_caption() const {
     return shuffle_caption || caption_dropout_rate > 0 || caption_dropout_every_n_epochs > 0 ||
-           caption_tag_dropout_rate > 0;
+           caption_tag_dropout_rate > 0 || token_warmup_step > 0;
   }
+  // Does this caption draw anything in kohya's process_caption? The subset's augmentations, or a
+  // wildcard: with enable_wildcard, a caption holding braces or several lines.
+  bool draws_from(const std::string& caption) const {
+    return augments_caption() ||
+           (enable_wildcard && caption.find_first_of("{}\n") != std::string::npos);
+  }
+  // What kohya's process_caption makes of a caption that draws nothing: its first line unless
+  // enable_wildcard, the secondary separator turned into the caption separator.
+  std::string fixed_caption(const std::string& caption) const;
 };
 
 struct DatasetOptions {
@@ -102,9 +117,11 @@ struct Caption {
   std::string note;  // non-empty when the file needed repair, e.g. read as Latin-1
 };
 
-// kohya reads the first line of the caption file, stripped. UTF-8 with a BOM removed; a file
-// that is not valid UTF-8 is read as Latin-1 (and `note` says so). Throws InputError naming the
-// file when it cannot be read.
-Caption read_caption_file(const std::filesystem::path& path);
+// kohya reads the first line of the caption file, stripped; with `all_lines` (enable_wildcard)
+// every non-blank line, each stripped, joined with "\n" (the trainer draws one). Lines end at
+// "\n", "\r\n" or "\r", as Python's text files. UTF-8 with a BOM removed; a file that is not
+// valid UTF-8 is read as Latin-1 (and `note` says so). Throws InputError naming the file when it
+// cannot be read.
+Caption read_caption_file(const std::filesystem::path& path, bool all_lines = false);
 
 }  // namespace lorapipe::preprocess

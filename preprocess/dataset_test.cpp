@@ -161,6 +161,64 @@ TEST(DatasetCaption, BomStrippedLatin1RepairedFirstLineOnly) {
   fs::remove_all(dir);
 }
 
+// kohya's read_caption: with enable_wildcard every non-blank line, stripped, joined with "\n";
+// lines end as in Python's text files ("\n", "\r\n", "\r").
+TEST(DatasetCaption, WildcardCaptionsKeepEveryLine) {
+  const fs::path dir = make_temp_dir("caption-lines");
+  write_file(dir / "lines.txt", "  first {a|b}  \r\n\n second\rthird\n\n");
+  EXPECT_EQ(read_caption_file(dir / "lines.txt").text, "first {a|b}");
+  EXPECT_EQ(read_caption_file(dir / "lines.txt", /*all_lines=*/true).text,
+            "first {a|b}\nsecond\nthird");
+  fs::remove_all(dir);
+}
+
+// kohya's caption separators, wildcards and token warm-up are read from a dataset TOML, at any
+// level; a caption that draws nothing gets its secondary separator replaced here, so the cacher
+// encodes what the trainer would see.
+TEST(DatasetToml, CaptionSeparatorsWildcardsAndWarmupAreRead) {
+  const fs::path dir = make_temp_dir("toml-separators");
+  write_file(dir / "a" / "1.png", "x");
+  write_file(dir / "a" / "1.txt", "red; blue ||| {x|y}\nsecond line");
+  write_file(dir / "config.toml",
+             "[general]\ncaption_separator = ';'\nenable_wildcard = true\n"
+             "[[datasets]]\ntoken_warmup_step = 0.5\n"
+             "[[datasets.subsets]]\nimage_dir = 'a'\nkeep_tokens_separator = '|||'\n"
+             "secondary_separator = '+'\ntoken_warmup_min = 3\n");
+  const Discovery d = discover_toml(dir / "config.toml", Defaults{});
+  ASSERT_EQ(d.images.size(), 1u);
+  const SubsetOptions& s = d.datasets[0].subsets[0];
+  EXPECT_EQ(s.caption_separator, ";");
+  EXPECT_EQ(s.keep_tokens_separator, "|||");
+  EXPECT_EQ(s.secondary_separator, "+");
+  EXPECT_TRUE(s.enable_wildcard);
+  EXPECT_EQ(s.token_warmup_min, 3);
+  EXPECT_DOUBLE_EQ(s.token_warmup_step, 0.5);
+  EXPECT_TRUE(s.augments_caption()) << "the token warm-up changes the text each step";
+  EXPECT_EQ(d.images[0].caption, "red; blue ||| {x|y}\nsecond line") << "every line kept";
+
+  SubsetOptions plain;
+  plain.secondary_separator = "+";
+  plain.caption_separator = ";";
+  EXPECT_FALSE(plain.draws_from("a+b, c"));
+  EXPECT_EQ(plain.fixed_caption("a+b, c+"), "a;b, c;");
+  plain.enable_wildcard = true;
+  EXPECT_FALSE(plain.draws_from("a+b, c")) << "nothing to draw";
+  EXPECT_TRUE(plain.draws_from("a {b|c}"));
+  EXPECT_TRUE(plain.draws_from("a\nb"));
+
+  write_file(dir / "bad.toml",
+             "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\ncaption_separator = ''\n");
+  try {
+    discover_toml(dir / "bad.toml", Defaults{});
+    FAIL() << "an empty caption_separator was taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("bad.toml:4: 'caption_separator' must not be empty"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(dir);
+}
+
 TEST(DatasetToml, KohyaPrecedenceSubsetOverDatasetOverGeneral) {
   const std::string toml = R"(
 [general]

@@ -36,6 +36,16 @@ DEFINE_int32(caption_dropout_every_n_epochs, 0, "Empty captions every N epochs (
 DEFINE_double(caption_tag_dropout_rate, 0.0, "Probability of dropping each tag (text online)");
 DEFINE_string(caption_prefix, "", "Text put before every caption, with a space");
 DEFINE_string(caption_suffix, "", "Text put after every caption, with a space");
+DEFINE_string(caption_separator, ",", "What splits a caption into tags (kohya's)");
+DEFINE_string(keep_tokens_separator, "",
+              "Tags before it stay in front, after a second one at the end; the rest shuffled");
+DEFINE_string(secondary_separator, "",
+              "Joins tags shuffled and dropped as one; becomes --caption_separator after");
+DEFINE_bool(enable_wildcard, false,
+            "Draw one of {a|b|c} and one line of a many-line caption file (text online)");
+DEFINE_int32(token_warmup_min, 1, "Tags at step 0 while --token_warmup_step is on");
+DEFINE_double(token_warmup_step, 0,
+              "All tags from this step; below 1, that share of the run (text online)");
 DEFINE_int32(threads, 0, "Decode workers (0: one per core)");
 DEFINE_int32(min_image_side, 64, "Reject images whose shorter side is smaller");
 DEFINE_double(max_aspect_ratio, 8.0, "Reject images with a longer/shorter side ratio above this");
@@ -101,6 +111,19 @@ int main(int argc, char** argv) {
     s.caption_tag_dropout_rate = FLAGS_caption_tag_dropout_rate;
     s.caption_prefix = FLAGS_caption_prefix;
     s.caption_suffix = FLAGS_caption_suffix;
+    if (FLAGS_caption_separator.empty()) {
+      throw lorapipe::InputError("--caption_separator must not be empty");
+    }
+    if (FLAGS_token_warmup_step < 0) {
+      throw lorapipe::InputError("--token_warmup_step=" + std::to_string(FLAGS_token_warmup_step) +
+                                 " must not be negative");
+    }
+    s.caption_separator = FLAGS_caption_separator;
+    s.keep_tokens_separator = FLAGS_keep_tokens_separator;
+    s.secondary_separator = FLAGS_secondary_separator;
+    s.enable_wildcard = FLAGS_enable_wildcard;
+    s.token_warmup_min = FLAGS_token_warmup_min;
+    s.token_warmup_step = FLAGS_token_warmup_step;
     options.threads = FLAGS_threads;
     options.min_image_side = FLAGS_min_image_side;
     options.max_aspect_ratio = FLAGS_max_aspect_ratio;

@@ -151,18 +151,25 @@ Probed probe_one(const ImageEntry& entry, const Discovery& discovery, const Opti
   } else {
     r.crop = crop_offset(r.resized, r.bucket);
   }
-  r.caption = entry.caption;
+  // A caption that draws nothing is final here, so the cacher encodes what the trainer sees.
+  r.augment_caption = subset.draws_from(entry.caption);
+  r.caption = r.augment_caption ? entry.caption : subset.fixed_caption(entry.caption);
   r.caption_source = entry.caption_source;
   r.caption_note = entry.caption_note;
   r.repeats = static_cast<uint32_t>(subset.num_repeats);
   r.is_reg = subset.is_reg;
   r.flip = subset.flip_aug;
-  r.augment_caption = subset.augments_caption();
   r.shuffle_caption = subset.shuffle_caption;
   r.keep_tokens = subset.keep_tokens;
   r.caption_dropout_rate = subset.caption_dropout_rate;
   r.caption_dropout_every_n_epochs = subset.caption_dropout_every_n_epochs;
   r.caption_tag_dropout_rate = subset.caption_tag_dropout_rate;
+  r.caption_separator = subset.caption_separator;
+  r.keep_tokens_separator = subset.keep_tokens_separator;
+  r.secondary_separator = subset.secondary_separator;
+  r.enable_wildcard = subset.enable_wildcard;
+  r.token_warmup_min = subset.token_warmup_min;
+  r.token_warmup_step = subset.token_warmup_step;
   r.batch_size = dataset.batch_size;
   r.dataset_index = static_cast<uint32_t>(entry.dataset);
   r.resolution = dataset.buckets.resolution;
@@ -245,6 +252,12 @@ wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r)
   caption->set_caption_dropout_rate(r.caption_dropout_rate);
   caption->set_caption_dropout_every_n_epochs(r.caption_dropout_every_n_epochs);
   caption->set_caption_tag_dropout_rate(r.caption_tag_dropout_rate);
+  caption->set_caption_separator(r.caption_separator);
+  caption->set_keep_tokens_separator(r.keep_tokens_separator);
+  caption->set_secondary_separator(r.secondary_separator);
+  caption->set_enable_wildcard(r.enable_wildcard);
+  caption->set_token_warmup_min(r.token_warmup_min);
+  caption->set_token_warmup_step(r.token_warmup_step);
   s.set_batch_size(static_cast<uint32_t>(r.batch_size));
   s.set_dataset_index(r.dataset_index);
   s.set_channels(3);

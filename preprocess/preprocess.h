@@ -62,6 +62,12 @@ struct ImageResult {
   double caption_dropout_rate = 0;
   int caption_dropout_every_n_epochs = 0;
   double caption_tag_dropout_rate = 0;
+  std::string caption_separator = ",";
+  std::string keep_tokens_separator;
+  std::string secondary_separator;
+  bool enable_wildcard = false;
+  int token_warmup_min = 1;
+  double token_warmup_step = 0;
   int batch_size = 0;  // the dataset's batch_size (0: not set in a dataset TOML)
   uint32_t dataset_index = 0;  // which [[datasets]] of a dataset TOML
   Reso resolution;  // the dataset's resolution, for the square-crop comparison

@@ -380,13 +380,16 @@ TEST_F(LauncherFlags, KohyasConfigFileIsTakenAsKohyaReadsIt) {
   EXPECT_EQ(std::stod(s.get("learning_rate")), 2e-4);
   EXPECT_EQ(s.get("caption_extension"), ".txt");
   for (const char* taken : {"dynamo_backend", "deepspeed", "v2", "full_bf16", "save_state",
-                            "token_warmup_min", "ddp_timeout",
+                            "ddp_timeout",
                             "lr_scheduler_args"}) {  // an empty list is the flag not given
     EXPECT_FALSE(s.has(taken)) << taken << " goes to no stage";
   }
   const auto trainer = stage_args(s, Stage::kTrainer);
   EXPECT_NE(std::find(trainer.begin(), trainer.end(), "--network_args=conv_dim=4 conv_alpha=1"),
             trainer.end());
+  const auto preprocess = stage_args(s, Stage::kPreprocess);
+  EXPECT_NE(std::find(preprocess.begin(), preprocess.end(), "--token_warmup_min=1"),
+            preprocess.end());
 
   std::ofstream(work_ / "v2.toml") << "network_dim = 8\n[model]\nv2 = true\n";
   EXPECT_EQ(lorapipe({"run", "--config_file=" + (work_ / "v2.toml").string()}), kExitError);

@@ -188,6 +188,41 @@ TEST_F(PreprocessStream, KohyaCaptionFlagsReachEverySample) {
   }
 }
 
+// kohya's caption separators, wildcards and token warm-up on the command line reach every
+// sample. A caption that draws nothing is final (its secondary separator replaced) and cached;
+// one that draws is left for the trainer's process_caption.
+TEST_F(PreprocessStream, KohyaCaptionSeparatorsReachEverySample) {
+  const std::vector<std::string> separators{"--secondary_separator= on ", "--caption_separator=;",
+                                            "--keep_tokens_separator=|||", "--enable_wildcard"};
+  const Stream fixed = stream(separators, [](const std::string&) { return false; });
+  ASSERT_EQ(fixed.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  std::vector<std::string> warmup = separators;
+  warmup.insert(warmup.end(), {"--token_warmup_step=0.5", "--token_warmup_min=2"});
+  const Stream drawn = stream(warmup, [](const std::string&) { return false; });
+  ASSERT_EQ(drawn.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  std::map<std::string, std::string> caption_of;
+  for (const auto& d : demo_) caption_of[d.path.string()] = d.caption;
+  ASSERT_EQ(fixed.samples.size(), demo_.size());
+  ASSERT_EQ(drawn.samples.size(), demo_.size());
+  for (const wire::ImageSample& s : fixed.samples) {
+    const std::string& caption = caption_of.at(s.path());  // "a red circle on a blue background"
+    const size_t on = caption.find(" on ");
+    ASSERT_NE(on, std::string::npos) << caption;
+    EXPECT_EQ(s.caption(), caption.substr(0, on) + ";" + caption.substr(on + 4));
+    EXPECT_FALSE(s.augment_caption()) << "no braces, one line: nothing to draw";
+    EXPECT_EQ(s.caption_settings().caption_separator(), ";");
+    EXPECT_EQ(s.caption_settings().keep_tokens_separator(), "|||");
+    EXPECT_EQ(s.caption_settings().secondary_separator(), " on ");
+    EXPECT_TRUE(s.caption_settings().enable_wildcard());
+  }
+  for (const wire::ImageSample& s : drawn.samples) {
+    EXPECT_EQ(s.caption(), caption_of.at(s.path())) << "left for the trainer";
+    EXPECT_TRUE(s.augment_caption());
+    EXPECT_DOUBLE_EQ(s.caption_settings().token_warmup_step(), 0.5);
+    EXPECT_EQ(s.caption_settings().token_warmup_min(), 2);
+  }
+}
+
 // Each [[datasets]] of a dataset TOML travels with its index and its batch_size, so that the
 // trainer batches them apart as kohya does; the same folder in two datasets is two datasets' worth
 // of samples, each bucketed at its own resolution.

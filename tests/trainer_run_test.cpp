@@ -450,7 +450,7 @@ TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
                   // kohya_ss's GUI passes kohya's flags at their defaults, and a few that change
                   // nothing here: all taken.
                   "--ddp_timeout=30", "--full_bf16", "--dynamo_backend=no", "--lr_scheduler_args",
-                  "--caption_separator=,", "--deepspeed=false", "--token_warmup_min=1",
+                  "--deepspeed=false", "--v2=false", "--fp8_base=false",
                   // ModelSpec, and states kept by their own count.
                   "--metadata_title=Dog", "--metadata_author=me", "--metadata_tags=dog,photo",
                   "--metadata_trigger_phrase=sks dog",
@@ -754,6 +754,68 @@ TEST_F(TrainRunTest, WeightedCaptionsWeighTheirTokens) {
   EXPECT_NE(err.find("--weighted_captions"), std::string::npos) << err;
   EXPECT_NE(err.find(".png"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(work_ / "broken" / "lora" / "tiny.safetensors"));
+}
+
+// kohya's process_caption runs on every micro-batch with the step it belongs to: the token
+// warm-up's tag count follows the real step count across gradient accumulation and epochs that
+// end mid-step, and wildcards are drawn each time. Three images, batch 1, accumulation 2: each
+// epoch is 2 steps (2 micro-batches, then 1), 8 steps are 4 epochs. Captions "{sks|xyz}, t1..t7",
+// one tag kept, warm-up over 0.5 of 8 steps from 1 tag: floor(done * 6 / 4) + 1 of the 7.
+TEST_F(TrainRunTest, CaptionsAreDrawnPerStepAsKohya) {
+  const fs::path cache = work_ / "cache";
+  fs::copy(dir_ / "cache", cache, fs::copy_options::recursive);
+  {
+    cacher::StoreOptions o;
+    o.dir = cache;
+    cacher::Store store = cacher::Store::open(o);
+    wire::Manifest m;
+    ASSERT_TRUE(m.ParseFromString(*store.get(cacher::Table::kManifests, kDataset)));
+    m.set_text_cached(false);
+    m.mutable_entries()->DeleteSubrange(3, m.entries_size() - 3);
+    for (auto& e : *m.mutable_entries()) {
+      e.set_is_reg(false);
+      e.set_repeats(1);
+      e.clear_text_key();
+      e.set_caption("{sks|xyz}, t1, t2, t3, t4, t5, t6, t7");
+      wire::CaptionSettings* c = e.mutable_caption_settings();
+      c->set_keep_tokens(1);
+      c->set_enable_wildcard(true);
+      c->set_token_warmup_min(1);
+      c->set_token_warmup_step(0.5);
+      c->set_caption_separator(",");
+    }
+    store.put(cacher::Table::kManifests, {{"warmup", m.SerializeAsString()}});
+  }
+  std::vector<std::string> a =
+      args(work_, {"--max_train_steps=8", "--train_batch_size=1", "--gradient_accumulation_steps=2",
+                   "--console_log_level=debug"});
+  a[2] = "--cache_dir=" + cache.string();
+  a[3] = "--dataset_id=warmup";
+  const pid_t pid = spawn(a, work_ / "out", work_ / "err");
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");
+  const std::string log = read_text(work_ / "err") + read_text(work_ / "out");
+  const std::regex line(R"(step (\d+) \(epoch (\d+), batch (\d+)\) captions: '([^']*)')");
+  std::map<int, int> micro_batches;  // per step
+  std::set<std::string> kept;
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator();
+       ++it) {
+    const int step = std::stoi((*it)[1]);
+    const std::string caption = (*it)[4];
+    ++micro_batches[step];
+    const int done = step - 1;
+    const size_t flexible = done < 4 ? static_cast<size_t>(done * 6 / 4 + 1) : 7;
+    std::string expected;
+    for (size_t t = 1; t <= flexible; ++t) expected += ", t" + std::to_string(t);
+    const std::string first = caption.substr(0, caption.find(','));
+    EXPECT_EQ(caption, first + expected) << "step " << step;
+    kept.insert(first);
+    EXPECT_EQ(std::stoi((*it)[2]), (step + 1) / 2) << "2 steps an epoch";
+  }
+  ASSERT_EQ(micro_batches.size(), 8u) << log;
+  for (const auto& [step, count] : micro_batches) {
+    EXPECT_EQ(count, step % 2 == 1 ? 2 : 1) << "step " << step << ": 2 micro-batches, then 1";
+  }
+  EXPECT_EQ(kept, (std::set<std::string>{"sks", "xyz"})) << "the wildcard drawn each time";
 }
 
 // --network_train_text_encoder_only: kohya's network without U-Net modules; the text encoder's

@@ -1,6 +1,7 @@
 #include "trainer/dataset.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include "common/error.h"
@@ -9,10 +10,12 @@
 namespace lorapipe::trainer {
 namespace {
 
+// Python's str.strip() of ASCII whitespace.
 std::string trim(const std::string& s) {
-  const size_t begin = s.find_first_not_of(" \t\r\n");
+  const char* space = " \t\r\n\v\f";
+  const size_t begin = s.find_first_not_of(space);
   if (begin == std::string::npos) return "";
-  const size_t end = s.find_last_not_of(" \t\r\n");
+  const size_t end = s.find_last_not_of(space);
   return s.substr(begin, end - begin + 1);
 }
 
@@ -128,37 +131,146 @@ std::vector<PlannedBatch> BatchScheduler::epoch(int64_t epoch) const {
   return out;
 }
 
-std::string augment_caption(const std::string& caption, const wire::CaptionSettings& s,
-                            int64_t epoch, std::mt19937_64& rng) {
-  bool drop = s.caption_dropout_rate() > 0 && uniform(rng) < s.caption_dropout_rate();
-  drop = drop || (s.caption_dropout_every_n_epochs() > 0 &&
-                  epoch % s.caption_dropout_every_n_epochs() == 0);
-  if (drop) return "";
-  if (!s.shuffle_caption() && s.caption_tag_dropout_rate() <= 0) return caption;
-  std::vector<std::string> tags;
-  const std::string text = trim(caption);
+namespace {
+
+// Python's str.split(sep): every piece, empty ones included.
+std::vector<std::string> split(const std::string& text, const std::string& sep) {
+  std::vector<std::string> out;
   for (size_t begin = 0;;) {
-    const size_t comma = text.find(',', begin);
-    tags.push_back(trim(text.substr(begin, comma == std::string::npos ? comma : comma - begin)));
-    if (comma == std::string::npos) break;
-    begin = comma + 1;
+    const size_t at = text.find(sep, begin);
+    out.push_back(text.substr(begin, at == std::string::npos ? at : at - begin));
+    if (at == std::string::npos) return out;
+    begin = at + sep.size();
   }
-  const size_t keep = std::min<size_t>(tags.size(), std::max(0, s.keep_tokens()));
-  std::vector<std::string> fixed(tags.begin(), tags.begin() + keep);
-  std::vector<std::string> flex(tags.begin() + keep, tags.end());
-  if (s.shuffle_caption()) std::shuffle(flex.begin(), flex.end(), rng);
-  if (s.caption_tag_dropout_rate() > 0) {
-    std::vector<std::string> kept;
-    for (std::string& tag : flex) {
-      if (uniform(rng) >= s.caption_tag_dropout_rate()) kept.push_back(std::move(tag));
-    }
-    flex = std::move(kept);
-  }
+}
+
+// Python's str.replace(from, to), left to right, not overlapping.
+std::string replace_all(const std::string& text, const std::string& from, const std::string& to) {
   std::string out;
-  for (const auto* list : {&fixed, &flex}) {
-    for (const std::string& tag : *list) out += (out.empty() ? "" : ", ") + tag;
+  for (size_t begin = 0;;) {
+    const size_t at = text.find(from, begin);
+    out.append(text, begin, at == std::string::npos ? std::string::npos : at - begin);
+    if (at == std::string::npos) return out;
+    out += to;
+    begin = at + from.size();
+  }
+}
+
+size_t pick(size_t count, std::mt19937_64& rng) {
+  return std::uniform_int_distribution<size_t>(0, count - 1)(rng);
+}
+
+// kohya's wildcards: one line of a many-line caption, then each "{a|b|c}" (regex
+// \{([^}]+)\}) replaced by one of its choices; "{{" and "}}" stand for braces.
+std::string draw_wildcards(std::string caption, std::mt19937_64& rng) {
+  if (caption.find('\n') != std::string::npos) {
+    const std::vector<std::string> lines = split(caption, "\n");
+    caption = lines[pick(lines.size(), rng)];
+  }
+  // Escaped braces hide behind marks the caption does not hold, as kohya's do.
+  std::string open = "\u2985", close = "\u2986";
+  while (caption.find(open) != std::string::npos || caption.find(close) != std::string::npos) {
+    open += "\u2985";
+    close += "\u2986";
+  }
+  caption = replace_all(replace_all(caption, "{{", open), "}}", close);
+  std::string out;
+  size_t next = 0;
+  for (size_t from = 0;;) {
+    const size_t left = caption.find('{', from);
+    const size_t right = left == std::string::npos ? left : caption.find('}', left + 1);
+    if (right == std::string::npos) break;
+    if (right == left + 1) {  // "{}" is no wildcard: the search goes on after its "{"
+      from = left + 1;
+      continue;
+    }
+    const std::vector<std::string> choices = split(caption.substr(left + 1, right - left - 1), "|");
+    out.append(caption, next, left - next);
+    out += choices[pick(choices.size(), rng)];
+    next = from = right + 1;
+  }
+  out.append(caption, next);
+  return replace_all(replace_all(out, open, "{"), close, "}");
+}
+
+// The stripped, non-empty tags of `part`.
+std::vector<std::string> tags_of(const std::string& part, const std::string& separator) {
+  std::vector<std::string> out;
+  for (const std::string& piece : split(part, separator)) {
+    if (std::string tag = trim(piece); !tag.empty()) out.push_back(std::move(tag));
   }
   return out;
+}
+
+}  // namespace
+
+std::string process_caption(std::string caption, const wire::CaptionSettings& s,
+                            const CaptionClock& clock, std::mt19937_64& rng) {
+  bool drop = s.caption_dropout_rate() > 0 && uniform(rng) < s.caption_dropout_rate();
+  drop = drop || (s.caption_dropout_every_n_epochs() > 0 &&
+                  clock.epoch % s.caption_dropout_every_n_epochs() == 0);
+  if (drop) return "";
+  if (s.enable_wildcard()) {
+    caption = draw_wildcards(std::move(caption), rng);
+  } else {
+    caption = caption.substr(0, caption.find('\n'));
+  }
+  // Manifests written before caption_separator existed hold "": kohya's ",".
+  const std::string separator = s.caption_separator().empty() ? "," : s.caption_separator();
+  if (s.shuffle_caption() || s.token_warmup_step() > 0 || s.caption_tag_dropout_rate() > 0) {
+    std::vector<std::string> fixed, flex, fixed_suffix;
+    const std::string& mark = s.keep_tokens_separator();
+    if (const size_t at = mark.empty() ? std::string::npos : caption.find(mark);
+        at != std::string::npos) {
+      // "fixed ||| flexible ||| fixed suffix": keep_tokens is not used.
+      std::string flex_part = caption.substr(at + mark.size());
+      if (const size_t second = flex_part.find(mark); second != std::string::npos) {
+        fixed_suffix = tags_of(flex_part.substr(second + mark.size()), separator);
+        flex_part.resize(second);
+      }
+      fixed = tags_of(caption.substr(0, at), separator);
+      flex = tags_of(flex_part, separator);
+    } else {
+      for (const std::string& piece : split(trim(caption), separator)) flex.push_back(trim(piece));
+      const size_t keep = std::min<size_t>(flex.size(), std::max(0, s.keep_tokens()));
+      fixed.assign(flex.begin(), flex.begin() + static_cast<std::ptrdiff_t>(keep));
+      flex.erase(flex.begin(), flex.begin() + static_cast<std::ptrdiff_t>(keep));
+    }
+    // Token warm-up: token_warmup_min tags at step 0, one more every so many steps, all from
+    // token_warmup_step (below 1: that share of max_train_steps, rounded down).
+    double warmup = s.token_warmup_step();
+    if (warmup < 1) warmup = std::floor(warmup * static_cast<double>(clock.max_train_steps));
+    if (warmup != 0 && static_cast<double>(clock.step) < warmup) {
+      const auto length = static_cast<int64_t>(std::floor(
+                              static_cast<double>(clock.step) *
+                              ((static_cast<double>(flex.size()) - s.token_warmup_min()) / warmup))) +
+                          s.token_warmup_min();
+      const auto size = static_cast<int64_t>(flex.size());
+      // Python's flex[:length]: a negative length counts from the end.
+      flex.resize(static_cast<size_t>(length < 0 ? std::max<int64_t>(0, size + length)
+                                                 : std::min(length, size)));
+    }
+    if (s.shuffle_caption()) std::shuffle(flex.begin(), flex.end(), rng);
+    if (s.caption_tag_dropout_rate() > 0) {
+      std::vector<std::string> kept;
+      for (std::string& tag : flex) {
+        if (uniform(rng) >= s.caption_tag_dropout_rate()) kept.push_back(std::move(tag));
+      }
+      flex = std::move(kept);
+    }
+    caption.clear();
+    bool first = true;  // ", ".join(...): an empty tag still takes its place
+    for (const auto* list : {&fixed, &flex, &fixed_suffix}) {
+      for (const std::string& tag : *list) {
+        caption += (first ? "" : ", ") + tag;
+        first = false;
+      }
+    }
+  }
+  if (!s.secondary_separator().empty()) {
+    caption = replace_all(caption, s.secondary_separator(), separator);
+  }
+  return caption;
 }
 
 }  // namespace lorapipe::trainer

@@ -71,11 +71,27 @@ class BatchScheduler {
 // A generator for everything drawn for one (seed, epoch, batch, purpose).
 std::mt19937_64 stream(uint64_t seed, int64_t epoch, int64_t batch, std::string_view purpose);
 
-// kohya process_caption: the whole caption dropped with caption_dropout_rate (or every
-// caption_dropout_every_n_epochs-th epoch); else split at ",", the first keep_tokens tags kept
-// in place, the rest shuffled (shuffle_caption), each of those dropped with
-// caption_tag_dropout_rate, joined with ", ".
-std::string augment_caption(const std::string& caption, const wire::CaptionSettings& settings,
-                            int64_t epoch, std::mt19937_64& rng);
+// Where in the run a caption is drawn: kohya's current_epoch, current_step and
+// max_train_steps.
+struct CaptionClock {
+  int64_t epoch = 0;
+  int64_t step = 0;  // the optimizer step the caption's micro-batch belongs to
+  int64_t max_train_steps = 0;
+};
+
+// kohya's process_caption (train_util.py), after the prefix and suffix that preprocess adds:
+// - the whole caption dropped with caption_dropout_rate, or on every
+//   caption_dropout_every_n_epochs-th epoch;
+// - enable_wildcard: one of the caption file's lines, each "{a|b}" one of its choices; without
+//   it, the first line;
+// - with shuffle_caption, token_warmup_step or caption_tag_dropout_rate: split at
+//   caption_separator into the first keep_tokens tags, kept in front, and the rest (or, when the
+//   caption holds keep_tokens_separator, "fixed ||| flexible ||| fixed suffix"); the flexible
+//   tags cut to the token warm-up's count, shuffled, each dropped with caption_tag_dropout_rate;
+//   joined with ", ";
+// - secondary_separator replaced by caption_separator.
+// Draws come from `rng` in kohya's order; a caption that draws nothing draws no number.
+std::string process_caption(std::string caption, const wire::CaptionSettings& settings,
+                            const CaptionClock& clock, std::mt19937_64& rng);
 
 }  // namespace lorapipe::trainer

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -190,31 +191,177 @@ std::multiset<std::string> tags_of(const std::string& caption) {
 // kohya's process_caption: split at ",", the first keep_tokens kept in place, the rest shuffled
 // and each dropped with caption_tag_dropout_rate; the whole caption dropped with
 // caption_dropout_rate or on every caption_dropout_every_n_epochs-th epoch.
-TEST(TrainCaptions, AugmentedAsKohya) {
+TEST(TrainCaptions, ShuffledAndDroppedAsKohya) {
   const std::string caption = "sks dog, red collar, grass, sunny day, park";
   std::mt19937_64 rng(1);
-  EXPECT_EQ(augment_caption(caption, caption_settings(false, 0, 0, 0, 0), 1, rng), caption);
+  EXPECT_EQ(process_caption(caption, caption_settings(false, 0, 0, 0, 0), CaptionClock{1}, rng), caption);
   std::set<std::string> orders;
   for (int i = 0; i < 50; ++i) {
-    const std::string out = augment_caption(caption, caption_settings(true, 1, 0, 0, 0), 1, rng);
+    const std::string out = process_caption(caption, caption_settings(true, 1, 0, 0, 0), CaptionClock{1}, rng);
     EXPECT_EQ(out.rfind("sks dog, ", 0), 0u) << out;
     EXPECT_EQ(tags_of(out), tags_of(caption)) << out;
     orders.insert(out);
   }
   EXPECT_GT(orders.size(), 10u) << "shuffled";
-  EXPECT_EQ(augment_caption(caption, caption_settings(true, 2, 0, 0, 1.0), 1, rng),
+  EXPECT_EQ(process_caption(caption, caption_settings(true, 2, 0, 0, 1.0), CaptionClock{1}, rng),
             "sks dog, red collar")
       << "every tag past keep_tokens dropped";
-  EXPECT_EQ(augment_caption(caption, caption_settings(false, 0, 1.0, 0, 0), 1, rng), "");
-  EXPECT_EQ(augment_caption(caption, caption_settings(false, 0, 0, 2, 0), 2, rng), "");
-  EXPECT_EQ(augment_caption(caption, caption_settings(false, 0, 0, 2, 0), 3, rng), caption);
+  EXPECT_EQ(process_caption(caption, caption_settings(false, 0, 1.0, 0, 0), CaptionClock{1}, rng), "");
+  EXPECT_EQ(process_caption(caption, caption_settings(false, 0, 0, 2, 0), CaptionClock{2}, rng), "");
+  EXPECT_EQ(process_caption(caption, caption_settings(false, 0, 0, 2, 0), CaptionClock{3}, rng), caption);
   int kept = 0;
   for (int i = 0; i < 400; ++i) {
-    kept += !augment_caption(caption, caption_settings(false, 0, 0.25, 0, 0), 1, rng).empty();
+    kept += !process_caption(caption, caption_settings(false, 0, 0.25, 0, 0), CaptionClock{1}, rng).empty();
   }
   // Binomial(400, 0.75): mean 300, sd 8.7; 5 sd either side.
   EXPECT_GT(kept, 256);
   EXPECT_LT(kept, 344);
+}
+
+// Every output of `draw` over `tries` draws, by count.
+std::map<std::string, int> outcomes(int tries, const std::function<std::string()>& draw) {
+  std::map<std::string, int> out;
+  for (int i = 0; i < tries; ++i) ++out[draw()];
+  return out;
+}
+
+std::set<std::string> keys_of(const std::map<std::string, int>& counts) {
+  std::set<std::string> out;
+  for (const auto& [key, count] : counts) out.insert(key);
+  return out;
+}
+
+// kohya's caption_separator, keep_tokens_separator and secondary_separator, as train_util.py's
+// process_caption applies them.
+TEST(TrainCaptions, SeparatorsAsKohya) {
+  std::mt19937_64 rng(7);
+  const CaptionClock clock{1, 0, 100};
+  // keep_tokens_separator: "fixed ||| flexible ||| fixed suffix"; empty tags dropped, keep_tokens
+  // not used; joined with ", ".
+  wire::CaptionSettings s = caption_settings(true, 5, 0, 0, 0);
+  s.set_keep_tokens_separator("|||");
+  const std::string marked = "sks dog, 1girl ||| red, blue,, green, white ||| masterpiece";
+  const auto shuffled =
+      outcomes(200, [&] { return process_caption(marked, s, clock, rng); });
+  EXPECT_GT(shuffled.size(), 12u) << "the 4 flexible tags shuffled (24 orders)";
+  for (const auto& [out, count] : shuffled) {
+    EXPECT_EQ(out.rfind("sks dog, 1girl, ", 0), 0u) << out;
+    EXPECT_TRUE(out.ends_with(", masterpiece")) << out;
+    EXPECT_EQ(tags_of(out), tags_of("sks dog, 1girl, red, blue, green, white, masterpiece")) << out;
+  }
+  // One mark: the rest is flexible.
+  s.set_caption_tag_dropout_rate(1.0);
+  EXPECT_EQ(process_caption("a, b ||| c, d", s, clock, rng), "a, b");
+  EXPECT_EQ(process_caption("a, b ||| c ||| d", s, clock, rng), "a, b, d");
+  // Without shuffle, warm-up or tag dropout kohya leaves the caption, marks and all, as it is.
+  wire::CaptionSettings plain;
+  plain.set_keep_tokens_separator("|||");
+  EXPECT_EQ(process_caption("a ||| b, c", plain, clock, rng), "a ||| b, c");
+
+  // caption_separator splits, ", " joins; without the mark, keep_tokens counts tags.
+  wire::CaptionSettings semi = caption_settings(false, 1, 0, 0, 1.0);
+  semi.set_caption_separator(";");
+  EXPECT_EQ(process_caption(" x ;y; z ", semi, clock, rng), "x");
+  semi.set_caption_tag_dropout_rate(0);
+  semi.set_shuffle_caption(true);
+  for (const auto& [out, count] :
+       outcomes(50, [&] { return process_caption("x; y; z, w", semi, clock, rng); })) {
+    EXPECT_TRUE(out == "x, y, z, w" || out == "x, z, w, y") << out;
+  }
+  // An empty tag keeps its place in the join, as Python's ", ".join does.
+  semi.set_shuffle_caption(false);
+  semi.set_caption_tag_dropout_rate(1e-300);
+  EXPECT_EQ(process_caption(";a;;b", semi, clock, rng), ", a, , b");
+
+  // secondary_separator: what it joins is one tag for the shuffle and the drops, and becomes
+  // caption_separator afterwards (also when nothing else is done).
+  wire::CaptionSettings second = caption_settings(true, 0, 0, 0, 0);
+  second.set_secondary_separator(";;;");
+  const auto joined =
+      outcomes(100, [&] { return process_caption("black;;;white dress, hat, shoe", second, clock, rng); });
+  EXPECT_EQ(joined.size(), 6u) << "3 tags, 6 orders";
+  for (const auto& [out, count] : joined) {
+    EXPECT_NE(out.find("black,white dress"), std::string::npos) << out;
+  }
+  wire::CaptionSettings only_second;
+  only_second.set_secondary_separator(";;;");
+  only_second.set_caption_separator(" / ");
+  EXPECT_EQ(process_caption("a;;;b, c", only_second, clock, rng), "a / b, c");
+}
+
+// kohya's token warm-up: token_warmup_min flexible tags at step 0, all of them from
+// token_warmup_step (a share of max_train_steps below 1): floor(step * (tags - min) / warm-up
+// steps) + min.
+TEST(TrainCaptions, TokenWarmupAsKohya) {
+  std::mt19937_64 rng(3);
+  wire::CaptionSettings s = caption_settings(false, 1, 0, 0, 0);
+  s.set_token_warmup_min(1);
+  s.set_token_warmup_step(10);
+  const std::string caption = "sks, t1, t2, t3, t4, t5, t6";  // 1 kept, 6 flexible
+  auto at = [&](int64_t step, int64_t max_steps) {
+    return process_caption(caption, s, CaptionClock{1, step, max_steps}, rng);
+  };
+  // floor(step * 5 / 10) + 1 flexible tags.
+  EXPECT_EQ(at(0, 100), "sks, t1");
+  EXPECT_EQ(at(1, 100), "sks, t1");
+  EXPECT_EQ(at(2, 100), "sks, t1, t2");
+  EXPECT_EQ(at(5, 100), "sks, t1, t2, t3");
+  EXPECT_EQ(at(9, 100), "sks, t1, t2, t3, t4, t5");
+  EXPECT_EQ(at(10, 100), caption);
+  // 0.25 of 40 steps: the same 10.
+  s.set_token_warmup_step(0.25);
+  EXPECT_EQ(at(5, 40), "sks, t1, t2, t3");
+  EXPECT_EQ(at(10, 40), caption);
+  // A share that rounds down to 0 steps is no warm-up.
+  s.set_token_warmup_step(0.05);
+  EXPECT_EQ(at(0, 10), caption);
+  // More tags asked for at the start than there are: all of them.
+  s.set_token_warmup_step(4);
+  s.set_token_warmup_min(9);
+  EXPECT_EQ(at(0, 10), caption);
+  // With the separator mark, the warm-up counts the flexible part only.
+  s.set_token_warmup_min(0);
+  s.set_keep_tokens_separator("|||");
+  EXPECT_EQ(process_caption("a, b ||| c, d, e, f ||| z", s, CaptionClock{1, 2, 10}, rng),
+            "a, b, c, d, z");
+}
+
+// kohya's enable_wildcard: one of a caption file's lines, then each {a|b|c} one of its choices;
+// {{ and }} are braces. Without it, the first line.
+TEST(TrainCaptions, WildcardsAsKohya) {
+  std::mt19937_64 rng(11);
+  const CaptionClock clock{1, 0, 100};
+  wire::CaptionSettings s;
+  s.set_enable_wildcard(true);
+  auto draws = [&](const std::string& caption) {
+    return keys_of(outcomes(300, [&] { return process_caption(caption, s, clock, rng); }));
+  };
+  EXPECT_EQ(draws("a {red|blue|green} ball, {{literal}}"),
+            (std::set<std::string>{"a red ball, {literal}", "a blue ball, {literal}",
+                                   "a green ball, {literal}"}));
+  EXPECT_EQ(draws("photo of {cat|dog}\nsketch, {pencil|ink}"),
+            (std::set<std::string>{"photo of cat", "photo of dog", "sketch, pencil",
+                                   "sketch, ink"}));
+  // The regex \{([^}]+)\}: "{}" is no wildcard, a "{" inside one is a character of a choice.
+  EXPECT_EQ(draws("x {} {a{b|c}"), (std::set<std::string>{"x {} a{b", "x {} c"}));
+  // Python's replace takes "{{" and "}}" left to right: in "}}}" the first two are an escaped
+  // brace and the last closes the wildcard, so its second choice is "b}".
+  EXPECT_EQ(draws("{{{a|b}}}"), (std::set<std::string>{"{a", "{b}"}));
+  // The marks that stand in for escaped braces never meet the caption's own.
+  EXPECT_EQ(draws("\u2985 {{x}} \u2986"), (std::set<std::string>{"\u2985 {x} \u2986"}));
+  // Drawn, then shuffled as kohya: wildcards first.
+  s.set_shuffle_caption(true);
+  s.set_keep_tokens(1);
+  for (const std::string& out : draws("sks, {a|b}, c")) {
+    EXPECT_TRUE(out == "sks, a, c" || out == "sks, c, a" || out == "sks, b, c" ||
+                out == "sks, c, b")
+        << out;
+  }
+  // Off: braces are text, the first line is the caption, and no number is drawn.
+  wire::CaptionSettings off;
+  std::mt19937_64 before = rng;
+  EXPECT_EQ(process_caption("a {b|c}\nsecond", off, clock, rng), "a {b|c}");
+  EXPECT_EQ(rng, before) << "a caption that draws nothing draws no number";
 }
 
 }  // namespace

@@ -110,6 +110,13 @@ std::string number(double v) {
   return out.str();
 }
 
+// 'a', 'b': each caption in single quotes, as a log line shows them.
+std::string join_quoted(const std::vector<std::string>& texts) {
+  std::string out;
+  for (const std::string& text : texts) out += (out.empty() ? "'" : ", '") + text + "'";
+  return out;
+}
+
 uint64_t peak_memory(const at::Device& device) {
 #ifdef LORAPIPE_HAVE_CUDA_ALLOCATOR
   if (device.is_cuda()) {
@@ -521,6 +528,13 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
   if (cached_text_) texts = records_->get(RecordKind::kText, text_keys);
   at::Generator draw = generator_for(o_.seed, epoch, index, "latent");
   std::mt19937_64 rng = stream(o_.seed, epoch, index, "flip+caption");
+  // The step this micro-batch belongs to (steps done before it), from where it sits in the run:
+  // epochs count from 1 and end on steps.
+  const int64_t accumulation = o_.step.gradient_accumulation_steps;
+  const auto batches = static_cast<int64_t>(scheduler_->batches_per_epoch());
+  const CaptionClock clock{
+      epoch, (epoch - 1) * ((batches + accumulation - 1) / accumulation) + index / accumulation,
+      max_steps_};
   std::vector<torch::Tensor> latent_list, hidden_list, pooled_list;
   std::vector<float> weights;
   for (size_t k = 0; k < plan.entries.size(); ++k) {
@@ -546,7 +560,7 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
       hidden_list.push_back(from_record(text.hidden_states()));
       if (text.has_pooled()) pooled_list.push_back(from_record(text.pooled()));
     } else {
-      out.captions.push_back(augment_caption(e.caption(), e.caption_settings(), epoch, rng));
+      out.captions.push_back(process_caption(e.caption(), e.caption_settings(), clock, rng));
     }
   }
   out.latents = torch::stack(latent_list) * o_.step.vae_scaling_factor;
@@ -608,12 +622,20 @@ void Run::prepare_validation() {
     PlannedBatch plan;
     plan.entries = {i};
     PreparedBatch p = prepare(/*epoch=*/0, i, plan);
-    // Validation uses the stored mean (no draw) and the caption as written.
+    // Validation uses the stored mean (no draw) and the caption as written, unshuffled, every
+    // tag in: only its wildcards are drawn, once, so every validation sees the same text.
+    const wire::ManifestEntry& entry = validation_manifest_.entries(i);
     wire::LatentRecord record;
-    record.ParseFromString(
-        *records_->get(RecordKind::kLatent, {validation_manifest_.entries(i).latent_key()})[0]);
+    record.ParseFromString(*records_->get(RecordKind::kLatent, {entry.latent_key()})[0]);
     p.latents = from_record(record.mean()).unsqueeze(0) * o_.step.vae_scaling_factor;
-    if (!cached_text_) p.captions = {validation_manifest_.entries(i).caption()};
+    if (!cached_text_) {
+      wire::CaptionSettings fixed;
+      fixed.set_enable_wildcard(entry.caption_settings().enable_wildcard());
+      fixed.set_caption_separator(entry.caption_settings().caption_separator());
+      fixed.set_secondary_separator(entry.caption_settings().secondary_separator());
+      std::mt19937_64 rng = stream(o_.seed, -1, i, "validation caption");
+      p.captions = {process_caption(entry.caption(), fixed, CaptionClock{}, rng)};
+    }
     validation_.push_back(std::move(p));
   }
   manifest_ = std::move(saved);
@@ -1189,6 +1211,11 @@ Summary Run::train_steps() {
           epoch_loss_count_ = 0;
         }
         next_index_ = prepared.index + 1;
+        if (!prepared.captions.empty()) {  // kohya's --debug_dataset shows the same
+          LP_LOG(kDebug, kLog) << "step " << global_step_ + 1 << " (epoch " << prepared.epoch
+                               << ", batch " << prepared.index << ") captions: "
+                               << join_quoted(prepared.captions);
+        }
         // Every random number of this micro-batch follows from (seed, epoch, index).
         torch::manual_seed(stream(o_.seed, prepared.epoch, prepared.index, "dropout")());
         const double loss =
