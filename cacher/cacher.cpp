@@ -158,6 +158,11 @@ std::string Cacher::check_sample(const wire::ImageSample& s) {
     return std::to_string(s.pixels().size()) + " pixel bytes for a " + std::to_string(w) + "x" +
            std::to_string(h) + " bucket (" + std::to_string(w * h * 3) + " expected)";
   }
+  if (!s.alpha_mask().empty() && s.alpha_mask().size() != w * h) {
+    return std::to_string(s.alpha_mask().size()) + " alpha-mask bytes for a " +
+           std::to_string(w) + "x" + std::to_string(h) + " bucket (" + std::to_string(w * h) +
+           " expected)";
+  }
   return "";
 }
 

@@ -16,11 +16,26 @@ void to_record_tensor(const torch::Tensor& tensor, wire::Tensor* out) {
   out->set_data(static_cast<const char*>(half.data_ptr()), half.nbytes());
 }
 
+// A float32 tensor as a record (the masks, kept exact).
+void to_record_tensor_f32(const torch::Tensor& tensor, wire::Tensor* out) {
+  const torch::Tensor full = tensor.detach().to(torch::kCPU, torch::kFloat).contiguous();
+  out->set_dtype(wire::Tensor::F32);
+  for (int64_t d : full.sizes()) out->add_shape(d);
+  out->set_data(static_cast<const char*>(full.data_ptr()), full.nbytes());
+}
+
 bool finite(const torch::Tensor& t) {
   return torch::isfinite(t.to(torch::kHalf).to(torch::kFloat)).all().item<bool>();
 }
 
 }  // namespace
+
+at::Tensor latent_mask(const at::Tensor& alpha, int64_t height, int64_t width) {
+  // kohya: alpha.astype(float32) / 255, then F.interpolate(mode="area") to the loss's size,
+  // which is adaptive average pooling.
+  const torch::Tensor mask = alpha.to(torch::kFloat).div(255.0f).unsqueeze(0).unsqueeze(0);
+  return torch::adaptive_avg_pool2d(mask, {height, width}).squeeze(0).squeeze(0);
+}
 
 LatentEncoder::LatentEncoder(models::DiffusionModel& model, std::string fingerprint)
     : model_(model), fingerprint_(std::move(fingerprint)) {}
@@ -78,6 +93,15 @@ std::vector<EncodedRecord> LatentEncoder::encode(
     if (s.flip()) {
       to_record_tensor(flipped->mean[k], latent.mutable_flipped_mean());
       to_record_tensor(flipped->std[k], latent.mutable_flipped_std());
+    }
+    if (!s.alpha_mask().empty()) {
+      const torch::Tensor alpha =
+          torch::from_blob(const_cast<char*>(s.alpha_mask().data()), {height, width}, torch::kUInt8);
+      to_record_tensor_f32(latent_mask(alpha, mean.size(1), mean.size(2)), latent.mutable_mask());
+      if (s.flip()) {
+        to_record_tensor_f32(latent_mask(torch::flip(alpha, {1}), mean.size(1), mean.size(2)),
+                             latent.mutable_flipped_mask());
+      }
     }
     *latent.mutable_bucket() = s.bucket();
     *latent.mutable_original_size() = s.original_size();

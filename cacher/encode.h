@@ -3,6 +3,7 @@
 // outputs of captions. Records leave as serialized protobuf (wire::LatentRecord /
 // wire::TextRecord), ready for the store.
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
@@ -14,6 +15,10 @@
 #include "proto/lorapipe.pb.h"
 
 namespace lorapipe::cacher {
+
+// kohya's alpha mask at latent size: `alpha` [H, W] uint8 as float32 / 255, averaged over each
+// cell of the [height, width] grid (F.interpolate(mode="area")). Returns [height, width] float32.
+at::Tensor latent_mask(const at::Tensor& alpha, int64_t height, int64_t width);
 
 struct EncodedRecord {
   std::string key;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <tuple>
 #include <limits>
 #include <set>
 
@@ -121,6 +122,19 @@ std::string check_latent_record(std::string_view bytes) {
         check_companion(record.has_flipped_std(), record.flipped_std(), "LatentRecord flipped_std",
                         record.mean())}) {
     if (!reason.empty()) return reason;
+  }
+  // The masks are [h, w]: one value per latent cell.
+  for (const auto& [present, mask, name] :
+       {std::tuple{record.has_mask(), &record.mask(), "LatentRecord mask"},
+        std::tuple{record.has_flipped_mask(), &record.flipped_mask(), "LatentRecord flipped_mask"}}) {
+    if (!present) continue;
+    if (std::string reason = check_tensor(*mask, name); !reason.empty()) return reason;
+    const auto& latent = record.mean().shape();
+    if (mask->shape_size() != 2 || latent.size() != 3 || mask->shape(0) != latent[1] ||
+        mask->shape(1) != latent[2]) {
+      return std::string(name) + " has shape " + shape_text(*mask) + ", the mean " +
+             shape_text(record.mean());
+    }
   }
   return {};
 }

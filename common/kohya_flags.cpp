@@ -99,9 +99,9 @@ const std::vector<ForeignFlag> kFlags = {
     {"color_aug", K::kBoolean, "", T::kDefaultOnly, kCachedLatents},
     {"face_crop_aug_range", K::kValue, "", T::kDefaultOnly,
      "face-centred crops: not in lorapipe yet"},
-    {"alpha_mask", K::kBoolean, "", T::kDefaultOnly, "masked loss: not in lorapipe yet"},
-    {"masked_loss", K::kBoolean, "", T::kDefaultOnly, "masked loss: not in lorapipe yet"},
-    {"conditioning_data_dir", K::kValue, "", T::kDefaultOnly, "masked loss: not in lorapipe yet"},
+    {"conditioning_data_dir", K::kValue, "", T::kDefaultOnly,
+     "masks from a folder of mask images: not in lorapipe yet (--alpha_mask reads the images' "
+     "transparency)"},
     {"resize_interpolation", K::kValue, "", T::kDefaultOnly,
      "lorapipe-preprocess's --resize_filter picks the filter"},
     {"in_json", K::kValue, "", T::kDefaultOnly,

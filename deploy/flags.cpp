@@ -66,7 +66,7 @@ std::vector<FlagInfo> make_table() {
     value(name, {S::kPreprocess});
   }
   for (const char* name : {"enable_bucket", "bucket_no_upscale", "flip_aug", "random_crop",
-                           "shuffle_caption", "enable_wildcard", "jpeg_fast_path"}) {
+                           "shuffle_caption", "enable_wildcard", "alpha_mask", "jpeg_fast_path"}) {
     boolean(name, {S::kPreprocess});
   }
   add("preprocess_threads", {{S::kPreprocess, "threads"}});
@@ -106,7 +106,7 @@ std::vector<FlagInfo> make_table() {
         "no_half_vae", "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",
         "debiased_estimation_loss", "ip_noise_gamma_random_strength", "zero_terminal_snr",
         "weighted_captions", "save_state_on_train_end", "no_metadata", "use_lion_optimizer",
-        "dim_from_weights"}) {
+        "dim_from_weights", "masked_loss"}) {
     boolean(name, {S::kTrainer});
   }
   // sampler

@@ -230,6 +230,7 @@ const std::map<std::string, KeySpec, std::less<>>& key_specs() {
       {"class_tokens", {KeyType::kString, kAll, true}},
       {"flip_aug", {KeyType::kBool, kAll, true}},
       {"random_crop", {KeyType::kBool, kAll, true}},
+      {"alpha_mask", {KeyType::kBool, kAll, true}},
       {"shuffle_caption", {KeyType::kBool, kAll, true}},
       {"keep_tokens", {KeyType::kInt, kAll, true}},
       {"caption_dropout_rate", {KeyType::kFloat, kAll, true}},
@@ -250,7 +251,6 @@ const std::map<std::string, KeySpec, std::less<>>& key_specs() {
       // subset only
       {"image_dir", {KeyType::kString, kSubset, true}},
       {"is_reg", {KeyType::kBool, kSubset, true}},
-      {"alpha_mask", {KeyType::kBool, kSubset, false}},
       // dataset, ascendable to general
       {"resolution", {KeyType::kResolution, kUpper, true}},
       {"batch_size", {KeyType::kInt, kUpper, true}},
@@ -378,6 +378,8 @@ class TomlReader {
         s.flip_aug = *node.value<bool>();
       } else if (k == "random_crop") {
         s.random_crop = *node.value<bool>();
+      } else if (k == "alpha_mask") {
+        s.alpha_mask = *node.value<bool>();
       } else if (k == "shuffle_caption") {
         s.shuffle_caption = *node.value<bool>();
       } else if (k == "keep_tokens") {

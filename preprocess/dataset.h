@@ -22,6 +22,7 @@ struct SubsetOptions {
   bool is_reg = false;
   bool flip_aug = false;
   bool random_crop = false;
+  bool alpha_mask = false;  // kohya's: the image's alpha channel masks the loss
   bool shuffle_caption = false;
   int keep_tokens = 0;
   double caption_dropout_rate = 0.0;

@@ -3,6 +3,7 @@
 #include <vips/vips8>
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <optional>
 
@@ -103,7 +104,10 @@ ImageHeader probe_image(std::string_view bytes) {
 }
 
 std::string decode_image(std::string_view bytes, const ImageHeader& header,
-                         const DecodeRequest& request) {
+                         const DecodeRequest& request, std::string* alpha) {
+  if (request.alpha_mask && alpha == nullptr) {
+    throw Error("internal: decode_image with alpha_mask needs somewhere to put the alpha");
+  }
   init_vips();
   const VipsKernel kernel = kernel_from_name(request.resize_filter);
   try {
@@ -170,11 +174,23 @@ std::string decode_image(std::string_view bytes, const ImageHeader& header,
     if (image.interpretation() != VIPS_INTERPRETATION_sRGB || image.format() != VIPS_FORMAT_UCHAR) {
       image = image.colourspace(VIPS_INTERPRETATION_sRGB);
     }
-    if (image.has_alpha()) {
-      image = image.flatten(VImage::option()->set("background", std::vector<double>{255, 255, 255}));
+    if (request.alpha_mask) {
+      // RGBA: the image's own alpha, or an opaque one.
+      if (!image.has_alpha()) {
+        image = image.extract_band(0, VImage::option()->set("n", 3)).bandjoin_const({255});
+      } else if (image.bands() > 4) {
+        image = image.extract_band(0, VImage::option()->set("n", 3))
+                    .bandjoin(image.extract_band(image.bands() - 1));
+      }
+    } else {
+      if (image.has_alpha()) {
+        image =
+            image.flatten(VImage::option()->set("background", std::vector<double>{255, 255, 255}));
+      }
+      if (image.bands() > 3) image = image.extract_band(0, VImage::option()->set("n", 3));
     }
-    if (image.bands() > 3) image = image.extract_band(0, VImage::option()->set("n", 3));
     if (image.format() != VIPS_FORMAT_UCHAR) image = image.cast(VIPS_FORMAT_UCHAR);
+    const int bands = request.alpha_mask ? 4 : 3;
 
     const double hscale = static_cast<double>(request.resized.width) / image.width();
     const double vscale = static_cast<double>(request.resized.height) / image.height();
@@ -196,10 +212,19 @@ std::string decode_image(std::string_view bytes, const ImageHeader& header,
     void* memory = image.write_to_memory(&size);
     std::string pixels(static_cast<const char*>(memory), size);
     g_free(memory);
-    const size_t expected = static_cast<size_t>(request.bucket.width) * request.bucket.height * 3;
-    if (pixels.size() != expected) {
+    const size_t count = static_cast<size_t>(request.bucket.width) * request.bucket.height;
+    if (pixels.size() != count * bands) {
       throw Error("internal: decoded " + std::to_string(pixels.size()) + " bytes, expected " +
-                  std::to_string(expected));
+                  std::to_string(count * bands));
+    }
+    if (request.alpha_mask) {  // RGBA -> RGB and A
+      std::string rgb(count * 3, '\0');
+      alpha->assign(count, '\0');
+      for (size_t i = 0; i < count; ++i) {
+        std::memcpy(&rgb[i * 3], &pixels[i * 4], 3);
+        (*alpha)[i] = pixels[i * 4 + 3];
+      }
+      return rgb;
     }
     return pixels;
   } catch (const vips::VError& e) {

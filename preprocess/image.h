@@ -36,14 +36,19 @@ struct DecodeRequest {
   Reso bucket;        // final size
   CropOffset offset;  // where the bucket sits in the resized image
   std::string resize_filter = "lanczos3";
+  // kohya's alpha_mask: keep the alpha channel (resized and cropped with the colour, its bands
+  // apart, as kohya's resize does) instead of compositing on white; the colour is then the
+  // image's own, as kohya encodes it.
+  bool alpha_mask = false;
 };
 
 // Decodes `bytes` with shrink-on-load, applies the EXIF orientation, converts CMYK, grey,
 // 16-bit and palette images to 8-bit sRGB, composites alpha on white, resizes to
 // `request.resized` and crops `request.bucket` at `request.offset`. Returns
-// bucket.height * bucket.width * 3 bytes. Throws InputError with libvips' reason on a corrupt or
-// truncated file.
+// bucket.height * bucket.width * 3 bytes. With request.alpha_mask, `alpha` (required then) gets
+// bucket.height * bucket.width bytes of alpha, 255 for an image without one. Throws InputError
+// with libvips' reason on a corrupt or truncated file.
 std::string decode_image(std::string_view bytes, const ImageHeader& header,
-                         const DecodeRequest& request);
+                         const DecodeRequest& request, std::string* alpha = nullptr);
 
 }  // namespace lorapipe::preprocess

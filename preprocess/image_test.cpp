@@ -174,6 +174,72 @@ TEST_F(PreprocessBadInput, AlphaIsCompositedOnWhite) {
   EXPECT_EQ(pixel(rgb, h, 190, 10), (std::array<int, 3>{255, 255, 255}));   // transparent
 }
 
+// kohya's alpha_mask: the alpha channel travels apart and the colour is the image's own, not
+// put on white, as Pillow reads them (an independent decoder, the one kohya uses): an RGBA PNG
+// of random values and a grey+alpha one, bit for bit. An image without alpha gets 255.
+TEST(PreprocessAlphaMask, AlphaTravelsApartAndColourIsKeptAsPillowReadsIt) {
+  const fs::path dir = fs::temp_directory_path() / ("lorapipe-alpha-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const char* python = std::getenv("LORAPIPE_PYTHON");
+  ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is not set";
+  const std::string script =
+      "import sys, numpy as np\n"
+      "from PIL import Image\n"
+      "d = sys.argv[1]\n"
+      "rgba = np.random.default_rng(3).integers(0, 256, (40, 48, 4), dtype=np.uint8)\n"
+      "Image.fromarray(rgba, 'RGBA').save(d + '/rgba.png')\n"
+      "la = np.random.default_rng(4).integers(0, 256, (24, 32, 2), dtype=np.uint8)\n"
+      "Image.fromarray(la, 'LA').save(d + '/la.png')\n"
+      "Image.fromarray(rgba[:, :, :3], 'RGB').save(d + '/rgb.png')\n"
+      "for name in ('rgba', 'la'):\n"
+      "    open(d + '/' + name + '.raw', 'wb').write(\n"
+      "        np.asarray(Image.open(d + '/' + name + '.png').convert('RGBA')).tobytes())\n";
+  std::ofstream(dir / "make.py") << script;
+  const std::string command = std::string(python) + " " + (dir / "make.py").string() + " " + dir.string();
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  auto read = [&](const std::string& name) {
+    std::ifstream in(dir / name, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  for (const std::string name : {"rgba", "la"}) {
+    const std::string bytes = read(name + ".png");
+    const ImageHeader header = probe_image(bytes);
+    DecodeRequest request;
+    request.resized = {header.width, header.height};
+    request.bucket = request.resized;
+    request.alpha_mask = true;
+    std::string alpha;
+    const std::string rgb = decode_image(bytes, header, request, &alpha);
+    const std::string pillow = read(name + ".raw");
+    const size_t count = static_cast<size_t>(header.width) * header.height;
+    ASSERT_EQ(pillow.size(), count * 4) << name;
+    ASSERT_EQ(rgb.size(), count * 3) << name;
+    ASSERT_EQ(alpha.size(), count) << name;
+    size_t colour_differs = 0, alpha_differs = 0;
+    for (size_t i = 0; i < count; ++i) {
+      colour_differs += rgb.compare(i * 3, 3, pillow, i * 4, 3) != 0;
+      alpha_differs += alpha[i] != pillow[i * 4 + 3];
+    }
+    EXPECT_EQ(colour_differs, 0u) << name;
+    EXPECT_EQ(alpha_differs, 0u) << name;
+    request.alpha_mask = false;
+    EXPECT_NE(decode_image(bytes, header, request), rgb) << name << ": without it, put on white";
+  }
+  // No alpha channel: fully opaque, also resized and cropped to a bucket.
+  const std::string bytes = read("rgb.png");
+  const ImageHeader header = probe_image(bytes);
+  DecodeRequest request;
+  request.resized = {36, 30};
+  request.bucket = {32, 24};
+  request.offset = {2, 3};
+  request.alpha_mask = true;
+  std::string alpha;
+  EXPECT_EQ(decode_image(bytes, header, request, &alpha).size(), 32u * 24 * 3);
+  EXPECT_EQ(alpha, std::string(32 * 24, '\xff'));
+  fs::remove_all(dir);
+}
+
 TEST_F(PreprocessBadInput, PaletteAndAnimatedGifUseTheFirstFrame) {
   ImageHeader h;
   const std::string blue = decode_native("palette.gif", &h);

@@ -29,6 +29,8 @@ DEFINE_string(caption_extension, "", "Caption file extension (default .caption, 
 DEFINE_string(class_tokens, "", "Caption for images directly in --data_dir without caption file");
 DEFINE_bool(flip_aug, false, "Also cache horizontally flipped latents");
 DEFINE_bool(random_crop, false, "Random instead of centre crop (fixed per image and --seed)");
+DEFINE_bool(alpha_mask, false,
+            "The image's transparency masks the loss (kohya's); colour kept, not put on white");
 DEFINE_bool(shuffle_caption, false, "Shuffle comma-separated tags (text then encoded online)");
 DEFINE_int32(keep_tokens, 0, "Tags kept in front when shuffling");
 DEFINE_double(caption_dropout_rate, 0.0, "Probability of an empty caption (text encoded online)");
@@ -104,6 +106,7 @@ int main(int argc, char** argv) {
     s.class_tokens = FLAGS_class_tokens;
     s.flip_aug = FLAGS_flip_aug;
     s.random_crop = FLAGS_random_crop;
+    s.alpha_mask = FLAGS_alpha_mask;
     s.shuffle_caption = FLAGS_shuffle_caption;
     s.keep_tokens = FLAGS_keep_tokens;
     s.caption_dropout_rate = FLAGS_caption_dropout_rate;

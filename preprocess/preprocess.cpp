@@ -159,6 +159,7 @@ Probed probe_one(const ImageEntry& entry, const Discovery& discovery, const Opti
   r.repeats = static_cast<uint32_t>(subset.num_repeats);
   r.is_reg = subset.is_reg;
   r.flip = subset.flip_aug;
+  r.alpha_mask = subset.alpha_mask;
   r.shuffle_caption = subset.shuffle_caption;
   r.keep_tokens = subset.keep_tokens;
   r.caption_dropout_rate = subset.caption_dropout_rate;
@@ -203,6 +204,7 @@ class Slots {
 struct Decoded {
   size_t index = 0;
   std::string pixels;
+  std::string alpha;     // with alpha_mask
   std::string error;     // non-empty: skipped
   bool internal = false;  // the error is ours, not the file's: stop the run
 };
@@ -343,7 +345,7 @@ std::string make_image_key(const std::string& content_hash, const ImageResult& i
       .field(int64_t{image.crop.top})
       .field(int64_t{image.flip})
       .field(resize_filter)
-      .field("alpha-on-white");
+      .field(image.alpha_mask ? "alpha-mask" : "alpha-on-white");
   return content_hash + "." + transform.digest().hex();
 }
 
@@ -481,7 +483,8 @@ Report run(const Options& options) {
         request.bucket = p.result.bucket;
         request.offset = p.result.crop;
         request.resize_filter = options.resize_filter;
-        d.pixels = decode_image(bytes, p.header, request);
+        request.alpha_mask = p.result.alpha_mask;
+        d.pixels = decode_image(bytes, p.header, request, &d.alpha);
       } catch (const InputError& e) {
         d.error = e.what();
       } catch (const std::exception& e) {
@@ -518,10 +521,12 @@ Report run(const Options& options) {
         if (push) {
           wire::ImageSample sample = to_sample(report.dataset_id, probed[d.index]->result);
           sample.set_pixels(std::move(d.pixels));
+          sample.set_alpha_mask(std::move(d.alpha));
           send_or_throw(sample);
         }
       }
       d.pixels.clear();
+      d.alpha.clear();
       slots.release();
       if (options.on_progress) options.on_progress(done + 1, to_decode.size());
     }

@@ -56,6 +56,7 @@ struct ImageResult {
   uint32_t repeats = 1;
   bool is_reg = false;
   bool flip = false;
+  bool alpha_mask = false;  // kohya's: the alpha channel travels as the loss mask
   bool augment_caption = false;
   bool shuffle_caption = false;  // the subset's caption augmentation, passed to the trainer
   int keep_tokens = 0;

@@ -10,6 +10,7 @@
 #include <regex>
 #include <set>
 #include <thread>
+#include <torch/torch.h>
 #include <vips/vips8>
 
 #include "cacher/records.h"
@@ -376,6 +377,61 @@ TEST_F(CachePipeline, SampleThatDoesNotFitItsBucketIsRejectedAlone) {
   EXPECT_EQ(manifest.entries(1).dataset_index(), 1u);
   EXPECT_EQ(manifest.entries(1).batch_size(), 3u);
   EXPECT_EQ(store.stats(cacher::Table::kLatents).entries, 2u);
+}
+
+// kohya's alpha_mask: the cacher stores each image's mask at latent size as kohya's loss sees
+// it, F.interpolate(alpha / 255, mode="area") onto the latent grid (torch's own op is the
+// reference; float32, bit for bit), and the flipped image's from the flipped alpha. A mask that
+// does not fit its bucket is rejected with its image alone.
+TEST_F(CachePipeline, AlphaMasksAreStoredAsKohyasLossInterpolatesThem) {
+  std::mt19937 rng(5);
+  std::string alpha(64 * 64, '\0');
+  for (char& a : alpha) a = static_cast<char>(rng() % 256);
+  wire::ImageSample masked = handmade_sample("handmade", "masked.png", 64, std::string(64 * 64 * 3, '\x60'));
+  masked.set_alpha_mask(alpha);
+  masked.set_flip(true);
+  wire::ImageSample plain = handmade_sample("handmade", "plain.png", 64, std::string(64 * 64 * 3, '\x60'));
+  wire::ImageSample bad = handmade_sample("handmade", "bad.png", 64, std::string(64 * 64 * 3, '\x60'));
+  bad.set_alpha_mask(std::string(100, '\xff'));
+  ASSERT_EQ(cache_by_hand("", {masked, plain, bad}, "handmade"), 0) << read_text(work_ / "cacher.err");
+  EXPECT_NE(read_text(work_ / "cacher.err").find("/photos/bad.png: 100 alpha-mask bytes"),
+            std::string::npos)
+      << read_text(work_ / "cacher.err");
+
+  const torch::Tensor image =
+      torch::from_blob(alpha.data(), {1, 1, 64, 64}, torch::kUInt8).to(torch::kFloat).div(255.0f);
+  namespace F = torch::nn::functional;
+  auto area = [](const torch::Tensor& t) {
+    return F::interpolate(t, F::InterpolateFuncOptions()
+                                 .size(std::vector<int64_t>{8, 8})
+                                 .mode(torch::kArea))
+        .reshape({8, 8});
+  };
+  const torch::Tensor expected = area(image), expected_flipped = area(torch::flip(image, {3}));
+  auto as_tensor = [](const wire::Tensor& t) {
+    EXPECT_EQ(t.dtype(), wire::Tensor::F32);
+    EXPECT_EQ(std::vector<int64_t>(t.shape().begin(), t.shape().end()),
+              (std::vector<int64_t>{8, 8}));
+    return torch::from_blob(const_cast<char*>(t.data().data()), {8, 8}, torch::kFloat).clone();
+  };
+  int with_mask = 0, without = 0;
+  const cacher::Store store = open_cache();
+  store.for_each(cacher::Table::kLatents, [&](std::string_view, std::string_view value) {
+    wire::LatentRecord record;
+    EXPECT_TRUE(record.ParseFromArray(value.data(), static_cast<int>(value.size())));
+    EXPECT_EQ(cacher::check_latent_record(value), "");
+    if (!record.has_mask()) {
+      ++without;
+      EXPECT_FALSE(record.has_flipped_mask());
+      return true;
+    }
+    ++with_mask;
+    EXPECT_TRUE(torch::equal(as_tensor(record.mask()), expected));
+    EXPECT_TRUE(torch::equal(as_tensor(record.flipped_mask()), expected_flipped));
+    return true;
+  });
+  EXPECT_EQ(with_mask, 1);
+  EXPECT_EQ(without, 1) << "the image without a mask has none; the bad one was not stored";
 }
 
 // The cacher answers HasKeys while a VAE batch encodes (other runs' preprocess and trainers ask

@@ -188,6 +188,26 @@ TEST_F(PreprocessStream, KohyaCaptionFlagsReachEverySample) {
   }
 }
 
+// --alpha_mask: every sample carries its alpha at bucket size (the demo images have none: fully
+// opaque), and another image key than without it, so the cache keeps both kinds of record.
+TEST_F(PreprocessStream, AlphaMaskTravelsWithEverySample) {
+  const Stream masked = stream({"--alpha_mask"}, [](const std::string&) { return false; });
+  ASSERT_EQ(masked.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  const Stream plain = stream({}, [](const std::string&) { return false; });
+  ASSERT_EQ(plain.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  std::map<std::string, std::string> plain_key;
+  for (const wire::ImageSample& s : plain.samples) {
+    plain_key[s.path()] = s.image_key();
+    EXPECT_TRUE(s.alpha_mask().empty());
+  }
+  ASSERT_EQ(masked.samples.size(), demo_.size());
+  for (const wire::ImageSample& s : masked.samples) {
+    EXPECT_EQ(s.alpha_mask(), std::string(size_t{s.bucket().width()} * s.bucket().height(), '\xff'))
+        << s.path();
+    EXPECT_NE(s.image_key(), plain_key.at(s.path()));
+  }
+}
+
 // kohya's caption separators, wildcards and token warm-up on the command line reach every
 // sample. A caption that draws nothing is final (its secondary separator replaced) and cached;
 // one that draws is left for the trainer's process_caption.

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
@@ -754,6 +755,75 @@ TEST_F(TrainRunTest, WeightedCaptionsWeighTheirTokens) {
   EXPECT_NE(err.find("--weighted_captions"), std::string::npos) << err;
   EXPECT_NE(err.find(".png"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(work_ / "broken" / "lora" / "tiny.safetensors"));
+}
+
+// kohya's alpha_mask masks the loss with the cache's masks (the cacher's LatentRecord.mask; the
+// values are checked against kohya's interpolation in TrainParity.AlphaMasksWeighTheLossAsKohyas).
+// Three copies of the demo cache: masks of ones train the unmasked run's LoRA bit for bit;
+// masks of zeros leave no loss, so the LoRA's up matrices stay at their initial zeros;
+// --masked_loss with no masks says so.
+TEST_F(TrainRunTest, AlphaMasksMaskTheLoss) {
+  auto cache_with = [&](const std::string& tag, std::optional<float> fill) {
+    const fs::path cache = work_ / ("cache-" + tag);
+    fs::copy(dir_ / "cache", cache, fs::copy_options::recursive);
+    if (!fill) return cache;
+    cacher::StoreOptions o;
+    o.dir = cache;
+    cacher::Store store = cacher::Store::open(o);
+    std::vector<std::pair<std::string, std::string>> rewritten;
+    store.for_each(cacher::Table::kLatents, [&](std::string_view key, std::string_view value) {
+      wire::LatentRecord record;
+      EXPECT_TRUE(record.ParseFromArray(value.data(), static_cast<int>(value.size())));
+      const int64_t h = record.mean().shape(1), w = record.mean().shape(2);
+      const std::vector<float> mask(static_cast<size_t>(h * w), *fill);
+      wire::Tensor* t = record.mutable_mask();
+      t->set_dtype(wire::Tensor::F32);
+      t->add_shape(h);
+      t->add_shape(w);
+      t->set_data(reinterpret_cast<const char*>(mask.data()), mask.size() * sizeof(float));
+      rewritten.emplace_back(std::string(key), record.SerializeAsString());
+      return true;
+    });
+    store.put(cacher::Table::kLatents, rewritten);
+    return cache;
+  };
+  auto train = [&](const std::string& tag, std::optional<float> fill, bool flag) {
+    std::vector<std::string> a =
+        args(work_ / tag, {"--max_train_steps=3", "--network_train_unet_only"});
+    a[2] = "--cache_dir=" + cache_with(tag, fill).string();
+    if (flag) a.push_back("--masked_loss");
+    fs::create_directories(work_ / tag);
+    const pid_t pid = spawn(a, work_ / tag / "out", work_ / tag / "err");
+    EXPECT_EQ(wait_exit(pid), 0) << read_text(work_ / tag / "err");
+    return work_ / tag / "lora" / "tiny.safetensors";
+  };
+  const fs::path plain = train("plain", std::nullopt, false);
+  const fs::path ones = train("ones", 1.0f, true);
+  const fs::path zeros = train("zeros", 0.0f, true);
+  const fs::path unmasked = train("unmasked", std::nullopt, true);
+  expect_identical(plain, ones);
+  expect_identical(plain, unmasked);
+  EXPECT_NE(read_text(work_ / "ones" / "err").find("36 of 36 images carry an alpha mask"),
+            std::string::npos)
+      << read_text(work_ / "ones" / "err");
+  EXPECT_NE(read_text(work_ / "unmasked" / "err").find("--masked_loss: no image of manifest"),
+            std::string::npos)
+      << read_text(work_ / "unmasked" / "err");
+  int ups = 0;
+  for (const auto& [name, t] : lora(zeros)) {
+    if (!name.ends_with(".lora_up.weight")) continue;
+    ++ups;
+    EXPECT_EQ(t.abs().max().item<float>(), 0.0f) << name << " learned from a fully masked loss";
+  }
+  EXPECT_GT(ups, 0);
+  const auto plain_lora = lora(plain);
+  double moved = 0;
+  for (const auto& [name, t] : plain_lora) {
+    if (name.ends_with(".lora_up.weight")) moved = std::max(moved, t.abs().max().item<double>());
+  }
+  EXPECT_GT(moved, 0) << "the unmasked run learns";
+  EXPECT_EQ(models::SafetensorsFile::open(ones).metadata().at("ss_masked_loss"), "True");
+  EXPECT_EQ(models::SafetensorsFile::open(plain).metadata().at("ss_masked_loss"), "False");
 }
 
 // kohya's process_caption runs on every micro-batch with the step it belongs to: the token

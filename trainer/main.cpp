@@ -147,6 +147,8 @@ DEFINE_bool(scale_v_pred_loss_like_noise_pred, false,
             "Weigh the loss by snr / (snr + 1), as an epsilon loss weighs (kohya)");
 DEFINE_double(v_pred_like_loss, 0, "Add this much of a v-prediction-like loss (kohya)");
 DEFINE_bool(debiased_estimation_loss, false, "Weigh the loss by 1 / sqrt(snr) (kohya)");
+DEFINE_bool(masked_loss, false,
+            "Mask the loss with the images' alpha (preprocess --alpha_mask); kohya's");
 DEFINE_bool(weighted_captions, false,
             "Read A1111 attention syntax in captions, (word:1.2), and weigh those tokens (kohya)");
 DEFINE_bool(zero_terminal_snr, false,
@@ -383,6 +385,7 @@ int main(int argc, char** argv) {
     o.training_comment = FLAGS_training_comment;
     o.max_token_length = FLAGS_max_token_length;
     o.weighted_captions = FLAGS_weighted_captions;
+    o.masked_loss = FLAGS_masked_loss;
     // kohya's choices that have one answer here: anything else is refused by name.
     if (FLAGS_network_module != "networks.lora") {
       throw lorapipe::InputError("--network_module=" + FLAGS_network_module +

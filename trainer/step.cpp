@@ -106,7 +106,7 @@ models::Conditioning TrainingStep::conditioning(const MicroBatch& batch) {
 at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
                                          const at::Tensor& timesteps,
                                          const models::Conditioning& conditioning,
-                                         const at::Tensor& input_noise) {
+                                         const at::Tensor& input_noise, const at::Tensor& mask) {
   const at::Tensor noisy =
       schedule_.add_noise(latents, input_noise.defined() ? input_noise : noise, timesteps);
   const at::Tensor prediction =
@@ -118,8 +118,10 @@ at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Te
     huber_c = huber_threshold(schedule_, timesteps, options_.huber_schedule, options_.huber_c,
                               options_.huber_scale);
   }
-  return elementwise_loss(prediction, target.to(torch::kFloat32), options_.loss_type, huber_c)
-      .mean({1, 2, 3});
+  at::Tensor loss =
+      elementwise_loss(prediction, target.to(torch::kFloat32), options_.loss_type, huber_c);
+  if (mask.defined()) loss = loss * mask.to(loss.device(), torch::kFloat32);
+  return loss.mean({1, 2, 3});
 }
 
 double TrainingStep::accumulate(const MicroBatch& batch, at::Generator generator) {
@@ -182,14 +184,15 @@ double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generat
     mine.pooled = rows(batch.pooled);
     const at::Tensor my_timesteps = rows(timesteps);
     at::Tensor loss = per_sample_loss(rows(latents), rows(noise), my_timesteps, conditioning(mine),
-                                      rows(input_noise));
+                                      rows(input_noise), rows(batch.masks));
     if (batch.loss_weights.defined()) {
       loss = loss * rows(batch.loss_weights).to(device, torch::kFloat32);
     }
     loss = weighted_by_snr(loss, my_timesteps);
     return backward(loss.sum() / static_cast<double>(global));
   }
-  at::Tensor loss = per_sample_loss(latents, noise, timesteps, conditioning(batch), input_noise);
+  at::Tensor loss =
+      per_sample_loss(latents, noise, timesteps, conditioning(batch), input_noise, batch.masks);
   if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device, torch::kFloat32);
   loss = weighted_by_snr(loss, timesteps);
   return backward(loss.mean());

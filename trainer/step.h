@@ -82,6 +82,7 @@ struct MicroBatch {
   at::Tensor offset_noise;           // optional [B, 4, 1, 1] (with noise_offset)
   at::Tensor timesteps;              // optional [B] int64
   at::Tensor ip_noise;               // optional [B, 4, h, w] (with ip_noise_gamma; fixed strength)
+  at::Tensor masks;                  // optional [B, 1, h, w] fp32: kohya's alpha masks, loss weights
   // Data-parallel ranks (trainer/ranks.h): every rank gets the whole global batch and draws its
   // noise and timesteps, then computes rows [rows_begin, rows_begin + rows) alone, with a loss
   // that is their sum over B, so the ranks' summed gradients are the global batch's mean.
@@ -137,11 +138,12 @@ class TrainingStep {
   // The denoiser's loss for a batch whose text conditioning is already computed (validation
   // uses it with fixed noise and timesteps). Per-sample, before weighting, [B]. The latents are
   // noised with `input_noise` when given (kohya's ip_noise_gamma perturbation), the target
-  // stays `noise`.
+  // stays `noise`. `mask` [B, 1, h, w] (kohya's alpha mask at latent size) weighs each element
+  // of the loss before the mean, as kohya's apply_masked_loss.
   at::Tensor per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
                              const at::Tensor& timesteps,
                              const models::Conditioning& conditioning,
-                             const at::Tensor& input_noise = {});
+                             const at::Tensor& input_noise = {}, const at::Tensor& mask = {});
   models::Conditioning conditioning(const MicroBatch& batch);
   // Per-sample losses times kohya's SNR weightings that are on (min-SNR and the rest), [B].
   at::Tensor weighted_by_snr(at::Tensor loss, const at::Tensor& timesteps) const;

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "cacher/encode.h"
 #include "models/attention.h"
 #include "models/parity_util.h"
 #include "models/pipeline.h"
@@ -68,6 +69,7 @@ struct Scenario {
   bool train_text_encoder = true;
   bool checkpointing = false;
   bool conv = false;  // LoCon: also the 3x3 convs of the resnets and samplers
+  bool alpha_masks = false;  // kohya's alpha_mask: random 64x64 alphas over the 8x8 latents
 };
 
 struct Result {
@@ -127,6 +129,11 @@ class TrainParity : public ::testing::Test {
     in["ip_noise"] = torch::randn({S, B, 4, 8, 8});  // drawn last: the others stay as they were
     // The last timestep, where a zero-terminal-SNR schedule's noising is pure noise.
     if (s.zero_terminal_snr) in["timesteps"].index_put_({0, 0}, 999);
+    // kohya's alpha masks at image size, as its dataset makes them: alpha.astype(float32) / 255.
+    if (s.alpha_masks) {
+      in["alpha"] = torch::randint(0, 256, {S, B, 64, 64}, torch::kUInt8);
+      in["alpha_masks"] = in["alpha"].to(torch::kFloat).div(255.0f);
+    }
     return in;
   }
 
@@ -179,6 +186,13 @@ class TrainParity : public ::testing::Test {
       batch.loss_weights = inputs.at("loss_weights")[i];
       batch.input_ids = inputs.at("input_ids")[i];
       if (s.weighted_captions) batch.token_weights = inputs.at("token_weights")[i];
+      if (s.alpha_masks) {  // the cacher's masks at latent size
+        std::vector<torch::Tensor> masks;
+        for (int64_t b = 0; b < s.batch; ++b) {
+          masks.push_back(cacher::latent_mask(inputs.at("alpha")[i][b], 8, 8));
+        }
+        batch.masks = torch::stack(masks).unsqueeze(1);
+      }
       result.losses.push_back(step.accumulate(batch, at::make_generator<at::CPUGeneratorImpl>(i)));
       if ((i + 1) % s.accumulation != 0) continue;
       if (result.first_grads.empty()) {
@@ -202,7 +216,9 @@ class TrainParity : public ::testing::Test {
       const fs::path& init_lora, const std::string& tag) {
     const fs::path work = *dir_ / tag;
     fs::create_directories(work);
-    write_tensors(work / "inputs.safetensors", inputs);
+    std::map<std::string, torch::Tensor> sent = inputs;
+    sent.erase("alpha");  // the reference takes kohya's float masks
+    write_tensors(work / "inputs.safetensors", sent);
     nlohmann::json config{{"steps", s.steps},
                           {"prediction_type", s.v_prediction ? "v_prediction" : "epsilon"},
                           {"min_snr_gamma", s.min_snr_gamma},
@@ -466,6 +482,17 @@ TEST_F(TrainParity, ZeroTerminalSnrAndMaxNormOverEightMicroBatches) {
 // (circle:0.6) weighed, with the gradient flowing back through the weights into the text
 // encoder's LoRA. The ids and weights are lorapipe's (ClipTokenizerParity.WeightedCaptionsMatchKohya
 // holds them to kohya's); the reference applies them to transformers' CLIP states.
+// kohya's masked loss (alpha_mask): each element of the loss times the image's alpha mask, which
+// kohya's apply_masked_loss brings to the latents' size with F.interpolate(mode="area"); ours
+// comes from the cacher's latent_mask. Two micro-batches accumulated, min-SNR on.
+TEST_F(TrainParity, AlphaMasksWeighTheLossAsKohyas) {
+  Scenario s;
+  s.steps = 2;
+  s.accumulation = 2;
+  s.alpha_masks = true;
+  run_scenario(s, "alpha-masks", /*final_weights=*/true);
+}
+
 TEST_F(TrainParity, OneStepWithWeightedCaptions) {
   Scenario s;
   s.weighted_captions = true;

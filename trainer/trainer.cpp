@@ -79,7 +79,9 @@ torch::Tensor from_record(const wire::Tensor& t) {
   const auto dtype = t.dtype() == wire::Tensor::F32   ? torch::kFloat
                      : t.dtype() == wire::Tensor::F16 ? torch::kHalf
                                                       : torch::kBFloat16;
-  return torch::from_blob(const_cast<char*>(t.data().data()), shape, dtype).to(torch::kFloat);
+  // A copy always: the record's bytes go when the record does (an F32 `.to` would alias them).
+  return torch::from_blob(const_cast<char*>(t.data().data()), shape, dtype)
+      .to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true);
 }
 
 at::Generator generator_for(uint64_t seed, int64_t epoch, int64_t index, std::string_view purpose) {
@@ -152,6 +154,7 @@ struct PreparedBatch {
   torch::Tensor pooled;
   std::vector<std::string> captions;
   torch::Tensor loss_weights;
+  torch::Tensor masks;  // [B, 1, h, w] kohya's alpha masks when any image has one, or undefined
   std::string error;  // the producer failed: this message, then stop
 };
 
@@ -307,6 +310,7 @@ class Run {
   int64_t epoch_ = 1;
   int64_t next_index_ = 0;  // the next micro-batch of epoch_
   int64_t skipped_ = 0;
+  int64_t masked_images_ = 0;  // latent records with kohya's alpha mask
   double epoch_loss_sum_ = 0;
   int64_t epoch_loss_count_ = 0;
   double last_loss_ = 0;
@@ -411,11 +415,25 @@ void Run::preflight() {
                                     ? cacher::check_latent_record(*values[i])
                                     : cacher::check_text_record(*values[i]);
         if (!why.empty()) problems.push_back(chunk[i] + ": " + why);
+        wire::LatentRecord latent;
+        if (why.empty() && kind == RecordKind::kLatent && latent.ParseFromString(*values[i]) &&
+            latent.has_mask()) {
+          ++masked_images_;
+        }
       }
     }
   };
   check(RecordKind::kLatent, latent_keys);
   check(RecordKind::kText, text_keys);
+  // kohya masks the loss whenever the batch carries alpha masks; --masked_loss asks for masks.
+  if (masked_images_ > 0) {
+    LP_LOG(kInfo, kLog) << masked_images_ << " of " << latent_keys.size()
+                        << " images carry an alpha mask: their loss is masked by it";
+  } else if (o_.masked_loss) {
+    LP_LOG(kWarning, kLog) << "--masked_loss: no image of manifest '" << o_.dataset_id
+                           << "' carries an alpha mask (preprocess with --alpha_mask, or "
+                              "alpha_mask = true in the dataset TOML): the loss is not masked";
+  }
   if (problems.empty()) return;
   std::string message = "manifest '" + o_.dataset_id + "' in " + records_->describe() + ": " +
                         std::to_string(problems.size()) + " records missing or damaged (re-run " +
@@ -535,8 +553,9 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
   const CaptionClock clock{
       epoch, (epoch - 1) * ((batches + accumulation - 1) / accumulation) + index / accumulation,
       max_steps_};
-  std::vector<torch::Tensor> latent_list, hidden_list, pooled_list;
+  std::vector<torch::Tensor> latent_list, hidden_list, pooled_list, mask_list;
   std::vector<float> weights;
+  bool any_mask = false;
   for (size_t k = 0; k < plan.entries.size(); ++k) {
     const wire::ManifestEntry& e = manifest_.entries(plan.entries[k]);
     wire::LatentRecord record;
@@ -551,6 +570,11 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
     const torch::Tensor std = from_record(flipped ? record.flipped_std() : record.std());
     // A fresh draw from the stored distribution every time (kohya freezes one at caching).
     latent_list.push_back(mean + std * at::randn(mean.sizes(), draw, torch::kFloat));
+    // kohya's alpha mask, flipped with its image; an image without one weighs every cell fully.
+    const bool has_mask = flipped ? record.has_flipped_mask() : record.has_mask();
+    any_mask |= has_mask;
+    mask_list.push_back(has_mask ? from_record(flipped ? record.flipped_mask() : record.mask())
+                                 : torch::ones({mean.size(1), mean.size(2)}));
     weights.push_back(e.is_reg() ? static_cast<float>(o_.prior_loss_weight) : 1.0f);
     if (cached_text_) {
       wire::TextRecord text;
@@ -568,6 +592,7 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
   if (cached_text_ && pooled_list.size() == hidden_list.size())
     out.pooled = torch::stack(pooled_list);
   out.loss_weights = torch::tensor(weights);
+  if (any_mask) out.masks = torch::stack(mask_list).unsqueeze(1);
   return out;
 }
 
@@ -597,6 +622,7 @@ MicroBatch Run::to_micro_batch(const PreparedBatch& p) {
   MicroBatch batch;
   batch.latents = p.latents;
   batch.loss_weights = p.loss_weights;
+  batch.masks = p.masks;
   if (p.hidden_states.defined()) {
     batch.encoder_hidden_states = p.hidden_states;
     batch.pooled = p.pooled;
@@ -628,6 +654,8 @@ void Run::prepare_validation() {
     wire::LatentRecord record;
     record.ParseFromString(*records_->get(RecordKind::kLatent, {entry.latent_key()})[0]);
     p.latents = from_record(record.mean()).unsqueeze(0) * o_.step.vae_scaling_factor;
+    p.masks = record.has_mask() ? from_record(record.mask()).unsqueeze(0).unsqueeze(0)
+                                : torch::Tensor();
     if (!cached_text_) {
       wire::CaptionSettings fixed;
       fixed.set_enable_wildcard(entry.caption_settings().enable_wildcard());
@@ -664,7 +692,8 @@ double Run::validation_loss() {
       const torch::Tensor timesteps = torch::full({latents.size(0)}, t, torch::kInt64).to(device_);
       // kohya's process_batch weighs the validation loss as the training loss: the samples'
       // loss weights, then the SNR weightings.
-      torch::Tensor loss = step_->per_sample_loss(latents, noise, timesteps, conditioning);
+      torch::Tensor loss =
+          step_->per_sample_loss(latents, noise, timesteps, conditioning, {}, batch.masks);
       if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device_, torch::kFloat);
       sum += step_->weighted_by_snr(loss, timesteps).mean().item<double>();
       ++n;
@@ -752,6 +781,7 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_min_snr_gamma"] = s.min_snr_gamma > 0 ? number(s.min_snr_gamma) : "None";
   m["ss_debiased_estimation"] = s.debiased_estimation_loss ? "True" : "False";
   m["ss_zero_terminal_snr"] = s.zero_terminal_snr ? "True" : "False";
+  m["ss_masked_loss"] = o_.masked_loss ? "True" : "False";
   m["ss_scale_weight_norms"] = s.scale_weight_norms > 0 ? number(s.scale_weight_norms) : "None";
   m["ss_ip_noise_gamma"] = s.noise.ip_noise_gamma > 0 ? number(s.noise.ip_noise_gamma) : "None";
   m["ss_ip_noise_gamma_random_strength"] =

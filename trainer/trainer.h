@@ -73,6 +73,9 @@ struct Options {
   // kohya's --weighted_captions: captions' A1111 attention syntax weighs their tokens' states
   // (models::DiffusionModel::encode_weighted_text); they are always encoded online.
   bool weighted_captions = false;
+  // kohya's --masked_loss. The loss is masked whenever the cache holds alpha masks (kohya masks
+  // whenever a batch carries them); the flag only says so in ss_masked_loss and warns without.
+  bool masked_loss = false;
   // TensorBoard event files: OUT/tensorboard unless given (kohya's --logging_dir layout).
   std::filesystem::path tensorboard_dir;
   // Length.

@@ -14,7 +14,8 @@ INIT           kohya-named LoRA: <name>.lora_down.weight, <name>.lora_up.weight,
 INPUTS         latents, noise, ip_noise [S,B,4,H,W]; offset_noise [S,B,4,1,1]; timesteps [S,B]
                int64; input_ids [S,B,77] int64; token_weights [S,B,77] (kohya's
                --weighted_captions: each text state times its token's weight; ones without);
-               loss_weights [S,B]. S = steps (micro-batches).
+               loss_weights [S,B]; optional alpha_masks [S,B,H*8,W*8] (kohya's alpha_mask,
+               alpha / 255 at image size). S = steps (micro-batches).
 CONFIG         steps, prediction_type, min_snr_gamma, scale_v_pred_loss_like_noise_pred,
                v_pred_like_loss, debiased_estimation_loss, ip_noise_gamma, noise_offset,
                zero_terminal_snr, scale_weight_norms (kohya's max-norm; 0: off),
@@ -167,6 +168,9 @@ def micro_batch_loss(cfg, scheduler, all_snr, unet, text_encoder, batch):
     else:
         c = cfg["huber_c"]
         loss = 2 * c * (torch.sqrt((pred - target) ** 2 + c**2) - c)
+    if "alpha_masks" in batch:  # kohya's apply_masked_loss
+        mask = F.interpolate(batch["alpha_masks"].unsqueeze(1), size=loss.shape[2:], mode="area")
+        loss = loss * mask
     loss = loss.mean([1, 2, 3]) * batch["loss_weights"]
     if cfg["min_snr_gamma"]:
         snr = all_snr[timesteps]
@@ -258,6 +262,8 @@ def main():
     losses, grad_norms, lrs, first_grads, keys_scaled = [], [], [], {}, []
     for step in range(steps):
         batch = {key: inputs[key][step] for key in INPUT_NDIMS}
+        if "alpha_masks" in inputs:
+            batch["alpha_masks"] = inputs["alpha_masks"][step]
         loss = micro_batch_loss(cfg, scheduler, all_snr, unet, text_encoder, batch)
         (loss / accum).backward()
         losses.append(loss.item())
