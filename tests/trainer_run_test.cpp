@@ -757,6 +757,44 @@ TEST_F(TrainRunTest, WeightedCaptionsWeighTheirTokens) {
   EXPECT_FALSE(fs::exists(work_ / "broken" / "lora" / "tiny.safetensors"));
 }
 
+// Cached text made by another text encoder is not used: the trainer tries each dtype the cacher
+// may have encoded in, finds none matching, and encodes online through the weights as loaded,
+// fp32, not the last dtype it tried (bf16 rounds them). The run equals one whose manifest has no
+// cached text at all, bit for bit.
+TEST_F(TrainRunTest, TextEncodedOnlineAfterAFingerprintMismatchUsesTheLoadedWeights) {
+  const fs::path cache = work_ / "cache";
+  fs::copy(dir_ / "cache", cache, fs::copy_options::recursive);
+  {
+    cacher::StoreOptions o;
+    o.dir = cache;
+    cacher::Store store = cacher::Store::open(o);
+    wire::Manifest m;
+    ASSERT_TRUE(m.ParseFromString(*store.get(cacher::Table::kManifests, kDataset)));
+    wire::Manifest other = m;
+    other.set_text_encoder_fingerprint("another text encoder");
+    wire::Manifest online = m;
+    online.set_text_cached(false);
+    store.put(cacher::Table::kManifests,
+              {{"other", other.SerializeAsString()}, {"online", online.SerializeAsString()}});
+  }
+  auto train = [&](const std::string& id) {
+    std::vector<std::string> a =
+        args(work_ / id, {"--max_train_steps=2", "--network_train_unet_only"});
+    a[2] = "--cache_dir=" + cache.string();
+    a[3] = "--dataset_id=" + id;
+    fs::create_directories(work_ / id);
+    const pid_t pid = spawn(a, work_ / id / "out", work_ / id / "err");
+    EXPECT_EQ(wait_exit(pid), 0) << read_text(work_ / id / "err");
+    return work_ / id / "lora" / "tiny.safetensors";
+  };
+  const fs::path other = train("other");
+  const fs::path online = train("online");
+  EXPECT_NE(read_text(work_ / "other" / "err").find("cached text was made by another text encoder"),
+            std::string::npos)
+      << read_text(work_ / "other" / "err");
+  expect_identical(other, online);
+}
+
 // kohya's alpha_mask masks the loss with the cache's masks (the cacher's LatentRecord.mask; the
 // values are checked against kohya's interpolation in TrainParity.AlphaMasksWeighTheLossAsKohyas).
 // Three copies of the demo cache: masks of ones train the unmasked run's LoRA bit for bit;
