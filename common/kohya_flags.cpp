@@ -90,7 +90,6 @@ const std::vector<ForeignFlag> kFlags = {
      "starting the count elsewhere: lorapipe continues runs exactly with --resume", "0"},
     {"skip_until_initial_step", K::kBoolean, "", T::kDefaultOnly,
      "starting the count elsewhere: lorapipe continues runs exactly with --resume"},
-    {"save_n_epoch_ratio", K::kValue, "", T::kDefaultOnly, "use --save_every_n_epochs", "0"},
     {"output_config", K::kBoolean, "", T::kDefaultOnly,
      "`lorapipe run` writes the run's settings to run.toml"},
     {"config_file", K::kValue, "", T::kDefaultOnly,

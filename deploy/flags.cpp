@@ -77,7 +77,7 @@ std::vector<FlagInfo> make_table() {
   // trainer
   for (const char* name :
        {"output_name", "save_precision", "save_every_n_steps", "save_every_n_epochs",
-        "save_last_n_steps", "save_last_n_epochs", "training_comment", "mixed_precision",
+        "save_last_n_steps", "save_last_n_epochs", "save_n_epoch_ratio", "training_comment", "mixed_precision",
         "threads", "max_train_steps", "max_train_epochs", "train_batch_size",
         "prior_loss_weight", "validation_split", "validation_seed", "validate_every_n_steps",
         "max_bad_steps", "timeout_s", "max_data_loader_n_workers", "network_dim", "network_alpha", "network_dropout",

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -109,6 +110,29 @@ class TrainRunTest : public ::testing::Test {
     r.out = read_text(out / "trainer.out");
     r.err = read_text(out / "trainer.err");
     return r;
+  }
+
+  // Copies the shared cache to `cache` (once) and adds manifest `id`: the demo manifest after
+  // `edit`.
+  static void add_manifest(const fs::path& cache, const std::string& id,
+                           const std::function<void(wire::Manifest&)>& edit) {
+    if (!fs::exists(cache)) fs::copy(dir_ / "cache", cache, fs::copy_options::recursive);
+    cacher::StoreOptions o;
+    o.dir = cache;
+    cacher::Store store = cacher::Store::open(o);
+    wire::Manifest m;
+    ASSERT_TRUE(m.ParseFromString(*store.get(cacher::Table::kManifests, kDataset)));
+    edit(m);
+    store.put(cacher::Table::kManifests, {{id, m.SerializeAsString()}});
+  }
+
+  // The first `count` training images of the demo manifest, once each.
+  static void keep_images(wire::Manifest& m, int count) {
+    m.mutable_entries()->DeleteSubrange(count, m.entries_size() - count);
+    for (auto& e : *m.mutable_entries()) {
+      e.set_is_reg(false);
+      e.set_repeats(1);
+    }
   }
 
   static std::map<std::string, torch::Tensor> lora(const fs::path& file) {
@@ -706,6 +730,26 @@ TEST_F(TrainRunTest, ValidationRunsEveryEpochAndOnTheFirstItemsAsKohya) {
   EXPECT_NE(start(first), start(every)) << "one batch of held-out images of two weighs differently";
 }
 
+// kohya's --save_n_epoch_ratio=N saves every max(1, floor(epochs / N)) epochs: three images at
+// batch 1 are 3 steps an epoch, 6 epochs at ratio 3 save at epochs 2 and 4 (6 is the final save).
+TEST_F(TrainRunTest, SaveNEpochRatioSavesAsKohya) {
+  const fs::path cache = work_ / "cache";
+  add_manifest(cache, "three", [](wire::Manifest& m) { keep_images(m, 3); });
+  std::vector<std::string> a = args(work_, {"--max_train_epochs=6", "--train_batch_size=1",
+                                            "--save_n_epoch_ratio=3"});
+  a[2] = "--cache_dir=" + cache.string();
+  a[3] = "--dataset_id=three";
+  const pid_t pid = spawn(a, work_ / "out", work_ / "err");
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");
+  const fs::path lora = work_ / "lora";
+  EXPECT_TRUE(fs::exists(lora / "tiny-000002.safetensors")) << read_text(work_ / "err");
+  EXPECT_FALSE(fs::exists(lora / "tiny-000003.safetensors"));
+  EXPECT_TRUE(fs::exists(lora / "tiny-000004.safetensors"));
+  EXPECT_FALSE(fs::exists(lora / "tiny-000006.safetensors")) << "the last epoch is the final save";
+  EXPECT_TRUE(fs::exists(lora / "tiny.safetensors"));
+  EXPECT_NE(read_text(work_ / "err").find("a LoRA every 2 epochs of 6"), std::string::npos);
+}
+
 // --weighted_captions reads the A1111 attention syntax in captions. Three copies of the demo
 // manifest, each caption led by "glossy": as plain text, as "(glossy:1.0)" and as "(glossy:1.5)".
 // Weighted at 1.0 the run is the plain one bit for bit (the same ids, every state times 1); at
@@ -763,20 +807,9 @@ TEST_F(TrainRunTest, WeightedCaptionsWeighTheirTokens) {
 // cached text at all, bit for bit.
 TEST_F(TrainRunTest, TextEncodedOnlineAfterAFingerprintMismatchUsesTheLoadedWeights) {
   const fs::path cache = work_ / "cache";
-  fs::copy(dir_ / "cache", cache, fs::copy_options::recursive);
-  {
-    cacher::StoreOptions o;
-    o.dir = cache;
-    cacher::Store store = cacher::Store::open(o);
-    wire::Manifest m;
-    ASSERT_TRUE(m.ParseFromString(*store.get(cacher::Table::kManifests, kDataset)));
-    wire::Manifest other = m;
-    other.set_text_encoder_fingerprint("another text encoder");
-    wire::Manifest online = m;
-    online.set_text_cached(false);
-    store.put(cacher::Table::kManifests,
-              {{"other", other.SerializeAsString()}, {"online", online.SerializeAsString()}});
-  }
+  add_manifest(cache, "other",
+               [](wire::Manifest& m) { m.set_text_encoder_fingerprint("another text encoder"); });
+  add_manifest(cache, "online", [](wire::Manifest& m) { m.set_text_cached(false); });
   auto train = [&](const std::string& id) {
     std::vector<std::string> a =
         args(work_ / id, {"--max_train_steps=2", "--network_train_unet_only"});
@@ -871,18 +904,10 @@ TEST_F(TrainRunTest, AlphaMasksMaskTheLoss) {
 // one tag kept, warm-up over 0.5 of 8 steps from 1 tag: floor(done * 6 / 4) + 1 of the 7.
 TEST_F(TrainRunTest, CaptionsAreDrawnPerStepAsKohya) {
   const fs::path cache = work_ / "cache";
-  fs::copy(dir_ / "cache", cache, fs::copy_options::recursive);
-  {
-    cacher::StoreOptions o;
-    o.dir = cache;
-    cacher::Store store = cacher::Store::open(o);
-    wire::Manifest m;
-    ASSERT_TRUE(m.ParseFromString(*store.get(cacher::Table::kManifests, kDataset)));
+  add_manifest(cache, "warmup", [](wire::Manifest& m) {
     m.set_text_cached(false);
-    m.mutable_entries()->DeleteSubrange(3, m.entries_size() - 3);
+    keep_images(m, 3);
     for (auto& e : *m.mutable_entries()) {
-      e.set_is_reg(false);
-      e.set_repeats(1);
       e.clear_text_key();
       e.set_caption("{sks|xyz}, t1, t2, t3, t4, t5, t6, t7");
       wire::CaptionSettings* c = e.mutable_caption_settings();
@@ -892,8 +917,7 @@ TEST_F(TrainRunTest, CaptionsAreDrawnPerStepAsKohya) {
       c->set_token_warmup_step(0.5);
       c->set_caption_separator(",");
     }
-    store.put(cacher::Table::kManifests, {{"warmup", m.SerializeAsString()}});
-  }
+  });
   std::vector<std::string> a =
       args(work_, {"--max_train_steps=8", "--train_batch_size=1", "--gradient_accumulation_steps=2",
                    "--console_log_level=debug"});

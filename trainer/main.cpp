@@ -43,6 +43,8 @@ DEFINE_int64(save_every_n_steps, 0, "Save a LoRA every N steps (NAME-step0000010
 DEFINE_int64(save_every_n_epochs, 0, "Save a LoRA every N epochs (NAME-000002.safetensors)");
 DEFINE_int64(save_last_n_steps, 0, "Keep only the step saves of the last N steps");
 DEFINE_int64(save_last_n_epochs, 0, "Keep only the last N epoch saves");
+DEFINE_int64(save_n_epoch_ratio, 0,
+             "Save about N times over the run: every max(1, epochs / N) epochs (kohya's)");
 DEFINE_bool(save_state, false, "Also save the full training state with each LoRA save");
 DEFINE_int64(save_last_n_steps_state, 0,
              "Keep only the states of the last N steps (0: as --save_last_n_steps)");
@@ -352,6 +354,7 @@ int main(int argc, char** argv) {
     o.save_every_n_epochs = FLAGS_save_every_n_epochs;
     o.save_last_n_steps = FLAGS_save_last_n_steps;
     o.save_last_n_epochs = FLAGS_save_last_n_epochs;
+    o.save_n_epoch_ratio = FLAGS_save_n_epoch_ratio;
     o.sample_every_n_steps = FLAGS_sample_every_n_steps;
     o.sample_every_n_epochs = FLAGS_sample_every_n_epochs;
     o.sample_at_first = FLAGS_sample_at_first;

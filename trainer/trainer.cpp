@@ -224,6 +224,7 @@ void validate(const Options& o) {
   need(o.max_bad_steps >= 1, "--max_bad_steps must be at least 1");
   need(o.validation_split >= 0 && o.validation_split < 1, "--validation_split must be in [0, 1)");
   need(o.save_every_n_steps >= 0 && o.save_every_n_epochs >= 0, "--save_every_n_* must be >= 0");
+  need(o.save_n_epoch_ratio >= 0, "--save_n_epoch_ratio must be >= 0");
   need(o.sample_every_n_steps >= 0 && o.sample_every_n_epochs >= 0,
        "--sample_every_n_* must be >= 0");
   need(o.prior_loss_weight >= 0, "--prior_loss_weight must not be negative");
@@ -1103,6 +1104,12 @@ Summary Run::train_steps() {
   const int64_t accumulation = o_.step.gradient_accumulation_steps;
   const int64_t steps_per_epoch = (batches + accumulation - 1) / accumulation;
   max_steps_ = o_.max_train_epochs > 0 ? o_.max_train_epochs * steps_per_epoch : o_.max_train_steps;
+  if (o_.save_n_epoch_ratio > 0) {  // kohya: floor(num_train_epochs / ratio) or 1
+    const int64_t epochs = (max_steps_ + steps_per_epoch - 1) / steps_per_epoch;
+    o_.save_every_n_epochs = std::max<int64_t>(1, epochs / o_.save_n_epoch_ratio);
+    LP_LOG(kInfo, kLog) << "--save_n_epoch_ratio=" << o_.save_n_epoch_ratio << ": a LoRA every "
+                        << o_.save_every_n_epochs << " epochs of " << epochs;
+  }
   StepOptions step_options = o_.step;
   step_options.schedule.training_steps = max_steps_;
   step_options.schedule.warmup_steps = warmup_steps_from(o_.lr_warmup_steps, max_steps_);

@@ -38,6 +38,9 @@ struct Options {
   std::string save_precision = "float";  // float, fp16, bf16
   int64_t save_every_n_steps = 0;
   int64_t save_every_n_epochs = 0;
+  // kohya's --save_n_epoch_ratio: when above 0, save_every_n_epochs becomes
+  // max(1, floor(epochs of the run / N)).
+  int64_t save_n_epoch_ratio = 0;
   int64_t save_last_n_steps = 0;
   int64_t save_last_n_epochs = 0;
   bool save_state = false;
