@@ -14,6 +14,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/text.h"
 
 namespace lorapipe::preprocess {
 namespace fs = std::filesystem;
@@ -97,14 +98,6 @@ std::string latin1_to_utf8(std::string_view s) {
   return out;
 }
 
-// Python str.strip() of ASCII whitespace.
-std::string strip(std::string_view s) {
-  const char* ws = " \t\r\n\v\f";
-  const size_t begin = s.find_first_not_of(ws);
-  if (begin == std::string_view::npos) return {};
-  const size_t end = s.find_last_not_of(ws);
-  return std::string(s.substr(begin, end - begin + 1));
-}
 
 // Sorted directory listing; errors while listing become one InputError naming the folder.
 std::vector<fs::directory_entry> list_sorted(const fs::path& dir) {
@@ -425,15 +418,8 @@ class TomlReader {
 std::string SubsetOptions::fixed_caption(const std::string& caption) const {
   // Without wildcards kohya keeps the first line (a prefix or class tokens may hold a newline).
   const std::string text = enable_wildcard ? caption : caption.substr(0, caption.find('\n'));
-  if (secondary_separator.empty()) return text;
-  std::string out;
-  for (size_t begin = 0;;) {
-    const size_t at = text.find(secondary_separator, begin);
-    out.append(text, begin, at == std::string::npos ? std::string::npos : at - begin);
-    if (at == std::string::npos) return out;
-    out += caption_separator;
-    begin = at + secondary_separator.size();
-  }
+  return secondary_separator.empty() ? text
+                                     : replace_all(text, secondary_separator, caption_separator);
 }
 
 bool has_image_extension(const fs::path& path) {
@@ -457,7 +443,7 @@ Caption read_caption_file(const fs::path& path, bool all_lines) {
   std::vector<std::string> lines;
   for (size_t begin = 0; begin <= bytes.size();) {
     const size_t end = std::min(bytes.find_first_of("\r\n", begin), bytes.size());
-    lines.push_back(strip(std::string_view(bytes).substr(begin, end - begin)));
+    lines.push_back(python_strip(std::string_view(bytes).substr(begin, end - begin)));
     if (!all_lines || end == bytes.size()) break;
     begin = end + (bytes.compare(end, 2, "\r\n") == 0 ? 2 : 1);
   }

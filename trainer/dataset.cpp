@@ -6,18 +6,10 @@
 
 #include "common/error.h"
 #include "common/hash.h"
+#include "common/text.h"
 
 namespace lorapipe::trainer {
 namespace {
-
-// Python's str.strip() of ASCII whitespace.
-std::string trim(const std::string& s) {
-  const char* space = " \t\r\n\v\f";
-  const size_t begin = s.find_first_not_of(space);
-  if (begin == std::string::npos) return "";
-  const size_t end = s.find_last_not_of(space);
-  return s.substr(begin, end - begin + 1);
-}
 
 double uniform(std::mt19937_64& rng) {
   return std::uniform_real_distribution<double>(0.0, 1.0)(rng);
@@ -144,18 +136,6 @@ std::vector<std::string> split(const std::string& text, const std::string& sep) 
   }
 }
 
-// Python's str.replace(from, to), left to right, not overlapping.
-std::string replace_all(const std::string& text, const std::string& from, const std::string& to) {
-  std::string out;
-  for (size_t begin = 0;;) {
-    const size_t at = text.find(from, begin);
-    out.append(text, begin, at == std::string::npos ? std::string::npos : at - begin);
-    if (at == std::string::npos) return out;
-    out += to;
-    begin = at + from.size();
-  }
-}
-
 size_t pick(size_t count, std::mt19937_64& rng) {
   return std::uniform_int_distribution<size_t>(0, count - 1)(rng);
 }
@@ -197,7 +177,7 @@ std::string draw_wildcards(std::string caption, std::mt19937_64& rng) {
 std::vector<std::string> tags_of(const std::string& part, const std::string& separator) {
   std::vector<std::string> out;
   for (const std::string& piece : split(part, separator)) {
-    if (std::string tag = trim(piece); !tag.empty()) out.push_back(std::move(tag));
+    if (std::string tag = python_strip(piece); !tag.empty()) out.push_back(std::move(tag));
   }
   return out;
 }
@@ -231,7 +211,9 @@ std::string process_caption(std::string caption, const wire::CaptionSettings& s,
       fixed = tags_of(caption.substr(0, at), separator);
       flex = tags_of(flex_part, separator);
     } else {
-      for (const std::string& piece : split(trim(caption), separator)) flex.push_back(trim(piece));
+      for (const std::string& piece : split(python_strip(caption), separator)) {
+        flex.push_back(python_strip(piece));
+      }
       const size_t keep = std::min<size_t>(flex.size(), std::max(0, s.keep_tokens()));
       fixed.assign(flex.begin(), flex.begin() + static_cast<std::ptrdiff_t>(keep));
       flex.erase(flex.begin(), flex.begin() + static_cast<std::ptrdiff_t>(keep));
