@@ -1,6 +1,7 @@
 // The launcher's flags: which stage takes each one, parsing, and run.toml.
 
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -10,6 +11,7 @@
 
 #include "common/error.h"
 #include "common/kohya_flags.h"
+#include "common/text.h"
 #include "deploy/launcher.h"
 
 namespace lorapipe::launcher {
@@ -178,7 +180,14 @@ std::string toml_quote(const std::string& value) {
       case '\\': out += "\\\\"; break;
       case '\n': out += "\\n"; break;
       case '\t': out += "\\t"; break;
-      default: out += c;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {  // TOML's \u escape for control characters
+          char escaped[8];
+          std::snprintf(escaped, sizeof escaped, "\\u%04x", static_cast<unsigned char>(c));
+          out += escaped;
+        } else {
+          out += c;
+        }
     }
   }
   return out + "\"";
@@ -262,7 +271,11 @@ std::vector<std::pair<std::string, std::string>> read_config(const fs::path& giv
       for (const toml::node& item : *list) {
         const auto word = scalar(name, item);
         if (!word) throw InputError(file.string() + ": " + name + " holds a list or a table");
-        value += (value.empty() ? "" : " ") + *word;
+        if (multi_value(name)) {
+          append_word(value, *word);  // marked: a word may hold spaces (common/text.h)
+        } else {
+          value += (value.empty() ? "" : " ") + *word;
+        }
       }
       if (value.empty()) return;
       // kohya's text_encoder_lr is a list of one rate per text encoder: one item is one value.
@@ -308,6 +321,11 @@ void write_config(const Settings& settings, const fs::path& file) {
       const FlagInfo* f = find_flag(name);
       if (f != nullptr && f->boolean && (value == "true" || value == "false")) {
         out << name << " = " << value << "\n";
+      } else if (multi_value(name)) {  // kohya's list form, one word an item
+        out << name << " = [";
+        const std::vector<std::string> words = split_words(value);
+        for (size_t i = 0; i < words.size(); ++i) out << (i ? ", " : "") << toml_quote(words[i]);
+        out << "]\n";
       } else {
         out << name << " = " << toml_quote(value) << "\n";
       }
@@ -347,7 +365,7 @@ Settings parse_run_args(const std::vector<std::string>& args) {
       value = "true";
     } else if (multi_value(name)) {  // kohya: --optimizer_args a=1 b=2, or no words at all
       while (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0) {
-        value += (value.empty() ? "" : " ") + args[++i];
+        append_word(value, args[++i]);
       }
       if (value.empty()) continue;  // kohya's empty list: the flag not given
     } else {

@@ -9,6 +9,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/text.h"
 #include "sampler/sampler.h"
 #include "runtime/exit_code.h"
 
@@ -67,11 +68,14 @@ int main(int argc, char** argv) {
     o.idle_timeout_s = FLAGS_idle_timeout_s;
     o.delay_per_image_s = FLAGS_delay_per_image_s;
     o.threads = FLAGS_threads;
-    std::istringstream files(FLAGS_base_weights), multipliers(FLAGS_base_weights_multiplier);
-    for (std::string file; files >> file;) {
-      std::string multiplier;
+    const std::vector<std::string> files = lorapipe::split_words(FLAGS_base_weights);
+    const std::vector<std::string> multipliers =
+        lorapipe::split_words(FLAGS_base_weights_multiplier);
+    for (size_t i = 0; i < files.size(); ++i) {
+      const std::string& file = files[i];
       double value = 1.0;
-      if (multipliers >> multiplier) {
+      if (i < multipliers.size()) {
+        const std::string& multiplier = multipliers[i];
         try {
           value = std::stod(multiplier);
         } catch (const std::exception&) {

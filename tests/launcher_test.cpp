@@ -19,6 +19,7 @@
 
 #include "common/error.h"
 #include "common/kohya_flags.h"
+#include "common/text.h"
 #include "deploy/launcher.h"
 #include "tests/process_util.h"
 
@@ -333,20 +334,30 @@ TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
                                        "optimizer_args = \"weight_decay=0.1\"\n";
   const Settings s = parse_run_args({"--config=" + (work_ / "run.toml").string(),
                                      "--network_dim", "32", "--optimizer_args", "betas=0.9,0.99",
-                                     "eps=1e-8", "--output_dir=/tmp/x"});
+                                     "eps=1e-8", "--base_weights", "/my loras/a.safetensors",
+                                     "/b.safetensors", "--output_dir=/tmp/x"});
   EXPECT_EQ(s.get("network_dim"), "32");
   EXPECT_EQ(std::stod(s.get("learning_rate")), 1e-4);
   EXPECT_EQ(s.get("gradient_checkpointing"), "true");
   EXPECT_EQ(s.get("pretrained_model_name_or_path"), "/m.safetensors");
-  EXPECT_EQ(s.get("optimizer_args"), "betas=0.9,0.99 eps=1e-8");
+  EXPECT_EQ(split_words(s.get("optimizer_args")),
+            (std::vector<std::string>{"betas=0.9,0.99", "eps=1e-8"}));
+  EXPECT_EQ(split_words(s.get("base_weights")),
+            (std::vector<std::string>{"/my loras/a.safetensors", "/b.safetensors"}))
+      << "a word of a multi-word flag keeps its spaces";
   EXPECT_EQ(s.output, "/tmp/x");
   // Each stage gets its own flags, under its own names.
   const auto cacher = stage_args(s, Stage::kCacher);
   EXPECT_NE(std::find(cacher.begin(), cacher.end(), "--model=/m.safetensors"), cacher.end());
   const auto trainer = stage_args(s, Stage::kTrainer);
   EXPECT_NE(std::find(trainer.begin(), trainer.end(), "--network_dim=32"), trainer.end());
-  EXPECT_NE(std::find(trainer.begin(), trainer.end(), "--optimizer_args=betas=0.9,0.99 eps=1e-8"),
+  EXPECT_NE(std::find(trainer.begin(), trainer.end(),
+                      "--optimizer_args=\x1f" "betas=0.9,0.99\x1f" "eps=1e-8"),
             trainer.end());
+  const auto sampler = stage_args(s, Stage::kSampler);
+  EXPECT_NE(std::find(sampler.begin(), sampler.end(),
+                      "--base_weights=\x1f/my loras/a.safetensors\x1f/b.safetensors"),
+            sampler.end());
   const auto preprocess = stage_args(s, Stage::kPreprocess);
   EXPECT_TRUE(preprocess.empty()) << preprocess.front();
   // run.toml, written back, reads as the same settings.
@@ -374,7 +385,8 @@ TEST_F(LauncherFlags, KohyasConfigFileIsTakenAsKohyaReadsIt) {
   const Settings s = parse_run_args({"--config_file=" + (work_ / "config_lora").string(),
                                      "--ddp_timeout=30", "--lr_scheduler_args"});
   EXPECT_EQ(s.output, "/tmp/out");
-  EXPECT_EQ(s.get("network_args"), "conv_dim=4 conv_alpha=1");
+  EXPECT_EQ(split_words(s.get("network_args")),
+            (std::vector<std::string>{"conv_dim=4", "conv_alpha=1"}));
   EXPECT_FALSE(s.has("optimizer_args")) << "an empty list is the flag not given";
   EXPECT_EQ(s.get("pretrained_model_name_or_path"), "/m.safetensors");
   EXPECT_EQ(std::stod(s.get("learning_rate")), 2e-4);
@@ -385,7 +397,8 @@ TEST_F(LauncherFlags, KohyasConfigFileIsTakenAsKohyaReadsIt) {
     EXPECT_FALSE(s.has(taken)) << taken << " goes to no stage";
   }
   const auto trainer = stage_args(s, Stage::kTrainer);
-  EXPECT_NE(std::find(trainer.begin(), trainer.end(), "--network_args=conv_dim=4 conv_alpha=1"),
+  EXPECT_NE(std::find(trainer.begin(), trainer.end(),
+                      "--network_args=\x1f" "conv_dim=4\x1f" "conv_alpha=1"),
             trainer.end());
   const auto preprocess = stage_args(s, Stage::kPreprocess);
   EXPECT_NE(std::find(preprocess.begin(), preprocess.end(), "--token_warmup_min=1"),

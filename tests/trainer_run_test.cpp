@@ -1017,6 +1017,11 @@ TEST_F(TrainRunTest, BaseWeightsAreMergedIntoTheModelBeforeTraining) {
   const double zero = start("zero", {"--base_weights", file, "--base_weights_multiplier", "0"});
   const double merged = start("merged", {"--base_weights", file});
   const double twice = start("twice", {"--base_weights", file, file});
+  // kohya's separate words: a path with a space in it is one file.
+  fs::create_directories(work_ / "my loras");
+  const fs::path spaced = work_ / "my loras" / "tiny copy.safetensors";
+  fs::copy_file(file, spaced);
+  const double spaced_merge = start("spaced", {"--base_weights", spaced.string()});
   // The same LoRA in and out again: the weights come back up to fp32 rounding (about 1e-7 of
   // each weight), which moves the loss by far less than 1e-5 of it; a wrong sign or a lost
   // second multiplier would leave the whole LoRA in.
@@ -1026,6 +1031,7 @@ TEST_F(TrainRunTest, BaseWeightsAreMergedIntoTheModelBeforeTraining) {
   EXPECT_EQ(zero, plain);
   EXPECT_NE(merged, plain);
   EXPECT_NE(twice, merged) << "the second file is merged too";
+  EXPECT_EQ(spaced_merge, merged);
   EXPECT_NEAR(undone, plain, 1e-5 * plain);
   EXPECT_GT(std::abs(merged - plain), 100 * std::abs(undone - plain));
 }

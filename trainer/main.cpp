@@ -22,6 +22,7 @@
 #include "common/kohya_flags.h"
 #include "common/numbers.h"
 #include "common/log.h"
+#include "common/text.h"
 #include "trainer/trainer.h"
 #include "runtime/exit_code.h"
 
@@ -225,9 +226,9 @@ std::vector<std::string> join_multi_value_flags(int argc, char** argv) {
       out.push_back(arg);
       continue;
     }
-    std::string joined;
+    std::string joined;  // each word marked, so a path with a space stays one word
     while (i + 1 < given.size() && given[i + 1].rfind("--", 0) != 0) {
-      joined += (joined.empty() ? "" : " ") + given[++i];
+      lorapipe::append_word(joined, given[++i]);
     }
     out.push_back(arg + "=" + joined);
   }
@@ -278,12 +279,7 @@ double steps_or_ratio(const std::string& flag, const std::string& text) {
   return percent ? value / 100.0 : value;
 }
 
-std::vector<std::string> words(const std::string& text) {
-  std::istringstream in(text);
-  std::vector<std::string> out;
-  for (std::string w; in >> w;) out.push_back(w);
-  return out;
-}
+std::vector<std::string> words(const std::string& text) { return lorapipe::split_words(text); }
 
 }  // namespace
 

@@ -1,0 +1,35 @@
+// Python's string operations as kohya's caption code uses them, and the marked words of
+// multi-word flags.
+#include "common/text.h"
+
+#include <gtest/gtest.h>
+
+namespace lorapipe {
+namespace {
+
+TEST(CommonText, StripAndReplaceAsPython) {
+  EXPECT_EQ(python_strip(" \t a b \r\n\v\f"), "a b");
+  EXPECT_EQ(python_strip(" \n "), "");
+  EXPECT_EQ(replace_all("a;;b;;;c", ";;", ","), "a,b,;c") << "left to right, not overlapping";
+  EXPECT_EQ(replace_all("abc", "x", "y"), "abc");
+  EXPECT_EQ(replace_all("aaa", "a", "aa"), "aaaaaa");
+}
+
+// A multi-word flag's words keep their spaces when marked (a path with a space), and a value
+// typed as one argument is split at whitespace, as before.
+TEST(CommonText, MarkedWordsKeepTheirSpaces) {
+  std::string value;
+  append_word(value, "/my loras/a.safetensors");
+  append_word(value, "b.safetensors");
+  EXPECT_EQ(split_words(value),
+            (std::vector<std::string>{"/my loras/a.safetensors", "b.safetensors"}));
+  std::string one;
+  append_word(one, "/my loras/a.safetensors");
+  EXPECT_EQ(split_words(one), (std::vector<std::string>{"/my loras/a.safetensors"}));
+  EXPECT_EQ(split_words(" conv_dim=4  conv_alpha=1 "),
+            (std::vector<std::string>{"conv_dim=4", "conv_alpha=1"}));
+  EXPECT_TRUE(split_words("").empty());
+}
+
+}  // namespace
+}  // namespace lorapipe
