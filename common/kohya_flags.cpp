@@ -107,8 +107,6 @@ const std::vector<ForeignFlag> kFlags = {
      "kohya's fine-tuning metadata JSON: use caption files or --dataset_config"},
     {"dataset_repeats", K::kValue, "1", T::kAnyValue, "acts only with --in_json"},
     {"dataset_class", K::kValue, "", T::kDefaultOnly, "a dataset class of your own: not in lorapipe"},
-    {"debug_dataset", K::kBoolean, "", T::kDefaultOnly,
-     "lorapipe-preprocess --report_only shows what the dataset holds"},
     {"cache_info", K::kBoolean, "", T::kAnyValue, "lorapipe's cache always keeps each image's record"},
     {"skip_cache_check", K::kBoolean, "", T::kAnyValue,
      "lorapipe's cache is content-addressed and checked before any compute"},

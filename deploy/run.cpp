@@ -452,7 +452,9 @@ int Supervisor::run() {
   args.insert(args.end(), {"--pull=" + endpoint("cacher-pull"), "--rep=" + endpoint("cacher-rep"),
                            "--pub=" + endpoint("cacher-pub"), "--wait_for_writer_s=86400"});
   start(Stage::kCacher, args);
-  if (s_.has("sample_prompts")) {
+  // --debug_dataset: the trainer prints its batches and trains nothing; nothing to render.
+  const bool debug_dataset = s_.has("debug_dataset") && s_.get("debug_dataset") == "true";
+  if (s_.has("sample_prompts") && !debug_dataset) {
     args = stage_args(s_, Stage::kSampler);
     args.insert(args.end(), {"--output_dir=" + dir_.string(), "--sub=" + endpoint("trainer-pub"),
                              "--pub=" + endpoint("sampler-pub")});
@@ -541,6 +543,12 @@ int Supervisor::run() {
       redraw(true);
       if (tty_) display_ << "\n";
       event({{"event", "Run"}, {"result", "done"}, {"exit_code", kExitOk}});
+      if (debug_dataset) {
+        display_ << "lorapipe: done. --debug_dataset: the batches are in "
+                 << (dir_ / "logs" / "trainer.log").string() << "; nothing was trained\n"
+                 << std::flush;
+        return kExitOk;
+      }
       display_ << "lorapipe: done. LoRA files in " << (dir_ / "lora").string();
       if (sampler != nullptr) display_ << "; samples in " << (dir_ / "samples" / "index.html").string();
       display_ << "\n" << std::flush;

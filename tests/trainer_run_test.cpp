@@ -948,6 +948,32 @@ TEST_F(TrainRunTest, CaptionsAreDrawnPerStepAsKohya) {
     EXPECT_EQ(count, step % 2 == 1 ? 2 : 1) << "step " << step << ": 2 micro-batches, then 1";
   }
   EXPECT_EQ(kept, (std::set<std::string>{"sks", "xyz"})) << "the wildcard drawn each time";
+
+  // kohya's --debug_dataset prints the same batches, with the same captions, and trains nothing.
+  std::vector<std::string> shown = a;
+  shown[4] = "--output_dir=" + (work_ / "shown").string();
+  shown.push_back("--debug_dataset");
+  fs::create_directories(work_ / "shown");
+  const pid_t show = spawn(shown, work_ / "shown" / "out", work_ / "shown" / "err");
+  ASSERT_EQ(wait_exit(show), 0) << read_text(work_ / "shown" / "err");
+  const std::string printed = read_text(work_ / "shown" / "out");
+  std::vector<std::string> trained_captions, shown_captions;
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator();
+       ++it) {
+    trained_captions.push_back((*it)[1].str() + "/" + (*it)[2].str() + "/" + (*it)[3].str() +
+                               ": " + (*it)[4].str());
+  }
+  const std::regex step_line(R"(step (\d+)/8  epoch (\d+)  batch (\d+)\n  \S+  \d+x\d+  '([^']*)')");
+  for (auto it = std::sregex_iterator(printed.begin(), printed.end(), step_line);
+       it != std::sregex_iterator(); ++it) {
+    shown_captions.push_back((*it)[1].str() + "/" + (*it)[2].str() + "/" + (*it)[3].str() +
+                             ": " + (*it)[4].str());
+  }
+  EXPECT_EQ(shown_captions, trained_captions) << printed;
+  EXPECT_NE(printed.find("--debug_dataset: 8 steps of 4 epochs shown; nothing trained"),
+            std::string::npos)
+      << printed;
+  EXPECT_FALSE(fs::exists(work_ / "shown" / "lora")) << "nothing saved";
 }
 
 // --network_train_text_encoder_only: kohya's network without U-Net modules; the text encoder's

@@ -150,6 +150,9 @@ DEFINE_bool(scale_v_pred_loss_like_noise_pred, false,
             "Weigh the loss by snr / (snr + 1), as an epsilon loss weighs (kohya)");
 DEFINE_double(v_pred_like_loss, 0, "Add this much of a v-prediction-like loss (kohya)");
 DEFINE_bool(debiased_estimation_loss, false, "Weigh the loss by 1 / sqrt(snr) (kohya)");
+DEFINE_bool(debug_dataset, false,
+            "Print every batch of the run (images, buckets, flips, captions as drawn) and stop "
+            "without training (kohya's)");
 DEFINE_bool(masked_loss, false,
             "Mask the loss with the images' alpha (preprocess --alpha_mask); kohya's");
 DEFINE_bool(weighted_captions, false,
@@ -385,6 +388,7 @@ int main(int argc, char** argv) {
     o.max_token_length = FLAGS_max_token_length;
     o.weighted_captions = FLAGS_weighted_captions;
     o.masked_loss = FLAGS_masked_loss;
+    o.debug_dataset = FLAGS_debug_dataset;
     // kohya's choices that have one answer here: anything else is refused by name.
     if (FLAGS_network_module != "networks.lora") {
       throw lorapipe::InputError("--network_module=" + FLAGS_network_module +
@@ -532,6 +536,11 @@ int main(int argc, char** argv) {
     std::signal(SIGINT, [](int) { lorapipe::trainer::request_stop(); });
     std::signal(SIGTERM, [](int) { lorapipe::trainer::request_stop(); });
     const t::Summary summary = t::train(o);
+    if (summary.dataset_only) {
+      std::printf("trainer: --debug_dataset: %lld steps of %lld epochs shown; nothing trained\n",
+                  static_cast<long long>(summary.steps), static_cast<long long>(summary.epochs));
+      return 0;
+    }
     if (summary.interrupted) {
       std::printf("trainer: interrupted after %lld steps; LoRA %s; state %s\n",
                   static_cast<long long>(summary.steps), summary.lora.c_str(),

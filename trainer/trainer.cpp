@@ -155,6 +155,7 @@ struct PreparedBatch {
   std::vector<std::string> captions;
   torch::Tensor loss_weights;
   torch::Tensor masks;  // [B, 1, h, w] kohya's alpha masks when any image has one, or undefined
+  std::vector<bool> flipped;  // which images are their flipped twins
   std::string error;  // the producer failed: this message, then stop
 };
 
@@ -268,6 +269,7 @@ class Run {
   void preflight();
   void load_model();
   void prepare_validation();
+  Summary show_dataset();
   double validation_loss();
   void producer(int64_t epoch, int64_t index);
   PreparedBatch prepare(int64_t epoch, int64_t index, const PlannedBatch& plan);
@@ -571,6 +573,7 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
     const torch::Tensor std = from_record(flipped ? record.flipped_std() : record.std());
     // A fresh draw from the stored distribution every time (kohya freezes one at caching).
     latent_list.push_back(mean + std * at::randn(mean.sizes(), draw, torch::kFloat));
+    out.flipped.push_back(flipped);
     // kohya's alpha mask, flipped with its image; an image without one weighs every cell fully.
     const bool has_mask = flipped ? record.has_flipped_mask() : record.has_mask();
     any_mask |= has_mask;
@@ -668,6 +671,36 @@ void Run::prepare_validation() {
     validation_.push_back(std::move(p));
   }
   manifest_ = std::move(saved);
+}
+
+// kohya's --debug_dataset: every micro-batch of the run as training would take it (the same
+// plan, flips and captions, drawn from the same streams), printed; nothing is trained or saved.
+Summary Run::show_dataset() {
+  cached_text_ = false;  // captions through process_caption, as online text is; fixed ones stay
+  const int64_t accumulation = o_.step.gradient_accumulation_steps;
+  const auto batches = static_cast<int64_t>(scheduler_->batches_per_epoch());
+  const int64_t steps_per_epoch = (batches + accumulation - 1) / accumulation;
+  Summary summary;
+  summary.dataset_only = true;
+  for (int64_t epoch = epoch_;; ++epoch) {
+    const std::vector<PlannedBatch> plan = scheduler_->epoch(epoch);
+    for (int64_t index = 0; index < static_cast<int64_t>(plan.size()); ++index) {
+      const int64_t step = (epoch - 1) * steps_per_epoch + index / accumulation + 1;
+      if (step > max_steps_) return summary;
+      const PreparedBatch batch = prepare(epoch, index, plan[index]);
+      std::printf("step %lld/%lld  epoch %lld  batch %lld\n", static_cast<long long>(step),
+                  static_cast<long long>(max_steps_), static_cast<long long>(epoch),
+                  static_cast<long long>(index));
+      for (size_t k = 0; k < plan[index].entries.size(); ++k) {
+        const wire::ManifestEntry& e = manifest_.entries(plan[index].entries[k]);
+        std::printf("  %s  %ux%u%s%s  '%s'\n", e.path().c_str(), e.bucket().width(),
+                    e.bucket().height(), batch.flipped[k] ? "  flipped" : "",
+                    e.is_reg() ? "  reg" : "", batch.captions[k].c_str());
+      }
+      summary.steps = step;
+      summary.epochs = epoch;
+    }
+  }
 }
 
 double Run::validation_loss() {
@@ -1145,6 +1178,7 @@ Summary Run::train_steps() {
                                        std::to_string(ranks_->world_size()) + " over " +
                                        ranks_->backend() + " (the batch is per rank)"
                                  : std::string());
+  if (o_.debug_dataset) return show_dataset();
 
   if (main_) {
     fs::create_directories(o_.output_dir / "lora");

@@ -79,6 +79,9 @@ struct Options {
   // kohya's --masked_loss. The loss is masked whenever the cache holds alpha masks (kohya masks
   // whenever a batch carries them); the flag only says so in ss_masked_loss and warns without.
   bool masked_loss = false;
+  // kohya's --debug_dataset: print every micro-batch of the run (images, buckets, flips, captions
+  // after process_caption) and stop without training.
+  bool debug_dataset = false;
   // TensorBoard event files: OUT/tensorboard unless given (kohya's --logging_dir layout).
   std::filesystem::path tensorboard_dir;
   // Length.
@@ -121,6 +124,7 @@ struct Summary {
   double last_validation_loss = -1;
   std::filesystem::path lora;  // the final LoRA file, or the one saved when interrupted
   bool interrupted = false;    // request_stop() ended the run early; a state was saved
+  bool dataset_only = false;   // --debug_dataset: batches shown, nothing trained
   std::filesystem::path state;  // that state (--resume from it)
 };
 
