@@ -101,8 +101,6 @@ const std::vector<ForeignFlag> kFlags = {
     {"conditioning_data_dir", K::kValue, "", T::kDefaultOnly,
      "masks from a folder of mask images: not in lorapipe yet (--alpha_mask reads the images' "
      "transparency)"},
-    {"resize_interpolation", K::kValue, "", T::kDefaultOnly,
-     "lorapipe-preprocess's --resize_filter picks the filter"},
     {"in_json", K::kValue, "", T::kDefaultOnly,
      "kohya's fine-tuning metadata JSON: use caption files or --dataset_config"},
     {"dataset_repeats", K::kValue, "1", T::kAnyValue, "acts only with --in_json"},

@@ -15,6 +15,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/text.h"
+#include "preprocess/image.h"
 
 namespace lorapipe::preprocess {
 namespace fs = std::filesystem;
@@ -224,6 +225,7 @@ const std::map<std::string, KeySpec, std::less<>>& key_specs() {
       {"flip_aug", {KeyType::kBool, kAll, true}},
       {"random_crop", {KeyType::kBool, kAll, true}},
       {"alpha_mask", {KeyType::kBool, kAll, true}},
+      {"resize_interpolation", {KeyType::kString, kAll, true}},
       {"shuffle_caption", {KeyType::kBool, kAll, true}},
       {"keep_tokens", {KeyType::kInt, kAll, true}},
       {"caption_dropout_rate", {KeyType::kFloat, kAll, true}},
@@ -373,6 +375,12 @@ class TomlReader {
         s.random_crop = *node.value<bool>();
       } else if (k == "alpha_mask") {
         s.alpha_mask = *node.value<bool>();
+      } else if (k == "resize_interpolation") {
+        try {
+          s.resize_filter = resize_filter_from_kohya(*node.value<std::string>());
+        } catch (const InputError& e) {
+          fail(node, e.what());
+        }
       } else if (k == "shuffle_caption") {
         s.shuffle_caption = *node.value<bool>();
       } else if (k == "keep_tokens") {

@@ -23,6 +23,7 @@ struct SubsetOptions {
   bool flip_aug = false;
   bool random_crop = false;
   bool alpha_mask = false;  // kohya's: the image's alpha channel masks the loss
+  std::string resize_filter;  // kohya's resize_interpolation as a filter name; empty: the run's
   bool shuffle_caption = false;
   int keep_tokens = 0;
   double caption_dropout_rate = 0.0;

@@ -172,8 +172,8 @@ TEST(DatasetCaption, WildcardCaptionsKeepEveryLine) {
   fs::remove_all(dir);
 }
 
-// kohya's caption separators, wildcards and token warm-up are read from a dataset TOML, at any
-// level; a caption that draws nothing gets its secondary separator replaced here, so the cacher
+// kohya's caption separators, wildcards, token warm-up and resize_interpolation are read from a
+// dataset TOML, at any level; a caption that draws nothing gets its secondary separator replaced here, so the cacher
 // encodes what the trainer would see.
 TEST(DatasetToml, CaptionSeparatorsWildcardsAndWarmupAreRead) {
   const fs::path dir = make_temp_dir("toml-separators");
@@ -205,6 +205,26 @@ TEST(DatasetToml, CaptionSeparatorsWildcardsAndWarmupAreRead) {
   EXPECT_FALSE(plain.draws_from("a+b, c")) << "nothing to draw";
   EXPECT_TRUE(plain.draws_from("a {b|c}"));
   EXPECT_TRUE(plain.draws_from("a\nb"));
+
+  write_file(dir / "filters.toml",
+             "[general]\nresize_interpolation = 'bicubic'\n[[datasets]]\n[[datasets.subsets]]\n"
+             "image_dir = 'a'\n[[datasets.subsets]]\nimage_dir = 'b'\n"
+             "resize_interpolation = 'lanczos'\n");
+  fs::create_directories(dir / "b");
+  const Discovery filters = discover_toml(dir / "filters.toml", Defaults{});
+  ASSERT_EQ(filters.datasets[0].subsets.size(), 2u);
+  EXPECT_EQ(filters.datasets[0].subsets[0].resize_filter, "cubic") << "kohya's bicubic";
+  EXPECT_EQ(filters.datasets[0].subsets[1].resize_filter, "lanczos3") << "Pillow's LANCZOS";
+  write_file(dir / "area.toml", "[general]\nresize_interpolation = 'area'\n[[datasets]]\n"
+                                "[[datasets.subsets]]\nimage_dir = 'a'\n");
+  try {
+    discover_toml(dir / "area.toml", Defaults{});
+    FAIL() << "area was taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("area.toml:2: resize_interpolation 'area'"),
+              std::string::npos)
+        << e.what();
+  }
 
   write_file(dir / "bad.toml",
              "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\ncaption_separator = ''\n");

@@ -72,6 +72,20 @@ void init_vips() {
 
 void check_resize_filter(const std::string& name) { (void)kernel_from_name(name); }
 
+std::string resize_filter_from_kohya(const std::string& interpolation) {
+  if (interpolation == "lanczos") return "lanczos3";
+  if (interpolation == "nearest") return "nearest";
+  if (interpolation == "linear" || interpolation == "bilinear") return "linear";
+  if (interpolation == "cubic" || interpolation == "bicubic") return "cubic";
+  if (interpolation == "area" || interpolation == "box") {
+    throw InputError("resize_interpolation '" + interpolation +
+                     "': libvips has no area filter; use lanczos (lorapipe's default), cubic, "
+                     "linear or nearest");
+  }
+  throw InputError("resize_interpolation '" + interpolation +
+                   "' is not one of kohya's: lanczos, nearest, bilinear, linear, bicubic, cubic");
+}
+
 ImageHeader probe_image(std::string_view bytes) {
   init_vips();
   if (bytes.empty()) throw InputError("empty file (0 bytes)");

@@ -31,6 +31,12 @@ ImageHeader probe_image(std::string_view bytes);
 // "cubic", "mitchell", "linear", "nearest". Throws InputError naming an unknown one.
 void check_resize_filter(const std::string& name);
 
+// kohya's --resize_interpolation (and the dataset TOML key) as one of those names: "lanczos" is
+// lanczos3 (kohya resizes it with Pillow's LANCZOS, a = 3), "nearest", "linear"/"bilinear",
+// "cubic"/"bicubic". kohya's "area" and "box" (OpenCV's INTER_AREA, Pillow's BOX) have no
+// libvips kernel: InputError, naming the value.
+std::string resize_filter_from_kohya(const std::string& interpolation);
+
 struct DecodeRequest {
   Reso resized;       // cover size, as displayed
   Reso bucket;        // final size

@@ -9,6 +9,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "preprocess/image.h"
 #include "preprocess/preprocess.h"
 #include "proto/wire.h"
 #include "runtime/exit_code.h"
@@ -54,6 +55,8 @@ DEFINE_double(max_aspect_ratio, 8.0, "Reject images with a longer/shorter side r
 DEFINE_int64(max_image_pixels, 100000000, "Reject images over this many pixels, from the header");
 DEFINE_bool(jpeg_fast_path, true, "Decode plain JPEGs with lorapipe's fast path (false: libvips)");
 DEFINE_string(resize_filter, "lanczos3", "lanczos3, lanczos2, cubic, mitchell, linear, nearest");
+DEFINE_string(resize_interpolation, "",
+              "kohya's name for the filter: lanczos, nearest, bilinear, linear, bicubic, cubic");
 DEFINE_uint64(seed, 0, "Seed of random_crop offsets");
 DEFINE_bool(report_only, false, "Only report buckets and problems; needs no cacher");
 DEFINE_string(report_json, "", "Also write the report as JSON to this file");
@@ -107,6 +110,13 @@ int main(int argc, char** argv) {
     s.flip_aug = FLAGS_flip_aug;
     s.random_crop = FLAGS_random_crop;
     s.alpha_mask = FLAGS_alpha_mask;
+    if (!FLAGS_resize_interpolation.empty()) {
+      try {
+        s.resize_filter = pp::resize_filter_from_kohya(FLAGS_resize_interpolation);
+      } catch (const lorapipe::InputError& e) {
+        throw lorapipe::InputError(std::string("--") + e.what());
+      }
+    }
     s.shuffle_caption = FLAGS_shuffle_caption;
     s.keep_tokens = FLAGS_keep_tokens;
     s.caption_dropout_rate = FLAGS_caption_dropout_rate;

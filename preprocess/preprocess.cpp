@@ -160,6 +160,7 @@ Probed probe_one(const ImageEntry& entry, const Discovery& discovery, const Opti
   r.is_reg = subset.is_reg;
   r.flip = subset.flip_aug;
   r.alpha_mask = subset.alpha_mask;
+  r.resize_filter = subset.resize_filter.empty() ? options.resize_filter : subset.resize_filter;
   r.shuffle_caption = subset.shuffle_caption;
   r.keep_tokens = subset.keep_tokens;
   r.caption_dropout_rate = subset.caption_dropout_rate;
@@ -174,7 +175,7 @@ Probed probe_one(const ImageEntry& entry, const Discovery& discovery, const Opti
   r.batch_size = dataset.batch_size;
   r.dataset_index = static_cast<uint32_t>(entry.dataset);
   r.resolution = dataset.buckets.resolution;
-  r.image_key = make_image_key(p.content_hash, r, options.resize_filter);
+  r.image_key = make_image_key(p.content_hash, r, r.resize_filter);
   return p;
 }
 
@@ -482,7 +483,7 @@ Report run(const Options& options) {
         request.resized = p.result.resized;
         request.bucket = p.result.bucket;
         request.offset = p.result.crop;
-        request.resize_filter = options.resize_filter;
+        request.resize_filter = p.result.resize_filter;
         request.alpha_mask = p.result.alpha_mask;
         d.pixels = decode_image(bytes, p.header, request, &d.alpha);
       } catch (const InputError& e) {

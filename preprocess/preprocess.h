@@ -57,6 +57,7 @@ struct ImageResult {
   bool is_reg = false;
   bool flip = false;
   bool alpha_mask = false;  // kohya's: the alpha channel travels as the loss mask
+  std::string resize_filter;  // the subset's, else the run's --resize_filter
   bool augment_caption = false;
   bool shuffle_caption = false;  // the subset's caption augmentation, passed to the trainer
   int keep_tokens = 0;

@@ -208,6 +208,36 @@ TEST_F(PreprocessStream, AlphaMaskTravelsWithEverySample) {
   }
 }
 
+// kohya's --resize_interpolation names the filter: "nearest" is --resize_filter=nearest, pixels
+// and cache keys alike; "area", which libvips has no kernel for, is refused by name.
+TEST_F(PreprocessStream, KohyaResizeInterpolationIsTheResizeFilter) {
+  const Stream kohya =
+      stream({"--resize_interpolation=nearest"}, [](const std::string&) { return false; });
+  ASSERT_EQ(kohya.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  const Stream ours = stream({"--resize_filter=nearest"}, [](const std::string&) { return false; });
+  ASSERT_EQ(ours.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  const Stream lanczos = stream({}, [](const std::string&) { return false; });
+  ASSERT_EQ(lanczos.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  std::map<std::string, const wire::ImageSample*> by_path, default_by_path;
+  for (const wire::ImageSample& s : ours.samples) by_path[s.path()] = &s;
+  for (const wire::ImageSample& s : lanczos.samples) default_by_path[s.path()] = &s;
+  ASSERT_EQ(kohya.samples.size(), demo_.size());
+  size_t other_pixels = 0;
+  for (const wire::ImageSample& s : kohya.samples) {
+    EXPECT_EQ(s.image_key(), by_path.at(s.path())->image_key());
+    EXPECT_EQ(s.pixels(), by_path.at(s.path())->pixels());
+    EXPECT_NE(s.image_key(), default_by_path.at(s.path())->image_key());
+    other_pixels += s.pixels() != default_by_path.at(s.path())->pixels();
+  }
+  EXPECT_GT(other_pixels, 0u) << "nearest resizes otherwise than lanczos3";
+  std::vector<std::string> area = preprocess_args(10000);
+  area.push_back("--resize_interpolation=area");
+  EXPECT_NE(wait_exit(spawn(area, dir_ / "stderr.txt")), 0) << "refused before any image";
+  EXPECT_NE(read_text(dir_ / "stderr.txt").find("--resize_interpolation 'area'"),
+            std::string::npos)
+      << read_text(dir_ / "stderr.txt");
+}
+
 // kohya's caption separators, wildcards and token warm-up on the command line reach every
 // sample. A caption that draws nothing is final (its secondary separator replaced) and cached;
 // one that draws is left for the trainer's process_caption.
