@@ -95,8 +95,8 @@ std::vector<EncodedRecord> LatentEncoder::encode(
       to_record_tensor(flipped->std[k], latent.mutable_flipped_std());
     }
     if (!s.alpha_mask().empty()) {
-      const torch::Tensor alpha =
-          torch::from_blob(const_cast<char*>(s.alpha_mask().data()), {height, width}, torch::kUInt8);
+      char* bytes = const_cast<char*>(s.alpha_mask().data());
+      const torch::Tensor alpha = torch::from_blob(bytes, {height, width}, torch::kUInt8);
       to_record_tensor_f32(latent_mask(alpha, mean.size(1), mean.size(2)), latent.mutable_mask());
       if (s.flip()) {
         to_record_tensor_f32(latent_mask(torch::flip(alpha, {1}), mean.size(1), mean.size(2)),

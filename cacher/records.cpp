@@ -126,7 +126,8 @@ std::string check_latent_record(std::string_view bytes) {
   // The masks are [h, w]: one value per latent cell.
   for (const auto& [present, mask, name] :
        {std::tuple{record.has_mask(), &record.mask(), "LatentRecord mask"},
-        std::tuple{record.has_flipped_mask(), &record.flipped_mask(), "LatentRecord flipped_mask"}}) {
+        std::tuple{record.has_flipped_mask(), &record.flipped_mask(),
+                   "LatentRecord flipped_mask"}}) {
     if (!present) continue;
     if (std::string reason = check_tensor(*mask, name); !reason.empty()) return reason;
     const auto& latent = record.mean().shape();

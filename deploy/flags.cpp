@@ -63,8 +63,8 @@ std::vector<FlagInfo> make_table() {
         "bucket_reso_steps", "caption_extension", "class_tokens", "keep_tokens",
         "caption_dropout_rate", "caption_dropout_every_n_epochs", "caption_tag_dropout_rate",
         "caption_prefix", "caption_suffix", "caption_separator", "keep_tokens_separator",
-        "secondary_separator", "token_warmup_min", "token_warmup_step", "min_image_side", "max_aspect_ratio", "max_image_pixels",
-        "resize_filter", "resize_interpolation"}) {
+        "secondary_separator", "token_warmup_min", "token_warmup_step", "min_image_side",
+        "max_aspect_ratio", "max_image_pixels", "resize_filter", "resize_interpolation"}) {
     value(name, {S::kPreprocess});
   }
   for (const char* name : {"enable_bucket", "bucket_no_upscale", "flip_aug", "random_crop",
@@ -79,7 +79,8 @@ std::vector<FlagInfo> make_table() {
   // trainer
   for (const char* name :
        {"output_name", "save_precision", "save_every_n_steps", "save_every_n_epochs",
-        "save_last_n_steps", "save_last_n_epochs", "save_n_epoch_ratio", "training_comment", "mixed_precision",
+        "save_last_n_steps", "save_last_n_epochs", "save_n_epoch_ratio", "training_comment",
+        "mixed_precision",
         "threads", "max_train_steps", "max_train_epochs", "train_batch_size",
         "prior_loss_weight", "validation_split", "validation_seed", "validate_every_n_steps",
         "max_bad_steps", "timeout_s", "max_data_loader_n_workers", "network_dim", "network_alpha", "network_dropout",

@@ -173,8 +173,8 @@ TEST(DatasetCaption, WildcardCaptionsKeepEveryLine) {
 }
 
 // kohya's caption separators, wildcards, token warm-up and resize_interpolation are read from a
-// dataset TOML, at any level; a caption that draws nothing gets its secondary separator replaced here, so the cacher
-// encodes what the trainer would see.
+// dataset TOML, at any level; a caption that draws nothing gets its secondary separator replaced
+// here, so the cacher encodes what the trainer would see.
 TEST(DatasetToml, CaptionSeparatorsWildcardsAndWarmupAreRead) {
   const fs::path dir = make_temp_dir("toml-separators");
   write_file(dir / "a" / "1.png", "x");

@@ -196,7 +196,8 @@ TEST(PreprocessAlphaMask, AlphaTravelsApartAndColourIsKeptAsPillowReadsIt) {
       "    open(d + '/' + name + '.raw', 'wb').write(\n"
       "        np.asarray(Image.open(d + '/' + name + '.png').convert('RGBA')).tobytes())\n";
   std::ofstream(dir / "make.py") << script;
-  const std::string command = std::string(python) + " " + (dir / "make.py").string() + " " + dir.string();
+  const std::string command =
+      std::string(python) + " " + (dir / "make.py").string() + " " + dir.string();
   ASSERT_EQ(std::system(command.c_str()), 0) << command;
   auto read = [&](const std::string& name) {
     std::ifstream in(dir / name, std::ios::binary);

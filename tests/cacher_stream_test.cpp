@@ -387,13 +387,15 @@ TEST_F(CachePipeline, AlphaMasksAreStoredAsKohyasLossInterpolatesThem) {
   std::mt19937 rng(5);
   std::string alpha(64 * 64, '\0');
   for (char& a : alpha) a = static_cast<char>(rng() % 256);
-  wire::ImageSample masked = handmade_sample("handmade", "masked.png", 64, std::string(64 * 64 * 3, '\x60'));
+  const std::string grey(64 * 64 * 3, '\x60');
+  wire::ImageSample masked = handmade_sample("handmade", "masked.png", 64, grey);
   masked.set_alpha_mask(alpha);
   masked.set_flip(true);
-  wire::ImageSample plain = handmade_sample("handmade", "plain.png", 64, std::string(64 * 64 * 3, '\x60'));
-  wire::ImageSample bad = handmade_sample("handmade", "bad.png", 64, std::string(64 * 64 * 3, '\x60'));
+  wire::ImageSample plain = handmade_sample("handmade", "plain.png", 64, grey);
+  wire::ImageSample bad = handmade_sample("handmade", "bad.png", 64, grey);
   bad.set_alpha_mask(std::string(100, '\xff'));
-  ASSERT_EQ(cache_by_hand("", {masked, plain, bad}, "handmade"), 0) << read_text(work_ / "cacher.err");
+  ASSERT_EQ(cache_by_hand("", {masked, plain, bad}, "handmade"), 0)
+      << read_text(work_ / "cacher.err");
   EXPECT_NE(read_text(work_ / "cacher.err").find("/photos/bad.png: 100 alpha-mask bytes"),
             std::string::npos)
       << read_text(work_ / "cacher.err");

@@ -963,7 +963,8 @@ TEST_F(TrainRunTest, CaptionsAreDrawnPerStepAsKohya) {
     trained_captions.push_back((*it)[1].str() + "/" + (*it)[2].str() + "/" + (*it)[3].str() +
                                ": " + (*it)[4].str());
   }
-  const std::regex step_line(R"(step (\d+)/8  epoch (\d+)  batch (\d+)\n  \S+  \d+x\d+  '([^']*)')");
+  const std::regex step_line(
+      R"(step (\d+)/8  epoch (\d+)  batch (\d+)\n  \S+  \d+x\d+  '([^']*)')");
   for (auto it = std::sregex_iterator(printed.begin(), printed.end(), step_line);
        it != std::sregex_iterator(); ++it) {
     shown_captions.push_back((*it)[1].str() + "/" + (*it)[2].str() + "/" + (*it)[3].str() +

@@ -223,10 +223,10 @@ std::string process_caption(std::string caption, const wire::CaptionSettings& s,
     double warmup = s.token_warmup_step();
     if (warmup < 1) warmup = std::floor(warmup * static_cast<double>(clock.max_train_steps));
     if (warmup != 0 && static_cast<double>(clock.step) < warmup) {
-      const auto length = static_cast<int64_t>(std::floor(
-                              static_cast<double>(clock.step) *
-                              ((static_cast<double>(flex.size()) - s.token_warmup_min()) / warmup))) +
-                          s.token_warmup_min();
+      const double per_step = (static_cast<double>(flex.size()) - s.token_warmup_min()) / warmup;
+      const auto length =
+          static_cast<int64_t>(std::floor(static_cast<double>(clock.step) * per_step)) +
+          s.token_warmup_min();
       const auto size = static_cast<int64_t>(flex.size());
       // Python's flex[:length]: a negative length counts from the end.
       flex.resize(static_cast<size_t>(length < 0 ? std::max<int64_t>(0, size + length)

@@ -194,24 +194,26 @@ std::multiset<std::string> tags_of(const std::string& caption) {
 TEST(TrainCaptions, ShuffledAndDroppedAsKohya) {
   const std::string caption = "sks dog, red collar, grass, sunny day, park";
   std::mt19937_64 rng(1);
-  EXPECT_EQ(process_caption(caption, caption_settings(false, 0, 0, 0, 0), CaptionClock{1}, rng), caption);
+  auto draw = [&](const wire::CaptionSettings& settings, int64_t epoch = 1) {
+    return process_caption(caption, settings, CaptionClock{epoch}, rng);
+  };
+  EXPECT_EQ(draw(caption_settings(false, 0, 0, 0, 0)), caption);
   std::set<std::string> orders;
   for (int i = 0; i < 50; ++i) {
-    const std::string out = process_caption(caption, caption_settings(true, 1, 0, 0, 0), CaptionClock{1}, rng);
+    const std::string out = draw(caption_settings(true, 1, 0, 0, 0));
     EXPECT_EQ(out.rfind("sks dog, ", 0), 0u) << out;
     EXPECT_EQ(tags_of(out), tags_of(caption)) << out;
     orders.insert(out);
   }
   EXPECT_GT(orders.size(), 10u) << "shuffled";
-  EXPECT_EQ(process_caption(caption, caption_settings(true, 2, 0, 0, 1.0), CaptionClock{1}, rng),
-            "sks dog, red collar")
+  EXPECT_EQ(draw(caption_settings(true, 2, 0, 0, 1.0)), "sks dog, red collar")
       << "every tag past keep_tokens dropped";
-  EXPECT_EQ(process_caption(caption, caption_settings(false, 0, 1.0, 0, 0), CaptionClock{1}, rng), "");
-  EXPECT_EQ(process_caption(caption, caption_settings(false, 0, 0, 2, 0), CaptionClock{2}, rng), "");
-  EXPECT_EQ(process_caption(caption, caption_settings(false, 0, 0, 2, 0), CaptionClock{3}, rng), caption);
+  EXPECT_EQ(draw(caption_settings(false, 0, 1.0, 0, 0)), "");
+  EXPECT_EQ(draw(caption_settings(false, 0, 0, 2, 0), 2), "");
+  EXPECT_EQ(draw(caption_settings(false, 0, 0, 2, 0), 3), caption);
   int kept = 0;
   for (int i = 0; i < 400; ++i) {
-    kept += !process_caption(caption, caption_settings(false, 0, 0.25, 0, 0), CaptionClock{1}, rng).empty();
+    kept += !draw(caption_settings(false, 0, 0.25, 0, 0)).empty();
   }
   // Binomial(400, 0.75): mean 300, sd 8.7; 5 sd either side.
   EXPECT_GT(kept, 256);
@@ -277,8 +279,9 @@ TEST(TrainCaptions, SeparatorsAsKohya) {
   // caption_separator afterwards (also when nothing else is done).
   wire::CaptionSettings second = caption_settings(true, 0, 0, 0, 0);
   second.set_secondary_separator(";;;");
+  const std::string dress = "black;;;white dress, hat, shoe";
   const auto joined =
-      outcomes(100, [&] { return process_caption("black;;;white dress, hat, shoe", second, clock, rng); });
+      outcomes(100, [&] { return process_caption(dress, second, clock, rng); });
   EXPECT_EQ(joined.size(), 6u) << "3 tags, 6 orders";
   for (const auto& [out, count] : joined) {
     EXPECT_NE(out.find("black,white dress"), std::string::npos) << out;

@@ -82,7 +82,7 @@ struct MicroBatch {
   at::Tensor offset_noise;           // optional [B, 4, 1, 1] (with noise_offset)
   at::Tensor timesteps;              // optional [B] int64
   at::Tensor ip_noise;               // optional [B, 4, h, w] (with ip_noise_gamma; fixed strength)
-  at::Tensor masks;                  // optional [B, 1, h, w] fp32: kohya's alpha masks, loss weights
+  at::Tensor masks;                  // optional [B, 1, h, w] fp32: kohya's alpha masks
   // Data-parallel ranks (trainer/ranks.h): every rank gets the whole global batch and draws its
   // noise and timesteps, then computes rows [rows_begin, rows_begin + rows) alone, with a loss
   // that is their sum over B, so the ranks' summed gradients are the global batch's mean.
