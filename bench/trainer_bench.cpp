@@ -20,7 +20,8 @@
 //       the steps and what was alive at "ready" (the weights and inputs): the CPU's counterparts
 //       of torch.cuda.max_memory_allocated and memory_allocated, free of the heap's slack.
 //   trainer_bench solo tiny|full [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16]
-//       [--batch N] [--resolution PX] [--steps N] [--gradient_checkpointing] [--threads N]
+//       [--batch N] [--resolution PX] [--steps N] [--gradient_checkpointing] [--fp8_base]
+//       [--threads N]
 //       [--peak_tflops T] [--optimizer_type NAME [--optimizer_args K=V ...] [--learning_rate LR]]
 //       the same step alone, on the UNet's own random initialisation and random inputs (no files,
 //       no Python: what tests/gpu/run.sh runs on a GPU machine). The base is frozen in --dtype
@@ -35,7 +36,8 @@
 //       recomputation is not counted, as MFU conventionally leaves it out. --optimizer_type
 //       takes the trainer's names (AdamW by default) and --learning_rate the step's rate (1e-4
 //       by default; Prodigy and DAdaptAdam want 1.0), so each optimizer runs on the device where
-//       the trainer would run it; the line names it.
+//       the trainer would run it; the line names it. --fp8_base stores the UNet's Linear and Conv2d
+//       weights in float8 as the trainer's --fp8_base does (computing in --dtype).
 // Runs under the trainer's heap policy (common/heap.h), as lorapipe-trainer does. Nothing here is
 // a test.
 #include <sys/resource.h>
@@ -46,7 +48,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Generator.h>
-#include <c10/core/CPUAllocator.h>
 #if __has_include(<c10/cuda/CUDACachingAllocator.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <torch/cuda.h>
@@ -63,13 +64,13 @@
 #include <functional>
 #include <iostream>
 #include <map>
-#include <mutex>
 #include <string>
-#include <unordered_map>
 
 #include "common/heap.h"
 #include "models/device.h"
+#include "models/float8.h"
 #include "models/pipeline.h"
+#include "models/tensor_memory.h"
 #include "models/tiny.h"
 #include "models/unet.h"
 #include "trainer/lora_file.h"
@@ -111,68 +112,7 @@ double cpu_ms() {
   return ms(usage.ru_utime) + ms(usage.ru_stime);
 }
 
-// Every CPU tensor's storage passes through here (installed first thing in main): it counts the
-// bytes alive and the most alive at once since reset_peak(). It hands out the default
-// allocator's own blocks (data and context the same pointer, which LibTorch's raw_allocate
-// callers require) and keeps each block's size in a table until it is freed.
-class TensorMemoryCounter final : public c10::Allocator {
- public:
-  TensorMemoryCounter() : base_(c10::GetDefaultCPUAllocator()) {
-    instance_ = this;
-    base_deleter_ = base_->raw_deleter();
-    if (base_deleter_ == nullptr) throw std::runtime_error("the CPU allocator has no raw deleter");
-  }
-  c10::DataPtr allocate(size_t bytes) override {
-    c10::DataPtr inner = base_->allocate(bytes);
-    const c10::Device device = inner.device();
-    void* data = inner.release_context();  // ours to free now, through release()
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      sizes_[data] = bytes;
-      alive_ += bytes;
-      peak_ = std::max(peak_, alive_);
-    }
-    return {data, data, &TensorMemoryCounter::release, device};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &TensorMemoryCounter::release; }
-  void copy_data(void* dest, const void* src, size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-  double alive_mib() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return static_cast<double>(alive_) / (1 << 20);
-  }
-  double peak_mib() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return static_cast<double>(peak_) / (1 << 20);
-  }
-  void reset_peak() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    peak_ = alive_;
-  }
-
- private:
-  static void release(void* data) {
-    TensorMemoryCounter* self = instance_;
-    {
-      std::lock_guard<std::mutex> lock(self->mutex_);
-      auto it = self->sizes_.find(data);
-      if (it != self->sizes_.end()) {
-        self->alive_ -= it->second;
-        self->sizes_.erase(it);
-      }
-    }
-    self->base_deleter_(data);
-  }
-  static inline TensorMemoryCounter* instance_ = nullptr;
-  c10::Allocator* base_;
-  c10::DeleterFnPtr base_deleter_ = nullptr;
-  std::mutex mutex_;
-  std::unordered_map<void*, size_t> sizes_;
-  size_t alive_ = 0, peak_ = 0;
-};
-
-TensorMemoryCounter* tensor_memory = nullptr;
+m::TensorMemoryCounter* tensor_memory = nullptr;  // models/tensor_memory.h, set first in main
 
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point start) {
@@ -300,7 +240,7 @@ void synchronize(const c10::Device& device) {
 int solo(const std::string& size, int argc, char** argv) {
   std::string device_spec = "cpu", dtype_name = "fp32";
   int64_t batch = 1, resolution = size == "tiny" ? 128 : 512, steps = 5;
-  bool checkpointing = false;
+  bool checkpointing = false, fp8_base = false;
   double peak_tflops = -1;
   t::OptimizerOptions optimizer;
   std::vector<std::string> optimizer_args;
@@ -323,6 +263,8 @@ int solo(const std::string& size, int argc, char** argv) {
       steps = std::stoll(value());
     } else if (flag == "--gradient_checkpointing") {
       checkpointing = true;
+    } else if (flag == "--fp8_base") {
+      fp8_base = true;
     } else if (flag == "--threads") {
       at::set_num_threads(std::stoi(value()));
     } else if (flag == "--peak_tflops") {
@@ -350,7 +292,9 @@ int solo(const std::string& size, int argc, char** argv) {
   m::StableDiffusion model;
   model.family = m::model_family("sd15");
   model.unet = m::UNet(config_for(size));
-  model.unet->to(device, dtype);
+  model.unet->to(dtype);
+  if (fp8_base) m::store_weights_in_float8(*model.unet);  // on the CPU, then moved, as the trainer
+  model.unet->to(device);
   for (auto& p : model.unet->parameters()) p.requires_grad_(false);
   model.unet->train();
   t::NetworkOptions net;
@@ -386,9 +330,9 @@ int solo(const std::string& size, int argc, char** argv) {
   synchronize(device);
   const double seconds = ms_since(start) / 1e3 / static_cast<double>(steps);
   const double flops = 2 * m::unet_forward_flops(config, batch, side, side, 77);
-  std::printf("%s %s %s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, peak allocated %.0f MiB",
+  std::printf("%s %s %s%s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, peak allocated %.0f MiB",
               size.c_str(), m::describe_device(device).c_str(), dtype_name.c_str(),
-              optimizer.type.c_str(),
+              fp8_base ? " fp8_base" : "", optimizer.type.c_str(),
               static_cast<long long>(batch), static_cast<long long>(resolution),
               static_cast<long long>(resolution), checkpointing ? ", checkpointing" : "", seconds,
               static_cast<double>(batch) / seconds, peak_allocated_mib(device));
@@ -446,8 +390,7 @@ int run(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   lorapipe::keep_freed_memory_for_reuse();  // the trainer's heap policy, first thing in main
-  tensor_memory = new TensorMemoryCounter();  // lives to the end
-  c10::SetCPUAllocator(tensor_memory, /*priority=*/100);
+  tensor_memory = &m::TensorMemoryCounter::install();
   try {
     return run(argc, argv);
   } catch (const std::exception& e) {

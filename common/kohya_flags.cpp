@@ -68,10 +68,6 @@ const std::vector<ForeignFlag> kFlags = {
     {"v2", K::kBoolean, "", T::kDefaultOnly, "Stable Diffusion 2.x: not in lorapipe yet (SD 1.x only)"},
     {"tokenizer_cache_dir", K::kValue, "", T::kAnyValue,
      "lorapipe's CLIP vocabulary is built in (--tokenizer for another)"},
-    {"fp8_base", K::kBoolean, "", T::kDefaultOnly,
-     "fp8 base weights: not in lorapipe yet (--mixed_precision=bf16 halves them)"},
-    {"fp8_base_unet", K::kBoolean, "", T::kDefaultOnly,
-     "fp8 base weights: not in lorapipe yet (--mixed_precision=bf16 halves them)"},
     {"full_fp16", K::kBoolean, "", T::kAnyValue,
      "the LoRA's own weights and their optimizer state stay fp32 (a few MB), over a base in "
      "--mixed_precision: what full_fp16 saves is that little, at a cost in precision"},

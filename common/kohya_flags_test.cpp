@@ -27,7 +27,7 @@ TEST(KohyaFlags, DefaultsAreTakenAndOtherValuesRefusedNamingFlagValueAndWhy) {
   for (const auto& [name, value] :
        std::vector<std::pair<std::string, std::string>>{{"deepspeed", "false"},
                                                         {"v2", "False"},
-                                                        {"fp8_base", "0"},
+                                                        {"torch_compile", "0"},
                                                         {"deepspeed", "False"},
                                                         {"huggingface_repo_id", ""},
                                                         {"initial_step", "0"},

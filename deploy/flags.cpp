@@ -109,7 +109,7 @@ std::vector<FlagInfo> make_table() {
         "no_half_vae", "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",
         "debiased_estimation_loss", "ip_noise_gamma_random_strength", "zero_terminal_snr",
         "weighted_captions", "save_state_on_train_end", "no_metadata", "use_lion_optimizer",
-        "dim_from_weights", "masked_loss", "debug_dataset"}) {
+        "dim_from_weights", "masked_loss", "debug_dataset", "fp8_base", "fp8_base_unet"}) {
     boolean(name, {S::kTrainer});
   }
   // sampler

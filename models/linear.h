@@ -9,6 +9,8 @@
 // fused addmm, and its backward is the matching AddmmBackward. Every (B, L, C) projection of the
 // UNet, the VAE attention and the CLIP tower goes through here, so this is the difference between
 // matching the reference's kernel sequence and an extra pass over every projection's output.
+//
+// A weight stored in float8 (--fp8_base, models/float8.h) is upcast to the input's dtype per call.
 
 #include <ATen/ops/linear.h>
 #include <torch/nn/modules/conv.h>
@@ -17,6 +19,7 @@
 
 #include <memory>
 
+#include "models/float8.h"
 #include "models/lora.h"
 
 namespace lorapipe::models {
@@ -24,7 +27,8 @@ namespace lorapipe::models {
 struct LinearImpl : torch::nn::LinearImpl {
   using torch::nn::LinearImpl::LinearImpl;
   at::Tensor forward(const at::Tensor& input) {
-    at::Tensor out = at::linear(input, weight, bias);
+    at::Tensor out =
+        is_float8(weight) ? float8_linear(input, weight, bias) : at::linear(input, weight, bias);
     return lora ? lora->add_to(input, out) : out;
   }
   std::shared_ptr<LoraAdapter> lora;  // filled by a LoRA network, empty otherwise
@@ -34,7 +38,8 @@ TORCH_MODULE(Linear);
 struct Conv2dImpl : torch::nn::Conv2dImpl {
   using torch::nn::Conv2dImpl::Conv2dImpl;
   at::Tensor forward(const at::Tensor& input) {
-    at::Tensor out = torch::nn::Conv2dImpl::forward(input);
+    at::Tensor out = is_float8(weight) ? float8_conv2d(input, weight, bias, options)
+                                       : torch::nn::Conv2dImpl::forward(input);
     return lora ? lora->add_to(input, out) : out;
   }
   std::shared_ptr<LoraAdapter> lora;

@@ -561,9 +561,10 @@ std::string StableDiffusion::text_encoder_settings(int clip_skip, int max_token_
 
 at::Tensor StableDiffusion::denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,
                                     const Conditioning& conditioning) {
-  const at::Tensor& weight = unet->conv_in->weight;
-  return unet->forward(noisy_latents.to(weight.device(), weight.scalar_type()), timesteps,
-                       conditioning.hidden_states.to(weight.device(), weight.scalar_type()));
+  // The compute dtype: a norm's, as norms never take float8 storage (models/float8.h).
+  const at::Tensor& like = unet->conv_norm_out->weight;
+  return unet->forward(noisy_latents.to(like.device(), like.scalar_type()), timesteps,
+                       conditioning.hidden_states.to(like.device(), like.scalar_type()));
 }
 
 std::vector<LoraTarget> StableDiffusion::lora_targets(bool with_text_encoder, bool conv_kxk) const {

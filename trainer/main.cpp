@@ -75,6 +75,11 @@ DEFINE_double(checkpoint_reannounce_s, 5.0,
 DEFINE_string(training_comment, "", "Written into the LoRA's metadata");
 DEFINE_string(device, "auto", "auto, cpu, cuda or cuda:N");
 DEFINE_string(mixed_precision, "no", "no, fp16 or bf16: the frozen base's dtype");
+DEFINE_bool(fp8_base, false,
+            "Store the U-Net's and text encoder's Linear/Conv2d weights in float8, computing in "
+            "--mixed_precision's dtype");
+DEFINE_bool(fp8_base_unet, false, "--fp8_base for the U-Net alone (the text encoder stays in "
+                                  "--mixed_precision's dtype)");
 DEFINE_int32(threads, 0, "CPU threads for compute (0: one per core)");
 // Length and data.
 DEFINE_int64(max_train_steps, 1600, "Optimizer steps");
@@ -346,6 +351,8 @@ int main(int argc, char** argv) {
     o.device = FLAGS_device;
     o.threads = FLAGS_threads;
     o.mixed_precision = FLAGS_mixed_precision;
+    o.fp8_base = FLAGS_fp8_base;
+    o.fp8_base_unet = FLAGS_fp8_base_unet;
     o.output_dir = FLAGS_output_dir;
     o.output_name = FLAGS_output_name;
     o.save_precision = FLAGS_save_precision;

@@ -20,6 +20,7 @@
 
 #include "cacher/encode.h"
 #include "models/attention.h"
+#include "models/float8.h"
 #include "models/parity_util.h"
 #include "models/pipeline.h"
 #include "models/tiny.h"
@@ -70,6 +71,7 @@ struct Scenario {
   bool checkpointing = false;
   bool conv = false;  // LoCon: also the 3x3 convs of the resnets and samplers
   bool alpha_masks = false;  // kohya's alpha_mask: random 64x64 alphas over the 8x8 latents
+  bool fp8_base = false;     // --fp8_base: both models' Linear and Conv2d weights in float8
 };
 
 struct Result {
@@ -144,6 +146,10 @@ class TrainParity : public ::testing::Test {
   static Result run_ours(const Scenario& s, const std::map<std::string, torch::Tensor>& inputs,
                          const fs::path& init_lora) {
     models::StableDiffusion model = load();
+    if (s.fp8_base) {
+      models::store_weights_in_float8(*model.unet);
+      models::store_weights_in_float8(*model.text_encoder);
+    }
     NetworkOptions net;
     net.dim = 4;
     net.alpha = 2;  // scale 0.5: a wrong scale cannot pass
@@ -237,6 +243,7 @@ class TrainParity : public ::testing::Test {
                           {"gradient_accumulation_steps", s.accumulation},
                           {"loss_type", "l2"},
                           {"adam_eps", kAdamEps},
+                          {"fp8_base", s.fp8_base},
                           {"dtype", "float64"}};
     std::ofstream(work / "config.json") << config.dump(2);
     const char* python = std::getenv("LORAPIPE_PYTHON");
@@ -504,6 +511,22 @@ TEST_F(TrainParity, OneStepLoConUnetOnly) {
   s.conv = true;
   s.train_text_encoder = false;
   run_scenario(s, "locon", /*final_weights=*/true);
+}
+
+// --fp8_base: the weights are stored in float8 and each layer computes with its weight widened,
+// so the run is the reference's on weights rounded to float8 (exactly representable in fp32 and
+// fp64), to the same tolerance as any other run. Rounding to float8 moves a weight by up to 6%,
+// so a layer left wide, or rounded differently, is far outside it. With LoCon on the 3x3 convs
+// (a LoRA over a float8 convolution), the text encoder trained through its float8 projections,
+// and gradient checkpointing (the float8 layers' backward run from the recomputation), over two
+// AdamW steps.
+TEST_F(TrainParity, Float8BaseLoConCheckpointedTwoSteps) {
+  Scenario s;
+  s.steps = 2;
+  s.fp8_base = true;
+  s.conv = true;
+  s.checkpointing = true;
+  run_scenario(s, "fp8", /*final_weights=*/true);
 }
 
 TEST_F(TrainParity, TwentyAdamWStepsCosineWithClipping) {

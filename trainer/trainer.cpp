@@ -33,6 +33,7 @@
 #include "common/sha256.h"
 #include "models/device.h"
 #include "models/fingerprint.h"
+#include "models/float8.h"
 #include "models/lora_merge.h"
 #include "models/pipeline.h"
 #include "models/prompt_attention.h"
@@ -515,8 +516,31 @@ void Run::load_model() {
     }
   }
   const c10::ScalarType dtype = o_.step.base_dtype;
-  model_.unet->to(device_, dtype);
-  model_.text_encoder->to(device_, dtype);
+  const bool unet_fp8 = o_.fp8_base || o_.fp8_base_unet;
+  const bool text_encoder_fp8 = o_.fp8_base && !o_.fp8_base_unet;  // kohya: _unet wins
+  if (unet_fp8 || text_encoder_fp8) {
+    // Converted on the CPU, then moved: the device never holds the wider weights.
+    model_.unet->to(dtype);
+    model_.text_encoder->to(dtype);
+    auto store = [](torch::nn::Module& module, const char* name) {
+      const models::Float8Storage s = models::store_weights_in_float8(module);
+      LP_LOG(kInfo, kLog) << "--fp8_base: the " << name << "'s " << s.tensors
+                          << " Linear and Conv2d weights stored in float8_e4m3fn, "
+                          << s.bytes_before / (1 << 20) << " MiB -> " << s.bytes_after / (1 << 20)
+                          << " MiB";
+      if (s.saturated > 0) {
+        LP_LOG(kWarning, kLog) << "--fp8_base: " << s.saturated << " of the " << name
+                               << "'s weights hold values beyond float8's +-448, clamped to it";
+      }
+    };
+    if (unet_fp8) store(*model_.unet, "U-Net");
+    if (text_encoder_fp8) store(*model_.text_encoder, "text encoder");
+    model_.unet->to(device_);  // device only: a dtype would widen the float8 weights again
+    model_.text_encoder->to(device_);
+  } else {
+    model_.unet->to(device_, dtype);
+    model_.text_encoder->to(device_, dtype);
+  }
   for (auto& p : model_.unet->parameters()) p.requires_grad_(false);
   for (auto& p : model_.text_encoder->parameters()) p.requires_grad_(false);
   if (fs::is_regular_file(o_.model)) {

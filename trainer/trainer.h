@@ -28,6 +28,10 @@ struct Options {
   std::string dataset_id;
   std::string device = "auto";
   std::string mixed_precision = "no";  // no, fp16, bf16
+  // kohya's --fp8_base (the U-Net's and the text encoder's Linear and Conv2d weights stored in
+  // float8, models/float8.h) and --fp8_base_unet (the U-Net's alone; it wins over fp8_base).
+  bool fp8_base = false;
+  bool fp8_base_unet = false;
   int threads = 0;                     // CPU compute threads (0: LibTorch's default, one per core)
   // Data-parallel ranks (trainer/ranks.h), from the environment torchrun sets. train_batch_size
   // is per rank, as kohya's: a step trains train_batch_size x world_size samples.

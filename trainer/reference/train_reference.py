@@ -24,7 +24,11 @@ CONFIG         steps, prediction_type, min_snr_gamma, scale_v_pred_loss_like_noi
                max_grad_norm, adam_betas, adam_eps, weight_decay, train_text_encoder,
                clip_skip, loss_type (l2|l1|huber), huber_c, huber_schedule (constant),
                gradient_accumulation_steps (G; each micro-batch loss is divided by G),
-               dtype (float32 | float64: models, LoRA, inputs, optimizer and OUT in it).
+               dtype (float32 | float64: models, LoRA, inputs, optimizer and OUT in it),
+               fp8_base (kohya's --fp8_base as lorapipe stores it: the weight of every Linear
+               and Conv2d of both models rounded to float8_e4m3fn, then widened to dtype, so
+               the run computes in dtype with the rounded weights; norms, biases and
+               embeddings as loaded).
 OUT            loss, keys_scaled [S]; grad_norm, lr [S/G]; alphas_cumprod [1000] (the
                scheduler's, fp32 values); per module <name>.lora_{down,up}.grad (first
                optimizer step, before clipping), <name>.lora_{down,up}.weight (final),
@@ -52,7 +56,7 @@ CONFIG_DEFAULTS = {
     "lr_warmup_steps": 0, "lr_scheduler_num_cycles": 1, "lr_scheduler_power": 1.0, "max_grad_norm": 0.0,
     "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "weight_decay": 0.01, "train_text_encoder": False,
     "clip_skip": 1, "loss_type": "l2", "huber_c": 0.1, "huber_schedule": "constant",
-    "gradient_accumulation_steps": 1, "dtype": "float32",
+    "gradient_accumulation_steps": 1, "dtype": "float32", "fp8_base": False,
 }
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 LORA_PARTS = ("lora_down.weight", "lora_up.weight", "alpha")
@@ -231,6 +235,11 @@ def main():
     text_encoder = CLIPTextModel.from_pretrained(f"{args.model}/text_encoder", dtype=dtype)
     unet.requires_grad_(False).eval()
     text_encoder.requires_grad_(False).eval()
+    if cfg["fp8_base"]:  # before peft wraps the layers: the base layers' own weights
+        for model in (unet, text_encoder):
+            for m in model.modules():
+                if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
+                    m.weight.data = m.weight.data.to(torch.float8_e4m3fn).to(dtype)
     unknown = [n for n in groups if not n.startswith(("lora_unet_", "lora_te_"))]
     if unknown:
         fail(f"LoRA names without lora_unet_/lora_te_ prefix: {unknown}")

@@ -1,0 +1,128 @@
+#include "models/float8.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+
+#include <variant>
+
+#include "models/linear.h"
+
+namespace lorapipe::models {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Neither function can give a float8 weight or a frozen bias a gradient; saying so loudly beats
+// a LoRA that silently stops training because a bias was meant to.
+void require_frozen(const at::Tensor& weight, const at::Tensor& bias) {
+  TORCH_CHECK(!weight.requires_grad(), "a float8 weight cannot be trained");
+  TORCH_CHECK(!bias.defined() || !bias.requires_grad(),
+              "the bias beside a float8 weight is frozen with it");
+}
+
+// The bias rides along as a plain argument, not an input of the node: it gets no gradient, and
+// the autograd function machinery takes no undefined tensor for a layer without one.
+struct FrozenBias {
+  at::Tensor tensor;
+};
+
+struct Float8Linear : torch::autograd::Function<Float8Linear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
+                            const at::Tensor& weight, const FrozenBias& bias) {
+    ctx->save_for_backward({weight});  // the float8 tensor itself: no copy is kept
+    return at::linear(input, weight.to(input.scalar_type()), bias.tensor);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor weight = ctx->get_saved_variables()[0];
+    const at::Tensor& grad = grads[0];
+    // y = x W^T + b, so dL/dx = dL/dy W: what linear's own backward computes for its input.
+    return {at::matmul(grad, weight.to(grad.scalar_type())), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct Float8Conv2d : torch::autograd::Function<Float8Conv2d> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
+                            const at::Tensor& weight, const FrozenBias& bias,
+                            std::vector<int64_t> stride, std::vector<int64_t> padding,
+                            std::vector<int64_t> dilation, int64_t groups) {
+    ctx->save_for_backward({weight});
+    ctx->saved_data["input_sizes"] = input.sizes().vec();
+    ctx->saved_data["stride"] = stride;
+    ctx->saved_data["padding"] = padding;
+    ctx->saved_data["dilation"] = dilation;
+    ctx->saved_data["groups"] = groups;
+    return at::conv2d(input, weight.to(input.scalar_type()), bias.tensor, stride, padding,
+                      dilation, groups);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor weight = ctx->get_saved_variables()[0];
+    const at::Tensor& grad = grads[0];
+    const auto input_sizes = ctx->saved_data["input_sizes"].toIntVector();
+    const auto stride = ctx->saved_data["stride"].toIntVector();
+    const auto padding = ctx->saved_data["padding"].toIntVector();
+    const auto dilation = ctx->saved_data["dilation"].toIntVector();
+    const int64_t groups = ctx->saved_data["groups"].toInt();
+    // A convolution's input gradient is the transposed convolution of the output gradient with
+    // the same weight; output_padding restores the rows and columns a stride > 1 dropped.
+    std::vector<int64_t> output_padding(2);
+    for (int d = 0; d < 2; ++d) {
+      const int64_t kernel = weight.size(2 + d);
+      const int64_t out = grad.size(2 + d);
+      output_padding[d] = input_sizes[2 + d] - ((out - 1) * stride[d] - 2 * padding[d] +
+                                                dilation[d] * (kernel - 1) + 1);
+    }
+    at::Tensor grad_input =
+        at::conv_transpose2d(grad, weight.to(grad.scalar_type()), /*bias=*/{}, stride, padding,
+                             output_padding, groups, dilation);
+    return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) {
+  require_frozen(weight, bias);
+  return Float8Linear::apply(input, weight, FrozenBias{bias});
+}
+
+at::Tensor float8_conv2d(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                         const torch::nn::detail::ConvNdOptions<2>& options) {
+  TORCH_CHECK(std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode()),
+              "a float8 convolution pads with zeros only");
+  const auto* padding = std::get_if<torch::ExpandingArray<2>>(&options.padding());
+  TORCH_CHECK(padding != nullptr, "a float8 convolution takes explicit padding only");
+  require_frozen(weight, bias);
+  auto vec = [](at::IntArrayRef a) { return a.vec(); };
+  return Float8Conv2d::apply(input, weight, FrozenBias{bias}, vec(options.stride()), vec(*padding),
+                             vec(options.dilation()), options.groups());
+}
+
+Float8Storage store_weights_in_float8(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  Float8Storage out;
+  auto store = [&](at::Tensor& weight, at::Tensor& bias) {
+    if (!weight.defined() || is_float8(weight)) return;
+    weight.requires_grad_(false);
+    if (bias.defined()) bias.requires_grad_(false);
+    at::Tensor w = weight.detach();
+    if (w.abs().max().item<double>() > kFloat8E4m3Max) {
+      ++out.saturated;
+      w = w.clamp(-kFloat8E4m3Max, kFloat8E4m3Max);
+    }
+    ++out.tensors;
+    out.bytes_before += static_cast<int64_t>(weight.nbytes());
+    weight.set_data(w.to(at::kFloat8_e4m3fn));
+    out.bytes_after += static_cast<int64_t>(weight.nbytes());
+  };
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (auto linear = std::dynamic_pointer_cast<LinearImpl>(m)) store(linear->weight, linear->bias);
+    if (auto conv = std::dynamic_pointer_cast<Conv2dImpl>(m)) store(conv->weight, conv->bias);
+  }
+  return out;
+}
+
+}  // namespace lorapipe::models

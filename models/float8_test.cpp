@@ -1,0 +1,163 @@
+// Base weights stored in float8 (models/float8.h): the layers compute what torch computes with the
+// rounded weight, backward keeps no upcast copy, and storing converts exactly the adaptable
+// layers' weights.
+#include "models/float8.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "models/clip_text.h"
+#include "models/linear.h"
+#include "models/tensor_memory.h"
+#include "models/tiny.h"
+#include "models/unet.h"
+
+namespace lorapipe::models {
+namespace {
+
+// The float8 weight as torch's own layer would hold it: rounded, then widened (exact).
+at::Tensor rounded(const at::Tensor& w, c10::ScalarType dtype) {
+  return w.to(at::kFloat8_e4m3fn).to(dtype);
+}
+
+// Forward and input gradient of a float8 layer against torch's layer on the rounded weight, in
+// fp32 and bf16. Linear's forward is the same at::linear call on the same values, so equal bit
+// for bit; its backward is the matmul linear's own backward issues. A convolution's input
+// gradient is computed here as a transposed convolution, a different kernel from
+// convolution_backward's, so its sums may round differently: held to 1e-5 relative in fp32 (a
+// few ulps of sums over at most 8 * 3 * 3 = 72 terms), 1e-2 in bf16 (two roundings of 8 bits).
+TEST(Float8Weights, LayersComputeWhatTorchComputesWithTheRoundedWeight) {
+  torch::manual_seed(3);
+  for (const c10::ScalarType dtype : {torch::kFloat, torch::kBFloat16}) {
+    const double tolerance = dtype == torch::kFloat ? 1e-5 : 1e-2;
+    Linear linear(torch::nn::LinearOptions(24, 16));
+    at::Tensor w = linear->weight.detach().clone();
+    store_weights_in_float8(*linear);
+    ASSERT_EQ(linear->weight.scalar_type(), at::kFloat8_e4m3fn);
+    linear->bias.set_data(linear->bias.detach().to(dtype));
+    const at::Tensor x = torch::randn({2, 5, 24}).to(dtype).requires_grad_(true);
+    const at::Tensor y = linear(x);
+    const at::Tensor g = torch::randn_like(y);
+    y.backward(g);
+    const at::Tensor x_ref = x.detach().clone().requires_grad_(true);
+    const at::Tensor y_ref = at::linear(x_ref, rounded(w, dtype), linear->bias.detach());
+    y_ref.backward(g);
+    EXPECT_EQ(y.scalar_type(), dtype);
+    EXPECT_TRUE(torch::equal(y, y_ref)) << "linear forward, " << dtype;
+    EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), tolerance, 0)) << "linear input grad";
+
+    // 3x3 with stride 2 over an even and an odd side (the odd one needs no output padding in
+    // the transposed convolution, the even one needs one row and column), and a 1x1.
+    for (const auto& [kernel, stride, padding, side] :
+         std::vector<std::tuple<int, int, int, int>>{{3, 2, 1, 10}, {3, 2, 1, 9}, {3, 1, 1, 7},
+                                                     {1, 1, 0, 6}}) {
+      Conv2d conv(torch::nn::Conv2dOptions(8, 6, kernel).stride(stride).padding(padding));
+      const at::Tensor cw = conv->weight.detach().clone();
+      store_weights_in_float8(*conv);
+      conv->bias.set_data(conv->bias.detach().to(dtype));
+      const at::Tensor in = torch::randn({2, 8, side, side}).to(dtype).requires_grad_(true);
+      const at::Tensor out = conv(in);
+      const at::Tensor go = torch::randn_like(out);
+      out.backward(go);
+      const at::Tensor in_ref = in.detach().clone().requires_grad_(true);
+      const at::Tensor out_ref =
+          at::conv2d(in_ref, rounded(cw, dtype), conv->bias.detach(), stride, padding);
+      out_ref.backward(go);
+      const std::string what = "conv " + std::to_string(kernel) + "x" + std::to_string(kernel) +
+                               " stride " + std::to_string(stride) + " side " +
+                               std::to_string(side);
+      EXPECT_TRUE(torch::equal(out, out_ref)) << what;
+      ASSERT_EQ(in.grad().sizes(), in.sizes()) << what;
+      EXPECT_LE(((in.grad() - in_ref.grad()).abs().max() / in_ref.grad().abs().max())
+                    .item<double>(),
+                tolerance)
+          << what << ", " << dtype;
+    }
+  }
+}
+
+// The point of float8 storage: while a graph waits for backward it holds the float8 weights and
+// the activations, not a widened copy of every weight. Eight 512x512 layers: each fp32 copy is
+// 1 MiB, the activations of a [2, 512] input 4 KiB a layer. The same stack run the way autocast
+// runs it (upcast, then at::linear) shows what the measurement sees when copies are kept.
+TEST(Float8Weights, BackwardKeepsNoWidenedCopyOfAWeight) {
+  TensorMemoryCounter& memory = TensorMemoryCounter::install();
+  torch::manual_seed(5);
+  std::vector<Linear> layers;
+  for (int i = 0; i < 8; ++i) {
+    layers.emplace_back(torch::nn::LinearOptions(512, 512).bias(false));
+    store_weights_in_float8(*layers.back());
+  }
+  const int64_t copy_bytes = 512 * 512 * 4;
+  auto retained = [&](bool widened) {
+    const at::Tensor x = torch::randn({2, 512}).requires_grad_(true);
+    const size_t before = memory.alive_bytes();
+    at::Tensor y = x;
+    for (Linear& l : layers) {
+      y = widened ? at::linear(y, l->weight.to(torch::kFloat)) : l(y);
+    }
+    const auto held = static_cast<int64_t>(memory.alive_bytes() - before);
+    y.sum().backward();  // and backward runs through the float8 layers
+    EXPECT_TRUE(x.grad().defined() && x.grad().abs().sum().item<double>() > 0);
+    return held;
+  };
+  const int64_t ours = retained(false), autocast_like = retained(true);
+  std::printf("[float8] a graph of 8 layers holds %lld bytes (widened copies kept: %lld)\n",
+              static_cast<long long>(ours), static_cast<long long>(autocast_like));
+  EXPECT_LT(ours, copy_bytes / 4) << "a float8 layer kept a widened weight for backward";
+  EXPECT_GE(autocast_like, 8 * copy_bytes) << "the measurement does not see kept copies";
+}
+
+// Storing converts the weight of every Linear and Conv2d (a LoRA's targets and every other
+// projection), each value rounded to nearest, and leaves norms, biases and embeddings in their
+// dtype. Values beyond float8's range saturate at +-448 instead of becoming NaN.
+TEST(Float8Weights, StoringConvertsEveryLinearAndConvWeightAndNothingElse) {
+  torch::manual_seed(11);
+  UNet unet(tiny_unet_config());
+  ClipTextModel text(tiny_text_config());
+  for (torch::nn::Module* module : std::vector<torch::nn::Module*>{unet.get(), text.get()}) {
+    std::map<std::string, at::Tensor> before;
+    for (const auto& item : module->named_parameters()) {
+      before[item.key()] = item.value().detach().clone();
+    }
+    int64_t layers = 0;
+    for (const auto& m : module->modules()) {
+      layers += std::dynamic_pointer_cast<LinearImpl>(m) || std::dynamic_pointer_cast<Conv2dImpl>(m);
+    }
+    const Float8Storage s = store_weights_in_float8(*module);
+    EXPECT_EQ(s.tensors, layers);
+    EXPECT_EQ(s.saturated, 0);
+    EXPECT_EQ(s.bytes_after * 4, s.bytes_before);
+    int64_t float8 = 0;
+    for (const auto& item : module->named_parameters()) {
+      const std::string& name = item.key();
+      const at::Tensor& p = item.value();
+      if (is_float8(p)) {
+        ++float8;
+        EXPECT_TRUE(name.ends_with("weight")) << name;
+        EXPECT_TRUE(torch::equal(p.to(torch::kFloat), rounded(before[name], torch::kFloat)))
+            << name;
+      } else {
+        EXPECT_EQ(p.scalar_type(), torch::kFloat) << name;
+        EXPECT_TRUE(torch::equal(p, before[name])) << name;
+      }
+    }
+    EXPECT_EQ(float8, layers);
+  }
+  EXPECT_GT(unet->parameters().size(), 0u);
+
+  Linear big(torch::nn::LinearOptions(2, 2));
+  {
+    torch::NoGradGuard no_grad;
+    big->weight.copy_(torch::tensor({{1000.0f, -1000.0f}, {0.5f, 448.0f}}));
+  }
+  const Float8Storage s = store_weights_in_float8(*big);
+  EXPECT_EQ(s.saturated, 1);
+  EXPECT_TRUE(torch::equal(big->weight.to(torch::kFloat),
+                           torch::tensor({{448.0f, -448.0f}, {0.5f, 448.0f}})));
+  // Stored once, a second call finds nothing left to convert.
+  EXPECT_EQ(store_weights_in_float8(*big).tensors, 0);
+}
+
+}  // namespace
+}  // namespace lorapipe::models
