@@ -2,8 +2,9 @@
 // Frozen base weights stored in float8 (kohya's --fp8_base, --fp8_base_unet): a quarter of the
 // fp32 weights' memory, half of bf16's, for the layers that hold nearly all of it.
 //
-// Only the weight of each models::Linear and models::Conv2d is stored in float8_e4m3fn; norms,
-// biases and embeddings (under 0.2% of SD1.5's parameters) keep the compute dtype. A layer whose
+// Only the weight of each models::Linear and models::Conv2d is stored in float8_e4m3fn: 99.95%
+// of SD1.5's U-Net. Its norms and biases, and the text encoder's embeddings (kohya keeps those
+// too: nn.Embedding takes no float8), keep the compute dtype. A layer whose
 // weight is float8 computes in its input's dtype: the weight is upcast for the call and dropped
 // after it. kohya puts the whole model in float8 and lets autocast upcast each call; autograd then
 // keeps every upcast copy alive for backward, so without gradient checkpointing kohya's peak holds
