@@ -187,6 +187,9 @@ void Cacher::on_sample(const wire::ImageSample& s) {
   *entry.mutable_caption_settings() = s.caption_settings();
   entry.set_batch_size(s.batch_size());
   entry.set_dataset_index(s.dataset_index());
+  entry.set_subset_name(s.subset_name());
+  entry.set_subset_index(s.subset_index());
+  entry.set_caption_read(s.caption_read());
   if (s.augment_caption()) {
     all_text_cached_ = false;  // the trainer encodes this caption online, augmented each step
   } else {

@@ -97,9 +97,6 @@ const std::vector<ForeignFlag> kFlags = {
     {"conditioning_data_dir", K::kValue, "", T::kDefaultOnly,
      "masks from a folder of mask images: not in lorapipe yet (--alpha_mask reads the images' "
      "transparency)"},
-    {"in_json", K::kValue, "", T::kDefaultOnly,
-     "kohya's fine-tuning metadata JSON: use caption files or --dataset_config"},
-    {"dataset_repeats", K::kValue, "1", T::kAnyValue, "acts only with --in_json"},
     {"dataset_class", K::kValue, "", T::kDefaultOnly, "a dataset class of your own: not in lorapipe"},
     {"cache_info", K::kBoolean, "", T::kAnyValue, "lorapipe's cache always keeps each image's record"},
     {"skip_cache_check", K::kBoolean, "", T::kAnyValue,

@@ -218,7 +218,8 @@ void Supervisor::apply_demo_defaults() {
       throw Error("cannot write the tiny model; see " + (dir_ / "logs" / "demo.log").string());
     }
   }
-  if (!s_.has("data_dir") && !s_.has("dataset_config") && !fs::exists(demo / "data")) {
+  if (!s_.has("data_dir") && !s_.has("dataset_config") && !s_.has("in_json") &&
+      !fs::exists(demo / "data")) {
     if (run_to_end({(o_.bin_dir / "lorapipe-demo-dataset").string(), (demo / "data").string()},
                    dir_ / "logs" / "demo.log") != 0) {
       throw Error("cannot write the demo dataset; see " + (dir_ / "logs" / "demo.log").string());
@@ -247,7 +248,7 @@ void Supervisor::apply_demo_defaults() {
       {"sample_prompts", (demo / "prompts.txt").string()},
   };
   for (const auto& [name, value] : defaults) {
-    if (name == "data_dir" && s_.has("dataset_config")) continue;
+    if (name == "data_dir" && (s_.has("dataset_config") || s_.has("in_json"))) continue;
     if (!s_.has(name)) s_.set(name, value);
   }
 }
@@ -426,8 +427,9 @@ int Supervisor::run() {
   tty_ = &display_ == &std::cout && isatty(1);
   prepare_folder();
   if (!s_.has("pretrained_model_name_or_path")) apply_demo_defaults();
-  if (!s_.has("data_dir") && !s_.has("dataset_config")) {
-    throw InputError("--data_dir or --dataset_config is needed with a model of your own");
+  if (!s_.has("data_dir") && !s_.has("dataset_config") && !s_.has("in_json")) {
+    throw InputError("--data_dir, --dataset_config or --in_json is needed with a model of your "
+                     "own");
   }
   write_config(s_, dir_ / "run.toml");
   events_.open(dir_ / "events.jsonl", std::ios::app);

@@ -890,4 +890,8 @@ std::string fix_text(std::string_view text) {
   return to_utf8(ftfy_fix_text(decode_or_throw(text, "text")));
 }
 
+std::string python_lower(std::string_view text) {
+  return to_utf8(lower(decode_or_throw(text, "text")));
+}
+
 }  // namespace lorapipe::models

@@ -153,4 +153,8 @@ class ClipTokenizer {
 // has nothing to do on valid UTF-8. Throws InputError when `text` is not valid UTF-8.
 std::string fix_text(std::string_view text);
 
+// Python's str.lower() on UTF-8 text (step 4 above), for other ports of kohya's Python. Throws
+// InputError when `text` is not valid UTF-8.
+std::string python_lower(std::string_view text);
+
 }  // namespace lorapipe::models

@@ -1,5 +1,6 @@
 #include "preprocess/dataset.h"
 
+#include <nlohmann/json.hpp>
 #include <toml++/toml.h>
 
 #include <algorithm>
@@ -153,6 +154,7 @@ void attach_caption(const SubsetOptions& subset, ImageEntry& entry, Discovery& o
       entry.caption_source = "none";
     }
   }
+  entry.caption_read = entry.caption;
   // kohya process_caption: prefix and suffix joined with a space.
   if (!subset.caption_prefix.empty()) entry.caption = subset.caption_prefix + " " + entry.caption;
   if (!subset.caption_suffix.empty()) entry.caption = entry.caption + " " + subset.caption_suffix;
@@ -201,6 +203,120 @@ void collect_subset(const fs::path& dir, size_t dataset, size_t subset_index,
   }
 }
 
+// kohya's IMAGE_EXTENSIONS, in its order: glob_images(image_dir, key) tries key + each.
+constexpr const char* kKohyaImageExtensions[] = {
+    ".png", ".jpg", ".jpeg", ".webp", ".bmp", ".PNG", ".JPG", ".JPEG", ".WEBP", ".BMP",
+    ".avif", ".AVIF", ".jxl", ".JXL"};
+
+// A fine-tuning subset (kohya's FineTuningDataset): the images its metadata file lists, with
+// their captions from it. An image that cannot be found is skipped and named, not the run.
+void collect_metadata_subset(size_t dataset, size_t subset_index, const SubsetOptions& subset,
+                             Discovery& out) {
+  const fs::path& file = subset.metadata_file;
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw InputError("cannot read metadata_file " + file.string());
+  nlohmann::ordered_json metadata;  // kohya walks it in the file's order
+  try {
+    metadata = nlohmann::ordered_json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(file.string() + ": not kohya's metadata JSON: " + e.what());
+  }
+  if (!metadata.is_object()) {
+    throw InputError(file.string() + ": not kohya's metadata JSON: expected an object of "
+                     "{\"image key\": {\"caption\": ..., \"tags\": ...}}");
+  }
+  if (metadata.empty()) {
+    LP_LOG(kWarning, kLog) << file.string() << ": no image entries: subset not used";
+    return;
+  }
+  bool bucket_info = false;
+  for (const auto& [key, md] : metadata.items()) {
+    // kohya: the key as a path if it exists, else image_dir/key with one of its extensions. A
+    // key with its extension in image_dir is taken too.
+    fs::path path;
+    std::error_code ec;
+    if (fs::is_regular_file(key, ec)) {
+      path = key;
+    } else if (!subset.image_dir.empty()) {
+      for (const char* ext : kKohyaImageExtensions) {
+        const fs::path candidate = subset.image_dir / (key + ext);
+        if (fs::is_regular_file(candidate, ec)) {
+          path = candidate;
+          break;
+        }
+      }
+      const fs::path as_is = subset.image_dir / key;
+      if (path.empty() && has_image_extension(as_is) && fs::is_regular_file(as_is, ec)) {
+        path = as_is;
+      }
+    }
+    const std::string where = file.string() + ": '" + key + "'";
+    if (path.empty()) {
+      const bool npz = fs::exists(fs::path(key).replace_extension(".npz"), ec) ||
+                       (!subset.image_dir.empty() &&
+                        fs::exists(subset.image_dir / (key + ".npz"), ec));
+      out.skipped.push_back(
+          {where, npz ? "only kohya's cached latents (.npz) found, not the image: lorapipe "
+                        "caches from the images"
+                      : "no such image (as a path, or in image_dir with an image extension)"});
+      continue;
+    }
+    if (!md.is_object()) {
+      out.skipped.push_back({where, "its metadata is not an object"});
+      continue;
+    }
+    auto text = [&](const char* name) -> std::optional<std::string> {
+      const auto it = md.find(name);
+      if (it == md.end() || it->is_null()) return std::nullopt;
+      if (!it->is_string()) return std::string();  // kohya would fail on it: taken as empty
+      return it->get<std::string>();
+    };
+    // kohya's FineTuningDataset: the caption, else the tags; both, joined by the separator (with
+    // enable_wildcard, the tags after each of the caption's lines). ss_tag_frequency counts the
+    // tags alone.
+    std::optional<std::string> caption = text("caption"), tags = text("tags");
+    if (!caption) {
+      caption = tags;
+      tags.reset();
+    }
+    ImageEntry image;
+    if (subset.enable_wildcard) {
+      if (tags) tags = replace_all(*tags, "\n", subset.caption_separator);
+      if (caption && tags) {
+        std::string joined;
+        size_t begin = 0;
+        while (begin <= caption->size()) {
+          const size_t end = std::min(caption->find('\n', begin), caption->size());
+          const std::string line = caption->substr(begin, end - begin);
+          if (!python_strip(line).empty()) {
+            joined += (joined.empty() ? "" : "\n") + line + subset.caption_separator + *tags;
+          }
+          begin = end + 1;
+        }
+        caption = joined;
+      }
+    } else if (tags && !tags->empty()) {
+      *caption += subset.caption_separator + *tags;
+      image.caption_read = *tags;
+    }
+    bucket_info = bucket_info || md.contains("train_resolution");
+    image.path = path;
+    image.dataset = dataset;
+    image.subset = subset_index;
+    image.caption = caption.value_or("");
+    image.caption_source = "metadata";
+    // kohya process_caption: prefix and suffix joined with a space.
+    if (!subset.caption_prefix.empty()) image.caption = subset.caption_prefix + " " + image.caption;
+    if (!subset.caption_suffix.empty()) image.caption = image.caption + " " + subset.caption_suffix;
+    if (!caption) ++out.captions_missing;
+    out.images.push_back(std::move(image));
+  }
+  if (bucket_info) {
+    LP_LOG(kInfo, kLog) << file.string() << ": its train_resolution values are not used: each "
+                        << "image's bucket is chosen from its size, as for image folders";
+  }
+}
+
 // ----- TOML -------------------------------------------------------------------------------
 
 enum class KeyType { kInt, kFloat, kBool, kString, kResolution, kFloatPair, kTable };
@@ -245,6 +361,7 @@ const std::map<std::string, KeySpec, std::less<>>& key_specs() {
       {"custom_attributes", {KeyType::kTable, kAll, false}},
       // subset only
       {"image_dir", {KeyType::kString, kSubset, true}},
+      {"metadata_file", {KeyType::kString, kSubset, true}},
       {"is_reg", {KeyType::kBool, kSubset, true}},
       // dataset, ascendable to general
       {"resolution", {KeyType::kResolution, kUpper, true}},
@@ -287,10 +404,6 @@ class TomlReader {
     for (const auto& [key, node] : table) {
       const std::string_view k = key.str();
       if (level == kDataset && k == "subsets") continue;
-      if (level == kSubset && k == "metadata_file") {
-        fail(node, "'metadata_file' (kohya fine-tuning datasets) is not supported yet; use "
-                   "image_dir with caption files");
-      }
       auto it = key_specs().find(k);
       if (it == key_specs().end()) {
         fail(node, "unknown key '" + std::string(k) + "' in " + where);
@@ -411,6 +524,8 @@ class TomlReader {
         if (s.token_warmup_step < 0) fail(node, "'token_warmup_step' must not be negative");
       } else if (k == "image_dir") {
         s.image_dir = *node.value<std::string>();
+      } else if (k == "metadata_file") {
+        s.metadata_file = *node.value<std::string>();
       } else if (k == "is_reg") {
         s.is_reg = *node.value<bool>();
       }
@@ -422,6 +537,14 @@ class TomlReader {
 };
 
 }  // namespace
+
+std::string SubsetOptions::name() const {
+  if (!metadata_file.empty()) return metadata_file.filename().string();
+  // kohya's os.path.basename(image_dir); of "dir/" that is "", where the folder's name is meant.
+  fs::path dir = image_dir;
+  if (!dir.has_filename()) dir = dir.parent_path();
+  return dir.filename().string();
+}
 
 std::string SubsetOptions::fixed_caption(const std::string& caption) const {
   // Without wildcards kohya keeps the first line (a prefix or class tokens may hold a newline).
@@ -519,6 +642,30 @@ Discovery discover_folder(const fs::path& data_dir, const Defaults& defaults,
   return out;
 }
 
+Discovery discover_metadata(const fs::path& metadata_file, const fs::path& image_dir, int repeats,
+                            const Defaults& defaults) {
+  std::error_code ec;
+  if (!image_dir.empty() && !fs::is_directory(image_dir, ec)) {
+    throw InputError("--train_data_dir=" + image_dir.string() + " is not a folder");
+  }
+  if (repeats < 1) {
+    throw InputError("--dataset_repeats=" + std::to_string(repeats) + ": must be at least 1");
+  }
+  Discovery out;
+  DatasetOptions dataset = defaults.dataset;
+  dataset.subsets.clear();
+  SubsetOptions subset = defaults.subset;
+  subset.image_dir = image_dir;
+  subset.metadata_file = metadata_file;
+  subset.num_repeats = repeats;
+  subset.class_tokens.clear();
+  subset.is_reg = false;
+  dataset.subsets.push_back(subset);
+  out.datasets.push_back(dataset);
+  collect_metadata_subset(0, 0, out.datasets[0].subsets[0], out);
+  return out;
+}
+
 std::vector<DatasetOptions> parse_dataset_toml(const std::string& text, const std::string& name,
                                                const Defaults& defaults) {
   toml::table root;
@@ -568,16 +715,45 @@ std::vector<DatasetOptions> parse_dataset_toml(const std::string& text, const st
       }
       reader.fail(dataset_table, "this [[datasets]] has no [[datasets.subsets]]");
     }
+    // kohya's config_util: a dataset is a fine-tuning one when a subset names a metadata_file.
+    bool fine_tuning = false;
+    for (size_t j = 0; j < subsets->size(); ++j) {
+      fine_tuning = fine_tuning || subsets->get(j)->as_table()->contains("metadata_file");
+    }
+    for (const char* key : {"class_tokens", "is_reg", "caption_extension"}) {
+      if (fine_tuning && dataset_table.contains(key)) {
+        reader.fail(*dataset_table.get(key),
+                    "'" + std::string(key) + "' is not a key of kohya's fine-tuning datasets "
+                    "(their subsets name a metadata_file): its captions come from the metadata");
+      }
+    }
     for (size_t j = 0; j < subsets->size(); ++j) {
       const toml::table& subset_table = *subsets->get(j)->as_table();
       reader.check_keys(subset_table, kSubset, "[[datasets.subsets]]");
-      if (!subset_table.contains("image_dir")) {
-        reader.fail(subset_table, "[[datasets.subsets]] needs 'image_dir'");
+      if (fine_tuning) {
+        if (!subset_table.contains("metadata_file")) {
+          reader.fail(subset_table, "this [[datasets]] is a fine-tuning one (a subset names a "
+                                    "metadata_file): every [[datasets.subsets]] of it needs "
+                                    "'metadata_file', as in kohya");
+        }
+        for (const char* key : {"class_tokens", "is_reg", "caption_extension"}) {
+          if (subset_table.contains(key)) {
+            reader.fail(*subset_table.get(key),
+                        "'" + std::string(key) + "' is not a key of kohya's fine-tuning "
+                        "subsets (metadata_file): its captions come from the metadata");
+          }
+        }
+      } else if (!subset_table.contains("image_dir")) {
+        reader.fail(subset_table, "[[datasets.subsets]] needs 'image_dir' (or 'metadata_file')");
       }
       SubsetOptions subset = defaults.subset;
       if (general != nullptr) reader.apply_subset(*general, subset);
       reader.apply_subset(dataset_table, subset);
       reader.apply_subset(subset_table, subset);
+      if (fine_tuning) {  // [general]'s DreamBooth keys do not reach it (kohya's FT params)
+        subset.is_reg = false;
+        subset.class_tokens.clear();
+      }
       dataset.subsets.push_back(subset);
     }
     try {
@@ -597,22 +773,26 @@ Discovery discover_toml(const fs::path& config, const Defaults& defaults) {
   Discovery out;
   out.datasets = parse_dataset_toml(text, config.string(), defaults);
   for (size_t d = 0; d < out.datasets.size(); ++d) {
-    // As kohya's DreamBoothDataset: a subset with num_repeats below 1, or with the image_dir of
-    // an earlier subset of the dataset, is left out with a warning (the first one wins).
+    // As kohya's datasets: a subset with num_repeats below 1, or with the image_dir (a
+    // fine-tuning subset: the metadata_file) of an earlier subset of the dataset, is left out
+    // with a warning (the first one wins).
     std::vector<SubsetOptions>& subsets = out.datasets[d].subsets;
-    std::set<fs::path> dirs;
+    std::set<fs::path> sources;
     std::vector<SubsetOptions> kept;
     for (SubsetOptions& subset : subsets) {
-      if (subset.image_dir.is_relative()) {
-        subset.image_dir = config.parent_path() / subset.image_dir;
+      for (fs::path* path : {&subset.image_dir, &subset.metadata_file}) {
+        if (!path->empty() && path->is_relative()) *path = config.parent_path() / *path;
       }
-      const fs::path dir = subset.image_dir.lexically_normal();
+      const fs::path& source =
+          subset.metadata_file.empty() ? subset.image_dir : subset.metadata_file;
       if (subset.num_repeats < 1) {
-        LP_LOG(kWarning, kLog) << config.string() << ": subset '" << subset.image_dir.string()
+        LP_LOG(kWarning, kLog) << config.string() << ": subset '" << source.string()
                                << "' has num_repeats " << subset.num_repeats << ": not used";
-      } else if (!dirs.insert(dir).second) {
-        LP_LOG(kWarning, kLog) << config.string() << ": subset '" << subset.image_dir.string()
-                               << "' repeats an earlier subset's image_dir: the first is used";
+      } else if (!sources.insert(source.lexically_normal()).second) {
+        LP_LOG(kWarning, kLog) << config.string() << ": subset '" << source.string()
+                               << "' repeats an earlier subset's "
+                               << (subset.metadata_file.empty() ? "image_dir" : "metadata_file")
+                               << ": the first is used";
       } else {
         kept.push_back(std::move(subset));
       }
@@ -621,11 +801,16 @@ Discovery discover_toml(const fs::path& config, const Defaults& defaults) {
     for (size_t s = 0; s < subsets.size(); ++s) {
       SubsetOptions& subset = subsets[s];
       std::error_code ec;
-      if (!fs::is_directory(subset.image_dir, ec)) {
+      if (!(subset.image_dir.empty() && !subset.metadata_file.empty()) &&
+          !fs::is_directory(subset.image_dir, ec)) {
         throw InputError(config.string() + ": image_dir '" + subset.image_dir.string() +
                          "' is not a folder");
       }
-      collect_subset(subset.image_dir, d, s, subset, /*top_level=*/false, out);
+      if (subset.metadata_file.empty()) {
+        collect_subset(subset.image_dir, d, s, subset, /*top_level=*/false, out);
+      } else {
+        collect_metadata_subset(d, s, subset, out);
+      }
     }
   }
   return out;

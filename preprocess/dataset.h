@@ -15,6 +15,11 @@ namespace lorapipe::preprocess {
 // subset > dataset > general.
 struct SubsetOptions {
   std::filesystem::path image_dir;
+  // kohya's fine-tuning subsets (a dataset TOML's metadata_file, or --in_json): the images and
+  // their captions listed in a JSON file, {"image key": {"caption": ..., "tags": ...}}, as
+  // kohya's merge_captions_to_metadata.py and merge_dd_tags_to_metadata.py write it. An image
+  // key is a path, or a name that image_dir holds with one of kohya's image extensions.
+  std::filesystem::path metadata_file;
   int num_repeats = 1;
   std::string caption_extension = ".caption";  // kohya's default
   bool caption_extension_set = false;  // false: ".txt" is tried after ".caption"
@@ -37,6 +42,10 @@ struct SubsetOptions {
   bool enable_wildcard = false;         // "{a|b}" drawn, every line of the caption file kept
   int token_warmup_min = 1;
   double token_warmup_step = 0;
+
+  // kohya's name for the subset in a LoRA's ss_tag_frequency and ss_dataset_dirs: its
+  // image_dir's folder name, or its metadata file's name.
+  std::string name() const;
 
   // Caption augmentations make the text differ per step: the trainer encodes text online.
   bool augments_caption() const {
@@ -79,6 +88,8 @@ struct ImageEntry {
   std::string caption;
   std::string caption_source;  // "file", "class_tokens", "none"
   std::string caption_note;    // e.g. "read as Latin-1: not valid UTF-8"
+  // The caption before caption_prefix and caption_suffix: what kohya's ss_tag_frequency counts.
+  std::string caption_read;
 };
 
 struct Discovery {
@@ -102,8 +113,18 @@ struct Defaults {
 Discovery discover_folder(const std::filesystem::path& data_dir, const Defaults& defaults,
                           const std::filesystem::path& reg_dir = {});
 
+// kohya's fine-tuning dataset from flags: --in_json's metadata over --train_data_dir's images,
+// each --dataset_repeats times. Throws InputError when the file cannot be read as kohya's
+// metadata or the folder is not one.
+Discovery discover_metadata(const std::filesystem::path& metadata_file,
+                            const std::filesystem::path& image_dir, int repeats,
+                            const Defaults& defaults);
+
 // A kohya dataset TOML. Throws InputError naming the key and its line for an unknown key or a
-// value of the wrong type; relative image_dir paths resolve against the TOML's folder.
+// value of the wrong type; relative image_dir and metadata_file paths resolve against the
+// TOML's folder. A [[datasets]] whose subsets name a metadata_file is a fine-tuning dataset, as
+// in kohya: every subset of it names one, and none takes class_tokens, is_reg or
+// caption_extension.
 Discovery discover_toml(const std::filesystem::path& config, const Defaults& defaults);
 
 // Parses a kohya dataset TOML into datasets without touching the file system. `name` is the

@@ -323,5 +323,110 @@ TEST(DatasetToml, UnknownKeysAndWrongTypesNameKeyAndLine) {
                     "min_bucket_reso");
 }
 
+// kohya's fine-tuning datasets (FineTuningDataset): the images a metadata file lists, found as
+// a path or as image_dir/<key><kohya's extensions, in its order>, each with its caption and tags
+// joined by the caption separator (the tags alone when there is no caption; with
+// enable_wildcard, the tags after each of the caption's lines), then prefix and suffix. An image
+// that cannot be found is skipped and named (kohya stops there), also when only kohya's .npz is
+// there. ss_tag_frequency counts the tags alone (caption_read).
+TEST(DatasetMetadata, ImagesAndCaptionsAsKohyasFineTuningDataset) {
+  const fs::path dir = make_temp_dir("metadata");
+  write_file(dir / "img" / "a.png", "x");
+  write_file(dir / "img" / "a.jpg", "x");       // .png comes first in kohya's order
+  write_file(dir / "img" / "b.JPG", "x");
+  write_file(dir / "img" / "sub" / "c.webp", "x");
+  write_file(dir / "elsewhere" / "d.png", "x");
+  write_file(dir / "img" / "e.npz", "x");       // kohya's cached latents, no image
+  const std::string d_path = (dir / "elsewhere" / "d.png").string();
+  write_file(dir / "meta.json",
+             R"({"a": {"caption": "a photo of a dog", "tags": "dog, brown", "train_resolution": [512, 512]},)"
+             R"( "b": {"tags": "cat, grey"},)"
+             R"( "sub/c": {"caption": "line one\nline two"},)"
+             R"( ")" + d_path + R"(": {"caption": "elsewhere", "tags": ""},)"
+             R"( "e": {"caption": "latents only"},)"
+             R"( "missing": {"caption": "gone"}})");
+  Defaults defaults;
+  defaults.subset.caption_prefix = "sks";
+  const Discovery d = discover_metadata(dir / "meta.json", dir / "img", 4, defaults);
+  ASSERT_EQ(d.datasets.size(), 1u);
+  ASSERT_EQ(d.datasets[0].subsets.size(), 1u);
+  EXPECT_EQ(d.datasets[0].subsets[0].name(), "meta.json");
+  EXPECT_EQ(d.datasets[0].subsets[0].num_repeats, 4);
+  ASSERT_EQ(d.images.size(), 4u);
+  EXPECT_EQ(d.images[0].path, dir / "img" / "a.png");
+  EXPECT_EQ(d.images[0].caption, "sks a photo of a dog,dog, brown");
+  EXPECT_EQ(d.images[0].caption_read, "dog, brown");
+  EXPECT_EQ(d.images[0].caption_source, "metadata");
+  EXPECT_EQ(d.images[1].path, dir / "img" / "b.JPG");
+  EXPECT_EQ(d.images[1].caption, "sks cat, grey") << "the tags stand in for a missing caption";
+  EXPECT_EQ(d.images[1].caption_read, "") << "kohya counts tags only beside a caption";
+  EXPECT_EQ(d.images[2].path, dir / "img" / "sub" / "c.webp");
+  EXPECT_EQ(d.images[2].caption, "sks line one\nline two");
+  EXPECT_EQ(d.images[3].path, d_path);
+  EXPECT_EQ(d.images[3].caption, "sks elsewhere");
+  ASSERT_EQ(d.skipped.size(), 2u);
+  EXPECT_NE(d.skipped[0].path.find("'e'"), std::string::npos) << d.skipped[0].path;
+  EXPECT_NE(d.skipped[0].reason.find(".npz"), std::string::npos) << d.skipped[0].reason;
+  EXPECT_NE(d.skipped[1].path.find("meta.json: 'missing'"), std::string::npos);
+
+  // enable_wildcard: the tags, one line, after each non-blank line of the caption.
+  write_file(dir / "wild.json",
+             R"({"a": {"caption": "one\n\ntwo", "tags": "x\ny"}})");
+  defaults.subset.caption_prefix.clear();
+  defaults.subset.enable_wildcard = true;
+  defaults.subset.caption_separator = ";";
+  const Discovery w = discover_metadata(dir / "wild.json", dir / "img", 1, defaults);
+  ASSERT_EQ(w.images.size(), 1u);
+  EXPECT_EQ(w.images[0].caption, "one;x;y\ntwo;x;y");
+
+  for (const auto& [text, error] : std::vector<std::pair<std::string, std::string>>{
+           {"[1, 2]", "expected an object"}, {"{\"a\": ", "not kohya's metadata JSON"}}) {
+    write_file(dir / "bad.json", text);
+    try {
+      discover_metadata(dir / "bad.json", dir / "img", 1, Defaults{});
+      FAIL() << text;
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("bad.json"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(error), std::string::npos) << e.what();
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// In a dataset TOML, a [[datasets]] whose subsets name metadata_file is a fine-tuning one, as in
+// kohya's config_util: metadata_file resolves against the TOML's folder, image_dir may be left
+// out, and DreamBooth's keys are refused in it by name and line.
+TEST(DatasetToml, FineTuningDatasetsNameTheirMetadataFile) {
+  const fs::path dir = make_temp_dir("toml-metadata");
+  write_file(dir / "img" / "a.png", "x");
+  write_file(dir / "img" / "b.png", "x");
+  write_file(dir / "b.caption", "unused");
+  write_file(dir / "meta" / "m.json", R"({"a": {"caption": "from the metadata"}})");
+  write_file(dir / "config.toml",
+             "[general]\nclass_tokens = 'sks'\n"
+             "[[datasets]]\n[[datasets.subsets]]\nmetadata_file = 'meta/m.json'\n"
+             "image_dir = 'img'\nnum_repeats = 2\n"
+             "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'img'\n");
+  const Discovery d = discover_toml(dir / "config.toml", Defaults{});
+  ASSERT_EQ(d.datasets.size(), 2u);
+  EXPECT_EQ(d.datasets[0].subsets[0].metadata_file, dir / "meta" / "m.json");
+  EXPECT_EQ(d.datasets[0].subsets[0].class_tokens, "") << "[general]'s DreamBooth key stays out";
+  ASSERT_EQ(d.images.size(), 3u);
+  EXPECT_EQ(d.images[0].caption, "from the metadata");
+  EXPECT_EQ(d.images[0].dataset, 0u);
+  EXPECT_EQ(d.images[1].dataset, 1u);
+  EXPECT_EQ(d.images[1].caption, "sks") << "the DreamBooth dataset's images take class_tokens";
+
+  expect_toml_error("[[datasets]]\n[[datasets.subsets]]\nmetadata_file = 'm.json'\n"
+                    "[[datasets.subsets]]\nimage_dir = 'a'\n",
+                    "config.toml:4: this [[datasets]] is a fine-tuning one");
+  expect_toml_error("[[datasets]]\n[[datasets.subsets]]\nmetadata_file = 'm.json'\nis_reg = true\n",
+                    "config.toml:4: 'is_reg' is not a key of kohya's fine-tuning subsets");
+  expect_toml_error("[[datasets]]\nclass_tokens = 'x'\n[[datasets.subsets]]\n"
+                    "metadata_file = 'm.json'\n",
+                    "config.toml:2: 'class_tokens' is not a key of kohya's fine-tuning datasets");
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace lorapipe::preprocess

@@ -19,6 +19,10 @@ DEFINE_string(data_dir, "", "Folder of images, or of kohya repeat folders <N>_<c
 DEFINE_string(train_data_dir, "", "kohya's name for --data_dir");
 DEFINE_string(reg_data_dir, "", "Folder of kohya repeat folders of regularization images");
 DEFINE_string(dataset_config, "", "kohya dataset TOML (instead of --data_dir)");
+DEFINE_string(in_json, "",
+              "kohya's fine-tuning metadata JSON (captions and tags per image); its images are "
+              "paths or names in --train_data_dir");
+DEFINE_int32(dataset_repeats, 1, "Repeats of every image of --in_json");
 DEFINE_string(dataset_id, "", "Name of the dataset's manifest (default: from the dataset path)");
 DEFINE_string(resolution, "512", "Training resolution: 512, or width,height such as 768,512");
 DEFINE_bool(enable_bucket, true, "Aspect-ratio buckets; false: every image to --resolution");
@@ -93,6 +97,8 @@ int main(int argc, char** argv) {
     options.data_dir = FLAGS_data_dir.empty() ? FLAGS_train_data_dir : FLAGS_data_dir;
     options.reg_data_dir = FLAGS_reg_data_dir;
     options.dataset_config = FLAGS_dataset_config;
+    options.in_json = FLAGS_in_json;
+    options.dataset_repeats = FLAGS_dataset_repeats;
     options.dataset_id = FLAGS_dataset_id;
     pp::BucketOptions& b = options.defaults.dataset.buckets;
     b.resolution = pp::parse_resolution(FLAGS_resolution);
@@ -163,8 +169,9 @@ int main(int argc, char** argv) {
     }
     if (report.images.empty()) {
       LP_LOG(kError, "preprocess") << "no usable image found in "
-                                   << (options.data_dir.empty() ? options.dataset_config
-                                                                : options.data_dir)
+                                   << (!options.in_json.empty()      ? options.in_json
+                                       : options.data_dir.empty() ? options.dataset_config
+                                                                  : options.data_dir)
                                    << " (" << report.skipped.size() << " skipped, "
                                    << report.ignored.size() << " ignored; reasons above)";
       status->error("no usable image found (" + std::to_string(report.skipped.size()) +

@@ -156,6 +156,9 @@ Probed probe_one(const ImageEntry& entry, const Discovery& discovery, const Opti
   r.caption = r.augment_caption ? entry.caption : subset.fixed_caption(entry.caption);
   r.caption_source = entry.caption_source;
   r.caption_note = entry.caption_note;
+  r.caption_read = entry.caption_read;
+  r.subset_name = subset.name();
+  r.subset_index = static_cast<uint32_t>(entry.subset);
   r.repeats = static_cast<uint32_t>(subset.num_repeats);
   r.is_reg = subset.is_reg;
   r.flip = subset.flip_aug;
@@ -212,6 +215,7 @@ struct Decoded {
 
 std::string default_dataset_id(const Options& options) {
   const fs::path source = !options.dataset_config.empty() ? fs::path(options.dataset_config)
+                          : !options.in_json.empty()      ? fs::path(options.in_json)
                                                           : fs::path(options.data_dir);
   std::error_code ec;
   fs::path absolute = fs::weakly_canonical(source, ec);
@@ -223,6 +227,11 @@ std::string default_dataset_id(const Options& options) {
     fs::path reg = fs::weakly_canonical(options.reg_data_dir, ec);
     if (ec) reg = options.reg_data_dir;
     identity += "\nreg=" + reg.string();
+  }
+  if (!options.in_json.empty() && !options.data_dir.empty()) {  // the images the keys name
+    fs::path images = fs::weakly_canonical(options.data_dir, ec);
+    if (ec) images = options.data_dir;
+    identity += "\nimages=" + images.string();
   }
   return name + "-" + hash_bytes(identity).hex().substr(0, 8);
 }
@@ -263,6 +272,9 @@ wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r)
   caption->set_token_warmup_step(r.token_warmup_step);
   s.set_batch_size(static_cast<uint32_t>(r.batch_size));
   s.set_dataset_index(r.dataset_index);
+  s.set_subset_name(r.subset_name);
+  s.set_subset_index(r.subset_index);
+  s.set_caption_read(r.caption_read);
   s.set_channels(3);
   return s;
 }
@@ -354,17 +366,29 @@ Report run(const Options& options) {
   set_jpeg_fast_path(options.jpeg_fast_path);
   init_vips();
   check_resize_filter(options.resize_filter);
-  if (options.data_dir.empty() == options.dataset_config.empty()) {
+  if (!options.in_json.empty()) {
+    if (!options.dataset_config.empty()) {
+      throw InputError("give one of --in_json (with --train_data_dir) and --dataset_config: a "
+                       "dataset TOML names its metadata files in its subsets' metadata_file");
+    }
+    if (!options.reg_data_dir.empty()) {
+      throw InputError("--reg_data_dir does not go with --in_json: kohya's fine-tuning datasets "
+                       "have no regularization images");
+    }
+  } else if (options.data_dir.empty() == options.dataset_config.empty()) {
     throw InputError("give exactly one of --data_dir and --dataset_config");
   }
   if (!options.reg_data_dir.empty() && options.data_dir.empty()) {
     throw InputError("--reg_data_dir goes with --data_dir; in a --dataset_config, give "
                      "regularization subsets is_reg = true");
   }
-  Discovery discovery = !options.data_dir.empty()
-                            ? discover_folder(options.data_dir, options.defaults,
-                                              options.reg_data_dir)
-                            : discover_toml(options.dataset_config, options.defaults);
+  Discovery discovery =
+      !options.in_json.empty()
+          ? discover_metadata(options.in_json, options.data_dir, options.dataset_repeats,
+                              options.defaults)
+      : !options.data_dir.empty()
+          ? discover_folder(options.data_dir, options.defaults, options.reg_data_dir)
+          : discover_toml(options.dataset_config, options.defaults);
   std::vector<BucketSelector> selectors;
   for (const DatasetOptions& d : discovery.datasets) selectors.emplace_back(d.buckets);
   const int threads =

@@ -17,6 +17,10 @@ struct Options {
   std::string data_dir;        // a folder of images or of kohya repeat folders
   std::string dataset_config;  // or a kohya dataset TOML
   std::string reg_data_dir;    // with data_dir: kohya repeat folders of regularization images
+  // kohya's --in_json: a fine-tuning dataset's metadata file (its images in data_dir, kohya's
+  // --train_data_dir), each image dataset_repeats times.
+  std::string in_json;
+  int dataset_repeats = 1;
   std::string dataset_id;      // manifest name; empty: derived from the dataset path
   Defaults defaults;           // flag-level dataset and subset settings
 
@@ -53,6 +57,9 @@ struct ImageResult {
   std::string caption;
   std::string caption_source;
   std::string caption_note;
+  std::string caption_read;  // before prefix, suffix and separators (ss_tag_frequency)
+  std::string subset_name;   // SubsetOptions::name()
+  uint32_t subset_index = 0;
   uint32_t repeats = 1;
   bool is_reg = false;
   bool flip = false;

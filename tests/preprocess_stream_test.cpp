@@ -2,6 +2,7 @@
 // plays the cacher (REP for Hello/HasKeys, PULL for ImageSample/DatasetReport) and checks every
 // message that arrives, down to the pixels of the demo dataset.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <filesystem>
@@ -264,12 +265,47 @@ TEST_F(PreprocessStream, KohyaCaptionSeparatorsReachEverySample) {
     EXPECT_EQ(s.caption_settings().keep_tokens_separator(), "|||");
     EXPECT_EQ(s.caption_settings().secondary_separator(), " on ");
     EXPECT_TRUE(s.caption_settings().enable_wildcard());
+    // What the LoRA's ss_tag_frequency counts: the caption as read, in its folder's name.
+    EXPECT_EQ(s.caption_read(), caption);
+    EXPECT_EQ(s.subset_name(), preprocess::kDemoFolder);
   }
   for (const wire::ImageSample& s : drawn.samples) {
     EXPECT_EQ(s.caption(), caption_of.at(s.path())) << "left for the trainer";
     EXPECT_TRUE(s.augment_caption());
     EXPECT_DOUBLE_EQ(s.caption_settings().token_warmup_step(), 0.5);
     EXPECT_EQ(s.caption_settings().token_warmup_min(), 2);
+  }
+}
+
+// kohya's --in_json over --train_data_dir: the metadata's images (keys naming them below the
+// folder, without extension) with its captions and tags, each --dataset_repeats times, in a
+// subset named after the metadata file.
+TEST_F(PreprocessStream, FineTuningMetadataFromInJson) {
+  nlohmann::json metadata = nlohmann::json::object();
+  std::map<std::string, std::string> caption_of;
+  for (size_t i = 0; i < demo_.size(); ++i) {
+    const fs::path& path = demo_[i].path;
+    const std::string key = (path.parent_path().filename() / path.stem()).string();
+    metadata[key] = i % 2 ? nlohmann::json{{"caption", "shape " + std::to_string(i)}}
+                          : nlohmann::json{{"caption", "shape " + std::to_string(i)},
+                                           {"tags", "t" + std::to_string(i) + ", x"}};
+    caption_of[path.string()] =
+        "shape " + std::to_string(i) + (i % 2 ? "" : ",t" + std::to_string(i) + ", x");
+  }
+  std::ofstream(dir_ / "meta.json") << metadata.dump();
+  const Stream run =
+      stream({"--in_json=" + (dir_ / "meta.json").string(), "--dataset_repeats=3"},
+             [](const std::string&) { return false; });
+  ASSERT_EQ(run.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  ASSERT_EQ(run.samples.size(), demo_.size()) << read_text(dir_ / "stderr.txt");
+  for (const wire::ImageSample& s : run.samples) {
+    ASSERT_TRUE(caption_of.count(s.path())) << s.path();
+    EXPECT_EQ(s.caption(), caption_of.at(s.path()));
+    EXPECT_EQ(s.caption_source(), "metadata");
+    EXPECT_EQ(s.repeats(), 3u);
+    EXPECT_EQ(s.subset_name(), "meta.json");
+    const size_t comma = s.caption().find(',');
+    EXPECT_EQ(s.caption_read(), comma == std::string::npos ? "" : s.caption().substr(comma + 1));
   }
 }
 

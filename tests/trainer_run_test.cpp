@@ -433,6 +433,28 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
   EXPECT_EQ(meta.at("ss_resolution"), "(128, 128)");  // the suite caches at --resolution=128
   EXPECT_EQ(meta.at("modelspec.resolution"), "128x128");
   EXPECT_EQ(nlohmann::json::parse(meta.at("ss_network_args"))["conv_dim"], "2");
+  // kohya's dataset metadata, through preprocess, the cacher's manifest and the trainer: the
+  // demo's one repeat folder, and its captions (one tag each: they hold no comma) counted as
+  // the caption files give them.
+  std::map<std::string, int> captions;
+  size_t images = 0;
+  for (const auto& f : fs::directory_iterator(dir_ / "data" / preprocess::kDemoFolder)) {
+    if (f.path().extension() != ".txt") continue;
+    ++images;
+    std::string caption = read_text(f.path());
+    ASSERT_EQ(caption.find(','), std::string::npos) << f.path();
+    caption.erase(caption.find_last_not_of(" \n") + 1);
+    ++captions[caption];
+  }
+  const auto tags = nlohmann::json::parse(meta.at("ss_tag_frequency"));
+  ASSERT_EQ(tags.size(), 1u) << tags;
+  const auto counted = tags[preprocess::kDemoFolder].get<std::map<std::string, int>>();
+  EXPECT_EQ(counted, captions) << tags;
+  EXPECT_EQ(nlohmann::json::parse(meta.at("ss_dataset_dirs")),
+            nlohmann::json::parse(R"({")" + std::string(preprocess::kDemoFolder) +
+                                  R"(":{"n_repeats":10,"img_count":)" + std::to_string(images) +
+                                  "}}"));
+  EXPECT_EQ(meta.at("ss_reg_dataset_dirs"), "{}");
 
   // diffusers' load_lora_weights loads the file as written: every module adapted, no key left
   // over, and the UNet's and text encoder's outputs equal those of the weights merged by hand

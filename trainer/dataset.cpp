@@ -2,11 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <map>
+
+#include <nlohmann/json.hpp>
 
 #include "common/error.h"
 #include "common/hash.h"
 #include "common/text.h"
+#include "models/clip_tokenizer.h"
 
 namespace lorapipe::trainer {
 namespace {
@@ -253,6 +257,80 @@ std::string process_caption(std::string caption, const wire::CaptionSettings& s,
     caption = replace_all(caption, s.secondary_separator(), separator);
   }
   return caption;
+}
+
+DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest) {
+  using nlohmann::ordered_json;  // Python's dicts keep the order keys arrive in
+  struct Subset {
+    std::string name;
+    bool is_reg = false;
+    uint32_t repeats = 1;
+    std::vector<const wire::ManifestEntry*> entries;
+  };
+  std::map<std::pair<uint32_t, uint32_t>, Subset> subsets;  // by (dataset, subset) index
+  for (const wire::ManifestEntry& e : manifest.entries()) {
+    Subset& s = subsets[{e.dataset_index(), e.subset_index()}];
+    s.name = e.subset_name();
+    // A manifest cached before subsets were recorded: the image's folder, and its caption.
+    if (s.name.empty()) s.name = std::filesystem::path(e.path()).parent_path().filename().string();
+    s.is_reg = e.is_reg();
+    s.repeats = e.repeats();
+    s.entries.push_back(&e);
+  }
+  // kohya's str.lower(); a tag that is not UTF-8 (a class token from a folder name in another
+  // encoding) is lower-cased in its ASCII letters alone rather than stop a save.
+  auto lower = [](const std::string& tag) {
+    try {
+      return models::python_lower(tag);
+    } catch (const InputError&) {
+      std::string out = tag;
+      for (char& c : out) {
+        if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+      }
+      return out;
+    }
+  };
+  ordered_json tags = ordered_json::object(), dirs = ordered_json::object(),
+               reg_dirs = ordered_json::object();
+  ordered_json dataset_tags = ordered_json::object();  // the current dataset's
+  auto end_dataset = [&] {
+    // kohya: a folder name an earlier dataset counted is counted once, the first time.
+    for (auto& [name, frequency] : dataset_tags.items()) {
+      if (!tags.contains(name)) tags[name] = frequency;
+    }
+    dataset_tags = ordered_json::object();
+  };
+  uint32_t dataset = 0;
+  for (auto& [index, s] : subsets) {
+    if (index.first != dataset) end_dataset();
+    dataset = index.first;
+    std::sort(s.entries.begin(), s.entries.end(),
+              [](const auto* a, const auto* b) { return a->path() < b->path(); });
+    ordered_json& frequency = dataset_tags[s.name];
+    if (frequency.is_null()) frequency = ordered_json::object();
+    for (const wire::ManifestEntry* e : s.entries) {
+      const std::string& caption = e->subset_name().empty() ? e->caption() : e->caption_read();
+      for (size_t begin = 0; begin <= caption.size();) {
+        const size_t comma = std::min(caption.find(',', begin), caption.size());
+        const std::string tag = python_strip(std::string_view(caption).substr(begin, comma - begin));
+        if (!tag.empty()) {
+          const std::string key = lower(tag);
+          frequency[key] = frequency.value(key, 0) + 1;
+        }
+        begin = comma + 1;
+      }
+    }
+    ordered_json& target = s.is_reg ? reg_dirs : dirs;
+    std::string name = s.name;
+    for (int i = 2; target.contains(name); ++i) name = s.name + " (" + std::to_string(i) + ")";
+    target[name] = {{"n_repeats", s.repeats}, {"img_count", s.entries.size()}};
+  }
+  end_dataset();
+  // As json.dumps writes them: non-ASCII escaped (bytes that are not UTF-8 replaced).
+  auto dump = [](const ordered_json& j) {
+    return j.dump(-1, ' ', /*ensure_ascii=*/true, ordered_json::error_handler_t::replace);
+  };
+  return {dump(tags), dump(dirs), dump(reg_dirs)};
 }
 
 }  // namespace lorapipe::trainer

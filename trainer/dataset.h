@@ -94,4 +94,22 @@ struct CaptionClock {
 std::string process_caption(std::string caption, const wire::CaptionSettings& settings,
                             const CaptionClock& clock, std::mt19937_64& rng);
 
+// What kohya's train_network.py writes about the dataset into a LoRA's metadata, as JSON text,
+// from the manifest entries it trains on:
+// - ss_tag_frequency: per subset folder name (a dataset's subsets of one name counted together,
+//   and a name an earlier dataset used left to it), every tag of the captions as read (split at
+//   ",", stripped, lower-cased, empty tags left out) and how often it appears there: once an
+//   occurrence in an image's caption, whatever the image's repeats. Web UIs and model sites
+//   show these as the LoRA's training tags.
+// - ss_dataset_dirs / ss_reg_dataset_dirs: per training / regularization subset, its folder name
+//   (" (2)", " (3)" added to a name already taken), {"n_repeats", "img_count"}.
+// Names and tags appear in the order kohya meets them: datasets and subsets in order, images by
+// path.
+struct DatasetMetadata {
+  std::string tag_frequency;
+  std::string dataset_dirs;
+  std::string reg_dataset_dirs;
+};
+DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest);
+
 }  // namespace lorapipe::trainer

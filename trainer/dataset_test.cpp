@@ -367,5 +367,42 @@ TEST(TrainCaptions, WildcardsAsKohya) {
   EXPECT_EQ(rng, before) << "a caption that draws nothing draws no number";
 }
 
+// kohya's dataset metadata (train_network.py, and BaseDataset.set_tag_frequency): tags split at
+// ",", stripped, lower-cased (Unicode, as str.lower), empty ones left out, every occurrence in
+// an image's caption as read counted once; a folder name counted by an earlier dataset keeps
+// that dataset's counts; subset folders listed with their repeats and image counts, a taken name
+// getting " (2)", regularization subsets apart; json.dumps' escapes. A manifest cached before
+// subsets were recorded is named by the images' folders and counted on their captions.
+TEST(TrainMetadata, TagFrequencyAndDatasetDirsAsKohyaWritesThem) {
+  wire::Manifest m;
+  auto add = [&](const std::string& path, const std::string& subset, uint32_t dataset,
+                 uint32_t index, uint32_t repeats, bool is_reg, const std::string& read,
+                 const std::string& caption) {
+    wire::ManifestEntry* e = m.add_entries();
+    e->set_path(path);
+    e->set_subset_name(subset);
+    e->set_dataset_index(dataset);
+    e->set_subset_index(index);
+    e->set_repeats(repeats);
+    e->set_is_reg(is_reg);
+    e->set_caption_read(read);
+    e->set_caption(caption);
+  };
+  // Out of path order, and with the caption prefix the trainer sees: neither may show.
+  add("d/1_dog/b.png", "1_dog", 0, 0, 3, false, "a dog\nsit, \xc3\x84PFEL", "sks a dog\nsit, x");
+  add("d/1_dog/a.png", "1_dog", 0, 0, 3, false, "Dog, Brown ,dog,, ", "sks Dog, Brown ,dog,, ");
+  add("r/1_reg/p.png", "1_reg", 0, 1, 1, true, "person", "person");
+  add("e/1_dog/c.png", "1_dog", 1, 0, 2, false, "cat", "cat");
+  add("x/old_dir/i.png", "", 2, 0, 1, false, "", "Old, Tag");
+  const DatasetMetadata got = kohya_dataset_metadata(m);
+  EXPECT_EQ(got.tag_frequency,
+            R"({"1_dog":{"dog":2,"brown":1,"a dog\nsit":1,"\u00e4pfel":1},)"
+            R"("1_reg":{"person":1},"old_dir":{"old":1,"tag":1}})");
+  EXPECT_EQ(got.dataset_dirs,
+            R"j({"1_dog":{"n_repeats":3,"img_count":2},"1_dog (2)":{"n_repeats":2,"img_count":1},)j"
+            R"j("old_dir":{"n_repeats":1,"img_count":1}})j");
+  EXPECT_EQ(got.reg_dataset_dirs, R"({"1_reg":{"n_repeats":1,"img_count":1}})");
+}
+
 }  // namespace
 }  // namespace lorapipe::trainer

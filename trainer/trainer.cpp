@@ -873,8 +873,10 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_resolution"] = "(" + std::to_string(resolution) + ", " + std::to_string(resolution) + ")";
   m["ss_enable_bucket"] = scheduler_->buckets().size() > 1 ? "True" : "False";
   m["ss_bucket_info"] = bucket_info.dump();
-  m["ss_dataset_dirs"] =
-      json{{o_.dataset_id, {{"n_repeats", 1}, {"img_count", scheduler_->train_images()}}}}.dump();
+  const DatasetMetadata dataset = kohya_dataset_metadata(manifest_);  // the training images
+  m["ss_tag_frequency"] = dataset.tag_frequency;
+  m["ss_dataset_dirs"] = dataset.dataset_dirs;
+  m["ss_reg_dataset_dirs"] = dataset.reg_dataset_dirs;
   m["ss_steps"] = std::to_string(step);
   m["ss_epoch"] = std::to_string(epoch_);
   m["ss_training_finished_at"] = iso_now();
