@@ -8,13 +8,14 @@
 // pixel>"; at end of input prints "peak_rss <MiB>", the renders' peak (VmHWM restarted after
 // loading).
 //
-//   sampler_bench solo [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16] [--resolution PX]
-//       [--steps N] [--images N] [--sampler NAME] [--threads N]
+//   sampler_bench solo [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16] [--fp8_base]
+//       [--resolution PX] [--steps N] [--images N] [--sampler NAME] [--threads N]
 //
 // The same render alone, without files or Python (what tests/gpu/run.sh runs on a GPU machine):
 // SD1.5's real UNet, VAE and text encoder at full size on their own random initialisation, in
 // --dtype on --device, with the tiny checkpoint's tokenizer (models/tiny.h; the text encoder keeps
-// CLIP's full vocabulary). After one warm-up render it renders --images images (default 3) and
+// CLIP's full vocabulary); with --fp8_base, the U-Net's and text encoder's Linear and Conv2d
+// weights stored in float8 as the sampler's --fp8_base stores them. After one warm-up render it renders --images images (default 3) and
 // prints s/image, images/s and the peak allocated memory (CUDA's caching allocator on a GPU, the
 // peak RSS on the CPU).
 
@@ -40,6 +41,7 @@
 
 #include "common/heap.h"
 #include "models/device.h"
+#include "models/float8.h"
 #include "models/pipeline.h"
 #include "models/tiny.h"
 #include "sampler/render.h"
@@ -70,8 +72,13 @@ int solo(int argc, char** argv) {
   request.negative_prompt = "blurry, lowres";
   request.steps = 20;
   int images = 3;
+  bool fp8_base = false;
   for (int i = 2; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--fp8_base") {
+      fp8_base = true;
+      continue;
+    }
     if (i + 1 >= argc) throw std::invalid_argument(flag + " wants a value");
     const std::string value = argv[++i];
     if (flag == "--device") {
@@ -112,8 +119,16 @@ int solo(int argc, char** argv) {
   model.text_encoder = m::ClipTextModel(m::ClipTextConfig::sd15());
   for (torch::nn::Module* module : std::initializer_list<torch::nn::Module*>{
            model.unet.ptr().get(), model.vae.ptr().get(), model.text_encoder.ptr().get()}) {
-    module->to(device, dtypes.at(dtype_name));
+    module->to(dtypes.at(dtype_name));  // on the CPU, then moved, as the sampler does
     module->eval();
+  }
+  if (fp8_base) {
+    m::store_weights_in_float8(*model.unet);
+    m::store_weights_in_float8(*model.text_encoder);
+  }
+  for (torch::nn::Module* module : std::initializer_list<torch::nn::Module*>{
+           model.unet.ptr().get(), model.vae.ptr().get(), model.text_encoder.ptr().get()}) {
+    module->to(device);
   }
   auto synchronize = [&] {
 #ifdef LORAPIPE_BENCH_CUDA
@@ -145,9 +160,10 @@ int solo(int argc, char** argv) {
     what = "peak allocated";
   }
 #endif
-  std::printf("sampler SD1.5 %s %s %dx%d, %d steps %s, CFG %.1f: %.3f s/image, %.3f images/s, "
+  std::printf("sampler SD1.5 %s %s%s %dx%d, %d steps %s, CFG %.1f: %.3f s/image, %.3f images/s, "
               "%s %.0f MiB\n",
-              m::describe_device(device).c_str(), dtype_name.c_str(), request.width,
+              m::describe_device(device).c_str(), dtype_name.c_str(), fp8_base ? " fp8_base" : "",
+              request.width,
               request.height, request.steps, request.sampler.c_str(), request.cfg_scale, seconds,
               1 / seconds, what, peak_mib);
   return 0;

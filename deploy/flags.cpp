@@ -80,7 +80,6 @@ std::vector<FlagInfo> make_table() {
   for (const char* name :
        {"output_name", "save_precision", "save_every_n_steps", "save_every_n_epochs",
         "save_last_n_steps", "save_last_n_epochs", "save_n_epoch_ratio", "training_comment",
-        "mixed_precision",
         "threads", "max_train_steps", "max_train_epochs", "train_batch_size",
         "prior_loss_weight", "validation_split", "validation_seed", "validate_every_n_steps",
         "max_bad_steps", "timeout_s", "max_data_loader_n_workers", "network_dim", "network_alpha", "network_dropout",
@@ -109,9 +108,12 @@ std::vector<FlagInfo> make_table() {
         "no_half_vae", "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",
         "debiased_estimation_loss", "ip_noise_gamma_random_strength", "zero_terminal_snr",
         "weighted_captions", "save_state_on_train_end", "no_metadata", "use_lion_optimizer",
-        "dim_from_weights", "masked_loss", "debug_dataset", "fp8_base", "fp8_base_unet"}) {
+        "dim_from_weights", "masked_loss", "debug_dataset"}) {
     boolean(name, {S::kTrainer});
   }
+  // Previews render as the run trains: in its precision, over its float8 weights.
+  value("mixed_precision", {S::kTrainer, S::kSampler});
+  for (const char* name : {"fp8_base", "fp8_base_unet"}) boolean(name, {S::kTrainer, S::kSampler});
   // sampler
   value("sample_prompts", {S::kSampler});
   value("sample_sampler", {S::kSampler});

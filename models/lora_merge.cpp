@@ -6,6 +6,8 @@
 #include <set>
 
 #include "common/error.h"
+#include "models/float8.h"
+#include "models/linear.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
 
@@ -71,6 +73,7 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
   }
   // Every delta first, so a bad module leaves the weights as they were.
   std::vector<std::pair<at::Tensor, at::Tensor>> deltas;
+  std::vector<std::pair<const LoraTarget*, std::shared_ptr<LoraAdapter>>> adapters;
   for (const auto& [name, m] : modules) {
     const LoraTarget& target = targets.at(name);
     if (!m.down.defined() || !m.up.defined()) {
@@ -90,6 +93,25 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
     // No alpha, or alpha 0, means the rank (scale 1), as kohya's LoRAModule reads it.
     const double stored = m.alpha.defined() ? m.alpha.to(torch::kFloat64).item<double>() : 0.0;
     const double alpha = stored != 0 ? stored : static_cast<double>(rank);
+    if (is_float8(weight)) {
+      // Beside the weight, in fp32 (the layer casts its input to it and the sum back), with
+      // the scale folded into down so that a stack joins by concatenation alone.
+      auto adapter = std::make_shared<LoraAdapter>();
+      const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32).device(weight.device());
+      adapter->down = (down * (multiplier * alpha / rank)).to(fp32);
+      adapter->up = up.to(fp32);
+      if (target.conv) {
+        adapter->down = adapter->down.view({rank, weight.size(1), weight.size(2), weight.size(3)});
+        adapter->up = adapter->up.view({weight.size(0), rank, 1, 1});
+        const auto& o = target.conv->options;
+        adapter->stride = {(*o.stride())[0], (*o.stride())[1]};
+        const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
+        if (padding == nullptr) throw Error(name + ": string padding is not supported");
+        adapter->padding = {(**padding)[0], (**padding)[1]};
+      }
+      adapters.emplace_back(&target, std::move(adapter));
+      continue;
+    }
     // kohya's merge: up @ down (for a kxk conv, the 1x1 up composed with the kxk down).
     const at::Tensor delta = (up.matmul(down) * (multiplier * alpha / rank)).view(weight.sizes());
     deltas.emplace_back(weight, delta);
@@ -99,12 +121,30 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
     if (keep_originals) saved_.emplace_back(weight, weight.clone());
     weight.add_(delta.to(weight.device(), weight.scalar_type()));
   }
+  for (auto& [target, adapter] : adapters) {
+    std::shared_ptr<LoraAdapter>& slot = target->slot();
+    const std::shared_ptr<LoraAdapter> before = slot;
+    if (before) {  // a stack: both modules as one of the summed ranks
+      const int64_t up_rank_dim = 1;
+      auto joined = std::make_shared<LoraAdapter>(*before);
+      joined->down =
+          torch::cat({before->down * (before->multiplier * before->scale), adapter->down}, 0);
+      joined->up = torch::cat({before->up, adapter->up}, up_rank_dim);
+      joined->scale = 1.0;
+      joined->multiplier = 1.0;
+      adapter = std::move(joined);
+    }
+    slot = adapter;
+    if (keep_originals) slotted_.emplace_back(*target, before);
+  }
 }
 
 void MergedLora::restore() {
   torch::NoGradGuard no_grad;
   for (auto& [weight, original] : saved_) weight.copy_(original);
   saved_.clear();
+  for (auto& [target, before] : slotted_) target.slot() = before;
+  slotted_.clear();
 }
 
 void MergedLoras::add(DiffusionModel& model, const std::filesystem::path& file,

@@ -6,6 +6,12 @@
 // then restore() puts back a copy of each original weight, so the base is bit-identical to
 // before. Every module's update is computed before the first weight changes (a file that does
 // not fit leaves the model as it was), so a merge briefly holds those updates beside the model.
+//
+// A layer whose weight is stored in float8 (--fp8_base, models/float8.h) is not merged into:
+// float8 keeps 3 mantissa bits, and a LoRA's update, mostly far below a weight's rounding step,
+// would be rounded away. The module goes into the layer's LoRA slot instead, computed beside
+// the weight as kohya computes its network during training (a LoRA already there from a stack
+// is joined by concatenating the ranks); restore() puts back what the slot held.
 
 #include <ATen/core/Tensor.h>
 
@@ -16,6 +22,7 @@
 #include <vector>
 
 #include "models/diffusion_model.h"
+#include "models/sd15_lora.h"
 
 namespace lorapipe::models {
 
@@ -35,10 +42,13 @@ class MergedLora {
 
   // Idempotent.
   void restore();
-  size_t module_count() const { return saved_.size(); }
+  size_t module_count() const { return saved_.size() + slotted_.size(); }
+  size_t slotted_count() const { return slotted_.size(); }  // of them, those in a LoRA slot
 
  private:
   std::vector<std::pair<at::Tensor, at::Tensor>> saved_;  // the live weight, its original
+  // A float8 layer's slot and what it held before.
+  std::vector<std::pair<LoraTarget, std::shared_ptr<LoraAdapter>>> slotted_;
 };
 
 // Several LoRAs merged on top of one another, taken out newest first: each put back the weights

@@ -28,6 +28,12 @@ DEFINE_string(lora, "", "One shot: FILE[:multiplier][,FILE[:multiplier]...] merg
 DEFINE_string(sub, "", "Follow a run: the trainer's --pub endpoint (CheckpointReady)");
 DEFINE_string(pub, "", "Bind a PUB endpoint for SampleReady");
 DEFINE_string(device, "auto", "auto, cpu, cuda or cuda:N");
+DEFINE_string(mixed_precision, "no",
+              "no, fp16 or bf16: the models' dtype, as kohya renders samples in its training's");
+DEFINE_bool(fp8_base, false,
+            "Store the U-Net's and text encoder's Linear/Conv2d weights in float8 (the LoRA is "
+            "then applied beside them, not merged)");
+DEFINE_bool(fp8_base_unet, false, "--fp8_base for the U-Net alone");
 DEFINE_string(sample_sampler, "ddim", "Sampler for prompts without --ss (kohya's names)");
 DEFINE_bool(v_parameterization, false, "The model predicts v (SD2.x 768-v)");
 DEFINE_int32(clip_skip, 1, "Text-encoder layers to skip from the end (1: the last)");
@@ -59,6 +65,9 @@ int main(int argc, char** argv) {
     o.sample_prompts = FLAGS_sample_prompts;
     o.output_dir = FLAGS_output_dir;
     o.device = FLAGS_device;
+    o.mixed_precision = FLAGS_mixed_precision;
+    o.fp8_base = FLAGS_fp8_base;
+    o.fp8_base_unet = FLAGS_fp8_base_unet;
     o.sampler = FLAGS_sample_sampler;
     o.v_prediction = FLAGS_v_parameterization;
     o.clip_skip = FLAGS_clip_skip;

@@ -32,6 +32,7 @@
 
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/float8.h"
 #include "models/parity_util.h"
 #include "models/pipeline.h"
 #include "models/safetensors.h"
@@ -60,23 +61,32 @@ class SamplerRenderParity : public ::testing::Test {
 
   // `prompt`: "long" or "weighted" renders that prompt of request.json (conditioned as kohya's
   // sample images are) instead of the plain one.
-  void check(const std::string& sampler, bool with_lora = false, const std::string& prompt = "") {
+  // `fp8`: the U-Net's and text encoder's Linear and Conv2d weights stored in float8 (the
+  // sampler's --fp8_base), so the LoRA goes into the layers' slots.
+  void check(const std::string& sampler, bool with_lora = false, const std::string& prompt = "",
+             bool fp8 = false) {
     models::set_force_math_attention(true);
     models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+    if (fp8) {
+      models::store_weights_in_float8(*model.unet);
+      models::store_weights_in_float8(*model.text_encoder);
+    }
     std::optional<MergedLora> lora;
-    std::map<std::string, torch::Tensor> before;
+    std::map<std::string, torch::Tensor> before;  // in fp32: float8 widens exactly
     if (with_lora) {
       for (const auto& item : model.unet->named_parameters())
-        before[item.key()] = item.value().clone();
+        before[item.key()] = item.value().to(torch::kFloat);
       for (const auto& item : model.text_encoder->named_parameters()) {
-        before["te." + item.key()] = item.value().clone();
+        before["te." + item.key()] = item.value().to(torch::kFloat);
       }
       lora.emplace(model, ref_ / "lora.safetensors", /*multiplier=*/1.0);
       ASSERT_GT(lora->module_count(), 0u);
+      EXPECT_EQ(lora->slotted_count(), fp8 ? lora->module_count() : 0u);
     }
     std::ifstream in(ref_ / "request.json");
     const nlohmann::json r = nlohmann::json::parse(in);
-    const std::string tag = sampler + (with_lora ? "_lora" : "") + (prompt.empty() ? "" : "_" + prompt);
+    const std::string tag = sampler + (with_lora ? "_lora" : "") +
+                            (prompt.empty() ? "" : "_" + prompt) + (fp8 ? "_fp8" : "");
     const auto ref =
         models::read_tensors(models::SafetensorsFile::open(ref_ / (tag + ".safetensors")));
     RenderRequest request;
@@ -120,13 +130,18 @@ class SamplerRenderParity : public ::testing::Test {
       const auto plain = models::read_tensors(
           models::SafetensorsFile::open(ref_ / (sampler + ".safetensors")));
       EXPECT_GT((expected - plain.at("latents")).abs().max().item<double>(), 1e-2 * scale);
-      // Taken out again, the base is bit-identical to before.
+      // Taken out again, the base is bit-identical to before, and no slot holds anything.
       lora->restore();
       for (const auto& item : model.unet->named_parameters()) {
-        EXPECT_TRUE(torch::equal(item.value(), before.at(item.key()))) << item.key();
+        EXPECT_TRUE(torch::equal(item.value().to(torch::kFloat), before.at(item.key())))
+            << item.key();
       }
       for (const auto& item : model.text_encoder->named_parameters()) {
-        EXPECT_TRUE(torch::equal(item.value(), before.at("te." + item.key()))) << item.key();
+        EXPECT_TRUE(torch::equal(item.value().to(torch::kFloat), before.at("te." + item.key())))
+            << item.key();
+      }
+      for (const auto& target : model.lora_targets(true, true)) {
+        EXPECT_EQ(target.slot(), nullptr) << target.name;
       }
     }
     EXPECT_LE(pixel_error, 1) << sampler;
@@ -168,6 +183,12 @@ TEST_F(SamplerRenderParity, DdimWithAttentionWeights) {
   check("ddim", /*with_lora=*/false, "weighted");
 }
 TEST_F(SamplerRenderParity, EulerAncestralWithLora) { check("euler_a", /*with_lora=*/true); }
+// Over float8 base weights (--fp8_base): diffusers with its base weights rounded to float8 and
+// the LoRA computed beside them, as lorapipe's slots compute it. A LoRA merged into the float8
+// weights instead would be mostly rounded away, far outside the tolerance.
+TEST_F(SamplerRenderParity, DdimWithLoraOverFloat8Weights) {
+  check("ddim", /*with_lora=*/true, "", /*fp8=*/true);
+}
 
 // Without weights and within 75 tokens, the sample conditioning is exactly the plain one (what
 // the short-prompt parities above rely on); a weight changes it.
@@ -282,6 +303,39 @@ TEST_F(SamplerRenderParity, StackedLorasRestoreTheBaseAndAlphaZeroMeansTheRank) 
     changed += torch::equal(weight, before.at(name)) ? 0 : 1;
   }
   EXPECT_GT(changed, 0) << "an alpha of 0 merged nothing";
+}
+
+// Over float8 weights a stack shares each layer's slot: the file at 1.0 and again at 0.5 compute
+// what it computes alone at 1.5 (the same sums in another grouping: 1e-5 relative), and taken
+// out newest first the slots are empty again.
+TEST_F(SamplerRenderParity, StackedLorasOverFloat8WeightsShareTheSlots) {
+  models::set_force_math_attention(true);
+  models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+  models::store_weights_in_float8(*model.unet);
+  torch::manual_seed(3);
+  const torch::Tensor latents = torch::randn({1, 4, 8, 8});
+  const torch::Tensor t = torch::tensor({500}, torch::kInt64);
+  const torch::Tensor context = torch::randn({1, 77, model.unet->config().cross_attention_dim});
+  auto denoise = [&] {
+    torch::NoGradGuard no_grad;
+    return model.unet->forward(latents, t, context);
+  };
+  torch::Tensor once;
+  {
+    MergedLora single(model, ref_ / "lora.safetensors", 1.5);
+    once = denoise();
+  }
+  {
+    MergedLoras stack;
+    stack.add(model, ref_ / "lora.safetensors", 1.0);
+    stack.add(model, ref_ / "lora.safetensors", 0.5);
+    const torch::Tensor twice = denoise();
+    EXPECT_LE(models::testing::relative_error(twice, once), 1e-5);
+  }
+  for (const auto& target : model.lora_targets(true, true)) {
+    EXPECT_EQ(target.slot(), nullptr) << target.name;
+  }
+  EXPECT_GT(models::testing::relative_error(denoise(), once), 1e-3) << "the LoRA changed nothing";
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "models/device.h"
+#include "models/float8.h"
 #include "models/pipeline.h"
 #include "models/safetensors.h"
 #include "proto/wire.h"
@@ -199,13 +200,29 @@ class Sampler {
   explicit Sampler(const SamplerOptions& options) : o_(options) {
     start_vips();
     models::LoadOptions load;
-    load.device = models::resolve_device(o_.device);
+    const c10::Device device = models::resolve_device(o_.device);
+    const std::map<std::string, c10::ScalarType> dtypes{
+        {"no", c10::kFloat}, {"fp16", c10::kHalf}, {"bf16", c10::kBFloat16}};
+    if (!dtypes.count(o_.mixed_precision)) {
+      throw InputError("--mixed_precision=" + o_.mixed_precision + ": expected no, fp16 or bf16");
+    }
+    const c10::ScalarType dtype = dtypes.at(o_.mixed_precision);
     load.tokenizer = o_.tokenizer;
     load.vae = o_.vae;
-    model_ = models::load_stable_diffusion(o_.model, load);
-    for (const auto& [file, multiplier] : o_.base_weights) {
+    model_ = models::load_stable_diffusion(o_.model, load);  // fp32, on the CPU
+    for (const auto& [file, multiplier] : o_.base_weights) {  // into the fp32 weights
       const models::MergedLora merged(model_, file, multiplier, /*keep_originals=*/false);
     }
+    model_.unet->to(dtype);
+    model_.text_encoder->to(dtype);
+    if (dtype != c10::kHalf) model_.vae->to(dtype);
+    if (o_.fp8_base || o_.fp8_base_unet) models::store_weights_in_float8(*model_.unet);
+    if (o_.fp8_base && !o_.fp8_base_unet) models::store_weights_in_float8(*model_.text_encoder);
+    for (torch::nn::Module* m : std::vector<torch::nn::Module*>{
+             model_.unet.get(), model_.text_encoder.get(), model_.vae.get()}) {
+      m->to(device);  // device only: a dtype would widen float8 weights again
+    }
+    load.device = device;
     PromptDefaults defaults;
     defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
     for (char c : o_.sampler) {

@@ -26,6 +26,16 @@ struct SamplerOptions {
   std::filesystem::path sample_prompts;
   std::filesystem::path output_dir;
   std::string device = "auto";
+  // kohya renders its samples in the training precision: --mixed_precision (no, fp16, bf16) is
+  // the dtype of the U-Net and text encoder here too, and of the VAE but under fp16, where it
+  // stays fp32 (kohya's --no_half_vae advice). The models are loaded and converted on the CPU,
+  // then moved, so the device never holds their fp32 weights.
+  std::string mixed_precision = "no";
+  // kohya's --fp8_base / --fp8_base_unet, as the trainer's: the U-Net's (and text encoder's)
+  // Linear and Conv2d weights stored in float8, each checkpoint's LoRA then computed beside
+  // them rather than merged (models/lora_merge.h).
+  bool fp8_base = false;
+  bool fp8_base_unet = false;
   std::string sampler = "ddim";  // for prompts without --ss
   bool v_prediction = false;
   int clip_skip = 1;

@@ -205,6 +205,35 @@ TEST_F(SamplerRun, VaeAndBaseWeightsShapeTheImages) {
       << missing.second;
 }
 
+// --mixed_precision and --fp8_base reach the render: in bf16 over float8 weights (the LoRA beside
+// them) the images come out, of the same sizes, and not the fp32 render's pixels; an unknown
+// precision stops the sampler, naming it. (SamplerRenderParity.DdimWithLoraOverFloat8Weights
+// holds the float8 render to diffusers'.)
+TEST_F(SamplerRun, MixedPrecisionAndFloat8WeightsRender) {
+  auto render = [&](const std::string& tag, std::vector<std::string> extra) {
+    extra.push_back("--lora=" + (dir_ / "one.safetensors").string());
+    std::vector<std::string> a = args(extra);
+    a[3] = "--output_dir=" + (work_ / tag).string();
+    fs::create_directories(work_ / tag);
+    const int exit = wait_exit(spawn(a, work_ / tag / "out", work_ / tag / "err"));
+    return std::make_pair(exit, read_text(work_ / tag / "err"));
+  };
+  ASSERT_EQ(render("fp32", {}).first, 0);
+  const auto narrow = render("fp8", {"--mixed_precision=bf16", "--fp8_base"});
+  ASSERT_EQ(narrow.first, 0) << narrow.second;
+  for (const char* name : {"one_000040_00.png", "one_000040_01.png"}) {
+    vips::VImage wide = vips::VImage::new_from_file((work_ / "fp32" / "samples" / name).c_str());
+    vips::VImage small = vips::VImage::new_from_file((work_ / "fp8" / "samples" / name).c_str());
+    ASSERT_EQ(small.width(), wide.width()) << name;
+    ASSERT_EQ(small.height(), wide.height()) << name;
+    EXPECT_GT(wide.relational(small, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
+        << name << ": bf16 over float8 rendered the fp32 pixels";
+  }
+  const auto bad = render("bad", {"--mixed_precision=fp8"});
+  EXPECT_NE(bad.first, 0);
+  EXPECT_NE(bad.second.find("--mixed_precision=fp8"), std::string::npos) << bad.second;
+}
+
 // The trainer announces 10; while the sampler (1 s per image) renders it, 20, 30, a corrupt 40
 // and then the final 50 arrive. Newest wins: 20 and 30 are never rendered, the corrupt one is
 // reported by name and skipped, the final one is rendered, and the sampler exits 0.

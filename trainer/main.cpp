@@ -223,7 +223,9 @@ std::vector<std::string> join_multi_value_flags(int argc, char** argv) {
       if (const auto* foreign = lorapipe::kohya::find_foreign_flag(name)) {
         const std::string value = lorapipe::kohya::foreign_flag_value(*foreign, given, i);
         const std::string note = lorapipe::kohya::check_foreign_flag(*foreign, value);
-        if (!note.empty()) LP_LOG(kWarning, "trainer") << note;
+        if (!note.empty()) {
+          LP_LOG(kWarning, "trainer") << note;
+        }
         continue;
       }
     }

@@ -186,6 +186,14 @@ def main():
     pipe.load_lora_weights(f"{out}/lora.safetensors", adapter_name="check")
     for name in ("ddim", "euler_a"):
         render(pipe, name, initial, f"{out}/{name}_lora.safetensors")
+    # --fp8_base: every base Linear and Conv2d weight of the U-Net and text encoder rounded to
+    # float8_e4m3fn (lorapipe stores them so and widens them per call; the VAE is not touched),
+    # the LoRA computed beside them, as peft computes it (lorapipe puts it in the layers' slots).
+    for module in (pipe.unet, pipe.text_encoder):
+        for name, layer in module.named_modules():
+            if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and "lora_" not in name:
+                layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn).to(torch.float32)
+    render(pipe, "ddim", initial, f"{out}/ddim_lora_fp8.safetensors")
     with open(f"{out}/request.json", "w") as f:
         json.dump({**r, "seed": SEED, "vae_scale_factor": pipe.vae_scale_factor,
                    "long_prompt": LONG_PROMPT, "weighted_prompt": WEIGHTED_PROMPT}, f)

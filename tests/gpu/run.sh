@@ -29,7 +29,8 @@
 #     again with each of the trainer's other optimizers (AdamW8bit, PagedAdamW8bit, Prodigy,
 #     DAdaptAdam, Lion, Adafactor). And over float8 base weights (--fp8_base): batch 1 with and
 #     without checkpointing, batch 8 with it.
-#   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps;
+#   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps, also
+#     over float8 weights (--fp8_base);
 #     s/image and peak allocated memory.
 # Not yet here: two-rank NCCL training (one GPU cannot hold two NCCL ranks) and a launcher run
 # (its stages write images through libvips, whose Debian packages are more than the carry allows).
@@ -148,6 +149,9 @@ step "bench: one preview render at SD1.5 size on CUDA, bf16, 512x512, 20 steps"
 # on random full-size weights: s/image and peak allocated memory (bench/sampler_bench.cpp).
 "${BUILD}/bin/sampler_bench" solo --device cuda --dtype bf16 --resolution 512 --steps 20 \
   --images 5 | tee -a "${OUT}/bench.txt" || FAILED+=("sampler_bench")
+# And over float8 weights (--fp8_base): what the sampler takes beside a trainer on a small card.
+"${BUILD}/bin/sampler_bench" solo --device cuda --dtype bf16 --fp8_base --resolution 512 \
+  --steps 20 --images 5 | tee -a "${OUT}/bench.txt" || FAILED+=("sampler_bench fp8")
 
 step "summary"
 if ((${#FAILED[@]})); then
