@@ -190,6 +190,29 @@ TEST_F(LauncherRun, DemoRunCompletesWithLoraSamplesGalleryAndEvents) {
   EXPECT_NE(err_.find("lorapipe resume"), std::string::npos) << err_;
 }
 
+// kohya's --debug_dataset under the launcher: preprocess and the cacher run, the trainer prints
+// every step's batches into its log and trains nothing, no sampler is started, and the run ends
+// 0 saying where the batches are.
+TEST_F(LauncherRun, DebugDatasetPrintsTheBatchesAndTrainsNothing) {
+  const fs::path run = work_ / "run";
+  ASSERT_EQ(lorapipe({"run", "--output=" + run.string(), "--debug_dataset",
+                      "--max_train_steps=3"}),
+            0)
+      << out_ << err_;
+  EXPECT_NE(out_.find("--debug_dataset: the batches are in " + (run / "logs" / "trainer.log").string()),
+            std::string::npos)
+      << out_;
+  const std::string log = read_text(run / "logs" / "trainer.log");
+  for (const char* step : {"step 1/3  epoch 1  batch 0", "step 3/3  epoch 1  batch 2"}) {
+    EXPECT_NE(log.find(step), std::string::npos) << step << " not in:\n" << log;
+  }
+  EXPECT_EQ(log.find("step 4/3"), std::string::npos) << log;
+  EXPECT_NE(log.find("10_shapes/"), std::string::npos) << "no image listed:\n" << log;
+  EXPECT_FALSE(fs::exists(run / "logs" / "sampler.log")) << "a sampler was started";
+  EXPECT_TRUE(!fs::exists(run / "lora") || fs::is_empty(run / "lora")) << "something was saved";
+  expect_no_stage_alive(run);
+}
+
 // Ctrl-C mid-training: the trainer saves a state, every stage stops, exit 130; `lorapipe
 // resume` continues from that state to the end.
 TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {

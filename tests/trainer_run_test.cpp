@@ -999,6 +999,45 @@ TEST_F(TrainRunTest, CaptionsAreDrawnPerStepAsKohya) {
   EXPECT_FALSE(fs::exists(work_ / "shown" / "lora")) << "nothing saved";
 }
 
+// Validation captions are the captions as written: a wildcard drawn once, but no shuffle, no
+// dropped tag and no dropped caption, whatever the subset draws in training (kohya validates on
+// the text as it stands).
+TEST_F(TrainRunTest, ValidationCaptionsDrawTheirWildcardsAndNothingElse) {
+  const fs::path cache = work_ / "cache";
+  add_manifest(cache, "validate", [](wire::Manifest& m) {
+    m.set_text_cached(false);
+    keep_images(m, 4);
+    for (auto& e : *m.mutable_entries()) {
+      e.clear_text_key();
+      e.set_caption("{sks|xyz}, t1, t2, t3, t4");
+      wire::CaptionSettings* c = e.mutable_caption_settings();
+      c->set_enable_wildcard(true);
+      c->set_shuffle_caption(true);
+      c->set_caption_tag_dropout_rate(0.5);
+      c->set_caption_dropout_rate(0.5);
+      c->set_caption_separator(",");
+    }
+  });
+  std::vector<std::string> a = args(work_, {"--max_train_steps=1", "--train_batch_size=1",
+                                            "--validation_split=0.5", "--console_log_level=debug"});
+  a[2] = "--cache_dir=" + cache.string();
+  a[3] = "--dataset_id=validate";
+  const pid_t pid = spawn(a, work_ / "out", work_ / "err");
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");
+  const std::string log = read_text(work_ / "err");
+  const std::regex line(R"(validation image (\d+) caption: '([^']*)')");
+  std::set<std::string> images;
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), line); it != std::sregex_iterator();
+       ++it) {
+    images.insert((*it)[1]);
+    const std::string caption = (*it)[2];
+    const std::string first = caption.substr(0, caption.find(','));
+    EXPECT_TRUE(first == "sks" || first == "xyz") << caption;
+    EXPECT_EQ(caption, first + ", t1, t2, t3, t4");
+  }
+  EXPECT_EQ(images.size(), 2u) << log;
+}
+
 // --network_train_text_encoder_only: kohya's network without U-Net modules; the text encoder's
 // LoRA trains alone (through the frozen U-Net's loss).
 TEST_F(TrainRunTest, TextEncoderOnlyTrainsTheTextEncodersLoraAlone) {

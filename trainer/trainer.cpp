@@ -691,6 +691,7 @@ void Run::prepare_validation() {
       fixed.set_secondary_separator(entry.caption_settings().secondary_separator());
       std::mt19937_64 rng = stream(o_.seed, -1, i, "validation caption");
       p.captions = {process_caption(entry.caption(), fixed, CaptionClock{}, rng)};
+      LP_LOG(kDebug, kLog) << "validation image " << i << " caption: '" << p.captions[0] << "'";
     }
     validation_.push_back(std::move(p));
   }
