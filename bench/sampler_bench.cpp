@@ -15,9 +15,9 @@
 // SD1.5's real UNet, VAE and text encoder at full size on their own random initialisation, in
 // --dtype on --device, with the tiny checkpoint's tokenizer (models/tiny.h; the text encoder keeps
 // CLIP's full vocabulary); with --fp8_base, the U-Net's and text encoder's Linear and Conv2d
-// weights stored in float8 as the sampler's --fp8_base stores them. After one warm-up render it renders --images images (default 3) and
-// prints s/image, images/s and the peak allocated memory (CUDA's caching allocator on a GPU, the
-// peak RSS on the CPU).
+// weights stored in float8 as the sampler's --fp8_base stores them. After one warm-up render it
+// renders --images images (default 3) and prints s/image, images/s and the peak allocated memory
+// (CUDA's caching allocator on a GPU, the peak RSS on the CPU).
 
 #include <sys/resource.h>
 #include <torch/torch.h>

@@ -330,7 +330,8 @@ int solo(const std::string& size, int argc, char** argv) {
   synchronize(device);
   const double seconds = ms_since(start) / 1e3 / static_cast<double>(steps);
   const double flops = 2 * m::unet_forward_flops(config, batch, side, side, 77);
-  std::printf("%s %s %s%s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, peak allocated %.0f MiB",
+  std::printf("%s %s %s%s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, "
+              "peak allocated %.0f MiB",
               size.c_str(), m::describe_device(device).c_str(), dtype_name.c_str(),
               fp8_base ? " fp8_base" : "", optimizer.type.c_str(),
               static_cast<long long>(batch), static_cast<long long>(resolution),

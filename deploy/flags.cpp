@@ -60,7 +60,8 @@ std::vector<FlagInfo> make_table() {
   // preprocess
   for (const char* name :
        {"data_dir", "reg_data_dir", "dataset_config", "in_json", "dataset_repeats", "resolution",
-        "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "caption_extension", "class_tokens", "keep_tokens",
+        "min_bucket_reso", "max_bucket_reso", "bucket_reso_steps", "caption_extension",
+        "class_tokens", "keep_tokens",
         "caption_dropout_rate", "caption_dropout_every_n_epochs", "caption_tag_dropout_rate",
         "caption_prefix", "caption_suffix", "caption_separator", "keep_tokens_separator",
         "secondary_separator", "token_warmup_min", "token_warmup_step", "min_image_side",

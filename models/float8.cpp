@@ -84,7 +84,8 @@ struct Float8Conv2d : torch::autograd::Function<Float8Conv2d> {
 
 }  // namespace
 
-at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias) {
+at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight,
+                         const at::Tensor& bias) {
   require_frozen(weight, bias);
   return Float8Linear::apply(input, weight, FrozenBias{bias});
 }

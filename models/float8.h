@@ -49,8 +49,9 @@ struct Float8Storage {
 };
 
 // Stores the weight of every models::Linear and models::Conv2d under `module` (on its device) as
-// float8_e4m3fn, rounded to nearest, and freezes those layers (weight and bias). Move the module to its device afterwards with a
-// device-only .to(device): a .to(dtype) converts the float8 weights back.
+// float8_e4m3fn, rounded to nearest, and freezes those layers (weight and bias). Move the module
+// to its device afterwards with a device-only .to(device): a .to(dtype) converts the float8
+// weights back.
 Float8Storage store_weights_in_float8(torch::nn::Module& module);
 
 }  // namespace lorapipe::models

@@ -122,7 +122,8 @@ TEST(Float8Weights, StoringConvertsEveryLinearAndConvWeightAndNothingElse) {
     }
     int64_t layers = 0;
     for (const auto& m : module->modules()) {
-      layers += std::dynamic_pointer_cast<LinearImpl>(m) || std::dynamic_pointer_cast<Conv2dImpl>(m);
+      layers +=
+          std::dynamic_pointer_cast<LinearImpl>(m) || std::dynamic_pointer_cast<Conv2dImpl>(m);
     }
     const Float8Storage s = store_weights_in_float8(*module);
     EXPECT_EQ(s.tensors, layers);

@@ -339,7 +339,8 @@ TEST(DatasetMetadata, ImagesAndCaptionsAsKohyasFineTuningDataset) {
   write_file(dir / "img" / "e.npz", "x");       // kohya's cached latents, no image
   const std::string d_path = (dir / "elsewhere" / "d.png").string();
   write_file(dir / "meta.json",
-             R"({"a": {"caption": "a photo of a dog", "tags": "dog, brown", "train_resolution": [512, 512]},)"
+             R"({"a": {"caption": "a photo of a dog", "tags": "dog, brown",)"
+             R"( "train_resolution": [512, 512]},)"
              R"( "b": {"tags": "cat, grey"},)"
              R"( "sub/c": {"caption": "line one\nline two"},)"
              R"( ")" + d_path + R"(": {"caption": "elsewhere", "tags": ""},)"

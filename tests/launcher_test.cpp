@@ -199,8 +199,8 @@ TEST_F(LauncherRun, DebugDatasetPrintsTheBatchesAndTrainsNothing) {
                       "--max_train_steps=3"}),
             0)
       << out_ << err_;
-  EXPECT_NE(out_.find("--debug_dataset: the batches are in " + (run / "logs" / "trainer.log").string()),
-            std::string::npos)
+  const std::string log_path = (run / "logs" / "trainer.log").string();
+  EXPECT_NE(out_.find("--debug_dataset: the batches are in " + log_path), std::string::npos)
       << out_;
   const std::string log = read_text(run / "logs" / "trainer.log");
   for (const char* step : {"step 1/3  epoch 1  batch 0", "step 3/3  epoch 1  batch 2"}) {

@@ -94,6 +94,18 @@ class SamplerRun : public ::testing::Test {
     return a;
   }
 
+  // A one-shot render of one.safetensors with `extra` flags into work_/tag: its exit status and
+  // its log.
+  std::pair<int, std::string> render_one(const std::string& tag,
+                                         std::vector<std::string> extra) const {
+    extra.push_back("--lora=" + (dir_ / "one.safetensors").string());
+    std::vector<std::string> a = args(extra);
+    a[3] = "--output_dir=" + (work_ / tag).string();
+    fs::create_directories(work_ / tag);
+    const int exit = wait_exit(spawn(a, work_ / tag / "out", work_ / tag / "err"));
+    return {exit, read_text(work_ / tag / "err")};
+  }
+
   // A checkpoint's render is complete when the gallery's index lists it (written, atomically,
   // after its images and sheet).
   bool indexed(int step) const {
@@ -175,16 +187,8 @@ TEST_F(SamplerRun, OneShotWritesImagesSheetAndGallery) {
 // VAE that cannot be read stops it, naming the file.
 TEST_F(SamplerRun, VaeAndBaseWeightsShapeTheImages) {
   const auto other = models::write_tiny_checkpoint(work_ / "other", /*seed=*/12);
-  auto render = [&](const std::string& tag, std::vector<std::string> extra) {
-    extra.push_back("--lora=" + (dir_ / "one.safetensors").string());
-    std::vector<std::string> a = args(extra);
-    a[3] = "--output_dir=" + (work_ / tag).string();
-    fs::create_directories(work_ / tag);
-    const int exit = wait_exit(spawn(a, work_ / tag / "out", work_ / tag / "err"));
-    return std::make_pair(exit, read_text(work_ / tag / "err"));
-  };
-  ASSERT_EQ(render("own", {}).first, 0);
-  const auto with = render("with", {"--vae=" + (other.diffusers / "vae").string()});
+  ASSERT_EQ(render_one("own", {}).first, 0);
+  const auto with = render_one("with", {"--vae=" + (other.diffusers / "vae").string()});
   ASSERT_EQ(with.first, 0) << with.second;
   vips::VImage own = vips::VImage::new_from_file(
       (work_ / "own" / "samples" / "one_000040_00.png").c_str());
@@ -193,13 +197,14 @@ TEST_F(SamplerRun, VaeAndBaseWeightsShapeTheImages) {
   EXPECT_GT(own.relational(decoded, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
       << "the other VAE decoded the same pixels";
   // --base_weights (the trainer's, routed here by lorapipe run): renders on the merged base.
-  const auto based = render("based", {"--base_weights=" + (dir_ / "run-step00010.safetensors").string()});
+  const auto based =
+      render_one("based", {"--base_weights=" + (dir_ / "run-step00010.safetensors").string()});
   ASSERT_EQ(based.first, 0) << based.second;
   vips::VImage on_merged = vips::VImage::new_from_file(
       (work_ / "based" / "samples" / "one_000040_00.png").c_str());
   EXPECT_GT(own.relational(on_merged, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
       << "the merged base rendered the same pixels";
-  const auto missing = render("missing", {"--vae=" + (work_ / "none.safetensors").string()});
+  const auto missing = render_one("missing", {"--vae=" + (work_ / "none.safetensors").string()});
   EXPECT_NE(missing.first, 0);
   EXPECT_NE(missing.second.find("none.safetensors (--vae): no such file"), std::string::npos)
       << missing.second;
@@ -210,16 +215,8 @@ TEST_F(SamplerRun, VaeAndBaseWeightsShapeTheImages) {
 // precision stops the sampler, naming it. (SamplerRenderParity.DdimWithLoraOverFloat8Weights
 // holds the float8 render to diffusers'.)
 TEST_F(SamplerRun, MixedPrecisionAndFloat8WeightsRender) {
-  auto render = [&](const std::string& tag, std::vector<std::string> extra) {
-    extra.push_back("--lora=" + (dir_ / "one.safetensors").string());
-    std::vector<std::string> a = args(extra);
-    a[3] = "--output_dir=" + (work_ / tag).string();
-    fs::create_directories(work_ / tag);
-    const int exit = wait_exit(spawn(a, work_ / tag / "out", work_ / tag / "err"));
-    return std::make_pair(exit, read_text(work_ / tag / "err"));
-  };
-  ASSERT_EQ(render("fp32", {}).first, 0);
-  const auto narrow = render("fp8", {"--mixed_precision=bf16", "--fp8_base"});
+  ASSERT_EQ(render_one("fp32", {}).first, 0);
+  const auto narrow = render_one("fp8", {"--mixed_precision=bf16", "--fp8_base"});
   ASSERT_EQ(narrow.first, 0) << narrow.second;
   for (const char* name : {"one_000040_00.png", "one_000040_01.png"}) {
     vips::VImage wide = vips::VImage::new_from_file((work_ / "fp32" / "samples" / name).c_str());
@@ -229,7 +226,7 @@ TEST_F(SamplerRun, MixedPrecisionAndFloat8WeightsRender) {
     EXPECT_GT(wide.relational(small, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
         << name << ": bf16 over float8 rendered the fp32 pixels";
   }
-  const auto bad = render("bad", {"--mixed_precision=fp8"});
+  const auto bad = render_one("bad", {"--mixed_precision=fp8"});
   EXPECT_NE(bad.first, 0);
   EXPECT_NE(bad.second.find("--mixed_precision=fp8"), std::string::npos) << bad.second;
 }

@@ -312,7 +312,8 @@ DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest) {
       const std::string& caption = e->subset_name().empty() ? e->caption() : e->caption_read();
       for (size_t begin = 0; begin <= caption.size();) {
         const size_t comma = std::min(caption.find(',', begin), caption.size());
-        const std::string tag = python_strip(std::string_view(caption).substr(begin, comma - begin));
+        const std::string tag =
+            python_strip(std::string_view(caption).substr(begin, comma - begin));
         if (!tag.empty()) {
           const std::string key = lower(tag);
           frequency[key] = frequency.value(key, 0) + 1;

@@ -288,6 +288,7 @@ class Run {
   std::unique_ptr<RecordSource> records_;
   wire::Manifest manifest_;
   wire::Manifest validation_manifest_;
+  DatasetMetadata dataset_metadata_;  // kohya's ss_tag_frequency and dirs: once, for every save
   models::StableDiffusion model_;
   at::Device device_{torch::kCPU};
   bool cached_text_ = false;
@@ -390,6 +391,7 @@ void Run::load_data() {
   }
   scheduler_ = std::make_unique<BatchScheduler>(manifest_, o_.train_batch_size, o_.seed,
                                                 o_.fill_last_batch, o_.ranks.world_size);
+  dataset_metadata_ = kohya_dataset_metadata(manifest_);  // the training images
 }
 
 void Run::preflight() {
@@ -874,10 +876,9 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_resolution"] = "(" + std::to_string(resolution) + ", " + std::to_string(resolution) + ")";
   m["ss_enable_bucket"] = scheduler_->buckets().size() > 1 ? "True" : "False";
   m["ss_bucket_info"] = bucket_info.dump();
-  const DatasetMetadata dataset = kohya_dataset_metadata(manifest_);  // the training images
-  m["ss_tag_frequency"] = dataset.tag_frequency;
-  m["ss_dataset_dirs"] = dataset.dataset_dirs;
-  m["ss_reg_dataset_dirs"] = dataset.reg_dataset_dirs;
+  m["ss_tag_frequency"] = dataset_metadata_.tag_frequency;
+  m["ss_dataset_dirs"] = dataset_metadata_.dataset_dirs;
+  m["ss_reg_dataset_dirs"] = dataset_metadata_.reg_dataset_dirs;
   m["ss_steps"] = std::to_string(step);
   m["ss_epoch"] = std::to_string(epoch_);
   m["ss_training_finished_at"] = iso_now();
