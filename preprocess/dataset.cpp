@@ -265,16 +265,24 @@ void collect_metadata_subset(size_t dataset, size_t subset_index, const SubsetOp
       out.skipped.push_back({where, "its metadata is not an object"});
       continue;
     }
+    std::string not_text;  // a caption or tags that is not a string: skipped, named
     auto text = [&](const char* name) -> std::optional<std::string> {
       const auto it = md.find(name);
       if (it == md.end() || it->is_null()) return std::nullopt;
-      if (!it->is_string()) return std::string();  // kohya would fail on it: taken as empty
+      if (!it->is_string()) {
+        not_text = name;
+        return std::nullopt;
+      }
       return it->get<std::string>();
     };
     // kohya's FineTuningDataset: the caption, else the tags; both, joined by the separator (with
     // enable_wildcard, the tags after each of the caption's lines). ss_tag_frequency counts the
     // tags alone.
     std::optional<std::string> caption = text("caption"), tags = text("tags");
+    if (!not_text.empty()) {
+      out.skipped.push_back({where, "its '" + not_text + "' is not text"});
+      continue;
+    }
     if (!caption) {
       caption = tags;
       tags.reset();

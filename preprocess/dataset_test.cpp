@@ -328,7 +328,8 @@ TEST(DatasetToml, UnknownKeysAndWrongTypesNameKeyAndLine) {
 // joined by the caption separator (the tags alone when there is no caption; with
 // enable_wildcard, the tags after each of the caption's lines), then prefix and suffix. An image
 // that cannot be found is skipped and named (kohya stops there), also when only kohya's .npz is
-// there. ss_tag_frequency counts the tags alone (caption_read).
+// there, and so is one whose caption is not text. ss_tag_frequency counts the tags alone
+// (caption_read).
 TEST(DatasetMetadata, ImagesAndCaptionsAsKohyasFineTuningDataset) {
   const fs::path dir = make_temp_dir("metadata");
   write_file(dir / "img" / "a.png", "x");
@@ -345,6 +346,7 @@ TEST(DatasetMetadata, ImagesAndCaptionsAsKohyasFineTuningDataset) {
              R"( "sub/c": {"caption": "line one\nline two"},)"
              R"( ")" + d_path + R"(": {"caption": "elsewhere", "tags": ""},)"
              R"( "e": {"caption": "latents only"},)"
+             R"( "a.jpg": {"caption": 5},)"
              R"( "missing": {"caption": "gone"}})");
   Defaults defaults;
   defaults.subset.caption_prefix = "sks";
@@ -365,10 +367,12 @@ TEST(DatasetMetadata, ImagesAndCaptionsAsKohyasFineTuningDataset) {
   EXPECT_EQ(d.images[2].caption, "sks line one\nline two");
   EXPECT_EQ(d.images[3].path, d_path);
   EXPECT_EQ(d.images[3].caption, "sks elsewhere");
-  ASSERT_EQ(d.skipped.size(), 2u);
+  ASSERT_EQ(d.skipped.size(), 3u);
   EXPECT_NE(d.skipped[0].path.find("'e'"), std::string::npos) << d.skipped[0].path;
   EXPECT_NE(d.skipped[0].reason.find(".npz"), std::string::npos) << d.skipped[0].reason;
-  EXPECT_NE(d.skipped[1].path.find("meta.json: 'missing'"), std::string::npos);
+  EXPECT_NE(d.skipped[1].path.find("meta.json: 'a.jpg'"), std::string::npos);
+  EXPECT_EQ(d.skipped[1].reason, "its 'caption' is not text");
+  EXPECT_NE(d.skipped[2].path.find("meta.json: 'missing'"), std::string::npos);
 
   // enable_wildcard: the tags, one line, after each non-blank line of the caption.
   write_file(dir / "wild.json",
