@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <functional>
@@ -1686,16 +1687,28 @@ TEST_F(SamplerWithTrainer, SlowSamplerLeavesTheTrainersTimeUnchanged) {
     }
     return seconds;
   };
-  // Three interleaved pairs, the fastest of each kind: a test ctest runs beside this one can
-  // take a core during any single run.
-  double alone = 1e30, with = 1e30;
+  // ctest runs this test alone (tests/CMakeLists.txt). Three pairs, each a run without and a run
+  // with the sampler back to back (in turn which first), so a change in the machine's load
+  // between pairs cancels within each pair's ratio; the median pair decides. A trainer that
+  // waited for this sampler would wait 10 s per image, 8 checkpoints a run: a ratio of 10 or more
+  // in every pair. The 1.3 allows for the sampler's own start of each render on a second core.
+  std::vector<double> ratios;
   for (int pair = 0; pair < 3; ++pair) {
-    alone = std::min(alone, timed_run("alone" + std::to_string(pair), false));
-    with = std::min(with, timed_run("with" + std::to_string(pair), true));
+    const std::string n = std::to_string(pair);
+    double alone = 0, with = 0;
+    if (pair % 2 == 0) {
+      alone = timed_run("alone" + n, false);
+      with = timed_run("with" + n, true);
+    } else {
+      with = timed_run("with" + n, true);
+      alone = timed_run("alone" + n, false);
+    }
+    ratios.push_back(with / alone);
+    std::printf("[sampler] pair %d: trainer alone %.2f s, with a 10 s/image sampler %.2f s: "
+                "ratio %.2f\n", pair, alone, with, with / alone);
   }
-  std::printf("[sampler] trainer alone %.2f s, with a 10 s/image sampler %.2f s: ratio %.2f\n",
-              alone, with, with / alone);
-  EXPECT_LT(with / alone, 1.3);
+  std::sort(ratios.begin(), ratios.end());
+  EXPECT_LT(ratios[1], 1.3) << "the median pair's ratio";
 }
 #endif
 
