@@ -52,6 +52,7 @@ std::string manifest_hash(const wire::Manifest& manifest) {
   hasher.field("manifest v1").field(manifest.vae_fingerprint());
   hasher.field(manifest.text_encoder_fingerprint()).field(manifest.text_cached() ? 1 : 0);
   for (const std::string& entry : entries) hasher.field(entry);
+  hasher.field(manifest.source().SerializeAsString());
   return hasher.digest().hex().substr(0, 12);
 }
 
@@ -311,6 +312,7 @@ void Cacher::finish(const wire::DatasetReport& report) {
   manifest.set_text_cached(all_text_cached_);
   manifest.set_vae_fingerprint(latents_->fingerprint());
   manifest.set_text_encoder_fingerprint(texts_->fingerprint());
+  *manifest.mutable_source() = report.source();
   // Entries arrive in the order preprocess's workers finish them, which changes from run to run.
   // Written in one fixed order instead (dataset, image path, then what tells apart the entries of
   // one image), so a dataset cached twice gives the same manifest, and the trainer the same

@@ -56,6 +56,8 @@ class BucketSelector {
 
   // The predefined buckets (empty in no-upscale mode, where buckets follow the images).
   const std::vector<Reso>& predefined() const { return resos_; }
+  // The options it selects with: min and max bucket sizes adjusted to the steps.
+  const BucketOptions& options() const { return options_; }
 
  private:
   int round_to_steps(double x) const;

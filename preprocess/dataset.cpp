@@ -548,6 +548,10 @@ class TomlReader {
 
 std::string SubsetOptions::name() const {
   if (!metadata_file.empty()) return metadata_file.filename().string();
+  return image_dir_name();
+}
+
+std::string SubsetOptions::image_dir_name() const {
   // kohya's os.path.basename(image_dir); of "dir/" that is "", where the folder's name is meant.
   fs::path dir = image_dir;
   if (!dir.has_filename()) dir = dir.parent_path();

@@ -46,6 +46,7 @@ struct SubsetOptions {
   // kohya's name for the subset in a LoRA's ss_tag_frequency and ss_dataset_dirs: its
   // image_dir's folder name, or its metadata file's name.
   std::string name() const;
+  std::string image_dir_name() const;  // image_dir's folder name ("" without one)
 
   // Caption augmentations make the text differ per step: the trainer encodes text online.
   bool augments_caption() const {

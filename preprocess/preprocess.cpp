@@ -279,6 +279,77 @@ wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r)
   return s;
 }
 
+wire::CaptionSettings to_caption_settings(const SubsetOptions& subset) {
+  wire::CaptionSettings c;
+  c.set_shuffle_caption(subset.shuffle_caption);
+  c.set_keep_tokens(subset.keep_tokens);
+  c.set_caption_dropout_rate(subset.caption_dropout_rate);
+  c.set_caption_dropout_every_n_epochs(subset.caption_dropout_every_n_epochs);
+  c.set_caption_tag_dropout_rate(subset.caption_tag_dropout_rate);
+  c.set_caption_separator(subset.caption_separator);
+  c.set_keep_tokens_separator(subset.keep_tokens_separator);
+  c.set_secondary_separator(subset.secondary_separator);
+  c.set_enable_wildcard(subset.enable_wildcard);
+  c.set_token_warmup_min(subset.token_warmup_min);
+  c.set_token_warmup_step(subset.token_warmup_step);
+  return c;
+}
+
+wire::SubsetSettings to_subset_settings(const SubsetOptions& subset) {
+  wire::SubsetSettings s;
+  s.set_name(subset.name());
+  s.set_image_dir(subset.image_dir_name());
+  if (!subset.metadata_file.empty()) s.set_metadata_file(subset.metadata_file.filename().string());
+  s.set_num_repeats(static_cast<uint32_t>(subset.num_repeats));
+  s.set_flip_aug(subset.flip_aug);
+  s.set_random_crop(subset.random_crop);
+  s.set_class_tokens(subset.class_tokens);
+  s.set_is_reg(subset.is_reg);
+  s.set_caption_prefix(subset.caption_prefix);
+  s.set_caption_suffix(subset.caption_suffix);
+  *s.mutable_caption_settings() = to_caption_settings(subset);
+  return s;
+}
+
+wire::DatasetSource to_dataset_source(const Report& report) {
+  wire::DatasetSource out;
+  out.set_kind(report.source == Report::Source::kInJson ? wire::DatasetSource::IN_JSON
+               : report.source == Report::Source::kDatasetConfig
+                   ? wire::DatasetSource::DATASET_CONFIG
+                   : wire::DatasetSource::DATA_DIR);
+  // kohya's mean_img_ar_error: over a dataset's images (each once, regularization images too).
+  std::vector<double> error_sum(report.datasets.size(), 0.0);
+  std::vector<uint64_t> images(report.datasets.size(), 0);
+  for (const ImageResult& r : report.images) {
+    if (r.dataset_index >= report.datasets.size()) continue;
+    error_sum[r.dataset_index] += std::abs(r.ar_error);
+    ++images[r.dataset_index];
+  }
+  for (size_t d = 0; d < report.datasets.size(); ++d) {
+    const DatasetOptions& dataset = report.datasets[d];
+    wire::DatasetSettings* settings = out.add_datasets();
+    const Reso& resolution = dataset.buckets.resolution;
+    settings->mutable_resolution()->set_width(static_cast<uint32_t>(resolution.width));
+    settings->mutable_resolution()->set_height(static_cast<uint32_t>(resolution.height));
+    settings->set_enable_bucket(dataset.buckets.enable_bucket);
+    // kohya keeps no bucket sizes for a dataset without buckets (None in its metadata).
+    if (dataset.buckets.enable_bucket) {
+      settings->set_min_bucket_reso(static_cast<uint32_t>(dataset.buckets.min_bucket_reso));
+      settings->set_max_bucket_reso(static_cast<uint32_t>(dataset.buckets.max_bucket_reso));
+      settings->set_bucket_no_upscale(dataset.buckets.bucket_no_upscale);
+    }
+    settings->set_batch_size(static_cast<uint32_t>(dataset.batch_size));
+    const bool fine_tuning = !dataset.subsets.empty() && !dataset.subsets[0].metadata_file.empty();
+    settings->set_is_dreambooth(!fine_tuning);
+    for (const SubsetOptions& subset : dataset.subsets) {
+      *settings->add_subsets() = to_subset_settings(subset);
+    }
+    if (images[d] > 0) settings->set_mean_img_ar_error(error_sum[d] / images[d]);
+  }
+  *out.mutable_flags() = to_subset_settings(report.flags);
+  return out;
+}
+
 wire::DatasetReport to_dataset_report(const Report& report) {
   wire::DatasetReport out;
   out.set_dataset_id(report.dataset_id);
@@ -305,6 +376,7 @@ wire::DatasetReport to_dataset_report(const Report& report) {
     b->set_count(count);
   }
   out.set_captions_missing(report.captions_missing);
+  *out.mutable_source() = to_dataset_source(report);
   return out;
 }
 
@@ -400,6 +472,17 @@ Report run(const Options& options) {
   report.ignored = discovery.ignored;
   report.skipped = discovery.skipped;
   report.images_found = discovery.images.size() + discovery.skipped.size();
+  report.source = !options.in_json.empty()          ? Report::Source::kInJson
+                  : !options.dataset_config.empty() ? Report::Source::kDatasetConfig
+                                                    : Report::Source::kDataDir;
+  report.datasets = discovery.datasets;
+  for (size_t d = 0; d < report.datasets.size(); ++d) {
+    BucketOptions& buckets = report.datasets[d].buckets;
+    if (!buckets.enable_bucket) continue;
+    buckets.min_bucket_reso = selectors[d].options().min_bucket_reso;
+    buckets.max_bucket_reso = selectors[d].options().max_bucket_reso;
+  }
+  report.flags = options.defaults.subset;
 
   // Probe: read, hash, header, checks, bucket. Parallel; no pixel decoded.
   const size_t n = discovery.images.size();

@@ -93,6 +93,12 @@ struct Report {
   uint64_t images_found = 0;
   uint64_t captions_missing = 0;  // used images without a caption file
   uint64_t decoded = 0;
+  // How the dataset was given, its datasets as discovered (kohya's precedence applied; bucket
+  // sizes as kohya adjusts them to the steps), and the flag-level subset settings: what a LoRA's
+  // metadata describes (DatasetSource in the manifest).
+  enum class Source { kDataDir, kDatasetConfig, kInJson } source = Source::kDataDir;
+  std::vector<DatasetOptions> datasets;
+  SubsetOptions flags;
 };
 
 // Runs the stage. Throws InputError for bad options or an unreadable dataset, and

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -336,6 +337,34 @@ TEST_F(PreprocessStream, EachTomlDatasetTravelsWithItsIndexAndBatchSize) {
   }
   EXPECT_EQ(per_dataset[0], static_cast<int>(demo_.size()));
   EXPECT_EQ(per_dataset[1], static_cast<int>(demo_.size()));
+
+  // The report describes each dataset for the LoRA's metadata (kohya's ss_datasets): its
+  // settings, max_bucket_reso as kohya rounds it to the steps, and kohya's mean aspect-ratio
+  // error, |bucket's - image's|, over the images it bucketed.
+  ASSERT_TRUE(run.report.has_value());
+  const wire::DatasetSource& source = run.report->source();
+  EXPECT_EQ(source.kind(), wire::DatasetSource::DATASET_CONFIG);
+  ASSERT_EQ(source.datasets_size(), 2);
+  std::map<uint32_t, double> error_sum;
+  for (const wire::ImageSample& s : run.samples) {
+    error_sum[s.dataset_index()] +=
+        std::abs(double(s.bucket().width()) / s.bucket().height() -
+                 double(s.original_size().width()) / s.original_size().height());
+  }
+  for (uint32_t d = 0; d < 2; ++d) {
+    const wire::DatasetSettings& settings = source.datasets(static_cast<int>(d));
+    EXPECT_EQ(settings.resolution().width(), d == 0 ? 64u : 128u);
+    EXPECT_TRUE(settings.enable_bucket());
+    EXPECT_EQ(settings.min_bucket_reso(), 32u);
+    EXPECT_EQ(settings.max_bucket_reso(), 1024u);
+    EXPECT_EQ(settings.batch_size(), d == 0 ? 2u : 0u);
+    EXPECT_TRUE(settings.is_dreambooth());
+    ASSERT_EQ(settings.subsets_size(), 1);
+    EXPECT_EQ(settings.subsets(0).image_dir(), preprocess::kDemoFolder);
+    EXPECT_EQ(settings.subsets(0).num_repeats(), 1u);
+    // 1e-12: the same doubles summed in another order.
+    EXPECT_NEAR(settings.mean_img_ar_error(), error_sum[d] / demo_.size(), 1e-12) << d;
+  }
 }
 
 TEST_F(PreprocessStream, NoCacherIsAClearErrorNamingTheEndpoint) {

@@ -20,6 +20,7 @@
 
 #include "cacher/store.h"
 #include "common/error.h"
+#include "common/numbers.h"
 #include "common/sha256.h"
 #include "models/pipeline.h"
 #include "models/safetensors.h"
@@ -456,6 +457,23 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
                                   R"(":{"n_repeats":10,"img_count":)" + std::to_string(images) +
                                   "}}"));
   EXPECT_EQ(meta.at("ss_reg_dataset_dirs"), "{}");
+  // The dataset's settings as preprocess was given them (kohya's layout without a TOML), and the
+  // buckets with kohya's mean aspect-ratio error.
+  EXPECT_EQ(meta.at("ss_enable_bucket"), "True");
+  EXPECT_EQ(meta.at("ss_min_bucket_reso"), "64");
+  EXPECT_EQ(meta.at("ss_max_bucket_reso"), "256");
+  EXPECT_EQ(meta.at("ss_bucket_no_upscale"), "False");
+  EXPECT_EQ(meta.at("ss_flip_aug"), "False");
+  EXPECT_EQ(meta.at("ss_caption_dropout_rate"), "0.0");
+  const auto bucket_info = nlohmann::json::parse(meta.at("ss_bucket_info"));
+  EXPECT_TRUE(bucket_info.contains("mean_img_ar_error")) << bucket_info;
+  EXPECT_FALSE(meta.count("ss_datasets")) << "kohya writes it for a dataset TOML only";
+  // Timestamps as kohya's str(time.time()): A1111's metadata editor reads them with float().
+  for (const char* key : {"ss_training_started_at", "ss_training_finished_at"}) {
+    const std::optional<double> seconds = parse_double(meta.at(key));
+    ASSERT_TRUE(seconds.has_value()) << key << " = " << meta.at(key);
+    EXPECT_GT(*seconds, 1.7e9) << key << ": seconds since 1970, after 2023";
+  }
 
   // diffusers' load_lora_weights loads the file as written: every module adapted, no key left
   // over, and the UNet's and text encoder's outputs equal those of the weights merged by hand

@@ -9,6 +9,7 @@
 
 #include "common/error.h"
 #include "common/hash.h"
+#include "common/numbers.h"
 #include "common/text.h"
 #include "models/clip_tokenizer.h"
 
@@ -51,21 +52,25 @@ BatchScheduler::BatchScheduler(const wire::Manifest& manifest, int batch_size, u
     Group group;
     group.batch_size = per_rank * std::max(1, ranks);
     std::map<std::pair<uint32_t, uint32_t>, size_t> bucket_of;
+    std::map<std::pair<uint32_t, uint32_t>, uint64_t> dataset_buckets;
     auto add = [&](int index, uint64_t times) {
+      if (times == 0) return;  // a reg image the balance never reached: in no bucket
       const auto& e = manifest.entries(index);
       const auto key = std::make_pair(e.bucket().width(), e.bucket().height());
       auto [it, fresh] = bucket_of.emplace(key, group.buckets.size());
       if (fresh) group.buckets.emplace_back();
       for (uint64_t r = 0; r < times; ++r) group.buckets[it->second].push_back(index);
       bucket_counts[key] += times;
+      dataset_buckets[key] += times;
     };
     std::vector<int> reg;
-    uint64_t train = 0;
+    uint64_t train = 0, reg_declared = 0;
     for (int i : indices) {
       const auto& e = manifest.entries(i);
       const uint64_t repeats = std::max<uint32_t>(1, e.repeats());
       if (e.is_reg()) {
         reg.push_back(i);
+        reg_declared += repeats;
         continue;
       }
       add(i, repeats);
@@ -86,10 +91,15 @@ BatchScheduler::BatchScheduler(const wire::Manifest& manifest, int batch_size, u
         first = false;
       }
       for (size_t k = 0; k < reg.size(); ++k) add(reg[k], times[k]);
-      reg_images_ += n;
     }
     if (train == 0) continue;  // only reg images: nothing of this dataset is trained
     train_images_ += train;
+    reg_images_ += reg_declared;
+    DatasetInfo info{dataset, per_rank, train, reg_declared, {}};
+    for (const auto& [key, count] : dataset_buckets) {
+      info.buckets.push_back({key.first, key.second, count});
+    }
+    dataset_info_.push_back(std::move(info));
     for (const std::vector<int>& bucket : group.buckets) {
       batches_per_epoch_ += (bucket.size() + group.batch_size - 1) / group.batch_size;
     }
@@ -259,17 +269,62 @@ std::string process_caption(std::string caption, const wire::CaptionSettings& s,
   return caption;
 }
 
-DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest) {
-  using nlohmann::ordered_json;  // Python's dicts keep the order keys arrive in
-  struct Subset {
-    std::string name;
-    bool is_reg = false;
-    uint32_t repeats = 1;
-    std::vector<const wire::ManifestEntry*> entries;
+namespace {
+
+using nlohmann::ordered_json;  // Python's dicts keep the order keys arrive in
+
+// json.dumps as kohya calls it: ", " and ": " between items, non-ASCII escaped (bytes that are
+// not UTF-8 replaced), floats as Python's repr.
+std::string python_json(const ordered_json& j) {
+  auto plain = [](const ordered_json& v) {
+    return v.dump(-1, ' ', /*ensure_ascii=*/true, ordered_json::error_handler_t::replace);
   };
-  std::map<std::pair<uint32_t, uint32_t>, Subset> subsets;  // by (dataset, subset) index
+  switch (j.type()) {
+    case ordered_json::value_t::object: {
+      std::string out = "{";
+      for (auto it = j.begin(); it != j.end(); ++it) {
+        if (it != j.begin()) out += ", ";
+        out += plain(ordered_json(it.key())) + ": " + python_json(it.value());
+      }
+      return out + "}";
+    }
+    case ordered_json::value_t::array: {
+      std::string out = "[";
+      for (size_t i = 0; i < j.size(); ++i) out += (i ? ", " : "") + python_json(j[i]);
+      return out + "]";
+    }
+    case ordered_json::value_t::number_float: {
+      const double v = j.get<double>();
+      if (std::isnan(v)) return "NaN";
+      if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
+      return python_float_repr(v);
+    }
+    default:
+      return plain(j);
+  }
+}
+
+std::string python_bool(bool v) { return v ? "True" : "False"; }
+
+// A count kohya keeps as None when it is not set.
+std::string count_or_none(uint32_t v) { return v > 0 ? std::to_string(v) : "None"; }
+ordered_json count_or_null(uint32_t v) { return v > 0 ? ordered_json(v) : ordered_json(nullptr); }
+ordered_json text_or_null(const std::string& v) {
+  return v.empty() ? ordered_json(nullptr) : ordered_json(v);
+}
+
+// The manifest entries of one subset (a dataset's subset_index).
+struct SubsetEntries {
+  std::string name;
+  bool is_reg = false;
+  uint32_t repeats = 1;
+  std::vector<const wire::ManifestEntry*> entries;  // by path
+};
+
+std::map<std::pair<uint32_t, uint32_t>, SubsetEntries> subsets_of(const wire::Manifest& manifest) {
+  std::map<std::pair<uint32_t, uint32_t>, SubsetEntries> subsets;  // by (dataset, subset) index
   for (const wire::ManifestEntry& e : manifest.entries()) {
-    Subset& s = subsets[{e.dataset_index(), e.subset_index()}];
+    SubsetEntries& s = subsets[{e.dataset_index(), e.subset_index()}];
     s.name = e.subset_name();
     // A manifest cached before subsets were recorded: the image's folder, and its caption.
     if (s.name.empty()) s.name = std::filesystem::path(e.path()).parent_path().filename().string();
@@ -277,6 +332,15 @@ DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest) {
     s.repeats = e.repeats();
     s.entries.push_back(&e);
   }
+  for (auto& [index, s] : subsets) {
+    std::sort(s.entries.begin(), s.entries.end(),
+              [](const auto* a, const auto* b) { return a->path() < b->path(); });
+  }
+  return subsets;
+}
+
+// kohya's set_tag_frequency: adds the tags of a subset's captions as read to `frequency`.
+void count_tags(const SubsetEntries& s, ordered_json& frequency) {
   // kohya's str.lower(); a tag that is not UTF-8 (a class token from a folder name in another
   // encoding) is lower-cased in its ASCII letters alone rather than stop a save.
   auto lower = [](const std::string& tag) {
@@ -290,48 +354,197 @@ DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest) {
       return out;
     }
   };
+  if (frequency.is_null()) frequency = ordered_json::object();
+  for (const wire::ManifestEntry* e : s.entries) {
+    const std::string& caption = e->subset_name().empty() ? e->caption() : e->caption_read();
+    for (size_t begin = 0; begin <= caption.size();) {
+      const size_t comma = std::min(caption.find(',', begin), caption.size());
+      const std::string tag = python_strip(std::string_view(caption).substr(begin, comma - begin));
+      if (!tag.empty()) {
+        const std::string key = lower(tag);
+        frequency[key] = frequency.value(key, 0) + 1;
+      }
+      begin = comma + 1;
+    }
+  }
+}
+
+// `name`, or with " (2)", " (3)", ... the first of those `dirs` does not hold yet.
+std::string unique_name(const ordered_json& dirs, const std::string& name) {
+  std::string out = name;
+  for (int i = 2; dirs.contains(out); ++i) out = name + " (" + std::to_string(i) + ")";
+  return out;
+}
+
+// kohya's bucket_info: the buckets of a dataset that buckets, numbered in kohya's order, with
+// the mean aspect-ratio error of its images; None (null) for a dataset that does not bucket.
+ordered_json bucket_info(const std::vector<BatchScheduler::BucketInfo>& buckets,
+                         const wire::DatasetSettings* settings) {
+  if (settings != nullptr && !settings->enable_bucket()) return nullptr;
+  ordered_json numbered = ordered_json::object();
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    numbered[std::to_string(i)] = {{"resolution", {buckets[i].width, buckets[i].height}},
+                                   {"count", buckets[i].count}};
+  }
+  ordered_json info = {{"buckets", numbered}};
+  if (settings != nullptr) info["mean_img_ar_error"] = settings->mean_img_ar_error();
+  return info;
+}
+
+// The subset keys kohya's ss_datasets holds for each subset.
+ordered_json subset_json(const wire::SubsetSettings& subset, size_t img_count,
+                         bool is_dreambooth) {
+  const wire::CaptionSettings& c = subset.caption_settings();
+  ordered_json j = {{"img_count", img_count},
+                    {"num_repeats", subset.num_repeats()},
+                    {"color_aug", false},
+                    {"flip_aug", subset.flip_aug()},
+                    {"random_crop", subset.random_crop()},
+                    {"shuffle_caption", c.shuffle_caption()},
+                    {"keep_tokens", c.keep_tokens()},
+                    {"keep_tokens_separator", c.keep_tokens_separator()},
+                    {"secondary_separator", text_or_null(c.secondary_separator())},
+                    {"enable_wildcard", c.enable_wildcard()},
+                    {"caption_prefix", text_or_null(subset.caption_prefix())},
+                    {"caption_suffix", text_or_null(subset.caption_suffix())}};
+  if (!subset.image_dir().empty()) j["image_dir"] = subset.image_dir();
+  if (is_dreambooth) {
+    j["class_tokens"] = text_or_null(subset.class_tokens());
+    j["is_reg"] = subset.is_reg();
+  } else {
+    j["metadata_file"] = subset.metadata_file();
+  }
+  return j;
+}
+
+}  // namespace
+
+DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest,
+                                       const BatchScheduler& scheduler) {
+  const auto subsets = subsets_of(manifest);
+  const wire::DatasetSource& source = manifest.source();
+  const bool described = manifest.has_source() && source.datasets_size() > 0;
+  DatasetMetadata out;
+  auto& m = out.keys;
+  const wire::CaptionSettings& flags = source.flags().caption_settings();
+  m["ss_caption_dropout_rate"] = python_float_repr(flags.caption_dropout_rate());
+  m["ss_caption_dropout_every_n_epochs"] =
+      count_or_none(static_cast<uint32_t>(std::max(0, flags.caption_dropout_every_n_epochs())));
+  m["ss_caption_tag_dropout_rate"] = python_float_repr(flags.caption_tag_dropout_rate());
+  m["ss_face_crop_aug_range"] = "None";
+
+  if (described && source.kind() == wire::DatasetSource::DATASET_CONFIG) {
+    // kohya with a dataset TOML: each dataset in ss_datasets, and the tags and training
+    // subsets of all of them merged for the metadata editors (a folder name an earlier dataset
+    // used keeps that dataset's tags; regularization subsets are left out of the dirs).
+    out.dataset_config = true;
+    ordered_json datasets = ordered_json::array(), tags = ordered_json::object(),
+                 dirs = ordered_json::object();
+    for (int d = 0; d < source.datasets_size(); ++d) {
+      const wire::DatasetSettings& settings = source.datasets(d);
+      const auto index = static_cast<uint32_t>(d);
+      BatchScheduler::DatasetInfo info;  // a dataset that trains nothing: all zero
+      info.batch_size = static_cast<int>(settings.batch_size());
+      for (const auto& i : scheduler.dataset_info()) {
+        if (i.index == index) info = i;
+      }
+      ordered_json dataset_tags = ordered_json::object(), subset_list = ordered_json::array();
+      for (int k = 0; k < settings.subsets_size(); ++k) {
+        const auto found = subsets.find({index, static_cast<uint32_t>(k)});
+        if (found == subsets.end()) continue;  // kohya leaves out a subset without images
+        const SubsetEntries& entries = found->second;
+        const wire::SubsetSettings& subset = settings.subsets(k);
+        count_tags(entries, dataset_tags[entries.name]);
+        subset_list.push_back(subset_json(subset, entries.entries.size(),
+                                          settings.is_dreambooth()));
+        if (settings.is_dreambooth() && subset.is_reg()) continue;
+        const std::string dir =
+            settings.is_dreambooth() ? subset.image_dir() : subset.metadata_file();
+        dirs[unique_name(dirs, dir)] = {{"n_repeats", subset.num_repeats()},
+                                        {"img_count", entries.entries.size()}};
+      }
+      ordered_json dataset = {
+          {"is_dreambooth", settings.is_dreambooth()},
+          {"batch_size_per_device", info.batch_size},
+          {"num_train_images", info.train_images},
+          {"num_reg_images", info.reg_images},
+          {"resolution", {settings.resolution().width(), settings.resolution().height()}},
+          {"enable_bucket", settings.enable_bucket()},
+          {"min_bucket_reso", count_or_null(settings.min_bucket_reso())},
+          {"max_bucket_reso", count_or_null(settings.max_bucket_reso())},
+          {"tag_frequency", dataset_tags},
+          {"bucket_info", bucket_info(info.buckets, &settings)},
+          {"subsets", subset_list}};
+      datasets.push_back(std::move(dataset));
+      for (auto it = dataset_tags.begin(); it != dataset_tags.end(); ++it) {
+        if (!tags.contains(it.key())) tags[it.key()] = it.value();
+      }
+    }
+    m["ss_datasets"] = python_json(datasets);
+    m["ss_tag_frequency"] = python_json(tags);
+    m["ss_dataset_dirs"] = python_json(dirs);
+    out.width = source.datasets(0).resolution().width();
+    out.height = source.datasets(0).resolution().height();
+    return out;
+  }
+
+  // kohya without a dataset TOML: one dataset, its settings (the flags') as keys of their own.
   ordered_json tags = ordered_json::object(), dirs = ordered_json::object(),
                reg_dirs = ordered_json::object();
   ordered_json dataset_tags = ordered_json::object();  // the current dataset's
   auto end_dataset = [&] {
-    // kohya: a folder name an earlier dataset counted is counted once, the first time.
-    for (auto& [name, frequency] : dataset_tags.items()) {
-      if (!tags.contains(name)) tags[name] = frequency;
+    for (auto it = dataset_tags.begin(); it != dataset_tags.end(); ++it) {
+      if (!tags.contains(it.key())) tags[it.key()] = it.value();
     }
     dataset_tags = ordered_json::object();
   };
   uint32_t dataset = 0;
-  for (auto& [index, s] : subsets) {
+  for (const auto& [index, s] : subsets) {
     if (index.first != dataset) end_dataset();
     dataset = index.first;
-    std::sort(s.entries.begin(), s.entries.end(),
-              [](const auto* a, const auto* b) { return a->path() < b->path(); });
-    ordered_json& frequency = dataset_tags[s.name];
-    if (frequency.is_null()) frequency = ordered_json::object();
-    for (const wire::ManifestEntry* e : s.entries) {
-      const std::string& caption = e->subset_name().empty() ? e->caption() : e->caption_read();
-      for (size_t begin = 0; begin <= caption.size();) {
-        const size_t comma = std::min(caption.find(',', begin), caption.size());
-        const std::string tag =
-            python_strip(std::string_view(caption).substr(begin, comma - begin));
-        if (!tag.empty()) {
-          const std::string key = lower(tag);
-          frequency[key] = frequency.value(key, 0) + 1;
-        }
-        begin = comma + 1;
-      }
-    }
+    count_tags(s, dataset_tags[s.name]);
     ordered_json& target = s.is_reg ? reg_dirs : dirs;
-    std::string name = s.name;
-    for (int i = 2; target.contains(name); ++i) name = s.name + " (" + std::to_string(i) + ")";
-    target[name] = {{"n_repeats", s.repeats}, {"img_count", s.entries.size()}};
+    target[unique_name(target, s.name)] = {{"n_repeats", s.repeats},
+                                           {"img_count", s.entries.size()}};
   }
   end_dataset();
-  // As json.dumps writes them: non-ASCII escaped (bytes that are not UTF-8 replaced).
-  auto dump = [](const ordered_json& j) {
-    return j.dump(-1, ' ', /*ensure_ascii=*/true, ordered_json::error_handler_t::replace);
-  };
-  return {dump(tags), dump(dirs), dump(reg_dirs)};
+  m["ss_tag_frequency"] = python_json(tags);
+  m["ss_dataset_dirs"] = python_json(dirs);
+  m["ss_reg_dataset_dirs"] = python_json(reg_dirs);
+  const std::vector<BatchScheduler::BucketInfo>& buckets =
+      scheduler.dataset_info().size() == 1 ? scheduler.dataset_info()[0].buckets
+                                           : scheduler.buckets();
+  if (described) {
+    const wire::DatasetSettings& settings = source.datasets(0);
+    const wire::SubsetSettings& subset = source.flags();
+    out.width = settings.resolution().width();
+    out.height = settings.resolution().height();
+    m["ss_color_aug"] = "False";
+    m["ss_flip_aug"] = python_bool(subset.flip_aug());
+    m["ss_random_crop"] = python_bool(subset.random_crop());
+    m["ss_shuffle_caption"] = python_bool(subset.caption_settings().shuffle_caption());
+    m["ss_keep_tokens"] = std::to_string(subset.caption_settings().keep_tokens());
+    m["ss_enable_bucket"] = python_bool(settings.enable_bucket());
+    m["ss_bucket_no_upscale"] = python_bool(settings.bucket_no_upscale());
+    m["ss_min_bucket_reso"] = count_or_none(settings.min_bucket_reso());
+    m["ss_max_bucket_reso"] = count_or_none(settings.max_bucket_reso());
+    m["ss_bucket_info"] = python_json(bucket_info(buckets, &settings));
+  } else {
+    // A manifest cached before preprocess described its dataset: the resolution it bucketed at
+    // read from the buckets, whose largest area is that resolution squared (kohya's
+    // make_bucket_resolutions keeps w * h <= reso^2).
+    uint64_t max_area = 0;
+    for (const auto& b : buckets) {
+      max_area = std::max<uint64_t>(max_area, uint64_t{b.width} * b.height);
+    }
+    const auto side = static_cast<uint32_t>(
+        std::lround(std::sqrt(static_cast<double>(max_area)) / 64.0) * 64);
+    out.width = out.height = side;
+    m["ss_enable_bucket"] = python_bool(buckets.size() > 1);
+    m["ss_bucket_info"] = python_json(bucket_info(buckets, nullptr));
+  }
+  m["ss_resolution"] = "(" + std::to_string(out.width) + ", " + std::to_string(out.height) + ")";
+  return out;
 }
 
 }  // namespace lorapipe::trainer

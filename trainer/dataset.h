@@ -7,6 +7,7 @@
 // what the uninterrupted run drew without saving any generator state.
 
 #include <cstdint>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -36,6 +37,8 @@ class BatchScheduler {
 
   size_t batches_per_epoch() const { return batches_per_epoch_; }
   uint64_t train_images() const { return train_images_; }  // training samples per epoch
+  // Regularization images times their repeats, as the datasets declare them (kohya's
+  // num_reg_images): before they are balanced against the training images.
   uint64_t reg_images() const { return reg_images_; }
   // Samples a step takes (all ranks): the dataset's; with several datasets of different batch
   // sizes, the largest.
@@ -48,6 +51,16 @@ class BatchScheduler {
     uint64_t count = 0;
   };
   const std::vector<BucketInfo>& buckets() const { return bucket_info_; }
+  // Each dataset that trains, as kohya describes it in a LoRA's ss_datasets: its buckets in
+  // kohya's order (by width, then height), counting samples per epoch.
+  struct DatasetInfo {
+    uint32_t index = 0;       // the manifest entries' dataset_index
+    int batch_size = 1;       // per rank
+    uint64_t train_images = 0;
+    uint64_t reg_images = 0;  // as reg_images()
+    std::vector<BucketInfo> buckets;
+  };
+  const std::vector<DatasetInfo>& dataset_info() const { return dataset_info_; }
 
   // The batches of `epoch` (1-based, as kohya counts): batches shuffled, and samples within each
   // bucket shuffled, every epoch (kohya's shuffle_buckets).
@@ -60,6 +73,7 @@ class BatchScheduler {
   };
   std::vector<Group> groups_;  // by dataset_index
   std::vector<BucketInfo> bucket_info_;
+  std::vector<DatasetInfo> dataset_info_;
   int batch_size_ = 1;
   uint64_t seed_ = 0;
   bool fill_last_batch_ = false;
@@ -94,22 +108,32 @@ struct CaptionClock {
 std::string process_caption(std::string caption, const wire::CaptionSettings& settings,
                             const CaptionClock& clock, std::mt19937_64& rng);
 
-// What kohya's train_network.py writes about the dataset into a LoRA's metadata, as JSON text,
-// from the manifest entries it trains on:
-// - ss_tag_frequency: per subset folder name (a dataset's subsets of one name counted together,
-//   and a name an earlier dataset used left to it), every tag of the captions as read (split at
-//   ",", stripped, lower-cased, empty tags left out) and how often it appears there: once an
-//   occurrence in an image's caption, whatever the image's repeats. Web UIs and model sites
-//   show these as the LoRA's training tags.
-// - ss_dataset_dirs / ss_reg_dataset_dirs: per training / regularization subset, its folder name
-//   (" (2)", " (3)" added to a name already taken), {"n_repeats", "img_count"}.
-// Names and tags appear in the order kohya meets them: datasets and subsets in order, images by
-// path.
+// What kohya's train_network.py writes about the dataset into a LoRA's metadata, from the
+// manifest's entries, its DatasetSource (how preprocess was given the dataset) and the batches
+// `scheduler` plans of it. Text as kohya's str() and json.dumps write it.
+// - With a dataset TOML: ss_datasets, each dataset with its settings, counts, buckets, tags and
+//   subsets; ss_tag_frequency and ss_dataset_dirs merged over them (a folder name an earlier
+//   dataset used keeps that dataset's tags; regularization subsets are not in the dirs).
+// - Otherwise the one dataset's settings as keys of their own (ss_resolution, ss_enable_bucket,
+//   ss_min/max_bucket_reso, ss_bucket_no_upscale, ss_bucket_info; the flags' ss_flip_aug,
+//   ss_random_crop, ss_shuffle_caption, ss_keep_tokens), ss_tag_frequency, and training and
+//   regularization subsets in ss_dataset_dirs and ss_reg_dataset_dirs.
+// - Both: the flags' ss_caption_dropout_rate, ss_caption_dropout_every_n_epochs and
+//   ss_caption_tag_dropout_rate.
+// ss_tag_frequency: per subset folder name (a dataset's subsets of one name counted together),
+// every tag of the captions as read (split at ",", stripped, lower-cased, empty tags left out)
+// and how often it appears: once an occurrence in an image's caption, whatever the image's
+// repeats. Web UIs and model sites show these as the LoRA's training tags. A dirs entry is
+// {"n_repeats", "img_count"}, " (2)", " (3)" added to a name already taken. Names and tags appear
+// in the order kohya meets them: datasets and subsets in order, images by path. A manifest
+// cached before preprocess described its datasets gets the second layout, its resolution read
+// from its largest bucket.
 struct DatasetMetadata {
-  std::string tag_frequency;
-  std::string dataset_dirs;
-  std::string reg_dataset_dirs;
+  std::map<std::string, std::string> keys;
+  uint32_t width = 0, height = 0;  // the (first) dataset's resolution
+  bool dataset_config = false;     // the first layout: kohya leaves out the batch size keys
 };
-DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest);
+DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest,
+                                       const BatchScheduler& scheduler);
 
 }  // namespace lorapipe::trainer

@@ -11,6 +11,9 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
 
 #include "common/error.h"
 
@@ -113,7 +116,7 @@ TEST(TrainBatches, RegularizationImagesAreBalancedAsKohya) {
   const wire::Manifest m = manifest_of(join({times(4, {64, 64, 3}), times(5, reg)}));
   const BatchScheduler s(m, 1, 3, false);
   EXPECT_EQ(s.train_images(), 12u);
-  EXPECT_EQ(s.reg_images(), 12u);
+  EXPECT_EQ(s.reg_images(), 5u) << "kohya's num_reg_images counts them as declared";
   EXPECT_EQ(s.batches_per_epoch(), 24u);
   const auto counts = draws(s.epoch(1));
   const std::vector<int> expected = {3, 3, 3, 3, 3, 3, 2, 2, 2};
@@ -137,9 +140,25 @@ TEST(TrainBatches, DatasetsAreBatchedApartEachWithItsBatchSizeAndRegBalance) {
   const BatchScheduler s(m, /*batch_size=*/2, 5, false);
   EXPECT_EQ(s.datasets(), 2u);
   EXPECT_EQ(s.train_images(), 10u);
-  EXPECT_EQ(s.reg_images(), 4u + 0u) << "the second dataset's one reg image, 4 times";
+  EXPECT_EQ(s.reg_images(), 1u) << "the second dataset's one reg image (drawn 4 times); the "
+                                   "third dataset trains nothing";
   EXPECT_EQ(s.batches_per_epoch(), 2u + 4u) << "6 / 3, and (4 + 4) / 2";
   EXPECT_EQ(s.batch_size(), 3);
+  // What a LoRA's ss_datasets says of each: the reg image counted once as declared, and in its
+  // bucket as often as it is drawn.
+  ASSERT_EQ(s.dataset_info().size(), 2u);
+  const auto& first_info = s.dataset_info()[0];
+  const auto& second_info = s.dataset_info()[1];
+  EXPECT_EQ(std::tie(first_info.index, first_info.batch_size, first_info.train_images,
+                     first_info.reg_images),
+            std::make_tuple(0u, 3, uint64_t{6}, uint64_t{0}));
+  EXPECT_EQ(std::tie(second_info.index, second_info.batch_size, second_info.train_images,
+                     second_info.reg_images),
+            std::make_tuple(1u, 2, uint64_t{4}, uint64_t{1}));
+  ASSERT_EQ(first_info.buckets.size(), 1u);
+  EXPECT_EQ(first_info.buckets[0].count, 6u);
+  ASSERT_EQ(second_info.buckets.size(), 1u);
+  EXPECT_EQ(second_info.buckets[0].count, 8u);
   const auto epoch = s.epoch(1);
   std::vector<uint32_t> first_dataset_positions;
   for (size_t k = 0; k < epoch.size(); ++k) {
@@ -394,14 +413,196 @@ TEST(TrainMetadata, TagFrequencyAndDatasetDirsAsKohyaWritesThem) {
   add("r/1_reg/p.png", "1_reg", 0, 1, 1, true, "person", "person");
   add("e/1_dog/c.png", "1_dog", 1, 0, 2, false, "cat", "cat");
   add("x/old_dir/i.png", "", 2, 0, 1, false, "", "Old, Tag");
-  const DatasetMetadata got = kohya_dataset_metadata(m);
-  EXPECT_EQ(got.tag_frequency,
-            R"({"1_dog":{"dog":2,"brown":1,"a dog\nsit":1,"\u00e4pfel":1},)"
-            R"("1_reg":{"person":1},"old_dir":{"old":1,"tag":1}})");
-  EXPECT_EQ(got.dataset_dirs,
-            R"j({"1_dog":{"n_repeats":3,"img_count":2},"1_dog (2)":{"n_repeats":2,"img_count":1},)j"
-            R"j("old_dir":{"n_repeats":1,"img_count":1}})j");
-  EXPECT_EQ(got.reg_dataset_dirs, R"({"1_reg":{"n_repeats":1,"img_count":1}})");
+  const DatasetMetadata got = kohya_dataset_metadata(m, BatchScheduler(m, 1, 0, false));
+  EXPECT_EQ(got.keys.at("ss_tag_frequency"),
+            R"({"1_dog": {"dog": 2, "brown": 1, "a dog\nsit": 1, "\u00e4pfel": 1}, )"
+            R"("1_reg": {"person": 1}, "old_dir": {"old": 1, "tag": 1}})");
+  EXPECT_EQ(got.keys.at("ss_dataset_dirs"),
+            R"j({"1_dog": {"n_repeats": 3, "img_count": 2}, "1_dog (2)": {"n_repeats": 2, )j"
+            R"j("img_count": 1}, "old_dir": {"n_repeats": 1, "img_count": 1}})j");
+  EXPECT_EQ(got.keys.at("ss_reg_dataset_dirs"), R"({"1_reg": {"n_repeats": 1, "img_count": 1}})");
+}
+
+wire::ManifestEntry* add_entry(wire::Manifest& m, const std::string& path, uint32_t dataset,
+                               uint32_t subset, const std::string& subset_name, uint32_t repeats,
+                               bool is_reg, uint32_t width, uint32_t height,
+                               const std::string& caption) {
+  wire::ManifestEntry* e = m.add_entries();
+  e->set_path(path);
+  e->set_dataset_index(dataset);
+  e->set_subset_index(subset);
+  e->set_subset_name(subset_name);
+  e->set_repeats(repeats);
+  e->set_is_reg(is_reg);
+  e->mutable_bucket()->set_width(width);
+  e->mutable_bucket()->set_height(height);
+  e->set_caption_read(caption);
+  e->set_caption(caption);
+  return e;
+}
+
+wire::DatasetSettings* add_dataset(wire::DatasetSource& source, uint32_t width, uint32_t height,
+                                   bool buckets, uint32_t batch_size, bool dreambooth) {
+  wire::DatasetSettings* d = source.add_datasets();
+  d->mutable_resolution()->set_width(width);
+  d->mutable_resolution()->set_height(height);
+  d->set_enable_bucket(buckets);
+  if (buckets) {
+    d->set_min_bucket_reso(256);
+    d->set_max_bucket_reso(1024);
+  }
+  d->set_batch_size(batch_size);
+  d->set_is_dreambooth(dreambooth);
+  return d;
+}
+
+// kohya's train_network.py with a dataset TOML: every dataset in ss_datasets (its counts, its
+// buckets numbered by size, its tags, the subsets that hold images), and the training subsets of
+// all of them in ss_dataset_dirs (regularization subsets left out, fine-tuning subsets by their
+// metadata file); no keys of the flags' layout.
+TEST(TrainMetadata, DatasetConfigWritesSsDatasetsAsKohya) {
+  wire::Manifest m;
+  wire::DatasetSource& source = *m.mutable_source();
+  source.set_kind(wire::DatasetSource::DATASET_CONFIG);
+  wire::DatasetSettings* dreambooth = add_dataset(source, 512, 512, true, 2, true);
+  dreambooth->set_mean_img_ar_error(0.05);
+  wire::SubsetSettings* dogs = dreambooth->add_subsets();
+  dogs->set_name("10_dog");
+  dogs->set_image_dir("10_dog");
+  dogs->set_num_repeats(2);
+  dogs->set_flip_aug(true);
+  dogs->set_caption_prefix("sks");
+  dogs->mutable_caption_settings()->set_shuffle_caption(true);
+  wire::SubsetSettings* reg = dreambooth->add_subsets();
+  reg->set_name("1_dog");
+  reg->set_image_dir("1_dog");
+  reg->set_num_repeats(1);
+  reg->set_is_reg(true);
+  reg->set_class_tokens("dog");
+  dreambooth->add_subsets()->set_name("empty");  // no images: kohya leaves it out
+  wire::DatasetSettings* fine_tuning = add_dataset(source, 768, 512, false, 0, false);
+  wire::SubsetSettings* meta = fine_tuning->add_subsets();
+  meta->set_name("meta.json");
+  meta->set_image_dir("imgs");
+  meta->set_metadata_file("meta.json");
+  meta->set_num_repeats(1);
+  add_entry(m, "d/10_dog/b.png", 0, 0, "10_dog", 2, false, 512, 512, "b");
+  add_entry(m, "d/10_dog/a.png", 0, 0, "10_dog", 2, false, 512, 512, "A, b");
+  add_entry(m, "r/1_dog/r.png", 0, 1, "1_dog", 1, true, 448, 576, "dog");
+  add_entry(m, "imgs/c.png", 1, 0, "meta.json", 1, false, 768, 512, "c");
+  for (auto& e : *m.mutable_entries()) {
+    if (e.dataset_index() == 0) e.set_batch_size(2);  // as the cacher copies it from the TOML
+  }
+
+  const DatasetMetadata got = kohya_dataset_metadata(m, BatchScheduler(m, 1, 0, false));
+  EXPECT_TRUE(got.dataset_config);
+  EXPECT_EQ(got.width, 512u);
+  EXPECT_EQ(got.height, 512u);
+  for (const char* key : {"ss_resolution", "ss_reg_dataset_dirs", "ss_bucket_info",
+                          "ss_enable_bucket", "ss_flip_aug", "ss_shuffle_caption"}) {
+    EXPECT_FALSE(got.keys.count(key)) << key << " belongs to kohya's layout without a TOML";
+  }
+  EXPECT_EQ(got.keys.at("ss_dataset_dirs"),
+            R"({"10_dog": {"n_repeats": 2, "img_count": 2}, )"
+            R"("meta.json": {"n_repeats": 1, "img_count": 1}})");
+  EXPECT_EQ(got.keys.at("ss_tag_frequency"),
+            R"({"10_dog": {"a": 1, "b": 2}, "1_dog": {"dog": 1}, "meta.json": {"c": 1}})");
+  const nlohmann::json datasets = nlohmann::json::parse(got.keys.at("ss_datasets"));
+  ASSERT_EQ(datasets.size(), 2u);
+  const nlohmann::json& first = datasets[0];
+  EXPECT_EQ(first["is_dreambooth"], true);
+  EXPECT_EQ(first["batch_size_per_device"], 2) << "the TOML's batch_size";
+  EXPECT_EQ(first["num_train_images"], 4) << "2 images x 2 repeats";
+  EXPECT_EQ(first["num_reg_images"], 1) << "as declared, before the balance draws it 4 times";
+  EXPECT_EQ(first["resolution"], nlohmann::json({512, 512}));
+  EXPECT_EQ(first["min_bucket_reso"], 256);
+  EXPECT_EQ(first["max_bucket_reso"], 1024);
+  EXPECT_EQ(first["bucket_info"],
+            nlohmann::json::parse(R"({"buckets": {"0": {"resolution": [448, 576], "count": 4},)"
+                                  R"( "1": {"resolution": [512, 512], "count": 4}},)"
+                                  R"( "mean_img_ar_error": 0.05})"));
+  EXPECT_EQ(first["tag_frequency"],
+            nlohmann::json::parse(R"({"10_dog": {"a": 1, "b": 2}, "1_dog": {"dog": 1}})"));
+  ASSERT_EQ(first["subsets"].size(), 2u);
+  const nlohmann::json& dog_subset = first["subsets"][0];
+  EXPECT_EQ(dog_subset["img_count"], 2);
+  EXPECT_EQ(dog_subset["num_repeats"], 2);
+  EXPECT_EQ(dog_subset["flip_aug"], true);
+  EXPECT_EQ(dog_subset["color_aug"], false);
+  EXPECT_EQ(dog_subset["shuffle_caption"], true);
+  EXPECT_EQ(dog_subset["caption_prefix"], "sks");
+  EXPECT_TRUE(dog_subset["caption_suffix"].is_null()) << "kohya's None";
+  EXPECT_EQ(dog_subset["image_dir"], "10_dog");
+  EXPECT_TRUE(dog_subset["class_tokens"].is_null());
+  EXPECT_EQ(dog_subset["is_reg"], false);
+  EXPECT_FALSE(dog_subset.contains("metadata_file"));
+  EXPECT_EQ(first["subsets"][1]["is_reg"], true);
+  EXPECT_EQ(first["subsets"][1]["class_tokens"], "dog");
+  const nlohmann::json& second = datasets[1];
+  EXPECT_EQ(second["is_dreambooth"], false);
+  EXPECT_EQ(second["batch_size_per_device"], 1) << "--train_batch_size, no TOML batch_size";
+  EXPECT_EQ(second["resolution"], nlohmann::json({768, 512}));
+  EXPECT_EQ(second["enable_bucket"], false);
+  EXPECT_TRUE(second["min_bucket_reso"].is_null());
+  EXPECT_TRUE(second["bucket_info"].is_null()) << "kohya keeps none without buckets";
+  ASSERT_EQ(second["subsets"].size(), 1u);
+  EXPECT_EQ(second["subsets"][0]["metadata_file"], "meta.json");
+  EXPECT_EQ(second["subsets"][0]["image_dir"], "imgs");
+  EXPECT_FALSE(second["subsets"][0].contains("is_reg"));
+}
+
+// kohya without a TOML: the dataset's settings and the flags' subset settings as keys of their
+// own, as its str() writes them; a regularization image the balance never reaches is in no
+// bucket.
+TEST(TrainMetadata, FlagsLayoutWritesTheDatasetsSettingsAsKeys) {
+  wire::Manifest m;
+  wire::DatasetSource& source = *m.mutable_source();
+  source.set_kind(wire::DatasetSource::DATA_DIR);
+  wire::DatasetSettings* dataset = add_dataset(source, 768, 640, true, 0, true);
+  dataset->set_min_bucket_reso(320);
+  dataset->set_bucket_no_upscale(true);
+  dataset->set_mean_img_ar_error(0.125);
+  wire::SubsetSettings* flags = source.mutable_flags();
+  flags->set_flip_aug(true);
+  wire::CaptionSettings* c = flags->mutable_caption_settings();
+  c->set_shuffle_caption(true);
+  c->set_keep_tokens(2);
+  c->set_caption_dropout_rate(0.1);
+  c->set_caption_dropout_every_n_epochs(3);
+  c->set_caption_tag_dropout_rate(0.05);
+  add_entry(m, "d/3_x/a.png", 0, 0, "3_x", 3, false, 768, 640, "x");
+  add_entry(m, "r/5_p/a.png", 0, 1, "5_p", 5, true, 768, 640, "p");  // 5 draws: 3 reached
+  add_entry(m, "r/5_p/b.png", 0, 1, "5_p", 5, true, 512, 512, "p");  // never drawn
+
+  const BatchScheduler scheduler(m, 1, 0, false);
+  EXPECT_EQ(scheduler.reg_images(), 10u) << "kohya's num_reg_images: as declared";
+  const DatasetMetadata got = kohya_dataset_metadata(m, scheduler);
+  EXPECT_FALSE(got.dataset_config);
+  const std::map<std::string, std::string> want = {
+      {"ss_resolution", "(768, 640)"},
+      {"ss_enable_bucket", "True"},
+      {"ss_bucket_no_upscale", "True"},
+      {"ss_min_bucket_reso", "320"},
+      {"ss_max_bucket_reso", "1024"},
+      {"ss_color_aug", "False"},
+      {"ss_flip_aug", "True"},
+      {"ss_random_crop", "False"},
+      {"ss_shuffle_caption", "True"},
+      {"ss_keep_tokens", "2"},
+      {"ss_caption_dropout_rate", "0.1"},
+      {"ss_caption_dropout_every_n_epochs", "3"},
+      {"ss_caption_tag_dropout_rate", "0.05"},
+      {"ss_face_crop_aug_range", "None"},
+      {"ss_bucket_info", R"({"buckets": {"0": {"resolution": [768, 640], "count": 8}}, )"
+                         R"("mean_img_ar_error": 0.125})"},
+      {"ss_dataset_dirs", R"({"3_x": {"n_repeats": 3, "img_count": 1}})"},
+      {"ss_reg_dataset_dirs", R"({"5_p": {"n_repeats": 5, "img_count": 2}})"},
+      {"ss_tag_frequency", R"({"3_x": {"x": 1}, "5_p": {"p": 2}})"}};
+  for (const auto& [key, value] : want) {
+    ASSERT_TRUE(got.keys.count(key)) << key;
+    EXPECT_EQ(got.keys.at(key), value) << key;
+  }
+  EXPECT_EQ(got.keys.size(), want.size()) << "no key of kohya's TOML layout";
 }
 
 }  // namespace

@@ -30,6 +30,7 @@
 #include "cacher/records.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/numbers.h"
 #include "common/sha256.h"
 #include "models/device.h"
 #include "models/fingerprint.h"
@@ -98,6 +99,13 @@ std::string legacy_model_hash(const fs::path& file) {
   in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   bytes.resize(static_cast<size_t>(in.gcount()));
   return sha256_hex(bytes).substr(0, 8);
+}
+
+// kohya's str(time.time()): seconds since the epoch as a Python float. Web UIs read the
+// training timestamps back with float() (A1111's metadata editor shows them as dates).
+std::string unix_time_now() {
+  const auto now = std::chrono::system_clock::now().time_since_epoch();
+  return python_float_repr(std::chrono::duration<double>(now).count());
 }
 
 std::string iso_now() {
@@ -391,7 +399,7 @@ void Run::load_data() {
   }
   scheduler_ = std::make_unique<BatchScheduler>(manifest_, o_.train_batch_size, o_.seed,
                                                 o_.fill_last_batch, o_.ranks.world_size);
-  dataset_metadata_ = kohya_dataset_metadata(manifest_);  // the training images
+  dataset_metadata_ = kohya_dataset_metadata(manifest_, *scheduler_);  // the training images
 }
 
 void Run::preflight() {
@@ -767,34 +775,35 @@ double Run::validation_loss() {
 std::map<std::string, std::string> Run::metadata(int64_t step) const {
   const auto& s = o_.step;
   std::map<std::string, std::string> m;
-  json bucket_info = json::object();
-  json buckets = json::object();
-  int i = 0;
-  for (const auto& b : scheduler_->buckets()) {
-    buckets[std::to_string(i++)] = {{"resolution", {b.width, b.height}}, {"count", b.count}};
-  }
-  bucket_info["buckets"] = buckets;
   const int64_t batches = static_cast<int64_t>(scheduler_->batches_per_epoch());
   m["ss_session_id"] = run_id_;
   m["ss_training_started_at"] = training_started_at_;
   m["ss_output_name"] = o_.output_name;
-  m["ss_learning_rate"] = number(s.optimizer_groups.learning_rate);
-  m["ss_unet_lr"] = number(s.optimizer_groups.unet_lr >= 0 ? s.optimizer_groups.unet_lr
-                                                           : s.optimizer_groups.learning_rate);
+  // Floats as kohya's str() writes them (Python's repr); None for an option not given.
+  auto float_or_none = [](double v) { return v > 0 ? python_float_repr(v) : std::string("None"); };
+  const auto& lr = s.optimizer_groups;
+  m["ss_learning_rate"] = python_float_repr(lr.learning_rate);
+  m["ss_unet_lr"] = python_float_repr(lr.unet_lr >= 0 ? lr.unet_lr : lr.learning_rate);
   m["ss_text_encoder_lr"] =
-      number(s.optimizer_groups.text_encoder_lr >= 0 ? s.optimizer_groups.text_encoder_lr
-                                                     : s.optimizer_groups.learning_rate);
+      python_float_repr(lr.text_encoder_lr >= 0 ? lr.text_encoder_lr : lr.learning_rate);
   m["ss_num_train_images"] = std::to_string(scheduler_->train_images());
   m["ss_num_reg_images"] = std::to_string(scheduler_->reg_images());
+  uint64_t validation_images = 0;  // kohya's: repeats included
+  for (const auto& e : validation_manifest_.entries()) {
+    if (!e.is_reg()) validation_images += std::max<uint32_t>(1, e.repeats());
+  }
+  m["ss_num_validation_images"] = std::to_string(validation_images);
   m["ss_num_batches_per_epoch"] = std::to_string(batches);
   // Epochs end on steps (an epoch's last batch ends its step): ceil(batches / accumulation) each.
   const int64_t steps_per_epoch = std::max<int64_t>(
       1, (batches + s.gradient_accumulation_steps - 1) / s.gradient_accumulation_steps);
   m["ss_num_epochs"] = std::to_string((max_steps_ + steps_per_epoch - 1) / steps_per_epoch);
-  m["ss_batch_size_per_device"] =
-      std::to_string(scheduler_->batch_size() / std::max(1, o_.ranks.world_size));
-  m["ss_total_batch_size"] =
-      std::to_string(scheduler_->batch_size() * s.gradient_accumulation_steps);
+  if (!dataset_metadata_.dataset_config) {  // kohya's, for a dataset without a TOML
+    m["ss_batch_size_per_device"] =
+        std::to_string(scheduler_->batch_size() / std::max(1, o_.ranks.world_size));
+    m["ss_total_batch_size"] =
+        std::to_string(scheduler_->batch_size() * s.gradient_accumulation_steps);
+  }
   m["ss_gradient_checkpointing"] = s.gradient_checkpointing ? "True" : "False";
   m["ss_gradient_accumulation_steps"] = std::to_string(s.gradient_accumulation_steps);
   m["ss_max_train_steps"] = std::to_string(max_steps_);
@@ -815,7 +824,7 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
       m["ss_network_alpha"] = number(widest->alpha);
     }
   }
-  m["ss_network_dropout"] = number(o_.network.dropout);
+  m["ss_network_dropout"] = float_or_none(o_.network.dropout);
   json args = json::object();
   for (const std::string& a : o_.network_args) {
     const size_t eq = a.find('=');
@@ -831,27 +840,30 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_max_token_length"] = o_.max_token_length == 75 ? "None" : std::to_string(o_.max_token_length);
   m["ss_cache_latents"] = "True";
   m["ss_seed"] = std::to_string(o_.seed);
-  m["ss_noise_offset"] = s.noise.noise_offset > 0 ? number(s.noise.noise_offset) : "None";
+  m["ss_noise_offset"] = float_or_none(s.noise.noise_offset);
   m["ss_noise_offset_random_strength"] = s.noise.noise_offset_random_strength ? "True" : "False";
   m["ss_adaptive_noise_scale"] =
-      s.noise.adaptive_noise_scale != 0 ? number(s.noise.adaptive_noise_scale) : "None";
+      s.noise.adaptive_noise_scale != 0 ? python_float_repr(s.noise.adaptive_noise_scale) : "None";
   m["ss_multires_noise_iterations"] = s.noise.multires_noise_iterations > 0
                                           ? std::to_string(s.noise.multires_noise_iterations)
                                           : "None";
-  m["ss_multires_noise_discount"] = number(s.noise.multires_noise_discount);
-  m["ss_min_snr_gamma"] = s.min_snr_gamma > 0 ? number(s.min_snr_gamma) : "None";
+  m["ss_multires_noise_discount"] = python_float_repr(s.noise.multires_noise_discount);
+  m["ss_min_snr_gamma"] = float_or_none(s.min_snr_gamma);
   m["ss_debiased_estimation"] = s.debiased_estimation_loss ? "True" : "False";
   m["ss_zero_terminal_snr"] = s.zero_terminal_snr ? "True" : "False";
   m["ss_masked_loss"] = o_.masked_loss ? "True" : "False";
-  m["ss_scale_weight_norms"] = s.scale_weight_norms > 0 ? number(s.scale_weight_norms) : "None";
-  m["ss_ip_noise_gamma"] = s.noise.ip_noise_gamma > 0 ? number(s.noise.ip_noise_gamma) : "None";
+  m["ss_scale_weight_norms"] = float_or_none(s.scale_weight_norms);
+  m["ss_ip_noise_gamma"] = float_or_none(s.noise.ip_noise_gamma);
   m["ss_ip_noise_gamma_random_strength"] =
       s.noise.ip_noise_gamma_random_strength ? "True" : "False";
-  m["ss_prior_loss_weight"] = number(o_.prior_loss_weight);
-  m["ss_max_grad_norm"] = number(s.max_grad_norm);
+  m["ss_prior_loss_weight"] = python_float_repr(o_.prior_loss_weight);
+  m["ss_max_grad_norm"] = python_float_repr(s.max_grad_norm);
   m["ss_loss_type"] = s.loss_type;
   m["ss_huber_schedule"] = s.huber_schedule;
-  m["ss_huber_c"] = number(s.huber_c);
+  m["ss_huber_scale"] = python_float_repr(s.huber_scale);
+  m["ss_fp8_base"] = o_.fp8_base ? "True" : "False";
+  m["ss_fp8_base_unet"] = o_.fp8_base_unet ? "True" : "False";
+  m["ss_huber_c"] = python_float_repr(s.huber_c);
   m["ss_optimizer"] = step_->optimizer().describe();
   m["ss_training_comment"] = o_.training_comment.empty() ? "None" : o_.training_comment;
   m["ss_sd_model_name"] = o_.model.filename().string();
@@ -865,24 +877,11 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
       m["ss_new_vae_hash"] = vae_sha256_;
     }
   }
-  // kohya writes the --resolution it bucketed at; the manifest holds the buckets, whose largest
-  // area is that resolution squared (kohya's make_bucket_resolutions keeps w * h <= reso^2).
-  uint64_t max_area = 0;
-  for (const auto& b : scheduler_->buckets()) {
-    max_area = std::max<uint64_t>(max_area, uint64_t{b.width} * b.height);
-  }
-  const int64_t resolution =
-      static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(max_area)) / 64.0)) * 64;
-  m["ss_resolution"] = "(" + std::to_string(resolution) + ", " + std::to_string(resolution) + ")";
-  m["ss_enable_bucket"] = scheduler_->buckets().size() > 1 ? "True" : "False";
-  m["ss_bucket_info"] = bucket_info.dump();
-  m["ss_tag_frequency"] = dataset_metadata_.tag_frequency;
-  m["ss_dataset_dirs"] = dataset_metadata_.dataset_dirs;
-  m["ss_reg_dataset_dirs"] = dataset_metadata_.reg_dataset_dirs;
+  m.insert(dataset_metadata_.keys.begin(), dataset_metadata_.keys.end());
   m["ss_steps"] = std::to_string(step);
   m["ss_epoch"] = std::to_string(epoch_);
-  m["ss_training_finished_at"] = iso_now();
-  m["ss_validation_split"] = number(o_.validation_split);
+  m["ss_training_finished_at"] = unix_time_now();
+  m["ss_validation_split"] = python_float_repr(o_.validation_split);
   m["ss_validation_seed"] = std::to_string(o_.validation_seed);
   m["ss_validate_every_n_steps"] = std::to_string(o_.validate_every_n_steps);
   m["ss_validate_every_n_epochs"] =
@@ -907,7 +906,8 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["modelspec.title"] = o_.output_name;
   m["modelspec.date"] = iso_now().substr(0, 19);
   m["modelspec.prediction_type"] = s.v_prediction ? "v" : "epsilon";
-  m["modelspec.resolution"] = std::to_string(resolution) + "x" + std::to_string(resolution);
+  m["modelspec.resolution"] =
+      std::to_string(dataset_metadata_.width) + "x" + std::to_string(dataset_metadata_.height);
   if (s.clip_skip != 1) m["modelspec.encoder_layer"] = std::to_string(s.clip_skip);
   if (s.noise.min_timestep != 0 || s.noise.max_timestep != 1000) {
     m["modelspec.timestep_range"] =
@@ -998,7 +998,9 @@ void Run::load_state(const fs::path& dir) {
   step_->set_scaler(state.at("loss_scale"), state.at("scale_growth_tracker"));
   step_->set_updates(global_step_ - skipped_);
   run_id_ = state.value("run_id", run_id_);
-  training_started_at_ = state.value("training_started_at", training_started_at_);
+  // States before the metadata's timestamps were Unix times held a date: this run's start then.
+  const std::string started = state.value("training_started_at", training_started_at_);
+  if (parse_double(started)) training_started_at_ = started;
   LP_LOG(kInfo, kLog) << "resumed from " << dir.string() << " at step " << global_step_
                       << ", epoch " << epoch_;
 }
@@ -1146,7 +1148,7 @@ Summary Run::train() {
 
 Summary Run::train_steps() {
   run_id_ = o_.output_name + "-" + std::to_string(std::time(nullptr));
-  training_started_at_ = iso_now();
+  training_started_at_ = unix_time_now();
   load_data();
   load_model();
   preflight();
