@@ -124,8 +124,11 @@ void attach_caption(const SubsetOptions& subset, ImageEntry& entry, Discovery& o
     extensions.push_back(".txt");
   }
   for (const std::string& ext : extensions) {
+    // kohya's os.path.splitext(image)[0] + caption_extension: an extension without a leading dot
+    // ("_tags.txt") is a suffix of the name.
     fs::path caption_path = entry.path;
-    caption_path.replace_extension(ext);
+    caption_path.replace_extension();
+    caption_path += ext;
     std::error_code ec;
     if (!fs::is_regular_file(caption_path, ec)) continue;
     try {
@@ -769,6 +772,8 @@ std::vector<DatasetOptions> parse_dataset_toml(const std::string& text, const st
       dataset.subsets.push_back(subset);
     }
     try {
+      // kohya rounds the bucket sizes to the steps first and checks them after.
+      dataset.buckets = adjusted_to_steps(dataset.buckets);
       validate(dataset.buckets);
     } catch (const InputError& e) {
       reader.fail(dataset_table, e.what());

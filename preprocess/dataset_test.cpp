@@ -82,6 +82,24 @@ TEST(DatasetFolder, KohyaRepeatFoldersCaptionsAndReportedFolders) {
   fs::remove_all(dir);
 }
 
+// kohya's caption file is the image's name without its extension, then caption_extension as
+// written: "_tags.txt" is a suffix ("a_tags.txt"), not an extension to swap in ("a._tags.txt").
+TEST(DatasetFolder, CaptionExtensionWithoutADotIsASuffixOfTheName) {
+  const fs::path dir = make_temp_dir("suffix");
+  write_file(dir / "1_cls" / "a.png", "x");
+  write_file(dir / "1_cls" / "a_tags.txt", "tagged, from the suffix\n");
+  write_file(dir / "1_cls" / "a.txt", "not this one\n");
+  Defaults defaults;
+  defaults.subset.caption_extension = "_tags.txt";
+  defaults.subset.caption_extension_set = true;
+  const Discovery d = discover_folder(dir, defaults);
+  const ImageEntry* a = find_image(d, "a.png");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->caption, "tagged, from the suffix");
+  EXPECT_EQ(a->caption_source, "file");
+  fs::remove_all(dir);
+}
+
 // kohya's --reg_data_dir: its repeat folders are regularization subsets; images directly in it
 // are not used (reported), nor are hidden files anywhere (macOS's "._x.jpg" are not images).
 // A caption in kohya's default .caption wins over a .txt beside it.
@@ -292,6 +310,23 @@ max_bucket_reso = 1024
   EXPECT_FALSE(datasets[1].buckets.bucket_no_upscale);
   EXPECT_EQ(datasets[1].subsets[0].num_repeats, 1);
   EXPECT_TRUE(datasets[1].subsets[0].flip_aug);
+}
+
+// kohya rounds min_bucket_reso down and max_bucket_reso up to the steps before it checks them
+// against the resolution: 1000 becomes 1024, enough for a 1024 resolution.
+TEST(DatasetToml, BucketSizesAreRoundedToTheStepsBeforeTheyAreChecked) {
+  const auto datasets = parse_dataset_toml(R"(
+[[datasets]]
+resolution = 1024
+min_bucket_reso = 300
+max_bucket_reso = 1000
+  [[datasets.subsets]]
+  image_dir = "a"
+)",
+                                           "config.toml", Defaults{});
+  ASSERT_EQ(datasets.size(), 1u);
+  EXPECT_EQ(datasets[0].buckets.min_bucket_reso, 256);
+  EXPECT_EQ(datasets[0].buckets.max_bucket_reso, 1024);
 }
 
 // The error names the file, the line and the key.
