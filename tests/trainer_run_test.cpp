@@ -86,7 +86,8 @@ class TrainRunTest : public ::testing::Test {
   }
 
   // N steps straight against N/2, kill -9, resume, N/2 more (defined below the fixture).
-  void expect_resume_bit_exact(const std::vector<std::string>& extra) const;
+  void expect_resume_bit_exact(const std::vector<std::string>& extra,
+                               bool crash_mid_save = false) const;
 
   std::vector<std::string> args(const fs::path& out, std::vector<std::string> extra) const {
     std::vector<std::string> a{LORAPIPE_TRAINER_BIN,
@@ -244,7 +245,8 @@ TEST_F(TrainRunTest, LearnsAndIsDeterministic) {
 }
 
 // N steps straight against N/2, kill -9, resume, N/2 more: bit-identical LoRA weights.
-void TrainRunTest::expect_resume_bit_exact(const std::vector<std::string>& extra) const {
+void TrainRunTest::expect_resume_bit_exact(const std::vector<std::string>& extra,
+                                           bool crash_mid_save) const {
   const fs::path& work = work_;
   std::vector<std::string> common{"--max_train_steps=40",
                                   "--train_batch_size=2",
@@ -271,15 +273,30 @@ void TrainRunTest::expect_resume_bit_exact(const std::vector<std::string>& extra
   ASSERT_TRUE(fs::exists(state / "trainer.json")) << read_text(killed / "trainer.err");
   EXPECT_EQ(status, 128 + SIGKILL) << "the run finished before it could be killed";
 
+  if (crash_mid_save) {
+    // A crash while a save replaced the state, where renaming cannot swap two folders at once:
+    // the old state moved aside, the new one not yet in place. The trainer resumes from it.
+    fs::rename(state, state.parent_path() / ("." + state.filename().string() + ".old"));
+  }
   auto resume = common;
   resume.push_back("--resume=" + state.string());
   const TrainRun resumed = run(killed, resume);
   ASSERT_EQ(resumed.exit, 0) << resumed.err;
+  if (crash_mid_save) {
+    EXPECT_NE(resumed.err.find("the state a crash left while the next one was being saved"),
+              std::string::npos)
+        << resumed.err;
+  }
   expect_identical(work / "straight" / "lora" / "tiny.safetensors",
                    killed / "lora" / "tiny.safetensors");
 }
 
 TEST_F(TrainRunTest, ResumeAfterKillNineIsBitExact) { expect_resume_bit_exact({}); }
+
+// The same when the kill came in the middle of replacing a state (see write_folder).
+TEST_F(TrainRunTest, ResumeFromAStateACrashLeftMovedAsideIsBitExact) {
+  expect_resume_bit_exact({}, /*crash_mid_save=*/true);
+}
 
 // The trainer with kernels/' 8-bit optimizer (a suite of its own, so its name says it).
 class AdamW8bitTrainRun : public TrainRunTest {};

@@ -1,5 +1,6 @@
 #include "trainer/trainer.h"
 
+#include <fcntl.h>
 #include <malloc.h>
 #include <csignal>
 #include <sys/resource.h>
@@ -10,6 +11,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <deque>
 #include <fstream>
@@ -140,18 +142,51 @@ uint64_t peak_memory(const at::Device& device) {
   return static_cast<uint64_t>(usage.ru_maxrss) * 1024;
 }
 
-// Writes a folder under a temporary name and renames it into place, so a crash leaves the old
-// folder or the new one, never a mix.
+// Flushes a file's or a folder's contents (a folder's: its entries) to the disk.
+void sync_to_disk(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error("cannot open " + path.string() + " to sync it: " + std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int error = errno;
+  ::close(fd);
+  if (rc != 0) throw Error("cannot sync " + path.string() + ": " + std::strerror(error));
+}
+
+// The folder a state at `dir` is in after a crash in write_folder's fallback, between moving the
+// old state aside and moving the new one in.
+fs::path moved_aside(const fs::path& dir) {
+  return dir.parent_path() / ("." + dir.filename().string() + ".old");
+}
+
+// Writes a folder under a temporary name, flushes it to the disk, and puts it in place of `dir`,
+// so that a crash or a full disk leaves the old folder or the new one whole, never a mix: Linux
+// swaps the two in one step; where the file system cannot, the old one moves aside first
+// (moved_aside(dir), where load_state looks when `dir` is missing) and is removed last. A fill
+// that throws leaves `dir` as it was.
 template <typename Fill>
 void write_folder(const fs::path& dir, Fill fill) {
   const fs::path temp = dir.parent_path() / ("." + dir.filename().string() + ".tmp");
-  const fs::path old = dir.parent_path() / ("." + dir.filename().string() + ".old");
+  const fs::path old = moved_aside(dir);
   fs::remove_all(temp);
   fs::create_directories(temp);
   fill(temp);
-  fs::remove_all(old);
-  if (fs::exists(dir)) fs::rename(dir, old);
+  for (const auto& entry : fs::directory_iterator(temp)) {
+    if (entry.is_regular_file()) sync_to_disk(entry.path());
+  }
+  sync_to_disk(temp);
+  if (fs::exists(dir)) {
+#ifdef RENAME_EXCHANGE
+    if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
+      sync_to_disk(dir.parent_path());
+      fs::remove_all(temp);  // the old folder, now under the temporary name
+      return;
+    }
+#endif
+    fs::remove_all(old);
+    fs::rename(dir, old);
+  }
   fs::rename(temp, dir);
+  sync_to_disk(dir.parent_path());
   fs::remove_all(old);
 }
 
@@ -956,21 +991,43 @@ void Run::save_state(const fs::path& dir) {
                {"run_id", run_id_},
                {"world_size", o_.ranks.world_size},
                {"training_started_at", training_started_at_}};
-    std::ofstream(folder / "trainer.json") << state.dump(2);
+    const fs::path file = folder / "trainer.json";
+    std::ofstream out(file);
+    out << state.dump(2);
+    out.close();
+    if (!out) throw Error("cannot write " + file.string() + ": " + std::strerror(errno));
   });
   LP_LOG(kInfo, kLog) << "saved state " << dir.string() << " at step " << global_step_;
 }
 
-void Run::load_state(const fs::path& dir) {
+void Run::load_state(const fs::path& asked) {
+  fs::path dir = asked;
+  if (!fs::exists(dir / "trainer.json") && fs::exists(moved_aside(asked) / "trainer.json")) {
+    // A crash came while a save replaced this state: the old one is whole, moved aside.
+    dir = moved_aside(asked);
+    LP_LOG(kWarning, kLog) << "--resume=" << asked.string() << ": resuming from " << dir.string()
+                           << ", the state a crash left while the next one was being saved";
+  }
   const fs::path file = dir / "trainer.json";
   if (!fs::exists(file)) {
-    throw InputError("--resume=" + dir.string() +
+    throw InputError("--resume=" + asked.string() +
                      ": no trainer.json (not a state folder written "
                      "with --save_state)");
   }
   json state;
   try {
     state = json::parse(std::ifstream(file));
+    for (const char* key : {"global_step", "epoch", "next_index", "skipped_steps",
+                            "epoch_loss_count", "scale_growth_tracker"}) {
+      if (!state.at(key).is_number_integer()) {
+        throw InputError(file.string() + ": '" + key + "' is not a whole number");
+      }
+    }
+    for (const char* key : {"epoch_loss_sum", "loss_scale"}) {
+      if (!state.at(key).is_number()) {
+        throw InputError(file.string() + ": '" + key + "' is not a number");
+      }
+    }
   } catch (const json::exception& e) {
     throw InputError(file.string() + ": " + e.what());
   }
