@@ -134,7 +134,12 @@ void write_png(const fs::path& path, VImage image, const std::string& parameters
     out.write(png.data(), static_cast<std::streamsize>(png.size()));
     if (!out.flush()) throw Error(tmp.string() + ": cannot write");
   }
-  fs::rename(tmp, path);
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) {
+    fs::remove(tmp, ec);
+    throw Error("cannot write " + path.string() + ": " + ec.message());
+  }
 }
 
 void write_text(const fs::path& path, const std::string& text) {
@@ -198,6 +203,13 @@ std::string run_name(const fs::path& lora) {
 class Sampler {
  public:
   explicit Sampler(const SamplerOptions& options) : o_(options) {
+    if (!o_.sub_endpoint.empty()) {
+      // Subscribed before the model loads: a checkpoint announced meanwhile (a short run's final
+      // one, announced once) waits in the socket instead of being lost.
+      sub_.emplace(wire::make_socket(context_, zmq::socket_type::sub));
+      sub_->set(zmq::sockopt::subscribe, wire::type_name(wire::CheckpointReady()));
+      sub_->connect(o_.sub_endpoint);
+    }
     start_vips();
     models::LoadOptions load;
     const c10::Device device = models::resolve_device(o_.device);
@@ -258,9 +270,21 @@ class Sampler {
                         << " prompts from " << o_.sample_prompts.string();
   }
 
-  // Renders every prompt with `loras` merged; false (reported) when it cannot.
+  // Renders every prompt with `loras` merged; false (reported) when it cannot. Whatever stops a
+  // checkpoint's render (a bad file, the device's memory, a full or read-only disk under
+  // samples/) skips that checkpoint: the sampler keeps serving, and the run it follows goes on.
   bool render_checkpoint(const std::vector<std::pair<fs::path, double>>& loras, uint64_t step,
                          const std::string& name) {
+    try {
+      return render_checkpoint_or_throw(loras, step, name);
+    } catch (const std::exception& e) {
+      LP_LOG(kError, kLog) << "step " << step << " not rendered: " << e.what();
+      return false;
+    }
+  }
+
+  bool render_checkpoint_or_throw(const std::vector<std::pair<fs::path, double>>& loras,
+                                  uint64_t step, const std::string& name) {
     MergedLoras merged;
     std::vector<std::string> images;
     std::vector<VImage> tiles;
@@ -353,13 +377,10 @@ class Sampler {
   }
 
   SamplerSummary follow() {
-    zmq::context_t context;
-    zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub);
-    sub.set(zmq::sockopt::subscribe, wire::type_name(wire::CheckpointReady()));
-    sub.connect(o_.sub_endpoint);
+    zmq::socket_t& sub = *sub_;
     std::optional<zmq::socket_t> pub;
     if (!o_.pub_endpoint.empty()) {
-      pub.emplace(wire::make_socket(context, zmq::socket_type::pub));
+      pub.emplace(wire::make_socket(context_, zmq::socket_type::pub));
       pub->bind(o_.pub_endpoint);
     }
     // status_ points at `pub`, which goes at the end of this function: so does status_.
@@ -439,6 +460,8 @@ class Sampler {
 
  private:
   SamplerOptions o_;
+  zmq::context_t context_;
+  std::optional<zmq::socket_t> sub_;  // following a run: CheckpointReady
   models::StableDiffusion model_;
   PromptSet prompts_;
   SamplerSummary summary_;

@@ -285,6 +285,46 @@ TEST_F(SamplerRun, FollowsARunRenderingOnlyTheNewestAndTheFinal) {
   EXPECT_NE(out.find("2 checkpoints rendered, 1 skipped"), std::string::npos) << out;
 }
 
+// A checkpoint whose images cannot be written (here a folder stands where its first PNG goes;
+// a full or read-only disk fails the same way) is reported and skipped: the sampler keeps
+// following the run and renders the final checkpoint.
+TEST_F(SamplerRun, AnUnwritableSampleSkipsThatCheckpointAndKeepsServing) {
+  zmq::context_t context;
+  zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
+  const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
+  pub.bind(endpoint);
+  auto announce = [&](int step, bool final = false) {
+    wire::CheckpointReady event;
+    event.set_run_id("test");
+    event.set_path(
+        (dir_ / ("run-step" + std::to_string(100000 + step).substr(1) + ".safetensors")).string());
+    event.set_step(static_cast<uint64_t>(step));
+    event.set_final(final);
+    ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
+  };
+  fs::create_directories(work_ / "samples" / "run_000020_00.png" / "in the way");
+  const pid_t pid = spawn(args({"--sub=" + endpoint, "--idle_timeout_s=60"}), work_ / "out",
+                          work_ / "err");
+  std::string why;
+  ASSERT_TRUE(announce_until_indexed(10, pid, [&] { announce(10); }, &why))
+      << why << read_text(work_ / "err");
+  announce(20);
+  for (int i = 0;
+       i < 600 && read_text(work_ / "err").find("step 20 not rendered") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  announce(50, /*final=*/true);
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");
+  const std::string err = read_text(work_ / "err");
+  EXPECT_NE(err.find("step 20 not rendered"), std::string::npos) << err;
+  EXPECT_NE(err.find("run_000020_00.png"), std::string::npos) << "the file is named: " << err;
+  EXPECT_TRUE(fs::exists(work_ / "samples" / "run_000050_00.png")) << err;
+  EXPECT_FALSE(fs::exists(work_ / "samples" / "run_000020_00.png.tmp.png"))
+      << "the unfinished image is removed";
+  EXPECT_NE(read_text(work_ / "out").find("2 checkpoints rendered, 1 skipped"), std::string::npos)
+      << read_text(work_ / "out");
+}
+
 // Killed with -9 after rendering step 10 and started again: it renders the newest checkpoint the
 // trainer announces (the trainer repeats its newest CheckpointReady, --checkpoint_reannounce_s;
 // here the test does), then the final one.

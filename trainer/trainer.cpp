@@ -321,6 +321,7 @@ class Run {
   void save_lora(const fs::path& path, int64_t step, bool final);
   void save_state(const fs::path& dir);
   void load_state(const fs::path& dir);
+  void announce_final_to_late_subscribers();
   void retain(int64_t step, int64_t epoch);
   // A LoRA for the sampler alone (kohya's sample schedule between saves), announced like a save.
   void save_for_samples(int64_t step);
@@ -349,6 +350,7 @@ class Run {
   // the next save. Samplers skip a step they have already rendered.
   std::optional<wire::CheckpointReady> last_checkpoint_;
   std::chrono::steady_clock::time_point last_announce_;
+  std::chrono::steady_clock::time_point bound_at_;  // when pub_ was bound
   std::string run_id_;
   std::string model_hash_, model_sha256_, vae_hash_, vae_sha256_;
   std::string training_started_at_;
@@ -971,6 +973,20 @@ void Run::save_lora(const fs::path& path, int64_t step, bool final) {
   last_announce_ = std::chrono::steady_clock::now();
 }
 
+void Run::announce_final_to_late_subscribers() {
+  if (!pub_ || !last_checkpoint_ || !last_checkpoint_->final()) return;
+  // A sampler that started with the run may still be waiting to reconnect (ZeroMQ retries a
+  // missing endpoint with a growing interval, up to wire's reconnect_interval_max): a run that
+  // ends that soon after binding announces its final checkpoint again until every such sampler
+  // has joined. A run that lasted longer has them all already, and waits for nothing.
+  const auto joined_by = bound_at_ + wire::SocketOptions{}.reconnect_interval_max +
+                         std::chrono::milliseconds(500);
+  while (std::chrono::steady_clock::now() < joined_by) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    (void)wire::send(*pub_, *last_checkpoint_);
+  }
+}
+
 void Run::save_state(const fs::path& dir) {
   if (!main_) return;
   fs::create_directories(dir.parent_path());
@@ -1275,6 +1291,7 @@ Summary Run::train_steps() {
   if (main_ && !o_.pub_endpoint.empty()) {
     pub_.emplace(wire::make_socket(context_, zmq::socket_type::pub));
     pub_->bind(o_.pub_endpoint);
+    bound_at_ = std::chrono::steady_clock::now();
     status_ = runtime::StatusPublisher(&*pub_, std::string(kLog));
   }
   status_.ready();
@@ -1521,6 +1538,7 @@ Summary Run::train_steps() {
     retain(global_step_, /*epoch=*/0);
   }
   if (tensorboard_) tensorboard_->close();
+  announce_final_to_late_subscribers();
   summary.steps = global_step_;
   summary.epochs = epoch_;
   summary.skipped_steps = skipped_;
