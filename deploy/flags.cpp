@@ -399,6 +399,31 @@ Settings parse_run_args(const std::vector<std::string>& args) {
   }
   for (const auto& [name, value] : cli.flags) settings.set(name, value);  // flags win
   if (!cli.output.empty()) settings.output = cli.output;
+  // Files and folders as absolute paths: the stages start in this folder, but run.toml must
+  // mean the same files when `lorapipe resume` runs from another one. A path that names nothing
+  // here stays as given, for the stage's own error to name.
+  for (const char* name :
+       {"pretrained_model_name_or_path", "tokenizer", "vae", "base_weights", "cache_dir",
+        "data_dir", "reg_data_dir", "dataset_config", "in_json", "network_weights",
+        "logging_dir", "sample_prompts", "console_log_file"}) {
+    if (!settings.has(name)) continue;
+    auto absolute = [](const std::string& given) {
+      std::error_code ec;
+      const fs::path path(given);
+      if (path.is_absolute() || !fs::exists(path, ec)) return given;
+      const fs::path full = fs::absolute(path, ec).lexically_normal();
+      return ec ? given : full.string();
+    };
+    if (multi_value(name)) {
+      std::string words;
+      for (const std::string& word : split_words(settings.get(name))) {
+        append_word(words, absolute(word));
+      }
+      settings.set(name, words);
+    } else {
+      settings.set(name, absolute(settings.get(name)));
+    }
+  }
   return settings;
 }
 

@@ -392,6 +392,26 @@ TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
   EXPECT_THROW(parse_run_args({"--gradient_checkpointing=maybe"}), InputError);
 }
 
+// Files and folders given relative to where `lorapipe run` starts are kept absolute (in the
+// stages' flags and in run.toml), so `lorapipe resume DIR` from elsewhere finds them; a path that
+// names nothing stays as typed, for its stage to name in its error.
+TEST_F(LauncherFlags, RelativePathsAreKeptAbsolute) {
+  fs::create_directories(work_ / "my data");
+  std::ofstream(work_ / "prompts.txt") << "a cat\n";
+  std::ofstream(work_ / "a.safetensors") << "x";
+  const fs::path before = fs::current_path();
+  fs::current_path(work_);
+  const Settings s =
+      parse_run_args({"--data_dir=my data", "--sample_prompts=./prompts.txt",
+                      "--vae=missing.safetensors", "--base_weights", "a.safetensors", "/b"});
+  fs::current_path(before);
+  EXPECT_EQ(s.get("data_dir"), (work_ / "my data").string());
+  EXPECT_EQ(s.get("sample_prompts"), (work_ / "prompts.txt").string());
+  EXPECT_EQ(s.get("vae"), "missing.safetensors");
+  EXPECT_EQ(split_words(s.get("base_weights")),
+            (std::vector<std::string>{(work_ / "a.safetensors").string(), "/b"}));
+}
+
 // The config kohya_ss's GUI writes and hands to train_network.py as --config_file: flat keys or
 // one level of tables, lists for the multi-word flags, and kohya's flags lorapipe does not act
 // on at their defaults. Those are taken and go to no stage; at another value they are refused,
