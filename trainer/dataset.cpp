@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -21,6 +22,34 @@ double uniform(std::mt19937_64& rng) {
 }
 
 }  // namespace
+
+std::vector<bool> validation_entries(const wire::Manifest& manifest, double split, uint64_t seed) {
+  std::map<std::pair<uint32_t, uint32_t>, std::vector<int>> subsets;  // training images only
+  for (int i = 0; i < manifest.entries_size(); ++i) {
+    const wire::ManifestEntry& e = manifest.entries(i);
+    if (!e.is_reg()) subsets[{e.dataset_index(), e.subset_index()}].push_back(i);
+  }
+  std::vector<bool> validates(static_cast<size_t>(manifest.entries_size()), false);
+  size_t images = 0, held_out = 0;
+  for (auto& [subset, entries] : subsets) {
+    std::mt19937_64 rng = stream(seed, subset.first, subset.second, "validation_split");
+    std::shuffle(entries.begin(), entries.end(), rng);
+    const auto count = static_cast<size_t>(std::nearbyint(static_cast<double>(entries.size()) * split));
+    for (size_t k = entries.size() - std::min(count, entries.size()); k < entries.size(); ++k) {
+      validates[static_cast<size_t>(entries[k])] = true;
+    }
+    images += entries.size();
+    held_out += std::min(count, entries.size());
+  }
+  if (held_out == 0 || held_out == images) {
+    std::ostringstream what;
+    what << "--validation_split=" << split << " of " << images << " training images, split in "
+         << subsets.size() << " subset(s), leaves "
+         << (held_out == 0 ? "no image to validate on" : "no image to train on");
+    throw InputError(what.str());
+  }
+  return validates;
+}
 
 std::mt19937_64 stream(uint64_t seed, int64_t epoch, int64_t batch, std::string_view purpose) {
   Hasher h;

@@ -82,6 +82,12 @@ class BatchScheduler {
   uint64_t reg_images_ = 0;
 };
 
+// kohya's --validation_split: which manifest entries validate. Each subset's images (a
+// dataset's subset_index) are split on their own: a `seed`ed shuffle, of which the last
+// round(n * split) (Python's round, half to even) validate; regularization images never do.
+// Throws InputError when that leaves no image to validate on or none to train on.
+std::vector<bool> validation_entries(const wire::Manifest& manifest, double split, uint64_t seed);
+
 // A generator for everything drawn for one (seed, epoch, batch, purpose).
 std::mt19937_64 stream(uint64_t seed, int64_t epoch, int64_t batch, std::string_view purpose);
 

@@ -456,6 +456,31 @@ wire::DatasetSettings* add_dataset(wire::DatasetSource& source, uint32_t width, 
   return d;
 }
 
+// kohya's --validation_split: each subset is split on its own, the last round(n * split) of a
+// seeded shuffle validating (Python's round: 2.5 -> 2, 3.5 -> 4); regularization images always
+// train; the split depends on the seed alone.
+TEST(TrainValidation, EachSubsetIsSplitOnItsOwnAndRegImagesNeverValidate) {
+  wire::Manifest m;
+  for (int i = 0; i < 10; ++i) {
+    add_entry(m, "a/" + std::to_string(i), 0, 0, "a", 1, false, 64, 64, "a");
+  }
+  for (int i = 0; i < 14; ++i) {
+    add_entry(m, "b/" + std::to_string(i), 0, 1, "b", 1, false, 64, 64, "b");
+  }
+  for (int i = 0; i < 6; ++i) add_entry(m, "r/" + std::to_string(i), 0, 2, "r", 1, true, 64, 64, "r");
+  const std::vector<bool> held = validation_entries(m, 0.25, 7);
+  ASSERT_EQ(held.size(), 30u);
+  std::map<std::string, int> per_subset;
+  for (int i = 0; i < m.entries_size(); ++i) per_subset[m.entries(i).subset_name()] += held[i];
+  EXPECT_EQ(per_subset["a"], 2) << "round(10 * 0.25) = round(2.5) = 2";
+  EXPECT_EQ(per_subset["b"], 4) << "round(14 * 0.25) = round(3.5) = 4";
+  EXPECT_EQ(per_subset["r"], 0) << "regularization images never validate";
+  EXPECT_EQ(validation_entries(m, 0.25, 7), held) << "a function of the seed";
+  EXPECT_NE(validation_entries(m, 0.25, 8), held) << "and another seed draws others";
+  EXPECT_THROW(validation_entries(m, 0.01, 7), InputError) << "nothing to validate on";
+  EXPECT_THROW(validation_entries(m, 1.0, 7), InputError) << "nothing to train on";
+}
+
 // kohya's train_network.py with a dataset TOML: every dataset in ss_datasets (its counts, its
 // buckets numbered by size, its tags, the subsets that hold images), and the training subsets of
 // all of them in ss_dataset_dirs (regularization subsets left out, fine-tuning subsets by their

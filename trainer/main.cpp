@@ -92,7 +92,8 @@ DEFINE_int32(clip_skip, 1, "Text-encoder layer from the end (1: last)");
 DEFINE_int32(max_token_length, 75,
              "kohya's caption length: 75, or 150 / 225 tokens encoded in chunks of 75");
 DEFINE_double(validation_split, 0, "Share of the images held out for validation loss");
-DEFINE_uint64(validation_seed, 0, "Seed of the validation split and noise");
+DEFINE_int64(validation_seed, -1,
+             "Seed of the validation split and noise (default: --seed, as kohya)");
 DEFINE_int64(validate_every_n_steps, 0, "Validation loss every N steps (also at start and end)");
 DEFINE_int64(validate_every_n_epochs, 0,
              "Validation loss at the end of every N epochs (0: every epoch, as kohya)");
@@ -438,7 +439,8 @@ int main(int argc, char** argv) {
     o.max_bad_steps = FLAGS_max_bad_steps;
     o.timeout_s = FLAGS_timeout_s;
     o.validation_split = FLAGS_validation_split;
-    o.validation_seed = FLAGS_validation_seed;
+    o.validation_seed =
+        FLAGS_validation_seed < 0 ? o.seed : static_cast<uint64_t>(FLAGS_validation_seed);
     o.validate_every_n_steps = FLAGS_validate_every_n_steps;
     o.validate_every_n_epochs = FLAGS_validate_every_n_epochs;
     o.max_validation_steps = FLAGS_max_validation_steps;

@@ -412,25 +412,15 @@ void Run::load_data() {
     }
   }
   if (o_.validation_split > 0) {
-    // kohya splits the images (not the repeats) with --validation_seed.
-    std::vector<int> order(manifest_.entries_size());
-    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
-    std::mt19937_64 rng = stream(o_.validation_seed, 0, 0, "validation_split");
-    std::shuffle(order.begin(), order.end(), rng);
-    const size_t n_val = static_cast<size_t>(std::lround(o_.validation_split * order.size()));
-    if (n_val == 0 || n_val == order.size()) {
-      throw InputError("--validation_split=" + number(o_.validation_split) + " of " +
-                       std::to_string(order.size()) + " images leaves " +
-                       (n_val == 0 ? "no image to validate on" : "no image to train on"));
-    }
-    std::set<int> val(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(n_val));
+    const std::vector<bool> validates =
+        validation_entries(manifest_, o_.validation_split, o_.validation_seed);
     wire::Manifest train = manifest_;
     train.clear_entries();
     validation_manifest_ = manifest_;
     validation_manifest_.clear_entries();
     for (int i = 0; i < manifest_.entries_size(); ++i) {
-      *(val.count(i) ? validation_manifest_.add_entries() : train.add_entries()) =
-          manifest_.entries(i);
+      *(validates[static_cast<size_t>(i)] ? validation_manifest_.add_entries()
+                                          : train.add_entries()) = manifest_.entries(i);
     }
     manifest_ = std::move(train);
   }

@@ -99,7 +99,7 @@ struct Options {
   double timeout_s = 300;  // a remote cacher silent this long: give up (with a saved state)
   // Validation as kohya: a held-out share of the images, fixed timesteps and noise.
   double validation_split = 0;
-  uint64_t validation_seed = 0;
+  uint64_t validation_seed = 0;  // the split's and the validation noise's (main: --seed's)
   int64_t validate_every_n_steps = 0;
   // kohya's epoch validation: at the end of every N epochs (0: every epoch, kohya's default),
   // logged as loss/validation/epoch_average at the epoch.
