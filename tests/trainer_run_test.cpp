@@ -517,6 +517,22 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
   EXPECT_GT(check["text_change"].get<double>(), 1e-4);
 }
 
+// A state is a place in the batches its flags planned: resuming it with another batch size,
+// accumulation, last-batch rule or validation split would pick up elsewhere in the epoch, so it
+// is refused, naming the flag and both values. The same flags (a longer run) resume.
+TEST_F(TrainRunTest, ResumeRefusesAnotherDataPlanNamingTheFlag) {
+  const TrainRun first = run(work_, {"--max_train_steps=2", "--save_state"});
+  ASSERT_EQ(first.exit, 0) << first.err;
+  const std::string state = "--resume=" + (work_ / "state" / "tiny-state").string();
+  const TrainRun other = run(work_, {"--max_train_steps=4", state, "--train_batch_size=3"});
+  EXPECT_NE(other.exit, 0);
+  EXPECT_NE(other.err.find("that state was trained with --train_batch_size=1, this run gives 3"),
+            std::string::npos)
+      << other.err;
+  const TrainRun longer = run(work_, {"--max_train_steps=4", state});
+  EXPECT_EQ(longer.exit, 0) << longer.err;
+}
+
 // A kohya command line carries over as it is (network_module, save_model_as, no_half_vae,
 // xformers, cache_latents, logging_dir, log_prefix, and the noise and loss options drawn in a
 // real run: ip_noise_gamma with random strength): saves are named as kohya names them and

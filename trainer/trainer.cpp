@@ -322,6 +322,8 @@ class Run {
   void save_state(const fs::path& dir);
   void load_state(const fs::path& dir);
   void announce_final_to_late_subscribers();
+  // The flags that decide which batch comes where (saved with a state, checked on resume).
+  nlohmann::json data_plan() const;
   void retain(int64_t step, int64_t epoch);
   // A LoRA for the sampler alone (kohya's sample schedule between saves), announced like a save.
   void save_for_samples(int64_t step);
@@ -963,6 +965,14 @@ void Run::save_lora(const fs::path& path, int64_t step, bool final) {
   last_announce_ = std::chrono::steady_clock::now();
 }
 
+json Run::data_plan() const {
+  return {{"train_batch_size", o_.train_batch_size},
+          {"gradient_accumulation_steps", o_.step.gradient_accumulation_steps},
+          {"fill_last_batch", o_.fill_last_batch},
+          {"validation_split", o_.validation_split},
+          {"validation_seed", o_.validation_seed}};
+}
+
 void Run::announce_final_to_late_subscribers() {
   if (!pub_ || !last_checkpoint_ || !last_checkpoint_->final()) return;
   // A sampler that started with the run may still be waiting to reconnect (ZeroMQ retries a
@@ -996,7 +1006,8 @@ void Run::save_state(const fs::path& dir) {
                {"scale_growth_tracker", step_->scale_growth_tracker()},
                {"run_id", run_id_},
                {"world_size", o_.ranks.world_size},
-               {"training_started_at", training_started_at_}};
+               {"training_started_at", training_started_at_},
+               {"plan", data_plan()}};
     const fs::path file = folder / "trainer.json";
     std::ofstream out(file);
     out << state.dump(2);
@@ -1049,6 +1060,18 @@ void Run::load_state(const fs::path& asked) {
     throw InputError("--resume=" + dir.string() + ": that state was trained by " +
                      std::to_string(state.value("world_size", 1)) + " ranks, this run has " +
                      std::to_string(o_.ranks.world_size) + " (WORLD_SIZE)");
+  }
+  // The data cursor is a place in the plan these flags make: another plan would resume
+  // somewhere else in the epoch (and change what was held out for validation).
+  if (state.contains("plan")) {
+    const json plan = data_plan();
+    for (const auto& [flag, value] : state["plan"].items()) {
+      if (plan.contains(flag) && plan[flag] != value) {
+        throw InputError("--resume=" + asked.string() + ": that state was trained with --" +
+                         flag + "=" + value.dump() + ", this run gives " + plan[flag].dump() +
+                         ": resume with the same value");
+      }
+    }
   }
   network_->load(dir / "lora.safetensors");
   step_->optimizer().load(dir / "optimizer.pt");
