@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <fstream>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -54,10 +55,17 @@ int size_value(const std::string& option, const std::string& value) {
   return static_cast<int>(std::max<int64_t>(64, whole_number(option, value) / 8 * 8));
 }
 
-// A sampler as kohya names it (any case); an unknown one is an error naming it.
-std::string sampler_choice(const std::string& value) {
+// A sampler as kohya names it (any case). kohya renders a name it does not know with ddim; so
+// does lorapipe, and notes it.
+template <typename Note>
+std::string sampler_choice(const std::string& value, Note&& note) {
   const std::string name = lower(trim(value));
-  (void)scheduler_options(name, false);
+  try {
+    (void)scheduler_options(name, false);
+  } catch (const InputError& e) {
+    note(std::string(e.what()) + ": rendered with ddim, as kohya does");
+    return "ddim";
+  }
   return name;
 }
 
@@ -82,9 +90,17 @@ bool is_other_models_option(const std::string& option) {
   return false;
 }
 
-// Fills `r` from one kohya-style object (TOML table or JSON object, read through `get`).
+// Fills `r` from one kohya-style object (TOML table or JSON object, read through `get`, which
+// gives nothing for a key that is absent or null, as kohya's dict.get).
 template <typename Get>
-void apply_fields(RenderRequest& r, Get&& get) {
+void apply_fields(RenderRequest& r, Get&& get_value, std::vector<std::string>& notes) {
+  auto get = [&](const char* key) -> std::optional<std::string> {
+    try {
+      return get_value(key);
+    } catch (const InputError& e) {
+      throw InputError(std::string(key) + ": " + e.what());
+    }
+  };
   if (auto v = get("prompt")) r.prompt = *v;
   if (auto v = get("negative_prompt")) r.negative_prompt = *v;
   if (auto v = get("width")) r.width = size_value("width", *v);
@@ -94,7 +110,9 @@ void apply_fields(RenderRequest& r, Get&& get) {
     r.steps = static_cast<int>(std::clamp<int64_t>(whole_number("sample_steps", *v), 1, 1000));
   }
   if (auto v = get("scale")) r.cfg_scale = decimal("scale", *v);
-  if (auto v = get("sample_sampler")) r.sampler = sampler_choice(*v);
+  if (auto v = get("sample_sampler")) {
+    r.sampler = sampler_choice(*v, [&](const std::string& text) { notes.push_back(text); });
+  }
 }
 
 std::string toml_text(const toml::node& node) {
@@ -124,6 +142,9 @@ std::string json_text(const nlohmann::json& v) {
 RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest& defaults,
                                 std::vector<std::string>* notes) {
   RenderRequest r = defaults;
+  auto note = [&](const std::string& text) {
+    if (notes) notes->push_back(text);
+  };
   // A line that starts with an option has no prompt (kohya would render "--w 512" as one).
   const std::string line = line_in.rfind("--", 0) == 0 ? " " + line_in : line_in;
   // kohya splits on " --": the first part is the prompt, each other one an option.
@@ -137,6 +158,21 @@ RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest&
   }
   r.prompt = trim(parts[0]);
   if (r.prompt.empty()) throw InputError("no prompt before the options");
+  // kohya matches each option's value from its start (re.match(r"w (\d+)")): "--s 28steps" is
+  // 28 steps, and a value that does not start as a number leaves the option out, as does an
+  // option it does not know. Each such reading is noted; the prompt is kept.
+  auto leading = [&](const std::string& option, const std::string& value,
+                     const std::string& chars) -> std::optional<std::string> {
+    const size_t end = std::min(value.find_first_not_of(chars), value.size());
+    if (end == 0) {
+      note("--" + option + " '" + value + "' is not a number: left out, as kohya does");
+      return std::nullopt;
+    }
+    if (end < value.size()) {
+      note("--" + option + " '" + value + "' read as " + value.substr(0, end) + ", as kohya does");
+    }
+    return value.substr(0, end);
+  };
   for (size_t i = 1; i < parts.size(); ++i) {
     const std::string part = trim(parts[i]);
     const size_t space = part.find(' ');
@@ -144,23 +180,34 @@ RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest&
     const std::string value = space == std::string::npos ? "" : trim(part.substr(space + 1));
     if (option == "n") {
       r.negative_prompt = value;
-    } else if (option == "w") {
-      r.width = size_value(option, value);
-    } else if (option == "h") {
-      r.height = size_value(option, value);
-    } else if (option == "d") {
-      r.seed = whole_number(option, value);
-    } else if (option == "s") {
-      r.steps = static_cast<int>(std::clamp<int64_t>(whole_number(option, value), 1, 1000));
+    } else if (option == "w" || option == "h" || option == "d" || option == "s") {
+      const std::optional<std::string> digits = leading(option, value, "0123456789");
+      if (!digits) continue;
+      if (digits->size() > 18) {
+        note("--" + option + " " + *digits + " is too large: left out");
+        continue;
+      }
+      if (option == "w") r.width = size_value(option, *digits);
+      if (option == "h") r.height = size_value(option, *digits);
+      if (option == "d") r.seed = whole_number(option, *digits);
+      if (option == "s") {
+        r.steps = static_cast<int>(std::clamp<int64_t>(whole_number(option, *digits), 1, 1000));
+      }
     } else if (option == "l") {
-      r.cfg_scale = decimal(option, value);
+      const std::optional<std::string> number = leading(option, value, "0123456789.");
+      if (!number) continue;
+      try {
+        r.cfg_scale = decimal(option, *number);
+      } catch (const InputError& e) {
+        note(std::string(e.what()) + ": left out, as kohya does");
+      }
     } else if (option == "ss") {
-      r.sampler = sampler_choice(value);
+      r.sampler = sampler_choice(value, note);
     } else if (is_other_models_option(option)) {
-      if (notes) notes->push_back("--" + option + " is for other models or networks: ignored");
+      note("--" + option + " is for other models or networks: ignored");
     } else {
-      throw InputError("unknown option --" + option +
-                       " (kohya's options: --n, --w, --h, --d, --s, --l, --ss)");
+      note("unknown option --" + option +
+           ": ignored, as kohya does (its options: --n, --w, --h, --d, --s, --l, --ss)");
     }
   }
   return r;
@@ -170,10 +217,14 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
   std::ifstream in(file);
   if (!in) throw InputError(file.string() + ": cannot read the prompt file");
   PromptSet set;
+  // kohya numbers the prompts by their place in the file (its "enum", in the image names): a
+  // prompt that cannot be read keeps its number, so fixing it renames and reseeds no other.
+  int position = -1;
   auto base = [&] {
     RenderRequest r;
     r.sampler = defaults.sampler;
-    r.seed = defaults.first_seed + static_cast<int64_t>(set.prompts.size());
+    r.index = ++position;
+    r.seed = defaults.first_seed + r.index;
     return r;
   };
   const std::string ext = lower(file.extension().string());
@@ -183,8 +234,9 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
       const std::string text = trim(line);
       if (text.empty() || text[0] == '#') continue;
       std::vector<std::string> notes;
+      const RenderRequest defaults_here = base();
       try {
-        RenderRequest r = parse_prompt_line(text, base(), &notes);
+        RenderRequest r = parse_prompt_line(text, defaults_here, &notes);
         check_request(r);
         set.prompts.push_back(std::move(r));
       } catch (const InputError& e) {
@@ -209,19 +261,24 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
     const toml::array* subsets = (*prompt)["subset"].as_array();
     if (subsets == nullptr) throw InputError(file.string() + ": no [[prompt.subset]] entries");
     for (size_t i = 0; i < subsets->size(); ++i) {
+      RenderRequest r = base();
       try {
         const toml::table* subset = (*subsets)[i].as_table();
         if (subset == nullptr) throw InputError("not a table");
-        RenderRequest r = base();
         auto get = [&](const char* key) -> std::optional<std::string> {
           if (const toml::node* v = subset->get(key)) return toml_text(*v);
           if (const toml::node* v = prompt->get(key)) return toml_text(*v);
           return std::nullopt;
         };
-        apply_fields(r, get);
+        std::vector<std::string> notes;
+        apply_fields(r, get, notes);
         if (trim(r.prompt).empty()) throw InputError("no prompt");
         check_request(r);
         set.prompts.push_back(std::move(r));
+        for (const std::string& note : notes) {
+          set.notes.push_back(file.string() + ": prompt.subset " + std::to_string(i + 1) + ": " +
+                              note);
+        }
       } catch (const InputError& e) {
         set.problems.push_back(file.string() + ": prompt.subset " + std::to_string(i + 1) + ": " +
                                e.what());
@@ -238,8 +295,8 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
     }
     if (!root.is_array()) throw InputError(file.string() + ": expected a list of prompts");
     for (size_t i = 0; i < root.size(); ++i) {
+      RenderRequest r = base();
       try {
-        RenderRequest r = base();
         std::vector<std::string> notes;
         if (root[i].is_string()) {
           // A plain string is a prompt line, options and all (kohya's line_to_prompt_dict).
@@ -248,10 +305,10 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
           r = parse_prompt_line(line, r, &notes);
         } else if (root[i].is_object()) {
           auto get = [&](const char* key) -> std::optional<std::string> {
-            if (!root[i].contains(key)) return std::nullopt;
+            if (!root[i].contains(key) || root[i][key].is_null()) return std::nullopt;
             return json_text(root[i][key]);
           };
-          apply_fields(r, get);
+          apply_fields(r, get, notes);
         } else {
           throw InputError("neither a prompt nor an object");
         }

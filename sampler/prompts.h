@@ -6,13 +6,17 @@
 //   .toml  [prompt] defaults and [[prompt.subset]] entries (prompt, negative_prompt, width,
 //          height, seed, sample_steps, scale, sample_sampler);
 //   .json  a list of such objects (or of plain prompt strings).
-// A line or entry that cannot be read (an unknown option, a value that is not a number, an
-// unknown sampler, no prompt) is reported with its line or entry number and skipped; the others
-// are kept; so is one whose text cannot be conditioned (invalid UTF-8, an attention weight that
-// is not a number). What kohya reads but lorapipe does not use is noted and the prompt kept: the
-// options of other models and networks (--cn, --am, --f, --g, --fs, --ctr, --rcfg), and kohya's
-// samplers that lorapipe lacks (rendered with ddim, kohya's default). Sampler names are read in
-// any case (kohya's must be lower case).
+// A line or entry that cannot be rendered (no prompt, text that cannot be conditioned: invalid
+// UTF-8, an attention weight that is not a number; a step count its sampler cannot take; a
+// TOML/JSON value of the wrong type, named by its key) is reported with its line or entry number
+// and skipped; the others are kept. Where kohya reads a line leniently, so does lorapipe, and
+// notes it by line: an option's value is read from its start as kohya's regular expressions read
+// it ("--s 28steps" is 28 steps; "--w abc" is left out), an unknown option is ignored, a sampler
+// kohya does not know renders with ddim, as do kohya's samplers that lorapipe lacks, and the
+// options of other models and networks (--cn, --am, --f, --g, --fs, --ctr, --rcfg) are ignored.
+// Sampler names are read in any case (kohya's must be lower case). A JSON null is an absent key,
+// as kohya's dict.get reads it. Prompts are numbered by their place in the file, as kohya's
+// "enum" (RenderRequest::index, in the image names and default seeds), skipped ones included.
 
 #include <filesystem>
 #include <string>
@@ -29,8 +33,8 @@ struct PromptSet {
 };
 
 // Defaults where a prompt sets nothing: kohya's (30 steps, 512x512, CFG 7.5, `sampler`), and a
-// fixed seed per prompt (`first_seed` + its index), so every checkpoint of a run renders from
-// the same noise and the images compare (kohya draws a random seed instead).
+// fixed seed per prompt (`first_seed` + its place in the file), so every checkpoint of a run
+// renders from the same noise and the images compare (kohya draws a random seed instead).
 struct PromptDefaults {
   std::string sampler = "ddim";
   int64_t first_seed = 1234;
@@ -40,8 +44,8 @@ struct PromptDefaults {
 // says so, an unknown extension).
 PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& defaults = {});
 
-// One .txt line (already known not to be empty or a comment). Throws InputError saying what is
-// wrong with it; what it reads otherwise than kohya goes to `notes` when given.
+// One .txt line (already known not to be empty or a comment). Throws InputError when it has no
+// prompt; what it leaves out or reads leniently, as kohya does, goes to `notes` when given.
 RenderRequest parse_prompt_line(const std::string& line, const RenderRequest& defaults,
                                 std::vector<std::string>* notes = nullptr);
 

@@ -54,24 +54,43 @@ TEST(SamplerPrompts, TextLinesWithEveryKohyaOption) {
   EXPECT_EQ(c.steps, 1000);
 }
 
-TEST(SamplerPrompts, BadLinesAreNamedByNumberAndSkipped) {
+// kohya reads an option's value from its start and ignores what it cannot read: the line is
+// rendered, and the reading noted by line. Only a line without a prompt is skipped; it keeps its
+// number, so the prompts after it keep theirs (their image names and default seeds).
+TEST(SamplerPrompts, LinesAreReadLenientlyAsKohyaAndNumberedByTheirPlace) {
   const fs::path file = write("bad.txt",
                               "good one\n"
                               "--w 512\n"
-                              "x --w abc\n"
-                              "y --cfg 7\n"
+                              "x --w abc --s 28steps\n"
+                              "y --cfg 7 --l 1.2.3\n"
                               "z --ss lms9000\n"
                               "last good --d 7\n");
   const PromptSet set = load_prompts(file);
-  ASSERT_EQ(set.prompts.size(), 2u);
-  EXPECT_EQ(set.prompts[1].prompt, "last good");
-  ASSERT_EQ(set.problems.size(), 4u);
+  ASSERT_EQ(set.problems.size(), 1u);
   EXPECT_NE(set.problems[0].find("bad.txt:2: no prompt"), std::string::npos) << set.problems[0];
-  EXPECT_NE(set.problems[1].find(":3: --w wants a whole number, got 'abc'"), std::string::npos)
-      << set.problems[1];
-  EXPECT_NE(set.problems[2].find(":4: unknown option --cfg"), std::string::npos) << set.problems[2];
-  EXPECT_NE(set.problems[3].find(":5: unknown sampler 'lms9000'"), std::string::npos)
-      << set.problems[3];
+  ASSERT_EQ(set.prompts.size(), 5u);
+  const RenderRequest& x = set.prompts[1];
+  EXPECT_EQ(x.prompt, "x");
+  EXPECT_EQ(x.width, 512) << "--w abc left out";
+  EXPECT_EQ(x.steps, 28) << "--s 28steps read as 28";
+  EXPECT_EQ(x.index, 2) << "the third line: the skipped second one keeps its number";
+  EXPECT_EQ(x.seed, 1234 + 2);
+  EXPECT_DOUBLE_EQ(set.prompts[2].cfg_scale, 7.5) << "'1.2.3' is no number: left out";
+  EXPECT_EQ(set.prompts[3].sampler, "ddim") << "kohya renders a sampler it does not know so";
+  EXPECT_EQ(set.prompts[4].prompt, "last good");
+  EXPECT_EQ(set.prompts[4].index, 5);
+  EXPECT_EQ(set.prompts[4].seed, 7);
+  const std::string notes = [&] {
+    std::string all;
+    for (const std::string& n : set.notes) all += n + "\n";
+    return all;
+  }();
+  for (const char* expected :
+       {":3: --w 'abc' is not a number: left out", ":3: --s '28steps' read as 28",
+        ":4: unknown option --cfg: ignored", ":4: --l wants a number, got '1.2.3'",
+        ":5: unknown sampler 'lms9000'"}) {
+    EXPECT_NE(notes.find(expected), std::string::npos) << expected << " in\n" << notes;
+  }
 }
 
 TEST(SamplerPrompts, TomlAndJsonFormsAsKohyaReadsThem) {
@@ -104,16 +123,24 @@ TEST(SamplerPrompts, TomlAndJsonFormsAsKohyaReadsThem) {
 
   const fs::path json = write("p.json",
                               R"([{"prompt": "a cat", "height": 768, "seed": 9},
-                                  "a plain prompt", 42, {"prompt": "x", "width": "wide"}])");
+                                  "a plain prompt", 42, {"prompt": "x", "width": "wide"},
+                                  {"prompt": "y", "seed": null, "negative_prompt": null},
+                                  {"prompt": "z", "scale": [1]}])");
   const PromptSet j = load_prompts(json);
-  ASSERT_EQ(j.prompts.size(), 2u);
+  ASSERT_EQ(j.prompts.size(), 3u);
   EXPECT_EQ(j.prompts[0].height, 768);
   EXPECT_EQ(j.prompts[0].seed, 9);
   EXPECT_EQ(j.prompts[1].prompt, "a plain prompt");
-  ASSERT_EQ(j.problems.size(), 2u);
+  EXPECT_EQ(j.prompts[2].prompt, "y") << "null is an absent key, as kohya's dict.get reads it";
+  EXPECT_EQ(j.prompts[2].seed, 1234 + 4);
+  EXPECT_EQ(j.prompts[2].index, 4);
+  ASSERT_EQ(j.problems.size(), 3u);
   EXPECT_NE(j.problems[0].find("entry 3"), std::string::npos) << j.problems[0];
   EXPECT_NE(j.problems[1].find("entry 4: --width wants a whole number"), std::string::npos)
       << j.problems[1];
+  EXPECT_NE(j.problems[2].find("entry 6: scale: a value that is not text or a number"),
+            std::string::npos)
+      << j.problems[2];
 }
 
 // What kohya reads but SD1.x previews do not use keeps the prompt, with a note by line: options

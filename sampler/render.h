@@ -24,6 +24,7 @@ struct RenderRequest {
   double cfg_scale = 7.5;
   int64_t seed = 0;
   std::string sampler = "ddim";
+  int index = 0;  // its place in the prompt file, counting lines that could not be read (kohya's)
 };
 
 struct RenderResult {

@@ -304,8 +304,8 @@ class Sampler {
         const RenderRequest& r = prompts_.prompts[i];
         const RenderResult result = render(model_, r, render_options);
         char file_name[64];
-        std::snprintf(file_name, sizeof file_name, "_%06llu_%02zu.png",
-                      static_cast<unsigned long long>(step), i);
+        std::snprintf(file_name, sizeof file_name, "_%06llu_%02d.png",
+                      static_cast<unsigned long long>(step), r.index);
         const fs::path path = o_.output_dir / "samples" / (name + file_name);
         VImage image = to_vips(result.image);
         write_png(path, image, parameters_text(r, model_.source, lora_names));
