@@ -83,4 +83,8 @@ std::pair<Settings, std::filesystem::path> resume_settings(
 // `lorapipe status DIR [--json]`: what DIR/events.jsonl and the run's files say.
 std::string status(const std::filesystem::path& dir, bool json);
 
+// A run folder belongs to one launcher at a time: the one running (or resuming) it holds an
+// exclusive lock on DIR/.lock until it exits, however it exits. Is one holding it now?
+bool run_folder_in_use(const std::filesystem::path& dir);
+
 }  // namespace lorapipe::launcher

@@ -9,12 +9,16 @@
 // killed. Children get SIGTERM too if the launcher itself dies (PR_SET_PDEATHSIG).
 
 #include <google/protobuf/util/json_util.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <deque>
 #include <fstream>
@@ -141,6 +145,11 @@ class Supervisor {
  public:
   Supervisor(Settings settings, RunOptions options, std::ostream& display)
       : s_(std::move(settings)), o_(std::move(options)), display_(display) {}
+  ~Supervisor() {
+    if (lock_fd_ >= 0) ::close(lock_fd_);  // the folder's lock goes with it
+  }
+  Supervisor(const Supervisor&) = delete;
+  Supervisor& operator=(const Supervisor&) = delete;
 
   int run();
   void stop_all();  // also on the way out of a launcher error
@@ -161,6 +170,7 @@ class Supervisor {
   RunOptions o_;
   std::ostream& display_;
   fs::path dir_;
+  int lock_fd_ = -1;  // DIR/.lock, held while this launcher runs the folder
   fs::path socket_dir_;
   std::ofstream events_;
   std::map<Stage, Child> children_;
@@ -180,6 +190,26 @@ class Supervisor {
 
 void Supervisor::prepare_folder() {
   dir_ = fs::absolute(s_.output);
+  fs::create_directories(dir_);
+  // One launcher a folder: a second one (a resume while the run still runs) would remove the
+  // first one's sockets and train a second trainer into the same state/ and lora/.
+  lock_fd_ = ::open((dir_ / ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (lock_fd_ < 0) {
+    throw InputError("cannot open " + (dir_ / ".lock").string() + ": " + std::strerror(errno));
+  }
+  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    std::ifstream holder(dir_ / ".lock");
+    std::string pid;
+    std::getline(holder, pid);
+    throw InputError(dir_.string() + " is in use by another lorapipe" +
+                     (pid.empty() ? std::string() : " (pid " + pid + ")") +
+                     ": wait for it to finish, or stop it (Ctrl-C saves its state) and resume");
+  }
+  // The pid only names the holder in a second launcher's message: not written, it is left out.
+  const std::string pid = std::to_string(getpid()) + "\n";
+  if (::ftruncate(lock_fd_, 0) == 0 && ::write(lock_fd_, pid.data(), pid.size()) < 0) {
+    (void)::ftruncate(lock_fd_, 0);
+  }
   // A second run in the same folder would mix its LoRAs, states and samples with the first's
   // (the sampler skips steps it has rendered): the folder belongs to one run and its resumes.
   if (o_.resume.empty() && !o_.start_over && fs::exists(dir_ / "events.jsonl")) {

@@ -1,5 +1,10 @@
 // `lorapipe status DIR [--json]`: the run as its events.jsonl and files tell it.
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -84,6 +89,9 @@ std::string status(const fs::path& dir, bool as_json) {
                          {"images", e.contains("image_paths") ? e["image_paths"].size() : 0}});
     }
   }
+  // A launcher that was killed (SIGKILL, a machine that went down) wrote no end: its lock on
+  // the folder went with it.
+  if (state == "running" && !run_folder_in_use(dir)) state = "stopped";
   const json out = {{"run", dir.string()},    {"state", state},
                     {"stages", stages},       {"cache", cache},
                     {"training", training},   {"checkpoints", checkpoints},
@@ -120,6 +128,14 @@ std::string status(const fs::path& dir, bool as_json) {
   if (!samples.empty()) text << ", newest " << samples.back()["contact_sheet"].get<std::string>();
   text << "\n";
   return text.str();
+}
+
+bool run_folder_in_use(const std::filesystem::path& dir) {
+  const int fd = ::open((dir / ".lock").c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;  // no launcher ever locked it
+  const bool held = ::flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  ::close(fd);
+  return held;
 }
 
 }  // namespace lorapipe::launcher

@@ -221,13 +221,20 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
       spawn({(kBin / "lorapipe").string(), "run", "--output=" + run.string(),
              "--cache_dir=" + (work_ / "cache").string(), "--max_train_steps=120",
              "--save_every_n_steps=1000"},
-            work_ / "out.txt", work_ / "err.txt");
-  ASSERT_GT(wait_for_training(run, 10), 0) << read_text(work_ / "out.txt");
-  kill(launcher, SIGINT);
-  EXPECT_EQ(wait_exit(launcher), 130) << read_text(work_ / "out.txt") << read_text(work_ / "err.txt");
-  EXPECT_NE(read_text(work_ / "out.txt").find("continues from the trainer's state"),
+            work_ / "launcher.out", work_ / "launcher.err");
+  ASSERT_GT(wait_for_training(run, 10), 0) << read_text(work_ / "launcher.out");
+  // The folder is this launcher's while it runs: a resume of it is refused, naming the holder.
+  EXPECT_NE(lorapipe({"resume", run.string()}), 0);
+  EXPECT_NE(err_.find("is in use by another lorapipe (pid " + std::to_string(launcher) + ")"),
             std::string::npos)
-      << read_text(work_ / "out.txt");
+      << err_;
+  EXPECT_EQ(status(run)["state"], "running");
+  kill(launcher, SIGINT);
+  EXPECT_EQ(wait_exit(launcher), 130)
+      << read_text(work_ / "launcher.out") << read_text(work_ / "launcher.err");
+  EXPECT_NE(read_text(work_ / "launcher.out").find("continues from the trainer's state"),
+            std::string::npos)
+      << read_text(work_ / "launcher.out");
   expect_no_stage_alive(run);
   const json state = json::parse(read_text(run / "state" / "demo-state" / "trainer.json"));
   const int saved_at = state["global_step"].get<int>();
@@ -244,6 +251,16 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
   // The resumed trainer started where the state was: its log says so.
   EXPECT_NE(read_text(run / "logs" / "trainer.log").find("resumed"), std::string::npos);
   EXPECT_TRUE(fs::exists(run / "lora" / "demo.safetensors"));
+}
+
+// A launcher killed outright (SIGKILL, a machine gone down) writes no end to its events, but its
+// lock on the folder goes with it: status says the run stopped, not that it runs.
+TEST_F(LauncherRun, StatusOfARunWhoseLauncherIsGoneSaysStopped) {
+  const fs::path run = work_ / "gone";
+  fs::create_directories(run);
+  std::ofstream(run / "events.jsonl") << R"({"event": "Run", "result": "started"})" << "\n";
+  std::ofstream(run / ".lock") << "12345\n";
+  EXPECT_EQ(status(run)["state"], "stopped");
 }
 
 // A run that fails before its first save (the trainer refuses a flag at start) leaves nothing to
