@@ -33,6 +33,7 @@
 #include "tests/process_util.h"
 #include "trainer/dataset.h"
 #include "trainer/lora_file.h"
+#include "trainer/loss_recorder.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/noise.h"
 #include "trainer/ranks.h"
@@ -639,6 +640,31 @@ TEST_F(TrainRunTest, EpochsEndOnStepsUnderAccumulationAndKeepTheLastEpochSaves) 
     EXPECT_EQ(steps[tag].size(), static_cast<size_t>(5 * steps_per_epoch)) << tag;
   }
   EXPECT_EQ(steps["loss/epoch"], (std::vector<int64_t>{1, 2, 3, 4, 5}));
+}
+
+// loss/average is kohya's LossRecorder over the run's own losses: the mean so far through the
+// first epoch, then a window of one epoch in which each batch position's loss replaces the one
+// of the epoch before (never reset at an epoch's start). Rebuilt here from loss/current (one
+// micro-batch a step); TensorBoard keeps float32, hence 1e-5 relative.
+TEST_F(TrainRunTest, AverageLossMovesAsKohyas) {
+  const TrainRun r = run(work_, {"--train_batch_size=4", "--max_train_epochs=2"});
+  ASSERT_EQ(r.exit, 0) << r.err;
+  const nlohmann::json read = tensorboard_events(work_);
+  std::map<int64_t, double> current, average;
+  for (const auto& scalar : read["scalars"]) {
+    if (scalar["tag"] == "loss/current") current[scalar["step"]] = scalar["value"];
+    if (scalar["tag"] == "loss/average") average[scalar["step"]] = scalar["value"];
+  }
+  ASSERT_EQ(current.size(), average.size());
+  ASSERT_EQ(current.size() % 2, 0u) << "two epochs of equal length";
+  const int64_t steps_per_epoch = static_cast<int64_t>(current.size() / 2);
+  ASSERT_GT(steps_per_epoch, 1);
+  trainer::LossRecorder expected;
+  for (const auto& [step, loss] : current) {
+    expected.add((step - 1) / steps_per_epoch + 1, (step - 1) % steps_per_epoch, loss);
+    EXPECT_NEAR(average.at(step), expected.moving_average(), 1e-5 * expected.moving_average())
+        << "step " << step;
+  }
 }
 
 // The newer schedules kohya takes, driven by their flags: warmup_stable_decay with its warmup as

@@ -3,6 +3,7 @@
 // (process_caption), on hand-built manifests. Counts are exact: each follows from kohya's rules.
 
 #include "trainer/dataset.h"
+#include "trainer/loss_recorder.h"
 
 #include <gtest/gtest.h>
 
@@ -454,6 +455,23 @@ wire::DatasetSettings* add_dataset(wire::DatasetSource& source, uint32_t width, 
   d->set_batch_size(batch_size);
   d->set_is_dreambooth(dreambooth);
   return d;
+}
+
+// kohya's LossRecorder: the first epoch's mean of every loss so far, then a window of one
+// epoch's worth in which each batch position's new loss replaces its old one.
+TEST(TrainLossAverage, MovesAsKohyasLossRecorder) {
+  LossRecorder r;
+  r.add(1, 0, 1.0);
+  EXPECT_DOUBLE_EQ(r.moving_average(), 1.0);
+  r.add(1, 1, 2.0);
+  r.add(1, 2, 3.0);
+  EXPECT_DOUBLE_EQ(r.moving_average(), 2.0) << "(1 + 2 + 3) / 3";
+  r.add(2, 0, 4.0);
+  EXPECT_DOUBLE_EQ(r.moving_average(), 3.0) << "(4 + 2 + 3) / 3: not reset at the epoch's start";
+  r.add(2, 1, 5.0);
+  EXPECT_DOUBLE_EQ(r.moving_average(), 4.0) << "(4 + 5 + 3) / 3";
+  r.add(2, 3, 8.0);  // a longer epoch (fill_last_batch off, another bucket split)
+  EXPECT_DOUBLE_EQ(r.moving_average(), 5.0) << "(4 + 5 + 3 + 8) / 4";
 }
 
 // kohya's --validation_split: each subset is split on its own, the last round(n * split) of a

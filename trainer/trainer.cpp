@@ -44,6 +44,7 @@
 #include "runtime/stage.h"
 #include "trainer/dataset.h"
 #include "trainer/lora_file.h"
+#include "trainer/loss_recorder.h"
 #include "trainer/ranks.h"
 #include "trainer/records.h"
 #include "trainer/tensorboard.h"
@@ -363,8 +364,7 @@ class Run {
   int64_t next_index_ = 0;  // the next micro-batch of epoch_
   int64_t skipped_ = 0;
   int64_t masked_images_ = 0;  // latent records with kohya's alpha mask
-  double epoch_loss_sum_ = 0;
-  int64_t epoch_loss_count_ = 0;
+  LossRecorder losses_;  // kohya's average loss; saved with a state
   double last_loss_ = 0;
   Clock::time_point started_ = Clock::now();
   int64_t steps_this_run_ = 0;
@@ -1000,8 +1000,8 @@ void Run::save_state(const fs::path& dir) {
                {"epoch", epoch_},
                {"next_index", next_index_},
                {"skipped_steps", skipped_},
-               {"epoch_loss_sum", epoch_loss_sum_},
-               {"epoch_loss_count", epoch_loss_count_},
+               {"loss_list", losses_.losses},
+               {"loss_total", losses_.total},
                {"loss_scale", step_->loss_scale()},
                {"scale_growth_tracker", step_->scale_growth_tracker()},
                {"run_id", run_id_},
@@ -1035,15 +1035,19 @@ void Run::load_state(const fs::path& asked) {
   try {
     state = json::parse(std::ifstream(file));
     for (const char* key : {"global_step", "epoch", "next_index", "skipped_steps",
-                            "epoch_loss_count", "scale_growth_tracker"}) {
+                            "scale_growth_tracker"}) {
       if (!state.at(key).is_number_integer()) {
         throw InputError(file.string() + ": '" + key + "' is not a whole number");
       }
     }
-    for (const char* key : {"epoch_loss_sum", "loss_scale"}) {
+    for (const char* key : {"loss_scale"}) {
       if (!state.at(key).is_number()) {
         throw InputError(file.string() + ": '" + key + "' is not a number");
       }
+    }
+    if (state.contains("loss_list") &&
+        (!state["loss_list"].is_array() || !state.value("loss_total", json()).is_number())) {
+      throw InputError(file.string() + ": 'loss_list' is not a list of numbers with its total");
     }
   } catch (const json::exception& e) {
     throw InputError(file.string() + ": " + e.what());
@@ -1079,8 +1083,9 @@ void Run::load_state(const fs::path& asked) {
   epoch_ = state.at("epoch");
   next_index_ = state.at("next_index");
   skipped_ = state.at("skipped_steps");
-  epoch_loss_sum_ = state.at("epoch_loss_sum");
-  epoch_loss_count_ = state.at("epoch_loss_count");
+  // A state before the loss recorder was kept: the average starts again.
+  losses_.losses = state.value("loss_list", std::vector<double>{});
+  losses_.total = state.value("loss_total", 0.0);
   step_->set_scaler(state.at("loss_scale"), state.at("scale_growth_tracker"));
   step_->set_updates(global_step_ - skipped_);
   run_id_ = state.value("run_id", run_id_);
@@ -1151,7 +1156,7 @@ void Run::retain(int64_t step, int64_t epoch) {
 
 void Run::publish_progress(double loss, double seconds_per_step, double wait_ms) {
   if (!main_) return;
-  const double average = epoch_loss_count_ ? epoch_loss_sum_ / epoch_loss_count_ : loss;
+  const double average = losses_.empty() ? loss : losses_.moving_average();
   const double eta = seconds_per_step * static_cast<double>(max_steps_ - global_step_);
   const uint64_t peak = peak_memory(device_);
   const double lr = step_->optimizer().lr(0);
@@ -1340,8 +1345,7 @@ Summary Run::train_steps() {
   const fs::path state_root = o_.output_dir / "state";
   int64_t bad_in_a_row = 0;
   // Where the step in progress started: a state saved before it completes must resume here.
-  int64_t start_epoch = epoch_, start_index = next_index_, start_count = epoch_loss_count_;
-  double start_sum = epoch_loss_sum_;
+  int64_t start_epoch = epoch_, start_index = next_index_;
   try {
     while (global_step_ < max_steps_) {
       // Every rank stops together: one asked (its SIGINT), all finish this step.
@@ -1367,10 +1371,14 @@ Summary Run::train_steps() {
       }
       const auto step_started = Clock::now();
       start_epoch = epoch_, start_index = next_index_;
-      start_sum = epoch_loss_sum_, start_count = epoch_loss_count_;
       double wait_ms = 0;
       double loss_sum = 0;
       int64_t micro_batches = 0;
+      struct MicroLoss {
+        int64_t epoch, index;
+        double loss;
+      };
+      std::vector<MicroLoss> micro_losses;  // recorded once the step is applied
       bool bad = false;
       for (int64_t micro = 0; micro < accumulation; ++micro) {
         const auto wait_started = Clock::now();
@@ -1388,16 +1396,11 @@ Summary Run::train_steps() {
           // that vanished): keep what was trained.
           const fs::path dir = state_root / (o_.output_name + "-state");
           epoch_ = start_epoch, next_index_ = start_index;
-          epoch_loss_sum_ = start_sum, epoch_loss_count_ = start_count;
           save_state(dir);
           throw Error(prepared.error + "; state saved in " + dir.string() +
                       " (--resume from it when the data is back)");
         }
-        if (prepared.epoch != epoch_) {  // a new epoch began
-          epoch_ = prepared.epoch;
-          epoch_loss_sum_ = 0;
-          epoch_loss_count_ = 0;
-        }
+        epoch_ = prepared.epoch;
         next_index_ = prepared.index + 1;
         if (!prepared.captions.empty()) {  // kohya's --debug_dataset shows the same
           LP_LOG(kDebug, kLog) << "step " << global_step_ + 1 << " (epoch " << prepared.epoch
@@ -1412,6 +1415,7 @@ Summary Run::train_steps() {
         if (!std::isfinite(loss)) bad = true;
         loss_sum += loss;
         ++micro_batches;
+        micro_losses.push_back({prepared.epoch, prepared.index, loss});
         // An epoch's last batch ends the step, as accelerate syncs at the end of kohya's
         // dataloader: a short step's gradients keep their 1/accumulation scale, and epochs end
         // on steps (steps_per_epoch above).
@@ -1419,7 +1423,10 @@ Summary Run::train_steps() {
       }
       // Ranks: each loss is its rows' share, so the sum is the global batch's; a non-finite loss
       // on any rank makes every rank skip the step.
-      if (ranks_) loss_sum = ranks_->sum(loss_sum);
+      if (ranks_) {
+        loss_sum = ranks_->sum(loss_sum);
+        for (MicroLoss& m : micro_losses) m.loss = ranks_->sum(m.loss);
+      }
       if (!std::isfinite(loss_sum)) bad = true;
       const double loss = loss_sum / static_cast<double>(micro_batches);
       UpdateResult update;
@@ -1450,15 +1457,15 @@ Summary Run::train_steps() {
       } else {
         bad_in_a_row = 0;
         last_loss_ = loss;
-        epoch_loss_sum_ += loss;
-        ++epoch_loss_count_;
+        // kohya records every micro-batch's loss at its place in the epoch.
+        for (const MicroLoss& m : micro_losses) losses_.add(m.epoch, m.index, m.loss);
       }
       const double seconds = std::chrono::duration<double>(Clock::now() - step_started).count();
       publish_progress(loss, seconds, wait_ms);
 
       const bool epoch_done = next_index_ >= batches;
-      if (epoch_done && tensorboard_ && epoch_loss_count_ > 0) {  // kohya's, at step = epoch
-        tensorboard_->add_scalar("loss/epoch", epoch_loss_sum_ / epoch_loss_count_, epoch_);
+      if (epoch_done && tensorboard_ && !losses_.empty()) {  // kohya's, at step = epoch
+        tensorboard_->add_scalar("loss/epoch", losses_.moving_average(), epoch_);
       }
       char name[64];
       bool saved = false;
@@ -1513,7 +1520,6 @@ Summary Run::train_steps() {
     if (!main_) throw Error(e.what());
     const fs::path dir = state_root / (o_.output_name + "-state");
     epoch_ = start_epoch, next_index_ = start_index;
-    epoch_loss_sum_ = start_sum, epoch_loss_count_ = start_count;
     save_state(dir);
     throw Error(std::string(e.what()) + "; state saved in " + dir.string() +
                 " (start every rank again with --resume from it)");
