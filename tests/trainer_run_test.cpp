@@ -30,6 +30,7 @@
 #include "preprocess/demo_dataset.h"
 #include "proto/lorapipe.pb.h"
 #include "proto/wire.h"
+#include "runtime/process.h"
 #include "tests/process_util.h"
 #include "trainer/dataset.h"
 #include "trainer/lora_file.h"
@@ -1667,6 +1668,56 @@ TEST_F(TrainRunTest, RemoteCacherGoneForGoodGivesUpWithAState) {
   ASSERT_EQ(straight.exit, 0) << straight.err;
   expect_identical(work_ / "lora" / "tiny.safetensors",
                    work_ / "straight" / "lora" / "tiny.safetensors");
+}
+
+// Ctrl-C while the trainer waits for a remote cacher that stopped answering ends the run at once,
+// as a Ctrl-C between steps does (a state saved, exit 130), not after --timeout_s (here 600 s).
+// The cacher is frozen (SIGSTOP), so its socket stays up and says nothing.
+TEST_F(TrainRunTest, InterruptWhileTheCacherDoesNotAnswerStopsAtOnce) {
+  const int port = 20000 + (getpid() + 104729) % 20000;
+  const std::string rep = "tcp://127.0.0.1:" + std::to_string(port);
+  const pid_t cacher = spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
+                              "--cache_dir=" + (dir_ / "cache").string(), "--serve", "--rep=" + rep,
+                              "--pull=ipc://" + (work_ / "pull").string()},
+                             work_ / "cacher.out", work_ / "cacher.err");
+  const pid_t pid = spawn(args(work_, {"--max_train_steps=100000", "--timeout_s=600",
+                                       "--cacher=" + rep}),
+                          work_ / "trainer.out", work_ / "trainer.err");
+  for (int i = 0; i < 1200; ++i) {
+    if (read_text(work_ / "trainer.err").find("step 5/") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ::kill(cacher, SIGSTOP);
+  for (int i = 0; i < 1200; ++i) {
+    if (read_text(work_ / "trainer.err").find("waiting for it to come back") != std::string::npos) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const std::string waiting = read_text(work_ / "trainer.err");
+  ASSERT_NE(waiting.find("waiting for it to come back"), std::string::npos) << waiting;
+  // The batches queued before the freeze are trained; then the trainer waits: its log stops.
+  for (size_t before = 0, i = 0; i < 600; ++i) {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    const size_t now = read_text(work_ / "trainer.err").size();
+    if (now == before) break;
+    before = now;
+  }
+  const auto interrupted = std::chrono::steady_clock::now();
+  ::kill(pid, SIGINT);
+  std::optional<int> exit_code;
+  while (!exit_code && std::chrono::steady_clock::now() - interrupted < std::chrono::seconds(60)) {
+    exit_code = runtime::try_wait(pid);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (!exit_code) ::kill(pid, SIGKILL), wait_exit(pid);
+  ::kill(cacher, SIGKILL);
+  ::kill(cacher, SIGCONT);
+  wait_exit(cacher);
+  const std::string err = read_text(work_ / "trainer.err");
+  ASSERT_TRUE(exit_code.has_value()) << "still waiting a minute after Ctrl-C: " << err;
+  EXPECT_EQ(*exit_code, 130) << err;
+  EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-state" / "trainer.json")) << err;
 }
 
 // --mixed_precision keeps the frozen base in bf16 or fp16 (LoRA in fp32, fp16 with a loss

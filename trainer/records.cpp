@@ -74,6 +74,9 @@ class RemoteRecords final : public RecordSource {
     return out;
   }
   std::string describe() const override { return "cacher " + client_.endpoint(); }
+  void cancel_waiting_when(std::function<bool()> cancelled) override {
+    cancelled_ = std::move(cancelled);
+  }
 
  private:
   // Runs `request` until it is answered; a timeout is retried, with one log line saying so each
@@ -91,6 +94,10 @@ class RemoteRecords final : public RecordSource {
         return reply;
       } catch (const wire::PeerTimeoutError&) {
         const auto waited = std::chrono::steady_clock::now() - started;
+        if (cancelled_ && cancelled_()) {
+          throw wire::PeerTimeoutError("cacher " + client_.endpoint() +
+                                       " did not answer, and the run was stopped while waiting");
+        }
         if (waited > give_up_after_) {
           throw wire::PeerTimeoutError(
               "cacher " + client_.endpoint() + " has not answered for " +
@@ -108,6 +115,7 @@ class RemoteRecords final : public RecordSource {
   wire::Client client_;
   std::chrono::milliseconds give_up_after_;
   bool waiting_ = false;
+  std::function<bool()> cancelled_;
 };
 
 }  // namespace

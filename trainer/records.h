@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,6 +25,11 @@ class RecordSource {
                                                       const std::vector<std::string>& keys) = 0;
   // "cache /path" or "cacher tcp://host:port", for messages.
   virtual std::string describe() const = 0;
+
+  // A source that waits (a remote cacher that does not answer) stops waiting once `cancelled`
+  // says so: get() then throws wire::PeerTimeoutError saying it was stopped. A local cache never
+  // waits.
+  virtual void cancel_waiting_when(std::function<bool()> cancelled) { (void)cancelled; }
 
   // The names of every manifest the source holds (a remote cacher lists its own).
   virtual std::vector<std::string> manifest_names() = 0;

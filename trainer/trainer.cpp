@@ -388,6 +388,8 @@ void Run::load_data() {
                  : open_remote_records(
                        o_.cacher_endpoint,
                        std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000)));
+  // Ctrl-C while a remote cacher does not answer stops the waiting (see train_steps).
+  records_->cancel_waiting_when([] { return g_stop_requested != 0; });
   std::string resolved;
   manifest_ = records_->manifest(o_.dataset_id, &resolved);
   if (resolved != o_.dataset_id) {
@@ -1380,17 +1382,29 @@ Summary Run::train_steps() {
       };
       std::vector<MicroLoss> micro_losses;  // recorded once the step is applied
       bool bad = false;
+      // Ctrl-C while the data is late (a remote cacher that does not answer) stops now, from
+      // where this step started, instead of after --timeout_s. Ranks stop together at a step's
+      // start only, so with ranks the wait goes on.
+      bool stopped_waiting = false;
       for (int64_t micro = 0; micro < accumulation; ++micro) {
         const auto wait_started = Clock::now();
         PreparedBatch prepared;
         {
           std::unique_lock<std::mutex> lock(mutex_);
-          cv_.wait(lock, [&] { return !queue_.empty(); });
-          prepared = std::move(queue_.front());
-          queue_.pop_front();
-          cv_.notify_all();
+          while (queue_.empty() && !(g_stop_requested && !ranks_)) {
+            cv_.wait_for(lock, std::chrono::milliseconds(200));
+          }
+          stopped_waiting = queue_.empty();
+          if (!stopped_waiting) {
+            prepared = std::move(queue_.front());
+            queue_.pop_front();
+            cv_.notify_all();
+          }
         }
         wait_ms += std::chrono::duration<double, std::milli>(Clock::now() - wait_started).count();
+        // The producer stopped waiting for the cacher because of that Ctrl-C: the same stop.
+        if (!prepared.error.empty() && g_stop_requested && !ranks_) stopped_waiting = true;
+        if (stopped_waiting) break;
         if (!prepared.error.empty()) {
           // The data went away (a remote cacher gone for longer than --timeout_s, a record
           // that vanished): keep what was trained.
@@ -1420,6 +1434,11 @@ Summary Run::train_steps() {
         // dataloader: a short step's gradients keep their 1/accumulation scale, and epochs end
         // on steps (steps_per_epoch above).
         if (next_index_ >= batches) break;
+      }
+      if (stopped_waiting) {  // back to where the step started, and out through the stop above
+        step_->zero_grad();
+        epoch_ = start_epoch, next_index_ = start_index;
+        continue;
       }
       // Ranks: each loss is its rows' share, so the sum is the global batch's; a non-finite loss
       // on any rank makes every rank skip the step.
