@@ -92,7 +92,10 @@ int main(int argc, char** argv) {
     pp::Options options;
     if (!FLAGS_data_dir.empty() && !FLAGS_train_data_dir.empty() &&
         FLAGS_data_dir != FLAGS_train_data_dir) {
-      throw lorapipe::InputError("--data_dir and --train_data_dir name the same folder: give one");
+      throw lorapipe::InputError("--data_dir=" + FLAGS_data_dir + " and --train_data_dir=" +
+                                 FLAGS_train_data_dir +
+                                 " name two folders (--train_data_dir is kohya's name for "
+                                 "--data_dir): give one");
     }
     options.data_dir = FLAGS_data_dir.empty() ? FLAGS_train_data_dir : FLAGS_data_dir;
     options.reg_data_dir = FLAGS_reg_data_dir;

@@ -4,11 +4,13 @@
 #include <gflags/gflags.h>
 
 #include <cstdio>
+#include <optional>
 #include <sstream>
 #include <string>
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/numbers.h"
 #include "common/text.h"
 #include "sampler/sampler.h"
 #include "runtime/exit_code.h"
@@ -102,7 +104,11 @@ int main(int argc, char** argv) {
       const size_t colon = item.rfind(':');
       if (colon != std::string::npos && colon + 1 < item.size() &&
           item.find_first_not_of("0123456789.-", colon + 1) == std::string::npos) {
-        multiplier = std::stod(item.substr(colon + 1));
+        const std::optional<double> parsed = lorapipe::parse_double(item.substr(colon + 1));
+        if (!parsed) {
+          throw lorapipe::InputError("--lora=" + item + ": the multiplier after ':' is not a number");
+        }
+        multiplier = *parsed;
         item = item.substr(0, colon);
       }
       o.loras.emplace_back(item, multiplier);

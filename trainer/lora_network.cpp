@@ -38,10 +38,15 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
   if (options.dim < 1) {
     throw InputError("--network_dim=" + std::to_string(options.dim) + ": must be at least 1");
   }
-  if (options.alpha < 0 || options.conv_alpha < 0) throw InputError("--network_alpha must be >= 0");
-  if (options.conv_dim < 0) throw InputError("network_args conv_dim must be >= 0");
-  for (double p : {options.dropout, options.rank_dropout, options.module_dropout}) {
-    if (p < 0 || p >= 1) throw InputError("LoRA dropouts must be in [0, 1), got " + std::to_string(p));
+  if (options.alpha < 0) throw InputError("--network_alpha must be >= 0");
+  if (options.conv_alpha < 0) throw InputError("--network_args conv_alpha must be >= 0");
+  if (options.conv_dim < 0) throw InputError("--network_args conv_dim must be >= 0");
+  for (const auto& [name, p] : {std::pair<const char*, double>{"--network_dropout", options.dropout},
+                               {"--network_args rank_dropout", options.rank_dropout},
+                               {"--network_args module_dropout", options.module_dropout}}) {
+    if (p < 0 || p >= 1) {
+      throw InputError(std::string(name) + "=" + std::to_string(p) + ": must be in [0, 1)");
+    }
   }
   const auto& from_weights = options.ranks_from_weights;
   std::vector<models::LoraTarget> targets =

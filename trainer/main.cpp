@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cmath>
 #include <cstdio>
 #include <cerrno>
 #include <cstdlib>
@@ -283,7 +284,10 @@ double steps_or_ratio(const std::string& flag, const std::string& text) {
   const bool percent = !text.empty() && text.back() == '%';
   const double value = flag_number(flag, percent ? text.substr(0, text.size() - 1) : text);
   // A ratio is below 1 (100% would read as one step): kohya's own percentages are of the steps.
-  if (value < 0 || (percent && value >= 100)) {
+  // kohya's int_or_float refuses a count that is not whole (1.5); so does lorapipe rather than
+  // cut it to 1.
+  if (value < 0 || (percent && value >= 100) ||
+      (!percent && value >= 1 && value != std::floor(value))) {
     throw lorapipe::InputError(flag + "=" + text + ": expected a count of steps, a ratio below 1 "
                                                    "or a percentage below 100%");
   }
