@@ -623,14 +623,27 @@ std::pair<Settings, fs::path> resume_settings(const fs::path& dir,
   int64_t newest_step = -1;
   if (fs::is_directory(dir / "state")) {
     for (const auto& entry : fs::directory_iterator(dir / "state")) {
+      // The trainer writes a state as ".NAME.tmp" and swaps it in; a crash in the middle of a
+      // save can leave the previous one as ".NAME.old" with no NAME, and the trainer resumes from
+      // it when asked for NAME. Other hidden folders are not states.
+      fs::path state_dir = entry.path();
+      const std::string name = state_dir.filename().string();
+      if (name.starts_with(".")) {
+        if (!name.ends_with(".old")) continue;
+        state_dir = dir / "state" / name.substr(1, name.size() - 5);
+        if (fs::exists(state_dir)) continue;
+      }
       const fs::path file = entry.path() / "trainer.json";
       if (!fs::exists(file)) continue;
       const nlohmann::json state =
           nlohmann::json::parse(std::ifstream(file), nullptr, /*allow_exceptions=*/false);
-      if (state.is_discarded() || !state.contains("global_step")) continue;
+      if (state.is_discarded() || !state.contains("global_step") ||
+          !state["global_step"].is_number_integer()) {
+        continue;  // not a state this launcher can read: the newest readable one is taken
+      }
       const int64_t step = state["global_step"].get<int64_t>();
       if (step > newest_step) {
-        newest = entry.path();
+        newest = state_dir;
         newest_step = step;
       }
     }

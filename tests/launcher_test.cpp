@@ -243,6 +243,12 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
   EXPECT_EQ(status(run)["state"], "interrupted");
   EXPECT_EQ(status(run)["stages"]["trainer"]["exit_code"], 130);
 
+  // What resume must pass over: a state a save left half-written under its temporary name, and
+  // a trainer.json it cannot read, both claiming more steps than the real state.
+  fs::create_directories(run / "state" / ".demo-state.tmp");
+  std::ofstream(run / "state" / ".demo-state.tmp" / "trainer.json") << R"({"global_step": 119})";
+  fs::create_directories(run / "state" / "broken");
+  std::ofstream(run / "state" / "broken" / "trainer.json") << R"({"global_step": "119"})";
   ASSERT_EQ(lorapipe({"resume", run.string()}), 0) << out_ << err_;
   EXPECT_NE(out_.find("demo-state"), std::string::npos) << out_;
   const json s = status(run);
