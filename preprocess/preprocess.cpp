@@ -236,6 +236,24 @@ std::string default_dataset_id(const Options& options) {
   return name + "-" + hash_bytes(identity).hex().substr(0, 8);
 }
 
+// A subset's caption augmentation (SubsetOptions, or the ImageResult that carries its subset's).
+template <typename Subset>
+wire::CaptionSettings to_caption_settings(const Subset& subset) {
+  wire::CaptionSettings c;
+  c.set_shuffle_caption(subset.shuffle_caption);
+  c.set_keep_tokens(subset.keep_tokens);
+  c.set_caption_dropout_rate(subset.caption_dropout_rate);
+  c.set_caption_dropout_every_n_epochs(subset.caption_dropout_every_n_epochs);
+  c.set_caption_tag_dropout_rate(subset.caption_tag_dropout_rate);
+  c.set_caption_separator(subset.caption_separator);
+  c.set_keep_tokens_separator(subset.keep_tokens_separator);
+  c.set_secondary_separator(subset.secondary_separator);
+  c.set_enable_wildcard(subset.enable_wildcard);
+  c.set_token_warmup_min(subset.token_warmup_min);
+  c.set_token_warmup_step(subset.token_warmup_step);
+  return c;
+}
+
 wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r) {
   wire::ImageSample s;
   s.set_dataset_id(dataset_id);
@@ -258,18 +276,7 @@ wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r)
   s.set_repeats(r.repeats);
   s.set_is_reg(r.is_reg);
   s.set_augment_caption(r.augment_caption);
-  wire::CaptionSettings* caption = s.mutable_caption_settings();
-  caption->set_shuffle_caption(r.shuffle_caption);
-  caption->set_keep_tokens(r.keep_tokens);
-  caption->set_caption_dropout_rate(r.caption_dropout_rate);
-  caption->set_caption_dropout_every_n_epochs(r.caption_dropout_every_n_epochs);
-  caption->set_caption_tag_dropout_rate(r.caption_tag_dropout_rate);
-  caption->set_caption_separator(r.caption_separator);
-  caption->set_keep_tokens_separator(r.keep_tokens_separator);
-  caption->set_secondary_separator(r.secondary_separator);
-  caption->set_enable_wildcard(r.enable_wildcard);
-  caption->set_token_warmup_min(r.token_warmup_min);
-  caption->set_token_warmup_step(r.token_warmup_step);
+  *s.mutable_caption_settings() = to_caption_settings(r);
   s.set_batch_size(static_cast<uint32_t>(r.batch_size));
   s.set_dataset_index(r.dataset_index);
   s.set_subset_name(r.subset_name);
@@ -277,22 +284,6 @@ wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r)
   s.set_caption_read(r.caption_read);
   s.set_channels(3);
   return s;
-}
-
-wire::CaptionSettings to_caption_settings(const SubsetOptions& subset) {
-  wire::CaptionSettings c;
-  c.set_shuffle_caption(subset.shuffle_caption);
-  c.set_keep_tokens(subset.keep_tokens);
-  c.set_caption_dropout_rate(subset.caption_dropout_rate);
-  c.set_caption_dropout_every_n_epochs(subset.caption_dropout_every_n_epochs);
-  c.set_caption_tag_dropout_rate(subset.caption_tag_dropout_rate);
-  c.set_caption_separator(subset.caption_separator);
-  c.set_keep_tokens_separator(subset.keep_tokens_separator);
-  c.set_secondary_separator(subset.secondary_separator);
-  c.set_enable_wildcard(subset.enable_wildcard);
-  c.set_token_warmup_min(subset.token_warmup_min);
-  c.set_token_warmup_step(subset.token_warmup_step);
-  return c;
 }
 
 wire::SubsetSettings to_subset_settings(const SubsetOptions& subset) {

@@ -106,6 +106,18 @@ class SamplerRun : public ::testing::Test {
     return {exit, read_text(work_ / tag / "err")};
   }
 
+  // What a trainer announces when it saves dir_/run-stepNNNNN.safetensors (SetUpTestSuite
+  // writes those LoRAs).
+  static wire::CheckpointReady checkpoint(int step, bool final = false) {
+    wire::CheckpointReady event;
+    event.set_run_id("test");
+    event.set_path(
+        (dir_ / ("run-step" + std::to_string(100000 + step).substr(1) + ".safetensors")).string());
+    event.set_step(static_cast<uint64_t>(step));
+    event.set_final(final);
+    return event;
+  }
+
   // A checkpoint's render is complete when the gallery's index lists it (written, atomically,
   // after its images and sheet).
   bool indexed(int step) const {
@@ -294,13 +306,7 @@ TEST_F(SamplerRun, AnUnwritableSampleSkipsThatCheckpointAndKeepsServing) {
   const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
   pub.bind(endpoint);
   auto announce = [&](int step, bool final = false) {
-    wire::CheckpointReady event;
-    event.set_run_id("test");
-    event.set_path(
-        (dir_ / ("run-step" + std::to_string(100000 + step).substr(1) + ".safetensors")).string());
-    event.set_step(static_cast<uint64_t>(step));
-    event.set_final(final);
-    ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
+    ASSERT_EQ(wire::send(pub, checkpoint(step, final)), wire::SendStatus::kSent);
   };
   fs::create_directories(work_ / "samples" / "run_000020_00.png" / "in the way");
   const pid_t pid = spawn(args({"--sub=" + endpoint, "--idle_timeout_s=60"}), work_ / "out",
@@ -334,13 +340,7 @@ TEST_F(SamplerRun, RestartedAfterKillNineRendersTheNewest) {
   const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
   pub.bind(endpoint);
   auto announce = [&](int step, bool final = false) {
-    wire::CheckpointReady event;
-    event.set_run_id("test");
-    event.set_path(
-        (dir_ / ("run-step" + std::to_string(100000 + step).substr(1) + ".safetensors")).string());
-    event.set_step(static_cast<uint64_t>(step));
-    event.set_final(final);
-    ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
+    ASSERT_EQ(wire::send(pub, checkpoint(step, final)), wire::SendStatus::kSent);
   };
   // The kill below must come after step 10 is indexed, or the index rightly never heard of it.
   std::string why;

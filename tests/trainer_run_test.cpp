@@ -91,6 +91,16 @@ class TrainRunTest : public ::testing::Test {
   void expect_resume_bit_exact(const std::vector<std::string>& extra,
                                bool crash_mid_save = false) const;
 
+  // lorapipe-cacher --serve on `rep` over `cache` (the suite's by default), its output in
+  // work_/cacher-TAG.out and .err.
+  pid_t serve_cache(const std::string& rep, const std::string& tag,
+                    const fs::path& cache = {}) const {
+    return spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
+                  "--cache_dir=" + (cache.empty() ? dir_ / "cache" : cache).string(), "--serve",
+                  "--rep=" + rep, "--pull=ipc://" + (work_ / ("pull-" + tag)).string()},
+                 work_ / ("cacher-" + tag + ".out"), work_ / ("cacher-" + tag + ".err"));
+  }
+
   std::vector<std::string> args(const fs::path& out, std::vector<std::string> extra) const {
     std::vector<std::string> a{LORAPIPE_TRAINER_BIN,
                                "--pretrained_model_name_or_path=" + tiny_.diffusers.string(),
@@ -1544,12 +1554,7 @@ TEST_F(TrainRunTest, SampleScheduleAnnouncesCheckpointsBetweenSaves) {
 TEST_F(TrainRunTest, RemoteCacherThatGoesAwayIsWaitedFor) {
   const int port = 20000 + getpid() % 20000;
   const std::string rep = "tcp://127.0.0.1:" + std::to_string(port);
-  auto serve = [&](const std::string& tag) {
-    return spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
-                  "--cache_dir=" + (dir_ / "cache").string(), "--serve", "--rep=" + rep,
-                  "--pull=ipc://" + (work_ / ("pull-" + tag)).string()},
-                 work_ / ("cacher-" + tag + ".out"), work_ / ("cacher-" + tag + ".err"));
-  };
+  auto serve = [&](const std::string& tag) { return serve_cache(rep, tag); };
   pid_t cacher = serve("a");
   const std::vector<std::string> extra{"--max_train_steps=150", "--timeout_s=120",
                                        "--cacher=" + rep};
@@ -1603,12 +1608,7 @@ TEST_F(TrainRunTest, BareDatasetNameResolvesLocallyAndThroughARemoteCacher) {
     r.err = read_text(work_ / tag / "err");
     return r;
   };
-  auto serve = [&] {
-    return spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
-                  "--cache_dir=" + cache.string(), "--serve", "--rep=" + rep,
-                  "--pull=ipc://" + (work_ / "pull").string()},
-                 work_ / "cacher.out", work_ / "cacher.err");
-  };
+  auto serve = [&] { return serve_cache(rep, "shared", cache); };
   const std::string resolved = "manifest shared-0123456789ab";
   {
     const TrainRun local = train("local", false);
@@ -1618,7 +1618,7 @@ TEST_F(TrainRunTest, BareDatasetNameResolvesLocallyAndThroughARemoteCacher) {
     const TrainRun remote = train("remote", true);
     ::kill(cacher, SIGTERM);
     wait_exit(cacher);
-    ASSERT_EQ(remote.exit, 0) << remote.err << read_text(work_ / "cacher.err");
+    ASSERT_EQ(remote.exit, 0) << remote.err << read_text(work_ / "cacher-shared.err");
     EXPECT_NE(remote.err.find(resolved), std::string::npos) << remote.err;
   }
   // A second manifest of that name: refused, both named, on either side.
@@ -1643,10 +1643,7 @@ TEST_F(TrainRunTest, BareDatasetNameResolvesLocallyAndThroughARemoteCacher) {
 TEST_F(TrainRunTest, RemoteCacherGoneForGoodGivesUpWithAState) {
   const int port = 20000 + (getpid() + 7919) % 20000;
   const std::string rep = "tcp://127.0.0.1:" + std::to_string(port);
-  const pid_t cacher = spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
-                              "--cache_dir=" + (dir_ / "cache").string(), "--serve", "--rep=" + rep,
-                              "--pull=ipc://" + (work_ / "pull").string()},
-                             work_ / "cacher.out", work_ / "cacher.err");
+  const pid_t cacher = serve_cache(rep, "a");
   const std::vector<std::string> common{"--max_train_steps=60", "--train_batch_size=2",
                                         "--gradient_accumulation_steps=2"};
   auto remote = common;
@@ -1680,10 +1677,7 @@ TEST_F(TrainRunTest, RemoteCacherGoneForGoodGivesUpWithAState) {
 TEST_F(TrainRunTest, InterruptWhileTheCacherDoesNotAnswerStopsAtOnce) {
   const int port = 20000 + (getpid() + 104729) % 20000;
   const std::string rep = "tcp://127.0.0.1:" + std::to_string(port);
-  const pid_t cacher = spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
-                              "--cache_dir=" + (dir_ / "cache").string(), "--serve", "--rep=" + rep,
-                              "--pull=ipc://" + (work_ / "pull").string()},
-                             work_ / "cacher.out", work_ / "cacher.err");
+  const pid_t cacher = serve_cache(rep, "a");
   const pid_t pid = spawn(args(work_, {"--max_train_steps=100000", "--timeout_s=600",
                                        "--cacher=" + rep}),
                           work_ / "trainer.out", work_ / "trainer.err");
