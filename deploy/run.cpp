@@ -555,8 +555,23 @@ int Supervisor::run() {
         if (const auto report = report_from_log(cacher->log)) on_message(*report);
       }
       args.clear();
+      // Without a sampler nobody renders kohya's sample schedule: the trainer would save
+      // sample-only LoRAs for no one (kohya says "No prompt file" and renders nothing).
+      const bool previews = child(Stage::kSampler) != nullptr;
+      std::string left_out;
       for (std::string& arg : stage_args(s_, Stage::kTrainer)) {
-        if (manifest_.empty() || arg.rfind("--dataset_id=", 0) != 0) args.push_back(arg);
+        if (!manifest_.empty() && arg.rfind("--dataset_id=", 0) == 0) continue;
+        if (!previews && (arg.rfind("--sample_every_n_steps=", 0) == 0 ||
+                          arg.rfind("--sample_every_n_epochs=", 0) == 0 ||
+                          arg.rfind("--sample_at_first=", 0) == 0)) {
+          left_out += (left_out.empty() ? "" : " ") + arg;
+          continue;
+        }
+        args.push_back(arg);
+      }
+      if (!left_out.empty()) {
+        display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: no previews are rendered (no "
+                 << "--sample_prompts, or --debug_dataset): " << left_out << " left out\n";
       }
       if (!manifest_.empty()) args.push_back("--dataset_id=" + manifest_);
       args.insert(args.end(), {"--output_dir=" + dir_.string(), "--pub=" + endpoint("trainer-pub"),

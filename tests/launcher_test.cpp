@@ -196,9 +196,14 @@ TEST_F(LauncherRun, DemoRunCompletesWithLoraSamplesGalleryAndEvents) {
 TEST_F(LauncherRun, DebugDatasetPrintsTheBatchesAndTrainsNothing) {
   const fs::path run = work_ / "run";
   ASSERT_EQ(lorapipe({"run", "--output=" + run.string(), "--debug_dataset",
-                      "--max_train_steps=3"}),
+                      "--max_train_steps=3", "--sample_every_n_steps=1"}),
             0)
       << out_ << err_;
+  // Nothing renders previews, so the trainer is not asked to save LoRAs for them.
+  EXPECT_NE(out_.find("no previews are rendered (no --sample_prompts, or --debug_dataset): "
+                      "--sample_every_n_steps=1 left out"),
+            std::string::npos)
+      << out_;
   const std::string log_path = (run / "logs" / "trainer.log").string();
   EXPECT_NE(out_.find("--debug_dataset: the batches are in " + log_path), std::string::npos)
       << out_;
