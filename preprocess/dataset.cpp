@@ -124,11 +124,10 @@ void attach_caption(const SubsetOptions& subset, ImageEntry& entry, Discovery& o
     extensions.push_back(".txt");
   }
   for (const std::string& ext : extensions) {
-    // kohya's os.path.splitext(image)[0] + caption_extension: an extension without a leading dot
-    // ("_tags.txt") is a suffix of the name.
+    // kohya's splitext(image)[0] + caption_extension, a dot put in front of an extension given
+    // without one ("txt" is ".txt", "_tags.txt" is "._tags.txt"), as replace_extension does.
     fs::path caption_path = entry.path;
-    caption_path.replace_extension();
-    caption_path += ext;
+    caption_path.replace_extension(ext);
     std::error_code ec;
     if (!fs::is_regular_file(caption_path, ec)) continue;
     try {

@@ -82,21 +82,28 @@ TEST(DatasetFolder, KohyaRepeatFoldersCaptionsAndReportedFolders) {
   fs::remove_all(dir);
 }
 
-// kohya's caption file is the image's name without its extension, then caption_extension as
-// written: "_tags.txt" is a suffix ("a_tags.txt"), not an extension to swap in ("a._tags.txt").
-TEST(DatasetFolder, CaptionExtensionWithoutADotIsASuffixOfTheName) {
+// kohya's caption file is the image's name without its extension, then caption_extension with a
+// dot put in front when it has none (DreamBoothSubset): "txt" reads a.txt, and "_tags.txt" reads
+// a._tags.txt, not a_tags.txt.
+TEST(DatasetFolder, CaptionExtensionWithoutADotGetsOneAsKohya) {
   const fs::path dir = make_temp_dir("suffix");
   write_file(dir / "1_cls" / "a.png", "x");
-  write_file(dir / "1_cls" / "a_tags.txt", "tagged, from the suffix\n");
-  write_file(dir / "1_cls" / "a.txt", "not this one\n");
+  write_file(dir / "1_cls" / "a.txt", "from a.txt\n");
+  write_file(dir / "1_cls" / "b.png", "x");
+  write_file(dir / "1_cls" / "b._tags.txt", "from b._tags.txt\n");
+  write_file(dir / "1_cls" / "b_tags.txt", "not this one\n");
   Defaults defaults;
-  defaults.subset.caption_extension = "_tags.txt";
   defaults.subset.caption_extension_set = true;
-  const Discovery d = discover_folder(dir, defaults);
-  const ImageEntry* a = find_image(d, "a.png");
+  defaults.subset.caption_extension = "txt";
+  const Discovery with_txt = discover_folder(dir, defaults);
+  const ImageEntry* a = find_image(with_txt, "a.png");
   ASSERT_NE(a, nullptr);
-  EXPECT_EQ(a->caption, "tagged, from the suffix");
-  EXPECT_EQ(a->caption_source, "file");
+  EXPECT_EQ(a->caption, "from a.txt");
+  defaults.subset.caption_extension = "_tags.txt";
+  const Discovery d = discover_folder(dir, defaults);
+  const ImageEntry* b = find_image(d, "b.png");
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(b->caption, "from b._tags.txt");
   fs::remove_all(dir);
 }
 
