@@ -23,32 +23,39 @@ double uniform(std::mt19937_64& rng) {
 
 }  // namespace
 
-std::vector<bool> validation_entries(const wire::Manifest& manifest, double split, uint64_t seed) {
+ValidationSplit split_for_validation(const wire::Manifest& manifest, double split, uint64_t seed) {
   std::map<std::pair<uint32_t, uint32_t>, std::vector<int>> subsets;  // training images only
+  const auto n_entries = static_cast<size_t>(manifest.entries_size());
+  ValidationSplit out{std::vector<bool>(n_entries, true), std::vector<bool>(n_entries, false)};
   for (int i = 0; i < manifest.entries_size(); ++i) {
     const wire::ManifestEntry& e = manifest.entries(i);
     if (!e.is_reg()) subsets[{e.dataset_index(), e.subset_index()}].push_back(i);
   }
-  std::vector<bool> validates(static_cast<size_t>(manifest.entries_size()), false);
-  size_t images = 0, held_out = 0;
+  size_t images = 0, training = 0, held_out = 0;
   for (auto& [subset, entries] : subsets) {
     std::mt19937_64 rng = stream(seed, subset.first, subset.second, "validation_split");
     std::shuffle(entries.begin(), entries.end(), rng);
-    const auto count = static_cast<size_t>(std::nearbyint(static_cast<double>(entries.size()) * split));
-    for (size_t k = entries.size() - std::min(count, entries.size()); k < entries.size(); ++k) {
-      validates[static_cast<size_t>(entries[k])] = true;
+    const double n = static_cast<double>(entries.size());
+    // The same double arithmetic as kohya's Python: ceil, and round half to even (nearbyint).
+    const auto trains = static_cast<size_t>(std::max(0.0, std::ceil(n * (1.0 - split))));
+    const auto validates = static_cast<size_t>(std::max(0.0, std::nearbyint(n * split)));
+    for (size_t k = 0; k < entries.size(); ++k) {
+      const auto index = static_cast<size_t>(entries[k]);
+      out.trains[index] = k < trains;
+      out.validates[index] = k + std::min(validates, entries.size()) >= entries.size();
+      training += out.trains[index] ? 1 : 0;
+      held_out += out.validates[index] ? 1 : 0;
     }
     images += entries.size();
-    held_out += std::min(count, entries.size());
   }
-  if (held_out == 0 || held_out == images) {
+  if (images > 0 && (held_out == 0 || training == 0)) {
     std::ostringstream what;
     what << "--validation_split=" << split << " of " << images << " training images, split in "
          << subsets.size() << " subset(s), leaves "
          << (held_out == 0 ? "no image to validate on" : "no image to train on");
     throw InputError(what.str());
   }
-  return validates;
+  return out;
 }
 
 std::mt19937_64 stream(uint64_t seed, int64_t epoch, int64_t batch, std::string_view purpose) {
@@ -59,7 +66,7 @@ std::mt19937_64 stream(uint64_t seed, int64_t epoch, int64_t batch, std::string_
 
 BatchScheduler::BatchScheduler(const wire::Manifest& manifest, int batch_size, uint64_t seed,
                                bool fill_last_batch, int ranks)
-    : seed_(seed), fill_last_batch_(fill_last_batch) {
+    : default_batch_size_(batch_size), seed_(seed), fill_last_batch_(fill_last_batch) {
   if (manifest.entries_size() == 0) {
     throw InputError("manifest '" + manifest.dataset_id() + "' has no entries: nothing to train on");
   }
@@ -472,8 +479,15 @@ DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest,
     for (int d = 0; d < source.datasets_size(); ++d) {
       const wire::DatasetSettings& settings = source.datasets(d);
       const auto index = static_cast<uint32_t>(d);
-      BatchScheduler::DatasetInfo info;  // a dataset that trains nothing: all zero
-      info.batch_size = static_cast<int>(settings.batch_size());
+      // A dataset that trains nothing (regularization images alone) has no plan: its batch size
+      // and declared regularization images, as kohya counts them, from the settings and entries.
+      BatchScheduler::DatasetInfo info;
+      info.batch_size = settings.batch_size() > 0 ? static_cast<int>(settings.batch_size())
+                                                  : scheduler.default_batch_size();
+      for (const auto& [key, entries] : subsets) {
+        if (key.first != index || !entries.is_reg) continue;
+        info.reg_images += entries.entries.size() * std::max<uint32_t>(1, entries.repeats);
+      }
       for (const auto& i : scheduler.dataset_info()) {
         if (i.index == index) info = i;
       }

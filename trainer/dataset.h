@@ -43,6 +43,8 @@ class BatchScheduler {
   // Samples a step takes (all ranks): the dataset's; with several datasets of different batch
   // sizes, the largest.
   int batch_size() const { return batch_size_; }
+  // --train_batch_size (per rank): a dataset's batch size when its TOML gives none.
+  int default_batch_size() const { return default_batch_size_; }
   size_t datasets() const { return groups_.size(); }
   // The buckets and how many samples each holds per epoch, over all datasets: (width, height,
   // count).
@@ -75,6 +77,7 @@ class BatchScheduler {
   std::vector<BucketInfo> bucket_info_;
   std::vector<DatasetInfo> dataset_info_;
   int batch_size_ = 1;
+  int default_batch_size_ = 1;
   uint64_t seed_ = 0;
   bool fill_last_batch_ = false;
   size_t batches_per_epoch_ = 0;
@@ -82,11 +85,15 @@ class BatchScheduler {
   uint64_t reg_images_ = 0;
 };
 
-// kohya's --validation_split: which manifest entries validate. Each subset's images (a
-// dataset's subset_index) are split on their own: a `seed`ed shuffle, of which the last
-// round(n * split) (Python's round, half to even) validate; regularization images never do.
-// Throws InputError when that leaves no image to validate on or none to train on.
-std::vector<bool> validation_entries(const wire::Manifest& manifest, double split, uint64_t seed);
+// kohya's --validation_split (split_train_val): which manifest entries train and which validate.
+// Each subset's images (a dataset's subset_index) are split on their own: of a `seed`ed shuffle,
+// the first ceil(n * (1 - split)) train and the last round(n * split) (Python's round, half to
+// even) validate, so one image may do both, as in kohya; regularization images always train and
+// never validate. Throws InputError when that leaves no image to validate on or none to train on.
+struct ValidationSplit {
+  std::vector<bool> trains, validates;  // by manifest entry
+};
+ValidationSplit split_for_validation(const wire::Manifest& manifest, double split, uint64_t seed);
 
 // A generator for everything drawn for one (seed, epoch, batch, purpose).
 std::mt19937_64 stream(uint64_t seed, int64_t epoch, int64_t batch, std::string_view purpose);

@@ -474,10 +474,11 @@ TEST(TrainLossAverage, MovesAsKohyasLossRecorder) {
   EXPECT_DOUBLE_EQ(r.moving_average(), 5.0) << "(4 + 5 + 3 + 8) / 4";
 }
 
-// kohya's --validation_split: each subset is split on its own, the last round(n * split) of a
-// seeded shuffle validating (Python's round: 2.5 -> 2, 3.5 -> 4); regularization images always
-// train; the split depends on the seed alone.
-TEST(TrainValidation, EachSubsetIsSplitOnItsOwnAndRegImagesNeverValidate) {
+// kohya's --validation_split: each subset is split on its own, of a seeded shuffle the first
+// ceil(n * (1 - split)) training and the last round(n * split) validating (Python's round:
+// 2.5 -> 2, 3.5 -> 4), so with 14 images and 0.25 one image does both (11 + 4), as in kohya;
+// regularization images always train; the split depends on the seed alone.
+TEST(TrainValidation, EachSubsetIsSplitAsKohyaAndRegImagesNeverValidate) {
   wire::Manifest m;
   for (int i = 0; i < 10; ++i) {
     add_entry(m, "a/" + std::to_string(i), 0, 0, "a", 1, false, 64, 64, "a");
@@ -486,17 +487,28 @@ TEST(TrainValidation, EachSubsetIsSplitOnItsOwnAndRegImagesNeverValidate) {
     add_entry(m, "b/" + std::to_string(i), 0, 1, "b", 1, false, 64, 64, "b");
   }
   for (int i = 0; i < 6; ++i) add_entry(m, "r/" + std::to_string(i), 0, 2, "r", 1, true, 64, 64, "r");
-  const std::vector<bool> held = validation_entries(m, 0.25, 7);
-  ASSERT_EQ(held.size(), 30u);
-  std::map<std::string, int> per_subset;
-  for (int i = 0; i < m.entries_size(); ++i) per_subset[m.entries(i).subset_name()] += held[i];
-  EXPECT_EQ(per_subset["a"], 2) << "round(10 * 0.25) = round(2.5) = 2";
-  EXPECT_EQ(per_subset["b"], 4) << "round(14 * 0.25) = round(3.5) = 4";
-  EXPECT_EQ(per_subset["r"], 0) << "regularization images never validate";
-  EXPECT_EQ(validation_entries(m, 0.25, 7), held) << "a function of the seed";
-  EXPECT_NE(validation_entries(m, 0.25, 8), held) << "and another seed draws others";
-  EXPECT_THROW(validation_entries(m, 0.01, 7), InputError) << "nothing to validate on";
-  EXPECT_THROW(validation_entries(m, 1.0, 7), InputError) << "nothing to train on";
+  const ValidationSplit split = split_for_validation(m, 0.25, 7);
+  ASSERT_EQ(split.validates.size(), 30u);
+  std::map<std::string, int> trains, validates, both;
+  for (int i = 0; i < m.entries_size(); ++i) {
+    const std::string& subset = m.entries(i).subset_name();
+    trains[subset] += split.trains[i];
+    validates[subset] += split.validates[i];
+    both[subset] += split.trains[i] && split.validates[i];
+  }
+  EXPECT_EQ(validates["a"], 2) << "round(10 * 0.25) = round(2.5) = 2";
+  EXPECT_EQ(trains["a"], 8) << "ceil(10 * 0.75)";
+  EXPECT_EQ(both["a"], 0);
+  EXPECT_EQ(validates["b"], 4) << "round(14 * 0.25) = round(3.5) = 4";
+  EXPECT_EQ(trains["b"], 11) << "ceil(14 * 0.75) = ceil(10.5)";
+  EXPECT_EQ(both["b"], 1) << "kohya's two counts overlap by one image";
+  EXPECT_EQ(validates["r"], 0) << "regularization images never validate";
+  EXPECT_EQ(trains["r"], 6);
+  EXPECT_EQ(split_for_validation(m, 0.25, 7).validates, split.validates) << "a function of the seed";
+  EXPECT_NE(split_for_validation(m, 0.25, 8).validates, split.validates)
+      << "and another seed draws others";
+  EXPECT_THROW(split_for_validation(m, 0.01, 7), InputError) << "nothing to validate on";
+  EXPECT_THROW(split_for_validation(m, 1.0, 7), InputError) << "nothing to train on";
 }
 
 // kohya's train_network.py with a dataset TOML: every dataset in ss_datasets (its counts, its
@@ -533,6 +545,15 @@ TEST(TrainMetadata, DatasetConfigWritesSsDatasetsAsKohya) {
   add_entry(m, "d/10_dog/a.png", 0, 0, "10_dog", 2, false, 512, 512, "A, b");
   add_entry(m, "r/1_dog/r.png", 0, 1, "1_dog", 1, true, 448, 576, "dog");
   add_entry(m, "imgs/c.png", 1, 0, "meta.json", 1, false, 768, 512, "c");
+  // A dataset of regularization images alone trains nothing, and is described all the same.
+  wire::DatasetSettings* reg_only = add_dataset(source, 512, 512, true, 0, true);
+  wire::SubsetSettings* lone = reg_only->add_subsets();
+  lone->set_name("3_reg");
+  lone->set_image_dir("3_reg");
+  lone->set_num_repeats(3);
+  lone->set_is_reg(true);
+  add_entry(m, "q/3_reg/x.png", 2, 0, "3_reg", 3, true, 512, 512, "x");
+  add_entry(m, "q/3_reg/y.png", 2, 0, "3_reg", 3, true, 512, 512, "y");
   for (auto& e : *m.mutable_entries()) {
     if (e.dataset_index() == 0) e.set_batch_size(2);  // as the cacher copies it from the TOML
   }
@@ -549,9 +570,13 @@ TEST(TrainMetadata, DatasetConfigWritesSsDatasetsAsKohya) {
             R"({"10_dog": {"n_repeats": 2, "img_count": 2}, )"
             R"("meta.json": {"n_repeats": 1, "img_count": 1}})");
   EXPECT_EQ(got.keys.at("ss_tag_frequency"),
-            R"({"10_dog": {"a": 1, "b": 2}, "1_dog": {"dog": 1}, "meta.json": {"c": 1}})");
+            R"({"10_dog": {"a": 1, "b": 2}, "1_dog": {"dog": 1}, "meta.json": {"c": 1}, )"
+            R"("3_reg": {"x": 1, "y": 1}})");
   const nlohmann::json datasets = nlohmann::json::parse(got.keys.at("ss_datasets"));
-  ASSERT_EQ(datasets.size(), 2u);
+  ASSERT_EQ(datasets.size(), 3u);
+  EXPECT_EQ(datasets[2]["batch_size_per_device"], 1) << "--train_batch_size";
+  EXPECT_EQ(datasets[2]["num_train_images"], 0);
+  EXPECT_EQ(datasets[2]["num_reg_images"], 6) << "2 images x 3 repeats, as declared";
   const nlohmann::json& first = datasets[0];
   EXPECT_EQ(first["is_dreambooth"], true);
   EXPECT_EQ(first["batch_size_per_device"], 2) << "the TOML's batch_size";

@@ -388,8 +388,9 @@ void Run::load_data() {
                  : open_remote_records(
                        o_.cacher_endpoint,
                        std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000)));
-  // Ctrl-C while a remote cacher does not answer stops the waiting (see train_steps).
-  records_->cancel_waiting_when([] { return g_stop_requested != 0; });
+  // Ctrl-C while a remote cacher does not answer stops the waiting (see train_steps); ranks
+  // stop together at a step's start only, so they go on waiting.
+  if (o_.ranks.world_size <= 1) records_->cancel_waiting_when([] { return g_stop_requested != 0; });
   std::string resolved;
   manifest_ = records_->manifest(o_.dataset_id, &resolved);
   if (resolved != o_.dataset_id) {
@@ -416,15 +417,16 @@ void Run::load_data() {
     }
   }
   if (o_.validation_split > 0) {
-    const std::vector<bool> validates =
-        validation_entries(manifest_, o_.validation_split, o_.validation_seed);
+    const ValidationSplit split =
+        split_for_validation(manifest_, o_.validation_split, o_.validation_seed);
     wire::Manifest train = manifest_;
     train.clear_entries();
     validation_manifest_ = manifest_;
     validation_manifest_.clear_entries();
     for (int i = 0; i < manifest_.entries_size(); ++i) {
-      *(validates[static_cast<size_t>(i)] ? validation_manifest_.add_entries()
-                                          : train.add_entries()) = manifest_.entries(i);
+      const auto k = static_cast<size_t>(i);
+      if (split.trains[k]) *train.add_entries() = manifest_.entries(i);
+      if (split.validates[k]) *validation_manifest_.add_entries() = manifest_.entries(i);
     }
     manifest_ = std::move(train);
   }
@@ -968,11 +970,13 @@ void Run::save_lora(const fs::path& path, int64_t step, bool final) {
 }
 
 json Run::data_plan() const {
-  return {{"train_batch_size", o_.train_batch_size},
-          {"gradient_accumulation_steps", o_.step.gradient_accumulation_steps},
-          {"fill_last_batch", o_.fill_last_batch},
-          {"validation_split", o_.validation_split},
-          {"validation_seed", o_.validation_seed}};
+  json plan = {{"train_batch_size", o_.train_batch_size},
+               {"gradient_accumulation_steps", o_.step.gradient_accumulation_steps},
+               {"fill_last_batch", o_.fill_last_batch},
+               {"validation_split", o_.validation_split}};
+  // Its seed decides the split only when there is one (--seed, checked on its own, the rest).
+  if (o_.validation_split > 0) plan["validation_seed"] = o_.validation_seed;
+  return plan;
 }
 
 void Run::announce_final_to_late_subscribers() {
@@ -1019,7 +1023,8 @@ void Run::save_state(const fs::path& dir) {
   LP_LOG(kInfo, kLog) << "saved state " << dir.string() << " at step " << global_step_;
 }
 
-void Run::load_state(const fs::path& asked) {
+void Run::load_state(const fs::path& given) {
+  const fs::path asked = given.has_filename() ? given : given.parent_path();  // "state/x/"
   fs::path dir = asked;
   if (!fs::exists(dir / "trainer.json") && fs::exists(moved_aside(asked) / "trainer.json")) {
     // A crash came while a save replaced this state: the old one is whole, moved aside.
@@ -1047,9 +1052,15 @@ void Run::load_state(const fs::path& asked) {
         throw InputError(file.string() + ": '" + key + "' is not a number");
       }
     }
-    if (state.contains("loss_list") &&
-        (!state["loss_list"].is_array() || !state.value("loss_total", json()).is_number())) {
-      throw InputError(file.string() + ": 'loss_list' is not a list of numbers with its total");
+    if (state.contains("loss_list")) {
+      bool numbers = state["loss_list"].is_array() && state.value("loss_total", json()).is_number();
+      for (const json& v : state["loss_list"]) numbers = numbers && v.is_number();
+      if (!numbers) {
+        throw InputError(file.string() + ": 'loss_list' is not a list of numbers with its total");
+      }
+    }
+    if (state.contains("training_started_at") && !state["training_started_at"].is_string()) {
+      throw InputError(file.string() + ": 'training_started_at' is not text");
     }
   } catch (const json::exception& e) {
     throw InputError(file.string() + ": " + e.what());
