@@ -400,8 +400,8 @@ Settings parse_run_args(const std::vector<std::string>& args) {
   for (const auto& [name, value] : cli.flags) settings.set(name, value);  // flags win
   if (!cli.output.empty()) settings.output = cli.output;
   // Files and folders as absolute paths: the stages start in this folder, but run.toml must
-  // mean the same files when `lorapipe resume` runs from another one. A path that names nothing
-  // here stays as given, for the stage's own error to name.
+  // mean the same files when `lorapipe resume` runs from another one (folders the run creates,
+  // --cache_dir or --logging_dir, included).
   for (const char* name :
        {"pretrained_model_name_or_path", "tokenizer", "vae", "base_weights", "cache_dir",
         "data_dir", "reg_data_dir", "dataset_config", "in_json", "network_weights",
@@ -410,7 +410,7 @@ Settings parse_run_args(const std::vector<std::string>& args) {
     auto absolute = [](const std::string& given) {
       std::error_code ec;
       const fs::path path(given);
-      if (path.is_absolute() || !fs::exists(path, ec)) return given;
+      if (given.empty() || path.is_absolute()) return given;
       const fs::path full = fs::absolute(path, ec).lexically_normal();
       return ec ? given : full.string();
     };

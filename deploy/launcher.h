@@ -84,7 +84,8 @@ std::pair<Settings, std::filesystem::path> resume_settings(
 std::string status(const std::filesystem::path& dir, bool json);
 
 // A run folder belongs to one launcher at a time: the one running (or resuming) it holds an
-// exclusive lock on DIR/.lock until it exits, however it exits. Is one holding it now?
+// exclusive lock on DIR/.lock, shared with its stages, until the last of them exits, however it
+// exits. Is one holding it now? (Also true where the file system cannot say.)
 bool run_folder_in_use(const std::filesystem::path& dir);
 
 }  // namespace lorapipe::launcher

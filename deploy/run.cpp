@@ -192,18 +192,25 @@ void Supervisor::prepare_folder() {
   dir_ = fs::absolute(s_.output);
   fs::create_directories(dir_);
   // One launcher a folder: a second one (a resume while the run still runs) would remove the
-  // first one's sockets and train a second trainer into the same state/ and lora/.
-  lock_fd_ = ::open((dir_ / ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  // first one's sockets and train a second trainer into the same state/ and lora/. The stages
+  // inherit the descriptor (no O_CLOEXEC), so the lock holds until the last of them has exited:
+  // a launcher killed outright leaves it held while its trainer still saves a state.
+  lock_fd_ = ::open((dir_ / ".lock").c_str(), O_RDWR | O_CREAT, 0644);
   if (lock_fd_ < 0) {
     throw InputError("cannot open " + (dir_ / ".lock").string() + ": " + std::strerror(errno));
   }
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    std::ifstream holder(dir_ / ".lock");
-    std::string pid;
-    std::getline(holder, pid);
-    throw InputError(dir_.string() + " is in use by another lorapipe" +
-                     (pid.empty() ? std::string() : " (pid " + pid + ")") +
-                     ": wait for it to finish, or stop it (Ctrl-C saves its state) and resume");
+    if (errno == EWOULDBLOCK) {
+      std::ifstream holder(dir_ / ".lock");
+      std::string pid;
+      std::getline(holder, pid);
+      throw InputError(dir_.string() + " is in use by another lorapipe" +
+                       (pid.empty() ? std::string() : " (pid " + pid + ")") +
+                       ": wait for it to finish, or stop it (Ctrl-C saves its state) and resume");
+    }
+    // A file system without locks (NFS without lockd): run unguarded rather than not at all.
+    display_ << "lorapipe: cannot lock " << (dir_ / ".lock").string() << " ("
+             << std::strerror(errno) << "): a second launcher on this folder would not be refused\n";
   }
   // The pid only names the holder in a second launcher's message: not written, it is left out.
   const std::string pid = std::to_string(getpid()) + "\n";

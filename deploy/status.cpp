@@ -133,9 +133,10 @@ std::string status(const fs::path& dir, bool as_json) {
 bool run_folder_in_use(const std::filesystem::path& dir) {
   const int fd = ::open((dir / ".lock").c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return false;  // no launcher ever locked it
-  const bool held = ::flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  // Held, or a file system that cannot tell (no locks): taken as in use.
+  const bool free = ::flock(fd, LOCK_SH | LOCK_NB) == 0;
   ::close(fd);
-  return held;
+  return !free;
 }
 
 }  // namespace lorapipe::launcher

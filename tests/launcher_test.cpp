@@ -421,8 +421,8 @@ TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
 }
 
 // Files and folders given relative to where `lorapipe run` starts are kept absolute (in the
-// stages' flags and in run.toml), so `lorapipe resume DIR` from elsewhere finds them; a path that
-// names nothing stays as typed, for its stage to name in its error.
+// stages' flags and in run.toml), so `lorapipe resume DIR` from elsewhere finds them, and a
+// folder the run creates (--cache_dir) is the same folder then.
 TEST_F(LauncherFlags, RelativePathsAreKeptAbsolute) {
   fs::create_directories(work_ / "my data");
   std::ofstream(work_ / "prompts.txt") << "a cat\n";
@@ -435,7 +435,7 @@ TEST_F(LauncherFlags, RelativePathsAreKeptAbsolute) {
   fs::current_path(before);
   EXPECT_EQ(s.get("data_dir"), (work_ / "my data").string());
   EXPECT_EQ(s.get("sample_prompts"), (work_ / "prompts.txt").string());
-  EXPECT_EQ(s.get("vae"), "missing.safetensors");
+  EXPECT_EQ(s.get("vae"), (work_ / "missing.safetensors").string());
   EXPECT_EQ(split_words(s.get("base_weights")),
             (std::vector<std::string>{(work_ / "a.safetensors").string(), "/b"}));
 }
