@@ -6,7 +6,9 @@
 // rendered it. Each child runs in its own process group, so a terminal's Ctrl-C reaches only
 // the launcher, which stops the children in order: SIGTERM to the trainer (it finishes the
 // step and saves a state), SIGTERM to the rest; anything still alive after kStopGrace is
-// killed. Children get SIGTERM too if the launcher itself dies (PR_SET_PDEATHSIG).
+// killed, and so is everything at once on a second Ctrl-C (a user who will not wait for the
+// save: the state being written is lost, the last complete one stays, as the trainer swaps a
+// state in whole). Children get SIGTERM too if the launcher itself dies (PR_SET_PDEATHSIG).
 
 #include <google/protobuf/util/json_util.h>
 #include <fcntl.h>
@@ -47,7 +49,7 @@ using namespace std::chrono_literals;
 
 constexpr auto kStopGrace = 120s;  // a trainer on a big model may need a while to save
 
-volatile sig_atomic_t g_interrupted = 0;
+volatile sig_atomic_t g_interrupted = 0;  // SIGINTs and SIGTERMs received, counted
 
 std::string iso_now() {
   const std::time_t now = std::time(nullptr);
@@ -371,21 +373,32 @@ void Supervisor::reap() {
   }
 }
 
-// The trainer first (it saves a state), then the rest; waits, and kills what outlives the grace.
+// The trainer first (it saves a state), then the rest; waits, and kills what outlives the grace
+// or is still running when another interrupt arrives.
 void Supervisor::stop_all() {
   for (auto& [stage, c] : children_) {
     if (c.running) kill(c.pid, SIGTERM);
   }
+  const sig_atomic_t interrupts = g_interrupted;
   const auto deadline = Clock::now() + kStopGrace;
+  bool killed = false;
   for (;;) {
     reap();
     bool any = false;
     for (auto& [stage, c] : children_) any = any || c.running;
     if (!any) return;
-    if (Clock::now() > deadline) {
+    const bool again = g_interrupted != interrupts;
+    if (!killed && (again || Clock::now() > deadline)) {
+      display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: "
+               << (again ? "interrupted again" : "the stages did not stop within " +
+                                                     std::to_string(kStopGrace.count()) + " s")
+               << "; killing them now (a state being saved is lost; the last complete state "
+                  "stays)\n"
+               << std::flush;
       for (auto& [stage, c] : children_) {
         if (c.running) kill(c.pid, SIGKILL);
       }
+      killed = true;
     }
     std::this_thread::sleep_for(50ms);
   }
@@ -508,7 +521,7 @@ int Supervisor::run() {
       redraw(true);
       display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: interrupted; stopping the stages"
                << (child(Stage::kTrainer) != nullptr ? " (the trainer saves a state)" : "")
-               << "\n" << std::flush;
+               << "; interrupt again to kill them at once\n" << std::flush;
       stop_all();
       while (receive(sub, 0ms).ok()) {
       }
@@ -617,7 +630,7 @@ int Supervisor::run() {
 int run(Settings settings, const RunOptions& options, std::ostream& display) {
   if (settings.output.empty()) throw InputError("--output=DIR (the run folder) is needed");
   struct sigaction action {};
-  action.sa_handler = [](int) { g_interrupted = 1; };
+  action.sa_handler = [](int) { g_interrupted = g_interrupted + 1; };
   sigemptyset(&action.sa_mask);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);

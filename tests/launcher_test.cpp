@@ -264,6 +264,36 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
   EXPECT_TRUE(fs::exists(run / "lora" / "demo.safetensors"));
 }
 
+// A second Ctrl-C does not wait out the stop grace (120 s): the launcher kills the stages at once.
+// The trainer is held (SIGSTOP) so that it cannot finish its save before the second interrupt:
+// without the second interrupt's rule the launcher would wait the whole grace and say so.
+TEST_F(LauncherRun, SecondInterruptKillsTheStagesAtOnce) {
+  const fs::path run = work_ / "run";
+  const pid_t launcher =
+      spawn({(kBin / "lorapipe").string(), "run", "--output=" + run.string(),
+             "--cache_dir=" + (work_ / "cache").string(), "--max_train_steps=2000",
+             "--save_every_n_steps=1000"},
+            work_ / "launcher.out", work_ / "launcher.err");
+  const pid_t trainer = wait_for_training(run, 3);
+  ASSERT_GT(trainer, 0) << read_text(work_ / "launcher.out");
+  kill(trainer, SIGSTOP);
+  kill(launcher, SIGINT);
+  const auto deadline = Clock::now() + std::chrono::seconds(60);
+  while (read_text(work_ / "launcher.out").find("interrupt again to kill them at once") ==
+             std::string::npos &&
+         Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  kill(launcher, SIGINT);
+  EXPECT_EQ(wait_exit(launcher), 130) << read_text(work_ / "launcher.err");
+  const std::string out = read_text(work_ / "launcher.out");
+  EXPECT_NE(out.find("interrupted again; killing them now"), std::string::npos) << out;
+  EXPECT_EQ(out.find("did not stop within"), std::string::npos) << out;
+  EXPECT_NE(out.find("the trainer was killed by signal 9"), std::string::npos) << out;
+  expect_no_stage_alive(run);
+  EXPECT_EQ(status(run)["stages"]["trainer"]["exit_code"], 128 + SIGKILL);
+}
+
 // A launcher killed outright (SIGKILL, a machine gone down) writes no end to its events, but its
 // lock on the folder goes with it: status says the run stopped, not that it runs.
 TEST_F(LauncherRun, StatusOfARunWhoseLauncherIsGoneSaysStopped) {
