@@ -97,13 +97,29 @@ class Cacher {
   // works. A job is one bucket's batch or one batch of captions; the worker writes its records
   // and leaves the counts for the main loop, which alone touches the sockets and the summary.
   // A job's failure is rethrown on the main loop by collect().
+  struct Caption {
+    std::string stream;  // whose count it adds to
+    std::string text;
+  };
   struct Job {
     std::vector<wire::ImageSample> samples;  // a latent batch, or
-    std::vector<std::string> captions;       // a text batch
+    std::vector<Caption> captions;           // a text batch
+  };
+  struct Counts {
+    uint64_t encoded = 0, rejected = 0, texts_encoded = 0;
   };
   struct Done {  // what finished jobs left for the main loop
-    uint64_t encoded = 0, rejected = 0, texts_encoded = 0;
-    std::vector<std::string> rejected_keys;
+    std::map<std::string, Counts> streams;  // by stream_id
+    std::vector<std::string> rejected_keys, rejected_text_keys;
+  };
+  // One preprocess run's stream, from its first sample to its DatasetReport. A serving cacher
+  // may be fed by several runs at once (other datasets, or one folder at other settings); each
+  // gets its own entries, counts and manifest.
+  struct Stream {
+    std::vector<wire::ManifestEntry> entries;
+    bool all_text_cached = true;
+    Summary summary;
+    Clock::time_point started = Clock::now();
   };
   static constexpr size_t kMaxQueuedJobs = 2;  // then the stream waits (ZeroMQ's backpressure)
   void run_job(Job& job, Done& done);
@@ -114,13 +130,14 @@ class Cacher {
   // Reads the stream and answers requests until the stream's end (forever with serve).
   void serve_loop(runtime::SocketLoop& loop);
   void on_sample(const wire::ImageSample& sample);
-  static std::string check_sample(const wire::ImageSample& sample);
+  std::string check_sample(const wire::ImageSample& sample) const;
   void flush_bucket(std::vector<wire::ImageSample>& pending);
   void flush_texts();
   void finish(const wire::DatasetReport& report);
+  Stream& stream(const std::string& id, const std::string& dataset_id);
   std::unique_ptr<wire::HasKeysReply> has_keys(const wire::HasKeysRequest& request);
   std::unique_ptr<wire::GetRecordsReply> get_records(const wire::GetRecordsRequest& request);
-  void publish_report(bool done);
+  void publish_report(const Stream& stream, bool done);
 
   Options options_;
   std::optional<Store> store_;
@@ -130,13 +147,13 @@ class Cacher {
   std::optional<zmq::socket_t> pub_;
 
   std::map<std::pair<uint32_t, uint32_t>, std::vector<wire::ImageSample>> pending_;
-  std::vector<std::string> pending_texts_;
-  std::set<std::string> queued_texts_;
-  std::vector<wire::ManifestEntry> entries_;
-  std::set<std::string> rejected_keys_;
-  bool all_text_cached_ = true;
-  Summary summary_;
-  Clock::time_point started_ = Clock::now();
+  std::vector<Caption> pending_texts_;
+  std::set<std::string> queued_texts_;  // text keys found or queued while a stream is open
+  std::map<std::string, Stream> streams_;  // open streams, by stream_id
+  // Content keys whose encoding was not finite: no record is written, and no manifest names
+  // them. They hold for every stream (the same content and weights encode the same).
+  std::set<std::string> rejected_keys_, rejected_text_keys_;
+  Summary summary_;  // of the newest finished stream: what run() returns
   bool stream_done_ = false;
 
   std::mutex done_mutex_;
@@ -145,9 +162,15 @@ class Cacher {
   std::optional<runtime::WorkerPool> workers_;  // last: goes first, before what its jobs use
 };
 
-// Empty when `s` can be batched with its bucket: a bucket of whole latent cells and, unless it
-// is key-only, exactly bucket.width x bucket.height x 3 bytes of RGB; else the reason.
-std::string Cacher::check_sample(const wire::ImageSample& s) {
+// Empty when `s` can be batched with its bucket: an image key that makes a storable latent key,
+// a bucket of whole latent cells and, unless it is key-only, exactly bucket.width x bucket.height x 3 bytes of RGB; else the reason.
+std::string Cacher::check_sample(const wire::ImageSample& s) const {
+  if (s.image_key().empty()) return "no image key";
+  if (latent_key(s.image_key(), latents_->fingerprint()).size() > kMaxKeyBytes) {
+    return "an image key of " + std::to_string(s.image_key().size()) +
+           " bytes (its latent key would pass LMDB's " + std::to_string(kMaxKeyBytes) +
+           "-byte limit)";
+  }
   const uint64_t w = s.bucket().width(), h = s.bucket().height();
   if (w == 0 || h == 0 || w % 8 != 0 || h % 8 != 0) {
     return "bucket " + std::to_string(w) + "x" + std::to_string(h) +
@@ -167,14 +190,20 @@ std::string Cacher::check_sample(const wire::ImageSample& s) {
   return "";
 }
 
+Cacher::Stream& Cacher::stream(const std::string& id, const std::string& dataset_id) {
+  Stream& stream = streams_[id];
+  if (stream.summary.dataset_id.empty()) stream.summary.dataset_id = dataset_id;
+  return stream;
+}
+
 void Cacher::on_sample(const wire::ImageSample& s) {
-  if (summary_.dataset_id.empty()) summary_.dataset_id = s.dataset_id();
+  Stream& stream = this->stream(s.stream_id(), s.dataset_id());
   if (const std::string why = check_sample(s); !why.empty()) {
     // Rejected on arrival, alone: a sample that cannot join its bucket's batch must not poison
     // the batch it would have joined.
-    ++summary_.rejected;
+    ++stream.summary.rejected;
     LP_LOG(kWarning, kLog) << "rejected " << s.path() << ": " << why;
-    publish_report(false);
+    publish_report(stream, false);
     return;
   }
   wire::ManifestEntry entry;
@@ -192,24 +221,25 @@ void Cacher::on_sample(const wire::ImageSample& s) {
   entry.set_subset_index(s.subset_index());
   entry.set_caption_read(s.caption_read());
   if (s.augment_caption()) {
-    all_text_cached_ = false;  // the trainer encodes this caption online, augmented each step
+    stream.all_text_cached = false;  // the trainer encodes this caption online, augmented each step
   } else {
     const std::string key = text_key(s.caption(), texts_->fingerprint());
     entry.set_text_key(key);
     if (!queued_texts_.count(key)) {
       queued_texts_.insert(key);
       if (store_->contains_many(Table::kTexts, {key})[0]) {
-        ++summary_.texts_cached;
+        ++stream.summary.texts_cached;
       } else {
-        pending_texts_.push_back(s.caption());
+        pending_texts_.push_back({s.stream_id(), s.caption()});
         if (static_cast<int>(pending_texts_.size()) >= options_.text_batch_size) flush_texts();
       }
     }
   }
-  entries_.push_back(std::move(entry));
+  stream.entries.push_back(std::move(entry));
 
-  if (s.key_only() || store_->contains_many(Table::kLatents, {entries_.back().latent_key()})[0]) {
-    ++summary_.hits;
+  if (s.key_only() ||
+      store_->contains_many(Table::kLatents, {stream.entries.back().latent_key()})[0]) {
+    ++stream.summary.hits;
     return;
   }
   auto& bucket = pending_[{s.bucket().width(), s.bucket().height()}];
@@ -240,11 +270,17 @@ void Cacher::submit(Job job) {
     Done done;
     run_job(job, done);
     std::lock_guard<std::mutex> lock(done_mutex_);
-    done_.encoded += done.encoded;
-    done_.rejected += done.rejected;
-    done_.texts_encoded += done.texts_encoded;
+    for (const auto& [id, counts] : done.streams) {
+      Counts& into = done_.streams[id];
+      into.encoded += counts.encoded;
+      into.rejected += counts.rejected;
+      into.texts_encoded += counts.texts_encoded;
+    }
     done_.rejected_keys.insert(done_.rejected_keys.end(), done.rejected_keys.begin(),
                                done.rejected_keys.end());
+    done_.rejected_text_keys.insert(done_.rejected_text_keys.end(),
+                                    done.rejected_text_keys.begin(),
+                                    done.rejected_text_keys.end());
   });
 }
 
@@ -257,28 +293,35 @@ void Cacher::run_job(Job& job, Done& done) {
     std::vector<EncodedRecord> encoded = latents_->encode(batch);
     for (size_t i = 0; i < encoded.size(); ++i) {
       EncodedRecord& r = encoded[i];
+      Counts& counts = done.streams[batch[i]->stream_id()];
       if (!r.rejected.empty()) {
         // kohya stops the whole run here; one bad image costs only itself.
-        ++done.rejected;
+        ++counts.rejected;
         done.rejected_keys.push_back(r.key);
         LP_LOG(kWarning, kLog) << "rejected " << batch[i]->path() << ": " << r.rejected;
         continue;
       }
+      ++counts.encoded;
       records.emplace_back(std::move(r.key), std::move(r.record));
     }
     store_->put(Table::kLatents, records);  // one transaction per batch
-    done.encoded += records.size();
     return;
   }
-  for (EncodedRecord& r : texts_->encode(job.captions)) {
+  std::vector<std::string> captions;
+  for (const Caption& c : job.captions) captions.push_back(c.text);
+  std::vector<EncodedRecord> encoded = texts_->encode(captions);
+  for (size_t i = 0; i < encoded.size(); ++i) {
+    EncodedRecord& r = encoded[i];
     if (!r.rejected.empty()) {
-      LP_LOG(kWarning, kLog) << "text " << r.key.substr(0, 16) << ": " << r.rejected;
+      // Its images leave the manifest (finish()); the caption is named, as a path would be.
+      done.rejected_text_keys.push_back(r.key);
+      LP_LOG(kWarning, kLog) << "rejected the caption \"" << captions[i] << "\": " << r.rejected;
       continue;
     }
+    ++done.streams[job.captions[i].stream].texts_encoded;
     records.emplace_back(std::move(r.key), std::move(r.record));
   }
   store_->put(Table::kTexts, records);
-  done.texts_encoded += records.size();
 }
 
 void Cacher::collect() {
@@ -288,14 +331,24 @@ void Cacher::collect() {
     std::lock_guard<std::mutex> lock(done_mutex_);
     std::swap(done, done_);
   }
-  if (done.encoded + done.rejected + done.texts_encoded == 0) return;
-  summary_.encoded += done.encoded;
-  summary_.rejected += done.rejected;
-  summary_.texts_encoded += done.texts_encoded;
   rejected_keys_.insert(done.rejected_keys.begin(), done.rejected_keys.end());
-  publish_report(false);
-  // Images settled so far; the total is known only at the stream's end (0: not yet).
-  status_->progress(summary_.encoded + summary_.hits + summary_.rejected, 0, "images");
+  rejected_text_keys_.insert(done.rejected_text_keys.begin(), done.rejected_text_keys.end());
+  if (done.streams.empty()) return;
+  for (const auto& [id, counts] : done.streams) {
+    const auto it = streams_.find(id);
+    if (it == streams_.end()) continue;  // not possible: a stream ends only once it is idle
+    Summary& summary = it->second.summary;
+    summary.encoded += counts.encoded;
+    summary.rejected += counts.rejected;
+    summary.texts_encoded += counts.texts_encoded;
+    publish_report(it->second, false);
+  }
+  // Images settled so far in the open streams; the total is known only at a stream's end.
+  uint64_t settled = 0;
+  for (const auto& [id, stream] : streams_) {
+    settled += stream.summary.encoded + stream.summary.hits + stream.summary.rejected;
+  }
+  status_->progress(settled, 0, "images");
 }
 
 void Cacher::wait_idle() {
@@ -307,9 +360,11 @@ void Cacher::finish(const wire::DatasetReport& report) {
   for (auto& [bucket, pending] : pending_) flush_bucket(pending);
   flush_texts();
   wait_idle();  // every record is written before the manifest that names them
-  if (summary_.dataset_id.empty()) summary_.dataset_id = report.dataset_id();
+  // A report with no samples before it (an empty dataset) opens and ends its stream here.
+  Stream& stream = this->stream(report.stream_id(), report.dataset_id());
+  std::vector<wire::ManifestEntry>& entries = stream.entries;
   wire::Manifest manifest;
-  manifest.set_text_cached(all_text_cached_);
+  manifest.set_text_cached(stream.all_text_cached);
   manifest.set_vae_fingerprint(latents_->fingerprint());
   manifest.set_text_encoder_fingerprint(texts_->fingerprint());
   *manifest.mutable_source() = report.source();
@@ -317,33 +372,42 @@ void Cacher::finish(const wire::DatasetReport& report) {
   // Written in one fixed order instead (dataset, image path, then what tells apart the entries of
   // one image), so a dataset cached twice gives the same manifest, and the trainer the same
   // validation split and batches from the same seed.
-  std::sort(entries_.begin(), entries_.end(),
+  std::sort(entries.begin(), entries.end(),
             [](const wire::ManifestEntry& a, const wire::ManifestEntry& b) {
               return std::forward_as_tuple(a.dataset_index(), a.path(), a.is_reg(), a.flip(),
                                            a.caption(), a.latent_key(), a.text_key()) <
                      std::forward_as_tuple(b.dataset_index(), b.path(), b.is_reg(), b.flip(),
                                            b.caption(), b.latent_key(), b.text_key());
             });
-  for (auto& entry : entries_) {
+  Summary& summary = stream.summary;
+  for (auto& entry : entries) {
     if (rejected_keys_.count(entry.latent_key())) continue;
+    if (!entry.text_key().empty() && rejected_text_keys_.count(entry.text_key())) {
+      // Its caption did not encode to finite values: the entry would name a record that does
+      // not exist, and the trainer's pre-flight would refuse the whole dataset.
+      ++summary.rejected;
+      LP_LOG(kWarning, kLog) << "rejected " << entry.path() << ": its caption \""
+                             << entry.caption() << "\" did not encode to finite values";
+      continue;
+    }
     *manifest.add_entries() = std::move(entry);
   }
-  if (!report.dataset_id_given()) summary_.dataset_id += "-" + manifest_hash(manifest);
-  manifest.set_dataset_id(summary_.dataset_id);
-  summary_.manifest_entries = static_cast<uint64_t>(manifest.entries_size());
-  store_->put(Table::kManifests, {{summary_.dataset_id, manifest.SerializeAsString()}});
-  const double seconds = std::chrono::duration<double>(Clock::now() - started_).count();
-  summary_.images_per_second = seconds > 0 ? summary_.encoded / seconds : 0;
-  LP_LOG(kInfo, kLog) << "dataset " << summary_.dataset_id << ": " << summary_.encoded
-                      << " encoded, " << summary_.hits << " cached, " << summary_.rejected
-                      << " rejected; texts " << summary_.texts_encoded << " encoded, "
-                      << summary_.texts_cached << " cached; manifest of "
-                      << summary_.manifest_entries << " entries written";
-  entries_.clear();
-  rejected_keys_.clear();
-  queued_texts_.clear();
+  if (!report.dataset_id_given()) summary.dataset_id += "-" + manifest_hash(manifest);
+  manifest.set_dataset_id(summary.dataset_id);
+  summary.manifest_entries = static_cast<uint64_t>(manifest.entries_size());
+  store_->put(Table::kManifests, {{summary.dataset_id, manifest.SerializeAsString()}});
+  const double seconds = std::chrono::duration<double>(Clock::now() - stream.started).count();
+  summary.images_per_second = seconds > 0 ? summary.encoded / seconds : 0;
+  LP_LOG(kInfo, kLog) << "dataset " << summary.dataset_id << ": " << summary.encoded
+                      << " encoded, " << summary.hits << " cached, " << summary.rejected
+                      << " rejected; texts " << summary.texts_encoded << " encoded, "
+                      << summary.texts_cached << " cached; manifest of "
+                      << summary.manifest_entries << " entries written";
+  publish_report(stream, true);
+  summary_ = summary;
+  streams_.erase(report.stream_id());
+  if (streams_.empty()) queued_texts_.clear();  // a later stream counts its own cached texts
   stream_done_ = true;
-  publish_report(true);
 }
 
 std::unique_ptr<wire::HasKeysReply> Cacher::has_keys(const wire::HasKeysRequest& request) {
@@ -373,15 +437,16 @@ std::unique_ptr<wire::GetRecordsReply> Cacher::get_records(const wire::GetRecord
   return reply;
 }
 
-void Cacher::publish_report(bool done) {
+void Cacher::publish_report(const Stream& stream, bool done) {
   if (!pub_) return;
+  const Summary& summary = stream.summary;
   wire::CacheReport report;
-  report.set_dataset_id(summary_.dataset_id);
-  report.set_encoded(summary_.encoded);
-  report.set_hits(summary_.hits);
-  report.set_rejected(summary_.rejected);
-  const double seconds = std::chrono::duration<double>(Clock::now() - started_).count();
-  report.set_images_per_second(seconds > 0 ? summary_.encoded / seconds : 0);
+  report.set_dataset_id(summary.dataset_id);
+  report.set_encoded(summary.encoded);
+  report.set_hits(summary.hits);
+  report.set_rejected(summary.rejected);
+  const double seconds = std::chrono::duration<double>(Clock::now() - stream.started).count();
+  report.set_images_per_second(seconds > 0 ? summary.encoded / seconds : 0);
   report.set_done(done);
   (void)wire::send(*pub_, report);  // PUB never blocks; nobody listening is fine
 }

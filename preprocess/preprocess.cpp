@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <string_view>
 #include <thread>
@@ -254,9 +255,10 @@ wire::CaptionSettings to_caption_settings(const Subset& subset) {
   return c;
 }
 
-wire::ImageSample to_sample(const std::string& dataset_id, const ImageResult& r) {
+wire::ImageSample to_sample(const Report& report, const ImageResult& r) {
   wire::ImageSample s;
-  s.set_dataset_id(dataset_id);
+  s.set_dataset_id(report.dataset_id);
+  s.set_stream_id(report.stream_id);
   s.set_path(r.path);
   s.set_image_key(r.image_key);
   s.mutable_original_size()->set_width(static_cast<uint32_t>(r.width));
@@ -345,6 +347,7 @@ wire::DatasetReport to_dataset_report(const Report& report) {
   wire::DatasetReport out;
   out.set_dataset_id(report.dataset_id);
   out.set_dataset_id_given(report.dataset_id_given);
+  out.set_stream_id(report.stream_id);
   out.set_images_found(report.images_found);
   out.set_images_used(report.images.size());
   uint64_t cached = 0;
@@ -460,6 +463,12 @@ Report run(const Options& options) {
   Report report;
   report.dataset_id = options.dataset_id.empty() ? default_dataset_id(options) : options.dataset_id;
   report.dataset_id_given = !options.dataset_id.empty();
+  std::random_device entropy;
+  for (int i = 0; i < 4; ++i) {
+    char word[9];
+    std::snprintf(word, sizeof word, "%08x", static_cast<unsigned>(entropy()));
+    report.stream_id += word;
+  }
   report.ignored = discovery.ignored;
   report.skipped = discovery.skipped;
   report.images_found = discovery.images.size() + discovery.skipped.size();
@@ -548,7 +557,7 @@ Report run(const Options& options) {
   std::vector<bool> failed(n, false);
   for (size_t i : usable) {
     if (probed[i]->result.cached && push) {
-      wire::ImageSample sample = to_sample(report.dataset_id, probed[i]->result);
+      wire::ImageSample sample = to_sample(report, probed[i]->result);
       sample.set_key_only(true);
       send_or_throw(sample);
     } else {
@@ -618,7 +627,7 @@ Report run(const Options& options) {
       } else {
         ++report.decoded;
         if (push) {
-          wire::ImageSample sample = to_sample(report.dataset_id, probed[d.index]->result);
+          wire::ImageSample sample = to_sample(report, probed[d.index]->result);
           sample.set_pixels(std::move(d.pixels));
           sample.set_alpha_mask(std::move(d.alpha));
           send_or_throw(sample);

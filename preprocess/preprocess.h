@@ -87,6 +87,9 @@ struct ImageResult {
 struct Report {
   std::string dataset_id;
   bool dataset_id_given = false;  // --dataset_id named it (else derived from the dataset path)
+  // This run's stream on the wire (random): a serving cacher fed by several runs at once, even over
+  // one folder, tells their samples apart by it.
+  std::string stream_id;
   std::vector<ImageResult> images;
   std::vector<Skipped> skipped;
   std::vector<Ignored> ignored;

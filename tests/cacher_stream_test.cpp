@@ -15,6 +15,7 @@
 
 #include "cacher/records.h"
 #include "cacher/store.h"
+#include "models/clip_tokenizer.h"
 #include "models/pipeline.h"
 #include "models/weights.h"
 #include "models/safetensors.h"
@@ -488,6 +489,134 @@ TEST_F(CachePipeline, AnswersRequestsWhileItEncodes) {
   ASSERT_EQ(wire::send(push, report), wire::SendStatus::kSent);
   EXPECT_EQ(wait_exit(cacher), 0) << read_text(work_ / "cacher.err");
   EXPECT_EQ(open_cache().stats(cacher::Table::kLatents).entries, 8u);
+}
+
+// A serving cacher (--serve, as deploy/README.md runs it) outlives its streams and may be fed
+// by several preprocess runs at once. Each stream (its stream_id) keeps its own entries, counts
+// and manifest name, even interleaved; a sample whose image key cannot make a cache key is
+// rejected alone, naming its file.
+TEST_F(CachePipeline, ServingCacherKeepsEachStreamApart) {
+  const pid_t cacher = spawn(cacher_args(tiny_.single_file, "--serve"), work_ / "cacher.out",
+                             work_ / "cacher.err");
+  zmq::context_t context;
+  zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
+  push.connect("ipc://" + (work_ / "pull.sock").string());
+  auto sample = [](const std::string& stream, const std::string& dataset, const std::string& name) {
+    wire::ImageSample s = handmade_sample(dataset, name, 64, std::string(64 * 64 * 3, '\x60'));
+    s.set_stream_id(stream);
+    return s;
+  };
+  auto end = [](const std::string& stream, const std::string& dataset) {
+    wire::DatasetReport report;
+    report.set_stream_id(stream);
+    report.set_dataset_id(dataset);
+    report.set_dataset_id_given(true);
+    return report;
+  };
+  wire::ImageSample keyless = sample("one", "first", "keyless.png");
+  keyless.clear_image_key();
+  wire::ImageSample long_key = sample("one", "first", "long.png");
+  long_key.set_image_key(std::string(600, 'k'));
+  for (const auto& s : {sample("one", "first", "a1.png"), sample("two", "second", "b1.png"),
+                        keyless, sample("one", "first", "a2.png"), long_key}) {
+    ASSERT_EQ(wire::send(push, s), wire::SendStatus::kSent);
+  }
+  ASSERT_EQ(wire::send(push, end("two", "second")), wire::SendStatus::kSent);
+  ASSERT_EQ(wire::send(push, sample("three", "third", "c1.png")), wire::SendStatus::kSent);
+  ASSERT_EQ(wire::send(push, end("one", "first")), wire::SendStatus::kSent);
+  ASSERT_EQ(wire::send(push, end("three", "third")), wire::SendStatus::kSent);
+  // The manifests land while the cacher keeps serving; it is stopped once all three are there.
+  std::map<std::string, std::vector<std::string>> paths;
+  for (int i = 0; i < 1200 && paths.size() < 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (!fs::exists(cache_)) continue;
+    paths.clear();
+    open_cache().for_each(cacher::Table::kManifests, [&](std::string_view name, std::string_view v) {
+      wire::Manifest manifest;
+      EXPECT_TRUE(manifest.ParseFromArray(v.data(), static_cast<int>(v.size())));
+      auto& list = paths[std::string(name)];
+      for (const auto& e : manifest.entries()) list.push_back(e.path());
+      return true;
+    });
+  }
+  kill(cacher, SIGTERM);
+  wait_exit(cacher);
+  const std::string err = read_text(work_ / "cacher.err");
+  EXPECT_EQ(paths["first"], (std::vector<std::string>{"/photos/a1.png", "/photos/a2.png"})) << err;
+  EXPECT_EQ(paths["second"], (std::vector<std::string>{"/photos/b1.png"})) << err;
+  EXPECT_EQ(paths["third"], (std::vector<std::string>{"/photos/c1.png"})) << err;
+  EXPECT_EQ(paths.size(), 3u);
+  EXPECT_NE(err.find("rejected /photos/keyless.png: no image key"), std::string::npos) << err;
+  EXPECT_NE(err.find("rejected /photos/long.png: an image key of 600 bytes"), std::string::npos)
+      << err;
+  // Each stream's own counts: "first" encoded its two images and rejected two.
+  const std::string out = read_text(work_ / "cacher.out") + err;
+  EXPECT_NE(out.find("dataset first: 2 encoded, 0 cached, 2 rejected"), std::string::npos) << out;
+  EXPECT_NE(out.find("dataset second: 1 encoded, 0 cached, 0 rejected"), std::string::npos) << out;
+}
+
+// A caption whose encoding is not finite (an fp16 text encoder overflowing, here a text encoder
+// whose embedding rows for that caption's tokens are NaN) writes no text record, so its images
+// leave the manifest, named with the caption; every other image stays, and the manifest names
+// only records that exist (the trainer's pre-flight would refuse it otherwise).
+TEST_F(CachePipeline, CaptionThatEncodesToNaNLeavesOnlyItsImagesOut) {
+  const models::ClipTokenizer tokenizer = models::ClipTokenizer::from_file(tiny_.tokenizer);
+  const std::vector<int32_t> poisoned = tokenizer.encode("xyzzy");
+  const std::vector<int32_t> kept = tokenizer.encode("a good.png");
+  for (int32_t id : poisoned) {
+    ASSERT_EQ(std::count(kept.begin(), kept.end(), id), 0) << "the captions share token " << id;
+  }
+  // The tiny checkpoint with those embedding rows set to NaN.
+  const fs::path model = work_ / "nan-text.safetensors";
+  {
+    const models::SafetensorsFile file = models::SafetensorsFile::open(tiny_.single_file);
+    std::vector<std::string> copies;
+    copies.reserve(file.tensors().size());
+    std::vector<models::TensorToWrite> tensors;
+    bool found = false;
+    for (const auto& t : file.tensors()) {
+      std::string bytes(file.bytes(t));
+      if (t.name.size() > 22 && t.name.ends_with("token_embedding.weight")) {
+        ASSERT_EQ(t.dtype, models::Dtype::kF32);
+        const int64_t hidden = t.shape[1];
+        auto* rows = reinterpret_cast<float*>(bytes.data());
+        for (int32_t id : poisoned) {
+          std::fill_n(rows + id * hidden, hidden, std::numeric_limits<float>::quiet_NaN());
+        }
+        found = true;
+      }
+      copies.push_back(std::move(bytes));
+      tensors.push_back({t.name, t.dtype, t.shape, copies.back()});
+    }
+    ASSERT_TRUE(found) << "no token embedding in " << tiny_.single_file;
+    models::write_safetensors(model, tensors, file.metadata());
+  }
+  const pid_t cacher = spawn(cacher_args(model), work_ / "cacher.out", work_ / "cacher.err");
+  zmq::context_t context;
+  zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
+  push.connect("ipc://" + (work_ / "pull.sock").string());
+  wire::ImageSample bad = handmade_sample("nan", "bad.png", 64, std::string(64 * 64 * 3, '\x40'));
+  bad.set_caption("xyzzy");
+  for (const auto& s :
+       {handmade_sample("nan", "good.png", 64, std::string(64 * 64 * 3, '\x60')), bad}) {
+    ASSERT_EQ(wire::send(push, s), wire::SendStatus::kSent);
+  }
+  wire::DatasetReport report;
+  report.set_dataset_id("nan");
+  report.set_dataset_id_given(true);
+  ASSERT_EQ(wire::send(push, report), wire::SendStatus::kSent);
+  ASSERT_EQ(wait_exit(cacher), 0) << read_text(work_ / "cacher.err");
+  const std::string err = read_text(work_ / "cacher.err");
+  EXPECT_NE(err.find("rejected /photos/bad.png: its caption \"xyzzy\" did not encode to finite"),
+            std::string::npos)
+      << err;
+  const cacher::Store store = open_cache();
+  wire::Manifest manifest;
+  ASSERT_TRUE(manifest.ParseFromString(store.get(cacher::Table::kManifests, "nan").value()));
+  ASSERT_EQ(manifest.entries_size(), 1);
+  EXPECT_EQ(manifest.entries(0).path(), "/photos/good.png");
+  const auto check = cacher::check_manifest(store, manifest);
+  EXPECT_TRUE(check.missing.empty() && check.corrupt.empty());
 }
 
 TEST_F(CachePipeline, FullCacheIsAClearErrorAndLeavesTheCacheUsable) {
