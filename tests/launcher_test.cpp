@@ -259,8 +259,12 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
   const json s = status(run);
   EXPECT_EQ(s["state"], "done");
   EXPECT_EQ(s["training"]["step"], 120);
-  // The resumed trainer started where the state was: its log says so.
-  EXPECT_NE(read_text(run / "logs" / "trainer.log").find("resumed"), std::string::npos);
+  // The resumed trainer started where the real state was (not the decoys): its log says so.
+  const std::string log = read_text(run / "logs" / "trainer.log");
+  EXPECT_NE(log.find("resumed from " + (run / "state" / "demo-state").string() + " at step " +
+                     std::to_string(saved_at) + ", epoch"),
+            std::string::npos)
+      << log;
   EXPECT_TRUE(fs::exists(run / "lora" / "demo.safetensors"));
 }
 

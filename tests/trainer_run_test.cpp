@@ -299,6 +299,14 @@ void TrainRunTest::expect_resume_bit_exact(const std::vector<std::string>& extra
               std::string::npos)
         << resumed.err;
   }
+  // It resumed (training is deterministic, so a resume that restored nothing and trained all 40
+  // steps over would end on the same LoRA): the log says where, and the 20 steps it ran are the
+  // straight run's last 20, loss for loss.
+  EXPECT_TRUE(std::regex_search(resumed.err, std::regex(R"(resumed from \S+ at step 20, epoch)")))
+      << resumed.err;
+  const std::vector<double> all = losses(straight.err), after = losses(resumed.err);
+  ASSERT_EQ(all.size(), 40u) << straight.err;
+  EXPECT_EQ(after, std::vector<double>(all.begin() + 20, all.end())) << resumed.err;
   expect_identical(work / "straight" / "lora" / "tiny.safetensors",
                    killed / "lora" / "tiny.safetensors");
 }
@@ -543,6 +551,8 @@ TEST_F(TrainRunTest, ResumeRefusesAnotherDataPlanNamingTheFlag) {
       << other.err;
   const TrainRun longer = run(work_, {"--max_train_steps=4", state});
   EXPECT_EQ(longer.exit, 0) << longer.err;
+  EXPECT_NE(longer.err.find("at step 2, epoch"), std::string::npos) << longer.err;
+  EXPECT_EQ(losses(longer.err).size(), 2u) << longer.err;
 }
 
 // A kohya command line carries over as it is (network_module, save_model_as, no_half_vae,
@@ -1665,6 +1675,12 @@ TEST_F(TrainRunTest, RemoteCacherGoneForGoodGivesUpWithAState) {
   resumed.push_back("--resume=" + state.string());
   const TrainRun r = run(work_, resumed);
   ASSERT_EQ(r.exit, 0) << r.err;
+  // It continued from the state saved on giving up, not from step 0.
+  std::smatch at;
+  ASSERT_TRUE(std::regex_search(r.err, at, std::regex(R"(resumed from \S+ at step (\d+), epoch)")))
+      << r.err;
+  EXPECT_GE(std::stoi(at[1]), 20);
+  EXPECT_EQ(losses(r.err).size(), 60u - std::stoul(at[1])) << r.err;
   const TrainRun straight = run(work_ / "straight", common);
   ASSERT_EQ(straight.exit, 0) << straight.err;
   expect_identical(work_ / "lora" / "tiny.safetensors",
