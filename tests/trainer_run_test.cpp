@@ -1922,37 +1922,6 @@ TEST(TrainBatches, DatasetBatchSizeIsPerRank) {
   EXPECT_EQ(two_ranks.batches_per_epoch(), 2u) << "8 samples, 4 a step";
 }
 
-TEST(TrainRanksDevice, EachRankTakesItsLocalGpuAndTheBackendFollows) {
-  trainer::RankEnvironment env;
-  env.world_size = 2;
-  env.rank = 1;
-  env.local_rank = 1;
-  EXPECT_EQ(trainer::rank_device("cpu", env), c10::Device(c10::kCPU));
-  EXPECT_STREQ(trainer::rank_backend(c10::Device(c10::kCPU)), "gloo");
-#if defined(LORAPIPE_NCCL_BUILT)
-  EXPECT_STREQ(trainer::rank_backend(c10::Device(c10::kCUDA, 1)), "nccl");
-#else
-  EXPECT_STREQ(trainer::rank_backend(c10::Device(c10::kCUDA, 1)), "gloo");
-#endif
-  const int64_t gpus = static_cast<int64_t>(torch::cuda::device_count());
-  if (gpus == 0) {
-    EXPECT_EQ(trainer::rank_device("auto", env), c10::Device(c10::kCPU));
-    return;
-  }
-  if (gpus > 1) {
-    EXPECT_EQ(trainer::rank_device("auto", env), c10::Device(c10::kCUDA, 1));
-  }
-  EXPECT_EQ(trainer::rank_device("cuda:0", env), c10::Device(c10::kCUDA, 0)) << "an index wins";
-  env.local_rank = static_cast<int>(gpus);
-  try {
-    trainer::rank_device("cuda", env);
-    ADD_FAILURE() << "LOCAL_RANK past the last GPU must be refused";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("LOCAL_RANK=" + std::to_string(gpus)), std::string::npos)
-        << e.what();
-  }
-}
-
 // Two ranks with batch 2 each against one rank with batch 4: the same global batches, noise and
 // timesteps, so the runs agree up to fp32 rounding. What differs is summation order (each rank
 // sums its rows and the ranks' gradients are summed, where one rank reduces the whole batch at

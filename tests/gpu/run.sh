@@ -19,8 +19,9 @@
 #   - GPU tests (ctest -L gpu is not used: the CUDA tests skip themselves without a device, so
 #     the script runs the test binaries that hold them, whole): kernels_test (the devices),
 #     adamw8bit_test (the CUDA kernel bit for bit against the CPU reference, paged against plain
-#     state; its parity tests against bitsandbytes run where bitsandbytes is installed), and
-#     models_test (device selection).
+#     state; its parity tests against bitsandbytes run where bitsandbytes is installed),
+#     models_test (device selection) and trainer_ranks_test (each rank's GPU). A test that skips
+#     itself here counts as a failure, and so does a machine where torch sees no CUDA device.
 #   - bench/adamw8bit_bench.py on CUDA with bf16 parameters: lorapipe's kernel against torch's
 #     fused AdamW (and bitsandbytes' CUDA AdamW8bit where present), the memory-bandwidth bound
 #     it is measured against, and paged against plain device memory.
@@ -70,6 +71,11 @@ step "machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 nvcc --version | tail -2
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
+# Without a device every CUDA test would skip itself and the run would prove nothing.
+if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "no CUDA device is visible to torch: nothing here would test the GPU"
+  exit 1
+fi
 
 step "unpack the Debian packages"
 PREFIX=/tmp/lorapipe-debs
@@ -94,16 +100,23 @@ cmake -S "${ROOT}" -B "${BUILD}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLORAPIPE_
   -DCMAKE_CUDA_ARCHITECTURES=90 -DProtobuf_PROTOC_EXECUTABLE="${PREFIX}/usr/bin/protoc" \
   -DCMAKE_INCLUDE_PATH="${PREFIX}/usr/include" -DCMAKE_LIBRARY_PATH="${LIBDIR}" || exit 1
 cmake --build "${BUILD}" --parallel "$(nproc)" --target kernels_test adamw8bit_test models_test \
-  adamw8bit_bench trainer_bench sampler_bench || exit 1
+  trainer_ranks_test adamw8bit_bench trainer_bench sampler_bench || exit 1
 
 step "GPU tests"
 # adamw8bit_test's parity suite needs bitsandbytes in python3; the rest needs nothing more.
 FILTER='*'
-python3 -c 'import bitsandbytes' 2>/dev/null || FILTER='AdamW8bitCuda.*:AdamW8bitCpu.*:AdamW8bitQuantize.*'
-for test in kernels_test models_test "adamw8bit_test --gtest_filter=${FILTER}"; do
+if ! python3 -c 'import bitsandbytes' 2>/dev/null; then
+  FILTER='AdamW8bitCuda.*:AdamW8bitCpu.*:AdamW8bitQuantize.*'
+  echo "not run (no bitsandbytes in python3): AdamW8bitParity.*, AdamW8bitMaps.*"
+fi
+for test in kernels_test models_test trainer_ranks_test "adamw8bit_test --gtest_filter=${FILTER}"; do
   name="${test%% *}"
   # shellcheck disable=SC2086  # the filter travels as its own word
   if ! "${BUILD}/bin/"${test} --gtest_output="xml:${OUT}/${name}.xml"; then FAILED+=("${name}"); fi
+  # A test that skipped itself here (no device, no paging) is a GPU check that did not happen.
+  skipped="$(grep -o '<testcase name="[^"]*"[^>]*result="skipped"' "${OUT}/${name}.xml" \
+    | sed 's/<testcase name="\([^"]*\)".*/\1/' | tr '\n' ' ')"
+  if [[ -n ${skipped} ]]; then FAILED+=("${name} skipped: ${skipped}"); fi
 done
 
 step "bench: AdamW8bit on CUDA, bf16 parameters"
