@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -35,6 +36,16 @@ const fs::path kBin = LORAPIPE_BIN_DIR;
 
 int sh(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()); }
 
+// Runs `command`; returns its exit status and what it printed (stdout and stderr).
+std::pair<int, std::string> sh_output(const std::string& command) {
+  std::string out;
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return {-1, "popen failed"};
+  char buffer[512];
+  while (fgets(buffer, sizeof buffer, pipe) != nullptr) out += buffer;
+  return {pclose(pipe), out};
+}
+
 class LauncherHosts : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -44,9 +55,16 @@ class LauncherHosts : public ::testing::Test {
     fs::create_directories(work_);
     // 10.213.<pid-derived>.0/24: private, and only inside these namespaces.
     subnet_ = "10.213." + std::to_string(getpid() % 250 + 1) + ".";
-    if (sh("ip netns add " + ns("sw")) != 0) {
-      GTEST_SKIP() << "lorapipe-skip: cannot make network namespaces here (ip netns add needs "
-                       "CAP_SYS_ADMIN)";
+    const auto [status, said] = sh_output("ip netns add " + ns("sw"));
+    if (status != 0) {
+      // Only the missing privilege is this machine's limit; anything else (no `ip`, a namespace
+      // left over) is a failure to see.
+      if (geteuid() != 0 || said.find("Operation not permitted") != std::string::npos) {
+        GTEST_SKIP() << "lorapipe-skip: cannot make network namespaces here (ip netns add needs "
+                        "CAP_SYS_ADMIN): "
+                     << said;
+      }
+      FAIL() << "ip netns add " << ns("sw") << " failed: " << said;
     }
     made_ = true;
     ASSERT_EQ(sh("ip -n " + ns("sw") + " link add br0 type bridge"), 0);
@@ -196,8 +214,14 @@ TEST_F(LauncherHosts, FourStagesOnFourHostsAndTheSamplersLinkCutMidRun) {
   // Training went on at its speed: the median s/it while cut against the median before it.
   // Tolerance 2x: a trainer that waited for its subscriber would stop outright, and these two
   // shared cores give the median some noise (the sampler idles while cut, so it tends faster).
-  ASSERT_GT(steps_at_restore, steps_before_cut + 10) << "training stalled while the link was cut";
+  // The steps made while cut are held against what 12 s at the speed before the cut would make
+  // (a quarter of it at least: the same noise, twice over), not a fixed count.
   const double before = median({times.begin(), times.begin() + steps_before_cut});
+  const double expected_steps = 12.0 / before;
+  ASSERT_GE(static_cast<double>(steps_at_restore - steps_before_cut),
+            std::max(2.0, expected_steps / 4))
+      << "training stalled while the link was cut (" << expected_steps
+      << " steps expected at the speed before the cut)";
   const double cut = median({times.begin() + steps_before_cut, times.end()});
   std::printf("[hosts] median s/it before the cut %.3f, during it %.3f (ratio %.2f, limit 2); "
               "%zu steps while cut\n",
