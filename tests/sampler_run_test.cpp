@@ -194,6 +194,37 @@ TEST_F(SamplerRun, OneShotWritesImagesSheetAndGallery) {
   EXPECT_EQ(index["checkpoints"][0]["images"].size(), 2u);
 }
 
+// The LoRA and its multiplier reach the pixels: at multiplier 0 two different LoRA files render
+// the base model's very pixels (merging 0 x up x down adds exact zeros), and 0.7 and 1 each render
+// other pixels. (The numbers of the merge are SamplerParity's; this is the command line's part.)
+TEST_F(SamplerRun, LoraMultiplierShapesThePixels) {
+  auto render = [&](const std::string& tag, const std::string& lora) {
+    std::vector<std::string> a = args({"--lora=" + (dir_ / lora).string()});
+    a[3] = "--output_dir=" + (work_ / tag).string();
+    fs::create_directories(work_ / tag);
+    EXPECT_EQ(wait_exit(spawn(a, work_ / tag / "out", work_ / tag / "err")), 0)
+        << read_text(work_ / tag / "err");
+    std::vector<fs::path> pngs;
+    for (const auto& e : fs::directory_iterator(work_ / tag / "samples")) {
+      if (e.path().extension() == ".png" && e.path().string().ends_with("_00.png")) {
+        pngs.push_back(e.path());
+      }
+    }
+    EXPECT_EQ(pngs.size(), 1u) << tag;
+    return vips::VImage::new_from_file(pngs.at(0).c_str());
+  };
+  auto differ = [](const vips::VImage& x, const vips::VImage& y) {
+    return x.relational(y, VIPS_OPERATION_RELATIONAL_NOTEQ).max() > 0;
+  };
+  const vips::VImage off = render("off", "one.safetensors:0");
+  const vips::VImage other_off = render("other-off", "run-step00010.safetensors:0");
+  const vips::VImage part = render("part", "one.safetensors:0.7");
+  const vips::VImage full = render("full", "one.safetensors:1");
+  EXPECT_FALSE(differ(off, other_off)) << "multiplier 0 left some of a LoRA in the weights";
+  EXPECT_TRUE(differ(off, part)) << "the LoRA at 0.7 changed nothing";
+  EXPECT_TRUE(differ(part, full)) << "0.7 and 1 rendered the same pixels";
+}
+
 // kohya's --vae: the sampler decodes with the VAE it is given. The same render with another
 // checkpoint's VAE gives other pixels, and so does one on a base merged with --base_weights; a
 // VAE that cannot be read stops it, naming the file.
@@ -208,6 +239,24 @@ TEST_F(SamplerRun, VaeAndBaseWeightsShapeTheImages) {
       (work_ / "with" / "samples" / "one_000040_00.png").c_str());
   EXPECT_GT(own.relational(decoded, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
       << "the other VAE decoded the same pixels";
+  // And it is that VAE's decode, loaded into the right modules: a model folder holding this
+  // model's UNet and text encoder beside the other VAE renders the very same pixels.
+  const fs::path combined = work_ / "combined-model";
+  fs::copy(tiny_.diffusers, combined, fs::copy_options::recursive);
+  fs::remove_all(combined / "vae");
+  fs::copy(other.diffusers / "vae", combined / "vae", fs::copy_options::recursive);
+  {
+    std::vector<std::string> a = args({"--lora=" + (dir_ / "one.safetensors").string()});
+    a[1] = "--pretrained_model_name_or_path=" + combined.string();
+    a[3] = "--output_dir=" + (work_ / "combined").string();
+    fs::create_directories(work_ / "combined");
+    ASSERT_EQ(wait_exit(spawn(a, work_ / "combined" / "out", work_ / "combined" / "err")), 0)
+        << read_text(work_ / "combined" / "err");
+  }
+  vips::VImage from_folder = vips::VImage::new_from_file(
+      (work_ / "combined" / "samples" / "one_000040_00.png").c_str());
+  EXPECT_EQ(from_folder.relational(decoded, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
+      << "--vae decoded otherwise than the same VAE inside the model";
   // --base_weights (the trainer's, routed here by lorapipe run): renders on the merged base.
   const auto based =
       render_one("based", {"--base_weights=" + (dir_ / "run-step00010.safetensors").string()});
