@@ -680,11 +680,16 @@ TEST_F(TrainRunTest, AverageLossMovesAsKohyas) {
   ASSERT_EQ(current.size() % 2, 0u) << "two epochs of equal length";
   const int64_t steps_per_epoch = static_cast<int64_t>(current.size() / 2);
   ASSERT_GT(steps_per_epoch, 1);
-  trainer::LossRecorder expected;
+  // kohya's window, computed here on its own terms rather than with trainer::LossRecorder: at
+  // each step, the mean of the last min(step, steps per epoch) losses.
+  std::vector<double> seen;
   for (const auto& [step, loss] : current) {
-    expected.add((step - 1) / steps_per_epoch + 1, (step - 1) % steps_per_epoch, loss);
-    EXPECT_NEAR(average.at(step), expected.moving_average(), 1e-5 * expected.moving_average())
-        << "step " << step;
+    seen.push_back(loss);
+    const size_t window = std::min<size_t>(seen.size(), static_cast<size_t>(steps_per_epoch));
+    double sum = 0;
+    for (size_t i = seen.size() - window; i < seen.size(); ++i) sum += seen[i];
+    const double expected = sum / static_cast<double>(window);
+    EXPECT_NEAR(average.at(step), expected, 1e-5 * expected) << "step " << step;
   }
 }
 
@@ -782,6 +787,8 @@ TEST_F(TrainRunTest, MaxNormBoundsEverySavedModule) {
   }
   EXPECT_GT(convs, 0) << "no LoCon 3x3 module in the file";
   std::printf("[max-norm] largest of %d module norms %.6g (bound %g)\n", modules, largest, kBound);
+  // The clamped modules are scaled to the bound exactly, up to fp32 rounding of a few ulps (about
+  // 1e-7 of it); 1e-4 leaves room for that and still tells a bound reached from one never met.
   EXPECT_GT(largest, kBound * (1 - 1e-4)) << "no module reached the bound: the test shows nothing";
   const auto meta = models::SafetensorsFile::open(file).metadata();
   EXPECT_EQ(meta.at("ss_scale_weight_norms"), "0.02");
@@ -1220,7 +1227,11 @@ TEST_F(TrainRunTest, BaseWeightsAreMergedIntoTheModelBeforeTraining) {
   EXPECT_NE(twice, merged) << "the second file is merged too";
   EXPECT_EQ(spaced_merge, merged);
   EXPECT_NEAR(undone, plain, 1e-5 * plain);
+  // Measured: the merge moves the loss by 1.9, the round trip by nothing at the printed
+  // precision; 100x keeps the two cases far apart whatever the exact figures.
   EXPECT_GT(std::abs(merged - plain), 100 * std::abs(undone - plain));
+  std::printf("[base-weights] loss moved by the merge %.3g, left after undoing it %.3g\n",
+              std::abs(merged - plain), std::abs(undone - plain));
 }
 
 // kohya's --dim_from_weights builds the network as the file to continue from is: its modules
@@ -1446,8 +1457,11 @@ TEST_F(TrainRunTest, ReannouncesTheNewestCheckpointForLateSamplers) {
     }
   }
   EXPECT_EQ(wait_exit(pid), 0) << read_text(work_ / "trainer.err");
-  // With an interval of 0 every step after a save repeats it: 9 more times for 10, 20, 30.
-  EXPECT_GE(heard[20], 5) << "step 20 was announced " << heard[20] << " times";
+  // With an interval of 0 every step's progress after a save repeats it, up to and including the
+  // step of the next save (its progress goes out before it saves): 1 + 10 times for 20 and 30.
+  // (Step 10 is left out: a subscriber may join after the first messages, as ZeroMQ's do.)
+  EXPECT_EQ(heard[20], 11) << "step 20 was announced " << heard[20] << " times";
+  EXPECT_EQ(heard[30], 11) << "step 30 was announced " << heard[30] << " times";
   EXPECT_EQ(heard[40], 1) << "the final save ends the run";
 }
 
