@@ -72,7 +72,6 @@ int main(int argc, char** argv) {
   }
   if (threads > 0) torch::set_num_threads(threads);
   torch::NoGradGuard no_grad;
-  auto options = torch::TensorOptions().device(device).dtype(dtype);
   torch::Tensor p = (torch::randn({n}, torch::TensorOptions().device(device)) * 0.1).to(dtype);
   torch::Tensor g = (torch::randn({n}, torch::TensorOptions().device(device)) * 0.01).to(dtype);
   const int64_t blocks = k::adamw8bit_blocks(n);
@@ -120,7 +119,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<k::AdamW8bitCudaPlan> plan;
   void* stream = nullptr;
   if (device.is_cuda()) {
-    plan = std::make_unique<k::AdamW8bitCudaPlan>(&t, 1, param_dtype);
+    plan = std::make_unique<k::AdamW8bitCudaPlan>(&t, 1, param_dtype,
+                                                  device.has_index() ? device.index() : -1);
 #ifdef LORAPIPE_BENCH_CUDA
     stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
 #endif

@@ -18,6 +18,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -37,6 +38,27 @@ void check(cudaError_t status, const char* what) {
     throw std::runtime_error(std::string("adamw8bit: ") + what + ": " + cudaGetErrorString(status));
   }
 }
+
+// `device` is the current device for this scope; the one current before is again after it.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    check(cudaGetDevice(&before_), "cudaGetDevice");
+    if (device != before_) {
+      check(cudaSetDevice(device), "cudaSetDevice");
+      switched_ = true;
+    }
+  }
+  ~DeviceScope() {
+    if (switched_) cudaSetDevice(before_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int before_ = 0;
+  bool switched_ = false;
+};
 
 struct GroupSteps {
   AdamW8bitStep step[kAdamW8bitMaxGroups];
@@ -159,8 +181,10 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-AdamW8bitCudaPlan::AdamW8bitCudaPlan(const AdamW8bitTensor* tensors, size_t count, ParamDtype dtype)
-    : count_(count), dtype_(dtype) {
+AdamW8bitCudaPlan::AdamW8bitCudaPlan(const AdamW8bitTensor* tensors, size_t count, ParamDtype dtype,
+                                     int device)
+    : count_(count), dtype_(dtype), device_(device) {
+  if (device_ < 0) check(cudaGetDevice(&device_), "cudaGetDevice");
   if (count == 0) return;
   std::vector<int64_t> first(count + 1, 0);
   for (size_t i = 0; i < count; ++i) {
@@ -169,6 +193,7 @@ AdamW8bitCudaPlan::AdamW8bitCudaPlan(const AdamW8bitTensor* tensors, size_t coun
                                   std::to_string(tensors[i].group));
     }
     first[i + 1] = first[i] + adamw8bit_blocks(tensors[i].numel);
+    groups_ = std::max(groups_, tensors[i].group + 1);
   }
   blocks_ = first[count];
   std::vector<float> maps(4 * 256);
@@ -180,21 +205,36 @@ AdamW8bitCudaPlan::AdamW8bitCudaPlan(const AdamW8bitTensor* tensors, size_t coun
     maps[512 + k] = mid1[k];
     maps[768 + k] = mid2[k];
   }
-  check(cudaMalloc(&table_, count * sizeof(AdamW8bitTensor)), "cudaMalloc");
-  check(cudaMalloc(&offsets_, first.size() * sizeof(int64_t)), "cudaMalloc");
-  check(cudaMalloc(&maps_, maps.size() * sizeof(float)), "cudaMalloc");
-  check(cudaMemcpy(table_, tensors, count * sizeof(AdamW8bitTensor), cudaMemcpyHostToDevice),
-        "cudaMemcpy");
-  check(cudaMemcpy(offsets_, first.data(), first.size() * sizeof(int64_t), cudaMemcpyHostToDevice),
-        "cudaMemcpy");
-  check(cudaMemcpy(maps_, maps.data(), maps.size() * sizeof(float), cudaMemcpyHostToDevice),
-        "cudaMemcpy");
+  const DeviceScope scope(device_);
+  try {
+    check(cudaMalloc(&table_, count * sizeof(AdamW8bitTensor)), "cudaMalloc");
+    check(cudaMalloc(&offsets_, first.size() * sizeof(int64_t)), "cudaMalloc");
+    check(cudaMalloc(&maps_, maps.size() * sizeof(float)), "cudaMalloc");
+    check(cudaMemcpy(table_, tensors, count * sizeof(AdamW8bitTensor), cudaMemcpyHostToDevice),
+          "cudaMemcpy");
+    check(cudaMemcpy(offsets_, first.data(), first.size() * sizeof(int64_t),
+                     cudaMemcpyHostToDevice),
+          "cudaMemcpy");
+    check(cudaMemcpy(maps_, maps.data(), maps.size() * sizeof(float), cudaMemcpyHostToDevice),
+          "cudaMemcpy");
+  } catch (...) {
+    // The destructor does not run for a constructor that throws: free what was allocated.
+    cudaFree(table_);
+    cudaFree(offsets_);
+    cudaFree(maps_);
+    throw;
+  }
 }
 
 AdamW8bitCudaPlan::~AdamW8bitCudaPlan() {
+  if (table_ == nullptr && offsets_ == nullptr && maps_ == nullptr) return;
+  int before = 0;
+  const bool switched = cudaGetDevice(&before) == cudaSuccess && before != device_ &&
+                        cudaSetDevice(device_) == cudaSuccess;
   cudaFree(table_);
   cudaFree(offsets_);
   cudaFree(maps_);
+  if (switched) cudaSetDevice(before);
 }
 
 void AdamW8bitCudaPlan::step(const AdamW8bitStep* group_steps, size_t groups, void* stream) const {
@@ -203,6 +243,11 @@ void AdamW8bitCudaPlan::step(const AdamW8bitStep* group_steps, size_t groups, vo
     throw std::invalid_argument("adamw8bit: " + std::to_string(groups) + " groups, at most " +
                                 std::to_string(kAdamW8bitMaxGroups));
   }
+  if (groups < static_cast<size_t>(groups_)) {
+    throw std::invalid_argument("adamw8bit: a tensor has group " + std::to_string(groups_ - 1) +
+                                " but the step gives " + std::to_string(groups) + " group(s)");
+  }
+  const DeviceScope scope(device_);
   GroupSteps steps{};
   for (size_t k = 0; k < groups; ++k) steps.step[k] = group_steps[k];
   const auto* table = static_cast<const AdamW8bitTensor*>(table_);

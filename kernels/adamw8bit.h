@@ -119,14 +119,18 @@ void dequantize_blockwise_cpu(const uint8_t* bytes, const float* absmax, int64_t
 // same tensors: built once, then one kernel launch per step updates them all.
 class AdamW8bitCudaPlan {
  public:
-  // `tensors`: device pointers. Uploads the table and the maps to the current device.
-  AdamW8bitCudaPlan(const AdamW8bitTensor* tensors, size_t count, ParamDtype dtype);
+  // `tensors`: pointers into the memory of CUDA device `device` (-1: the current one). The
+  // table and the maps are uploaded there, and every step launches there, whichever device is
+  // current at the call (a rank on cuda:1 need not make it current); the current device is left
+  // as it was. Throws std::invalid_argument for a tensor's group out of range.
+  AdamW8bitCudaPlan(const AdamW8bitTensor* tensors, size_t count, ParamDtype dtype, int device);
   ~AdamW8bitCudaPlan();
   AdamW8bitCudaPlan(const AdamW8bitCudaPlan&) = delete;
   AdamW8bitCudaPlan& operator=(const AdamW8bitCudaPlan&) = delete;
 
   // One launch on `stream` (a cudaStream_t; void* keeps CUDA headers out of this header) updates
-  // every tensor, tensor i with group_steps[tensors[i].group].
+  // every tensor, tensor i with group_steps[tensors[i].group]. Throws std::invalid_argument when
+  // `groups` does not reach every tensor's group (as adamw8bit_step_cpu does).
   void step(const AdamW8bitStep* group_steps, size_t groups, void* stream) const;
 
  private:
@@ -136,6 +140,8 @@ class AdamW8bitCudaPlan {
   size_t count_ = 0;
   int64_t blocks_ = 0;
   ParamDtype dtype_;
+  int device_ = 0;
+  int groups_ = 0;  // the tensors' largest group + 1: what a step's group_steps must cover
 };
 
 // Managed memory for paged optimizer state (cudaMallocManaged): it lives on the device while

@@ -14,7 +14,7 @@ namespace {
 }
 }  // namespace
 
-AdamW8bitCudaPlan::AdamW8bitCudaPlan(const AdamW8bitTensor*, size_t, ParamDtype dtype)
+AdamW8bitCudaPlan::AdamW8bitCudaPlan(const AdamW8bitTensor*, size_t, ParamDtype dtype, int)
     : dtype_(dtype) {
   no_cuda("AdamW8bit on CUDA");
 }

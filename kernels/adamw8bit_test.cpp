@@ -469,17 +469,13 @@ void fill_gradients(Case& c, int64_t t, torch::ScalarType dtype) {
   }
 }
 
-TEST(AdamW8bitCuda, EqualsCpuReferenceBitForBit) {
-  if (!torch::cuda::is_available() || !built_with_cuda()) {
-    GTEST_SKIP() << "lorapipe-skip: needs a CUDA device and a build with LORAPIPE_CUDA "
-                    "(tests/gpu/run.sh)";
-  }
-  const torch::Device gpu(torch::kCUDA, 0);
+// Six steps of every parameter dtype on `gpu` against the CPU reference, bit for bit.
+void expect_cuda_equals_cpu(const torch::Device& gpu) {
   for (auto [dtype, param_dtype] : {std::pair{torch::kFloat32, ParamDtype::kFloat32},
                                     std::pair{torch::kBFloat16, ParamDtype::kBFloat16},
                                     std::pair{torch::kFloat16, ParamDtype::kFloat16}}) {
     Case cpu = make_case(dtype, torch::kCPU, 7), cuda = make_case(dtype, gpu, 7);
-    AdamW8bitCudaPlan plan(cuda.views.data(), cuda.views.size(), param_dtype);
+    AdamW8bitCudaPlan plan(cuda.views.data(), cuda.views.size(), param_dtype, gpu.index());
     for (int64_t t = 1; t <= 6; ++t) {
       fill_gradients(cpu, t, dtype);
       fill_gradients(cuda, t, dtype);
@@ -501,6 +497,38 @@ TEST(AdamW8bitCuda, EqualsCpuReferenceBitForBit) {
       }
     }
   }
+}
+
+TEST(AdamW8bitCuda, EqualsCpuReferenceBitForBit) {
+  if (!torch::cuda::is_available() || !built_with_cuda()) {
+    GTEST_SKIP() << "lorapipe-skip: needs a CUDA device and a build with LORAPIPE_CUDA "
+                    "(tests/gpu/run.sh)";
+  }
+  expect_cuda_equals_cpu(torch::Device(torch::kCUDA, 0));
+}
+
+// A plan for tensors on cuda:1 allocates and launches there while device 0 is current (a rank
+// with LOCAL_RANK=1 never makes its GPU current): same bits as the CPU reference.
+TEST(AdamW8bitCuda, StepsOnItsTensorsDeviceWhicheverIsCurrent) {
+  if (!built_with_cuda() || torch::cuda::device_count() < 2) {
+    GTEST_SKIP() << "lorapipe-skip: needs two CUDA devices and a build with LORAPIPE_CUDA";
+  }
+  expect_cuda_equals_cpu(torch::Device(torch::kCUDA, 1));
+}
+
+// As the CPU step does, a step whose group constants do not reach a tensor's group is refused
+// (it would otherwise update that tensor's moments with a zero step size).
+TEST(AdamW8bitCuda, RefusesAStepThatLeavesATensorsGroupOut) {
+  if (!torch::cuda::is_available() || !built_with_cuda()) {
+    GTEST_SKIP() << "lorapipe-skip: needs a CUDA device and a build with LORAPIPE_CUDA "
+                    "(tests/gpu/run.sh)";
+  }
+  Case cuda = make_case(torch::kFloat32, torch::Device(torch::kCUDA, 0), 7);
+  ASSERT_TRUE(std::any_of(cuda.views.begin(), cuda.views.end(),
+                          [](const AdamW8bitTensor& v) { return v.group == 1; }));
+  AdamW8bitCudaPlan plan(cuda.views.data(), cuda.views.size(), ParamDtype::kFloat32, 0);
+  const AdamW8bitStep one = adamw8bit_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, 1);
+  EXPECT_THROW(plan.step(&one, 1, /*stream=*/nullptr), std::invalid_argument);
 }
 
 // Paged state (CUDA managed memory, prefetched before the step) gives the same bytes as plain
@@ -538,8 +566,8 @@ TEST(AdamW8bitCuda, PagedStateEqualsPlainDeviceState) {
                            0};
   };
   const AdamW8bitTensor v_plain = view(p_plain, plain), v_paged = view(p_paged, paged);
-  AdamW8bitCudaPlan plan_plain(&v_plain, 1, ParamDtype::kFloat32);
-  AdamW8bitCudaPlan plan_paged(&v_paged, 1, ParamDtype::kFloat32);
+  AdamW8bitCudaPlan plan_plain(&v_plain, 1, ParamDtype::kFloat32, 0);
+  AdamW8bitCudaPlan plan_paged(&v_paged, 1, ParamDtype::kFloat32, 0);
   for (int64_t t = 1; t <= 5; ++t) {
     g.copy_(torch::randn({n}, gen) * 0.01);
     const AdamW8bitStep c = adamw8bit_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, t);

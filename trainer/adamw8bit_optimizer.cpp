@@ -224,7 +224,8 @@ class AdamW8bit final : public Optimizer {
     std::vector<const void*> now;
     for (const auto& v : views) now.insert(now.end(), {v.param, v.grad});
     if (!plan || key != now) {
-      plan = std::make_unique<k::AdamW8bitCudaPlan>(views.data(), views.size(), dtype);
+      plan = std::make_unique<k::AdamW8bitCudaPlan>(views.data(), views.size(), dtype,
+                                                    device_.has_index() ? device_.index() : -1);
       key = std::move(now);
     }
     plan->step(constants.data(), constants.size(), stream);

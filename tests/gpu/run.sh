@@ -76,6 +76,7 @@ if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
   echo "no CUDA device is visible to torch: nothing here would test the GPU"
   exit 1
 fi
+GPUS="$(python3 -c 'import torch; print(torch.cuda.device_count())')"
 
 step "unpack the Debian packages"
 PREFIX=/tmp/lorapipe-debs
@@ -114,9 +115,17 @@ for test in kernels_test models_test trainer_ranks_test "adamw8bit_test --gtest_
   # shellcheck disable=SC2086  # the filter travels as its own word
   if ! "${BUILD}/bin/"${test} --gtest_output="xml:${OUT}/${name}.xml"; then FAILED+=("${name}"); fi
   # A test that skipped itself here (no device, no paging) is a GPU check that did not happen.
-  skipped="$(grep -o '<testcase name="[^"]*"[^>]*result="skipped"' "${OUT}/${name}.xml" \
-    | sed 's/<testcase name="\([^"]*\)".*/\1/' | tr '\n' ' ')"
-  if [[ -n ${skipped} ]]; then FAILED+=("${name} skipped: ${skipped}"); fi
+  # Only the two-device test may skip, on a machine with one GPU.
+  skipped=()
+  for t in $(grep -o '<testcase name="[^"]*"[^>]*result="skipped"' "${OUT}/${name}.xml" \
+    | sed 's/<testcase name="\([^"]*\)".*/\1/'); do
+    if [[ ${t} == StepsOnItsTensorsDeviceWhicheverIsCurrent && ${GPUS} -lt 2 ]]; then
+      echo "not run (one GPU): ${t}"
+    else
+      skipped+=("${t}")
+    fi
+  done
+  if ((${#skipped[@]})); then FAILED+=("${name} skipped: ${skipped[*]}"); fi
 done
 
 step "bench: AdamW8bit on CUDA, bf16 parameters"
