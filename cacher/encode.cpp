@@ -2,11 +2,18 @@
 
 #include <torch/torch.h>
 
+#include <bit>
+
 #include "cacher/keys.h"
 #include "common/error.h"
 
 namespace lorapipe::cacher {
 namespace {
+
+// Records hold tensors' bytes as memory holds them, and the format says little-endian: a cache is
+// shared between machines, so a big-endian build must byte-swap here first.
+static_assert(std::endian::native == std::endian::little,
+              "records are written from host memory: add a byte swap for big-endian hosts");
 
 // A tensor as a record: fp16, row-major, little-endian.
 void to_record_tensor(const torch::Tensor& tensor, wire::Tensor* out) {

@@ -1,8 +1,9 @@
 #pragma once
 // Checks of the records in a cache store: does a stored value parse as the record its table
-// holds, and does every tensor carry exactly the bytes its dtype and shape say. The trainer runs
-// check_manifest before step 0 so a missing or damaged record is named up front instead of
-// failing mid-epoch; verify_store checks a whole cache (lorapipe-cacher --verify).
+// holds, and does every tensor carry exactly the bytes its dtype and shape say. The trainer's
+// pre-flight runs the record checks on every record of its run before step 0 (through its record
+// source, local or remote), so a missing or damaged record is named up front instead of failing
+// mid-epoch; lorapipe-cacher --verify runs verify_store and check_manifest over a whole cache.
 //
 // A check never throws for what it finds: findings are values (a reason, a list).
 

@@ -23,14 +23,19 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cacher/records.h"
+#include "cacher/tools.h"
+#include "common/hash.h"
 #include "cacher/store_test_batches.h"
 #include "common/error.h"
 
@@ -853,6 +858,81 @@ TEST(CacheRecords, VerifyStoreAndCheckManifestNameCorruptAndMissingRecords) {
   entry->set_latent_key("good");
   entry->set_text_key("text-good");
   EXPECT_TRUE(check_manifest(store, sound).ok());
+}
+
+// lorapipe-cacher's --export_file, --import_file and --verify (cacher/tools.h) trust nothing they
+// cannot parse: a manifest that is not one is not exported as an empty dataset, an export with a
+// record of an unknown kind is refused rather than half imported, and a manifest entry without a
+// key fails --verify, named.
+TEST(CacheTools, ExportImportAndVerifyRefuseWhatTheyCannotTrust) {
+  TempDir tmp;
+  const fs::path source = tmp.path() / "source", keyless = tmp.path() / "keyless";
+  wire::Manifest sound;
+  sound.set_dataset_id("sound");
+  sound.set_text_cached(true);
+  auto* entry = sound.add_entries();
+  entry->set_latent_key("good");
+  entry->set_text_key("text-good");
+  entry->set_path("img/good.png");
+  {
+    Store store = open_writer(source);
+    store.put(Table::kLatents, {{"good", latent(512)}});
+    store.put(Table::kTexts, {{"text-good", text(32)}});
+    store.put(Table::kManifests, {{"sound", sound.SerializeAsString()},
+                                  {"garbled", std::string("\x0a\xff", 2)}});
+  }
+  ToolOptions options;
+  options.cache_dir = source;
+  std::ostringstream out;
+  try {
+    export_dataset(options, "garbled", tmp.path() / "garbled.lpcache", out);
+    ADD_FAILURE() << "a corrupt manifest was exported";
+  } catch (const InputError& e) {
+    EXPECT_TRUE(contains(e.what(), "manifest 'garbled' is corrupt")) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(tmp.path() / "garbled.lpcache"));
+
+  // A sound export whose first record (the manifest) is given a tag no lorapipe writes, with its
+  // checksum made right again: what a newer format would look like.
+  const fs::path file = tmp.path() / "sound.lpcache";
+  export_dataset(options, "sound", file, out);
+  std::string bytes;
+  {
+    std::ifstream in(file, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const size_t magic = std::string_view("lorapipe-cache-export 1\n").size();
+  ASSERT_EQ(bytes.compare(0, magic, "lorapipe-cache-export 1\n"), 0);
+  ASSERT_EQ(bytes[magic + 8], 'm');
+  bytes[magic + 8] = 'x';
+  bytes.resize(bytes.size() - 16);
+  const Hash128 checksum = hash_bytes(bytes);
+  for (uint64_t v : {checksum.high, checksum.low}) {
+    for (int i = 0; i < 8; ++i) bytes.push_back(static_cast<char>(v >> (8 * i)));
+  }
+  std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  ToolOptions into;
+  into.cache_dir = tmp.path() / "into";
+  try {
+    import_dataset(into, file, out);
+    ADD_FAILURE() << "an export with an unknown record was imported";
+  } catch (const InputError& e) {
+    EXPECT_TRUE(contains(e.what(), "unknown tag 'x'")) << e.what();
+  }
+
+  wire::Manifest no_key = sound;
+  no_key.set_dataset_id("no-key");
+  no_key.mutable_entries(0)->clear_latent_key();
+  {
+    Store store = open_writer(keyless);
+    store.put(Table::kLatents, {{"good", latent(512)}});
+    store.put(Table::kTexts, {{"text-good", text(32)}});
+    store.put(Table::kManifests, {{"no-key", no_key.SerializeAsString()}});
+  }
+  options.cache_dir = keyless;
+  std::ostringstream said;
+  EXPECT_FALSE(verify(options, said));
+  EXPECT_TRUE(contains(said.str(), "manifest no-key: entry 0 (img/good.png)")) << said.str();
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 #include "cacher/tools.h"
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -148,6 +150,10 @@ bool verify(const ToolOptions& options, std::ostream& out) {
       out << "manifest " << m.dataset_id() << ": missing " << key << "\n";
       ok = false;
     }
+    for (const auto& [what, reason] : check.corrupt) {
+      out << "manifest " << m.dataset_id() << ": " << what << ": " << reason << "\n";
+      ok = false;
+    }
   }
   out << (ok ? "cache verified: no corrupt record, every manifest complete\n"
              : "cache has problems (listed above)\n");
@@ -185,7 +191,10 @@ void export_dataset(const ToolOptions& options, const std::string& dataset_id,
     throw InputError("cache " + store.dir().string() + " has no manifest '" + dataset_id + "'");
   }
   wire::Manifest manifest;
-  manifest.ParseFromString(*manifest_bytes);
+  if (!manifest.ParseFromString(*manifest_bytes)) {
+    throw InputError("cache " + store.dir().string() + ": manifest '" + dataset_id +
+                     "' is corrupt; nothing exported");
+  }
   std::vector<std::string> latent_keys, text_keys;
   for (const auto& e : manifest.entries()) {
     latent_keys.push_back(e.latent_key());
@@ -218,11 +227,18 @@ void export_dataset(const ToolOptions& options, const std::string& dataset_id,
   const Hash128 checksum = hash_bytes(file_bytes);
   write_u64(file_bytes, checksum.high);
   write_u64(file_bytes, checksum.low);
+  // To a temporary name, flushed to the disk, then renamed: a crash or a full disk never leaves
+  // a half-written export under the real name (import would refuse it, but later).
   const auto temp = file.string() + ".tmp-" + std::to_string(getpid());
-  {
-    std::ofstream f(temp, std::ios::binary);
-    f.write(file_bytes.data(), static_cast<std::streamsize>(file_bytes.size()));
-    if (!f) throw Error("cannot write " + temp);
+  std::FILE* f = std::fopen(temp.c_str(), "wb");
+  if (f == nullptr) throw Error("cannot write " + temp + ": " + std::strerror(errno));
+  bool ok = std::fwrite(file_bytes.data(), 1, file_bytes.size(), f) == file_bytes.size() &&
+            std::fflush(f) == 0 && fsync(fileno(f)) == 0;
+  const int error = errno;
+  ok = std::fclose(f) == 0 && ok;
+  if (!ok) {
+    std::filesystem::remove(temp);
+    throw Error("cannot write " + file.string() + ": " + std::strerror(error));
   }
   std::filesystem::rename(temp, file);
   out << "exported dataset " << dataset_id << ": " << count << " records, " << file_bytes.size()
@@ -259,9 +275,18 @@ void import_dataset(const ToolOptions& options, const std::filesystem::path& fil
     if (value_size > end - pos) throw InputError(name + ": truncated export file");
     std::string value = bytes.substr(pos, value_size);
     pos += value_size;
-    std::string problem = tag == 'l' ? check_latent_record(value)
-                          : tag == 't' ? check_text_record(value)
-                                       : std::string();
+    std::string problem;
+    if (tag == 'l') {
+      problem = check_latent_record(value);
+    } else if (tag == 't') {
+      problem = check_text_record(value);
+    } else if (tag == 'm') {
+      wire::Manifest manifest;
+      if (!manifest.ParseFromString(value)) problem = "not a manifest";
+    } else {
+      throw InputError(name + ": record " + std::to_string(i) + " has the unknown tag '" +
+                       std::string(1, tag) + "' (an export of a newer lorapipe?)");
+    }
     if (!problem.empty()) throw InputError(name + ": record " + key + " is corrupt: " + problem);
     records[tag].emplace_back(std::move(key), std::move(value));
   }

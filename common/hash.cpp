@@ -3,6 +3,7 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include <bit>
 #include <cstdio>
 #include <new>
 
@@ -36,6 +37,11 @@ Hasher& Hasher::field(std::string_view bytes) {
   field(static_cast<int64_t>(bytes.size()));
   return update(bytes);
 }
+
+// Integers are hashed in host byte order; keys and manifest names built from them are shared
+// between machines, so a big-endian build must swap to little-endian here first.
+static_assert(std::endian::native == std::endian::little,
+              "cache keys hash integers' host bytes: add a byte swap for big-endian hosts");
 
 Hasher& Hasher::field(int64_t value) {
   return update(std::string_view(reinterpret_cast<const char*>(&value), sizeof(value)));
