@@ -311,6 +311,46 @@ void TrainRunTest::expect_resume_bit_exact(const std::vector<std::string>& extra
                    killed / "lora" / "tiny.safetensors");
 }
 
+// A state save that the disk cannot take (here a file-size limit, RLIMIT_FSIZE, with SIGXFSZ
+// ignored so that writes fail with EFBIG as on a full disk) stops the run with an error naming the
+// file, and leaves the state before it whole and in place, with no half-written folder beside it:
+// resuming from it, with room again, finishes the run.
+TEST_F(TrainRunTest, AStateSaveTheDiskCannotTakeKeepsThePreviousState) {
+  const TrainRun first = run(work_, {"--max_train_steps=2", "--save_state"});
+  ASSERT_EQ(first.exit, 0) << first.err;
+  const fs::path state = work_ / "state" / "tiny-state";
+  // The limit lets every file of the run through but the optimizer's state, the largest.
+  const uintmax_t lora = fs::file_size(state / "lora.safetensors");
+  const uintmax_t optimizer = fs::file_size(state / "optimizer.pt");
+  ASSERT_GT(optimizer, lora + 4096) << "the limit needs room between the two";
+  const uintmax_t limit = (lora + optimizer) / 2;
+  std::vector<std::string> limited{"/bin/sh", "-c", "trap '' XFSZ; exec prlimit --fsize=" +
+                                                        std::to_string(limit) + " -- \"$@\"",
+                                   "sh"};
+  for (const std::string& a : args(work_, {"--max_train_steps=4", "--save_state",
+                                           "--resume=" + state.string()})) {
+    limited.push_back(a);
+  }
+  const pid_t pid = spawn(limited, work_ / "limited.out", work_ / "limited.err");
+  const int exit = wait_exit(pid);
+  const std::string err = read_text(work_ / "limited.err");
+  EXPECT_EQ(exit, 2) << err;
+  EXPECT_NE(err.find("cannot save the state " + state.string() +
+                     " at step 4 (the state saved there before stays whole): cannot write"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("optimizer.pt: File too large"), std::string::npos) << err;
+  EXPECT_NE(err.find("resumed from " + state.string() + " at step 2"), std::string::npos) << err;
+  const nlohmann::json saved = nlohmann::json::parse(read_text(state / "trainer.json"));
+  EXPECT_EQ(saved["global_step"], 2) << "the state was replaced by the one that failed";
+  EXPECT_EQ(fs::file_size(state / "optimizer.pt"), optimizer);
+  EXPECT_FALSE(fs::exists(work_ / "state" / ".tiny-state.tmp")) << "a half-written state is left";
+  const TrainRun again = run(work_, {"--max_train_steps=4", "--resume=" + state.string()});
+  ASSERT_EQ(again.exit, 0) << again.err;
+  EXPECT_NE(again.err.find("at step 2, epoch"), std::string::npos) << again.err;
+  EXPECT_EQ(losses(again.err).size(), 2u) << again.err;
+}
+
 TEST_F(TrainRunTest, ResumeAfterKillNineIsBitExact) { expect_resume_bit_exact({}); }
 
 // The same when the kill came in the middle of replacing a state (see write_folder).

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "trainer/optimizer_state.h"
 #include "kernels/adamw8bit.h"
 #include "kernels/cuda_device.h"
 
@@ -119,7 +120,7 @@ class AdamW8bit final : public Optimizer {
     archive.write("step", torch::tensor(step_));
     archive.write("layout", layout());
     archive.write("arena", arena_.cpu());
-    archive.save_to(file.string());
+    save_archive(archive, file);
   }
 
   void load(const std::filesystem::path& file) override {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "trainer/optimizer_state.h"
 #include "common/numbers.h"
 #include "trainer/adafactor_optimizer.h"
 #include "trainer/adamw8bit_optimizer.h"
@@ -68,7 +69,7 @@ class TorchAdamW final : public Optimizer {
   void save(const std::filesystem::path& file) const override {
     torch::serialize::OutputArchive archive;
     adamw_->save(archive);
-    archive.save_to(file.string());
+    save_archive(archive, file);
   }
   void load(const std::filesystem::path& file) override {
     torch::serialize::InputArchive archive;

@@ -2,9 +2,30 @@
 
 #include <torch/torch.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+
 #include "common/error.h"
 
 namespace lorapipe::trainer {
+
+void save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& file) {
+  std::ostringstream memory;
+  archive.save_to(memory);
+  const std::string bytes = std::move(memory).str();
+  std::FILE* out = std::fopen(file.c_str(), "wb");
+  if (out == nullptr) throw Error("cannot write " + file.string() + ": " + std::strerror(errno));
+  bool ok = std::fwrite(bytes.data(), 1, bytes.size(), out) == bytes.size() &&
+            std::fflush(out) == 0;
+  const int error = errno;
+  ok = std::fclose(out) == 0 && ok;
+  if (!ok) {
+    std::filesystem::remove(file);
+    throw Error("cannot write " + file.string() + ": " + std::strerror(error));
+  }
+}
 
 std::string state_key(size_t group, size_t index, const std::string& name) {
   return "g" + std::to_string(group) + "_" + std::to_string(index) + "_" + name;

@@ -19,6 +19,11 @@ namespace lorapipe::trainer {
 
 std::string state_key(size_t group, size_t index, const std::string& name);
 
+// Writes `archive` to `file`, every write checked: a full disk or a file-size limit is an Error
+// naming the file. (LibTorch's own file writer finds a failed write only in a destructor, and
+// ends the process there with std::terminate; so the archive is serialised in memory first.)
+void save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& file);
+
 // Parameter groups, each with its rate and one State per parameter; zero_grad is torch's
 // set_to_none=True, which these packages' optimizers get from kohya. A State has
 // `bool initialised`, `int64_t step` and `tensors()`, its tensors by name (undefined: unused).
@@ -54,7 +59,7 @@ class GroupedOptimizer : public Optimizer {
     for (double* v : const_cast<GroupedOptimizer*>(this)->scalars()) values.push_back(*v);
     archive.write("scalars", torch::tensor(values, torch::kFloat64));
     save_states(archive);
-    archive.save_to(file.string());
+    save_archive(archive, file);
   }
   void load(const std::filesystem::path& file) override {
     load_state_archive(file, name(), [&](torch::serialize::InputArchive& archive) {

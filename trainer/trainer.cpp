@@ -163,18 +163,24 @@ fs::path moved_aside(const fs::path& dir) {
 // so that a crash or a full disk leaves the old folder or the new one whole, never a mix: Linux
 // swaps the two in one step; where the file system cannot, the old one moves aside first
 // (moved_aside(dir), where load_state looks when `dir` is missing) and is removed last. A fill
-// that throws leaves `dir` as it was.
+// that throws (a full disk) leaves `dir` as it was and removes what it wrote.
 template <typename Fill>
 void write_folder(const fs::path& dir, Fill fill) {
   const fs::path temp = dir.parent_path() / ("." + dir.filename().string() + ".tmp");
   const fs::path old = moved_aside(dir);
   fs::remove_all(temp);
   fs::create_directories(temp);
-  fill(temp);
-  for (const auto& entry : fs::directory_iterator(temp)) {
-    if (entry.is_regular_file()) sync_to_disk(entry.path());
+  try {
+    fill(temp);
+    for (const auto& entry : fs::directory_iterator(temp)) {
+      if (entry.is_regular_file()) sync_to_disk(entry.path());
+    }
+    sync_to_disk(temp);
+  } catch (...) {
+    std::error_code ignored;  // the error being thrown is the one to report
+    fs::remove_all(temp, ignored);
+    throw;
   }
-  sync_to_disk(temp);
   if (fs::exists(dir)) {
 #ifdef RENAME_EXCHANGE
     if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
@@ -321,6 +327,7 @@ class Run {
   MicroBatch to_micro_batch(const PreparedBatch& prepared);
   void save_lora(const fs::path& path, int64_t step, bool final);
   void save_state(const fs::path& dir);
+  void save_state_folder(const fs::path& dir);  // save_state's files, without its messages
   void load_state(const fs::path& dir);
   void announce_final_to_late_subscribers();
   // The flags that decide which batch comes where (saved with a state, checked on resume).
@@ -996,6 +1003,20 @@ void Run::announce_final_to_late_subscribers() {
 void Run::save_state(const fs::path& dir) {
   if (!main_) return;
   fs::create_directories(dir.parent_path());
+  try {
+    save_state_folder(dir);
+  } catch (const std::exception& e) {
+    throw Error("cannot save the state " + dir.string() + " at step " +
+                std::to_string(global_step_) +
+                (fs::exists(dir / "trainer.json") || fs::exists(moved_aside(dir) / "trainer.json")
+                     ? " (the state saved there before stays whole): "
+                     : ": ") +
+                e.what());
+  }
+  LP_LOG(kInfo, kLog) << "saved state " << dir.string() << " at step " << global_step_;
+}
+
+void Run::save_state_folder(const fs::path& dir) {
   write_folder(dir, [&](const fs::path& folder) {
     write_lora_file(folder / "lora.safetensors", network_->state_dict(torch::kFloat), {});
     step_->optimizer().save(folder / "optimizer.pt");
@@ -1020,7 +1041,6 @@ void Run::save_state(const fs::path& dir) {
     out.close();
     if (!out) throw Error("cannot write " + file.string() + ": " + std::strerror(errno));
   });
-  LP_LOG(kInfo, kLog) << "saved state " << dir.string() << " at step " << global_step_;
 }
 
 void Run::load_state(const fs::path& given) {
