@@ -9,6 +9,7 @@
 #include <iterator>
 #include <map>
 #include <set>
+#include <thread>
 #include <tuple>
 
 #include "cacher/encode.h"
@@ -291,6 +292,9 @@ void Cacher::run_job(Job& job, Done& done) {
     std::vector<const wire::ImageSample*> batch;
     for (const auto& s : job.samples) batch.push_back(&s);
     std::vector<EncodedRecord> encoded = latents_->encode(batch);
+    if (options_.delay_per_batch_s > 0) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(options_.delay_per_batch_s));
+    }
     for (size_t i = 0; i < encoded.size(); ++i) {
       EncodedRecord& r = encoded[i];
       Counts& counts = done.streams[batch[i]->stream_id()];

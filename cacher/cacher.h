@@ -32,6 +32,7 @@ struct Options {
   std::string pub_endpoint;   // CacheReport
   bool serve = false;         // stay up after the stream ends
   int idle_timeout_ms = 600000;  // no message for this long while a stream is expected: error
+  double delay_per_batch_s = 0;  // testing: each latent batch takes at least this long
 };
 
 struct Summary {

@@ -31,6 +31,7 @@ DEFINE_double(wait_for_writer_s, 0,
               "Another cacher writing this cache: wait this long for it (0: fail at once)");
 DEFINE_bool(serve, false, "Stay up after the stream and serve records to trainers and samplers");
 DEFINE_int32(idle_timeout_s, 600, "Give up when preprocess sends nothing for this long");
+DEFINE_double(delay_per_batch_s, 0, "Testing: each latent batch takes at least this long");
 DEFINE_bool(inspect, false, "Tool: record counts and bytes per table, fingerprints, manifests");
 DEFINE_bool(json, false, "With --inspect: print JSON");
 DEFINE_bool(verify, false, "Tool: read and check every record; exit 1 if any is corrupt");
@@ -87,6 +88,7 @@ int main(int argc, char** argv) {
     options.pub_endpoint = FLAGS_pub;
     options.serve = FLAGS_serve;
     options.idle_timeout_ms = FLAGS_idle_timeout_s * 1000;
+    options.delay_per_batch_s = FLAGS_delay_per_batch_s;
     const c::Summary s = c::run(options);
     std::printf("cache report: dataset %s: %llu encoded, %llu cached (%.0f%% hits), %llu "
                 "rejected; texts %llu encoded, %llu cached; manifest %llu entries; %.1f images/s\n",

@@ -441,9 +441,13 @@ TEST_F(CachePipeline, AlphaMasksAreStoredAsKohyasLossInterpolatesThem) {
 // it at any time), instead of after the batch. Eight 512x512 images in one batch take the tiny
 // VAE seconds on these cores; requests sent meanwhile must each be answered in under a quarter
 // of that (before the encoder had its own thread, the first one waited for the whole batch).
+// The batch is made to take at least 3 s (--delay_per_batch_s, on the worker, after the encode),
+// so that however fast the machine, requests arrive while it encodes; each must be answered in a
+// small part of the batch's time, not after it.
 TEST_F(CachePipeline, AnswersRequestsWhileItEncodes) {
-  const pid_t cacher = spawn(cacher_args(tiny_.single_file, "--vae_batch_size=8"),
-                             work_ / "cacher.out", work_ / "cacher.err");
+  std::vector<std::string> args = cacher_args(tiny_.single_file, "--vae_batch_size=8");
+  args.push_back("--delay_per_batch_s=3");
+  const pid_t cacher = spawn(args, work_ / "cacher.out", work_ / "cacher.err");
   zmq::context_t context;
   zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
   push.connect("ipc://" + (work_ / "pull.sock").string());

@@ -525,7 +525,7 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
       {Stage::kPreprocess, {"push", "request", "pub", "timeout_ms", "report_only", "report_json"}},
       {Stage::kCacher,
        {"pull", "rep", "pub", "wait_for_writer_s", "serve", "idle_timeout_s", "inspect", "json", "verify", "gc",
-        "export_file", "dataset", "import_file"}},
+        "export_file", "dataset", "import_file", "delay_per_batch_s"}},
       {Stage::kTrainer,
        {"output_dir", "pub", "save_state", "resume", "cacher",
         "console_log_file"}},  // the launcher keeps each stage's log in logs/
