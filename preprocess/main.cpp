@@ -163,6 +163,14 @@ int main(int argc, char** argv) {
       status->tick();
     };
 
+    if (gflags::GetCommandLineFlagInfoOrDie("enable_bucket").is_default) {
+      // Our default differs from kohya's, whose command lines without the flag crop every image
+      // to one size: said once, where a kohya user reads the run's log.
+      LP_LOG(kInfo, "preprocess")
+          << "aspect-ratio buckets are on by default here (kohya's are off unless --enable_bucket "
+             "is given); --enable_bucket=false resizes and crops every image to --resolution, "
+             "as kohya does without it";
+    }
     const pp::Report report = pp::run(options);
     std::cout << pp::format_report(report) << std::flush;
     if (!options.report_json.empty()) {

@@ -38,6 +38,11 @@ const fs::path kBin = LORAPIPE_BIN_DIR;
 class LauncherTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    // ctest runs two tests at once on two cores: each stage's LibTorch takes one thread (as the
+    // trainer tests' --threads=1), inherited by every stage the launcher starts. Two runs whose
+    // trainers and samplers each spun OpenMP threads on both cores took 480 s where one alone
+    // takes under a minute.
+    setenv("OMP_NUM_THREADS", "1", 1);
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
     work_ = fs::temp_directory_path() /
             (std::string("lorapipe-launcher-") + info->name() + "-" + std::to_string(getpid()));

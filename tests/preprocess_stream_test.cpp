@@ -190,6 +190,24 @@ TEST_F(PreprocessStream, KohyaCaptionFlagsReachEverySample) {
   }
 }
 
+// Buckets are on by default, where kohya's are off unless --enable_bucket is given: the log says so
+// to a kohya user, and not to one who gave the flag either way.
+TEST_F(PreprocessStream, DefaultBucketsAreSaidToDifferFromKohyas) {
+  const std::string note = "aspect-ratio buckets are on by default here";
+  const Stream defaulted = stream({}, [](const std::string&) { return false; });
+  ASSERT_EQ(defaulted.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  EXPECT_NE(read_text(dir_ / "stderr.txt").find(note), std::string::npos)
+      << read_text(dir_ / "stderr.txt");
+  std::set<std::pair<uint32_t, uint32_t>> buckets;
+  for (const auto& s : defaulted.samples) buckets.insert({s.bucket().width(), s.bucket().height()});
+  EXPECT_GT(buckets.size(), 1u) << "the demo's shapes fell into one bucket";
+  for (const char* flag : {"--enable_bucket", "--enable_bucket=false"}) {
+    const Stream given = stream({flag}, [](const std::string&) { return false; });
+    ASSERT_EQ(given.exit_code, 0) << read_text(dir_ / "stderr.txt");
+    EXPECT_EQ(read_text(dir_ / "stderr.txt").find(note), std::string::npos) << flag;
+  }
+}
+
 // --alpha_mask: every sample carries its alpha at bucket size (the demo images have none: fully
 // opaque), and another image key than without it, so the cache keeps both kinds of record.
 TEST_F(PreprocessStream, AlphaMaskTravelsWithEverySample) {

@@ -469,6 +469,11 @@ TEST_F(SamplerRun, GalleryInChromiumShowsEachStepAndTheNextWithoutAReload) {
   ASSERT_TRUE(fs::exists(screenshot));
   vips::VImage shot = vips::VImage::new_from_file(screenshot.c_str());
   EXPECT_EQ(shot.width(), 1200);
+  // Something was drawn: a blank page (or one colour) has no deviation at all; the gallery's
+  // text and four renders of noise give tens of levels.
+  std::printf("[gallery] screenshot %dx%d, pixel deviation %.1f\n", shot.width(), shot.height(),
+              shot.deviate());
+  EXPECT_GT(shot.deviate(), 5.0) << "the screenshot is blank";
 }
 
 }  // namespace
