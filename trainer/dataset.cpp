@@ -11,15 +11,14 @@
 #include "common/error.h"
 #include "common/hash.h"
 #include "common/numbers.h"
+#include "common/random.h"
 #include "common/text.h"
 #include "models/clip_tokenizer.h"
 
 namespace lorapipe::trainer {
 namespace {
 
-double uniform(std::mt19937_64& rng) {
-  return std::uniform_real_distribution<double>(0.0, 1.0)(rng);
-}
+double uniform(std::mt19937_64& rng) { return uniform_unit(rng); }
 
 }  // namespace
 
@@ -34,7 +33,7 @@ ValidationSplit split_for_validation(const wire::Manifest& manifest, double spli
   size_t images = 0, training = 0, held_out = 0;
   for (auto& [subset, entries] : subsets) {
     std::mt19937_64 rng = stream(seed, subset.first, subset.second, "validation_split");
-    std::shuffle(entries.begin(), entries.end(), rng);
+    lorapipe::shuffle(entries.begin(), entries.end(), rng);
     const double n = static_cast<double>(entries.size());
     // The same double arithmetic as kohya's Python: ceil, and round half to even (nearbyint).
     const auto trains = static_cast<size_t>(std::max(0.0, std::ceil(n * (1.0 - split))));
@@ -156,20 +155,19 @@ std::vector<PlannedBatch> BatchScheduler::epoch(int64_t epoch) const {
     const size_t size = static_cast<size_t>(group.batch_size);
     for (const std::vector<int>& bucket : group.buckets) {
       std::vector<int> samples = bucket;
-      std::shuffle(samples.begin(), samples.end(), rng);
+      lorapipe::shuffle(samples.begin(), samples.end(), rng);
       for (size_t start = 0; start < samples.size(); start += size) {
         PlannedBatch batch;
         const size_t end = std::min(samples.size(), start + size);
         batch.entries.assign(samples.begin() + start, samples.begin() + end);
         while (fill_last_batch_ && batch.entries.size() < size) {
-          batch.entries.push_back(samples[std::uniform_int_distribution<size_t>(
-              0, samples.size() - 1)(rng)]);
+          batch.entries.push_back(samples[uniform_below(samples.size(), rng)]);
         }
         out.push_back(std::move(batch));
       }
     }
   }
-  std::shuffle(out.begin(), out.end(), rng);
+  lorapipe::shuffle(out.begin(), out.end(), rng);
   return out;
 }
 
@@ -187,7 +185,7 @@ std::vector<std::string> split(const std::string& text, const std::string& sep) 
 }
 
 size_t pick(size_t count, std::mt19937_64& rng) {
-  return std::uniform_int_distribution<size_t>(0, count - 1)(rng);
+  return static_cast<size_t>(uniform_below(count, rng));
 }
 
 // kohya's wildcards: one line of a many-line caption, then each "{a|b|c}" (regex
@@ -282,7 +280,7 @@ std::string process_caption(std::string caption, const wire::CaptionSettings& s,
       flex.resize(static_cast<size_t>(length < 0 ? std::max<int64_t>(0, size + length)
                                                  : std::min(length, size)));
     }
-    if (s.shuffle_caption()) std::shuffle(flex.begin(), flex.end(), rng);
+    if (s.shuffle_caption()) lorapipe::shuffle(flex.begin(), flex.end(), rng);
     if (s.caption_tag_dropout_rate() > 0) {
       std::vector<std::string> kept;
       for (std::string& tag : flex) {

@@ -33,6 +33,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/numbers.h"
+#include "common/random.h"
 #include "common/sha256.h"
 #include "models/device.h"
 #include "models/fingerprint.h"
@@ -642,7 +643,7 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
     }
     // kohya flip_aug with cached latents: the flipped twin half of the time.
     const bool flipped = e.flip() && record.has_flipped_mean() &&
-                         std::uniform_real_distribution<double>(0, 1)(rng) < 0.5;
+                         uniform_unit(rng) < 0.5;
     const torch::Tensor mean = from_record(flipped ? record.flipped_mean() : record.mean());
     const torch::Tensor std = from_record(flipped ? record.flipped_std() : record.std());
     // A fresh draw from the stored distribution every time (kohya freezes one at caching).
