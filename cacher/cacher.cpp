@@ -117,10 +117,14 @@ class Cacher {
   // may be fed by several runs at once (other datasets, or one folder at other settings); each
   // gets its own entries, counts and manifest.
   struct Stream {
+    std::string id;
     std::vector<wire::ManifestEntry> entries;
+    std::vector<bool> hit;               // entries[i]'s latent was cached before (else encoded)
+    std::set<std::string> texts_seen;    // text keys counted for this stream
     bool all_text_cached = true;
     Summary summary;
     Clock::time_point started = Clock::now();
+    Clock::time_point last_sample = Clock::now();
   };
   static constexpr size_t kMaxQueuedJobs = 2;  // then the stream waits (ZeroMQ's backpressure)
   void run_job(Job& job, Done& done);
@@ -136,6 +140,7 @@ class Cacher {
   void flush_texts();
   void finish(const wire::DatasetReport& report);
   Stream& stream(const std::string& id, const std::string& dataset_id);
+  void drop_abandoned_streams();  // serve: streams whose preprocess went silent
   std::unique_ptr<wire::HasKeysReply> has_keys(const wire::HasKeysRequest& request);
   std::unique_ptr<wire::GetRecordsReply> get_records(const wire::GetRecordsRequest& request);
   void publish_report(const Stream& stream, bool done);
@@ -193,12 +198,32 @@ std::string Cacher::check_sample(const wire::ImageSample& s) const {
 
 Cacher::Stream& Cacher::stream(const std::string& id, const std::string& dataset_id) {
   Stream& stream = streams_[id];
+  stream.id = id;
   if (stream.summary.dataset_id.empty()) stream.summary.dataset_id = dataset_id;
   return stream;
 }
 
+void Cacher::drop_abandoned_streams() {
+  const auto now = Clock::now();
+  for (auto it = streams_.begin(); it != streams_.end();) {
+    if (now - it->second.last_sample <= std::chrono::milliseconds(options_.idle_timeout_ms)) {
+      ++it;
+      continue;
+    }
+    // Its preprocess stopped before the end of its stream (killed, or its machine gone): no
+    // manifest can be written. What it sent stays cached for the run that sends it again.
+    LP_LOG(kWarning, kLog) << "dataset " << it->second.summary.dataset_id << ": nothing more for "
+                           << options_.idle_timeout_ms / 1000 << " s and no end of its stream; "
+                           << "dropped without a manifest (" << it->second.entries.size()
+                           << " images so far)";
+    it = streams_.erase(it);
+  }
+  if (streams_.empty()) queued_texts_.clear();
+}
+
 void Cacher::on_sample(const wire::ImageSample& s) {
   Stream& stream = this->stream(s.stream_id(), s.dataset_id());
+  stream.last_sample = Clock::now();
   if (const std::string why = check_sample(s); !why.empty()) {
     // Rejected on arrival, alone: a sample that cannot join its bucket's batch must not poison
     // the batch it would have joined.
@@ -226,20 +251,26 @@ void Cacher::on_sample(const wire::ImageSample& s) {
   } else {
     const std::string key = text_key(s.caption(), texts_->fingerprint());
     entry.set_text_key(key);
-    if (!queued_texts_.count(key)) {
-      queued_texts_.insert(key);
-      if (store_->contains_many(Table::kTexts, {key})[0]) {
-        ++stream.summary.texts_cached;
+    if (stream.texts_seen.insert(key).second) {
+      if (queued_texts_.count(key)) {
+        ++stream.summary.texts_cached;  // another stream's caption: cached or on its way
       } else {
-        pending_texts_.push_back({s.stream_id(), s.caption()});
-        if (static_cast<int>(pending_texts_.size()) >= options_.text_batch_size) flush_texts();
+        queued_texts_.insert(key);
+        if (store_->contains_many(Table::kTexts, {key})[0]) {
+          ++stream.summary.texts_cached;
+        } else {
+          pending_texts_.push_back({s.stream_id(), s.caption()});
+          if (static_cast<int>(pending_texts_.size()) >= options_.text_batch_size) flush_texts();
+        }
       }
     }
   }
   stream.entries.push_back(std::move(entry));
+  stream.hit.push_back(false);
 
   if (s.key_only() ||
       store_->contains_many(Table::kLatents, {stream.entries.back().latent_key()})[0]) {
+    stream.hit.back() = true;
     ++stream.summary.hits;
     return;
   }
@@ -340,7 +371,7 @@ void Cacher::collect() {
   if (done.streams.empty()) return;
   for (const auto& [id, counts] : done.streams) {
     const auto it = streams_.find(id);
-    if (it == streams_.end()) continue;  // not possible: a stream ends only once it is idle
+    if (it == streams_.end()) continue;  // a stream dropped as abandoned
     Summary& summary = it->second.summary;
     summary.encoded += counts.encoded;
     summary.rejected += counts.rejected;
@@ -361,12 +392,35 @@ void Cacher::wait_idle() {
 }
 
 void Cacher::finish(const wire::DatasetReport& report) {
-  for (auto& [bucket, pending] : pending_) flush_bucket(pending);
+  // This stream's waiting samples go now, in batches of their own; other streams' keep waiting
+  // for full batches.
+  for (auto& [bucket, pending] : pending_) {
+    std::vector<wire::ImageSample> mine, others;
+    for (auto& s : pending) (s.stream_id() == report.stream_id() ? mine : others).push_back(std::move(s));
+    pending = std::move(others);
+    flush_bucket(mine);
+  }
   flush_texts();
   wait_idle();  // every record is written before the manifest that names them
   // A report with no samples before it (an empty dataset) opens and ends its stream here.
   Stream& stream = this->stream(report.stream_id(), report.dataset_id());
-  std::vector<wire::ManifestEntry>& entries = stream.entries;
+  Summary& summary = stream.summary;
+  // Entries whose caption did not encode to finite values leave: each would name a text record
+  // that does not exist, and the trainer's pre-flight would refuse the whole dataset. The image
+  // counts once, as rejected (no longer as encoded or cached).
+  std::vector<wire::ManifestEntry> entries;
+  for (size_t i = 0; i < stream.entries.size(); ++i) {
+    wire::ManifestEntry& entry = stream.entries[i];
+    if (!rejected_keys_.count(entry.latent_key()) && !entry.text_key().empty() &&
+        rejected_text_keys_.count(entry.text_key())) {
+      ++summary.rejected;
+      --(stream.hit[i] ? summary.hits : summary.encoded);
+      LP_LOG(kWarning, kLog) << "rejected " << entry.path() << ": its caption \""
+                             << entry.caption() << "\" did not encode to finite values";
+      continue;
+    }
+    entries.push_back(std::move(entry));
+  }
   wire::Manifest manifest;
   manifest.set_text_cached(stream.all_text_cached);
   manifest.set_vae_fingerprint(latents_->fingerprint());
@@ -383,17 +437,8 @@ void Cacher::finish(const wire::DatasetReport& report) {
                      std::forward_as_tuple(b.dataset_index(), b.path(), b.is_reg(), b.flip(),
                                            b.caption(), b.latent_key(), b.text_key());
             });
-  Summary& summary = stream.summary;
   for (auto& entry : entries) {
     if (rejected_keys_.count(entry.latent_key())) continue;
-    if (!entry.text_key().empty() && rejected_text_keys_.count(entry.text_key())) {
-      // Its caption did not encode to finite values: the entry would name a record that does
-      // not exist, and the trainer's pre-flight would refuse the whole dataset.
-      ++summary.rejected;
-      LP_LOG(kWarning, kLog) << "rejected " << entry.path() << ": its caption \""
-                             << entry.caption() << "\" did not encode to finite values";
-      continue;
-    }
     *manifest.add_entries() = std::move(entry);
   }
   if (!report.dataset_id_given()) summary.dataset_id += "-" + manifest_hash(manifest);
@@ -446,6 +491,7 @@ void Cacher::publish_report(const Stream& stream, bool done) {
   const Summary& summary = stream.summary;
   wire::CacheReport report;
   report.set_dataset_id(summary.dataset_id);
+  report.set_stream_id(stream.id);
   report.set_encoded(summary.encoded);
   report.set_hits(summary.hits);
   report.set_rejected(summary.rejected);
@@ -524,8 +570,9 @@ void Cacher::serve_loop(runtime::SocketLoop& loop) {
     const int taken = loop.poll(std::chrono::milliseconds(encoding ? 20 : 200));
     collect();
     status_->tick();
-    // Busy encoding is not preprocess's silence.
+    // Busy encoding is not preprocess's silence (the stream is not read meanwhile).
     if (taken > 0 || encoding) last_message = Clock::now();
+    if (options_.serve && !encoding) drop_abandoned_streams();
     if (!options_.serve && !stream_done_ &&
         Clock::now() - last_message > std::chrono::milliseconds(options_.idle_timeout_ms)) {
       throw wire::PeerTimeoutError("cacher: nothing from preprocess on " + options_.pull_endpoint +

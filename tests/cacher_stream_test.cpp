@@ -500,8 +500,9 @@ TEST_F(CachePipeline, AnswersRequestsWhileItEncodes) {
 // and manifest name, even interleaved; a sample whose image key cannot make a cache key is
 // rejected alone, naming its file.
 TEST_F(CachePipeline, ServingCacherKeepsEachStreamApart) {
-  const pid_t cacher = spawn(cacher_args(tiny_.single_file, "--serve"), work_ / "cacher.out",
-                             work_ / "cacher.err");
+  std::vector<std::string> args = cacher_args(tiny_.single_file, "--serve");
+  args.push_back("--idle_timeout_s=3");  // after the others: a stream silent this long is dropped
+  const pid_t cacher = spawn(args, work_ / "cacher.out", work_ / "cacher.err");
   zmq::context_t context;
   zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
   push.connect("ipc://" + (work_ / "pull.sock").string());
@@ -529,9 +530,15 @@ TEST_F(CachePipeline, ServingCacherKeepsEachStreamApart) {
   ASSERT_EQ(wire::send(push, sample("three", "third", "c1.png")), wire::SendStatus::kSent);
   ASSERT_EQ(wire::send(push, end("one", "first")), wire::SendStatus::kSent);
   ASSERT_EQ(wire::send(push, end("three", "third")), wire::SendStatus::kSent);
-  // The manifests land while the cacher keeps serving; it is stopped once all three are there.
+  // A fourth run that dies before the end of its stream: dropped once silent, no manifest.
+  ASSERT_EQ(wire::send(push, sample("four", "fourth", "d1.png")), wire::SendStatus::kSent);
+  // The manifests land while the cacher keeps serving; it is stopped once all three are there
+  // and the fourth stream has been given up.
   std::map<std::string, std::vector<std::string>> paths;
-  for (int i = 0; i < 1200 && paths.size() < 3; ++i) {
+  const std::string dropped = "dataset fourth: nothing more for 3 s and no end of its stream";
+  for (int i = 0; i < 1200 && (paths.size() < 3 ||
+                               read_text(work_ / "cacher.err").find(dropped) == std::string::npos);
+       ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
     if (!fs::exists(cache_)) continue;
     paths.clear();
@@ -549,7 +556,8 @@ TEST_F(CachePipeline, ServingCacherKeepsEachStreamApart) {
   EXPECT_EQ(paths["first"], (std::vector<std::string>{"/photos/a1.png", "/photos/a2.png"})) << err;
   EXPECT_EQ(paths["second"], (std::vector<std::string>{"/photos/b1.png"})) << err;
   EXPECT_EQ(paths["third"], (std::vector<std::string>{"/photos/c1.png"})) << err;
-  EXPECT_EQ(paths.size(), 3u);
+  EXPECT_EQ(paths.size(), 3u) << "a manifest for the stream that never ended";
+  EXPECT_NE(err.find(dropped), std::string::npos) << err;
   EXPECT_NE(err.find("rejected /photos/keyless.png: no image key"), std::string::npos) << err;
   EXPECT_NE(err.find("rejected /photos/long.png: an image key of 600 bytes"), std::string::npos)
       << err;
@@ -612,6 +620,11 @@ TEST_F(CachePipeline, CaptionThatEncodesToNaNLeavesOnlyItsImagesOut) {
   ASSERT_EQ(wait_exit(cacher), 0) << read_text(work_ / "cacher.err");
   const std::string err = read_text(work_ / "cacher.err");
   EXPECT_NE(err.find("rejected /photos/bad.png: its caption \"xyzzy\" did not encode to finite"),
+            std::string::npos)
+      << err;
+  // The image counts once: rejected, no longer also encoded.
+  EXPECT_NE((read_text(work_ / "cacher.out") + err)
+                .find("dataset nan: 1 encoded, 0 cached, 1 rejected"),
             std::string::npos)
       << err;
   const cacher::Store store = open_cache();

@@ -201,11 +201,23 @@ TEST_F(PreprocessStream, DefaultBucketsAreSaidToDifferFromKohyas) {
   std::set<std::pair<uint32_t, uint32_t>> buckets;
   for (const auto& s : defaulted.samples) buckets.insert({s.bucket().width(), s.bucket().height()});
   EXPECT_GT(buckets.size(), 1u) << "the demo's shapes fell into one bucket";
+  // Each run's samples and report carry one stream id of its own (a serving cacher keeps
+  // concurrent runs apart by it).
+  std::set<std::string> streams;
+  const auto expect_one_stream = [&](const Stream& run) {
+    ASSERT_TRUE(run.report.has_value());
+    EXPECT_FALSE(run.report->stream_id().empty());
+    for (const auto& s : run.samples) ASSERT_EQ(s.stream_id(), run.report->stream_id());
+    streams.insert(run.report->stream_id());
+  };
+  expect_one_stream(defaulted);
   for (const char* flag : {"--enable_bucket", "--enable_bucket=false"}) {
     const Stream given = stream({flag}, [](const std::string&) { return false; });
     ASSERT_EQ(given.exit_code, 0) << read_text(dir_ / "stderr.txt");
     EXPECT_EQ(read_text(dir_ / "stderr.txt").find(note), std::string::npos) << flag;
+    expect_one_stream(given);
   }
+  EXPECT_EQ(streams.size(), 3u) << "two runs shared a stream id";
 }
 
 // --alpha_mask: every sample carries its alpha at bucket size (the demo images have none: fully
