@@ -232,12 +232,15 @@ void export_dataset(const ToolOptions& options, const std::string& dataset_id,
   const auto temp = file.string() + ".tmp-" + std::to_string(getpid());
   std::FILE* f = std::fopen(temp.c_str(), "wb");
   if (f == nullptr) throw Error("cannot write " + temp + ": " + std::strerror(errno));
-  bool ok = std::fwrite(file_bytes.data(), 1, file_bytes.size(), f) == file_bytes.size() &&
-            std::fflush(f) == 0 && fsync(fileno(f)) == 0;
-  const int error = errno;
-  ok = std::fclose(f) == 0 && ok;
-  if (!ok) {
-    std::filesystem::remove(temp);
+  int error = 0;
+  if (std::fwrite(file_bytes.data(), 1, file_bytes.size(), f) != file_bytes.size() ||
+      std::fflush(f) != 0 || fsync(fileno(f)) != 0) {
+    error = errno;
+  }
+  if (std::fclose(f) != 0 && error == 0) error = errno;
+  if (error != 0) {
+    std::error_code ignored;  // the write's error is the one to report
+    std::filesystem::remove(temp, ignored);
     throw Error("cannot write " + file.string() + ": " + std::strerror(error));
   }
   std::filesystem::rename(temp, file);

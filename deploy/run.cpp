@@ -154,7 +154,10 @@ class Supervisor {
   Supervisor& operator=(const Supervisor&) = delete;
 
   int run();
-  void stop_all();  // also on the way out of a launcher error
+  // Stops every stage; `interrupts` is how many SIGINT/SIGTERM this stop answers (1 after a
+  // Ctrl-C, 0 after a failure): one more kills the stages at once. Also on the way out of a
+  // launcher error.
+  void stop_all(sig_atomic_t interrupts);
 
  private:
   void prepare_folder();
@@ -375,11 +378,10 @@ void Supervisor::reap() {
 
 // The trainer first (it saves a state), then the rest; waits, and kills what outlives the grace
 // or is still running when another interrupt arrives.
-void Supervisor::stop_all() {
+void Supervisor::stop_all(sig_atomic_t interrupts) {
   for (auto& [stage, c] : children_) {
     if (c.running) kill(c.pid, SIGTERM);
   }
-  const sig_atomic_t interrupts = g_interrupted;
   const auto deadline = Clock::now() + kStopGrace;
   bool killed = false;
   for (;;) {
@@ -387,11 +389,12 @@ void Supervisor::stop_all() {
     bool any = false;
     for (auto& [stage, c] : children_) any = any || c.running;
     if (!any) return;
-    const bool again = g_interrupted != interrupts;
+    const bool again = g_interrupted > interrupts;
     if (!killed && (again || Clock::now() > deadline)) {
       display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: "
-               << (again ? "interrupted again" : "the stages did not stop within " +
-                                                     std::to_string(kStopGrace.count()) + " s")
+               << (again ? (interrupts > 0 ? "interrupted again" : "interrupted while stopping")
+                         : "the stages did not stop within " +
+                               std::to_string(kStopGrace.count()) + " s")
                << "; killing them now (a state being saved is lost; the last complete state "
                   "stays)\n"
                << std::flush;
@@ -422,7 +425,7 @@ int Supervisor::fail(const Child& c) {
            << "; the last lines of " << c.log.string() << ":\n";
   for (const std::string& line : last_lines(c.log, 15)) display_ << "  | " << line << "\n";
   display_ << std::flush;
-  stop_all();
+  stop_all(g_interrupted);
   event({{"event", "Run"}, {"result", "failed"}, {"stage", stage_name(c.stage)},
          {"exit_code", c.exit_code}});
   return kExitError;
@@ -522,7 +525,7 @@ int Supervisor::run() {
       display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: interrupted; stopping the stages"
                << (child(Stage::kTrainer) != nullptr ? " (the trainer saves a state)" : "")
                << "; interrupt again to kill them at once\n" << std::flush;
-      stop_all();
+      stop_all(1);  // a second interrupt, even one that came before this line, kills
       while (receive(sub, 0ms).ok()) {
       }
       event({{"event", "Run"}, {"result", "interrupted"}, {"exit_code", kExitInterrupted}});
@@ -632,13 +635,16 @@ int run(Settings settings, const RunOptions& options, std::ostream& display) {
   struct sigaction action {};
   action.sa_handler = [](int) { g_interrupted = g_interrupted + 1; };
   sigemptyset(&action.sa_mask);
+  // The count is read-modify-write: neither signal may interrupt the handler of the other.
+  sigaddset(&action.sa_mask, SIGINT);
+  sigaddset(&action.sa_mask, SIGTERM);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
   Supervisor supervisor(std::move(settings), options, display);
   try {
     return supervisor.run();
   } catch (...) {
-    supervisor.stop_all();
+    supervisor.stop_all(g_interrupted);
     throw;
   }
 }

@@ -39,26 +39,14 @@ void check(cudaError_t status, const char* what) {
   }
 }
 
-// `device` is the current device for this scope; the one current before is again after it.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    check(cudaGetDevice(&before_), "cudaGetDevice");
-    if (device != before_) {
-      check(cudaSetDevice(device), "cudaSetDevice");
-      switched_ = true;
-    }
-  }
-  ~DeviceScope() {
-    if (switched_) cudaSetDevice(before_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int before_ = 0;
-  bool switched_ = false;
-};
+// Makes `device` current, as torch.cuda.set_device does, and leaves it so: switching back would
+// create a CUDA context on the device that was current before (cudaSetDevice initialises one),
+// hundreds of MB on GPU 0 for every rank on another GPU.
+void use_device(int device) {
+  int current = 0;
+  check(cudaGetDevice(&current), "cudaGetDevice");
+  if (current != device) check(cudaSetDevice(device), "cudaSetDevice");
+}
 
 struct GroupSteps {
   AdamW8bitStep step[kAdamW8bitMaxGroups];
@@ -205,7 +193,7 @@ AdamW8bitCudaPlan::AdamW8bitCudaPlan(const AdamW8bitTensor* tensors, size_t coun
     maps[512 + k] = mid1[k];
     maps[768 + k] = mid2[k];
   }
-  const DeviceScope scope(device_);
+  use_device(device_);
   try {
     check(cudaMalloc(&table_, count * sizeof(AdamW8bitTensor)), "cudaMalloc");
     check(cudaMalloc(&offsets_, first.size() * sizeof(int64_t)), "cudaMalloc");
@@ -228,13 +216,11 @@ AdamW8bitCudaPlan::AdamW8bitCudaPlan(const AdamW8bitTensor* tensors, size_t coun
 
 AdamW8bitCudaPlan::~AdamW8bitCudaPlan() {
   if (table_ == nullptr && offsets_ == nullptr && maps_ == nullptr) return;
-  int before = 0;
-  const bool switched = cudaGetDevice(&before) == cudaSuccess && before != device_ &&
-                        cudaSetDevice(device_) == cudaSuccess;
+  int current = 0;  // the plan's own calls left its device current; make sure (no throw here)
+  if (cudaGetDevice(&current) == cudaSuccess && current != device_) cudaSetDevice(device_);
   cudaFree(table_);
   cudaFree(offsets_);
   cudaFree(maps_);
-  if (switched) cudaSetDevice(before);
 }
 
 void AdamW8bitCudaPlan::step(const AdamW8bitStep* group_steps, size_t groups, void* stream) const {
@@ -247,7 +233,7 @@ void AdamW8bitCudaPlan::step(const AdamW8bitStep* group_steps, size_t groups, vo
     throw std::invalid_argument("adamw8bit: a tensor has group " + std::to_string(groups_ - 1) +
                                 " but the step gives " + std::to_string(groups) + " group(s)");
   }
-  const DeviceScope scope(device_);
+  use_device(device_);
   GroupSteps steps{};
   for (size_t k = 0; k < groups; ++k) steps.step[k] = group_steps[k];
   const auto* table = static_cast<const AdamW8bitTensor*>(table_);

@@ -120,9 +120,10 @@ void dequantize_blockwise_cpu(const uint8_t* bytes, const float* absmax, int64_t
 class AdamW8bitCudaPlan {
  public:
   // `tensors`: pointers into the memory of CUDA device `device` (-1: the current one). The
-  // table and the maps are uploaded there, and every step launches there, whichever device is
-  // current at the call (a rank on cuda:1 need not make it current); the current device is left
-  // as it was. Throws std::invalid_argument for a tensor's group out of range.
+  // table and the maps are uploaded there, and every step launches there, whichever device was
+  // current at the call (a rank on cuda:1 need not make it current first). Like
+  // torch.cuda.set_device, the plan's calls leave `device` current: switching back would create a
+  // context on the other device. Throws std::invalid_argument for a tensor's group out of range.
   AdamW8bitCudaPlan(const AdamW8bitTensor* tensors, size_t count, ParamDtype dtype, int device);
   ~AdamW8bitCudaPlan();
   AdamW8bitCudaPlan(const AdamW8bitCudaPlan&) = delete;

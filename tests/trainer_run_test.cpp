@@ -1311,7 +1311,9 @@ TEST_F(TrainRunTest, DimFromWeightsBuildsTheNetworkAsTheFileIs) {
   for (const auto& [key, t] : tensors) {
     ASSERT_TRUE(out.count(key)) << key;
     EXPECT_EQ(out.at(key).sizes(), t.sizes()) << key;
-    if (key.ends_with(".alpha")) EXPECT_EQ(out.at(key).item<float>(), t.item<float>()) << key;
+    if (key.ends_with(".alpha")) {
+      EXPECT_EQ(out.at(key).item<float>(), t.item<float>()) << key;
+    }
   }
   EXPECT_EQ(out.at(cut + ".lora_down.weight").size(0), 3);
   // The metadata describes the file's network (its widest module: rank 4, alpha 4), not the

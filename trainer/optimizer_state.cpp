@@ -17,12 +17,14 @@ void save_archive(torch::serialize::OutputArchive& archive, const std::filesyste
   const std::string bytes = std::move(memory).str();
   std::FILE* out = std::fopen(file.c_str(), "wb");
   if (out == nullptr) throw Error("cannot write " + file.string() + ": " + std::strerror(errno));
-  bool ok = std::fwrite(bytes.data(), 1, bytes.size(), out) == bytes.size() &&
-            std::fflush(out) == 0;
-  const int error = errno;
-  ok = std::fclose(out) == 0 && ok;
-  if (!ok) {
-    std::filesystem::remove(file);
+  int error = 0;
+  if (std::fwrite(bytes.data(), 1, bytes.size(), out) != bytes.size() || std::fflush(out) != 0) {
+    error = errno;
+  }
+  if (std::fclose(out) != 0 && error == 0) error = errno;
+  if (error != 0) {
+    std::error_code ignored;  // the write's error is the one to report
+    std::filesystem::remove(file, ignored);
     throw Error("cannot write " + file.string() + ": " + std::strerror(error));
   }
 }

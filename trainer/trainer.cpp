@@ -164,7 +164,24 @@ fs::path moved_aside(const fs::path& dir) {
 // so that a crash or a full disk leaves the old folder or the new one whole, never a mix: Linux
 // swaps the two in one step; where the file system cannot, the old one moves aside first
 // (moved_aside(dir), where load_state looks when `dir` is missing) and is removed last. A fill
-// that throws (a full disk) leaves `dir` as it was and removes what it wrote.
+// that throws (a full disk) leaves `dir` as it was and removes what it wrote. It throws only
+// before the new folder is in place: what can fail after (syncing the parent folder, removing
+// the old one) is a warning, as the new folder is whole by then.
+// write_folder's last steps, once the new `dir` is in place: flush the rename to the disk and
+// remove the previous folder, now at `previous`. Failures are warnings: `dir` is whole.
+void after_swap(const fs::path& dir, const fs::path& previous) {
+  try {
+    sync_to_disk(dir.parent_path());
+  } catch (const std::exception& e) {
+    LP_LOG(kWarning, kLog) << dir.string() << " is in place, but " << e.what();
+  }
+  std::error_code error;
+  fs::remove_all(previous, error);
+  if (error) {
+    LP_LOG(kWarning, kLog) << "cannot remove " << previous.string() << ": " << error.message();
+  }
+}
+
 template <typename Fill>
 void write_folder(const fs::path& dir, Fill fill) {
   const fs::path temp = dir.parent_path() / ("." + dir.filename().string() + ".tmp");
@@ -185,8 +202,7 @@ void write_folder(const fs::path& dir, Fill fill) {
   if (fs::exists(dir)) {
 #ifdef RENAME_EXCHANGE
     if (::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) == 0) {
-      sync_to_disk(dir.parent_path());
-      fs::remove_all(temp);  // the old folder, now under the temporary name
+      after_swap(dir, temp);  // the old folder, now under the temporary name
       return;
     }
 #endif
@@ -194,8 +210,7 @@ void write_folder(const fs::path& dir, Fill fill) {
     fs::rename(dir, old);
   }
   fs::rename(temp, dir);
-  sync_to_disk(dir.parent_path());
-  fs::remove_all(old);
+  after_swap(dir, old);
 }
 
 struct PreparedBatch {
@@ -1007,12 +1022,13 @@ void Run::save_state(const fs::path& dir) {
   try {
     save_state_folder(dir);
   } catch (const std::exception& e) {
+    // write_folder throws only before the new state is in place (see there).
+    std::error_code ignored;
+    const bool before = fs::exists(dir / "trainer.json", ignored) ||
+                        fs::exists(moved_aside(dir) / "trainer.json", ignored);
     throw Error("cannot save the state " + dir.string() + " at step " +
                 std::to_string(global_step_) +
-                (fs::exists(dir / "trainer.json") || fs::exists(moved_aside(dir) / "trainer.json")
-                     ? " (the state saved there before stays whole): "
-                     : ": ") +
-                e.what());
+                (before ? " (the state saved there before stays whole): " : ": ") + e.what());
   }
   LP_LOG(kInfo, kLog) << "saved state " << dir.string() << " at step " << global_step_;
 }
