@@ -396,7 +396,9 @@ void Cacher::finish(const wire::DatasetReport& report) {
   // for full batches.
   for (auto& [bucket, pending] : pending_) {
     std::vector<wire::ImageSample> mine, others;
-    for (auto& s : pending) (s.stream_id() == report.stream_id() ? mine : others).push_back(std::move(s));
+    for (auto& s : pending) {
+      (s.stream_id() == report.stream_id() ? mine : others).push_back(std::move(s));
+    }
     pending = std::move(others);
     flush_bucket(mine);
   }

@@ -1,8 +1,6 @@
 #include "cacher/tools.h"
 
-#include <cerrno>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -13,6 +11,7 @@
 #include "cacher/records.h"
 #include "cacher/store.h"
 #include "common/error.h"
+#include "common/file.h"
 #include "common/hash.h"
 #include "proto/lorapipe.pb.h"
 
@@ -230,19 +229,7 @@ void export_dataset(const ToolOptions& options, const std::string& dataset_id,
   // To a temporary name, flushed to the disk, then renamed: a crash or a full disk never leaves
   // a half-written export under the real name (import would refuse it, but later).
   const auto temp = file.string() + ".tmp-" + std::to_string(getpid());
-  std::FILE* f = std::fopen(temp.c_str(), "wb");
-  if (f == nullptr) throw Error("cannot write " + temp + ": " + std::strerror(errno));
-  int error = 0;
-  if (std::fwrite(file_bytes.data(), 1, file_bytes.size(), f) != file_bytes.size() ||
-      std::fflush(f) != 0 || fsync(fileno(f)) != 0) {
-    error = errno;
-  }
-  if (std::fclose(f) != 0 && error == 0) error = errno;
-  if (error != 0) {
-    std::error_code ignored;  // the write's error is the one to report
-    std::filesystem::remove(temp, ignored);
-    throw Error("cannot write " + file.string() + ": " + std::strerror(error));
-  }
+  write_file(temp, file_bytes, /*sync=*/true);
   std::filesystem::rename(temp, file);
   out << "exported dataset " << dataset_id << ": " << count << " records, " << file_bytes.size()
       << " bytes to " << file.string() << "\n";

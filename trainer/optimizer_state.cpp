@@ -2,31 +2,18 @@
 
 #include <torch/torch.h>
 
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 #include <sstream>
 
 #include "common/error.h"
+#include "common/file.h"
 
 namespace lorapipe::trainer {
 
 void save_archive(torch::serialize::OutputArchive& archive, const std::filesystem::path& file) {
   std::ostringstream memory;
   archive.save_to(memory);
-  const std::string bytes = std::move(memory).str();
-  std::FILE* out = std::fopen(file.c_str(), "wb");
-  if (out == nullptr) throw Error("cannot write " + file.string() + ": " + std::strerror(errno));
-  int error = 0;
-  if (std::fwrite(bytes.data(), 1, bytes.size(), out) != bytes.size() || std::fflush(out) != 0) {
-    error = errno;
-  }
-  if (std::fclose(out) != 0 && error == 0) error = errno;
-  if (error != 0) {
-    std::error_code ignored;  // the write's error is the one to report
-    std::filesystem::remove(file, ignored);
-    throw Error("cannot write " + file.string() + ": " + std::strerror(error));
-  }
+  // Not synced here: write_folder syncs every file of a state before it swaps the state in.
+  write_file(file, std::move(memory).str(), /*sync=*/false);
 }
 
 std::string state_key(size_t group, size_t index, const std::string& name) {
