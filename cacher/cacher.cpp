@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <mutex>
 #include <fstream>
 #include <iterator>
@@ -95,9 +96,11 @@ class Cacher {
  private:
   // Encoding runs on a worker (runtime::WorkerPool), so the main loop keeps answering HasKeys
   // and GetRecords (other runs' preprocess and trainers) while the VAE or the text encoder
-  // works. A job is one bucket's batch or one batch of captions; the worker writes its records
-  // and leaves the counts for the main loop, which alone touches the sockets and the summary.
-  // A job's failure is rethrown on the main loop by collect().
+  // works, also while a stream's last batches encode after its end. A job is one bucket's batch
+  // or one batch of captions; the worker writes its records and leaves the counts for the main
+  // loop, which alone touches the sockets and the summary. A job's failure is rethrown on the
+  // main loop by collect(). Jobs are numbered as they are made; a stream's manifest is written
+  // once every job made before its end has run.
   struct Caption {
     std::string stream;  // whose count it adds to
     std::string text;
@@ -112,6 +115,7 @@ class Cacher {
   struct Done {  // what finished jobs left for the main loop
     std::map<std::string, Counts> streams;  // by stream_id
     std::vector<std::string> rejected_keys, rejected_text_keys;
+    std::vector<uint64_t> jobs;  // their numbers
   };
   // One preprocess run's stream, from its first sample to its DatasetReport. A serving cacher
   // may be fed by several runs at once (other datasets, or one folder at other settings); each
@@ -125,12 +129,18 @@ class Cacher {
     Summary summary;
     Clock::time_point started = Clock::now();
     Clock::time_point last_sample = Clock::now();
+    // Set by its DatasetReport: the stream has ended, and its manifest waits for the jobs
+    // numbered below `jobs_before` (its last batches among them).
+    std::optional<wire::DatasetReport> report;
+    uint64_t jobs_before = 0;
   };
   static constexpr size_t kMaxQueuedJobs = 2;  // then the stream waits (ZeroMQ's backpressure)
   void run_job(Job& job, Done& done);
-  void submit(Job job);
-  void collect();    // merges Done into the summary; rethrows a worker's failure
-  void wait_idle();  // every submitted job finished (then collect)
+  void submit(Job job);  // numbers the job and queues it; never waits
+  void pump();           // hands queued jobs to the worker while it has room
+  bool busy() const;     // jobs queued, waiting for the worker or running
+  void collect();        // merges Done into the summary, writes ready manifests; rethrows a
+                         // worker's failure
 
   // Reads the stream and answers requests until the stream's end (forever with serve).
   void serve_loop(runtime::SocketLoop& loop);
@@ -138,7 +148,8 @@ class Cacher {
   std::string check_sample(const wire::ImageSample& sample) const;
   void flush_bucket(std::vector<wire::ImageSample>& pending);
   void flush_texts();
-  void finish(const wire::DatasetReport& report);
+  void finish(const wire::DatasetReport& report);  // the stream's end: its last batches go
+  void write_manifest(Stream& stream);              // once they have run
   Stream& stream(const std::string& id, const std::string& dataset_id);
   void drop_abandoned_streams();  // serve: streams whose preprocess went silent
   std::unique_ptr<wire::HasKeysReply> has_keys(const wire::HasKeysRequest& request);
@@ -154,6 +165,9 @@ class Cacher {
 
   std::map<std::pair<uint32_t, uint32_t>, std::vector<wire::ImageSample>> pending_;
   std::vector<Caption> pending_texts_;
+  std::deque<std::pair<uint64_t, Job>> backlog_;  // numbered jobs the worker has no room for yet
+  uint64_t next_job_ = 0;                         // the next job's number
+  std::set<uint64_t> unfinished_jobs_;            // numbers in the backlog or with the worker
   std::set<std::string> queued_texts_;  // text keys found or queued while a stream is open
   std::map<std::string, Stream> streams_;  // open streams, by stream_id
   // Content keys whose encoding was not finite: no record is written, and no manifest names
@@ -206,7 +220,8 @@ Cacher::Stream& Cacher::stream(const std::string& id, const std::string& dataset
 void Cacher::drop_abandoned_streams() {
   const auto now = Clock::now();
   for (auto it = streams_.begin(); it != streams_.end();) {
-    if (now - it->second.last_sample <= std::chrono::milliseconds(options_.idle_timeout_ms)) {
+    if (it->second.report ||  // ended: its manifest waits only for our own batches
+        now - it->second.last_sample <= std::chrono::milliseconds(options_.idle_timeout_ms)) {
       ++it;
       continue;
     }
@@ -224,7 +239,9 @@ void Cacher::drop_abandoned_streams() {
 void Cacher::on_sample(const wire::ImageSample& s) {
   Stream& stream = this->stream(s.stream_id(), s.dataset_id());
   stream.last_sample = Clock::now();
-  if (const std::string why = check_sample(s); !why.empty()) {
+  std::string why = check_sample(s);
+  if (why.empty() && stream.report) why = "it came after the end of its stream";
+  if (!why.empty()) {
     // Rejected on arrival, alone: a sample that cannot join its bucket's batch must not poison
     // the batch it would have joined.
     ++stream.summary.rejected;
@@ -296,25 +313,40 @@ void Cacher::flush_texts() {
 }
 
 void Cacher::submit(Job job) {
-  // Waits for room only in finish(), when every bucket is flushed at once; the stream itself
-  // is read only while the queue has room.
-  workers_->submit([this, job = std::move(job)]() mutable {
-    Done done;
-    run_job(job, done);
-    std::lock_guard<std::mutex> lock(done_mutex_);
-    for (const auto& [id, counts] : done.streams) {
-      Counts& into = done_.streams[id];
-      into.encoded += counts.encoded;
-      into.rejected += counts.rejected;
-      into.texts_encoded += counts.texts_encoded;
-    }
-    done_.rejected_keys.insert(done_.rejected_keys.end(), done.rejected_keys.begin(),
-                               done.rejected_keys.end());
-    done_.rejected_text_keys.insert(done_.rejected_text_keys.end(),
-                                    done.rejected_text_keys.begin(),
-                                    done.rejected_text_keys.end());
-  });
+  const uint64_t number = next_job_++;
+  unfinished_jobs_.insert(number);
+  backlog_.emplace_back(number, std::move(job));
+  pump();
 }
+
+void Cacher::pump() {
+  // The stream is read only while the worker has room and the backlog is empty, so the backlog
+  // holds at most what one sample or one stream's end flushes.
+  while (!backlog_.empty() && !workers_->full()) {
+    const uint64_t number = backlog_.front().first;
+    Job job = std::move(backlog_.front().second);
+    backlog_.pop_front();
+    workers_->submit([this, number, job = std::move(job)]() mutable {
+      Done done;
+      run_job(job, done);
+      std::lock_guard<std::mutex> lock(done_mutex_);
+      done_.jobs.push_back(number);
+      for (const auto& [id, counts] : done.streams) {
+        Counts& into = done_.streams[id];
+        into.encoded += counts.encoded;
+        into.rejected += counts.rejected;
+        into.texts_encoded += counts.texts_encoded;
+      }
+      done_.rejected_keys.insert(done_.rejected_keys.end(), done.rejected_keys.begin(),
+                                 done.rejected_keys.end());
+      done_.rejected_text_keys.insert(done_.rejected_text_keys.end(),
+                                      done.rejected_text_keys.begin(),
+                                      done.rejected_text_keys.end());
+    });
+  }
+}
+
+bool Cacher::busy() const { return !backlog_.empty() || workers_->pending() > 0; }
 
 void Cacher::run_job(Job& job, Done& done) {
   torch::NoGradGuard no_grad;  // thread-local: this thread's own
@@ -368,27 +400,33 @@ void Cacher::collect() {
   }
   rejected_keys_.insert(done.rejected_keys.begin(), done.rejected_keys.end());
   rejected_text_keys_.insert(done.rejected_text_keys.begin(), done.rejected_text_keys.end());
-  if (done.streams.empty()) return;
-  for (const auto& [id, counts] : done.streams) {
-    const auto it = streams_.find(id);
-    if (it == streams_.end()) continue;  // a stream dropped as abandoned
-    Summary& summary = it->second.summary;
-    summary.encoded += counts.encoded;
-    summary.rejected += counts.rejected;
-    summary.texts_encoded += counts.texts_encoded;
-    publish_report(it->second, false);
+  for (uint64_t number : done.jobs) unfinished_jobs_.erase(number);
+  pump();
+  if (!done.streams.empty()) {
+    for (const auto& [id, counts] : done.streams) {
+      const auto it = streams_.find(id);
+      if (it == streams_.end()) continue;  // a stream dropped as abandoned
+      Summary& summary = it->second.summary;
+      summary.encoded += counts.encoded;
+      summary.rejected += counts.rejected;
+      summary.texts_encoded += counts.texts_encoded;
+      publish_report(it->second, false);
+    }
+    // Images settled so far in the open streams; the total is known only at a stream's end.
+    uint64_t settled = 0;
+    for (const auto& [id, stream] : streams_) {
+      settled += stream.summary.encoded + stream.summary.hits + stream.summary.rejected;
+    }
+    status_->progress(settled, 0, "images");
   }
-  // Images settled so far in the open streams; the total is known only at a stream's end.
-  uint64_t settled = 0;
-  for (const auto& [id, stream] : streams_) {
-    settled += stream.summary.encoded + stream.summary.hits + stream.summary.rejected;
+  // Ended streams whose last batches have run, with their counts merged above.
+  for (auto it = streams_.begin(); it != streams_.end();) {
+    Stream& stream = (it++)->second;  // write_manifest erases it
+    if (stream.report &&
+        (unfinished_jobs_.empty() || *unfinished_jobs_.begin() >= stream.jobs_before)) {
+      write_manifest(stream);
+    }
   }
-  status_->progress(settled, 0, "images");
-}
-
-void Cacher::wait_idle() {
-  workers_->wait_idle();
-  collect();
 }
 
 void Cacher::finish(const wire::DatasetReport& report) {
@@ -403,9 +441,23 @@ void Cacher::finish(const wire::DatasetReport& report) {
     flush_bucket(mine);
   }
   flush_texts();
-  wait_idle();  // every record is written before the manifest that names them
   // A report with no samples before it (an empty dataset) opens and ends its stream here.
   Stream& stream = this->stream(report.stream_id(), report.dataset_id());
+  if (stream.report) {
+    LP_LOG(kWarning, kLog) << "dataset " << report.dataset_id()
+                           << ": a second end of its stream, ignored";
+    return;
+  }
+  // Every record is written before the manifest that names them: the manifest waits for every
+  // job made so far (this stream's last batches, and any caption of another stream that this
+  // one counted as on its way). Meanwhile the loop answers requests and reads other streams.
+  stream.report = report;
+  stream.jobs_before = next_job_;
+  collect();
+}
+
+void Cacher::write_manifest(Stream& stream) {
+  const wire::DatasetReport& report = *stream.report;
   Summary& summary = stream.summary;
   // Entries whose caption did not encode to finite values leave: each would name a text record
   // that does not exist, and the trainer's pre-flight would refuse the whole dataset. The image
@@ -456,7 +508,8 @@ void Cacher::finish(const wire::DatasetReport& report) {
                       << summary.manifest_entries << " entries written";
   publish_report(stream, true);
   summary_ = summary;
-  streams_.erase(report.stream_id());
+  const std::string id = stream.id;
+  streams_.erase(id);  // `stream` and `report` end here
   if (streams_.empty()) queued_texts_.clear();  // a later stream counts its own cached texts
   stream_done_ = true;
 }
@@ -553,7 +606,8 @@ Summary Cacher::run() {
   runtime::SocketLoop loop;
   loop.add(rep, requests, /*reply=*/true);
   // The stream is read only while the worker has room; requests are answered always.
-  loop.add(pull, stream, /*reply=*/false, [this] { return !workers_->full(); });
+  loop.add(pull, stream, /*reply=*/false,
+           [this] { return backlog_.empty() && !workers_->full(); });
 
   try {
     serve_loop(loop);
@@ -568,12 +622,17 @@ Summary Cacher::run() {
 void Cacher::serve_loop(runtime::SocketLoop& loop) {
   auto last_message = Clock::now();
   while (options_.serve || !stream_done_) {
-    const bool encoding = workers_->full();
-    const int taken = loop.poll(std::chrono::milliseconds(encoding ? 20 : 200));
+    // While jobs run, the loop wakes often to hand the worker the next one and to write a
+    // manifest whose batches are done.
+    const int taken = loop.poll(std::chrono::milliseconds(busy() ? 20 : 200));
     collect();
     status_->tick();
-    // Busy encoding is not preprocess's silence (the stream is not read meanwhile).
-    if (taken > 0 || encoding) last_message = Clock::now();
+    // A full worker is not preprocess's silence (the stream is not read meanwhile), nor is the
+    // wait for an ended stream's last batches.
+    const bool encoding = !backlog_.empty() || workers_->full();
+    const bool ending = std::any_of(streams_.begin(), streams_.end(),
+                                    [](const auto& s) { return s.second.report.has_value(); });
+    if (taken > 0 || encoding || ending) last_message = Clock::now();
     if (options_.serve && !encoding) drop_abandoned_streams();
     if (!options_.serve && !stream_done_ &&
         Clock::now() - last_message > std::chrono::milliseconds(options_.idle_timeout_ms)) {

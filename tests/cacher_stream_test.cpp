@@ -495,6 +495,70 @@ TEST_F(CachePipeline, AnswersRequestsWhileItEncodes) {
   EXPECT_EQ(open_cache().stats(cacher::Table::kLatents).entries, 8u);
 }
 
+// At a stream's end its half-full buckets go to the VAE as batches of their own. The manifest
+// waits for them, but requests do not: before, the loop stopped answering until the last of
+// those batches was written (three 2 s batches here: a request would wait about 6 s). Served
+// (--serve), as the cacher that other runs ask while one run's stream ends.
+TEST_F(CachePipeline, AnswersRequestsWhileAStreamsLastBatchesEncode) {
+  std::vector<std::string> args = cacher_args(tiny_.single_file, "--vae_batch_size=8");
+  args.push_back("--delay_per_batch_s=2");
+  args.push_back("--serve");
+  const pid_t cacher = spawn(args, work_ / "cacher.out", work_ / "cacher.err");
+  zmq::context_t context;
+  zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
+  push.connect("ipc://" + (work_ / "pull.sock").string());
+  wire::Client client(context, "ipc://" + (work_ / "rep.sock").string(), "test");
+  wire::GetRecordsRequest manifest;
+  manifest.set_kind(wire::GetRecordsRequest::MANIFEST);
+  manifest.add_keys("ending");
+  ASSERT_FALSE(client.request<wire::GetRecordsReply>(manifest).items(0).found());  // it is up
+  // One image in each of three buckets: none fills its batch of eight before the end.
+  for (uint32_t side : {64u, 128u, 192u}) {
+    const std::string name = std::to_string(side) + ".png";
+    ASSERT_EQ(wire::send(push, handmade_sample("ending", name, side,
+                                               std::string(side * side * 3, '\x50'))),
+              wire::SendStatus::kSent);
+  }
+  wire::DatasetReport report;
+  report.set_dataset_id("ending");
+  report.set_dataset_id_given(true);
+  ASSERT_EQ(wire::send(push, report), wire::SendStatus::kSent);
+  const auto ended = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the report is read first
+  double slowest = 0, ending = 0;
+  int answered_while_ending = 0;
+  for (;;) {
+    const auto asked = std::chrono::steady_clock::now();
+    const auto reply = client.request<wire::GetRecordsReply>(manifest);
+    const auto now = std::chrono::steady_clock::now();
+    slowest = std::max(slowest, std::chrono::duration<double>(now - asked).count());
+    if (reply.items(0).found()) {
+      ending = std::chrono::duration<double>(now - ended).count();
+      break;
+    }
+    ++answered_while_ending;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ASSERT_LT(std::chrono::duration<double>(now - ended).count(), 300) << "no manifest";
+  }
+  std::printf("[cacher] the stream's last three batches took %.2f s; %d requests answered "
+              "meanwhile, the slowest in %.3f s\n",
+              ending, answered_while_ending, slowest);
+  // Each batch sleeps 2 s after encoding, so the manifest cannot come sooner than 6 s unless it
+  // was written before its records; a request waits at most for one poll and one LMDB read,
+  // where the old loop held it for all three batches (about `ending`).
+  EXPECT_GE(ending, 6.0) << "the manifest came before its batches were written";
+  EXPECT_LE(slowest, ending / 4);
+  kill(cacher, SIGTERM);
+  wait_exit(cacher);
+  const cacher::Store store = open_cache();
+  EXPECT_EQ(store.stats(cacher::Table::kLatents).entries, 3u);
+  wire::Manifest written;
+  ASSERT_TRUE(written.ParseFromString(*store.get(cacher::Table::kManifests, "ending")));
+  EXPECT_EQ(written.entries_size(), 3);
+  const std::string out = read_text(work_ / "cacher.out") + read_text(work_ / "cacher.err");
+  EXPECT_NE(out.find("dataset ending: 3 encoded, 0 cached, 0 rejected"), std::string::npos) << out;
+}
+
 // A serving cacher (--serve, as deploy/README.md runs it) outlives its streams and may be fed
 // by several preprocess runs at once. Each stream (its stream_id) keeps its own entries, counts
 // and manifest name, even interleaved; a sample whose image key cannot make a cache key is
