@@ -508,6 +508,7 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
   }
   EXPECT_EQ(meta.at("ss_network_dim"), "4");
   EXPECT_EQ(meta.at("ss_network_module"), "networks.lora");
+  EXPECT_EQ(meta.at("ss_lowram"), "False");  // kohya writes its --lowram, given or not
   EXPECT_EQ(meta.at("ss_steps"), "4");
   EXPECT_EQ(meta.at("ss_resolution"), "(128, 128)");  // the suite caches at --resolution=128
   EXPECT_EQ(meta.at("modelspec.resolution"), "128x128");

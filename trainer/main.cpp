@@ -399,6 +399,7 @@ int main(int argc, char** argv) {
     o.pub_endpoint = FLAGS_pub;
     o.checkpoint_reannounce_s = FLAGS_checkpoint_reannounce_s;
     o.training_comment = FLAGS_training_comment;
+    o.lowram = FLAGS_lowram;
     o.max_token_length = FLAGS_max_token_length;
     o.weighted_captions = FLAGS_weighted_captions;
     o.masked_loss = FLAGS_masked_loss;

@@ -896,6 +896,7 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_max_token_length"] = o_.max_token_length == 75 ? "None" : std::to_string(o_.max_token_length);
   m["ss_cache_latents"] = "True";
   m["ss_seed"] = std::to_string(o_.seed);
+  m["ss_lowram"] = o_.lowram ? "True" : "False";
   m["ss_noise_offset"] = float_or_none(s.noise.noise_offset);
   m["ss_noise_offset_random_strength"] = s.noise.noise_offset_random_strength ? "True" : "False";
   m["ss_adaptive_noise_scale"] =

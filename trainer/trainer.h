@@ -73,6 +73,7 @@ struct Options {
   int64_t sample_every_n_epochs = 0;
   bool sample_at_first = false;
   std::string training_comment;
+  bool lowram = false;  // kohya's --lowram: accepted and written to the metadata, as kohya does
   // kohya's --max_token_length: captions of up to 75 tokens (one chunk), or 150 / 225 encoded in
   // chunks of 75 (models::ClipTextModelImpl::encode_chunked). Cached text is used only when the
   // cacher encoded it with the same length.
