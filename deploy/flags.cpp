@@ -155,6 +155,14 @@ std::string canonical(const std::string& name) {
 // refused naming it and why otherwise; it goes to no stage.
 bool take_foreign(const std::string& name, const std::string& value) {
   if (name == "save_state") return true;  // lorapipe run always saves states, for lorapipe resume
+  if (name == "resume") {
+    // kohya's way on: its --resume takes a state folder. A run folder holds its states here, and
+    // kohya's (accelerate's) state folders are not a lorapipe trainer's.
+    throw InputError("--resume" + (value.empty() ? std::string() : "=" + value) +
+                     ": lorapipe run starts a run; `lorapipe resume DIR` continues the run in DIR "
+                     "from its newest state (lorapipe-trainer --resume=STATE takes a state folder "
+                     "itself)");
+  }
   if (name == "console_log_file") {
     if (value.empty()) return true;
     throw InputError("--console_log_file=" + value +
@@ -167,7 +175,7 @@ bool take_foreign(const std::string& name, const std::string& value) {
 }
 
 void check_known(const std::string& name) {
-  if (name == "output" || name == "config" || name == "save_state" ||
+  if (name == "output" || name == "config" || name == "save_state" || name == "resume" ||
       name == "console_log_file" || find_flag(name) != nullptr ||
       kohya::find_foreign_flag(name) != nullptr) {
     return;
@@ -355,7 +363,7 @@ Settings parse_run_args(const std::vector<std::string>& args) {
     if (f == nullptr && name != "config" && name != "output") {  // a kohya flag lorapipe lacks
       if (name == "save_state") {
         value = eq == std::string::npos ? "true" : arg.substr(eq + 1);
-      } else if (name == "console_log_file") {
+      } else if (name == "console_log_file" || name == "resume") {
         value = eq != std::string::npos ? arg.substr(eq + 1) : i + 1 < args.size() ? args[++i] : "";
       } else {
         value = kohya::foreign_flag_value(*kohya::find_foreign_flag(name), args, i);

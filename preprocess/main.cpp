@@ -31,6 +31,7 @@ DEFINE_int32(max_bucket_reso, 1024, "Largest bucket side");
 DEFINE_int32(bucket_reso_steps, 64, "Bucket sides are multiples of this");
 DEFINE_bool(bucket_no_upscale, false, "Never upscale: buckets follow each image's size");
 DEFINE_string(caption_extension, "", "Caption file extension (default .caption, then .txt)");
+DEFINE_string(caption_extention, "", "kohya's old spelling of --caption_extension");
 DEFINE_string(class_tokens, "", "Caption for images directly in --data_dir without caption file");
 DEFINE_bool(flip_aug, false, "Also cache horizontally flipped latents");
 DEFINE_bool(random_crop, false, "Random instead of centre crop (fixed per image and --seed)");
@@ -111,8 +112,15 @@ int main(int argc, char** argv) {
     b.bucket_reso_steps = FLAGS_bucket_reso_steps;
     b.bucket_no_upscale = FLAGS_bucket_no_upscale;
     pp::SubsetOptions& s = options.defaults.subset;
-    if (!FLAGS_caption_extension.empty()) {
-      s.caption_extension = FLAGS_caption_extension;
+    if (!FLAGS_caption_extension.empty() && !FLAGS_caption_extention.empty() &&
+        FLAGS_caption_extension != FLAGS_caption_extention) {
+      throw lorapipe::InputError("--caption_extension=" + FLAGS_caption_extension +
+                                 " and --caption_extention=" + FLAGS_caption_extention +
+                                 " differ (--caption_extention is kohya's old spelling): give one");
+    }
+    if (!FLAGS_caption_extension.empty() || !FLAGS_caption_extention.empty()) {
+      s.caption_extension =
+          FLAGS_caption_extension.empty() ? FLAGS_caption_extention : FLAGS_caption_extension;
       s.caption_extension_set = true;
     }
     s.class_tokens = FLAGS_class_tokens;

@@ -519,6 +519,17 @@ TEST_F(LauncherFlags, KohyasConfigFileIsTakenAsKohyaReadsIt) {
   EXPECT_NE(err_.find("v2.toml: --v2=true: Stable Diffusion 2.x"), std::string::npos) << err_;
   EXPECT_EQ(lorapipe({"run", "--output=" + (work_ / "run").string(), "--color_aug"}), kExitError);
   EXPECT_NE(err_.find("--color_aug=true: "), std::string::npos) << err_;
+  // kohya's --resume takes a state folder; a run folder's states are lorapipe resume's.
+  EXPECT_EQ(lorapipe({"run", "--output=" + (work_ / "run").string(), "--resume", "/old/state"}),
+            kExitError);
+  EXPECT_NE(err_.find("--resume=/old/state: lorapipe run starts a run; `lorapipe resume DIR`"),
+            std::string::npos)
+      << err_;
+  std::ofstream(work_ / "resume.toml") << "resume = \"/old/state\"\n";
+  EXPECT_EQ(lorapipe({"run", "--config_file=" + (work_ / "resume.toml").string()}), kExitError);
+  EXPECT_NE(err_.find("resume.toml: --resume=/old/state: lorapipe run starts a run"),
+            std::string::npos)
+      << err_;
   EXPECT_FALSE(fs::exists(work_ / "run")) << "nothing may start on a refused flag";
 }
 
@@ -539,7 +550,9 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
   };
   // A stage's second name for a flag: the launcher takes it too, as the routed name.
   const std::map<Stage, std::map<std::string, std::string>> aliases = {
-      {Stage::kPreprocess, {{"train_data_dir", "data_dir"}}},  // kohya's name
+      {Stage::kPreprocess,
+       {{"train_data_dir", "data_dir"},                  // kohya's name
+        {"caption_extention", "caption_extension"}}},  // kohya's old spelling
   };
   for (const auto& [stage, names] : aliases) {
     for (const auto& [alias, name] : names) {

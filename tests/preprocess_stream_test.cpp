@@ -308,6 +308,26 @@ TEST_F(PreprocessStream, KohyaCaptionSeparatorsReachEverySample) {
   }
 }
 
+// kohya's old spelling, --caption_extention, still in many scripts, is taken as kohya takes it;
+// with the new spelling beside it, they must agree.
+TEST_F(PreprocessStream, KohyasOldCaptionExtentionSpellingIsTaken) {
+  // The demo's captions are .txt files: another extension leaves the folder's class token.
+  const Stream run = stream({"--caption_extention=.nothing"}, [](const std::string&) { return false; });
+  ASSERT_EQ(run.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  ASSERT_EQ(run.samples.size(), demo_.size());
+  for (const wire::ImageSample& s : run.samples) {
+    EXPECT_EQ(s.caption_source(), "class_tokens") << s.path();
+    EXPECT_EQ(s.caption(), "shapes") << s.path();
+  }
+  std::vector<std::string> both = preprocess_args(10000);
+  both.insert(both.end(), {"--caption_extention=.txt", "--caption_extension=.cap"});
+  EXPECT_EQ(wait_exit(spawn(both, dir_ / "stderr.txt")), 2);  // bad input (README's exit codes)
+  EXPECT_NE(read_text(dir_ / "stderr.txt")
+                .find("--caption_extension=.cap and --caption_extention=.txt differ"),
+            std::string::npos)
+      << read_text(dir_ / "stderr.txt");
+}
+
 // kohya's --in_json over --train_data_dir: the metadata's images (keys naming them below the
 // folder, without extension) with its captions and tags, each --dataset_repeats times, in a
 // subset named after the metadata file.
