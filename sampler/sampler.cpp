@@ -200,6 +200,21 @@ std::string run_name(const fs::path& lora) {
   return std::regex_replace(lora.stem().string(), suffix, "");
 }
 
+// The name a followed run's samples take: its --output_name. A run without one (its saves are
+// kohya's at-step…, epoch-… and last, and its metadata's ss_output_name is None) has none, and
+// kohya names its samples by their step alone.
+std::string followed_run_name(const fs::path& lora) {
+  try {
+    const auto meta = models::SafetensorsFile::open(lora).metadata();
+    if (const auto it = meta.find("ss_output_name"); it != meta.end() && it->second == "None") {
+      return "";
+    }
+  } catch (const std::exception&) {
+    // Unreadable: rendering it names what is wrong.
+  }
+  return run_name(lora);
+}
+
 class Sampler {
  public:
   explicit Sampler(const SamplerOptions& options) : o_(options) {
@@ -286,6 +301,7 @@ class Sampler {
   bool render_checkpoint_or_throw(const std::vector<std::pair<fs::path, double>>& loras,
                                   uint64_t step, const std::string& name) {
     MergedLoras merged;
+    const std::string prefix = name.empty() ? "" : name + "_";  // NAME_<step>_<index>.png
     std::vector<std::string> images;
     std::vector<VImage> tiles;
     const auto start = std::chrono::steady_clock::now();
@@ -304,9 +320,9 @@ class Sampler {
         const RenderRequest& r = prompts_.prompts[i];
         const RenderResult result = render(model_, r, render_options);
         char file_name[64];
-        std::snprintf(file_name, sizeof file_name, "_%06llu_%02d.png",
+        std::snprintf(file_name, sizeof file_name, "%06llu_%02d.png",
                       static_cast<unsigned long long>(step), r.index);
-        const fs::path path = o_.output_dir / "samples" / (name + file_name);
+        const fs::path path = o_.output_dir / "samples" / (prefix + file_name);
         VImage image = to_vips(result.image);
         write_png(path, image, parameters_text(r, model_.source, lora_names));
         images.push_back(path.filename().string());
@@ -328,9 +344,9 @@ class Sampler {
     }
     merged.restore();  // the base back before anything else can fail
     char sheet_name[64];
-    std::snprintf(sheet_name, sizeof sheet_name, "_%06llu_sheet.png",
+    std::snprintf(sheet_name, sizeof sheet_name, "%06llu_sheet.png",
                   static_cast<unsigned long long>(step));
-    const fs::path sheet = o_.output_dir / "samples" / (name + sheet_name);
+    const fs::path sheet = o_.output_dir / "samples" / (prefix + sheet_name);
     write_png(sheet,
               VImage::arrayjoin(
                   tiles, VImage::option()
@@ -437,7 +453,7 @@ class Sampler {
       const fs::path path = newest->path();
       rendered_any_ = true;
       last_step_ = newest->step();
-      if (render_checkpoint({{path, 1.0}}, newest->step(), run_name(path))) {
+      if (render_checkpoint({{path, 1.0}}, newest->step(), followed_run_name(path))) {
         ++summary_.checkpoints_rendered;
         if (pub) {
           wire::SampleReady ready;

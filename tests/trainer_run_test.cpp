@@ -276,7 +276,7 @@ void TrainRunTest::expect_resume_bit_exact(const std::vector<std::string>& extra
   auto with = common;
   with.insert(with.end(), {"--save_every_n_steps=20", "--save_state"});
   const pid_t pid = spawn(args(killed, with), killed / "trainer.out", killed / "trainer.err");
-  const fs::path state = killed / "state" / "tiny-step00000020";
+  const fs::path state = killed / "state" / "tiny-step00000020-state";
   for (int i = 0; i < 60000 && !fs::exists(state / "trainer.json"); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
@@ -630,8 +630,8 @@ TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
   EXPECT_FALSE(fs::exists(work_ / "lora" / "tiny-step00000006.safetensors"))
       << "the last step is the final save";
   // --save_last_n_steps_state=4 keeps the step-2 state that --save_last_n_steps=2 would remove.
-  EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-step00000002"));
-  EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-step00000004"));
+  EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-step00000002-state"));
+  EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-step00000004-state"));
   EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-state"));
   // kohya's sai_model_spec: the title is the same on every save, the flags' fields are added,
   // a thumbnail file becomes a data: URL.
@@ -917,6 +917,40 @@ TEST_F(TrainRunTest, SaveNEpochRatioSavesAsKohya) {
   EXPECT_FALSE(fs::exists(lora / "tiny-000006.safetensors")) << "the last epoch is the final save";
   EXPECT_TRUE(fs::exists(lora / "tiny.safetensors"));
   EXPECT_NE(read_text(work_ / "err").find("a LoRA every 2 epochs of 6"), std::string::npos);
+}
+
+// Without --output_name kohya names each kind of save apart (train_util's get_*_ckpt_name): step
+// saves at-stepNNNNNNNN, epoch saves epoch-NNNNNN, the final save last; each state is its save's
+// name and -state. The metadata says no name was given (ss_output_name None, a title of
+// "LoRA@" and the time, as kohya's sai_model_spec writes it).
+TEST_F(TrainRunTest, WithoutOutputNameSavesAreNamedAsKohyaNamesThem) {
+  const fs::path cache = work_ / "cache";
+  add_manifest(cache, "three", [](wire::Manifest& m) { keep_images(m, 3); });
+  std::vector<std::string> a = args(work_, {"--max_train_epochs=2", "--train_batch_size=1",
+                                            "--save_every_n_epochs=1", "--save_every_n_steps=2",
+                                            "--save_state"});
+  a[2] = "--cache_dir=" + cache.string();
+  a[3] = "--dataset_id=three";
+  a.erase(std::find(a.begin(), a.end(), "--output_name=tiny"));
+  const pid_t pid = spawn(a, work_ / "out", work_ / "err");
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");
+  // Three steps an epoch, six in all: steps 2 and 4, epoch 1 (step 3), and the final save.
+  std::set<std::string> loras, states;
+  for (const auto& f : fs::directory_iterator(work_ / "lora")) {
+    if (f.is_regular_file()) loras.insert(f.path().filename().string());
+  }
+  for (const auto& f : fs::directory_iterator(work_ / "state")) {
+    states.insert(f.path().filename().string());
+  }
+  EXPECT_EQ(loras, (std::set<std::string>{"at-step00000002.safetensors",
+                                          "at-step00000004.safetensors",
+                                          "epoch-000001.safetensors", "last.safetensors"}));
+  EXPECT_EQ(states, (std::set<std::string>{"at-step00000002-state", "at-step00000004-state",
+                                           "epoch-000001-state", "last-state"}));
+  const auto meta = models::SafetensorsFile::open(work_ / "lora" / "last.safetensors").metadata();
+  EXPECT_EQ(meta.at("ss_output_name"), "None");
+  EXPECT_TRUE(std::regex_match(meta.at("modelspec.title"), std::regex("LoRA@[0-9]+\\.[0-9]+")))
+      << meta.at("modelspec.title");
 }
 
 // --weighted_captions reads the A1111 attention syntax in captions. Three copies of the demo
@@ -1224,7 +1258,7 @@ TEST_F(TrainRunTest, NoMetadataKeepsKohyasMinimumAndTheEndStateIsSaved) {
   EXPECT_EQ(meta.at("ss_network_dim"), "4");
   EXPECT_EQ(meta.at("modelspec.title"), "tiny");
   EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-state"));
-  EXPECT_FALSE(fs::exists(work_ / "state" / "tiny-step00000001")) << "no --save_state";
+  EXPECT_FALSE(fs::exists(work_ / "state" / "tiny-step00000001-state")) << "no --save_state";
   const std::string log = read_text(work_ / "log.txt");
   EXPECT_NE(log.find("saved"), std::string::npos) << log;
   EXPECT_EQ(r.err.find("saved"), std::string::npos) << r.err;
@@ -1924,13 +1958,18 @@ TEST_F(SamplerWithTrainer, AShortRunsFinalCheckpointReachesASamplerStillStarting
              "--sample_prompts=" + (work_ / "prompts.txt").string(), "--output_dir=" + out.string(),
              "--sub=" + endpoint, "--device=cpu", "--threads=1", "--idle_timeout_s=60"},
             out / "sampler.out", out / "sampler.err");
-  const TrainRun r = run(out, {"--max_train_steps=1", "--pub=" + endpoint});
-  ASSERT_EQ(r.exit, 0) << r.err;
+  // Without --output_name (the final save is last.safetensors): kohya names such a run's samples
+  // by their step alone.
+  std::vector<std::string> a = args(out, {"--max_train_steps=1", "--pub=" + endpoint});
+  a.erase(std::find(a.begin(), a.end(), "--output_name=tiny"));
+  const pid_t trainer = spawn(a, out / "trainer.out", out / "trainer.err");
+  ASSERT_EQ(wait_exit(trainer), 0) << read_text(out / "trainer.err");
   ASSERT_EQ(wait_exit(sampler), 0) << read_text(out / "sampler.err");
   const std::string err = read_text(out / "sampler.err");
   EXPECT_NE(err.find("rendered the run's final checkpoint"), std::string::npos)
       << "the sampler never heard of the final checkpoint: " << err;
-  EXPECT_TRUE(fs::exists(out / "samples" / "tiny_000001_00.png")) << err;
+  EXPECT_TRUE(fs::exists(out / "samples" / "000001_00.png")) << err;
+  EXPECT_TRUE(fs::exists(out / "samples" / "000001_sheet.png")) << err;
 }
 #endif
 

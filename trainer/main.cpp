@@ -39,7 +39,8 @@ DEFINE_string(cache_dir, "",
 DEFINE_string(cacher, "", "Read records from a remote lorapipe-cacher --serve (tcp://host:port)");
 DEFINE_string(dataset_id, "", "The manifest preprocess and the cacher wrote");
 DEFINE_string(output_dir, "", "Run folder: lora/, state/, tensorboard/");
-DEFINE_string(output_name, "last", "LoRA file name (kohya's --output_name)");
+DEFINE_string(output_name, "",
+              "LoRA file name (kohya's --output_name; default: at-step…, epoch-… and last, as kohya)");
 DEFINE_string(save_precision, "float", "float, fp16 or bf16");
 DEFINE_int64(save_every_n_steps, 0, "Save a LoRA every N steps (NAME-step00000100.safetensors)");
 DEFINE_int64(save_every_n_epochs, 0, "Save a LoRA every N epochs (NAME-000002.safetensors)");

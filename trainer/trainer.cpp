@@ -112,6 +112,23 @@ std::string unix_time_now() {
   return python_float_repr(std::chrono::duration<double>(now).count());
 }
 
+// kohya's save names (train_util's get_step_ckpt_name and its kin), without the extension; the
+// state saved with one is named NAME-state (kohya's STEP_STATE_NAME and its kin). Without
+// --output_name each kind has its own name.
+std::string step_stem(const std::string& output_name, int64_t step) {
+  char suffix[32];
+  std::snprintf(suffix, sizeof suffix, "-step%08lld", static_cast<long long>(step));
+  return (output_name.empty() ? "at" : output_name) + suffix;
+}
+std::string epoch_stem(const std::string& output_name, int64_t epoch) {
+  char suffix[32];
+  std::snprintf(suffix, sizeof suffix, "-%06lld", static_cast<long long>(epoch));
+  return (output_name.empty() ? "epoch" : output_name) + suffix;
+}
+std::string last_stem(const std::string& output_name) {
+  return output_name.empty() ? "last" : output_name;
+}
+
 std::string iso_now() {
   const std::time_t now = std::time(nullptr);
   char buffer[32];
@@ -273,7 +290,7 @@ void validate(const Options& o) {
   need(!o.dataset_id.empty(),
        "--dataset_id is required (the manifest preprocess and the cacher wrote)");
   need(!o.output_dir.empty(), "--output_dir is required");
-  need(!o.output_name.empty() && o.output_name.find('/') == std::string::npos,
+  need(o.output_name.find('/') == std::string::npos,
        "--output_name='" + o.output_name + "' must be a plain file name");
   need(!o.dim_from_weights || !o.network_weights.empty(),
        "--dim_from_weights takes the ranks from --network_weights, which is unset");
@@ -834,7 +851,7 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   const int64_t batches = static_cast<int64_t>(scheduler_->batches_per_epoch());
   m["ss_session_id"] = run_id_;
   m["ss_training_started_at"] = training_started_at_;
-  m["ss_output_name"] = o_.output_name;
+  m["ss_output_name"] = o_.output_name.empty() ? "None" : o_.output_name;  // kohya's argument
   // Floats as kohya's str() writes them (Python's repr); None for an option not given.
   auto float_or_none = [](double v) { return v > 0 ? python_float_repr(v) : std::string("None"); };
   const auto& lr = s.optimizer_groups;
@@ -960,7 +977,8 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["modelspec.sai_model_spec"] = "1.0.1";
   m["modelspec.architecture"] = "stable-diffusion-v1/lora";
   m["modelspec.implementation"] = "diffusers";
-  m["modelspec.title"] = o_.output_name;
+  // kohya's: --metadata_title (below), else --output_name, else "LoRA@" and the time.
+  m["modelspec.title"] = o_.output_name.empty() ? "LoRA@" + unix_time_now() : o_.output_name;
   m["modelspec.date"] = iso_now().substr(0, 19);
   m["modelspec.prediction_type"] = s.v_prediction ? "v" : "epsilon";
   m["modelspec.resolution"] =
@@ -1150,9 +1168,7 @@ void Run::load_state(const fs::path& given) {
 void Run::save_for_samples(int64_t step) {
   if (!main_ || !pub_) return;  // nobody would render it
   const fs::path dir = o_.output_dir / "lora" / "sample_only";
-  char name[64];
-  std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(step));
-  save_lora(dir / (o_.output_name + name + ".safetensors"), step, false);
+  save_lora(dir / (step_stem(o_.output_name, step) + ".safetensors"), step, false);
   // The newest three stay: the sampler renders the newest, and one it is still reading is not
   // pulled from under it.
   std::vector<fs::path> files;
@@ -1171,16 +1187,8 @@ void Run::retain(int64_t step, int64_t epoch) {
   // by their own count.
   const fs::path lora_dir = o_.output_dir / "lora";
   const fs::path state_dir = o_.output_dir / "state";
-  auto step_name = [&](int64_t s) {
-    char name[32];
-    std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(s));
-    return o_.output_name + name;
-  };
-  auto epoch_name = [&](int64_t e) {
-    char name[32];
-    std::snprintf(name, sizeof name, "-%06lld", static_cast<long long>(e));
-    return o_.output_name + name;
-  };
+  auto step_name = [&](int64_t s) { return step_stem(o_.output_name, s); };
+  auto epoch_name = [&](int64_t e) { return epoch_stem(o_.output_name, e); };
   auto prune_steps = [&](int64_t last_n, const std::function<fs::path(int64_t)>& path) {
     if (step <= 0 || last_n <= 0 || o_.save_every_n_steps <= 0) return;
     for (int64_t s = step - last_n - 1; s > 0; --s) {  // kohya's rule, and what it left before
@@ -1197,12 +1205,12 @@ void Run::retain(int64_t step, int64_t epoch) {
   prune_steps(o_.save_last_n_steps,
               [&](int64_t s) { return lora_dir / (step_name(s) + ".safetensors"); });
   prune_steps(o_.save_last_n_steps_state > 0 ? o_.save_last_n_steps_state : o_.save_last_n_steps,
-              [&](int64_t s) { return state_dir / step_name(s); });
+              [&](int64_t s) { return state_dir / (step_name(s) + "-state"); });
   prune_epochs(o_.save_last_n_epochs,
                [&](int64_t e) { return lora_dir / (epoch_name(e) + ".safetensors"); });
   prune_epochs(o_.save_last_n_epochs_state > 0 ? o_.save_last_n_epochs_state
                                                : o_.save_last_n_epochs,
-               [&](int64_t e) { return state_dir / epoch_name(e); });
+               [&](int64_t e) { return state_dir / (epoch_name(e) + "-state"); });
 }
 
 void Run::publish_progress(double loss, double seconds_per_step, double wait_ms) {
@@ -1289,7 +1297,7 @@ Summary Run::train() {
 }
 
 Summary Run::train_steps() {
-  run_id_ = o_.output_name + "-" + std::to_string(std::time(nullptr));
+  run_id_ = last_stem(o_.output_name) + "-" + std::to_string(std::time(nullptr));
   training_started_at_ = unix_time_now();
   load_data();
   load_model();
@@ -1403,11 +1411,10 @@ Summary Run::train_steps() {
       const bool stop = ranks_ ? ranks_->sum(g_stop_requested ? 1.0 : 0.0) > 0 : g_stop_requested;
       if (stop) {
         stop_producer();
-        char name[64];
-        std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(global_step_));
-        summary.lora = o_.output_dir / "lora" / (o_.output_name + name + ".safetensors");
+        summary.lora =
+            o_.output_dir / "lora" / (step_stem(o_.output_name, global_step_) + ".safetensors");
         save_lora(summary.lora, global_step_, /*final=*/false);
-        summary.state = state_root / (o_.output_name + "-state");
+        summary.state = state_root / (last_stem(o_.output_name) + "-state");
         save_state(summary.state);
         LP_LOG(kInfo, kLog) << "interrupted at step " << global_step_ << " of " << max_steps_
                             << "; state saved in " << summary.state.string()
@@ -1457,7 +1464,7 @@ Summary Run::train_steps() {
         if (!prepared.error.empty()) {
           // The data went away (a remote cacher gone for longer than --timeout_s, a record
           // that vanished): keep what was trained.
-          const fs::path dir = state_root / (o_.output_name + "-state");
+          const fs::path dir = state_root / (last_stem(o_.output_name) + "-state");
           epoch_ = start_epoch, next_index_ = start_index;
           save_state(dir);
           throw Error(prepared.error + "; state saved in " + dir.string() +
@@ -1513,7 +1520,7 @@ Summary Run::train_steps() {
                                << (bad ? "loss is not finite" : "gradients are not finite")
                                << ", skipped (" << bad_in_a_row << " in a row)";
         if (bad_in_a_row >= o_.max_bad_steps) {
-          const fs::path dir = state_root / (o_.output_name + "-state");
+          const fs::path dir = state_root / (last_stem(o_.output_name) + "-state");
           save_state(dir);
           throw Error("stopping: " + std::to_string(bad_in_a_row) +
                       " steps in a row had a non-finite loss or gradient (--max_bad_steps); "
@@ -1535,24 +1542,21 @@ Summary Run::train_steps() {
       if (epoch_done && tensorboard_ && !losses_.empty()) {  // kohya's, at step = epoch
         tensorboard_->add_scalar("loss/epoch", losses_.moving_average(), epoch_);
       }
-      char name[64];
       bool saved = false;
       if (o_.save_every_n_steps > 0 && global_step_ % o_.save_every_n_steps == 0 &&
           global_step_ < max_steps_) {
         saved = true;
-        std::snprintf(name, sizeof name, "-step%08lld", static_cast<long long>(global_step_));
-        save_lora(o_.output_dir / "lora" / (o_.output_name + name + ".safetensors"), global_step_,
-                  false);
-        if (o_.save_state) save_state(state_root / (o_.output_name + name));
+        const std::string name = step_stem(o_.output_name, global_step_);
+        save_lora(o_.output_dir / "lora" / (name + ".safetensors"), global_step_, false);
+        if (o_.save_state) save_state(state_root / (name + "-state"));
         retain(global_step_, /*epoch=*/0);
       }
       if (epoch_done && o_.save_every_n_epochs > 0 && epoch_ % o_.save_every_n_epochs == 0 &&
           global_step_ < max_steps_) {
         saved = true;
-        std::snprintf(name, sizeof name, "-%06lld", static_cast<long long>(epoch_));
-        save_lora(o_.output_dir / "lora" / (o_.output_name + name + ".safetensors"), global_step_,
-                  false);
-        if (o_.save_state) save_state(state_root / (o_.output_name + name));
+        const std::string name = epoch_stem(o_.output_name, epoch_);
+        save_lora(o_.output_dir / "lora" / (name + ".safetensors"), global_step_, false);
+        if (o_.save_state) save_state(state_root / (name + "-state"));
         retain(/*step=*/0, epoch_);
       }
       // kohya's sample schedule: a save announces itself, and the final save ends the run.
@@ -1586,7 +1590,7 @@ Summary Run::train_steps() {
     // The step in progress is lost with the rank; rank 0 keeps everything before it.
     stop_producer();
     if (!main_) throw Error(e.what());
-    const fs::path dir = state_root / (o_.output_name + "-state");
+    const fs::path dir = state_root / (last_stem(o_.output_name) + "-state");
     epoch_ = start_epoch, next_index_ = start_index;
     save_state(dir);
     throw Error(std::string(e.what()) + "; state saved in " + dir.string() +
@@ -1614,10 +1618,10 @@ Summary Run::train_steps() {
       tensorboard_->add_scalar("loss/validation", summary.last_validation_loss, global_step_);
     }
   }
-  summary.lora = o_.output_dir / "lora" / (o_.output_name + ".safetensors");
+  summary.lora = o_.output_dir / "lora" / (last_stem(o_.output_name) + ".safetensors");
   save_lora(summary.lora, global_step_, /*final=*/true);
   if (o_.save_state || o_.save_state_on_train_end) {
-    save_state(state_root / (o_.output_name + "-state"));
+    save_state(state_root / (last_stem(o_.output_name) + "-state"));
   }
   // kohya saves a step file at the last step too when it is a save step, dropping an old one;
   // the final save stands in for it here. Epoch saves are kept as they are, as in kohya.

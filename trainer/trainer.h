@@ -38,7 +38,9 @@ struct Options {
   RankEnvironment ranks;
   // Output.
   std::filesystem::path output_dir;
-  std::string output_name = "last";
+  // kohya's --output_name. Empty (not given) names files as kohya does then: step saves
+  // "at-stepNNNNNNNN", epoch saves "epoch-NNNNNN", the final save and its state "last".
+  std::string output_name;
   std::string save_precision = "float";  // float, fp16, bf16
   int64_t save_every_n_steps = 0;
   int64_t save_every_n_epochs = 0;
