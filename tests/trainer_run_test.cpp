@@ -463,6 +463,59 @@ TEST_F(AdafactorTrainRun, LearnsWithKohyasPreset) {
                 "warmup_init=False)");
 }
 
+// kohya's block-wise network_args from the command line to the file and TensorBoard: block_dims
+// give each block's modules its rank (IN01: 1, IN02: 2, ...), block_alphas their .alpha; with
+// up_lr_weight=zeros no OUT block learns, so the file has no up-block module; each block with
+// modules logs its rate as kohya tags it (lr/unet_block1). The rule itself, block by block, is
+// TrainParity.BlockArgsShapeRanksAlphasAndRatesAsKohya's.
+TEST_F(TrainRunTest, BlockWiseNetworkArgsShapeTheFile) {
+  std::string dims, alphas;
+  for (int b = 0; b < 25; ++b) {
+    dims += (b ? "," : "") + std::to_string(b % 4 + 1);
+    alphas += (b ? "," : "") + std::to_string(b) + ".5";
+  }
+  const TrainRun r = run(work_, {"--max_train_steps=2", "--network_args", "block_dims=" + dims,
+                                 "block_alphas=" + alphas, "mid_lr_weight=0.5", "up_lr_weight=zeros"});
+  ASSERT_EQ(r.exit, 0) << r.err;
+  const auto tensors = lora(work_ / "lora" / "tiny.safetensors");
+  size_t down_modules = 0, mid_modules = 0;
+  for (const auto& [key, tensor] : tensors) {
+    if (!key.starts_with("lora_unet_") || !key.ends_with(".lora_down.weight")) continue;
+    EXPECT_EQ(key.find("up_blocks"), std::string::npos) << key << ": OUT blocks learn nothing";
+    const std::string name = key.substr(0, key.find('.'));
+    int block = 12;
+    if (name.starts_with("lora_unet_down_blocks_")) {
+      ++down_modules;
+      // lora_unet_down_blocks_I_(resnets|attentions)_J_...: IN(1 + 3I + J).
+      const std::smatch m = [&] {
+        std::smatch found;
+        std::regex_search(name, found, std::regex("down_blocks_([0-9])_(resnets|attentions)_([0-9])_"));
+        return found;
+      }();
+      ASSERT_FALSE(m.empty()) << name;
+      block = 1 + 3 * std::stoi(m[1].str()) + std::stoi(m[3].str());
+    } else {
+      ASSERT_TRUE(name.starts_with("lora_unet_mid_block_")) << name;
+      ++mid_modules;
+    }
+    EXPECT_EQ(tensor.size(0), block % 4 + 1) << name;
+    EXPECT_FLOAT_EQ(tensors.at(name + ".alpha").item<float>(), block + 0.5f) << name;
+  }
+  EXPECT_GT(down_modules, 0u);
+  EXPECT_GT(mid_modules, 0u);
+  const nlohmann::json read = tensorboard_events(work_);
+  std::map<std::string, double> last;
+  for (const auto& scalar : read["scalars"]) {
+    last[scalar["tag"].get<std::string>()] = scalar["value"].get<double>();
+  }
+  EXPECT_TRUE(last.count("lr/unet_block1")) << read.dump();
+  EXPECT_TRUE(last.count("lr/unet_block12")) << read.dump();
+  EXPECT_FALSE(last.count("lr/unet")) << "one group for each block, none for the whole U-Net";
+  EXPECT_FALSE(last.count("lr/unet_block13")) << "OUT00 has no module";
+  const auto meta = models::SafetensorsFile::open(work_ / "lora" / "tiny.safetensors").metadata();
+  EXPECT_EQ(nlohmann::json::parse(meta.at("ss_network_args"))["up_lr_weight"], "zeros");
+}
+
 // Every key maps onto a module of the base model; shapes and metadata are kohya's.
 TEST_F(TrainRunTest, LoraFileIsKohyas) {
   const TrainRun r =

@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <numbers>
+#include <regex>
 #include <set>
 
 #include "common/error.h"
@@ -30,7 +32,166 @@ std::string list_some(const std::vector<std::string>& names) {
   return out;
 }
 
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  for (;;) {
+    const size_t comma = text.find(',', start);
+    out.push_back(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (comma == std::string::npos) return out;
+    start = comma + 1;
+  }
+}
+
+double parse_number(const std::string& key, const std::string& item, const std::string& whole) {
+  try {
+    size_t used = 0;
+    const double v = std::stod(item, &used);
+    if (used == item.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw InputError("--network_args '" + key + "=" + whole + "': '" + item + "' is not a number");
+}
+
+// A per-block list (block_dims and kin): exactly kKohyaBlocks numbers.
+std::vector<double> block_list(const std::string& key, const std::string& value) {
+  std::vector<double> out;
+  for (const std::string& item : split_commas(value)) out.push_back(parse_number(key, item, value));
+  if (out.size() != kKohyaBlocks) {
+    throw InputError("--network_args '" + key + "=" + value + "': " + std::to_string(out.size()) +
+                     " values, where SD1.x's U-Net has " + std::to_string(kKohyaBlocks) +
+                     " blocks (IN00-IN11, MID, OUT00-OUT11)");
+  }
+  return out;
+}
+
 }  // namespace
+
+int kohya_block_index(const std::string& lora_name) {
+  static const std::regex updown("(up|down)_blocks_(\\d+)_(resnets|upsamplers|downsamplers|attentions)_(\\d+)_");
+  std::smatch m;
+  if (std::regex_search(lora_name, m, updown)) {
+    const int i = std::stoi(m[2].str()), j = std::stoi(m[4].str());
+    const int index = m[3] == "resnets" || m[3] == "attentions" ? 3 * i + j : 3 * i + 2;
+    return m[1] == "down" ? 1 + index : 13 + index;
+  }
+  if (lora_name.find("mid_block_") != std::string::npos) return 12;
+  return -1;
+}
+
+std::vector<std::string> resolve_block_args(const BlockArgs& args, NetworkOptions& options) {
+  std::vector<std::string> warnings;
+  const auto given = [&](const char* key) { return args.values.count(key) > 0; };
+  // The learning-rate weights: down (12) + mid (1) + up (12).
+  std::vector<double> lr_weight;
+  if (given("down_lr_weight") || given("mid_lr_weight") || given("up_lr_weight")) {
+    constexpr size_t kSide = 12, kMid = 1;
+    auto side = [&](const char* key, size_t length) -> std::vector<double> {
+      if (!given(key)) return std::vector<double>(length, 1.0);
+      const std::string& value = args.values.at(key);
+      std::vector<double> w;
+      if (value.find(',') != std::string::npos || length == kMid) {
+        for (const std::string& item : split_commas(value)) {
+          w.push_back(item.empty() ? 0.0 : parse_number(key, item, value));  // kohya: empty is 0
+        }
+      } else {
+        // A curve over the side's 12 blocks, shallow to deep (kohya's get_list).
+        const size_t plus = value.find('+');
+        const std::string name = value.substr(0, plus);
+        const double base =
+            plus == std::string::npos ? 0.0 : parse_number(key, value.substr(plus + 1), value);
+        for (size_t i = 0; i < length; ++i) {
+          const double x = static_cast<double>(i) / static_cast<double>(length - 1);
+          const double r = static_cast<double>(length - 1 - i) / static_cast<double>(length - 1);
+          if (name == "cosine") {
+            w.push_back(std::sin(std::numbers::pi * r / 2) + base);
+          } else if (name == "sine") {
+            w.push_back(std::sin(std::numbers::pi * x / 2) + base);
+          } else if (name == "linear") {
+            w.push_back(x + base);
+          } else if (name == "reverse_linear") {
+            w.push_back(r + base);
+          } else if (name == "zeros") {
+            w.push_back(0.0 + base);
+          } else {
+            throw InputError("--network_args '" + std::string(key) + "=" + value +
+                             "': expected comma-separated weights, or cosine, sine, linear, "
+                             "reverse_linear or zeros (with an optional +base)");
+          }
+        }
+      }
+      if (w.size() != length) {
+        warnings.push_back(std::string(key) + " has " + std::to_string(w.size()) +
+                           " weights for " + std::to_string(length) + " blocks: " +
+                           (w.size() > length ? "the rest are ignored" : "the missing ones are 1") +
+                           ", as kohya does");
+        w.resize(length, 1.0);
+      }
+      for (double& x : w) {
+        if (!(x > args.zero_threshold)) x = 0;  // kohya: at most block_lr_zero_threshold is 0
+      }
+      return w;
+    };
+    lr_weight = side("down_lr_weight", kSide);
+    const std::vector<double> mid = side("mid_lr_weight", kMid);
+    const std::vector<double> up = side("up_lr_weight", kSide);
+    lr_weight.insert(lr_weight.end(), mid.begin(), mid.end());
+    lr_weight.insert(lr_weight.end(), up.begin(), up.end());
+  }
+  if (!given("block_dims") && lr_weight.empty()) {
+    for (const char* key : {"block_alphas", "conv_block_dims", "conv_block_alphas"}) {
+      if (given(key)) {
+        warnings.push_back(std::string(key) +
+                           " is ignored without block_dims or a *_lr_weight, as kohya ignores it");
+      }
+    }
+    return warnings;
+  }
+  auto ranks = [](const std::string& key, const std::vector<double>& values) {
+    std::vector<int64_t> out;
+    for (double v : values) {
+      if (v < 0 || v != std::floor(v)) {
+        throw InputError("--network_args " + key + ": ranks are whole numbers >= 0, not " +
+                         std::to_string(v));
+      }
+      out.push_back(static_cast<int64_t>(v));
+    }
+    return out;
+  };
+  options.block_dims = given("block_dims")
+                           ? ranks("block_dims", block_list("block_dims", args.values.at("block_dims")))
+                           : std::vector<int64_t>(kKohyaBlocks, options.dim);
+  options.block_alphas = given("block_alphas")
+                             ? block_list("block_alphas", args.values.at("block_alphas"))
+                             : std::vector<double>(kKohyaBlocks, options.alpha);
+  if (given("conv_block_dims")) {
+    options.conv_block_dims =
+        ranks("conv_block_dims", block_list("conv_block_dims", args.values.at("conv_block_dims")));
+    options.conv_block_alphas =
+        given("conv_block_alphas")
+            ? block_list("conv_block_alphas", args.values.at("conv_block_alphas"))
+            : std::vector<double>(kKohyaBlocks, options.conv_alpha);
+  } else if (options.conv_dim > 0) {
+    options.conv_block_dims.assign(kKohyaBlocks, options.conv_dim);
+    options.conv_block_alphas.assign(kKohyaBlocks, options.conv_alpha);
+  } else if (given("conv_block_alphas")) {
+    warnings.push_back("conv_block_alphas is ignored without conv_block_dims or conv_dim, as kohya "
+                       "ignores it");
+  }
+  for (const std::vector<double>* alphas : {&options.block_alphas, &options.conv_block_alphas}) {
+    for (double a : *alphas) {
+      if (a < 0) throw InputError("--network_args block alphas must be >= 0, not " + std::to_string(a));
+    }
+  }
+  // kohya's remove_block_dims_and_alphas: a block that does not learn has no module.
+  for (size_t i = 0; i < lr_weight.size(); ++i) {
+    if (lr_weight[i] != 0) continue;
+    options.block_dims[i] = 0;
+    if (!options.conv_block_dims.empty()) options.conv_block_dims[i] = 0;
+  }
+  options.block_lr_weight = std::move(lr_weight);
+  return warnings;
+}
 
 LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptions& options,
                          at::Generator generator)
@@ -49,8 +210,14 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
     }
   }
   const auto& from_weights = options.ranks_from_weights;
-  std::vector<models::LoraTarget> targets =
-      model.lora_targets(/*with_text_encoder=*/true, options.conv_dim > 0 || !from_weights.empty());
+  const bool blocks = !options.block_dims.empty();
+  if (blocks && !from_weights.empty()) {
+    throw InputError("block-wise network_args (block_dims, *_lr_weight) shape a new network; "
+                     "--dim_from_weights takes the ranks of --network_weights instead");
+  }
+  std::vector<models::LoraTarget> targets = model.lora_targets(
+      /*with_text_encoder=*/true,
+      options.conv_dim > 0 || !options.conv_block_dims.empty() || !from_weights.empty());
   for (models::LoraTarget& target : targets) {
     // kohya's apply_to drops the modules of a side that does not train.
     if (!(target.text_encoder ? options.train_text_encoder : options.train_unet)) {
@@ -60,6 +227,20 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
     const bool kxk = target.is_conv_kxk();
     int64_t rank = kxk ? options.conv_dim : options.dim;
     double alpha = kxk ? options.conv_alpha : options.alpha;
+    if (blocks && !target.text_encoder) {
+      // kohya's block-wise ranks; a name outside every block is Python's index -1, the last.
+      const int index = kohya_block_index(target.name);
+      const size_t b = index < 0 ? kKohyaBlocks - 1 : static_cast<size_t>(index);
+      if (b >= kKohyaBlocks) throw Error(target.name + ": block " + std::to_string(b) + " of 25");
+      if (!kxk) {
+        rank = options.block_dims[b], alpha = options.block_alphas[b];
+      } else if (!options.conv_block_dims.empty()) {
+        rank = options.conv_block_dims[b], alpha = options.conv_block_alphas[b];
+      } else {
+        rank = 0;
+      }
+      if (rank == 0) continue;  // kohya builds no module for a block of rank 0
+    }
     if (!from_weights.empty()) {
       const auto it = from_weights.find(target.name);
       if (it == from_weights.end()) continue;  // not in the file: kohya builds no module

@@ -35,7 +35,40 @@ struct NetworkOptions {
   // included where the file has them), and dim, alpha and conv_dim above are not used: the
   // file's alphas come with load().
   std::map<std::string, int64_t> ranks_from_weights;
+  // kohya's block-wise network_args (resolve_block_args): a rank and alpha per U-Net block for
+  // the Linear and 1x1 modules (block_dims/block_alphas) and for the kxk convs
+  // (conv_block_dims/conv_block_alphas), and a learning-rate weight per block
+  // (down/mid/up_lr_weight). Each has kKohyaBlocks items, or none (not in use). A block of rank 0
+  // builds no module. The text encoder's modules keep dim and alpha.
+  std::vector<int64_t> block_dims, conv_block_dims;
+  std::vector<double> block_alphas, conv_block_alphas;
+  std::vector<double> block_lr_weight;
 };
+
+// SD1.x's U-Net as kohya's block-wise arguments count it: IN00-IN11, MID, OUT00-OUT11.
+inline constexpr size_t kKohyaBlocks = 25;
+
+// kohya's get_block_index for an SD1.x module name ("lora_unet_down_blocks_1_attentions_0_..."):
+// down block i's resnet or attention j is block 1 + 3i + j and its downsampler 1 + 3i + 2; the
+// mid block is 12; up block i's are 13 + 3i + j (its upsampler 13 + 3i + 2). -1 for a name
+// outside those blocks.
+int kohya_block_index(const std::string& lora_name);
+
+// The raw block-wise network_args, by key, as kohya's create_network takes them.
+struct BlockArgs {
+  std::map<std::string, std::string> values;  // block_dims, block_alphas, conv_block_dims,
+                                              // conv_block_alphas, down/mid/up_lr_weight
+  double zero_threshold = 0;                  // block_lr_zero_threshold
+};
+
+// kohya's create_network for the block-wise arguments: when block_dims or a *_lr_weight is
+// given, every block gets dim/alpha (network_dim/network_alpha where block_dims/block_alphas are
+// not given), kxk convs conv_block_dims/alphas (or conv_dim/conv_alpha, or none), and blocks
+// whose weight is 0 (or at most block_lr_zero_threshold) no module. Lists must have 25 items;
+// a *_lr_weight is 12 (1 for mid) comma-separated weights, padded with 1 or cut as kohya does,
+// or a curve: cosine, sine, linear, reverse_linear, zeros (each with an optional +base). Fills
+// `options`' block fields; throws InputError naming the argument. Returns warnings to log.
+std::vector<std::string> resolve_block_args(const BlockArgs& args, NetworkOptions& options);
 
 // The rank of each module of a LoRA file (NAME -> rows of NAME.lora_down.weight), for
 // NetworkOptions::ranks_from_weights. Throws InputError naming the file when it holds none.

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
 
 #include "common/error.h"
 #include "models/diffusion_model.h"
@@ -68,9 +69,27 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
               o.text_encoder_lr >= 0 ? o.text_encoder_lr : o.learning_rate, "text_encoder",
               o.loraplus_text_encoder_lr_ratio);
   }
-  if (network.options().train_unet) {
-    add_group(network.unet_parameters(), o.unet_lr >= 0 ? o.unet_lr : o.learning_rate, "unet",
-              o.loraplus_unet_lr_ratio);
+  const double unet_lr = o.unet_lr >= 0 ? o.unet_lr : o.learning_rate;
+  const std::vector<double>& block_lr_weight = network.options().block_lr_weight;
+  if (network.options().train_unet && block_lr_weight.empty()) {
+    add_group(network.unet_parameters(), unet_lr, "unet", o.loraplus_unet_lr_ratio);
+  } else if (network.options().train_unet) {
+    // kohya's block learning rates (prepare_optimizer_params with block_lr): a group for each
+    // block, in the order the blocks' first modules come, at the U-Net's rate times its weight.
+    std::vector<int> order;
+    std::map<int, std::vector<at::Tensor>> by_block;
+    for (const LoraNetwork::Module& m : network.modules()) {
+      if (m.target.text_encoder) continue;
+      const int index = kohya_block_index(m.target.name);
+      const int b = index < 0 ? static_cast<int>(kKohyaBlocks) - 1 : index;  // Python's [-1]
+      if (!by_block.count(b)) order.push_back(b);
+      by_block[b].push_back(m.adapter->down);
+      by_block[b].push_back(m.adapter->up);
+    }
+    for (int b : order) {
+      add_group(std::move(by_block[b]), unet_lr * block_lr_weight.at(b),
+                "unet_block" + std::to_string(b), o.loraplus_unet_lr_ratio);
+    }
   }
   if (groups.empty()) throw InputError("nothing to train: the LoRA has no trainable module");
   for (const ParamGroup& g : groups) initial_lrs_.push_back(g.lr);

@@ -16,9 +16,11 @@
 #include <torch/torch.h>
 
 #include <fstream>
+#include <numbers>
 #include <nlohmann/json.hpp>
 
 #include "cacher/encode.h"
+#include "common/error.h"
 #include "models/attention.h"
 #include "models/float8.h"
 #include "models/parity_util.h"
@@ -406,6 +408,138 @@ TEST_F(TrainParity, LoraPlusPutsTheUpMatricesInGroupsAtTheRatio) {
     EXPECT_NEAR(moved.min().item<double>(), lr, 1.1e-2 * lr) << name;
     EXPECT_NEAR(moved.max().item<double>(), lr, 1.1e-2 * lr) << name;
   }
+}
+
+// kohya's block-wise network_args (networks/lora.py create_network): a rank and alpha per U-Net
+// block, a learning-rate weight per block, and no module where either is 0. The blocks are
+// kohya's for SD1.x (IN00-IN11, MID, OUT00-OUT11), written out here for every module the tiny
+// U-Net has (three down and three up blocks, as SD1.5's first three); the text encoder keeps
+// --network_dim and --network_alpha.
+TEST_F(TrainParity, BlockArgsShapeRanksAlphasAndRatesAsKohya) {
+  const std::vector<std::pair<std::string, int>> blocks = {
+      {"down_blocks_0_resnets_0_", 1},     {"down_blocks_0_attentions_0_", 1},
+      {"down_blocks_0_resnets_1_", 2},     {"down_blocks_0_attentions_1_", 2},
+      {"down_blocks_0_downsamplers_0_", 3}, {"down_blocks_1_resnets_0_", 4},
+      {"down_blocks_1_attentions_0_", 4},  {"down_blocks_1_resnets_1_", 5},
+      {"down_blocks_1_attentions_1_", 5},  {"down_blocks_1_downsamplers_0_", 6},
+      {"down_blocks_2_resnets_0_", 7},     {"down_blocks_2_resnets_1_", 8},
+      {"mid_block_", 12},                  {"up_blocks_0_resnets_0_", 13},
+      {"up_blocks_0_resnets_1_", 14},      {"up_blocks_0_resnets_2_", 15},
+      {"up_blocks_0_upsamplers_0_", 15},   {"up_blocks_1_resnets_0_", 16},
+      {"up_blocks_1_attentions_0_", 16},   {"up_blocks_1_resnets_1_", 17},
+      {"up_blocks_1_attentions_1_", 17},   {"up_blocks_1_resnets_2_", 18},
+      {"up_blocks_1_attentions_2_", 18},   {"up_blocks_1_upsamplers_0_", 18},
+      {"up_blocks_2_resnets_0_", 19},      {"up_blocks_2_attentions_0_", 19},
+      {"up_blocks_2_resnets_1_", 20},      {"up_blocks_2_attentions_1_", 20},
+      {"up_blocks_2_resnets_2_", 21},      {"up_blocks_2_attentions_2_", 21}};
+  auto block_of = [&](const std::string& name) {
+    for (const auto& [part, block] : blocks) {
+      if (name.starts_with("lora_unet_" + part)) return block;
+    }
+    ADD_FAILURE() << name << " is in no block of the table";
+    return -1;
+  };
+  // Ranks 1-5 by block, block 5 (IN05) of rank 0; alphas b + 0.5.
+  std::vector<int64_t> dims(kKohyaBlocks);
+  std::string dims_arg, alphas_arg;
+  for (size_t b = 0; b < kKohyaBlocks; ++b) {
+    dims[b] = b == 5 ? 0 : static_cast<int64_t>(b % 5 + 1);
+    dims_arg += (b ? "," : "") + std::to_string(dims[b]);
+    alphas_arg += (b ? "," : "") + std::to_string(b) + ".5";
+  }
+  // Down weights with an empty item (kohya reads it as 0: IN03, the first downsampler, learns
+  // nothing and has no module), MID x2, and the
+  // up side a sine curve over OUT00-OUT11 plus 0.05: OUT00 is 0.05, under the 0.1 threshold.
+  BlockArgs args;
+  args.values = {{"block_dims", dims_arg},
+                 {"block_alphas", alphas_arg},
+                 {"down_lr_weight", "1,1,0.5,,1,1,1,1,1,1,1,1"},
+                 {"mid_lr_weight", "2"},
+                 {"up_lr_weight", "sine+0.05"}};
+  args.zero_threshold = 0.1;
+  NetworkOptions net;
+  net.dim = 4;
+  net.alpha = 2;
+  net.conv_dim = 2;  // kxk convs: conv_dim and conv_alpha in every block (no conv_block_dims)
+  net.conv_alpha = 1;
+  EXPECT_TRUE(resolve_block_args(args, net).empty());
+  std::vector<double> weight(kKohyaBlocks, 1.0);
+  weight[2] = 0.5, weight[3] = 0;  // down_lr_weight's items are IN00-IN11
+  weight[12] = 2;
+  for (int i = 0; i < 12; ++i) {
+    const double w = std::sin(std::numbers::pi * (i / 11.0) / 2) + 0.05;
+    weight[13 + i] = w > 0.1 ? w : 0;
+  }
+  ASSERT_EQ(net.block_lr_weight.size(), kKohyaBlocks);
+  for (size_t b = 0; b < kKohyaBlocks; ++b) {
+    EXPECT_DOUBLE_EQ(net.block_lr_weight[b], weight[b]) << "block " << b;
+  }
+
+  models::StableDiffusion model = load();
+  LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(7));
+  std::map<std::string, const LoraNetwork::Module*> built;
+  for (const auto& m : network.modules()) built[m.target.name] = &m;
+  size_t expected_modules = 0;
+  for (const models::LoraTarget& target : model.lora_targets(true, true)) {
+    int64_t rank = net.dim;
+    double alpha = net.alpha;
+    if (!target.text_encoder) {
+      const int b = block_of(target.name);
+      if (b < 0) continue;
+      rank = target.is_conv_kxk() ? 2 : dims[b];
+      alpha = target.is_conv_kxk() ? 1.0 : b + 0.5;
+      if (weight[b] == 0) rank = 0;  // a block that does not learn has no module
+    }
+    const auto it = built.find(target.name);
+    if (rank == 0) {
+      EXPECT_EQ(it, built.end()) << target.name << " has a module in a block that has none";
+      continue;
+    }
+    ++expected_modules;
+    ASSERT_NE(it, built.end()) << target.name;
+    EXPECT_EQ(it->second->adapter->rank(), rank) << target.name;
+    EXPECT_DOUBLE_EQ(it->second->alpha, alpha) << target.name;
+    EXPECT_DOUBLE_EQ(it->second->adapter->scale, alpha / rank) << target.name;
+  }
+  EXPECT_EQ(network.modules().size(), expected_modules);
+
+  // A group for each block with modules, in module order, at the U-Net's rate times its weight.
+  StepOptions o;
+  o.optimizer_groups.learning_rate = 1e-3;
+  o.optimizer_groups.text_encoder_lr = 5e-5;
+  TrainingStep step(model, network, o);
+  std::vector<std::string> names = {"text_encoder"};
+  std::vector<double> rates = {5e-5};
+  for (const auto& m : network.modules()) {
+    if (m.target.text_encoder) continue;
+    const int b = block_of(m.target.name);
+    const std::string name = "unet_block" + std::to_string(b);
+    if (std::find(names.begin(), names.end(), name) != names.end()) continue;
+    names.push_back(name);
+    rates.push_back(1e-3 * weight[b]);
+  }
+  EXPECT_EQ(step.group_names(), names);
+  for (size_t g = 0; g < rates.size(); ++g) {
+    EXPECT_DOUBLE_EQ(step.optimizer().lr(g), rates[g]) << names[g];
+  }
+
+  // What kohya stops on, named; and what it ignores, said.
+  NetworkOptions other;
+  args.values = {{"block_dims", "1,2,3"}};
+  try {
+    resolve_block_args(args, other);
+    ADD_FAILURE() << "block_dims of 3 values taken";
+  } catch (const lorapipe::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("block_dims=1,2,3': 3 values"), std::string::npos)
+        << e.what();
+  }
+  args.values = {{"up_lr_weight", "0.5"}};  // one weight needs a comma, or it names a curve
+  EXPECT_THROW(resolve_block_args(args, other), lorapipe::InputError);
+  args.values = {{"conv_block_dims", dims_arg}};
+  const std::vector<std::string> warnings = resolve_block_args(args, other);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_NE(warnings[0].find("conv_block_dims is ignored"), std::string::npos) << warnings[0];
+  EXPECT_TRUE(other.block_dims.empty());
 }
 
 // --weighted_captions past 75 tokens: kohya weighs the long-prompt states chunk by chunk,

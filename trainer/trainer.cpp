@@ -246,11 +246,18 @@ struct PreparedBatch {
 }  // namespace
 
 void apply_network_args(Options& options) {
+  BlockArgs blocks;
   for (const std::string& arg : options.network_args) {
     const size_t eq = arg.find('=');
     if (eq == std::string::npos)
       throw InputError("--network_args '" + arg + "': expected key=value");
     const std::string key = arg.substr(0, eq), value = arg.substr(eq + 1);
+    if (key == "block_dims" || key == "block_alphas" || key == "conv_block_dims" ||
+        key == "conv_block_alphas" || key == "down_lr_weight" || key == "mid_lr_weight" ||
+        key == "up_lr_weight") {
+      blocks.values[key] = value;  // lists and curves: resolve_block_args reads them
+      continue;
+    }
     double v = 0;
     try {
       size_t used = 0;
@@ -273,12 +280,20 @@ void apply_network_args(Options& options) {
       options.step.optimizer_groups.loraplus_unet_lr_ratio = v;
     } else if (key == "loraplus_text_encoder_lr_ratio") {
       options.step.optimizer_groups.loraplus_text_encoder_lr_ratio = v;
+    } else if (key == "block_lr_zero_threshold") {
+      blocks.zero_threshold = v;
     } else {
       throw InputError("--network_args '" + arg + "': unknown argument '" + key +
                        "' (known: conv_dim, conv_alpha, rank_dropout, module_dropout, "
                        "loraplus_lr_ratio, loraplus_unet_lr_ratio, "
-                       "loraplus_text_encoder_lr_ratio)");
+                       "loraplus_text_encoder_lr_ratio, block_dims, block_alphas, "
+                       "conv_block_dims, conv_block_alphas, down_lr_weight, mid_lr_weight, "
+                       "up_lr_weight, block_lr_zero_threshold)");
     }
+  }
+  // After the loop: conv_dim and conv_alpha may come after the block lists.
+  for (const std::string& warning : resolve_block_args(blocks, options.network)) {
+    LP_LOG(kWarning, kLog) << "--network_args: " << warning;
   }
 }
 
@@ -1222,11 +1237,13 @@ void Run::publish_progress(double loss, double seconds_per_step, double wait_ms)
   if (tensorboard_) {
     tensorboard_->add_scalar("loss/current", loss, global_step_);
     tensorboard_->add_scalar("loss/average", average, global_step_);
-    // kohya's tags, so a run shows beside kohya's in one TensorBoard: lr/textencoder, lr/unet.
+    // kohya's tags, so a run shows beside kohya's in one TensorBoard: lr/textencoder, lr/unet,
+    // lr/unet_block5 with block learning rates, and "lr/unet plus" for LoRA+'s up matrices.
     const std::vector<std::string>& groups = step_->group_names();
     for (size_t g = 0; g < groups.size(); ++g) {
       std::string tag = groups[g];
       if (tag.starts_with("text_encoder")) tag.replace(0, 12, "textencoder");
+      if (tag.ends_with("_plus")) tag.replace(tag.size() - 5, 5, " plus");
       tensorboard_->add_scalar("lr/" + tag, step_->optimizer().lr(g), global_step_);
       if (const auto adapted = step_->optimizer().adapted_lr(g)) {  // Prodigy: kohya's d*lr
         tensorboard_->add_scalar("lr/d*lr/" + tag, *adapted, global_step_);

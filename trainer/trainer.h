@@ -149,7 +149,9 @@ void validate(const Options& options);
 Summary train(const Options& options);
 
 // Fills network and optimizer options from kohya's --network_args ("conv_dim=4",
-// "conv_alpha=1", "rank_dropout=0.1", "module_dropout=0.1", "loraplus_lr_ratio=16").
+// "conv_alpha=1", "rank_dropout=0.1", "module_dropout=0.1", "loraplus_lr_ratio=16", and the
+// block-wise "block_dims=...", "down_lr_weight=..." of resolve_block_args). Call it once, after
+// --network_dim/--network_alpha are set: unset blocks take those.
 void apply_network_args(Options& options);
 
 }  // namespace lorapipe::trainer
