@@ -60,13 +60,23 @@ int main(int argc, char** argv) {
       return l::run(settings, {own_folder(), state, /*start_over=*/state.empty()}, std::cout);
     }
     if (command == "status") {
-      if (args.empty()) throw lorapipe::InputError("lorapipe status DIR: the run folder is needed");
+      // `lorapipe status DIR [--json]`, the flag before or after the folder.
       bool json = false;
-      for (size_t i = 1; i < args.size(); ++i) {
-        if (args[i] != "--json") throw lorapipe::InputError("unknown flag " + args[i]);
-        json = true;
+      std::vector<std::string> dirs;
+      for (const std::string& arg : args) {
+        if (arg == "--json") {
+          json = true;
+        } else if (arg.starts_with("--")) {
+          throw lorapipe::InputError("lorapipe status: unknown flag " + arg + " (it takes --json)");
+        } else {
+          dirs.push_back(arg);
+        }
       }
-      std::cout << l::status(args[0], json);
+      if (dirs.size() != 1) {
+        throw lorapipe::InputError("lorapipe status DIR [--json]: one run folder is needed, not " +
+                                   std::to_string(dirs.size()));
+      }
+      std::cout << l::status(dirs[0], json);
       return l::kExitOk;
     }
     std::cerr << "lorapipe: unknown command '" << command << "'\n" << kUsage;

@@ -226,7 +226,8 @@ void Supervisor::prepare_folder() {
   // (the sampler skips steps it has rendered): the folder belongs to one run and its resumes.
   if (o_.resume.empty() && !o_.start_over && fs::exists(dir_ / "events.jsonl")) {
     throw InputError(dir_.string() + " already holds a run: `lorapipe resume " + dir_.string() +
-                     "` continues it; a new run needs another --output");
+                     "` continues it (flags after the folder change its settings, as for a run "
+                     "that failed on one); a new run needs another --output");
   }
   for (const char* sub : {"lora", "samples", "state", "tensorboard", "logs"}) {
     fs::create_directories(dir_ / sub);
@@ -291,6 +292,9 @@ void Supervisor::apply_demo_defaults() {
   };
   for (const auto& [name, value] : defaults) {
     if (name == "data_dir" && (s_.has("dataset_config") || s_.has("in_json"))) continue;
+    // The demo's buckets suit its 128 px; at a resolution of the user's, preprocess's own
+    // (kohya's) bucket range applies, not one the user never set.
+    if ((name == "min_bucket_reso" || name == "max_bucket_reso") && s_.has("resolution")) continue;
     if (!s_.has(name)) s_.set(name, value);
   }
 }

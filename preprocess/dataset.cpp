@@ -797,7 +797,19 @@ Discovery discover_toml(const fs::path& config, const Defaults& defaults) {
     std::vector<SubsetOptions> kept;
     for (SubsetOptions& subset : subsets) {
       for (fs::path* path : {&subset.image_dir, &subset.metadata_file}) {
-        if (!path->empty() && path->is_relative()) *path = config.parent_path() / *path;
+        if (path->empty() || path->is_relative() == false) continue;
+        // Relative to the TOML's folder; where nothing is there but the path names something
+        // from the working folder, that one, as kohya (Python's open) reads it.
+        const fs::path beside_config = fs::absolute(config.parent_path() / *path);
+        std::error_code ec;
+        if (!fs::exists(beside_config, ec) && fs::exists(*path, ec)) {
+          LP_LOG(kInfo, kLog) << config.string() << ": " << path->string()
+                              << " is read from the working folder, as kohya reads it ("
+                              << beside_config.string() << " does not exist)";
+          *path = fs::absolute(*path);
+        } else {
+          *path = beside_config;
+        }
       }
       const fs::path& source =
           subset.metadata_file.empty() ? subset.image_dir : subset.metadata_file;
@@ -819,8 +831,9 @@ Discovery discover_toml(const fs::path& config, const Defaults& defaults) {
       std::error_code ec;
       if (!(subset.image_dir.empty() && !subset.metadata_file.empty()) &&
           !fs::is_directory(subset.image_dir, ec)) {
-        throw InputError(config.string() + ": image_dir '" + subset.image_dir.string() +
-                         "' is not a folder");
+        throw InputError(config.string() + ": image_dir " + subset.image_dir.string() +
+                         " is not a folder (a relative image_dir is read from the TOML's folder, "
+                         "or else from the working folder)");
       }
       if (subset.metadata_file.empty()) {
         collect_subset(subset.image_dir, d, s, subset, /*top_level=*/false, out);

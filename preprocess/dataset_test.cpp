@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <optional>
+#include <set>
 
 #include "common/error.h"
 
@@ -157,6 +159,40 @@ TEST(DatasetToml, ZeroRepeatAndDuplicateSubsetsAreLeftOut) {
   EXPECT_EQ(d.datasets[0].subsets[0].num_repeats, 3) << "the first of the two 'a' subsets";
   ASSERT_EQ(d.images.size(), 1u);
   EXPECT_EQ(d.images[0].path.filename(), "1.png");
+  fs::remove_all(dir);
+}
+
+// A relative image_dir is read from the TOML's folder; where nothing is there, from the working
+// folder, as kohya reads it (a TOML in configs/ naming data/...). Neither: the error names the
+// path it looked for.
+TEST(DatasetToml, RelativeImageDirFromTheTomlsFolderElseTheWorkingFolder) {
+  const fs::path dir = make_temp_dir("toml-relative");
+  write_file(dir / "beside" / "configs" / "near" / "1.png", "x");
+  write_file(dir / "work" / "far" / "2.png", "x");
+  write_file(dir / "beside" / "configs" / "config.toml",
+             "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'near'\n"
+             "[[datasets.subsets]]\nimage_dir = 'far'\n");
+  write_file(dir / "beside" / "configs" / "missing.toml",
+             "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'nowhere'\n");
+  const fs::path was = fs::current_path();
+  fs::current_path(dir / "work");
+  std::optional<Discovery> d;
+  std::string error;
+  try {
+    d = discover_toml(dir / "beside" / "configs" / "config.toml", Defaults{});
+    discover_toml(dir / "beside" / "configs" / "missing.toml", Defaults{});
+  } catch (const InputError& e) {
+    error = e.what();
+  }
+  fs::current_path(was);
+  ASSERT_TRUE(d.has_value()) << error;
+  std::set<std::string> found;
+  for (const auto& image : d->images) found.insert(image.path.filename().string());
+  EXPECT_EQ(found, (std::set<std::string>{"1.png", "2.png"}));
+  EXPECT_NE(error.find("image_dir " + (dir / "beside" / "configs" / "nowhere").string() +
+                       " is not a folder"),
+            std::string::npos)
+      << error;
   fs::remove_all(dir);
 }
 

@@ -191,7 +191,11 @@ RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest&
       if (option == "h") r.height = size_value(option, *digits);
       if (option == "d") r.seed = whole_number(option, *digits);
       if (option == "s") {
-        r.steps = static_cast<int>(std::clamp<int64_t>(whole_number(option, *digits), 1, 1000));
+        const int64_t steps = whole_number(option, *digits);
+        r.steps = static_cast<int>(std::clamp<int64_t>(steps, 1, 1000));
+        if (r.steps != steps) {
+          note("--s " + *digits + " read as " + std::to_string(r.steps) + " (1 to 1000 steps)");
+        }
       }
     } else if (option == "l") {
       const std::optional<std::string> number = leading(option, value, "0123456789.");

@@ -64,7 +64,7 @@ TEST(SamplerPrompts, LinesAreReadLenientlyAsKohyaAndNumberedByTheirPlace) {
                               "x --w abc --s 28steps\n"
                               "y --cfg 7 --l 1.2.3\n"
                               "z --ss lms9000\n"
-                              "last good --d 7\n");
+                              "last good --d 7 --s 0\n");
   const PromptSet set = load_prompts(file);
   ASSERT_EQ(set.problems.size(), 1u);
   EXPECT_NE(set.problems[0].find("bad.txt:2: no prompt"), std::string::npos) << set.problems[0];
@@ -80,6 +80,7 @@ TEST(SamplerPrompts, LinesAreReadLenientlyAsKohyaAndNumberedByTheirPlace) {
   EXPECT_EQ(set.prompts[4].prompt, "last good");
   EXPECT_EQ(set.prompts[4].index, 5);
   EXPECT_EQ(set.prompts[4].seed, 7);
+  EXPECT_EQ(set.prompts[4].steps, 1) << "--s 0 renders one step";
   const std::string notes = [&] {
     std::string all;
     for (const std::string& n : set.notes) all += n + "\n";
@@ -88,7 +89,7 @@ TEST(SamplerPrompts, LinesAreReadLenientlyAsKohyaAndNumberedByTheirPlace) {
   for (const char* expected :
        {":3: --w 'abc' is not a number: left out", ":3: --s '28steps' read as 28",
         ":4: unknown option --cfg: ignored", ":4: --l wants a number, got '1.2.3'",
-        ":5: unknown sampler 'lms9000'"}) {
+        ":5: unknown sampler 'lms9000'", ":6: --s 0 read as 1 (1 to 1000 steps)"}) {
     EXPECT_NE(notes.find(expected), std::string::npos) << expected << " in\n" << notes;
   }
 }

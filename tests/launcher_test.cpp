@@ -189,6 +189,11 @@ TEST_F(LauncherRun, DemoRunCompletesWithLoraSamplesGalleryAndEvents) {
   // The human form says the same.
   ASSERT_EQ(lorapipe({"status", run.string()}), 0);
   EXPECT_NE(out_.find("step 100 of 100"), std::string::npos) << out_;
+  // --json before the folder, as README's `lorapipe status runs/dog  # or --json` reads.
+  ASSERT_EQ(lorapipe({"status", "--json", run.string()}), 0) << err_;
+  EXPECT_EQ(json::parse(out_)["training"]["step"], 100) << out_;
+  EXPECT_EQ(lorapipe({"status", "--jsn", run.string()}), kExitError);
+  EXPECT_NE(err_.find("unknown flag --jsn (it takes --json)"), std::string::npos) << err_;
 
   // The folder belongs to this run: a second `run` into it is refused, naming resume.
   EXPECT_EQ(lorapipe({"run", "--output=" + run.string()}), kExitError);
@@ -197,11 +202,12 @@ TEST_F(LauncherRun, DemoRunCompletesWithLoraSamplesGalleryAndEvents) {
 
 // kohya's --debug_dataset under the launcher: preprocess and the cacher run, the trainer prints
 // every step's batches into its log and trains nothing, no sampler is started, and the run ends
-// 0 saying where the batches are.
+// 0 saying where the batches are. At a --resolution of the user's, the demo's bucket range (64-256,
+// for its 128 px) gives way to preprocess's own, so 512 needs no --max_bucket_reso.
 TEST_F(LauncherRun, DebugDatasetPrintsTheBatchesAndTrainsNothing) {
   const fs::path run = work_ / "run";
   ASSERT_EQ(lorapipe({"run", "--output=" + run.string(), "--debug_dataset",
-                      "--max_train_steps=3", "--sample_every_n_steps=1"}),
+                      "--max_train_steps=3", "--sample_every_n_steps=1", "--resolution=512"}),
             0)
       << out_ << err_;
   // Nothing renders previews, so the trainer is not asked to save LoRAs for them.
