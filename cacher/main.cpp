@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "runtime/exit_code.h"
+#include "runtime/flags.h"
 
 DEFINE_string(cache_dir, "", "Cache folder (default: $LORAPIPE_CACHE_DIR or ~/.cache/lorapipe/cache)");
 DEFINE_string(model, "", "Base model: single .safetensors (original layout) or diffusers folder");
@@ -45,7 +46,7 @@ int main(int argc, char** argv) {
       "lorapipe-cacher --model=MODEL [flags]        encode what preprocess streams\n"
       "lorapipe-cacher --inspect|--verify|--gc      look after a cache\n"
       "lorapipe-cacher --export_file=F --dataset=ID / --import_file=F   move a dataset");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  lorapipe::runtime::parse_flags(&argc, &argv);
   namespace c = lorapipe::cacher;
   try {
     c::ToolOptions tool;

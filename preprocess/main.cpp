@@ -13,6 +13,7 @@
 #include "preprocess/preprocess.h"
 #include "proto/wire.h"
 #include "runtime/exit_code.h"
+#include "runtime/flags.h"
 #include "runtime/stage.h"
 
 DEFINE_string(data_dir, "", "Folder of images, or of kohya repeat folders <N>_<class tokens>");
@@ -74,7 +75,7 @@ int main(int argc, char** argv) {
   gflags::SetUsageMessage(
       "lorapipe-preprocess --data_dir=DIR | --dataset_config=FILE.toml [flags]\n"
       "Finds images and captions, picks kohya's aspect buckets, decodes what the cacher lacks.");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  lorapipe::runtime::parse_flags(&argc, &argv);
   namespace pp = lorapipe::preprocess;
   namespace wire = lorapipe::wire;
   namespace rt = lorapipe::runtime;

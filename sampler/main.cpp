@@ -14,6 +14,7 @@
 #include "common/text.h"
 #include "sampler/sampler.h"
 #include "runtime/exit_code.h"
+#include "runtime/flags.h"
 
 DEFINE_string(pretrained_model_name_or_path, "",
               "Base model: single .safetensors or diffusers folder");
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
       "--output_dir=OUT --lora=FILE[:multiplier]\n"
       "  lorapipe-sampler --pretrained_model_name_or_path=MODEL --sample_prompts=FILE "
       "--output_dir=OUT --sub=TRAINER_PUB_ENDPOINT");
-  gflags::ParseCommandLineFlags(&argc, &argv, true);
+  lorapipe::runtime::parse_flags(&argc, &argv);
   namespace s = lorapipe::sampler;
   try {
     if (argc > 1) throw lorapipe::InputError(std::string("unexpected argument '") + argv[1] + "'");

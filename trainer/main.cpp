@@ -26,6 +26,7 @@
 #include "common/text.h"
 #include "trainer/trainer.h"
 #include "runtime/exit_code.h"
+#include "runtime/flags.h"
 
 // Model, data and output.
 DEFINE_string(pretrained_model_name_or_path, "",
@@ -315,7 +316,7 @@ int main(int argc, char** argv) {
   for (std::string& a : args) arg_pointers.push_back(a.data());
   int count = static_cast<int>(arg_pointers.size());
   char** pointer = arg_pointers.data();
-  gflags::ParseCommandLineFlags(&count, &pointer, true);
+  lorapipe::runtime::parse_flags(&count, &pointer);
   if (count > 1) {
     LP_LOG(kError, "trainer") << "unexpected argument '" << pointer[1] << "'";
     return lorapipe::runtime::kExitError;
