@@ -164,6 +164,7 @@ class Supervisor {
   void apply_demo_defaults();
   std::string endpoint(const std::string& name) const;
   void start(Stage stage, std::vector<std::string> args);
+  int check_trainer_flags();  // kExitOk, or kExitError with the trainer's reasons shown
   Child* child(Stage stage);
   void event(nlohmann::json e);
   void on_message(const google::protobuf::Message& m);
@@ -290,11 +291,12 @@ void Supervisor::apply_demo_defaults() {
       {"sampler_device", "cpu"},
       {"sample_prompts", (demo / "prompts.txt").string()},
   };
+  // The demo's buckets suit its 128 px; at a resolution of the user's, preprocess's own (kohya's)
+  // bucket range applies, not one the user never set.
+  const bool own_resolution = s_.has("resolution");
   for (const auto& [name, value] : defaults) {
     if (name == "data_dir" && (s_.has("dataset_config") || s_.has("in_json"))) continue;
-    // The demo's buckets suit its 128 px; at a resolution of the user's, preprocess's own
-    // (kohya's) bucket range applies, not one the user never set.
-    if ((name == "min_bucket_reso" || name == "max_bucket_reso") && s_.has("resolution")) continue;
+    if ((name == "min_bucket_reso" || name == "max_bucket_reso") && own_resolution) continue;
     if (!s_.has(name)) s_.set(name, value);
   }
 }
@@ -310,6 +312,26 @@ void Supervisor::start(Stage stage, std::vector<std::string> args) {
   event({{"event", "Stage"}, {"stage", stage_name(stage)}, {"state", "started"}, {"pid", c.pid},
          {"command", command}});
   children_[stage] = c;
+}
+
+// The trainer starts only once the data is cached, which takes hours on a large dataset with a
+// real VAE: its flags are checked first (lorapipe-trainer --check_flags: everything that needs no
+// model or data), so a flag it would refuse stops the run before any stage starts.
+int Supervisor::check_trainer_flags() {
+  std::vector<std::string> args = stage_args(s_, Stage::kTrainer);
+  args.insert(args.begin(), (o_.bin_dir / "lorapipe-trainer").string());
+  if (!s_.has("dataset_id")) args.push_back("--dataset_id=the-cachers-manifest");
+  args.insert(args.end(), {"--output_dir=" + dir_.string(), "--check_flags"});
+  const fs::path log = dir_ / "logs" / "trainer.log";
+  const int code = run_to_end(args, log);
+  if (code == kExitOk) return kExitOk;
+  display_ << "lorapipe: the trainer refuses its flags (exit code " << code
+           << "), so no stage was started; the last lines of " << log.string() << ":\n";
+  for (const std::string& line : last_lines(log, 15)) display_ << "  | " << line << "\n";
+  display_ << "lorapipe: `lorapipe resume " << dir_.string()
+           << "` with the flag corrected runs it\n" << std::flush;
+  event({{"event", "Run"}, {"result", "failed"}, {"stage", "trainer"}, {"exit_code", code}});
+  return kExitError;
 }
 
 Child* Supervisor::child(Stage stage) {
@@ -492,6 +514,7 @@ int Supervisor::run() {
   events_.open(dir_ / "events.jsonl", std::ios::app);
   event({{"event", "Run"}, {"result", "started"}, {"output", dir_.string()},
          {"resume", o_.resume.string()}});
+  if (const int code = check_trainer_flags(); code != kExitOk) return code;
 
   zmq::context_t context(1);
   wire::SocketOptions sub_options;

@@ -13,8 +13,11 @@ int main(int argc, char** argv) {
   try {
     const auto out = lorapipe::models::write_tiny_checkpoint(
         argv[1], argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 0);
-    std::printf("diffusers folder: %s\nsingle file:      %s\n", out.diffusers.c_str(),
-                out.single_file.c_str());
+    std::printf("diffusers folder: %s\nsingle file:      %s\ntokenizer:        %s\n"
+                "(the single file carries no tokenizer, and its small text encoder does not fit "
+                "CLIP's built-in one: give it with --tokenizer=%s)\n",
+                out.diffusers.c_str(), out.single_file.c_str(), out.tokenizer.c_str(),
+                out.tokenizer.c_str());
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lorapipe-make-tiny-model: %s\n", e.what());

@@ -319,16 +319,23 @@ TEST_F(LauncherRun, StatusOfARunWhoseLauncherIsGoneSaysStopped) {
   EXPECT_EQ(status(run)["state"], "stopped");
 }
 
-// A run that fails before its first save (the trainer refuses a flag at start) leaves nothing to
-// resume, and no dead end: `lorapipe resume` with the flag corrected starts it over in its own
-// folder and completes it.
+// A run that fails before its first save (the trainer refuses a flag) leaves nothing to resume,
+// and no dead end: `lorapipe resume` with the flag corrected starts it over in its own folder and
+// completes it. The trainer's flags are checked before any stage starts: nothing is cached for
+// a run that cannot train.
 TEST_F(LauncherRun, RunStoppedBeforeItsFirstSaveStartsOverOnResume) {
   const fs::path run = work_ / "run";
   EXPECT_EQ(lorapipe({"run", "--output=" + run.string(), "--cache_dir=" + (work_ / "cache").string(),
                       "--max_train_steps=20", "--save_every_n_steps=1000",
                       "--lr_scheduler=constant", "--lr_warmup_steps=5"}),
             kExitError);
+  EXPECT_NE(out_.find("the trainer refuses its flags (exit code 2), so no stage was started"),
+            std::string::npos)
+      << out_;
   EXPECT_NE(out_.find("constant_with_warmup"), std::string::npos) << out_;
+  EXPECT_FALSE(fs::exists(work_ / "cache")) << "the cacher was started";
+  EXPECT_FALSE(fs::exists(run / "logs" / "preprocess.log")) << "preprocess was started";
+  EXPECT_EQ(status(run)["state"], "failed");
   ASSERT_EQ(lorapipe({"resume", run.string(), "--lr_warmup_steps=0"}), 0) << out_ << err_;
   EXPECT_NE(out_.find("stopped before its first save; starting it over"), std::string::npos)
       << out_;

@@ -193,9 +193,7 @@ std::vector<std::string> resolve_block_args(const BlockArgs& args, NetworkOption
   return warnings;
 }
 
-LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptions& options,
-                         at::Generator generator)
-    : options_(options) {
+void LoraNetwork::check(const NetworkOptions& options) {
   if (options.dim < 1) {
     throw InputError("--network_dim=" + std::to_string(options.dim) + ": must be at least 1");
   }
@@ -209,6 +207,12 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
       throw InputError(std::string(name) + "=" + std::to_string(p) + ": must be in [0, 1)");
     }
   }
+}
+
+LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptions& options,
+                         at::Generator generator)
+    : options_(options) {
+  check(options);
   const auto& from_weights = options.ranks_from_weights;
   const bool blocks = !options.block_dims.empty();
   if (blocks && !from_weights.empty()) {

@@ -96,6 +96,9 @@ class LoraNetwork {
   // a negative alpha or dropout.
   LoraNetwork(const models::DiffusionModel& model, const NetworkOptions& options,
               at::Generator generator);
+  // The constructor's checks of `options` alone, without a model: InputError for what it would
+  // refuse.
+  static void check(const NetworkOptions& options);
   ~LoraNetwork();
   LoraNetwork(const LoraNetwork&) = delete;
   LoraNetwork& operator=(const LoraNetwork&) = delete;

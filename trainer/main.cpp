@@ -200,6 +200,9 @@ DEFINE_string(logging_dir, "",
               "(default: OUT/tensorboard)");
 DEFINE_string(log_prefix, "", "Prefix of the --logging_dir run folder");
 DEFINE_bool(no_half_vae, false, "Accepted: the trainer never runs the VAE (latents are cached)");
+DEFINE_bool(check_flags, false,
+            "Check the flags (all that needs no model or data) and exit: 0 when they are fine, 2 "
+            "naming what is not. lorapipe run does this before it starts any stage");
 DEFINE_bool(lowram, false, "Accepted: weights stream from the file, one tensor at a time");
 DEFINE_bool(highvram, false, "Accepted: no effect");
 DEFINE_bool(cache_latents, true, "Accepted: lorapipe always trains from the cache");
@@ -550,6 +553,11 @@ int main(int argc, char** argv) {
     s.huber_c = FLAGS_huber_c;
     s.huber_scale = FLAGS_huber_scale;
     t::apply_network_args(o);
+    if (FLAGS_check_flags) {
+      t::check_options(o);
+      std::printf("trainer: the flags are fine\n");
+      return lorapipe::runtime::kExitOk;
+    }
     // Ctrl-C or a launcher's SIGTERM: finish the step, save the LoRA and a state, exit 130.
     std::signal(SIGINT, [](int) { lorapipe::trainer::request_stop(); });
     std::signal(SIGTERM, [](int) { lorapipe::trainer::request_stop(); });

@@ -21,12 +21,7 @@ constexpr int64_t kScaleGrowthInterval = 2000;
 
 }  // namespace
 
-TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
-                           const StepOptions& options)
-    : model_(model),
-      network_(network),
-      options_(options),
-      schedule_(0.00085, 0.012, 1000, options.zero_terminal_snr) {
+void TrainingStep::check(const StepOptions& options) {
   if (options.scale_weight_norms < 0) {
     throw InputError("--scale_weight_norms must not be negative (0 turns it off)");
   }
@@ -46,6 +41,15 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
   (void)elementwise_loss(torch::zeros({1}), torch::zeros({1}), options.loss_type,
                          torch::ones({1}));  // names an unknown --loss_type now, not mid-run
   validate(options.schedule);
+}
+
+TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
+                           const StepOptions& options)
+    : model_(model),
+      network_(network),
+      options_(options),
+      schedule_(0.00085, 0.012, 1000, options.zero_terminal_snr) {
+  check(options);
 
   std::vector<ParamGroup> groups;
   const auto& o = options.optimizer_groups;

@@ -103,6 +103,8 @@ class TrainingStep {
  public:
   // Throws InputError for options that cannot work (unknown loss or schedule, accumulation < 1).
   TrainingStep(models::DiffusionModel& model, LoraNetwork& network, const StepOptions& options);
+  // The constructor's checks of `options` alone, without a model or network.
+  static void check(const StepOptions& options);
   ~TrainingStep();
 
   // Forward and backward of one micro-batch; returns its loss (before the division by the

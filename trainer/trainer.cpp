@@ -297,6 +297,18 @@ void apply_network_args(Options& options) {
   }
 }
 
+void check_options(const Options& o) {
+  validate(o);
+  LoraNetwork::check(o.network);
+  TrainingStep::check(o.step);
+  // The optimizer's type and arguments, over a stand-in tensor: its real groups come with the
+  // model.
+  std::vector<ParamGroup> groups;
+  groups.push_back(ParamGroup{{torch::zeros({1}).requires_grad_()},
+                              o.step.optimizer_groups.learning_rate, "check"});
+  (void)make_optimizer(o.step.optimizer, std::move(groups));
+}
+
 void validate(const Options& o) {
   auto need = [](bool ok, const std::string& message) {
     if (!ok) throw InputError(message);

@@ -154,4 +154,9 @@ Summary train(const Options& options);
 // --network_dim/--network_alpha are set: unset blocks take those.
 void apply_network_args(Options& options);
 
+// Every check of `options` that needs no model, data or disk (validate's, the network's, the
+// step's, the optimizer's type and arguments): InputError naming what is wrong. What
+// --check_flags runs, so that lorapipe run refuses a bad trainer flag before any data is cached.
+void check_options(const Options& options);
+
 }  // namespace lorapipe::trainer
