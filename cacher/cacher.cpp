@@ -579,7 +579,10 @@ Summary Cacher::run() {
   status_.emplace(pub_ ? &*pub_ : nullptr, std::string(kLog));
   status_->ready();
   stream.on<wire::ImageSample>([this](const wire::ImageSample& s) { on_sample(s); });
-  stream.on<wire::DatasetReport>([this](const wire::DatasetReport& r) { finish(r); });
+  stream.on<wire::DatasetReport>([this, &stream](const wire::DatasetReport& r) {
+    stream.peer_finished();  // its preprocess leaves now: no warning for that
+    finish(r);
+  });
   requests.on_request<wire::HasKeysRequest>(
       [this](const wire::HasKeysRequest& r) -> wire::Dispatcher::Reply { return has_keys(r); });
   requests.on_request<wire::GetRecordsRequest>(

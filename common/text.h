@@ -52,4 +52,53 @@ inline std::vector<std::string> split_words(std::string_view value) {
   return out;
 }
 
+// The optimal-string-alignment distance: inserting, deleting or changing a character, or
+// swapping two neighbours, each costs 1 ("netwrok_dim" is 1 from "network_dim").
+inline size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    for (size_t j = 1; j <= b.size(); ++j) {
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1,
+                          d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+      }
+    }
+  }
+  return d[a.size()][b.size()];
+}
+
+// For "did you mean" in a message about an unknown name: the candidates nearest `word` (at most
+// three, in the candidates' order), when they are within a third of its length (at least 1, at
+// most 3 edits); none otherwise.
+inline std::vector<std::string> nearest_names(std::string_view word,
+                                              const std::vector<std::string>& candidates) {
+  const size_t limit = std::clamp<size_t>(word.size() / 3, 1, 3);
+  size_t best = limit + 1;
+  std::vector<std::string> out;
+  for (const std::string& c : candidates) {
+    if (c == word) continue;
+    const size_t d = edit_distance(word, c);
+    if (d > limit || d > best) continue;
+    if (d < best) out.clear(), best = d;
+    if (out.size() < 3 && std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+  }
+  return out;
+}
+
+// " (did you mean --a or --b?)" for nearest_names(word, candidates), each with `prefix`; empty
+// when none is near.
+inline std::string did_you_mean(std::string_view word, const std::vector<std::string>& candidates,
+                                std::string_view prefix = "") {
+  const std::vector<std::string> near = nearest_names(word, candidates);
+  if (near.empty()) return "";
+  std::string out = " (did you mean ";
+  for (size_t i = 0; i < near.size(); ++i) {
+    out += (i == 0 ? "" : i + 1 == near.size() ? " or " : ", ") + std::string(prefix) + near[i];
+  }
+  return out + "?)";
+}
+
 }  // namespace lorapipe

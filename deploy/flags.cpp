@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/kohya_flags.h"
 #include "common/text.h"
+#include "common/text.h"
 #include "deploy/launcher.h"
 
 namespace lorapipe::launcher {
@@ -180,7 +181,11 @@ void check_known(const std::string& name) {
       kohya::find_foreign_flag(name) != nullptr) {
     return;
   }
-  throw InputError("unknown flag --" + name +
+  std::vector<std::string> names = {"output", "config", "save_state", "resume", "console_log_file",
+                                    "model", "train_data_dir", "output_dir", "config_file"};
+  for (const FlagInfo& f : table()) names.push_back(f.name);
+  for (const kohya::ForeignFlag& f : kohya::foreign_flags()) names.emplace_back(f.name);
+  throw InputError("unknown flag --" + name + did_you_mean(name, names, "--") +
                    " (lorapipe run takes the stages' kohya-style flags; see lorapipe help)");
 }
 

@@ -291,12 +291,27 @@ void Supervisor::apply_demo_defaults() {
       {"sampler_device", "cpu"},
       {"sample_prompts", (demo / "prompts.txt").string()},
   };
-  // The demo's buckets suit its 128 px; at a resolution of the user's, preprocess's own (kohya's)
-  // bucket range applies, not one the user never set.
-  const bool own_resolution = s_.has("resolution");
-  for (const auto& [name, value] : defaults) {
+  // The demo's buckets (64-256) suit its 128 px images; a --resolution of the user's widens them
+  // to take it in, so no bucket setting the user never made is refused.
+  std::map<std::string, std::string> bucket_range = {{"min_bucket_reso", "64"},
+                                                     {"max_bucket_reso", "256"}};
+  if (s_.has("resolution")) {
+    std::stringstream sides(s_.get("resolution"));
+    int smallest = 64, largest = 256;
+    for (std::string side; std::getline(sides, side, ',');) {
+      try {
+        smallest = std::min(smallest, std::stoi(side));
+        largest = std::max(largest, std::stoi(side));
+      } catch (const std::exception&) {
+        // not a number: preprocess names it
+      }
+    }
+    bucket_range = {{"min_bucket_reso", std::to_string(smallest)},
+                    {"max_bucket_reso", std::to_string(largest)}};
+  }
+  for (auto [name, value] : defaults) {
     if (name == "data_dir" && (s_.has("dataset_config") || s_.has("in_json"))) continue;
-    if ((name == "min_bucket_reso" || name == "max_bucket_reso") && own_resolution) continue;
+    if (bucket_range.count(name)) value = bucket_range.at(name);
     if (!s_.has(name)) s_.set(name, value);
   }
 }
@@ -375,6 +390,21 @@ void Supervisor::on_message(const google::protobuf::Message& m) {
   }
   if (const auto* st = dynamic_cast<const wire::StageStatus*>(&m)) {
     if (st->state() == wire::StageStatus::ERROR) errors_[st->stage()] = st->message();
+    // What preprocess used, and what it left out: a broken image or a folder that is not a
+    // repeat folder is worth a line on the screen, not only in its log.
+    // So is a prompt line the sampler skipped.
+    const bool preprocess_done = st->state() == wire::StageStatus::DONE &&
+                                 st->stage() == stage_name(Stage::kPreprocess);
+    const bool sampler_ready = st->state() == wire::StageStatus::READY &&
+                               st->stage() == stage_name(Stage::kSampler) &&
+                               st->message().find("skipped") != std::string::npos;
+    if ((preprocess_done || sampler_ready) && !st->message().empty()) {
+      display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: " << st->stage() << ": " << st->message();
+      if (st->message().find("skipped") != std::string::npos) {
+        display_ << ": see " << (dir_ / "logs" / (st->stage() + ".log")).string();
+      }
+      display_ << "\n";
+    }
     reported_[st->stage()] = *st;
   }
   if (const auto* r = dynamic_cast<const wire::SampleReady*>(&m)) {

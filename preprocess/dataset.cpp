@@ -416,7 +416,11 @@ class TomlReader {
       if (level == kDataset && k == "subsets") continue;
       auto it = key_specs().find(k);
       if (it == key_specs().end()) {
-        fail(node, "unknown key '" + std::string(k) + "' in " + where);
+        std::vector<std::string> here;  // the keys this table takes, for the hint
+        for (const auto& [name, spec] : key_specs()) {
+          if ((spec.levels & level) != 0) here.push_back(name);
+        }
+        fail(node, "unknown key '" + std::string(k) + "' in " + where + did_you_mean(k, here));
       }
       if ((it->second.levels & level) == 0) {
         fail(node, "key '" + std::string(k) + "' is not allowed in " + where);

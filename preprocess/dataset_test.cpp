@@ -385,7 +385,10 @@ void expect_toml_error(const std::string& toml, const std::string& line_and_text
 TEST(DatasetToml, UnknownKeysAndWrongTypesNameKeyAndLine) {
   expect_toml_error("[general]\nflip_aug = true\nflipaug = true\n[[datasets]]\n"
                     "[[datasets.subsets]]\nimage_dir = 'a'\n",
-                    "config.toml:3: unknown key 'flipaug' in [general]");
+                    "config.toml:3: unknown key 'flipaug' in [general] (did you mean flip_aug?)");
+  expect_toml_error("[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\nnum_repeat = 3\n",
+                    "config.toml:4: unknown key 'num_repeat' in [[datasets.subsets]] (did you mean "
+                    "num_repeats?)");
   expect_toml_error("[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\nnum_repeats = \"3\"\n",
                     "config.toml:4: key 'num_repeats' must be an integer");
   expect_toml_error("[[datasets]]\nresolution = [512]\n[[datasets.subsets]]\nimage_dir = 'a'\n",

@@ -100,6 +100,12 @@ int main(int argc, char** argv) {
                                  "--data_dir): give one");
     }
     options.data_dir = FLAGS_data_dir.empty() ? FLAGS_train_data_dir : FLAGS_data_dir;
+    std::error_code no_folder;
+    if (!options.data_dir.empty() && !std::filesystem::is_directory(options.data_dir, no_folder)) {
+      // Named as the user gave it (discover_folder names --data_dir).
+      throw lorapipe::InputError((FLAGS_data_dir.empty() ? "--train_data_dir=" : "--data_dir=") +
+                                 options.data_dir + " is not a folder");
+    }
     options.reg_data_dir = FLAGS_reg_data_dir;
     options.dataset_config = FLAGS_dataset_config;
     options.in_json = FLAGS_in_json;
@@ -198,8 +204,14 @@ int main(int argc, char** argv) {
                     " skipped, " + std::to_string(report.ignored.size()) + " ignored)");
       return rt::kExitCheckFailed;
     }
-    status->done(std::to_string(report.images.size()) + " images used of " +
-                 std::to_string(report.images_found) + " found");
+    // The launcher shows this line: what was left out is said here, the reasons are in the log.
+    std::string done = std::to_string(report.images.size()) + " images used of " +
+                       std::to_string(report.images_found) + " found";
+    if (!report.skipped.empty() || !report.ignored.empty()) {
+      done += "; " + std::to_string(report.skipped.size()) + " skipped, " +
+              std::to_string(report.ignored.size()) + " ignored (the log says why)";
+    }
+    status->done(done);
     return rt::kExitOk;
   } catch (const std::exception& e) {
     LP_LOG(kError, "preprocess") << e.what();

@@ -442,7 +442,7 @@ Report run(const Options& options) {
                        "have no regularization images");
     }
   } else if (options.data_dir.empty() == options.dataset_config.empty()) {
-    throw InputError("give exactly one of --data_dir and --dataset_config");
+    throw InputError("give exactly one of --data_dir (kohya's --train_data_dir) and --dataset_config");
   }
   if (!options.reg_data_dir.empty() && options.data_dir.empty()) {
     throw InputError("--reg_data_dir goes with --data_dir; in a --dataset_config, give "

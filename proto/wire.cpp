@@ -166,6 +166,11 @@ void Dispatcher::drain_monitor() {
     const std::string where = address_frame.to_string();
     switch (event) {
       case ZMQ_EVENT_DISCONNECTED:
+        if (finished_peers_ > 0) {
+          --finished_peers_;
+          LP_LOG(kInfo, kLog) << stage_ << ": a peer on " << where << " left after its end";
+          break;
+        }
         LP_LOG(kWarning, kLog) << stage_ << ": a peer on " << where
                                << " disconnected (it exited, or broke the protocol, for example "
                                   "with a frame over the size limit)";

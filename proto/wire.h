@@ -140,6 +140,10 @@ class Dispatcher {
   // the socket binds or connects.
   void watch(zmq::context_t& context, zmq::socket_t& socket);
 
+  // A peer said it is done (preprocess's DatasetReport): its disconnect, expected now, is logged
+  // as news, not as a warning. Each call covers one disconnect.
+  void peer_finished() { ++finished_peers_; }
+
   uint64_t handled() const { return handled_; }
   uint64_t rejected() const { return rejected_; }
 
@@ -153,6 +157,7 @@ class Dispatcher {
   std::optional<zmq::socket_t> monitor_;
   uint64_t handled_ = 0;
   uint64_t rejected_ = 0;
+  uint64_t finished_peers_ = 0;  // disconnects that peer_finished() announced
 };
 
 // Thrown when a peer does not answer in time; the message names the endpoint.

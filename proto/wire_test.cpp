@@ -532,6 +532,37 @@ TEST(WirePeerDeath, ReceiverNoticesDeadSenderAndReportsIt) {
   EXPECT_NE(warnings[0].find("disconnected"), std::string::npos) << warnings[0];
 }
 
+// A peer that said it is done (the receiver calls peer_finished, as the cacher does on a stream's
+// DatasetReport) and then exits is news, not a warning.
+TEST(WirePeerDeath, FinishedSenderLeavesWithoutAWarning) {
+  LogCapture log;
+  zmq::context_t context;
+  zmq::socket_t pull = make_socket(context, zmq::socket_type::pull, short_timeouts());
+  Dispatcher dispatcher("cacher");
+  dispatcher.watch(context, pull);
+  const std::string endpoint = unique_ipc_endpoint("sender-done");
+  pull.bind(endpoint);
+  dispatcher.on<DatasetReport>([&](const DatasetReport&) { dispatcher.peer_finished(); });
+  const pid_t sender = fork();
+  if (sender == 0) {
+    zmq::context_t child_context;
+    zmq::socket_t push = make_socket(child_context, zmq::socket_type::push, short_timeouts());
+    push.connect(endpoint);
+    (void)send(push, DatasetReport());
+    pause();  // until killed
+    _exit(0);
+  }
+  ASSERT_EQ(dispatcher.poll_once(pull, milliseconds(5000)), Dispatcher::Outcome::kHandled);
+  kill_process(sender);
+  EXPECT_EQ(dispatcher.poll_once(pull, milliseconds(500)), Dispatcher::Outcome::kTimeout);
+  bool left = false;
+  for (const std::string& line : log.take(LogLevel::kInfo)) {
+    left |= line.find("left after its end") != std::string::npos;
+    EXPECT_EQ(line.find("disconnected ("), std::string::npos) << line;
+  }
+  EXPECT_TRUE(left) << "the disconnect was not seen";
+}
+
 TEST(WirePeerDeath, SendToMissingPeerTimesOut) {
   zmq::context_t context;
   SocketOptions options = short_timeouts();

@@ -9,8 +9,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <string_view>
+#include <vector>
 
+#include "common/text.h"
 #include "runtime/exit_code.h"
 
 namespace lorapipe::runtime {
@@ -20,6 +23,35 @@ namespace detail {
 // keeps its own code).
 inline int g_gflags_exit = -1;
 }  // namespace detail
+
+// An unknown flag is named with the stage's flags nearest it ("did you mean --network_dim?"),
+// which gflags' own message does not do; then the stage ends with kExitError.
+inline void refuse_unknown_flags(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "--") return;  // gflags reads no flag after it
+    if (!arg.starts_with("-")) continue;
+    while (arg.starts_with("-")) arg.remove_prefix(1);
+    const bool has_value = arg.find('=') != std::string_view::npos;
+    const std::string name(arg.substr(0, arg.find('=')));
+    gflags::CommandLineFlagInfo info;
+    if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+      if (!has_value && info.type != "bool") ++i;  // "--flag value": the next word is its value
+      continue;
+    }
+    if (name.starts_with("no") && gflags::GetCommandLineFlagInfo(name.c_str() + 2, &info) &&
+        info.type == "bool") {
+      continue;  // --noflag
+    }
+    std::vector<gflags::CommandLineFlagInfo> all;
+    gflags::GetAllFlags(&all);
+    std::vector<std::string> names;
+    for (const auto& flag : all) names.push_back(flag.name);
+    std::fprintf(stderr, "ERROR: unknown command line flag '%s'%s\n", name.c_str(),
+                 did_you_mean(name, names, "--").c_str());
+    std::exit(kExitError);
+  }
+}
 
 // gflags::ParseCommandLineFlags(argc, argv, /*remove_flags=*/true), with lorapipe's exit codes.
 inline void parse_flags(int* argc, char*** argv) {
@@ -40,6 +72,7 @@ inline void parse_flags(int* argc, char*** argv) {
     std::_Exit(detail::g_gflags_exit);
   }) == 0;
   (void)registered;
+  if (!help) refuse_unknown_flags(*argc, *argv);
   gflags::ParseCommandLineFlags(argc, argv, /*remove_flags=*/true);
   detail::g_gflags_exit = -1;
 }

@@ -405,7 +405,15 @@ class Sampler {
       std::optional<runtime::StatusPublisher>& status;
       ~DropStatus() { status.reset(); }
     } drop_status{status_};
-    status_->ready();
+    // The launcher shows this line: prompt lines skipped or read leniently are worth the screen.
+    std::string ready = std::to_string(prompts_.prompts.size()) + " prompts";
+    if (!prompts_.problems.empty() || !prompts_.notes.empty()) {
+      ready += "; in " + o_.sample_prompts.filename().string() + ", lines skipped: " +
+               std::to_string(prompts_.problems.size()) +
+               ", read leniently: " + std::to_string(prompts_.notes.size()) +
+               " (the log says which)";
+    }
+    status_->ready(ready);
     LP_LOG(kInfo, kLog) << "following " << o_.sub_endpoint;
     try {
       follow_loop(sub, pub);

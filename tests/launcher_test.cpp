@@ -21,6 +21,7 @@
 #include "common/kohya_flags.h"
 #include "common/text.h"
 #include "deploy/launcher.h"
+#include "preprocess/demo_dataset.h"
 #include "tests/process_util.h"
 
 namespace lorapipe::launcher {
@@ -203,13 +204,27 @@ TEST_F(LauncherRun, DemoRunCompletesWithLoraSamplesGalleryAndEvents) {
 // kohya's --debug_dataset under the launcher: preprocess and the cacher run, the trainer prints
 // every step's batches into its log and trains nothing, no sampler is started, and the run ends
 // 0 saying where the batches are. At a --resolution of the user's, the demo's bucket range (64-256,
-// for its 128 px) gives way to preprocess's own, so 512 needs no --max_bucket_reso.
+// for its 128 px) gives way to preprocess's own, so 512 needs no --max_bucket_reso. What
+// preprocess left out (a broken image, a folder that is no repeat folder) is said on the screen.
 TEST_F(LauncherRun, DebugDatasetPrintsTheBatchesAndTrainsNothing) {
   const fs::path run = work_ / "run";
-  ASSERT_EQ(lorapipe({"run", "--output=" + run.string(), "--debug_dataset",
+  const fs::path data = work_ / "data";
+  ASSERT_EQ(wait_exit(spawn({(kBin / "lorapipe-demo-dataset").string(), data.string()},
+                            work_ / "demo.out", work_ / "demo.err")),
+            0)
+      << read_text(work_ / "demo.err");
+  std::ofstream(data / preprocess::kDemoFolder / "zz_broken.jpg") << "not a jpeg";
+  fs::create_directories(data / "shapes_no_repeat");
+  fs::copy_file(fs::directory_iterator(data / preprocess::kDemoFolder)->path(),
+                data / "shapes_no_repeat" / "x.png");
+  ASSERT_EQ(lorapipe({"run", "--output=" + run.string(), "--debug_dataset", "--data_dir=" + data.string(),
                       "--max_train_steps=3", "--sample_every_n_steps=1", "--resolution=512"}),
             0)
       << out_ << err_;
+  EXPECT_NE(out_.find("lorapipe: preprocess: 36 images used of 37 found; 1 skipped, 1 ignored "
+                      "(the log says why): see " + (run / "logs" / "preprocess.log").string()),
+            std::string::npos)
+      << out_;
   // Nothing renders previews, so the trainer is not asked to save LoRAs for them.
   EXPECT_NE(out_.find("no previews are rendered (no --sample_prompts, or --debug_dataset): "
                       "--sample_every_n_steps=1 left out"),
@@ -336,7 +351,17 @@ TEST_F(LauncherRun, RunStoppedBeforeItsFirstSaveStartsOverOnResume) {
   EXPECT_FALSE(fs::exists(work_ / "cache")) << "the cacher was started";
   EXPECT_FALSE(fs::exists(run / "logs" / "preprocess.log")) << "preprocess was started";
   EXPECT_EQ(status(run)["state"], "failed");
-  ASSERT_EQ(lorapipe({"resume", run.string(), "--lr_warmup_steps=0"}), 0) << out_ << err_;
+  // The resume renders from a prompt file with a line that has no prompt: said on the screen.
+  std::ofstream(work_ / "prompts.txt") << "a red circle --w 64 --h 64 --s 2\n--w 64\n";
+  ASSERT_EQ(lorapipe({"resume", run.string(), "--lr_warmup_steps=0",
+                      "--sample_prompts=" + (work_ / "prompts.txt").string()}),
+            0)
+      << out_ << err_;
+  EXPECT_NE(out_.find("lorapipe: sampler: 1 prompts; in prompts.txt, lines skipped: 1, read "
+                      "leniently: 0 (the log says which): see " +
+                      (run / "logs" / "sampler.log").string()),
+            std::string::npos)
+      << out_;
   EXPECT_NE(out_.find("stopped before its first save; starting it over"), std::string::npos)
       << out_;
   const json s = status(run);
@@ -418,7 +443,8 @@ TEST_F(LauncherRun, StageErrorIsShownWithItsMessage) {
 TEST_F(LauncherFlags, UnknownFlagIsAnErrorNamingIt) {
   EXPECT_EQ(lorapipe({"run", "--output=" + (work_ / "run").string(), "--netwrk_dim=8"}),
             kExitError);
-  EXPECT_NE(err_.find("--netwrk_dim"), std::string::npos) << err_;
+  EXPECT_NE(err_.find("unknown flag --netwrk_dim (did you mean --network_dim?)"), std::string::npos)
+      << err_;
   EXPECT_FALSE(fs::exists(work_ / "run")) << "nothing may start on a bad flag";
   // The launcher's own endpoints are not the user's to set.
   EXPECT_EQ(lorapipe({"run", "--output=" + (work_ / "run").string(), "--pub=tcp://*:5555"}),
@@ -556,8 +582,13 @@ TEST_F(LauncherFlags, EveryStageExitsTwoOnAFlagItCannotRead) {
   for (const auto& [stage, number] : numeric) {
     const std::string bin = (kBin / ("lorapipe-" + stage)).string();
     EXPECT_EQ(wait_exit(spawn({bin, "--netwrok_dim=8"}, work_ / "out", work_ / "err")), 2) << stage;
-    EXPECT_NE(read_text(work_ / "err").find("netwrok_dim"), std::string::npos)
+    EXPECT_NE(read_text(work_ / "err").find("unknown command line flag 'netwrok_dim'"),
+              std::string::npos)
         << stage << ": " << read_text(work_ / "err");
+    if (stage == "trainer") {
+      EXPECT_NE(read_text(work_ / "err").find("(did you mean --network_dim?)"), std::string::npos)
+          << read_text(work_ / "err");
+    }
     EXPECT_EQ(wait_exit(spawn({bin, "--" + number + "=soon"}, work_ / "out", work_ / "err")), 2)
         << stage;
     EXPECT_NE(read_text(work_ / "err").find("soon"), std::string::npos)
@@ -579,7 +610,9 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
         "export_file", "dataset", "import_file", "delay_per_batch_s"}},
       {Stage::kTrainer,
        {"output_dir", "pub", "save_state", "resume", "cacher",
-        "console_log_file"}},  // the launcher keeps each stage's log in logs/
+        "console_log_file",  // the launcher keeps each stage's log in logs/
+        "check_flags",       // the launcher's check before any stage starts
+        "train_data_dir"}},  // refused, pointing to preprocess (where the launcher routes it)
       {Stage::kSampler,
        {"output_dir", "sub", "pub", "lora", "idle_timeout_s", "delay_per_image_s", "model"}},
   };

@@ -200,6 +200,9 @@ DEFINE_string(logging_dir, "",
               "(default: OUT/tensorboard)");
 DEFINE_string(log_prefix, "", "Prefix of the --logging_dir run folder");
 DEFINE_bool(no_half_vae, false, "Accepted: the trainer never runs the VAE (latents are cached)");
+DEFINE_string(train_data_dir, "",
+              "Refused with a pointer: the trainer trains from the cache that preprocess and the "
+              "cacher fill (kohya's --train_data_dir is preprocess's)");
 DEFINE_bool(check_flags, false,
             "Check the flags (all that needs no model or data) and exit: 0 when they are fine, 2 "
             "naming what is not. lorapipe run does this before it starts any stage");
@@ -409,6 +412,14 @@ int main(int argc, char** argv) {
     o.weighted_captions = FLAGS_weighted_captions;
     o.masked_loss = FLAGS_masked_loss;
     o.debug_dataset = FLAGS_debug_dataset;
+    if (!FLAGS_train_data_dir.empty()) {
+      throw lorapipe::InputError(
+          "--train_data_dir=" + FLAGS_train_data_dir +
+          ": the trainer trains from the cache, not from the images: lorapipe-preprocess "
+          "--train_data_dir=" + FLAGS_train_data_dir + " and lorapipe-cacher fill it, then "
+          "--dataset_id names their manifest here (`lorapipe run --train_data_dir=...` runs every "
+          "stage)");
+    }
     // kohya's choices that have one answer here: anything else is refused by name.
     if (FLAGS_network_module != "networks.lora") {
       throw lorapipe::InputError("--network_module=" + FLAGS_network_module +

@@ -5,6 +5,7 @@
 #include "cacher/store.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/text.h"
 #include "proto/wire.h"
 
 namespace lorapipe::trainer {
@@ -123,9 +124,11 @@ class RemoteRecords final : public RecordSource {
 wire::Manifest RecordSource::manifest(const std::string& dataset_id, std::string* resolved) {
   std::string name = dataset_id;
   auto found = get(RecordKind::kManifest, {name});
+  std::vector<std::string> names;
   if (!found[0]) {
+    names = manifest_names();
     std::vector<std::string> named_by_content;
-    for (const std::string& candidate : manifest_names()) {
+    for (const std::string& candidate : names) {
       const std::string prefix = dataset_id + "-";
       if (candidate.size() == prefix.size() + 12 && candidate.rfind(prefix, 0) == 0 &&
           candidate.find_first_not_of("0123456789abcdef", prefix.size()) == std::string::npos) {
@@ -146,9 +149,18 @@ wire::Manifest RecordSource::manifest(const std::string& dataset_id, std::string
     }
   }
   if (!found[0]) {
+    // The names it holds, without their content hashes, for the hint.
+    std::vector<std::string> datasets;
+    for (const std::string& n : names) {
+      const size_t dash = n.size() > 13 ? n.size() - 13 : std::string::npos;
+      const bool hashed = dash != std::string::npos && n[dash] == '-' &&
+                          n.find_first_not_of("0123456789abcdef", dash + 1) == std::string::npos;
+      datasets.push_back(hashed ? n.substr(0, dash) : n);
+    }
     throw InputError("no manifest '" + dataset_id + "' in " + describe() +
-                     ": run preprocess and the cacher on the dataset first (--dataset_id names the "
-                     "manifest they wrote)");
+                     did_you_mean(dataset_id, datasets) + " (it holds " +
+                     std::to_string(names.size()) + "): run preprocess and the cacher on the "
+                     "dataset first (--dataset_id names the manifest they wrote)");
   }
   wire::Manifest manifest;
   if (!manifest.ParseFromString(*found[0])) {

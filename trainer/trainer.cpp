@@ -299,6 +299,19 @@ void apply_network_args(Options& options) {
 
 void check_options(const Options& o) {
   validate(o);
+  // The files and folders the flags name are there (read only once the data is cached).
+  auto there = [](const fs::path& path, const std::string& flag) {
+    std::error_code ec;
+    if (!path.empty() && !fs::exists(path, ec)) {
+      throw InputError(path.string() + " (" + flag + "): no such file or folder");
+    }
+  };
+  there(o.model, "--pretrained_model_name_or_path");
+  there(o.tokenizer, "--tokenizer");
+  there(o.vae, "--vae");
+  there(o.network_weights, "--network_weights");
+  there(o.resume, "--resume");
+  for (const auto& [file, multiplier] : o.base_weights) there(file, "--base_weights");
   LoraNetwork::check(o.network);
   TrainingStep::check(o.step);
   // The optimizer's type and arguments, over a stand-in tensor: its real groups come with the
