@@ -170,6 +170,8 @@ class Cacher {
   std::set<uint64_t> unfinished_jobs_;            // numbers in the backlog or with the worker
   std::set<std::string> queued_texts_;  // text keys found or queued while a stream is open
   std::map<std::string, Stream> streams_;  // open streams, by stream_id
+  // Streams dropped as abandoned: what they send later is refused, never a new partial stream.
+  std::set<std::string> dropped_streams_;
   // Content keys whose encoding was not finite: no record is written, and no manifest names
   // them. They hold for every stream (the same content and weights encode the same).
   std::set<std::string> rejected_keys_, rejected_text_keys_;
@@ -231,12 +233,18 @@ void Cacher::drop_abandoned_streams() {
                            << options_.idle_timeout_ms / 1000 << " s and no end of its stream; "
                            << "dropped without a manifest (" << it->second.entries.size()
                            << " images so far)";
+    dropped_streams_.insert(it->first);
     it = streams_.erase(it);
   }
   if (streams_.empty()) queued_texts_.clear();
 }
 
 void Cacher::on_sample(const wire::ImageSample& s) {
+  if (dropped_streams_.count(s.stream_id())) {
+    LP_LOG(kWarning, kLog) << "rejected " << s.path() << ": its stream (dataset " << s.dataset_id()
+                           << ") was dropped after a silence; run its preprocess again";
+    return;
+  }
   Stream& stream = this->stream(s.stream_id(), s.dataset_id());
   stream.last_sample = Clock::now();
   std::string why = check_sample(s);
@@ -430,6 +438,12 @@ void Cacher::collect() {
 }
 
 void Cacher::finish(const wire::DatasetReport& report) {
+  if (dropped_streams_.count(report.stream_id())) {
+    LP_LOG(kWarning, kLog) << "dataset " << report.dataset_id()
+                           << ": its stream was dropped after a silence, so no manifest is "
+                              "written; run its preprocess again (what was cached stays)";
+    return;
+  }
   // This stream's waiting samples go now, in batches of their own; other streams' keep waiting
   // for full batches.
   for (auto& [bucket, pending] : pending_) {
@@ -627,15 +641,20 @@ void Cacher::serve_loop(runtime::SocketLoop& loop) {
   while (options_.serve || !stream_done_) {
     // While jobs run, the loop wakes often to hand the worker the next one and to write a
     // manifest whose batches are done.
+    // While the worker has no room the stream is not read: that is our silence, not the
+    // streams'. Judged before the poll and after it, so a stream whose samples wait unread in
+    // the socket is never dropped in the loop that frees the worker.
+    const bool blocked_before = !backlog_.empty() || workers_->full();
     const int taken = loop.poll(std::chrono::milliseconds(busy() ? 20 : 200));
     collect();
     status_->tick();
-    // A full worker is not preprocess's silence (the stream is not read meanwhile), nor is the
-    // wait for an ended stream's last batches.
-    const bool encoding = !backlog_.empty() || workers_->full();
+    const bool encoding = blocked_before || !backlog_.empty() || workers_->full();
     const bool ending = std::any_of(streams_.begin(), streams_.end(),
                                     [](const auto& s) { return s.second.report.has_value(); });
     if (taken > 0 || encoding || ending) last_message = Clock::now();
+    if (encoding) {
+      for (auto& [id, stream] : streams_) stream.last_sample = Clock::now();
+    }
     if (options_.serve && !encoding) drop_abandoned_streams();
     if (!options_.serve && !stream_done_ &&
         Clock::now() - last_message > std::chrono::milliseconds(options_.idle_timeout_ms)) {

@@ -66,7 +66,8 @@ std::vector<FlagInfo> make_table() {
         "caption_dropout_rate", "caption_dropout_every_n_epochs", "caption_tag_dropout_rate",
         "caption_prefix", "caption_suffix", "caption_separator", "keep_tokens_separator",
         "secondary_separator", "token_warmup_min", "token_warmup_step", "min_image_side",
-        "max_aspect_ratio", "max_image_pixels", "resize_filter", "resize_interpolation"}) {
+        "max_aspect_ratio", "max_image_pixels", "resize_filter", "resize_interpolation",
+        "skip_image_resolution"}) {
     value(name, {S::kPreprocess});
   }
   for (const char* name : {"enable_bucket", "bucket_no_upscale", "flip_aug", "random_crop",

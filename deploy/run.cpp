@@ -192,6 +192,7 @@ class Supervisor {
   std::string manifest_;  // the name the cacher gave this run's manifest
   std::map<std::string, std::string> errors_;  // stage -> the message of its StageStatus ERROR
   std::map<std::string, wire::StageStatus> reported_;  // stage -> the newest StageStatus
+  std::set<std::string> shown_;  // the stages' status lines already on the screen
 };
 
 void Supervisor::prepare_folder() {
@@ -309,8 +310,11 @@ void Supervisor::apply_demo_defaults() {
     bucket_range = {{"min_bucket_reso", std::to_string(smallest)},
                     {"max_bucket_reso", std::to_string(largest)}};
   }
+  const bool own_dataset = s_.has("dataset_config") || s_.has("in_json");
   for (auto [name, value] : defaults) {
-    if (name == "data_dir" && (s_.has("dataset_config") || s_.has("in_json"))) continue;
+    // A dataset of the user's keeps preprocess's (kohya's) bucket range and its own resolution.
+    if (name == "data_dir" && own_dataset) continue;
+    if ((bucket_range.count(name) || name == "resolution") && own_dataset) continue;
     if (bucket_range.count(name)) value = bucket_range.at(name);
     if (!s_.has(name)) s_.set(name, value);
   }
@@ -398,7 +402,9 @@ void Supervisor::on_message(const google::protobuf::Message& m) {
     const bool sampler_ready = st->state() == wire::StageStatus::READY &&
                                st->stage() == stage_name(Stage::kSampler) &&
                                st->message().find("skipped") != std::string::npos;
-    if ((preprocess_done || sampler_ready) && !st->message().empty()) {
+    // Once each: a stage repeats its status, and the sampler is READY again after every render.
+    if ((preprocess_done || sampler_ready) && !st->message().empty() &&
+        shown_.insert(st->stage() + ": " + st->message()).second) {
       display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: " << st->stage() << ": " << st->message();
       if (st->message().find("skipped") != std::string::npos) {
         display_ << ": see " << (dir_ / "logs" / (st->stage() + ".log")).string();

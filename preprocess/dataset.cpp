@@ -384,6 +384,7 @@ const std::map<std::string, KeySpec, std::less<>>& key_specs() {
       {"network_multiplier", {KeyType::kFloat, kUpper, false}},
       {"validation_seed", {KeyType::kInt, kUpper, false}},
       {"validation_split", {KeyType::kFloat, kUpper, false}},
+      {"skip_image_resolution", {KeyType::kResolution, kUpper, true}},
   };
   return specs;
 }
@@ -462,13 +463,13 @@ class TomlReader {
     for (const auto& [key, node] : table) {
       const std::string_view k = key.str();
       BucketOptions& b = d.buckets;
-      if (k == "resolution") {
+      if (k == "resolution" || k == "skip_image_resolution") {
+        Reso& reso = k == "resolution" ? b.resolution : d.skip_image_resolution;
         if (node.is_integer()) {
-          b.resolution = {static_cast<int>(integer(node)), static_cast<int>(integer(node))};
+          reso = {static_cast<int>(integer(node)), static_cast<int>(integer(node))};
         } else {
           const auto& arr = *node.as_array();
-          b.resolution = {static_cast<int>(integer(*arr.get(0))),
-                          static_cast<int>(integer(*arr.get(1)))};
+          reso = {static_cast<int>(integer(*arr.get(0))), static_cast<int>(integer(*arr.get(1)))};
         }
       } else if (k == "batch_size") {
         d.batch_size = static_cast<int>(integer(node));

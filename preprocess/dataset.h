@@ -67,6 +67,9 @@ struct SubsetOptions {
 struct DatasetOptions {
   BucketOptions buckets;
   int batch_size = 0;  // from a dataset TOML; 0: not given (the trainer's --train_batch_size)
+  // kohya's skip_image_resolution: an image whose area is at most width x height is left out
+  // (a multi-resolution dataset's small copies). {0, 0}: off.
+  Reso skip_image_resolution{0, 0};
   std::vector<SubsetOptions> subsets;
 };
 

@@ -33,6 +33,9 @@ DEFINE_int32(bucket_reso_steps, 64, "Bucket sides are multiples of this");
 DEFINE_bool(bucket_no_upscale, false, "Never upscale: buckets follow each image's size");
 DEFINE_string(caption_extension, "", "Caption file extension (default .caption, then .txt)");
 DEFINE_string(caption_extention, "", "kohya's old spelling of --caption_extension");
+DEFINE_string(skip_image_resolution, "",
+              "kohya's: leave out images whose area is at most SIZE or W,H (a dataset's small "
+              "copies); a dataset TOML's own wins");
 DEFINE_string(class_tokens, "", "Caption for images directly in --data_dir without caption file");
 DEFINE_bool(flip_aug, false, "Also cache horizontally flipped latents");
 DEFINE_bool(random_crop, false, "Random instead of centre crop (fixed per image and --seed)");
@@ -118,6 +121,10 @@ int main(int argc, char** argv) {
     b.max_bucket_reso = FLAGS_max_bucket_reso;
     b.bucket_reso_steps = FLAGS_bucket_reso_steps;
     b.bucket_no_upscale = FLAGS_bucket_no_upscale;
+    if (!FLAGS_skip_image_resolution.empty()) {
+      options.defaults.dataset.skip_image_resolution =
+          pp::parse_resolution(FLAGS_skip_image_resolution);
+    }
     pp::SubsetOptions& s = options.defaults.subset;
     if (!FLAGS_caption_extension.empty() && !FLAGS_caption_extention.empty() &&
         FLAGS_caption_extension != FLAGS_caption_extention) {

@@ -132,6 +132,12 @@ Probed probe_one(const ImageEntry& entry, const Discovery& discovery, const Opti
   }
   const DatasetOptions& dataset = discovery.datasets[entry.dataset];
   const SubsetOptions& subset = dataset.subsets[entry.subset];
+  const Reso skip = dataset.skip_image_resolution;
+  if (skip.width > 0 && pixels <= int64_t{skip.width} * skip.height) {
+    throw InputError(std::to_string(w) + "x" + std::to_string(h) + ": no larger than " +
+                     "skip_image_resolution " + std::to_string(skip.width) + "x" +
+                     std::to_string(skip.height) + " (by area, as kohya compares)");
+  }
   std::string why;
   const std::optional<BucketChoice> choice = selectors[entry.dataset].select(w, h, &why);
   if (!choice) throw InputError(std::to_string(w) + "x" + std::to_string(h) + ": " + why);

@@ -24,45 +24,45 @@ namespace detail {
 inline int g_gflags_exit = -1;
 }  // namespace detail
 
-// An unknown flag is named with the stage's flags nearest it ("did you mean --network_dim?"),
-// which gflags' own message does not do; then the stage ends with kExitError.
-inline void refuse_unknown_flags(int argc, char** argv) {
+// The flags of a command line as gflags reads them: "--name", "-name", "--name=value", and a
+// value-taking flag's value as the next word; nothing after "--"; "-" alone is no flag.
+struct FlagWord {
+  std::string name;
+  bool known = false;
+};
+inline std::vector<FlagWord> flag_words(int argc, char** argv) {
+  std::vector<FlagWord> out;
   for (int i = 1; i < argc; ++i) {
     std::string_view arg = argv[i];
-    if (arg == "--") return;  // gflags reads no flag after it
-    if (!arg.starts_with("-")) continue;
+    if (arg == "--") break;
+    if (!arg.starts_with("-") || arg == "-") continue;
     while (arg.starts_with("-")) arg.remove_prefix(1);
     const bool has_value = arg.find('=') != std::string_view::npos;
-    const std::string name(arg.substr(0, arg.find('=')));
+    FlagWord word{std::string(arg.substr(0, arg.find('='))), false};
     gflags::CommandLineFlagInfo info;
-    if (gflags::GetCommandLineFlagInfo(name.c_str(), &info)) {
+    if (gflags::GetCommandLineFlagInfo(word.name.c_str(), &info)) {
+      word.known = true;
       if (!has_value && info.type != "bool") ++i;  // "--flag value": the next word is its value
-      continue;
+    } else if (word.name.starts_with("no") &&
+               gflags::GetCommandLineFlagInfo(word.name.c_str() + 2, &info) &&
+               info.type == "bool") {
+      word.known = true;  // --noflag
     }
-    if (name.starts_with("no") && gflags::GetCommandLineFlagInfo(name.c_str() + 2, &info) &&
-        info.type == "bool") {
-      continue;  // --noflag
-    }
-    std::vector<gflags::CommandLineFlagInfo> all;
-    gflags::GetAllFlags(&all);
-    std::vector<std::string> names;
-    for (const auto& flag : all) names.push_back(flag.name);
-    std::fprintf(stderr, "ERROR: unknown command line flag '%s'%s\n", name.c_str(),
-                 did_you_mean(name, names, "--").c_str());
-    std::exit(kExitError);
+    out.push_back(std::move(word));
   }
+  return out;
 }
 
 // gflags::ParseCommandLineFlags(argc, argv, /*remove_flags=*/true), with lorapipe's exit codes.
+// An unknown flag is named with the stage's flags nearest it ("did you mean --network_dim?"),
+// which gflags' own message does not do.
 inline void parse_flags(int* argc, char*** argv) {
+  const std::vector<FlagWord> words = flag_words(*argc, *argv);
   bool help = false;
-  for (int i = 1; i < *argc; ++i) {
-    std::string_view arg = (*argv)[i];
-    while (arg.starts_with("-")) arg.remove_prefix(1);
-    arg = arg.substr(0, arg.find('='));
+  for (const FlagWord& word : words) {
     for (std::string_view name : {"help", "helpfull", "helpshort", "helpxml", "helppackage",
                                   "helpon", "helpmatch", "version"}) {
-      help = help || arg == name;
+      help = help || word.name == name;
     }
   }
   detail::g_gflags_exit = help ? kExitOk : kExitError;
@@ -72,7 +72,16 @@ inline void parse_flags(int* argc, char*** argv) {
     std::_Exit(detail::g_gflags_exit);
   }) == 0;
   (void)registered;
-  if (!help) refuse_unknown_flags(*argc, *argv);
+  for (const FlagWord& word : words) {
+    if (help || word.known) continue;
+    std::vector<gflags::CommandLineFlagInfo> all;
+    gflags::GetAllFlags(&all);
+    std::vector<std::string> names;
+    for (const auto& flag : all) names.push_back(flag.name);
+    std::fprintf(stderr, "ERROR: unknown command line flag '%s'%s\n", word.name.c_str(),
+                 did_you_mean(word.name, names, "--").c_str());
+    std::exit(kExitError);
+  }
   gflags::ParseCommandLineFlags(argc, argv, /*remove_flags=*/true);
   detail::g_gflags_exit = -1;
 }

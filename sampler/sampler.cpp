@@ -200,20 +200,6 @@ std::string run_name(const fs::path& lora) {
   return std::regex_replace(lora.stem().string(), suffix, "");
 }
 
-// The name a followed run's samples take: its --output_name. A run without one (its saves are
-// kohya's at-step…, epoch-… and last, and its metadata's ss_output_name is None) has none, and
-// kohya names its samples by their step alone.
-std::string followed_run_name(const fs::path& lora) {
-  try {
-    const auto meta = models::SafetensorsFile::open(lora).metadata();
-    if (const auto it = meta.find("ss_output_name"); it != meta.end() && it->second == "None") {
-      return "";
-    }
-  } catch (const std::exception&) {
-    // Unreadable: rendering it names what is wrong.
-  }
-  return run_name(lora);
-}
 
 class Sampler {
  public:
@@ -461,7 +447,10 @@ class Sampler {
       const fs::path path = newest->path();
       rendered_any_ = true;
       last_step_ = newest->step();
-      if (render_checkpoint({{path, 1.0}}, newest->step(), followed_run_name(path))) {
+      // Named after the run's --output_name, as the trainer announces it; a run without one
+      // (kohya's at-step..., epoch-..., last files) has its samples named by step alone, as
+      // kohya names them.
+      if (render_checkpoint({{path, 1.0}}, newest->step(), newest->output_name())) {
         ++summary_.checkpoints_rendered;
         if (pub) {
           wire::SampleReady ready;

@@ -614,9 +614,24 @@ TEST_F(CachePipeline, ServingCacherKeepsEachStreamApart) {
       return true;
     });
   }
+  // The dropped run comes back with the rest of its stream: refused, not made a new stream whose
+  // manifest would hold only what came after the drop.
+  ASSERT_EQ(wire::send(push, sample("four", "fourth", "d2.png")), wire::SendStatus::kSent);
+  ASSERT_EQ(wire::send(push, end("four", "fourth")), wire::SendStatus::kSent);
+  const std::string refused = "dataset fourth: its stream was dropped after a silence, so no "
+                              "manifest is written";
+  for (int i = 0; i < 600 && read_text(work_ / "cacher.err").find(refused) == std::string::npos;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
   kill(cacher, SIGTERM);
   wait_exit(cacher);
   const std::string err = read_text(work_ / "cacher.err");
+  EXPECT_NE(err.find(refused), std::string::npos) << err;
+  EXPECT_NE(err.find("rejected /photos/d2.png: its stream (dataset fourth) was dropped"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(open_cache().get(cacher::Table::kManifests, "fourth"), std::nullopt);
   EXPECT_EQ(paths["first"], (std::vector<std::string>{"/photos/a1.png", "/photos/a2.png"})) << err;
   EXPECT_EQ(paths["second"], (std::vector<std::string>{"/photos/b1.png"})) << err;
   EXPECT_EQ(paths["third"], (std::vector<std::string>{"/photos/c1.png"})) << err;

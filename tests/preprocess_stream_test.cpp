@@ -308,6 +308,43 @@ TEST_F(PreprocessStream, KohyaCaptionSeparatorsReachEverySample) {
   }
 }
 
+// kohya's skip_image_resolution leaves out an image whose area is at most the given size (the
+// small copies of a multi-resolution dataset): by flag, and per dataset in a TOML (which wins).
+TEST_F(PreprocessStream, SkipImageResolutionLeavesOutTheSmallImagesByArea) {
+  int64_t smallest = -1;
+  for (const auto& image : demo_) {
+    const int64_t area = int64_t{image.width} * image.height;
+    if (smallest < 0 || area < smallest) smallest = area;
+  }
+  size_t at_most = 0;
+  std::string skip;
+  // A width,height whose area is the smallest image's: that one (and any of its area) goes.
+  for (const auto& image : demo_) {
+    if (int64_t{image.width} * image.height == smallest) {
+      skip = std::to_string(image.height) + "," + std::to_string(image.width);  // turned: by area
+    }
+  }
+  for (const auto& image : demo_) at_most += int64_t{image.width} * image.height <= smallest;
+  ASSERT_GT(at_most, 0u);
+  ASSERT_LT(at_most, demo_.size());
+  const Stream run = stream({"--skip_image_resolution=" + skip}, [](const std::string&) { return false; });
+  ASSERT_EQ(run.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  EXPECT_EQ(run.samples.size(), demo_.size() - at_most);
+  for (const wire::ImageSample& s : run.samples) {
+    EXPECT_GT(int64_t{s.original_size().width()} * s.original_size().height(), smallest) << s.path();
+  }
+  EXPECT_NE(read_text(dir_ / "stderr.txt").find("no larger than skip_image_resolution"),
+            std::string::npos);
+  // A dataset TOML's own value wins over the flag: 1 leaves every image in.
+  const fs::path config = dir_ / "skip.toml";
+  std::ofstream(config) << "[[datasets]]\nskip_image_resolution = 1\n[[datasets.subsets]]\n"
+                        << "image_dir = 'data/" << preprocess::kDemoFolder << "'\n";
+  const Stream toml = stream({"--dataset_config=" + config.string(), "--skip_image_resolution=" + skip},
+                             [](const std::string&) { return false; });
+  ASSERT_EQ(toml.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  EXPECT_EQ(toml.samples.size(), demo_.size());
+}
+
 // kohya's old spelling, --caption_extention, still in many scripts, is taken as kohya takes it;
 // with the new spelling beside it, they must agree.
 TEST_F(PreprocessStream, KohyasOldCaptionExtentionSpellingIsTaken) {

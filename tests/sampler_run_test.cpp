@@ -107,7 +107,7 @@ class SamplerRun : public ::testing::Test {
   }
 
   // What a trainer announces when it saves dir_/run-stepNNNNN.safetensors (SetUpTestSuite
-  // writes those LoRAs).
+  // writes those LoRAs) with --output_name=run.
   static wire::CheckpointReady checkpoint(int step, bool final = false) {
     wire::CheckpointReady event;
     event.set_run_id("test");
@@ -115,6 +115,7 @@ class SamplerRun : public ::testing::Test {
         (dir_ / ("run-step" + std::to_string(100000 + step).substr(1) + ".safetensors")).string());
     event.set_step(static_cast<uint64_t>(step));
     event.set_final(final);
+    event.set_output_name("run");  // the trainer's --output_name: the samples' name
     return event;
   }
 
@@ -309,6 +310,7 @@ TEST_F(SamplerRun, FollowsARunRenderingOnlyTheNewestAndTheFinal) {
     event.set_path(file.string());
     event.set_step(static_cast<uint64_t>(step));
     event.set_final(final);
+    event.set_output_name("run");  // the trainer's --output_name: the samples' name
     ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
   };
   auto step_file = [&](int step) {
@@ -433,6 +435,7 @@ TEST_F(SamplerRun, GalleryInChromiumShowsEachStepAndTheNextWithoutAReload) {
         (dir_ / ("run-step" + std::to_string(100000 + step).substr(1) + ".safetensors")).string());
     event.set_step(static_cast<uint64_t>(step));
     event.set_final(final);
+    event.set_output_name("run");  // the trainer's --output_name: the samples' name
     ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
   };
   const pid_t sampler =

@@ -514,6 +514,17 @@ TEST_F(TrainRunTest, BlockWiseNetworkArgsShapeTheFile) {
   EXPECT_FALSE(last.count("lr/unet_block13")) << "OUT00 has no module";
   const auto meta = models::SafetensorsFile::open(work_ / "lora" / "tiny.safetensors").metadata();
   EXPECT_EQ(nlohmann::json::parse(meta.at("ss_network_args"))["up_lr_weight"], "zeros");
+  // Continuing a whole LoRA with blocks left out: their modules in the file are not loaded, as
+  // kohya's non-strict load leaves them (before: "keys that fit no module").
+  const TrainRun whole = run(work_ / "whole", {"--max_train_steps=1"});
+  ASSERT_EQ(whole.exit, 0) << whole.err;
+  const TrainRun on = run(work_ / "on", {"--max_train_steps=1", "--network_weights=" +
+                                             (work_ / "whole" / "lora" / "tiny.safetensors").string(),
+                                         "--network_args", "up_lr_weight=zeros"});
+  EXPECT_EQ(on.exit, 0) << on.err;
+  EXPECT_NE(on.err.find("tensors of modules this network does not train are not loaded"),
+            std::string::npos)
+      << on.err;
 }
 
 // Every key maps onto a module of the base model; shapes and metadata are kohya's.
@@ -1466,6 +1477,9 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--console_log_file=/no/such/dir/log.txt"}, "--console_log_file=/no/such/dir/log.txt"},
       {{"--initial_step=100"}, "--initial_step=100"},
       {{"--train_data_dir=/photos"}, "--train_data_dir=/photos: the trainer trains from the cache"},
+      {{"--dim_from_weights", "--network_weights=/no/such/lora.safetensors", "--network_args",
+        "down_lr_weight=zeros"},
+       "block-wise network_args (block_dims, *_lr_weight) shape a new network"},
   };
   // What --check_flags (lorapipe run's check before any stage starts) cannot know: these need the
   // cache, the model's groups or a file the check does not read.

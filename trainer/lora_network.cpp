@@ -243,7 +243,10 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
       } else {
         rank = 0;
       }
-      if (rank == 0) continue;  // kohya builds no module for a block of rank 0
+      if (rank == 0) {  // kohya builds no module for a block of rank 0 (or weight 0)
+        untrained_.insert(target.name);  // a --network_weights file's module for it is not loaded
+        continue;
+      }
     }
     if (!from_weights.empty()) {
       const auto it = from_weights.find(target.name);
@@ -431,7 +434,8 @@ void LoraNetwork::load(const std::map<std::string, at::Tensor>& tensors, const s
     m.adapter->scale = m.alpha / static_cast<double>(m.adapter->rank());
   }
   // A file's modules for the side this network does not train (--network_train_unet_only or
-  // --network_train_text_encoder_only) are left out, as kohya's non-strict load leaves them.
+  // --network_train_text_encoder_only), or for a block the block-wise network_args leave out,
+  // are left out, as kohya's non-strict load leaves them.
   size_t skipped = 0;
   for (auto it = unused.begin(); it != unused.end();) {
     if (untrained_.count(it->substr(0, it->find('.')))) {
@@ -443,7 +447,7 @@ void LoraNetwork::load(const std::map<std::string, at::Tensor>& tensors, const s
   }
   if (skipped > 0) {
     LP_LOG(kInfo, "trainer") << source << ": " << skipped
-                             << " tensors of the side that does not train are not loaded";
+                             << " tensors of modules this network does not train are not loaded";
   }
   if (missing.empty() && misshaped.empty() && unused.empty()) return;
   std::string message = source + ": LoRA does not fit this model (network_dim " +

@@ -139,7 +139,9 @@ class LoraNetwork {
  private:
   NetworkOptions options_;
   std::vector<Module> modules_;
-  std::set<std::string> untrained_;  // the model's LoRA targets on a side that does not train
+  // The model's LoRA targets this network has no module for: a side that does not train, a block
+  // of rank or weight 0.
+  std::set<std::string> untrained_;
 };
 
 }  // namespace lorapipe::trainer

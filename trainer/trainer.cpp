@@ -334,6 +334,9 @@ void validate(const Options& o) {
        "--output_name='" + o.output_name + "' must be a plain file name");
   need(!o.dim_from_weights || !o.network_weights.empty(),
        "--dim_from_weights takes the ranks from --network_weights, which is unset");
+  need(!o.dim_from_weights || o.network.block_dims.empty(),
+       "block-wise network_args (block_dims, *_lr_weight) shape a new network; --dim_from_weights "
+       "takes the ranks of --network_weights instead");
   need(o.max_train_steps > 0 || o.max_train_epochs > 0,
        "--max_train_steps=" + std::to_string(o.max_train_steps) + ": must be at least 1");
   need(o.max_train_epochs >= 0, "--max_train_epochs must not be negative");
@@ -1046,6 +1049,7 @@ void Run::save_lora(const fs::path& path, int64_t step, bool final) {
   event.set_epoch(static_cast<uint32_t>(epoch_));
   event.set_sha256(written.sha256);
   event.set_final(final);
+  event.set_output_name(o_.output_name);
   (void)wire::send(*pub_, event);
   last_checkpoint_ = event;
   last_announce_ = std::chrono::steady_clock::now();
