@@ -58,9 +58,14 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
   for (LoraTarget& t : model.lora_targets(/*text_encoder=*/true, /*conv_kxk=*/true)) {
     targets.emplace(t.name, std::move(t));
   }
+  std::set<std::string> denoiser_targets;
+  for (const LoraTarget& t : model.lora_targets(/*text_encoder=*/false, /*conv_kxk=*/true)) {
+    denoiser_targets.insert(t.name);
+  }
   std::vector<std::string> unknown;
   for (const auto& [name, m] : modules) {
     if (!targets.count(name)) unknown.push_back(name);
+    if (!denoiser_targets.count(name)) changes_text_encoder_ = true;
   }
   if (!unknown.empty()) {
     std::string list;
@@ -150,6 +155,13 @@ void MergedLora::restore() {
 void MergedLoras::add(DiffusionModel& model, const std::filesystem::path& file,
                       double multiplier) {
   merged_.push_back(std::make_unique<MergedLora>(model, file, multiplier));
+}
+
+bool MergedLoras::changes_text_encoder() const {
+  for (const auto& m : merged_) {
+    if (m->changes_text_encoder()) return true;
+  }
+  return false;
 }
 
 void MergedLoras::restore() {

@@ -44,11 +44,14 @@ class MergedLora {
   void restore();
   size_t module_count() const { return saved_.size() + slotted_.size(); }
   size_t slotted_count() const { return slotted_.size(); }  // of them, those in a LoRA slot
+  // Whether a module of the file is the text encoder's: then prompts encode otherwise.
+  bool changes_text_encoder() const { return changes_text_encoder_; }
 
  private:
   std::vector<std::pair<at::Tensor, at::Tensor>> saved_;  // the live weight, its original
   // A float8 layer's slot and what it held before.
   std::vector<std::pair<LoraTarget, std::shared_ptr<LoraAdapter>>> slotted_;
+  bool changes_text_encoder_ = false;
 };
 
 // Several LoRAs merged on top of one another, taken out newest first: each put back the weights
@@ -65,6 +68,7 @@ class MergedLoras {
   // Idempotent.
   void restore();
   size_t size() const { return merged_.size(); }
+  bool changes_text_encoder() const;
 
  private:
   std::vector<std::unique_ptr<MergedLora>> merged_;

@@ -115,9 +115,10 @@ int main(int argc, char** argv) {
       o.loras.emplace_back(item, multiplier);
     }
     const s::SamplerSummary summary = s::run_sampler(o);
-    std::printf("sampler: %d checkpoints rendered, %d skipped, %d superseded; %d images\n",
+    std::printf("sampler: %d checkpoints rendered, %d skipped, %d superseded; %d images; "
+                "prompts encoded %d times\n",
                 summary.checkpoints_rendered, summary.checkpoints_skipped,
-                summary.checkpoints_superseded, summary.images);
+                summary.checkpoints_superseded, summary.images, summary.prompt_encodings);
     return lorapipe::runtime::kExitOk;
   } catch (const std::exception& e) {
     LP_LOG(kError, "sampler") << e.what();

@@ -173,6 +173,7 @@ RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest&
     }
     return value.substr(0, end);
   };
+  bool karras = false;
   for (size_t i = 1; i < parts.size(); ++i) {
     const std::string part = trim(parts[i]);
     const size_t space = part.find(' ');
@@ -207,11 +208,22 @@ RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest&
       }
     } else if (option == "ss") {
       r.sampler = sampler_choice(value, note);
+    } else if (option == "karras") {
+      // lorapipe's: Karras sigmas for the sampler (A1111's "Euler Karras", "DPM++ 2M Karras").
+      karras = value.empty() || !(lower(value) == "false" || value == "0" || lower(value) == "no");
     } else if (is_other_models_option(option)) {
       note("--" + option + " is for other models or networks: ignored");
     } else {
       note("unknown option --" + option +
            ": ignored, as kohya does (its options: --n, --w, --h, --d, --s, --l, --ss)");
+    }
+  }
+  if (karras && !r.sampler.ends_with("_karras")) {
+    const std::string base = r.sampler == "k_euler" ? "euler" : r.sampler;
+    if (base == "euler" || base == "dpmsolver++") {
+      r.sampler = base + "_karras";
+    } else {
+      note("--karras applies to euler and dpmsolver++ only: " + r.sampler + " renders without it");
     }
   }
   return r;

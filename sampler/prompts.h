@@ -2,7 +2,9 @@
 // kohya's sample prompt files (train_util.load_prompts / line_to_prompt_dict):
 //   .txt   one prompt per line, options after " --": --n negative prompt, --w / --h size (rounded
 //          down to a multiple of 8, at least 64), --d seed, --s steps (1-1000), --l CFG scale,
-//          --ss sampler; lines that are empty or start with '#' are skipped;
+//          --ss sampler (and lorapipe's --karras: euler and dpmsolver++ on Karras sigmas, as
+//          --ss euler_karras / dpmsolver++_karras); lines that are empty or start with '#' are
+//          skipped;
 //   .toml  [prompt] defaults and [[prompt.subset]] entries (prompt, negative_prompt, width,
 //          height, seed, sample_steps, scale, sample_sampler);
 //   .json  a list of such objects (or of plain prompt strings).

@@ -54,6 +54,28 @@ TEST(SamplerPrompts, TextLinesWithEveryKohyaOption) {
   EXPECT_EQ(c.steps, 1000);
 }
 
+// lorapipe's --karras puts euler and dpmsolver++ (DPM++ 2M) on Karras sigmas, wherever it stands
+// on the line; with a sampler that has no Karras form it is noted and the line kept.
+TEST(SamplerPrompts, KarrasOptionSelectsTheKarrasSigmas) {
+  const fs::path file = write("karras.txt",
+                              "a cat --karras --ss dpmsolver++\n"
+                              "a dog --ss k_euler --karras\n"
+                              "a bird --ss euler_a --karras\n"
+                              "a fish --ss euler --karras false\n");
+  const PromptSet set = load_prompts(file);
+  ASSERT_TRUE(set.problems.empty()) << set.problems[0];
+  ASSERT_EQ(set.prompts.size(), 4u);
+  EXPECT_EQ(set.prompts[0].sampler, "dpmsolver++_karras");
+  EXPECT_EQ(set.prompts[1].sampler, "euler_karras");
+  EXPECT_EQ(set.prompts[2].sampler, "euler_a");
+  EXPECT_EQ(set.prompts[3].sampler, "euler");
+  ASSERT_EQ(set.notes.size(), 1u);
+  EXPECT_NE(set.notes[0].find("karras.txt:3: --karras applies to euler and dpmsolver++ only"),
+            std::string::npos)
+      << set.notes[0];
+  EXPECT_TRUE(scheduler_options(set.prompts[0].sampler, false).karras);
+}
+
 // kohya reads an option's value from its start and ignores what it cannot read: the line is
 // rendered, and the reading noted by line. Only a line without a prompt is skipped; it keeps its
 // number, so the prompts after it keep theirs (their image names and default seeds).

@@ -6,6 +6,18 @@
 
 namespace lorapipe::sampler {
 
+models::Conditioning encode_request(models::DiffusionModel& model, const RenderRequest& request,
+                                    int clip_skip) {
+  torch::NoGradGuard no_grad;
+  // [negative, positive] in one batch, as diffusers concatenates them.
+  std::vector<std::string> captions;
+  if (request.cfg_scale > 1.0) captions.push_back(request.negative_prompt);
+  captions.push_back(request.prompt);
+  // As kohya conditions its sample images: attention weights, and up to 225 tokens in chunks,
+  // both prompts of the pair at the chunk count of the longer.
+  return model.encode_prompts(captions, clip_skip);
+}
+
 RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
                     const RenderOptions& options) {
   if (request.width < 8 || request.height < 8 || request.width % 8 || request.height % 8) {
@@ -17,14 +29,10 @@ RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
   Scheduler scheduler(scheduler_options(request.sampler, options.v_prediction), request.steps);
   auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(request.seed));
 
-  // [negative, positive] in one batch, as diffusers concatenates them.
   const bool guided = request.cfg_scale > 1.0;
-  std::vector<std::string> captions;
-  if (guided) captions.push_back(request.negative_prompt);
-  captions.push_back(request.prompt);
-  // As kohya conditions its sample images: attention weights, and up to 225 tokens in chunks,
-  // both prompts of the pair at the chunk count of the longer.
-  const models::Conditioning conditioning = model.encode_prompts(captions, options.clip_skip);
+  const models::Conditioning conditioning = options.conditioning != nullptr
+                                                ? *options.conditioning
+                                                : encode_request(model, request, options.clip_skip);
 
   const torch::Tensor weight = model.denoiser_module().parameters().front();
   const int64_t h = request.height / family.vae_downsample,

@@ -37,10 +37,18 @@ struct RenderOptions {
   int clip_skip = 1;
   // Initial latents instead of the seed's (tests hand diffusers' in); fp32 [1, C, H/8, W/8].
   at::Tensor initial_latents;
+  // The request's prompts already encoded (encode_request), as the sampler keeps them across
+  // checkpoints whose LoRA leaves the text encoder alone; null: encoded here.
+  const models::Conditioning* conditioning = nullptr;
   // Called after each model call with its index and the latents (progress, tests); Heun, DPM2
   // and PNDM call the model more often than their step count.
   std::function<void(int, const at::Tensor&)> on_step;
 };
+
+// The request's negative and positive prompt as one batch ([negative, positive]; the positive
+// alone without guidance), conditioned as kohya conditions its sample images.
+models::Conditioning encode_request(models::DiffusionModel& model, const RenderRequest& request,
+                                    int clip_skip);
 
 // The seed's generator draws the initial latents (randn, fp32, CPU) and then Euler ancestral's
 // noise, in diffusers' order: the same seed gives diffusers' image with a CPU generator.

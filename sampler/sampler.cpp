@@ -194,6 +194,29 @@ refresh();setInterval(refresh,2000);
 </script></body></html>
 )html";
 
+// The device ran out of memory: CUDA's allocator says so by type; the CPU's (c10's default
+// allocator, oneDNN's scratchpads, the standard library) by std::bad_alloc or by a c10::Error
+// whose message says it.
+bool out_of_memory(const std::exception& e) {
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return true;
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    const std::string message = c10_error->what_without_backtrace();
+    for (const char* says : {"not enough memory", "out of memory", "can't allocate memory",
+                             "Cannot allocate memory"}) {
+      if (message.find(says) != std::string::npos) return true;
+    }
+  }
+  return false;
+}
+
+// An exception's message without LibTorch's backtrace (from the second line on).
+std::string first_line(const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  const std::string message = c10_error ? c10_error->what_without_backtrace() : e.what();
+  return message.substr(0, message.find('\n'));
+}
+
 std::string run_name(const fs::path& lora) {
   // NAME-step00000100 / NAME-000002 / NAME: the run's output name.
   static const std::regex suffix("(-step[0-9]+|-[0-9]{6})$");
@@ -214,6 +237,7 @@ class Sampler {
     start_vips();
     models::LoadOptions load;
     const c10::Device device = models::resolve_device(o_.device);
+    device_ = device;
     const std::map<std::string, c10::ScalarType> dtypes{
         {"no", c10::kFloat}, {"fp16", c10::kHalf}, {"bf16", c10::kBFloat16}};
     if (!dtypes.count(o_.mixed_precision)) {
@@ -302,8 +326,19 @@ class Sampler {
       RenderOptions render_options;
       render_options.v_prediction = o_.v_prediction;
       render_options.clip_skip = o_.clip_skip;
+      // Prompts are encoded once per prompt set: the base text encoder's conditionings are kept
+      // for every checkpoint whose LoRA leaves the text encoder alone. A LoRA that trains it
+      // (kohya's default for SD1.5) changes them: encoded once per prompt for that checkpoint.
+      const bool own_text_encoder = merged.changes_text_encoder();
+      std::vector<models::Conditioning> for_this_lora;
       for (size_t i = 0; i < prompts_.prompts.size(); ++i) {
         const RenderRequest& r = prompts_.prompts[i];
+        std::vector<models::Conditioning>& kept = own_text_encoder ? for_this_lora : base_prompts_;
+        if (kept.size() <= i) {
+          kept.push_back(encode_request(model_, r, o_.clip_skip));
+          ++summary_.prompt_encodings;
+        }
+        render_options.conditioning = &kept[i];
         const RenderResult result = render(model_, r, render_options);
         char file_name[64];
         std::snprintf(file_name, sizeof file_name, "%06llu_%02d.png",
@@ -323,9 +358,11 @@ class Sampler {
     } catch (const InputError& e) {
       LP_LOG(kError, kLog) << "step " << step << " not rendered: " << e.what();
       return false;
-    } catch (const c10::OutOfMemoryError& e) {
-      LP_LOG(kError, kLog) << "step " << step << " not rendered: out of memory on the device ("
-                           << e.what_without_backtrace() << ")";
+    } catch (const std::exception& e) {
+      if (!out_of_memory(e)) throw;
+      // Unwinding freed what the render held, and `merged` restores the base as it goes.
+      LP_LOG(kError, kLog) << "step " << step << " not rendered: out of memory on "
+                           << models::describe_device(device_) << " (" << first_line(e) << ")";
       return false;
     }
     merged.restore();  // the base back before anything else can fail
@@ -347,8 +384,9 @@ class Sampler {
     write_text(o_.output_dir / "samples" / "samples.js", "lorapipeSamples(" + index.dump() + ");\n");
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    last_seconds_per_image_ = seconds / static_cast<double>(images.size());
     LP_LOG(kInfo, kLog) << "step " << step << ": " << images.size() << " images in " << seconds
-                        << " s (" << seconds / images.size() << " s per image)";
+                        << " s (" << last_seconds_per_image_ << " s per image)";
     summary_.images += static_cast<int>(images.size());
     summary_.steps_rendered.push_back(step);
     last_paths_.clear();
@@ -454,6 +492,7 @@ class Sampler {
         ++summary_.checkpoints_rendered;
         if (pub) {
           wire::SampleReady ready;
+          ready.set_seconds_per_image(last_seconds_per_image_);
           ready.set_run_id(newest->run_id());
           ready.set_step(newest->step());
           for (const std::string& p : last_paths_) ready.add_image_paths(p);
@@ -482,6 +521,10 @@ class Sampler {
   nlohmann::json checkpoints_ = nlohmann::json::array();
   std::vector<std::string> last_paths_;
   std::string last_sheet_;
+  double last_seconds_per_image_ = 0;
+  // The base text encoder's conditioning of each prompt, encoded at its first render.
+  std::vector<models::Conditioning> base_prompts_;
+  c10::Device device_ = c10::kCPU;
   bool rendered_any_ = false;
   uint64_t last_step_ = 0;
 };

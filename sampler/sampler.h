@@ -60,6 +60,8 @@ struct SamplerSummary {
   int checkpoints_skipped = 0;     // could not be rendered (reported)
   int checkpoints_superseded = 0;  // a newer one came first
   int images = 0;
+  int prompt_encodings = 0;  // text encoder runs: once per prompt, and again per LoRA that has
+                             // text encoder modules
   std::vector<uint64_t> steps_rendered;
 };
 

@@ -3,12 +3,17 @@
 // renders them. Images are read back with libvips (PNG text chunk included).
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -30,9 +35,12 @@ using testing::read_text;
 using testing::spawn;
 using testing::wait_exit;
 
-// A random kohya-format LoRA over every layer kohya adapts in `model` (UNet and text encoder).
+// A random kohya-format LoRA over every layer kohya adapts in `model` (UNet and, unless
+// `text_encoder` is false, the text encoder). `extra_module` adds a module of that name (a layer
+// of another model).
 void write_random_lora(const models::StableDiffusion& model, const fs::path& path, uint64_t seed,
-                       int64_t rank = 4) {
+                       int64_t rank = 4, bool text_encoder = true,
+                       const std::string& extra_module = "") {
   auto gen = at::detail::createCPUGenerator(seed);
   std::vector<torch::Tensor> keep;
   std::vector<models::TensorToWrite> out;
@@ -42,7 +50,12 @@ void write_random_lora(const models::StableDiffusion& model, const fs::path& pat
         {name, models::Dtype::kF32, keep.back().sizes().vec(),
          std::string_view(static_cast<const char*>(keep.back().data_ptr()), keep.back().nbytes())});
   };
-  for (const models::LoraTarget& t : model.lora_targets(/*text_encoder=*/true, false)) {
+  if (!extra_module.empty()) {
+    add(extra_module + ".lora_down.weight", torch::randn({rank, 640}, gen) * 0.2);
+    add(extra_module + ".lora_up.weight", torch::randn({640, rank}, gen) * 0.2);
+    add(extra_module + ".alpha", torch::tensor(static_cast<float>(rank)));
+  }
+  for (const models::LoraTarget& t : model.lora_targets(text_encoder, false)) {
     const auto& w = t.weight();
     std::vector<int64_t> down_shape{rank}, up_shape{w.size(0), rank};
     for (int64_t d = 1; d < w.dim(); ++d) down_shape.push_back(w.size(d));
@@ -274,7 +287,7 @@ TEST_F(SamplerRun, VaeAndBaseWeightsShapeTheImages) {
 
 // --mixed_precision and --fp8_base reach the render: in bf16 over float8 weights (the LoRA beside
 // them) the images come out, of the same sizes, and not the fp32 render's pixels; an unknown
-// precision stops the sampler, naming it. (SamplerRenderParity.DdimWithLoraOverFloat8Weights
+// precision stops the sampler, naming it. (SamplerParityRender.DdimWithLoraOverFloat8Weights
 // holds the float8 render to diffusers'.)
 TEST_F(SamplerRun, MixedPrecisionAndFloat8WeightsRender) {
   ASSERT_EQ(render_one("fp32", {}).first, 0);
@@ -477,6 +490,161 @@ TEST_F(SamplerRun, GalleryInChromiumShowsEachStepAndTheNextWithoutAReload) {
   std::printf("[gallery] screenshot %dx%d, pixel deviation %.1f\n", shot.width(), shot.height(),
               shot.deviate());
   EXPECT_GT(shot.deviate(), 5.0) << "the screenshot is blank";
+}
+
+// The size of `pid`'s address space, from /proc/PID/status (VmSize, in kB).
+uint64_t address_space_bytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmSize:", 0) == 0) return std::stoull(line.substr(7)) * 1024;
+  }
+  return 0;
+}
+
+// Faults while following a run, each named and each costing only its checkpoint:
+// - the device out of memory, a real one: once the sampler has loaded, the test caps its address
+//   space (prlimit(2), RLIMIT_AS) at what it holds plus 32 MiB. The LoRA's merge fits in that;
+//   the 512x512 render does not (the tiny VAE's full-resolution activations are 32 MiB each,
+//   several alive at once). One thread, so no thread is started under the cap;
+// - with the cap lifted, a LoRA made for another base model (an SDXL LoRA's key among this
+//   model's): the key is named.
+// Then the next checkpoint renders and its SampleReady carries its step, images and seconds per
+// image, and the final one ends the run.
+TEST_F(SamplerRun, OutOfMemoryAndAForeignLoraSkipOnlyTheirCheckpoints) {
+  std::ofstream(work_ / "big.txt") << "a red circle --w 512 --h 512 --s 1 --d 3\n";
+  const models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+  const std::string foreign_key = "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q";
+  write_random_lora(model, work_ / "foreign.safetensors", 3, 4, true, foreign_key);
+  zmq::context_t context;
+  zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
+  const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
+  pub.bind(endpoint);
+  const std::string samples_endpoint = "ipc://" + (work_ / "sampler.sock").string();
+  zmq::socket_t samples = wire::make_socket(context, zmq::socket_type::sub);
+  samples.set(zmq::sockopt::subscribe, wire::type_name(wire::SampleReady()));
+  samples.connect(samples_endpoint);
+  auto announce = [&](int step, const fs::path& file, bool final = false) {
+    wire::CheckpointReady event = checkpoint(step, final);
+    event.set_path(file.string());
+    ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
+  };
+  auto step_file = [&](int step) {
+    return dir_ / ("run-step" + std::to_string(100000 + step).substr(1) + ".safetensors");
+  };
+  std::vector<std::string> a =
+      args({"--sub=" + endpoint, "--pub=" + samples_endpoint, "--idle_timeout_s=120"});
+  a[2] = "--sample_prompts=" + (work_ / "big.txt").string();
+  const pid_t pid = spawn(a, work_ / "out", work_ / "err");
+  auto log_says = [&](const std::string& text, const std::function<void()>& meanwhile) {
+    for (int i = 0; i < 600; ++i) {
+      if (read_text(work_ / "err").find(text) != std::string::npos) return true;
+      if (runtime::try_wait(pid)) return false;
+      meanwhile();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return false;
+  };
+  ASSERT_TRUE(log_says("following ", [] {})) << read_text(work_ / "err");
+
+  rlimit unlimited{};
+  ASSERT_EQ(prlimit(pid, RLIMIT_AS, nullptr, &unlimited), 0) << std::strerror(errno);
+  const rlimit cap{address_space_bytes(pid) + (32u << 20), unlimited.rlim_max};
+  ASSERT_GT(cap.rlim_cur, 32u << 20);
+  ASSERT_EQ(prlimit(pid, RLIMIT_AS, &cap, nullptr), 0) << std::strerror(errno);
+  ASSERT_TRUE(log_says("step 10 not rendered", [&] { announce(10, step_file(10)); }))
+      << read_text(work_ / "err");
+  ASSERT_EQ(prlimit(pid, RLIMIT_AS, &unlimited, nullptr), 0) << std::strerror(errno);
+  std::string err = read_text(work_ / "err");
+  EXPECT_NE(err.find("step 10 not rendered: out of memory on cpu"), std::string::npos) << err;
+
+  ASSERT_TRUE(log_says("step 20 not rendered",
+                       [&] { announce(20, work_ / "foreign.safetensors"); }))
+      << read_text(work_ / "err");
+  err = read_text(work_ / "err");
+  EXPECT_NE(err.find(foreign_key), std::string::npos) << "the foreign key is named: " << err;
+  EXPECT_NE(err.find("fit no layer of this model"), std::string::npos) << err;
+
+  std::string why;
+  ASSERT_TRUE(announce_until_indexed(30, pid, [&] { announce(30, step_file(30)); }, &why))
+      << why << read_text(work_ / "err");
+  std::optional<wire::SampleReady> ready;
+  for (int i = 0; i < 100 && !ready; ++i) {
+    const wire::Received received = wire::receive(samples, std::chrono::milliseconds(100));
+    if (const auto* r = received.as<wire::SampleReady>(); r != nullptr && r->step() == 30) {
+      ready = *r;
+    }
+  }
+  ASSERT_TRUE(ready.has_value()) << "no SampleReady for step 30";
+  ASSERT_EQ(ready->image_paths_size(), 1);
+  EXPECT_TRUE(fs::exists(ready->image_paths(0))) << ready->image_paths(0);
+  EXPECT_TRUE(ready->image_paths(0).ends_with("run_000030_00.png")) << ready->image_paths(0);
+  EXPECT_TRUE(fs::exists(ready->contact_sheet())) << ready->contact_sheet();
+  EXPECT_GT(ready->seconds_per_image(), 0.0);
+  EXPECT_NE(read_text(work_ / "err").find("step 30: 1 images in "), std::string::npos);
+
+  announce(50, step_file(50), /*final=*/true);
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");
+  EXPECT_TRUE(fs::exists(work_ / "samples" / "run_000050_00.png"));
+  EXPECT_FALSE(fs::exists(work_ / "samples" / "run_000010_00.png"));
+  EXPECT_FALSE(fs::exists(work_ / "samples" / "run_000020_00.png"));
+  const std::string out = read_text(work_ / "out");
+  EXPECT_NE(out.find("2 checkpoints rendered, 2 skipped"), std::string::npos) << out;
+}
+
+// Prompts are encoded once per prompt set: checkpoints whose LoRA has no text encoder modules
+// share the base text encoder's conditionings, however many they are, while a LoRA with text
+// encoder modules (kohya's default for SD1.5) has its prompts encoded once for it. The run goes
+// U-Net-only 10, with-text-encoder 20, U-Net-only 30 and 50 (final): two prompts, encoded twice
+// for the base and twice for 20. Each image is the pixels a fresh one-shot process renders for
+// that LoRA, so no checkpoint was conditioned by another's text encoder.
+TEST_F(SamplerRun, PromptsAreEncodedOncePerPromptSet) {
+  const models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+  std::map<int, fs::path> files;
+  for (int step : {10, 20, 30, 50}) {
+    files[step] = work_ / ("lora" + std::to_string(step) + ".safetensors");
+    write_random_lora(model, files[step], 100 + step, 4, /*text_encoder=*/step == 20);
+  }
+  zmq::context_t context;
+  zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
+  const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
+  pub.bind(endpoint);
+  auto announce = [&](int step, bool final = false) {
+    wire::CheckpointReady event = checkpoint(step, final);
+    event.set_path(files.at(step).string());
+    ASSERT_EQ(wire::send(pub, event), wire::SendStatus::kSent);
+  };
+  const pid_t pid = spawn(args({"--sub=" + endpoint, "--idle_timeout_s=120"}), work_ / "out",
+                          work_ / "err");
+  std::string why;
+  for (int step : {10, 20, 30}) {
+    ASSERT_TRUE(announce_until_indexed(step, pid, [&] { announce(step); }, &why))
+        << why << read_text(work_ / "err");
+  }
+  announce(50, /*final=*/true);
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");
+  const std::string out = read_text(work_ / "out");
+  EXPECT_NE(out.find("4 checkpoints rendered"), std::string::npos) << out;
+  EXPECT_NE(out.find("prompts encoded 4 times"), std::string::npos) << out;
+
+  for (int step : {10, 20, 30, 50}) {
+    const std::string tag = "alone" + std::to_string(step);
+    std::vector<std::string> a = args({"--lora=" + files.at(step).string()});
+    a[3] = "--output_dir=" + (work_ / tag).string();
+    fs::create_directories(work_ / tag);
+    ASSERT_EQ(wait_exit(spawn(a, work_ / tag / "out", work_ / tag / "err")), 0)
+        << read_text(work_ / tag / "err");
+    for (const char* index : {"00", "01"}) {
+      char followed[64];
+      std::snprintf(followed, sizeof followed, "run_%06d_%s.png", step, index);
+      const std::string alone =
+          "lora" + std::to_string(step) + "_000040_" + std::string(index) + ".png";
+      vips::VImage x = vips::VImage::new_from_file((work_ / "samples" / followed).c_str());
+      vips::VImage y = vips::VImage::new_from_file((work_ / tag / "samples" / alone).c_str());
+      EXPECT_EQ(x.relational(y, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
+          << followed << " differs from a one-shot render of its LoRA";
+    }
+  }
 }
 
 }  // namespace
