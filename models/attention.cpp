@@ -20,6 +20,18 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
   // softmax(q k^T / sqrt(d)) v, written out.
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  if (!causal) {
+    // diffusers' AttnProcessor (the UNet's and VAE's reference): heads folded into the batch
+    // (head_to_batch_dim's contiguous copies), the scale applied inside baddbmm, then bmm.
+    const int64_t batch = q.size(0), heads = q.size(1), d = q.size(3);
+    auto fold = [&](const at::Tensor& t) { return t.reshape({batch * heads, t.size(2), d}); };
+    const at::Tensor q3 = fold(q), k3 = fold(k), v3 = fold(v);
+    const at::Tensor scores =
+        at::baddbmm(at::empty({q3.size(0), q3.size(1), k3.size(1)}, q3.options()), q3,
+                    k3.transpose(-1, -2), /*beta=*/0, /*alpha=*/scale);
+    return at::bmm(at::softmax(scores, -1), v3).view({batch, heads, q.size(2), d});
+  }
+  // transformers' eager CLIP attention (the causal one's reference): a 4-D matmul, then the scale.
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
   if (causal) {
     const int64_t t = q.size(-2);

@@ -1,7 +1,11 @@
 #pragma once
 // Scaled dot-product attention for every model in models/, through
 // at::scaled_dot_product_attention (flash / memory-efficient kernels on GPU), with a switch that
-// forces the plain math path, which parity tests use to compare with the reference at 1e-4.
+// forces the plain math path, which parity tests use to compare with the reference. The math path
+// is each reference's own formulation, op for op, so that the same kernels round the same way:
+// diffusers' AttnProcessor for the UNet and VAE (non-causal: heads folded into the batch, the
+// scale inside baddbmm), transformers' eager CLIP attention for the text encoder (causal: a 4-D
+// matmul, then the scale).
 
 #include <ATen/core/Tensor.h>
 

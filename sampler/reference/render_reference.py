@@ -8,7 +8,8 @@ Per sampler, OUT_DIR/<sampler>.safetensors: the initial latents handed to the pi
 the final latents (output_type="latent"), the largest |latent| after any step (trajectory_scale)
 and the decoded image as uint8 [H, W, 3] (the pipeline's own PIL output). The prompt, negative prompt, size, steps and CFG scale are in REQUEST below; the
 generator (Euler ancestral's noise) is torch.Generator().manual_seed(SEED). Attention runs on
-PyTorch's math path (AttnProcessor), as the C++ side's forced math attention does.
+the math path, as the C++ side's forced math attention does: diffusers' AttnProcessor in the UNet
+and VAE, transformers' eager attention in the text encoder.
 """
 import json
 import os
@@ -26,6 +27,7 @@ from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
                        KDPM2AncestralDiscreteScheduler, KDPM2DiscreteScheduler,
                        LMSDiscreteScheduler, PNDMScheduler, StableDiffusionPipeline)
 from diffusers.models.attention_processor import AttnProcessor  # noqa: E402
+from transformers import CLIPTextModel  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "models",
                                 "reference"))
@@ -42,6 +44,10 @@ WEIGHTED_PROMPT = "a (red:1.3) circle on a [blue] background, ((shiny)), \\(flat
 SAMPLERS = {"ddim": (DDIMScheduler, {}), "euler": (EulerDiscreteScheduler, {}),
             "euler_a": (EulerAncestralDiscreteScheduler, {}),
             "dpmsolver++": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++"}),
+            # lorapipe's --karras (--ss euler_karras / dpmsolver++_karras): diffusers' Karras sigmas.
+            "dpmsolver++_karras": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver++",
+                                                                 "use_karras_sigmas": True}),
+            "euler_karras": (EulerDiscreteScheduler, {"use_karras_sigmas": True}),
             # kohya's "dpmsolver" ends at sigma_min: diffusers 0.36 refuses it with a final 0.
             "dpmsolver": (DPMSolverMultistepScheduler, {"algorithm_type": "dpmsolver",
                                                         "final_sigmas_type": "sigma_min"}),
@@ -164,9 +170,15 @@ def render(pipe, sampler, initial, path, prompt=None):
 
 def main():
     model, out = sys.argv[1], sys.argv[2]
+    # The text encoder on transformers' eager attention, as the UNet and VAE on diffusers' math
+    # AttnProcessor: the formulations lorapipe's forced math path follows op for op.
+    text_encoder = CLIPTextModel.from_pretrained(model, subfolder="text_encoder",
+                                                 torch_dtype=torch.float32,
+                                                 attn_implementation="eager")
     pipe = StableDiffusionPipeline.from_pretrained(
         model, torch_dtype=torch.float32, scheduler=kohya_scheduler(DDIMScheduler, {}),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False).to("cpu")
+        text_encoder=text_encoder, safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False).to("cpu")
     pipe.unet.set_attn_processor(AttnProcessor())
     pipe.vae.set_attn_processor(AttnProcessor())
     pipe.set_progress_bar_config(disable=True)
@@ -181,14 +193,25 @@ def main():
     render(pipe, "ddim", initial, f"{out}/ddim_long.safetensors", prompt=LONG_PROMPT)
     assert len(prompt_attention(WEIGHTED_PROMPT)) > 3, prompt_attention(WEIGHTED_PROMPT)
     render(pipe, "ddim", initial, f"{out}/ddim_weighted.safetensors", prompt=WEIGHTED_PROMPT)
-    # With a LoRA: diffusers loads the kohya file (load_lora_weights, scale 1); lorapipe merges it.
+    # With a LoRA: diffusers loads the kohya file (load_lora_weights, scale 1) and fuses it into
+    # the weights (fuse_lora: W + scale * up @ down), as lorapipe merges it.
     kohya_lora(pipe, f"{out}/lora.safetensors")
     pipe.load_lora_weights(f"{out}/lora.safetensors", adapter_name="check")
-    for name in ("ddim", "euler_a"):
+    base = {m: {n: p.detach().clone() for n, p in getattr(pipe, m).named_parameters()}
+            for m in ("unet", "text_encoder")}
+    pipe.fuse_lora(lora_scale=1.0)
+    for name in ("ddim", "euler", "euler_a", "dpmsolver++", "dpmsolver++_karras"):
         render(pipe, name, initial, f"{out}/{name}_lora.safetensors")
+    # Unfused again, the base weights put back exactly (unfusing subtracts, which rounds).
+    pipe.unfuse_lora()
+    with torch.no_grad():
+        for m, saved in base.items():
+            for n, p in getattr(pipe, m).named_parameters():
+                p.copy_(saved[n])
     # --fp8_base: every base Linear and Conv2d weight of the U-Net and text encoder rounded to
     # float8_e4m3fn (lorapipe stores them so and widens them per call; the VAE is not touched),
-    # the LoRA computed beside them, as peft computes it (lorapipe puts it in the layers' slots).
+    # the LoRA computed beside them, unfused, as peft computes it (lorapipe puts it in the layers'
+    # slots).
     for module in (pipe.unet, pipe.text_encoder):
         for name, layer in module.named_modules():
             if isinstance(layer, (torch.nn.Linear, torch.nn.Conv2d)) and "lora_" not in name:
