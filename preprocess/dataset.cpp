@@ -483,6 +483,8 @@ class TomlReader {
         b.bucket_reso_steps = static_cast<int>(integer(node));
       } else if (k == "bucket_no_upscale") {
         b.bucket_no_upscale = *node.value<bool>();
+      } else if (k == "resize_interpolation") {
+        d.resize_interpolation = *node.value<std::string>();  // checked with the subset's
       }
     }
   }
@@ -506,6 +508,7 @@ class TomlReader {
       } else if (k == "resize_interpolation") {
         try {
           s.resize_filter = resize_filter_from_kohya(*node.value<std::string>());
+          s.resize_interpolation = *node.value<std::string>();
         } catch (const InputError& e) {
           fail(node, e.what());
         }

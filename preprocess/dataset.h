@@ -29,6 +29,7 @@ struct SubsetOptions {
   bool random_crop = false;
   bool alpha_mask = false;  // kohya's: the image's alpha channel masks the loss
   std::string resize_filter;  // kohya's resize_interpolation as a filter name; empty: the run's
+  std::string resize_interpolation;  // the same as kohya names it, for a LoRA's metadata
   bool shuffle_caption = false;
   int keep_tokens = 0;
   double caption_dropout_rate = 0.0;
@@ -70,6 +71,7 @@ struct DatasetOptions {
   // kohya's skip_image_resolution: an image whose area is at most width x height is left out
   // (a multi-resolution dataset's small copies). {0, 0}: off.
   Reso skip_image_resolution{0, 0};
+  std::string resize_interpolation;  // the dataset's or general's (kohya's dataset-level value)
   std::vector<SubsetOptions> subsets;
 };
 

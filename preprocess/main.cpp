@@ -144,6 +144,8 @@ int main(int argc, char** argv) {
     if (!FLAGS_resize_interpolation.empty()) {
       try {
         s.resize_filter = pp::resize_filter_from_kohya(FLAGS_resize_interpolation);
+        s.resize_interpolation = FLAGS_resize_interpolation;
+        options.defaults.dataset.resize_interpolation = FLAGS_resize_interpolation;
       } catch (const lorapipe::InputError& e) {
         throw lorapipe::InputError(std::string("--") + e.what());
       }

@@ -306,6 +306,7 @@ wire::SubsetSettings to_subset_settings(const SubsetOptions& subset) {
   s.set_is_reg(subset.is_reg);
   s.set_caption_prefix(subset.caption_prefix);
   s.set_caption_suffix(subset.caption_suffix);
+  s.set_resize_interpolation(subset.resize_interpolation);
   *s.mutable_caption_settings() = to_caption_settings(subset);
   return s;
 }
@@ -338,6 +339,13 @@ wire::DatasetSource to_dataset_source(const Report& report) {
       settings->set_bucket_no_upscale(dataset.buckets.bucket_no_upscale);
     }
     settings->set_batch_size(static_cast<uint32_t>(dataset.batch_size));
+    if (dataset.skip_image_resolution.width > 0) {
+      settings->mutable_skip_image_resolution()->set_width(
+          static_cast<uint32_t>(dataset.skip_image_resolution.width));
+      settings->mutable_skip_image_resolution()->set_height(
+          static_cast<uint32_t>(dataset.skip_image_resolution.height));
+    }
+    settings->set_resize_interpolation(dataset.resize_interpolation);
     const bool fine_tuning = !dataset.subsets.empty() && !dataset.subsets[0].metadata_file.empty();
     settings->set_is_dreambooth(!fine_tuning);
     for (const SubsetOptions& subset : dataset.subsets) {

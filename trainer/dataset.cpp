@@ -425,6 +425,12 @@ ordered_json bucket_info(const std::vector<BatchScheduler::BucketInfo>& buckets,
   return info;
 }
 
+// kohya's (width, height) tuple, or None.
+ordered_json skip_resolution_json(const wire::DatasetSettings& settings) {
+  if (!settings.has_skip_image_resolution()) return nullptr;
+  return {settings.skip_image_resolution().width(), settings.skip_image_resolution().height()};
+}
+
 // The subset keys kohya's ss_datasets holds for each subset.
 ordered_json subset_json(const wire::SubsetSettings& subset, size_t img_count,
                          bool is_dreambooth) {
@@ -440,7 +446,8 @@ ordered_json subset_json(const wire::SubsetSettings& subset, size_t img_count,
                     {"secondary_separator", text_or_null(c.secondary_separator())},
                     {"enable_wildcard", c.enable_wildcard()},
                     {"caption_prefix", text_or_null(subset.caption_prefix())},
-                    {"caption_suffix", text_or_null(subset.caption_suffix())}};
+                    {"caption_suffix", text_or_null(subset.caption_suffix())},
+                    {"resize_interpolation", text_or_null(subset.resize_interpolation())}};
   if (!subset.image_dir().empty()) j["image_dir"] = subset.image_dir();
   if (is_dreambooth) {
     j["class_tokens"] = text_or_null(subset.class_tokens());
@@ -513,8 +520,10 @@ DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest,
           {"enable_bucket", settings.enable_bucket()},
           {"min_bucket_reso", count_or_null(settings.min_bucket_reso())},
           {"max_bucket_reso", count_or_null(settings.max_bucket_reso())},
+          {"skip_image_resolution", skip_resolution_json(settings)},
           {"tag_frequency", dataset_tags},
           {"bucket_info", bucket_info(info.buckets, &settings)},
+          {"resize_interpolation", text_or_null(settings.resize_interpolation())},
           {"subsets", subset_list}};
       datasets.push_back(std::move(dataset));
       for (auto it = dataset_tags.begin(); it != dataset_tags.end(); ++it) {
@@ -569,6 +578,11 @@ DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest,
     m["ss_bucket_no_upscale"] = python_bool(settings.bucket_no_upscale());
     m["ss_min_bucket_reso"] = count_or_none(settings.min_bucket_reso());
     m["ss_max_bucket_reso"] = count_or_none(settings.max_bucket_reso());
+    m["ss_skip_image_resolution"] =
+        settings.has_skip_image_resolution()
+            ? "(" + std::to_string(settings.skip_image_resolution().width()) + ", " +
+                  std::to_string(settings.skip_image_resolution().height()) + ")"
+            : "None";
     m["ss_bucket_info"] = python_json(bucket_info(buckets, &settings));
   } else {
     // A manifest cached before preprocess described its dataset: the resolution it bucketed at

@@ -521,12 +521,16 @@ TEST(TrainMetadata, DatasetConfigWritesSsDatasetsAsKohya) {
   source.set_kind(wire::DatasetSource::DATASET_CONFIG);
   wire::DatasetSettings* dreambooth = add_dataset(source, 512, 512, true, 2, true);
   dreambooth->set_mean_img_ar_error(0.05);
+  dreambooth->mutable_skip_image_resolution()->set_width(256);
+  dreambooth->mutable_skip_image_resolution()->set_height(256);
+  dreambooth->set_resize_interpolation("bicubic");
   wire::SubsetSettings* dogs = dreambooth->add_subsets();
   dogs->set_name("10_dog");
   dogs->set_image_dir("10_dog");
   dogs->set_num_repeats(2);
   dogs->set_flip_aug(true);
   dogs->set_caption_prefix("sks");
+  dogs->set_resize_interpolation("lanczos");
   dogs->mutable_caption_settings()->set_shuffle_caption(true);
   wire::SubsetSettings* reg = dreambooth->add_subsets();
   reg->set_name("1_dog");
@@ -585,6 +589,18 @@ TEST(TrainMetadata, DatasetConfigWritesSsDatasetsAsKohya) {
   EXPECT_EQ(first["resolution"], nlohmann::json({512, 512}));
   EXPECT_EQ(first["min_bucket_reso"], 256);
   EXPECT_EQ(first["max_bucket_reso"], 1024);
+  EXPECT_EQ(first["skip_image_resolution"], nlohmann::json({256, 256}));
+  EXPECT_EQ(first["resize_interpolation"], "bicubic");
+  // kohya's key order: the dataset's settings, then its tags, buckets and subsets.
+  const nlohmann::ordered_json in_order =
+      nlohmann::ordered_json::parse(got.keys.at("ss_datasets"))[0];
+  std::vector<std::string> order;
+  for (auto it = in_order.begin(); it != in_order.end(); ++it) order.push_back(it.key());
+  EXPECT_EQ(order, (std::vector<std::string>{
+                       "is_dreambooth", "batch_size_per_device", "num_train_images",
+                       "num_reg_images", "resolution", "enable_bucket", "min_bucket_reso",
+                       "max_bucket_reso", "skip_image_resolution", "tag_frequency", "bucket_info",
+                       "resize_interpolation", "subsets"}));
   EXPECT_EQ(first["bucket_info"],
             nlohmann::json::parse(R"({"buckets": {"0": {"resolution": [448, 576], "count": 4},)"
                                   R"( "1": {"resolution": [512, 512], "count": 4}},)"
@@ -600,6 +616,7 @@ TEST(TrainMetadata, DatasetConfigWritesSsDatasetsAsKohya) {
   EXPECT_EQ(dog_subset["shuffle_caption"], true);
   EXPECT_EQ(dog_subset["caption_prefix"], "sks");
   EXPECT_TRUE(dog_subset["caption_suffix"].is_null()) << "kohya's None";
+  EXPECT_EQ(dog_subset["resize_interpolation"], "lanczos");
   EXPECT_EQ(dog_subset["image_dir"], "10_dog");
   EXPECT_TRUE(dog_subset["class_tokens"].is_null());
   EXPECT_EQ(dog_subset["is_reg"], false);
@@ -613,6 +630,9 @@ TEST(TrainMetadata, DatasetConfigWritesSsDatasetsAsKohya) {
   EXPECT_EQ(second["enable_bucket"], false);
   EXPECT_TRUE(second["min_bucket_reso"].is_null());
   EXPECT_TRUE(second["bucket_info"].is_null()) << "kohya keeps none without buckets";
+  EXPECT_TRUE(second["skip_image_resolution"].is_null());
+  EXPECT_TRUE(second["resize_interpolation"].is_null());
+  EXPECT_TRUE(second["subsets"][0]["resize_interpolation"].is_null());
   ASSERT_EQ(second["subsets"].size(), 1u);
   EXPECT_EQ(second["subsets"][0]["metadata_file"], "meta.json");
   EXPECT_EQ(second["subsets"][0]["image_dir"], "imgs");
@@ -652,6 +672,7 @@ TEST(TrainMetadata, FlagsLayoutWritesTheDatasetsSettingsAsKeys) {
       {"ss_bucket_no_upscale", "True"},
       {"ss_min_bucket_reso", "320"},
       {"ss_max_bucket_reso", "1024"},
+      {"ss_skip_image_resolution", "None"},
       {"ss_color_aug", "False"},
       {"ss_flip_aug", "True"},
       {"ss_random_crop", "False"},
