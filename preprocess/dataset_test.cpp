@@ -276,6 +276,11 @@ TEST(DatasetToml, CaptionSeparatorsWildcardsAndWarmupAreRead) {
   ASSERT_EQ(filters.datasets[0].subsets.size(), 2u);
   EXPECT_EQ(filters.datasets[0].subsets[0].resize_filter, "cubic") << "kohya's bicubic";
   EXPECT_EQ(filters.datasets[0].subsets[1].resize_filter, "lanczos3") << "Pillow's LANCZOS";
+  // And as kohya names them, for the LoRA's metadata: the dataset's (from [general]) and each
+  // subset's own or inherited.
+  EXPECT_EQ(filters.datasets[0].resize_interpolation, "bicubic");
+  EXPECT_EQ(filters.datasets[0].subsets[0].resize_interpolation, "bicubic");
+  EXPECT_EQ(filters.datasets[0].subsets[1].resize_interpolation, "lanczos");
   write_file(dir / "area.toml", "[general]\nresize_interpolation = 'area'\n[[datasets]]\n"
                                 "[[datasets.subsets]]\nimage_dir = 'a'\n");
   try {
