@@ -796,12 +796,23 @@ TEST_F(CachePipeline, ManifestsAreNamedByEverythingThatDecidesTheirRecords) {
   EXPECT_EQ(again.encoded, 0u);
   EXPECT_EQ(manifests().size(), 2u);
 
+  // Flipped latents, or another base model (another VAE): other records, a manifest of their own.
+  std::vector<std::string> flipped = small;
+  flipped.push_back("--flip_aug");
+  expect_ok(run(tiny_.single_file, "", flipped));
+  EXPECT_EQ(manifests().size(), 3u) << "--flip_aug replaced another setting's manifest";
+  const models::TinyCheckpoint other = models::write_tiny_checkpoint(work_ / "other", 9);
+  const RunResult other_model = run(other.single_file, "", small);
+  expect_ok(other_model);
+  EXPECT_EQ(other_model.encoded, kImages) << "another VAE's latents are new records";
+  EXPECT_EQ(manifests().size(), 4u) << "another base model replaced a manifest";
+
   // An explicit --dataset_id names the manifest as given.
   std::vector<std::string> named = small;
   named.push_back("--dataset_id=mine");
   expect_ok(run(tiny_.single_file, "", named));
   const auto all = manifests();
-  EXPECT_EQ(all.size(), 3u);
+  EXPECT_EQ(all.size(), 5u);
   EXPECT_TRUE(all.count("mine"));
 }
 

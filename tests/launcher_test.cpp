@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -133,6 +134,15 @@ TEST_F(LauncherRun, DemoRunCompletesWithLoraSamplesGalleryAndEvents) {
   const double seconds = std::chrono::duration<double>(Clock::now() - started).count();
   std::printf("[launcher] the demo run took %.1f s on this machine's CPU\n", seconds);
   EXPECT_NE(out_.find("lorapipe: done"), std::string::npos) << out_;
+  // The live display (on a terminal one line redrawn; here a line whenever it is drawn): each
+  // stage's state, the cache's hits and misses, step/total, loss, s/it, ETA, the newest sample.
+  const std::regex training(R"(cache \w+ \(\d+ hits, \d+ misses, 0 rejected\) \| )"
+                            R"(trainer running step \d+/100 loss [0-9.]+ [0-9.]+ s/it ETA )");
+  EXPECT_TRUE(std::regex_search(out_, training)) << out_;
+  const std::regex last(R"(cache \w+ \(\d+ hits, \d+ misses, 0 rejected\) \| trainer done )"
+                        R"(step 100/100 loss [0-9.]+ [0-9.]+ s/it ETA [^|]+\| sampler done )"
+                        R"(demo_000100_sheet\.png)");
+  EXPECT_TRUE(std::regex_search(out_, last)) << out_;
 
   EXPECT_TRUE(fs::exists(run / "lora" / "demo.safetensors"));
   EXPECT_TRUE(fs::exists(run / "samples" / "index.html"));
@@ -147,6 +157,10 @@ TEST_F(LauncherRun, DemoRunCompletesWithLoraSamplesGalleryAndEvents) {
   EXPECT_EQ(s["state"], "done");
   EXPECT_EQ(s["training"]["step"], 100);
   EXPECT_EQ(s["training"]["total_steps"], 100);
+  ASSERT_TRUE(s["training"]["loss"].is_number()) << s.dump(2);
+  EXPECT_TRUE(std::isfinite(s["training"]["loss"].get<double>())) << s.dump(2);
+  ASSERT_TRUE(s["training"]["s_per_it"].is_number()) << s.dump(2);
+  EXPECT_GT(s["training"]["s_per_it"].get<double>(), 0.0) << s.dump(2);
   EXPECT_EQ(s["cache"]["hits"].get<int>() + s["cache"]["misses"].get<int>(), 36);
   EXPECT_EQ(s["cache"]["rejected"], 0);
   std::set<int> sampled;
@@ -296,7 +310,8 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
 
 // A second Ctrl-C does not wait out the stop grace (120 s): the launcher kills the stages at once.
 // The trainer is held (SIGSTOP) so that it cannot finish its save before the second interrupt:
-// without the second interrupt's rule the launcher would wait the whole grace and say so.
+// without the second interrupt's rule the launcher would wait the whole grace and say so. The
+// first stop is a SIGTERM (what `kill`, systemd and Kubernetes send), read as Ctrl-C is.
 TEST_F(LauncherRun, SecondInterruptKillsTheStagesAtOnce) {
   const fs::path run = work_ / "run";
   const pid_t launcher =
@@ -307,7 +322,7 @@ TEST_F(LauncherRun, SecondInterruptKillsTheStagesAtOnce) {
   const pid_t trainer = wait_for_training(run, 3);
   ASSERT_GT(trainer, 0) << read_text(work_ / "launcher.out");
   kill(trainer, SIGSTOP);
-  kill(launcher, SIGINT);
+  kill(launcher, SIGTERM);
   const auto deadline = Clock::now() + std::chrono::seconds(60);
   while (read_text(work_ / "launcher.out").find("interrupt again to kill them at once") ==
              std::string::npos &&
@@ -421,6 +436,18 @@ TEST_F(LauncherRun, TwoRunsAtOnceOnOneCacheBothComplete) {
   EXPECT_NE(read_text(work_ / "b" / "logs" / "trainer.log").find(mb), std::string::npos);
   EXPECT_EQ(sa["cache"]["hits"].get<int>() + sa["cache"]["misses"].get<int>(), 36);
   EXPECT_EQ(sb["cache"]["hits"].get<int>() + sb["cache"]["misses"].get<int>(), 36);
+
+  // A third run with a's settings and no --cache_dir: the user's shared cache by default
+  // ($LORAPIPE_CACHE_DIR, the same folder here) holds every record it needs, so it encodes
+  // nothing. (Its manifest is its own: the demo writes its dataset into each run's folder, and a
+  // manifest is named by its dataset's source; the records are content-addressed and shared.)
+  ASSERT_EQ(lorapipe({"run", "--output=" + (work_ / "c").string(), "--resolution=128",
+                      "--max_train_steps=20", "--save_every_n_steps=1000"}),
+            0)
+      << out_ << err_;
+  const json sc = status(work_ / "c");
+  EXPECT_EQ(sc["cache"]["misses"], 0) << sc.dump(2);
+  EXPECT_EQ(sc["cache"]["hits"], 36) << sc.dump(2);
 }
 
 // A stage that fails with an error says what failed (StageStatus ERROR): the launcher shows that

@@ -2066,8 +2066,9 @@ TEST_F(SamplerWithTrainer, AShortRunsFinalCheckpointReachesASamplerStillStarting
 }
 #endif
 
-// Data-parallel ranks: real trainer processes joining a c10d Gloo group on this machine.
-class TrainRanks : public TrainRunTest {
+// Data-parallel ranks: real trainer processes joining a c10d Gloo group on this machine, as the
+// launcher's deployments (torchrun, Slurm, Kubernetes) start them.
+class LauncherRanks : public TrainRunTest {
  protected:
   // Starts rank `rank` of `world` (the environment torchrun sets) training into `out`.
   pid_t start_rank(int rank, int world, int port, const fs::path& out,
@@ -2123,7 +2124,7 @@ TEST(TrainBatches, DatasetBatchSizeIsPerRank) {
 // With --clip_skip=2 the text encoder's last layer is never reached: its LoRA gets no gradient on
 // any rank and must stay exactly as initialised, as on one rank (AdamW skips it; a zero gradient
 // would still decay it).
-TEST_F(TrainRanks, TwoCpuRanksTrainLikeOneRankWithTheGlobalBatch) {
+TEST_F(LauncherRanks, TwoCpuRanksTrainLikeOneRankWithTheGlobalBatch) {
   const std::vector<std::string> common = {"--max_train_steps=8", "--save_every_n_steps=1000",
                                            "--clip_skip=2"};
   auto with = [&](std::vector<std::string> extra) {
@@ -2134,12 +2135,16 @@ TEST_F(TrainRanks, TwoCpuRanksTrainLikeOneRankWithTheGlobalBatch) {
   ASSERT_EQ(one.exit, 0) << one.err;
   const TrainRun half = run(work_ / "half", with({"--train_batch_size=2"}));
   ASSERT_EQ(half.exit, 0) << half.err;
-  const fs::path two = work_ / "two";
+  // Rank 1 is given an output folder of its own, and a PUB endpoint: rank 0 alone saves and
+  // publishes, so both must stay empty.
+  const fs::path two = work_ / "two", two_rank1 = work_ / "two-rank1";
+  const std::string rank1_pub = "ipc://" + (work_ / "rank1.sock").string();
   const int p = port(1);
   const pid_t r0 = start_rank(0, 2, p, two, with({"--train_batch_size=2"}));
-  const pid_t r1 = start_rank(1, 2, p, two, with({"--train_batch_size=2"}));
+  const pid_t r1 =
+      start_rank(1, 2, p, two_rank1, with({"--train_batch_size=2", "--pub=" + rank1_pub}));
   ASSERT_EQ(wait_exit(r0), 0) << read_text(two / "rank0.err");
-  ASSERT_EQ(wait_exit(r1), 0) << read_text(two / "rank1.err");
+  ASSERT_EQ(wait_exit(r1), 0) << read_text(two_rank1 / "rank1.err");
   EXPECT_NE(read_text(two / "rank0.err").find("rank 0 of 2 over gloo"), std::string::npos);
 
   const auto a = lora(work_ / "one" / "lora" / "tiny.safetensors");
@@ -2180,13 +2185,18 @@ TEST_F(TrainRanks, TwoCpuRanksTrainLikeOneRankWithTheGlobalBatch) {
   for (size_t i = 0; i < one_losses.size(); ++i) {
     EXPECT_NEAR(two_losses[i], one_losses[i], 1e-4) << "step " << i + 1;
   }
-  // Rank 1 wrote nothing of its own: one LoRA, one state, one TensorBoard log.
+  // Rank 0 saved, once; rank 1 saved, logged and bound nothing.
   EXPECT_EQ(std::distance(fs::directory_iterator(two / "lora"), fs::directory_iterator()), 1);
+  for (const auto& entry : fs::directory_iterator(two_rank1)) {
+    EXPECT_TRUE(entry.path().filename().string().starts_with("rank1."))
+        << "rank 1 wrote " << entry.path();
+  }
+  EXPECT_FALSE(fs::exists(work_ / "rank1.sock")) << "rank 1 bound its PUB endpoint";
 }
 
 // kill -9 of one rank mid-run: the other stops at once with an error naming the lost rank and
 // saves a state (rank 0); both ranks started again with --resume finish the run.
-TEST_F(TrainRanks, KilledRankStopsTheOtherAndTheRunResumes) {
+TEST_F(LauncherRanks, KilledRankStopsTheOtherAndTheRunResumes) {
   const fs::path out = work_ / "run";
   const std::vector<std::string> extra = {"--max_train_steps=60", "--train_batch_size=2",
                                           "--save_every_n_steps=1000", "--save_state"};
