@@ -8,6 +8,7 @@
 
 #include "models/clip_text.h"
 #include "models/linear.h"
+#include "models/lora.h"
 #include "models/tensor_memory.h"
 #include "models/tiny.h"
 #include "models/unet.h"
@@ -106,6 +107,50 @@ TEST(Float8Weights, BackwardKeepsNoWidenedCopyOfAWeight) {
               static_cast<long long>(ours), static_cast<long long>(autocast_like));
   EXPECT_LT(ours, copy_bytes / 4) << "a float8 layer kept a widened weight for backward";
   EXPECT_GE(autocast_like, 8 * copy_bytes) << "the measurement does not see kept copies";
+}
+
+// A LoRA over a bf16 layer computes in bf16, as kohya's under autocast: its fp32 tensors are cast
+// for the call (rank-sized copies), never the activations. A graph waiting for backward holds
+// the layer's output and no fp32 copy of its input (before: a [512, 256] input kept 512 KiB of
+// fp32 for down's gradient, and the backward made fp32 copies of the [512, 2560] output's
+// gradient); the output is exactly that bf16 computation, and the gradients reach the fp32
+// tensors in fp32.
+TEST(ModelsLora, ComputesInTheBaseDtypeAndKeepsNoWideCopyOfAnActivation) {
+  TensorMemoryCounter& memory = TensorMemoryCounter::install();
+  torch::manual_seed(3);
+  Linear layer(torch::nn::LinearOptions(256, 2560).bias(false));
+  layer->to(torch::kBFloat16);
+  layer->weight.requires_grad_(false);
+  auto adapter = std::make_shared<LoraAdapter>();
+  adapter->down = (torch::randn({4, 256}) * 0.1).requires_grad_(true);
+  adapter->up = (torch::randn({2560, 4}) * 0.1).requires_grad_(true);
+  adapter->scale = 0.5;
+  adapter->training = true;
+  layer->lora = adapter;
+  const at::Tensor x = torch::randn({512, 256}).to(torch::kBFloat16).requires_grad_(true);
+  const size_t before = memory.alive_bytes();
+  const at::Tensor y = layer(x);
+  const auto held = static_cast<int64_t>(memory.alive_bytes() - before);
+  const int64_t output_bytes = y.numel() * 2, input_fp32_bytes = x.numel() * 4;
+  std::printf("[lora] a bf16 layer's graph holds %lld bytes beyond its %lld-byte output "
+              "(an fp32 copy of the input: %lld)\n",
+              static_cast<long long>(held - output_bytes), static_cast<long long>(output_bytes),
+              static_cast<long long>(input_fp32_bytes));
+  EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  EXPECT_LT(held - output_bytes, input_fp32_bytes / 4) << "an fp32 copy of the input was kept";
+  {
+    torch::NoGradGuard no_grad;
+    const at::Tensor lx = at::linear(x, adapter->down.to(torch::kBFloat16));
+    const at::Tensor expected =
+        at::linear(x, layer->weight) + at::linear(lx, adapter->up.to(torch::kBFloat16)) * 0.5;
+    EXPECT_TRUE(torch::equal(y, expected)) << "not the bf16 computation";
+  }
+  y.to(torch::kFloat).square().sum().backward();
+  ASSERT_TRUE(adapter->down.grad().defined() && adapter->up.grad().defined());
+  EXPECT_EQ(adapter->down.grad().scalar_type(), torch::kFloat);
+  EXPECT_EQ(adapter->up.grad().scalar_type(), torch::kFloat);
+  EXPECT_GT(adapter->up.grad().abs().sum().item<double>(), 0);
+  EXPECT_TRUE(x.grad().defined());
 }
 
 // Storing converts the weight of every Linear and Conv2d (a LoRA's targets and every other

@@ -14,8 +14,9 @@
 //
 // The adapter's tensors are not parameters of the layer: the base model's state dict, its
 // fingerprint and its parameters() list are unchanged by an adapter. The tensors live wherever
-// the owner put them (fp32 while training, whatever the base dtype); the adapter computes in its
-// own dtype and returns the sum in the base output's dtype.
+// the owner put them (fp32 while training, whatever the base dtype); the adapter computes in the
+// base output's dtype, its tensors cast for each call, as kohya's LoRA computes under autocast:
+// in bf16 or fp16 no fp32 copy of an activation is made or kept for backward.
 
 #include <ATen/core/Tensor.h>
 
@@ -40,7 +41,9 @@ struct LoraAdapter {
   int64_t rank() const { return down.size(0); }
   bool is_conv() const { return down.dim() == 4; }
 
-  // base_out + the adapter's contribution for input `x` (the base layer's own input).
+  // base_out + the adapter's contribution for input `x` (the base layer's own input), added into
+  // base_out in place unless it is a view: it must be the layer's fresh output, which no backward
+  // reads.
   at::Tensor add_to(const at::Tensor& x, const at::Tensor& base_out) const;
 };
 

@@ -99,7 +99,7 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
     const double stored = m.alpha.defined() ? m.alpha.to(torch::kFloat64).item<double>() : 0.0;
     const double alpha = stored != 0 ? stored : static_cast<double>(rank);
     if (is_float8(weight)) {
-      // Beside the weight, in fp32 (the layer casts its input to it and the sum back), with
+      // Beside the weight, kept in fp32 (the layer computes it in its own dtype), with
       // the scale folded into down so that a stack joins by concatenation alone.
       auto adapter = std::make_shared<LoraAdapter>();
       const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32).device(weight.device());
