@@ -42,4 +42,17 @@ std::string describe_device(const c10::Device& device) {
   return name.empty() ? device.str() : device.str() + " (" + name + ")";
 }
 
+bool is_out_of_memory(const std::exception& e) {
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return true;
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    const std::string message = c10_error->what_without_backtrace();
+    for (const char* says : {"not enough memory", "out of memory", "can't allocate memory",
+                             "Cannot allocate memory"}) {
+      if (message.find(says) != std::string::npos) return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace lorapipe::models

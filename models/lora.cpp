@@ -21,7 +21,9 @@ at::Tensor LoraAdapter::add_to(const at::Tensor& x, const at::Tensor& base_out) 
   double effective_scale = scale;
   if (training && rank_dropout > 0) {
     // One keep/drop draw per sample and rank, broadcast over tokens or pixels (kohya's mask).
-    at::Tensor mask = at::rand({lx.size(0), rank()}, lx.options()) > rank_dropout;
+    // Drawn in fp32 whatever lx's dtype, as kohya's torch.rand (which autocast leaves alone).
+    at::Tensor mask =
+        at::rand({lx.size(0), rank()}, lx.options().dtype(at::kFloat)) > rank_dropout;
     if (is_conv()) {
       mask = mask.unsqueeze(-1).unsqueeze(-1);
     } else if (lx.dim() == 3) {

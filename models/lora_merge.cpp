@@ -6,6 +6,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "models/device.h"
 #include "models/float8.h"
 #include "models/linear.h"
 #include "models/safetensors.h"
@@ -34,6 +35,7 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
   } catch (const InputError&) {
     throw;
   } catch (const std::exception& e) {
+    if (is_out_of_memory(e)) throw;  // the device's state, not the file's
     throw InputError(file.string() + ": not a readable safetensors file: " + e.what());
   }
   std::map<std::string, Module> modules;
@@ -122,6 +124,24 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
     deltas.emplace_back(weight, delta);
   }
   torch::NoGradGuard no_grad;
+  // Never half merged: whatever fails from here (the device out of memory) first puts back what
+  // was changed. The lists have their room before any weight changes.
+  if (keep_originals) {
+    saved_.reserve(deltas.size());
+    slotted_.reserve(adapters.size());
+  }
+  try {
+    apply(deltas, adapters, keep_originals);
+  } catch (...) {
+    restore();
+    throw;
+  }
+}
+
+void MergedLora::apply(
+    std::vector<std::pair<at::Tensor, at::Tensor>>& deltas,
+    std::vector<std::pair<const LoraTarget*, std::shared_ptr<LoraAdapter>>>& adapters,
+    bool keep_originals) {
   for (auto& [weight, delta] : deltas) {
     if (keep_originals) saved_.emplace_back(weight, weight.clone());
     weight.add_(delta.to(weight.device(), weight.scalar_type()));

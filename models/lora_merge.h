@@ -52,6 +52,11 @@ class MergedLora {
   // A float8 layer's slot and what it held before.
   std::vector<std::pair<LoraTarget, std::shared_ptr<LoraAdapter>>> slotted_;
   bool changes_text_encoder_ = false;
+  // Adds each delta to its weight and fills each float8 layer's slot, keeping what restore()
+  // puts back.
+  void apply(std::vector<std::pair<at::Tensor, at::Tensor>>& deltas,
+             std::vector<std::pair<const LoraTarget*, std::shared_ptr<LoraAdapter>>>& adapters,
+             bool keep_originals);
 };
 
 // Several LoRAs merged on top of one another, taken out newest first: each put back the weights

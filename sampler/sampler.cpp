@@ -194,22 +194,6 @@ refresh();setInterval(refresh,2000);
 </script></body></html>
 )html";
 
-// The device ran out of memory: CUDA's allocator says so by type; the CPU's (c10's default
-// allocator, oneDNN's scratchpads, the standard library) by std::bad_alloc or by a c10::Error
-// whose message says it.
-bool out_of_memory(const std::exception& e) {
-  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
-  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return true;
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    const std::string message = c10_error->what_without_backtrace();
-    for (const char* says : {"not enough memory", "out of memory", "can't allocate memory",
-                             "Cannot allocate memory"}) {
-      if (message.find(says) != std::string::npos) return true;
-    }
-  }
-  return false;
-}
-
 // An exception's message without LibTorch's backtrace (from the second line on).
 std::string first_line(const std::exception& e) {
   const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
@@ -359,8 +343,9 @@ class Sampler {
       LP_LOG(kError, kLog) << "step " << step << " not rendered: " << e.what();
       return false;
     } catch (const std::exception& e) {
-      if (!out_of_memory(e)) throw;
-      // Unwinding freed what the render held, and `merged` restores the base as it goes.
+      if (!models::is_out_of_memory(e)) throw;
+      // Unwinding freed what the render held; `merged` restores the base as it goes, and a
+      // merge that failed half-way put back what it had changed before throwing.
       LP_LOG(kError, kLog) << "step " << step << " not rendered: out of memory on "
                            << models::describe_device(device_) << " (" << first_line(e) << ")";
       return false;

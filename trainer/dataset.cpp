@@ -473,6 +473,9 @@ DatasetMetadata kohya_dataset_metadata(const wire::Manifest& manifest,
       count_or_none(static_cast<uint32_t>(std::max(0, flags.caption_dropout_every_n_epochs())));
   m["ss_caption_tag_dropout_rate"] = python_float_repr(flags.caption_tag_dropout_rate());
   m["ss_face_crop_aug_range"] = "None";
+  // kohya's args.resize_interpolation (preprocess's flag), in both layouts.
+  const std::string& interpolation = source.flags().resize_interpolation();
+  m["ss_resize_interpolation"] = interpolation.empty() ? "None" : interpolation;
 
   if (described && source.kind() == wire::DatasetSource::DATASET_CONFIG) {
     // kohya with a dataset TOML: each dataset in ss_datasets, and the tags and training

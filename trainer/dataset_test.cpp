@@ -591,6 +591,7 @@ TEST(TrainMetadata, DatasetConfigWritesSsDatasetsAsKohya) {
   EXPECT_EQ(first["max_bucket_reso"], 1024);
   EXPECT_EQ(first["skip_image_resolution"], nlohmann::json({256, 256}));
   EXPECT_EQ(first["resize_interpolation"], "bicubic");
+  EXPECT_EQ(got.keys.at("ss_resize_interpolation"), "None") << "no --resize_interpolation";
   // kohya's key order: the dataset's settings, then its tags, buckets and subsets.
   const nlohmann::ordered_json in_order =
       nlohmann::ordered_json::parse(got.keys.at("ss_datasets"))[0];
@@ -673,6 +674,7 @@ TEST(TrainMetadata, FlagsLayoutWritesTheDatasetsSettingsAsKeys) {
       {"ss_min_bucket_reso", "320"},
       {"ss_max_bucket_reso", "1024"},
       {"ss_skip_image_resolution", "None"},
+      {"ss_resize_interpolation", "None"},
       {"ss_color_aug", "False"},
       {"ss_flip_aug", "True"},
       {"ss_random_crop", "False"},
