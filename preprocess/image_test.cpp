@@ -13,6 +13,7 @@
 #include "common/error.h"
 #include "preprocess/image.h"
 #include "preprocess/preprocess.h"
+#include "runtime/process.h"
 
 namespace lorapipe::preprocess {
 namespace {
@@ -117,22 +118,16 @@ TEST_F(PreprocessBadInput, EveryBadFileIsNamedWithItsReasonAndGoodOnesAreUsed) {
 }
 
 TEST_F(PreprocessBadInput, UnreadableFileIsSkippedWithItsReason) {
-  // root reads any file, so the stage runs as its own process, dropped to nobody when this test
-  // runs as root (a fork without exec would inherit libvips' threads, which is unsafe).
+  // root reads any file, so the stage runs as its own process (the tests' spawn helper), as
+  // nobody when this test runs as root.
   const fs::path json = dir_ / "unreadable-report.json";
-  const pid_t pid = fork();
-  if (pid == 0) {
-    if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(90);
-    const std::string data_dir = "--data_dir=" + dir_.string();
-    const std::string report = "--report_json=" + json.string();
-    execl(LORAPIPE_PREPROCESS_BIN, LORAPIPE_PREPROCESS_BIN, data_dir.c_str(), "--report_only",
-          report.c_str(), "--threads=2", static_cast<char*>(nullptr));
-    _exit(91);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
-  ASSERT_TRUE(WIFEXITED(status));
-  ASSERT_EQ(WEXITSTATUS(status), 0) << "90: setuid failed, 91: exec failed";
+  runtime::SpawnOptions options;
+  options.argv = {LORAPIPE_PREPROCESS_BIN, "--data_dir=" + dir_.string(), "--report_only",
+                  "--report_json=" + json.string(), "--threads=2"};
+  options.stderr_path = dir_ / "unreadable.err";
+  if (geteuid() == 0) options.run_as = std::make_pair(uid_t{65534}, gid_t{65534});
+  ASSERT_EQ(runtime::wait_exit(runtime::spawn(options)), 0)
+      << std::ifstream(dir_ / "unreadable.err").rdbuf();
   std::ifstream in(json);
   const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
   const size_t at = text.find("unreadable.png");

@@ -26,7 +26,7 @@ namespace {
 // What a child that could not exec writes into the pipe before it exits: which step failed
 // and errno.
 struct ChildFailure {
-  int step;  // 0 stdout, 1 stderr, 2 exec
+  int step;  // 0 stdout, 1 stderr, 2 exec, 3 the user to run as
   int error;
 };
 
@@ -103,6 +103,10 @@ pid_t spawn(const SpawnOptions& options) {
     } else if (!err.empty() && !redirect(2, err.c_str(), options.append)) {
       fail_in_child(report[1], 1);
     }
+    if (options.run_as &&
+        (setgid(options.run_as->second) != 0 || setuid(options.run_as->first) != 0)) {
+      fail_in_child(report[1], 3);
+    }
     if (env.empty()) {
       execv(args[0], args.data());
     } else {
@@ -121,8 +125,10 @@ pid_t spawn(const SpawnOptions& options) {
     wait_exit(pid);
     static const char* const kSteps[] = {"cannot open its stdout file ",
                                          "cannot open its stderr file ", ""};
-    const std::string what = failure.step == 0 ? kSteps[0] + out
+    const std::string what = failure.step == 0   ? kSteps[0] + out
                              : failure.step == 1 ? kSteps[1] + err
+                             : failure.step == 3 ? std::string("cannot run as uid ") +
+                                                       std::to_string(options.run_as->first)
                                                  : std::string("exec");
     throw Error("cannot start " + options.argv[0] + ": " + what + ": " +
                 std::strerror(failure.error));

@@ -27,6 +27,9 @@ struct SpawnOptions {
   bool die_with_parent = false;
   // Set in the child's environment on top of ours (name, value).
   std::vector<std::pair<std::string, std::string>> environment;
+  // Run the child as this user and group (uid, gid), which only root may ask: tests that need a
+  // stage to see file permissions as an ordinary user does (root reads any file).
+  std::optional<std::pair<uid_t, gid_t>> run_as;
 };
 
 // Starts the program. Throws Error naming the program and the reason when it cannot be
