@@ -142,6 +142,7 @@ pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& s
   options.argv = argv;
   options.stdout_path = stdout_path;
   options.stderr_path = stderr_path;
+  options.die_with_parent = true;
   return spawn(options);
 }
 

@@ -37,7 +37,9 @@ struct SpawnOptions {
 // a failed exec back through a close-on-exec pipe before this returns.
 pid_t spawn(const SpawnOptions& options);
 
-// The common case: argv with stdout and stderr to the given files.
+// The tests' case: argv with stdout and stderr to the given files, the child dying with this
+// process (die_with_parent), so a test binary that fails or crashes half-way leaves no stage
+// running behind it.
 pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& stdout_path,
             const std::filesystem::path& stderr_path);
 

@@ -118,6 +118,28 @@ TEST_F(LauncherRuntime, AProcessDroppedWhileRunningIsKilledWithItsGroup) {
   EXPECT_TRUE(gone) << "the stage's own child " << grandchild << " outlived it";
 }
 
+// The tests' spawn(argv, out, err): a test binary that dies half-way, however it dies, takes
+// the stages it started along instead of leaving them to run out their own timeouts.
+TEST_F(LauncherRuntime, AStageStartedByATestEndsWhenTheTestProcessDies) {
+  const fs::path pid_file = dir_ / "stage.pid";
+  const pid_t test_process = fork();
+  ASSERT_GE(test_process, 0);
+  if (test_process == 0) {  // stands for a test binary that crashes after starting a stage
+    const pid_t stage = spawn({"/bin/sleep", "60"}, dir_ / "out", dir_ / "err");
+    std::ofstream(pid_file) << stage << "\n";
+    _exit(1);
+  }
+  ASSERT_EQ(wait_exit(test_process), 1);
+  const pid_t stage = std::stoi(read(pid_file));
+  bool gone = false;
+  for (int i = 0; i < 500 && !gone; ++i) {
+    gone = ended(stage);
+    if (!gone) std::this_thread::sleep_for(10ms);
+  }
+  if (!gone) kill(stage, SIGKILL);
+  EXPECT_TRUE(gone) << "the stage " << stage << " outlived the process that started it";
+}
+
 TEST_F(LauncherRuntime, WorkerPoolRethrowsTheFirstFailureAndDropsTheRest) {
   WorkerPool pool(/*threads=*/1, /*max_queued=*/4);
   std::atomic<int> ran{0};
