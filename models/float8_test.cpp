@@ -153,6 +153,74 @@ TEST(ModelsLora, ComputesInTheBaseDtypeAndKeepsNoWideCopyOfAnActivation) {
   EXPECT_TRUE(x.grad().defined());
 }
 
+// kohya's LoRAModule.forward while training: `dropout` zeroes single elements of down's output
+// and scales the rest by 1 / (1 - p); `rank_dropout` zeroes whole ranks per sample (the same for
+// every token) and scales the update by 1 / (1 - p); `module_dropout` skips the adapter for a
+// call; the multiplier scales the update; outside training no dropout acts. The layer is built
+// so that the output is the update alone: base weight 0, down(x) = 1 for every token and rank,
+// up the identity, scale 0.5, so each output element is 0.5 x its rank's surviving factor.
+// Drop fractions are held to 6 standard deviations of their binomial spread.
+TEST(ModelsLora, DropoutsAndMultiplierActAsKohyas) {
+  torch::manual_seed(5);
+  constexpr int64_t kBatch = 64, kTokens = 16, kRank = 8;
+  torch::NoGradGuard no_grad;
+  Linear layer(torch::nn::LinearOptions(2, kRank).bias(false));
+  layer->weight.zero_();
+  auto adapter = std::make_shared<LoraAdapter>();
+  adapter->down = torch::zeros({kRank, 2});
+  adapter->down.select(1, 0).fill_(1);
+  adapter->up = torch::eye(kRank);
+  adapter->scale = 0.5;
+  adapter->dropout = 0.25;
+  adapter->rank_dropout = 0.25;
+  adapter->module_dropout = 0.5;
+  layer->lora = adapter;
+  at::Tensor x = torch::zeros({kBatch, kTokens, 2});
+  x.select(2, 0).fill_(1);
+  auto fraction_zero = [](const at::Tensor& t) { return t.eq(0).to(torch::kDouble).mean().item<double>(); };
+  auto only = [](const at::Tensor& t, double a, double b) {
+    return (t.eq(a) | t.eq(b)).all().item<bool>();
+  };
+
+  // Outside training every dropout is off and the multiplier scales the update.
+  EXPECT_TRUE(layer(x).eq(0.5).all().item<bool>());
+  adapter->multiplier = 2;
+  EXPECT_TRUE(layer(x).eq(1.0).all().item<bool>());
+  adapter->multiplier = 1;
+  adapter->training = true;
+
+  // dropout alone: per element, 0 or 0.5 / 0.75, a quarter of them 0.
+  adapter->rank_dropout = 0;
+  adapter->module_dropout = 0;
+  at::Tensor y = layer(x);
+  EXPECT_TRUE(only(y, 0, 0.5 / 0.75)) << std::get<0>(at::_unique(y.flatten()));
+  const double n_elements = kBatch * kTokens * kRank;
+  EXPECT_NEAR(fraction_zero(y), 0.25, 6 * std::sqrt(0.25 * 0.75 / n_elements));
+  EXPECT_GT((y.amax(1) - y.amin(1)).abs().max().item<double>(), 0) << "not per element";
+
+  // rank_dropout alone: per (sample, rank), the same for every token.
+  adapter->dropout = 0;
+  adapter->rank_dropout = 0.25;
+  y = layer(x);
+  EXPECT_TRUE(only(y, 0, 0.5 / 0.75)) << std::get<0>(at::_unique(y.flatten()));
+  EXPECT_TRUE(y.eq(y.select(1, 0).unsqueeze(1)).all().item<bool>()) << "a rank differs by token";
+  const double n_ranks = kBatch * kRank;
+  EXPECT_NEAR(fraction_zero(y.select(1, 0)), 0.25, 6 * std::sqrt(0.25 * 0.75 / n_ranks));
+
+  // module_dropout alone: a call is either the base output (0) or the whole update.
+  adapter->rank_dropout = 0;
+  adapter->module_dropout = 0.5;
+  int skipped = 0;
+  constexpr int kCalls = 400;
+  for (int i = 0; i < kCalls; ++i) {
+    y = layer(x);
+    const bool none = y.eq(0).all().item<bool>(), whole = y.eq(0.5).all().item<bool>();
+    ASSERT_TRUE(none || whole) << "a call mixed skipped and applied elements";
+    skipped += none;
+  }
+  EXPECT_NEAR(skipped / static_cast<double>(kCalls), 0.5, 6 * std::sqrt(0.25 / kCalls));
+}
+
 // Storing converts the weight of every Linear and Conv2d (a LoRA's targets and every other
 // projection), each value rounded to nearest, and leaves norms, biases and embeddings in their
 // dtype. Values beyond float8's range saturate at +-448 instead of becoming NaN.

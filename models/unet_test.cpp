@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -23,8 +24,10 @@
 
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/clip_text.h"
 #include "models/parity_util.h"
 #include "models/safetensors.h"
+#include "models/sd15_lora.h"
 #include "models/weights.h"
 
 namespace lorapipe::models {
@@ -163,6 +166,40 @@ TEST_F(UNetParity, FullSizeSd21KeysAndShapesMatchDiffusers) {
   sd21.use_linear_projection = true;
   sd21.sample_size = 96;
   check_full_size_layout("sd21", sd21);
+}
+
+// kohya's LoRA targets on SD1.5 at its real size: models/reference/lora_targets_reference.py
+// applies networks/lora.py's rule to diffusers' UNet2DConditionModel and transformers'
+// CLIPTextModel, and the names must be ours: 192 U-Net layers, 278 with LoCon, 72 in the text
+// encoder.
+TEST(LoraTargets, Sd15RealSizeAreKohyas) {
+  const fs::path dir = testing::make_temp_dir("lora-targets");
+  ASSERT_TRUE(testing::run_reference("lora_targets_reference.py", dir));
+  const nlohmann::json kohya = nlohmann::json::parse(read_text(dir / "targets.json"));
+  fs::remove_all(dir);
+  auto names = [](const std::vector<LoraTarget>& targets) {
+    std::vector<std::string> out;
+    for (const LoraTarget& t : targets) out.push_back(t.name);
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  auto sorted = [](std::vector<std::string> v) {
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  std::vector<std::string> unet_names, locon_names, text_names;
+  {
+    const UNet unet(UNetConfig::sd15());
+    unet_names = names(unet_lora_targets(unet, /*conv_kxk=*/false));
+    locon_names = names(unet_lora_targets(unet, /*conv_kxk=*/true));
+  }
+  text_names = names(text_encoder_lora_targets(ClipTextModel(ClipTextConfig::sd15())));
+  EXPECT_EQ(unet_names.size(), 192u);
+  EXPECT_EQ(locon_names.size(), 278u);
+  EXPECT_EQ(text_names.size(), 72u);
+  EXPECT_EQ(unet_names, sorted(kohya["unet"].get<std::vector<std::string>>()));
+  EXPECT_EQ(locon_names, sorted(kohya["unet_conv"].get<std::vector<std::string>>()));
+  EXPECT_EQ(text_names, sorted(kohya["text_encoder"].get<std::vector<std::string>>()));
 }
 
 // ---- loading errors (no Python) ----------------------------------------------------------------
