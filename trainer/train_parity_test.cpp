@@ -25,6 +25,7 @@
 #include "models/float8.h"
 #include "models/parity_util.h"
 #include "models/pipeline.h"
+#include "models/tensor_memory.h"
 #include "models/tiny.h"
 #include "trainer/lora_file.h"
 #include "trainer/lora_network.h"
@@ -50,6 +51,11 @@ constexpr double kAdamEps = 1e-6;
 // norms (measured: 0.097 to 0.63, median 0.16), so the pass shrinks some modules and leaves
 // others, and both branches are compared.
 constexpr double kMaxNorm = 0.15;
+// GradientCheckpointingChangesNothing also checks that checkpointing happened: the checkpointed
+// steps' peak tensor memory (beyond the model) at most this share of the plain steps'. Measured
+// on the tiny model, batch 2: 2.2 against 11.5 MiB (0.19); a checkpointing that kept every
+// activation would give 1.0.
+constexpr double kCheckpointedPeakAtMost = 0.5;
 
 struct Scenario {
   int steps = 1;
@@ -74,6 +80,11 @@ struct Scenario {
   bool conv = false;  // LoCon: also the 3x3 convs of the resnets and samplers
   bool alpha_masks = false;  // kohya's alpha_mask: random 64x64 alphas over the 8x8 latents
   bool fp8_base = false;     // --fp8_base: both models' Linear and Conv2d weights in float8
+  std::string loss_type = "l2";  // --loss_type: l1, huber, smooth_l1 (kohya's conditional_loss)
+  std::string huber_schedule = "constant";  // --huber_schedule: exponential, snr
+  double huber_c = 0.1;
+  double adaptive_noise_scale = 0;  // --adaptive_noise_scale (with noise_offset)
+  bool measure_memory = false;      // our step's peak tensor memory into Result::step_peak_bytes
 };
 
 struct Result {
@@ -81,6 +92,7 @@ struct Result {
   int64_t keys_scaled = 0;  // by the max-norm passes after the updates
   std::map<std::string, torch::Tensor> first_grads;  // NAME.lora_down.grad, ...
   std::map<std::string, torch::Tensor> weights;      // NAME.lora_down.weight, ...
+  size_t step_peak_bytes = 0;  // with Scenario::measure_memory: the steps' most, beyond the model
 };
 
 class TrainParity : public ::testing::Test {
@@ -170,6 +182,10 @@ class TrainParity : public ::testing::Test {
     o.scale_weight_norms = s.scale_weight_norms;
     o.noise.ip_noise_gamma = s.ip_noise_gamma;
     o.noise.noise_offset = s.noise_offset;
+    o.noise.adaptive_noise_scale = s.adaptive_noise_scale;
+    o.loss_type = s.loss_type;
+    o.huber_schedule = s.huber_schedule;
+    o.huber_c = s.huber_c;
     o.gradient_accumulation_steps = s.accumulation;
     o.max_grad_norm = s.max_grad_norm;
     o.gradient_checkpointing = s.checkpointing;
@@ -184,6 +200,11 @@ class TrainParity : public ::testing::Test {
 
     Result result;
     const auto names = network.named_parameters();
+    // The counter sees only what is allocated from here on: the steps' tensors, not the model.
+    models::TensorMemoryCounter* memory =
+        s.measure_memory ? &models::TensorMemoryCounter::install() : nullptr;
+    const size_t alive_before = memory != nullptr ? memory->alive_bytes() : 0;
+    if (memory != nullptr) memory->reset_peak();
     for (int64_t i = 0; i < s.steps; ++i) {
       MicroBatch batch;
       batch.latents = inputs.at("latents")[i];
@@ -215,6 +236,7 @@ class TrainParity : public ::testing::Test {
       EXPECT_EQ(update.max_norm.has_value(), s.scale_weight_norms > 0);
       if (update.max_norm) result.keys_scaled += update.max_norm->keys_scaled;
     }
+    if (memory != nullptr) result.step_peak_bytes = memory->peak_bytes() - alive_before;
     for (const auto& [name, p] : names) result.weights[name] = p.detach().clone();
     return result;
   }
@@ -243,7 +265,10 @@ class TrainParity : public ::testing::Test {
                           {"max_grad_norm", s.max_grad_norm},
                           {"train_text_encoder", s.train_text_encoder},
                           {"gradient_accumulation_steps", s.accumulation},
-                          {"loss_type", "l2"},
+                          {"loss_type", s.loss_type},
+                          {"huber_schedule", s.huber_schedule},
+                          {"huber_c", s.huber_c},
+                          {"adaptive_noise_scale", s.adaptive_noise_scale},
                           {"adam_eps", kAdamEps},
                           {"fp8_base", s.fp8_base},
                           {"dtype", "float64"}};
@@ -372,15 +397,35 @@ TEST(TrainNoise, PyramidLevelsAreSizedFromTheFullSide) {
   EXPECT_EQ(pyramid_level_size(96, 2.5, 2), 15);  // int(96 / 6.25) = int(15.36)
 }
 
+// --min_timestep / --max_timestep: kohya's torch.randint(min, max), so min is drawn and max is
+// not. 20000 draws over 200 values miss one end with probability (199/200)^20000, about e^-100.
+TEST(TrainNoise, TimestepsAreDrawnFromMinToMaxExclusive) {
+  NoiseOptions o;
+  o.min_timestep = 100;
+  o.max_timestep = 300;
+  const at::Tensor t = draw_timesteps(20000, o, at::make_generator<at::CPUGeneratorImpl>(3),
+                                      torch::kCPU);
+  EXPECT_EQ(t.scalar_type(), torch::kInt64);
+  EXPECT_EQ(t.min().item<int64_t>(), 100);
+  EXPECT_EQ(t.max().item<int64_t>(), 299);
+  const at::Tensor all = draw_timesteps(20000, NoiseOptions{},
+                                        at::make_generator<at::CPUGeneratorImpl>(3), torch::kCPU);
+  EXPECT_EQ(all.min().item<int64_t>(), 0);
+  EXPECT_GE(all.max().item<int64_t>(), 990);  // of 1000 values: a miss of 10 has odds e^-200
+  EXPECT_LE(all.max().item<int64_t>(), 999);
+}
+
 // LoRA+ as kohya's prepare_optimizer_params groups it: each side's up matrices in a group of
 // their own at ratio x that side's rate, a side's own ratio over loraplus_lr_ratio; every LoRA
-// tensor in exactly one group.
+// tensor in exactly one group. Each side's rate is its own (--unet_lr, --text_encoder_lr) over
+// --learning_rate.
 TEST_F(TrainParity, LoraPlusPutsTheUpMatricesInGroupsAtTheRatio) {
   models::StableDiffusion model = load();
   NetworkOptions net;
   LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(7));
   StepOptions o;
   o.optimizer_groups.learning_rate = 1e-4;
+  o.optimizer_groups.unet_lr = 2e-4;
   o.optimizer_groups.text_encoder_lr = 5e-5;
   o.optimizer_groups.loraplus_lr_ratio = 16;
   o.optimizer_groups.loraplus_unet_lr_ratio = 4;
@@ -389,8 +434,8 @@ TEST_F(TrainParity, LoraPlusPutsTheUpMatricesInGroupsAtTheRatio) {
                                                           "unet", "unet_plus"}));
   EXPECT_DOUBLE_EQ(step.optimizer().lr(0), 5e-5);
   EXPECT_DOUBLE_EQ(step.optimizer().lr(1), 5e-5 * 16);  // the general ratio
-  EXPECT_DOUBLE_EQ(step.optimizer().lr(2), 1e-4);
-  EXPECT_DOUBLE_EQ(step.optimizer().lr(3), 1e-4 * 4);  // the U-Net's own ratio wins
+  EXPECT_DOUBLE_EQ(step.optimizer().lr(2), 2e-4);      // --unet_lr over --learning_rate
+  EXPECT_DOUBLE_EQ(step.optimizer().lr(3), 2e-4 * 4);  // the U-Net's own ratio wins
   // Which tensor is in which group: with every gradient 1 and no decay, AdamW's first step moves
   // each element by its group's rate / (1 + eps).
   std::map<std::string, torch::Tensor> before;
@@ -401,7 +446,7 @@ TEST_F(TrainParity, LoraPlusPutsTheUpMatricesInGroupsAtTheRatio) {
   step.optimizer().step();
   for (const auto& [name, t] : network.named_parameters()) {
     const bool te = name.starts_with("lora_te_"), up = name.ends_with(".lora_up.weight");
-    const double lr = (te ? 5e-5 : 1e-4) * (up ? (te ? 16 : 4) : 1);
+    const double lr = (te ? 5e-5 : 2e-4) * (up ? (te ? 16 : 4) : 1);
     const torch::Tensor moved = (before.at(name) - t.detach()).to(torch::kFloat64);
     // AdamW's decay (0.01) adds lr * 0.01 * |w| <= 1e-2 * lr here (|w| < 1); fp32 rounding of
     // the weights (up to 2^-24 of |w| < 1) is far below that.
@@ -735,6 +780,7 @@ TEST_F(TrainParity, GradientCheckpointingChangesNothing) {
   Scenario s;
   s.steps = 4;
   s.lr_scheduler = "cosine";
+  s.measure_memory = true;
   const fs::path init = make_init_lora(s, "ckpt");
   models::StableDiffusion model = load();
   const auto inputs = make_inputs(s, model);
@@ -756,6 +802,112 @@ TEST_F(TrainParity, GradientCheckpointingChangesNothing) {
   }
   std::printf("[parity] checkpointed against plain: max relative error %.3g\n", worst);
   compare(checkpointed, run_reference(s, inputs, init, "ckpt"), /*final_weights=*/true);
+  // And it did checkpoint: the steps held less at once than with every activation kept.
+  std::printf("[checkpointing] the steps' peak tensor memory: %.2f MiB plain, %.2f MiB "
+              "checkpointed\n",
+              static_cast<double>(plain.step_peak_bytes) / (1 << 20),
+              static_cast<double>(checkpointed.step_peak_bytes) / (1 << 20));
+  EXPECT_LT(static_cast<double>(checkpointed.step_peak_bytes),
+            kCheckpointedPeakAtMost * static_cast<double>(plain.step_peak_bytes));
+}
+
+// kohya's --loss_type l1, and huber and smooth_l1 with kohya's per-timestep thresholds
+// (--huber_schedule snr, kohya's default, and exponential), against the reference's rendering of
+// kohya's conditional_loss and get_huber_threshold_if_needed. The Huber cases also grow the noise
+// offset with --adaptive_noise_scale (kohya's apply_noise_offset; a negative scale shrinks it).
+TEST_F(TrainParity, OneStepL1Loss) {
+  Scenario s;
+  s.loss_type = "l1";
+  run_scenario(s, "l1", /*final_weights=*/true);
+}
+
+TEST_F(TrainParity, OneStepHuberLossSnrScheduleAdaptiveNoiseOffset) {
+  Scenario s;
+  s.loss_type = "huber";
+  s.huber_schedule = "snr";
+  s.adaptive_noise_scale = 0.05;
+  run_scenario(s, "huber", /*final_weights=*/true);
+}
+
+TEST_F(TrainParity, OneStepSmoothL1LossExponentialScheduleNegativeAdaptiveScale) {
+  Scenario s;
+  s.loss_type = "smooth_l1";
+  s.huber_schedule = "exponential";
+  s.huber_c = 0.2;
+  s.adaptive_noise_scale = -0.05;
+  run_scenario(s, "smooth_l1", /*final_weights=*/true);
+}
+
+// The LoRA network itself, on the tiny model (the fixture's).
+class TrainLora : public TrainParity {};
+
+// kohya's LoRAModule starts from down = kaiming_uniform_(a=sqrt(5)), i.e. uniform on
+// +-1/sqrt(fan_in) (fan_in = in x kh x kw), and up = 0, so a fresh LoRA changes nothing. Every
+// module of the tiny model with LoCon, each down scaled by sqrt(its fan_in) and pooled, must lie
+// in [-1, 1], reach 0.99 (a narrower init would not), and have the uniform's standard deviation
+// 1/sqrt(3) to 3% and mean 0 to 0.02. The pool holds over 10^4 values: the std estimate's spread
+// is 0.45/sqrt(n) relative (under 0.5%), the mean's 0.58/sqrt(n) (under 0.006).
+TEST_F(TrainLora, StartsFromKohyasInitialisation) {
+  models::StableDiffusion model = load();
+  NetworkOptions o;
+  o.dim = 4;
+  o.conv_dim = 4;
+  LoraNetwork network(model, o, at::make_generator<at::CPUGeneratorImpl>(7));
+  std::vector<at::Tensor> scaled;
+  for (const auto& m : network.modules()) {
+    const at::Tensor& down = m.adapter->down;
+    EXPECT_TRUE(m.adapter->up.eq(0).all().item<bool>()) << m.target.name << ": up is not zero";
+    EXPECT_EQ(down.scalar_type(), torch::kFloat) << m.target.name;
+    scaled.push_back((down * std::sqrt(static_cast<double>(down[0].numel()))).flatten());
+  }
+  const at::Tensor pool = torch::cat(scaled).to(torch::kFloat64);
+  ASSERT_GT(pool.numel(), 10000);
+  const double largest = pool.abs().max().item<double>();
+  const double sd = pool.std().item<double>(), mean = pool.mean().item<double>();
+  std::printf("[lora init] %lld values x sqrt(fan_in): max |x| %.4f, std %.4f (uniform: %.4f), "
+              "mean %.4f\n",
+              static_cast<long long>(pool.numel()), largest, sd, 1 / std::sqrt(3.0), mean);
+  EXPECT_LE(largest, 1.0 + 1e-6);
+  EXPECT_GE(largest, 0.99);
+  EXPECT_NEAR(sd, 1 / std::sqrt(3.0), 0.03 / std::sqrt(3.0));
+  EXPECT_NEAR(mean, 0.0, 0.02);
+}
+
+// kohya reads --network_alpha=0 as alpha = rank (scale 1), and a LoRA file without .alpha keys
+// (its oldest) the same way; continuing from such a file saves alpha = rank.
+TEST_F(TrainLora, AlphaZeroOrAMissingAlphaMeansTheRank) {
+  models::StableDiffusion model = load();
+  NetworkOptions zero;
+  zero.dim = 4;
+  zero.alpha = 0;
+  {
+    LoraNetwork network(model, zero, at::make_generator<at::CPUGeneratorImpl>(7));
+    for (const auto& m : network.modules()) {
+      EXPECT_DOUBLE_EQ(m.alpha, 4) << m.target.name;
+      EXPECT_DOUBLE_EQ(m.adapter->scale, 1.0) << m.target.name;
+    }
+  }
+  NetworkOptions plain;
+  plain.dim = 4;
+  plain.alpha = 1;
+  std::map<std::string, at::Tensor> old_file;
+  {
+    LoraNetwork source(model, plain, at::make_generator<at::CPUGeneratorImpl>(8));
+    old_file = source.state_dict();
+  }
+  const size_t dropped =
+      std::erase_if(old_file, [](const auto& item) { return item.first.ends_with(".alpha"); });
+  ASSERT_GT(dropped, 0u);
+  LoraNetwork network(model, plain, at::make_generator<at::CPUGeneratorImpl>(9));
+  network.load(old_file, "old.safetensors");
+  const auto saved = network.state_dict();
+  for (const auto& m : network.modules()) {
+    EXPECT_DOUBLE_EQ(m.alpha, 4) << m.target.name;
+    EXPECT_DOUBLE_EQ(m.adapter->scale, 1.0) << m.target.name;
+    EXPECT_EQ(saved.at(m.target.name + ".alpha").item<double>(), 4.0) << m.target.name;
+    EXPECT_TRUE(torch::equal(m.adapter->down, old_file.at(m.target.name + ".lora_down.weight")))
+        << m.target.name;
+  }
 }
 
 }  // namespace

@@ -22,7 +22,11 @@ CONFIG         steps, prediction_type, min_snr_gamma, scale_v_pred_loss_like_noi
                learning_rate,
                lr_scheduler, lr_warmup_steps, lr_scheduler_num_cycles, lr_scheduler_power,
                max_grad_norm, adam_betas, adam_eps, weight_decay, train_text_encoder,
-               clip_skip, loss_type (l2|l1|huber), huber_c, huber_schedule (constant),
+               clip_skip, loss_type (l2|l1|huber|smooth_l1), huber_c, huber_scale,
+               huber_schedule (constant|exponential|snr: kohya's
+               get_huber_threshold_if_needed), adaptive_noise_scale (kohya's
+               apply_noise_offset: the offset grows by scale * |mean of each latent channel|,
+               clamped at 0),
                gradient_accumulation_steps (G; each micro-batch loss is divided by G),
                dtype (float32 | float64: models, LoRA, inputs, optimizer and OUT in it),
                fp8_base (kohya's --fp8_base as lorapipe stores it: the weight of every Linear
@@ -38,6 +42,7 @@ Exits non-zero with a message on any mismatch: unused or stray key, shape, confi
 """
 import argparse
 import json
+import math
 import re
 import sys
 
@@ -55,7 +60,8 @@ CONFIG_DEFAULTS = {
     "zero_terminal_snr": False, "scale_weight_norms": 0.0, "lr_scheduler": "constant",
     "lr_warmup_steps": 0, "lr_scheduler_num_cycles": 1, "lr_scheduler_power": 1.0, "max_grad_norm": 0.0,
     "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "weight_decay": 0.01, "train_text_encoder": False,
-    "clip_skip": 1, "loss_type": "l2", "huber_c": 0.1, "huber_schedule": "constant",
+    "clip_skip": 1, "loss_type": "l2", "huber_c": 0.1, "huber_scale": 1.0, "huber_schedule": "constant",
+    "adaptive_noise_scale": 0.0,
     "gradient_accumulation_steps": 1, "dtype": "float32", "fp8_base": False,
 }
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -77,7 +83,8 @@ def read_config(path):
     cfg = {**CONFIG_DEFAULTS, **given}
     if cfg["prediction_type"] not in ("epsilon", "v_prediction"):
         fail(f"prediction_type {cfg['prediction_type']!r}")
-    if cfg["loss_type"] not in ("l2", "l1", "huber") or cfg["huber_schedule"] != "constant":
+    if (cfg["loss_type"] not in ("l2", "l1", "huber", "smooth_l1")
+            or cfg["huber_schedule"] not in ("constant", "exponential", "snr")):
         fail(f"loss_type {cfg['loss_type']!r} / huber_schedule {cfg['huber_schedule']!r} unsupported")
     if cfg["steps"] <= 0 or cfg["steps"] % cfg["gradient_accumulation_steps"]:
         fail(f"steps {cfg['steps']} must be a positive multiple of gradient_accumulation_steps")
@@ -150,11 +157,30 @@ def encode_text(text_encoder, input_ids, clip_skip):
     return text_encoder.text_model.final_layer_norm(hidden)
 
 
+def huber_threshold(cfg, scheduler, timesteps):
+    """kohya's per-sample Huber threshold c: constant huber_c * huber_scale; exponential
+    exp(-t * -ln(huber_c) / 1000) * huber_scale; snr (1 - huber_c) / (1 + sigma_t)^2 + huber_c
+    with sigma_t = sqrt((1 - a_t) / a_t) of the scheduler's alphas_cumprod (no scale)."""
+    schedule, c, scale = cfg["huber_schedule"], cfg["huber_c"], cfg["huber_scale"]
+    if schedule == "constant":
+        return torch.full(timesteps.shape, c * scale, dtype=torch.float64)
+    if schedule == "exponential":
+        alpha = -math.log(c) / scheduler.config.num_train_timesteps
+        return torch.exp(-alpha * timesteps.to(torch.float64)) * scale
+    a = scheduler.alphas_cumprod.to(torch.float64)[timesteps]
+    sigmas = ((1.0 - a) / a) ** 0.5
+    return (1 - c) / (1 + sigmas) ** 2 + c
+
+
 def micro_batch_loss(cfg, scheduler, all_snr, unet, text_encoder, batch):
     noise = batch["noise"]
-    if cfg["noise_offset"]:
-        noise = noise + cfg["noise_offset"] * batch["offset_noise"]
     latents, timesteps = batch["latents"], batch["timesteps"]
+    if cfg["noise_offset"]:
+        offset = cfg["noise_offset"]
+        if cfg["adaptive_noise_scale"]:
+            # kohya clamps at 0, for a negative adaptive scale.
+            offset = (offset + cfg["adaptive_noise_scale"] * latents.mean(dim=(2, 3), keepdim=True).abs()).clamp(min=0)
+        noise = noise + offset * batch["offset_noise"]
     with torch.set_grad_enabled(cfg["train_text_encoder"]):
         hidden = encode_text(text_encoder, batch["input_ids"], cfg["clip_skip"])
         # kohya's encode_tokens_with_weights (one chunk): every state times its token's weight.
@@ -170,8 +196,9 @@ def micro_batch_loss(cfg, scheduler, all_snr, unet, text_encoder, batch):
     elif cfg["loss_type"] == "l1":
         loss = F.l1_loss(pred, target, reduction="none")
     else:
-        c = cfg["huber_c"]
-        loss = 2 * c * (torch.sqrt((pred - target) ** 2 + c**2) - c)
+        c = huber_threshold(cfg, scheduler, timesteps).to(pred.dtype).view(-1, 1, 1, 1)
+        root = torch.sqrt((pred - target) ** 2 + c**2) - c
+        loss = 2 * c * root if cfg["loss_type"] == "huber" else 2 * root
     if "alpha_masks" in batch:  # kohya's apply_masked_loss
         mask = F.interpolate(batch["alpha_masks"].unsqueeze(1), size=loss.shape[2:], mode="area")
         loss = loss * mask
