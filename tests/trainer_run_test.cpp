@@ -222,6 +222,17 @@ class TrainRunTest : public ::testing::Test {
     return out;
   }
 
+  // loss/current of each step, as TensorBoard stored it (float32).
+  static std::vector<double> tensorboard_losses(const fs::path& out) {
+    std::vector<double> losses;
+    const nlohmann::json read = tensorboard_events(out);  // alive through the loop
+    for (const auto& scalar : read["scalars"]) {
+      if (scalar["tag"] == "loss/current") losses.push_back(scalar["value"].get<double>());
+    }
+    EXPECT_FALSE(losses.empty()) << out;
+    return losses;
+  }
+
   static fs::path dir_;
   static models::TinyCheckpoint tiny_;
   fs::path work_;
@@ -639,6 +650,8 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
   EXPECT_LT(check["unet_max_rel_diff"].get<double>(), 1e-5);
   EXPECT_LT(check["text_max_rel_diff"].get<double>(), 1e-5);
   EXPECT_GT(check["unet_change"].get<double>(), 1e-4);
+  // The web UIs' hash, as kohya computes it from the same tensors and ss_* metadata.
+  EXPECT_EQ(check["kohya_sshs_model_hash"].get<std::string>(), meta.at("sshs_model_hash"));
   EXPECT_GT(check["text_change"].get<double>(), 1e-4);
 }
 
@@ -762,7 +775,8 @@ TEST_F(TrainRunTest, EpochsEndOnStepsUnderAccumulationAndKeepTheLastEpochSaves) 
   for (const auto& scalar : read["scalars"]) {
     steps[scalar["tag"].get<std::string>()].push_back(scalar["step"].get<int64_t>());
   }
-  for (const char* tag : {"loss/current", "loss/average", "lr/unet", "lr/textencoder"}) {
+  for (const char* tag : {"loss/current", "loss/average", "lr/unet", "lr/textencoder",
+                          "time/s_per_it", "time/data_wait_ms", "memory/peak_bytes"}) {
     EXPECT_EQ(steps[tag].size(), static_cast<size_t>(5 * steps_per_epoch)) << tag;
   }
   EXPECT_EQ(steps["loss/epoch"], (std::vector<int64_t>{1, 2, 3, 4, 5}));
@@ -946,6 +960,19 @@ TEST_F(TrainRunTest, ValidationRunsEveryEpochAndOnTheFirstItemsAsKohya) {
               std::string::npos)
         << every;
   }
+  // --validate_every_n_steps: at every Nth step, as kohya. (Step 0 and the last step are the
+  // run's start and end, which validate anyway.)
+  const std::string stepwise = logged("steps", {"--max_train_steps=5", "--validate_every_n_steps=2"});
+  for (const char* step : {"2", "4"}) {
+    EXPECT_NE(stepwise.find(std::string("validation loss at step ") + step + ":"),
+              std::string::npos)
+        << stepwise;
+  }
+  for (const char* step : {"1", "3"}) {
+    EXPECT_EQ(stepwise.find(std::string("validation loss at step ") + step + ":"),
+              std::string::npos)
+        << stepwise;
+  }
   const std::string second = logged("second", {"--max_train_epochs=3", "--validate_every_n_epochs=2"});
   EXPECT_EQ(second.find("validation loss at the end of epoch 1:"), std::string::npos) << second;
   EXPECT_NE(second.find("validation loss at the end of epoch 2:"), std::string::npos) << second;
@@ -961,6 +988,35 @@ TEST_F(TrainRunTest, ValidationRunsEveryEpochAndOnTheFirstItemsAsKohya) {
   ASSERT_GT(start(every), 0) << every;
   ASSERT_GT(start(first), 0) << first;
   EXPECT_NE(start(first), start(every)) << "one batch of held-out images of two weighs differently";
+}
+
+// kohya's --prior_loss_weight weighs the loss of regularization images: at 0, a step on a reg
+// image (batches of 1) has loss 0 and a step on a training image does not; at 1 none is 0. Two
+// training images and two reg images (kohya balances reg images to the training count) make an
+// epoch of four steps, two of them on reg images. The file records the weight as kohya does.
+TEST_F(TrainRunTest, PriorLossWeightWeighsRegularizationImages) {
+  const fs::path cache = work_ / "cache";
+  add_manifest(cache, "reg", [](wire::Manifest& m) {
+    keep_images(m, 4);
+    m.mutable_entries(2)->set_is_reg(true);
+    m.mutable_entries(3)->set_is_reg(true);
+  });
+  auto zero_losses = [&](const std::string& tag, const std::string& weight) {
+    fs::create_directories(work_ / tag);
+    std::vector<std::string> a = args(work_ / tag, {"--max_train_steps=4", "--train_batch_size=1",
+                                                    "--prior_loss_weight=" + weight});
+    a[2] = "--cache_dir=" + cache.string();
+    a[3] = "--dataset_id=reg";
+    EXPECT_EQ(wait_exit(spawn(a, work_ / tag / "out", work_ / tag / "err")), 0)
+        << read_text(work_ / tag / "err");
+    const std::vector<double> losses = tensorboard_losses(work_ / tag);
+    EXPECT_EQ(losses.size(), 4u) << tag;
+    return std::count(losses.begin(), losses.end(), 0.0);
+  };
+  EXPECT_EQ(zero_losses("zero", "0"), 2);
+  EXPECT_EQ(zero_losses("one", "1"), 0);
+  const auto meta = models::SafetensorsFile::open(work_ / "zero" / "lora" / "tiny.safetensors").metadata();
+  EXPECT_EQ(meta.at("ss_prior_loss_weight"), "0.0");
 }
 
 // kohya's --save_n_epoch_ratio=N saves every max(1, floor(epochs / N)) epochs: three images at
@@ -1552,11 +1608,13 @@ TEST_F(TrainRunTest, VaeTheCacheWasMadeWithIsGivenWithVae) {
       << refused.err;
 }
 
+// The pre-flight reads every record the manifest names before any compute: a missing one and a
+// corrupt one are each named, with the reason.
 TEST_F(TrainRunTest, MissingRecordsAreListedBeforeTraining) {
-  // A copy of the cache with one latent removed.
+  // A copy of the cache with one latent removed and another overwritten with garbage.
   const fs::path cache = work_ / "cache";
   fs::copy(dir_ / "cache", cache, fs::copy_options::recursive);
-  std::string removed;
+  std::string removed, corrupted;
   {
     cacher::StoreOptions o;
     o.dir = cache;
@@ -1565,6 +1623,9 @@ TEST_F(TrainRunTest, MissingRecordsAreListedBeforeTraining) {
     ASSERT_TRUE(manifest.ParseFromString(*store.get(cacher::Table::kManifests, kDataset)));
     removed = manifest.entries(3).latent_key();
     ASSERT_EQ(store.erase(cacher::Table::kLatents, {removed}), 1u);
+    corrupted = manifest.entries(5).latent_key();
+    ASSERT_NE(corrupted, removed);
+    store.put(cacher::Table::kLatents, {{corrupted, "this is not a protobuf"}});
   }
   std::vector<std::string> a = args(work_ / "out", {"--max_train_steps=1"});
   a[2] = "--cache_dir=" + cache.string();
@@ -1573,6 +1634,7 @@ TEST_F(TrainRunTest, MissingRecordsAreListedBeforeTraining) {
   EXPECT_EQ(wait_exit(pid), 2);
   const std::string err = read_text(work_ / "out" / "e");
   EXPECT_NE(err.find(removed + ": missing"), std::string::npos) << err;
+  EXPECT_NE(err.find(corrupted + ": not a LatentRecord"), std::string::npos) << err;
   EXPECT_FALSE(fs::exists(work_ / "out" / "lora" / "tiny.safetensors"));
 }
 
@@ -1635,8 +1697,8 @@ TEST_F(TrainRunTest, ReannouncesTheNewestCheckpointForLateSamplers) {
   EXPECT_EQ(heard[40], 1) << "the final save ends the run";
 }
 
-// Progress and checkpoint events over a real PUB socket: every step's TrainProgress and a
-// CheckpointReady per save whose sha256 is the file's.
+// Progress and checkpoint events over a real PUB socket: every step's TrainProgress with each of
+// its fields, and a CheckpointReady per save whose sha256 is the file's.
 TEST_F(TrainRunTest, PublishesProgressAndCheckpoints) {
   const std::string endpoint = "ipc://" + (work_ / "events.sock").string();
   zmq::context_t context;
@@ -1653,9 +1715,22 @@ TEST_F(TrainRunTest, PublishesProgressAndCheckpoints) {
     const wire::Received r = wire::receive(sub, std::chrono::milliseconds(100));
     if (const auto* p = r.as<wire::TrainProgress>()) {
       steps.insert(p->step());
+      EXPECT_FALSE(p->run_id().empty());
       EXPECT_EQ(p->total_steps(), 30u);
+      EXPECT_GE(p->epoch(), 1u);
       EXPECT_TRUE(std::isfinite(p->loss()));
+      EXPECT_TRUE(std::isfinite(p->average_loss()) && p->average_loss() > 0);
+      EXPECT_DOUBLE_EQ(p->learning_rate(), 1e-3);  // the suite's --learning_rate, constant
       EXPECT_GT(p->seconds_per_step(), 0);
+      // The demo set in batches of 1: a sample per step.
+      EXPECT_NEAR(p->samples_per_second(), 1 / p->seconds_per_step(),
+                  1e-9 * p->samples_per_second());
+      EXPECT_GE(p->data_wait_ms(), 0);
+      EXPECT_GT(p->peak_memory_bytes(), 0u);
+      // The steps left at the step's pace: none after the last.
+      EXPECT_NEAR(p->eta_seconds(), static_cast<double>(30 - p->step()) * p->seconds_per_step(),
+                  1e-9 * (1 + p->eta_seconds()));
+      EXPECT_EQ(p->skipped_steps(), 0u);
     }
     if (const auto* c = r.as<wire::CheckpointReady>()) {
       checkpoints.push_back(*c);
@@ -1949,6 +2024,10 @@ TEST_F(TrainRunTest, MixedPrecisionLearnsLikeFp32) {
       EXPECT_NEAR(b[i], a[i], tolerance * a[i]) << tag << " step " << i + 1;
     }
     std::printf("[precision] %s: losses within %.3g of fp32's\n", tag.c_str(), worst);
+    // And the flag took effect: TensorBoard's float32 losses (the log rounds to 4 decimals,
+    // which fp16's differences stay under) are not fp32's.
+    EXPECT_NE(tensorboard_losses(work_ / tag), tensorboard_losses(work_ / "fp32"))
+        << tag << " trained exactly as fp32 did";
     if (fp8) {
       EXPECT_NE(r.err.find("the U-Net's"), std::string::npos) << r.err;
     }

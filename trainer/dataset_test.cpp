@@ -95,6 +95,18 @@ TEST(TrainBatches, EachBatchIsOneBucketAndEveryEpochIsReshuffled) {
   for (int i = 0; i < 8; ++i) EXPECT_EQ(counts.at(i), i < 5 ? 1 : 2) << "entry " << i;
   EXPECT_EQ(order(s.epoch(1)), order(epoch1)) << "an epoch is a function of (seed, epoch)";
   EXPECT_NE(order(s.epoch(2)), order(epoch1)) << "reshuffled every epoch";
+  // ...and not only the batches' order: each bucket's images are shuffled before they are cut
+  // into batches (kohya shuffles both), so the batches themselves are new.
+  auto compositions = [](const std::vector<PlannedBatch>& batches) {
+    std::set<std::vector<int>> out;
+    for (const PlannedBatch& b : batches) {
+      std::vector<int> entries(b.entries.begin(), b.entries.end());
+      std::sort(entries.begin(), entries.end());
+      out.insert(entries);
+    }
+    return out;
+  };
+  EXPECT_NE(compositions(s.epoch(2)), compositions(epoch1)) << "only the batches' order changed";
   EXPECT_NE(order(BatchScheduler(m, 2, 8, false).epoch(1)), order(epoch1)) << "and by the seed";
 }
 

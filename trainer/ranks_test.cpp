@@ -39,7 +39,9 @@ TEST(TrainRanksDevice, EachRankTakesItsLocalGpu) {
   if (gpus == 0) GTEST_SKIP() << "lorapipe-skip: needs a CUDA device (tests/gpu/run.sh runs it)";
   RankEnvironment env = second_of_two();
   // LOCAL_RANK picks the GPU where there is one for it; an explicit index wins.
-  if (gpus > 1) EXPECT_EQ(rank_device("auto", env), c10::Device(c10::kCUDA, 1));
+  if (gpus > 1) {
+    EXPECT_EQ(rank_device("auto", env), c10::Device(c10::kCUDA, 1));
+  }
   env.local_rank = 0;
   EXPECT_EQ(rank_device("auto", env), c10::Device(c10::kCUDA, 0));
   EXPECT_EQ(rank_device("cuda", env), c10::Device(c10::kCUDA, 0));

@@ -24,11 +24,15 @@ drops, mis-maps or mis-scales nothing:
     unexpected, unused or missing keys are kept.
 RESULT.json: file_modules, adapted_modules (modules holding the adapter), leftover_keys,
 load_warnings, {unet,text}_max_rel_diff = max|lora - merged| / max|merged| and
-{unet,text}_change = max|lora - base| / max|base| (0 for a part the file has no modules for).
+{unet,text}_change = max|lora - base| / max|base| (0 for a part the file has no modules for), and
+kohya_sshs_model_hash: the web UIs' hash as kohya computes it before saving
+(train_util.precalculate_safetensors_hashes: the file's tensors and its ss_* metadata serialised by
+safetensors, sha256 of everything after the header).
 Exits non-zero with a message if the file is malformed or load_lora_weights raises.
 """
 import argparse
 import copy
+import hashlib
 import json
 import logging
 import re
@@ -38,7 +42,8 @@ import warnings
 import torch
 from diffusers import PNDMScheduler, StableDiffusionPipeline
 from peft.tuners.tuners_utils import BaseTunerLayer
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save
 
 ADAPTER = "lorapipe_check"
 PARTS = ("lora_down.weight", "lora_up.weight", "alpha")
@@ -94,6 +99,14 @@ class Records(logging.Handler):
 
     def emit(self, record):
         self.messages.append(f"{record.name}: {record.getMessage()}")
+
+
+def kohya_model_hash(path):
+    with safe_open(path, framework="pt") as f:
+        metadata = {k: v for k, v in (f.metadata() or {}).items() if k.startswith("ss_")}
+    serialised = save(load_file(path), metadata)
+    header = int.from_bytes(serialised[:8], "little")
+    return hashlib.sha256(serialised[8 + header:]).hexdigest()
 
 
 def main():
@@ -159,6 +172,7 @@ def main():
         "load_warnings": [m for m in messages if KEY_PROBLEM.search(m)],
         "unet_max_rel_diff": rel(lora_unet, merged_unet), "text_max_rel_diff": rel(lora_text, merged_text),
         "unet_change": rel(lora_unet, base_unet), "text_change": rel(lora_text, base_text),
+        "kohya_sshs_model_hash": kohya_model_hash(args.lora),
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
