@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
+#include <sstream>
 #include <thread>
 #include <tuple>
 
@@ -940,8 +941,9 @@ TEST_F(TrainRunTest, ValidationLossIsWeighedAsTheTrainingLoss) {
 }
 
 // kohya validates at the end of every epoch (every N with --validate_every_n_epochs; the last
-// epoch's is the run's final validation) and --max_validation_steps takes the first N batches'
-// worth of held-out images alone, which changes the loss the start reports.
+// epoch's is the run's final validation) and every --validate_every_n_steps;
+// --max_validation_steps takes the first N batches' worth of held-out images alone, which changes
+// the loss the start reports; the validation noise is drawn as training's (noise offset too).
 TEST_F(TrainRunTest, ValidationRunsEveryEpochAndOnTheFirstItemsAsKohya) {
   // Most images held out keeps the epochs short; two batches of held-out images keep validation
   // cheap.
@@ -988,6 +990,11 @@ TEST_F(TrainRunTest, ValidationRunsEveryEpochAndOnTheFirstItemsAsKohya) {
   ASSERT_GT(start(every), 0) << every;
   ASSERT_GT(start(first), 0) << first;
   EXPECT_NE(start(first), start(every)) << "one batch of held-out images of two weighs differently";
+  // kohya validates through its training's noise: --noise_offset moves the validation loss.
+  const std::string offset =
+      logged("offset", {"--max_train_steps=1", "--max_validation_steps=1", "--noise_offset=0.5"});
+  ASSERT_GT(start(offset), 0) << offset;
+  EXPECT_NE(start(offset), start(first)) << "--noise_offset left the validation noise alone";
 }
 
 // kohya's --prior_loss_weight weighs the loss of regularization images: at 0, a step on a reg
@@ -1664,8 +1671,68 @@ TEST_F(TrainRunTest, NonFiniteLossesStopWithASavedState) {
   const TrainRun r = run(work_, {"--max_train_steps=20", "--learning_rate=1e30",
                                  "--max_grad_norm=0", "--max_bad_steps=3"});
   EXPECT_EQ(r.exit, 2);
-  EXPECT_NE(r.err.find("non-finite"), std::string::npos) << r.err;
-  EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-state" / "trainer.json")) << r.err;
+  EXPECT_NE(r.err.find("3 steps in a row had a non-finite loss or gradient"), std::string::npos)
+      << r.err;
+  // The first bad step N (the first step is finite: the LoRA starts with up = 0), then N+1 and
+  // N+2 in a row; the state saved there counts the three skipped steps.
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.err, m, std::regex(R"(step (\d+): \w+ (is|are) not finite, skipped \(1 in a row\))")))
+      << r.err;
+  const int first_bad = std::stoi(m[1]);
+  EXPECT_NE(r.err.find("step " + std::to_string(first_bad + 2) + ": "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("skipped (3 in a row)"), std::string::npos) << r.err;
+  const fs::path state = work_ / "state" / "tiny-state" / "trainer.json";
+  ASSERT_TRUE(fs::exists(state)) << r.err;
+  const auto saved = nlohmann::json::parse(read_text(state));
+  EXPECT_EQ(saved["skipped_steps"], 3);
+  EXPECT_EQ(saved["global_step"], first_bad + 2);
+}
+
+// A single-file checkpoint is named and hashed in the metadata as kohya's train_network does it:
+// ss_sd_model_name its file name, ss_sd_model_hash train_util.model_hash (the first 8 hex of the
+// sha256 of the 64 KiB at 1 MiB), ss_new_sd_model_hash the whole file's sha256; hashlib computes
+// both here from the file.
+TEST_F(TrainRunTest, SingleFileModelIsNamedAndHashedAsKohya) {
+  std::vector<std::string> a =
+      args(work_, {"--max_train_steps=1", "--tokenizer=" + tiny_.tokenizer.string()});
+  a[1] = "--pretrained_model_name_or_path=" + tiny_.single_file.string();
+  ASSERT_EQ(wait_exit(spawn(a, work_ / "out", work_ / "err")), 0) << read_text(work_ / "err");
+  const auto meta = models::SafetensorsFile::open(work_ / "lora" / "tiny.safetensors").metadata();
+  const char* python = std::getenv("LORAPIPE_PYTHON");
+  ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
+  const std::string command =
+      std::string(python) +
+      " -c \"import hashlib, sys; d = open(sys.argv[1], 'rb').read(); "
+      "print(hashlib.sha256(d[0x100000:0x110000]).hexdigest()[:8], hashlib.sha256(d).hexdigest())\" " +
+      tiny_.single_file.string() + " > " + (work_ / "hashes").string();
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+  std::istringstream hashes(read_text(work_ / "hashes"));
+  std::string legacy, full;
+  hashes >> legacy >> full;
+  EXPECT_EQ(meta.at("ss_sd_model_name"), tiny_.single_file.filename().string());
+  EXPECT_EQ(meta.at("ss_sd_model_hash"), legacy);
+  EXPECT_EQ(meta.at("ss_new_sd_model_hash"), full);
+}
+
+// On a terminal the trainer draws one live progress line, rewritten in place (\r, then cleared to
+// the line's end) with step/total, loss, s/it and ETA, and ends it at the last step; off a
+// terminal (every other test here) it logs plain lines. The terminal is a real pty: util-linux's
+// script(1) runs the trainer on one.
+TEST_F(TrainRunTest, ATerminalGetsOneLiveProgressLine) {
+  std::string command;
+  for (const std::string& a : args(work_, {"--max_train_steps=3"})) command += "'" + a + "' ";
+  const pid_t pid =
+      spawn({"/usr/bin/script", "-qfec", command, "/dev/null"}, work_ / "tty", work_ / "tty.err");
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "tty") << read_text(work_ / "tty.err");
+  const std::string tty = read_text(work_ / "tty");
+  for (int step = 1; step <= 3; ++step) {
+    const std::regex line("\rstep " + std::to_string(step) +
+                          R"(/3  loss [0-9.]+  avg [0-9.]+  [0-9.]+ s/it  ETA [0-9]+ s\x1b\[K)");
+    EXPECT_TRUE(std::regex_search(tty, line)) << "step " << step << " in: " << tty;
+  }
+  EXPECT_TRUE(std::regex_search(tty, std::regex(R"(step 3/3 [^\r\n]*ETA 0 s\x1b\[K\r?\n)")))
+      << "the last step's line is not ended: " << tty;
+  EXPECT_EQ(tty.find("] step 1/3"), std::string::npos) << "a plain log line on a terminal";
 }
 
 // A sampler that (re)starts mid-run hears of the newest checkpoint without waiting for the next

@@ -129,6 +129,18 @@ at::Tensor draw_noise(const at::Tensor& latents, const NoiseOptions& options,
   return noise.to(latents.device(), latents.scalar_type());
 }
 
+at::Tensor draw_input_noise(const at::Tensor& noise, const NoiseOptions& options,
+                            at::Generator generator) {
+  if (options.ip_noise_gamma <= 0) return {};
+  const auto cpu = torch::TensorOptions().dtype(torch::kFloat32);
+  double strength = options.ip_noise_gamma;
+  if (options.ip_noise_gamma_random_strength) {
+    strength = at::rand({1}, generator, cpu).item<double>() * options.ip_noise_gamma;
+  }
+  return noise + strength * at::randn(noise.sizes(), generator, cpu).to(noise.device(),
+                                                                         noise.scalar_type());
+}
+
 int64_t pyramid_level_size(int64_t full, double r, int level) {
   return std::max<int64_t>(1, static_cast<int64_t>(static_cast<double>(full) / std::pow(r, level)));
 }

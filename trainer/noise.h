@@ -88,6 +88,13 @@ int64_t pyramid_level_size(int64_t full, double r, int level);
 at::Tensor draw_timesteps(int64_t batch, const NoiseOptions& options, at::Generator generator,
                           const at::Device& device);
 
+// kohya's input perturbation (--ip_noise_gamma): the noise the latents are noised with,
+// `noise` + strength x randn (strength rand(1) x gamma with random strength), drawn from
+// `generator` after the noise and the timesteps, as kohya draws it; the target keeps `noise`.
+// Undefined when ip_noise_gamma is 0.
+at::Tensor draw_input_noise(const at::Tensor& noise, const NoiseOptions& options,
+                            at::Generator generator);
+
 // kohya apply_noise_offset with a given offset draw `offset_noise` [B, C, 1, 1].
 at::Tensor apply_noise_offset(const at::Tensor& noise, const at::Tensor& latents,
                               const at::Tensor& offset_noise, double noise_offset,

@@ -176,19 +176,10 @@ double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generat
   // kohya's input perturbation (ip_noise_gamma): the latents are noised with extra noise that the
   // target does not carry; drawn after the timesteps, as kohya draws it.
   at::Tensor input_noise;
-  if (options_.noise.ip_noise_gamma > 0) {
-    double strength = options_.noise.ip_noise_gamma;
-    at::Tensor perturbation;
-    if (batch.ip_noise.defined()) {
-      perturbation = batch.ip_noise.to(device, torch::kFloat32);
-    } else {
-      const auto cpu = torch::TensorOptions().dtype(torch::kFloat32);
-      if (options_.noise.ip_noise_gamma_random_strength) {
-        strength = at::rand({1}, generator, cpu).item<double>() * options_.noise.ip_noise_gamma;
-      }
-      perturbation = at::randn(latents.sizes(), generator, cpu).to(device);
-    }
-    input_noise = noise + strength * perturbation;
+  if (options_.noise.ip_noise_gamma > 0 && batch.ip_noise.defined()) {  // a given draw
+    input_noise = noise + options_.noise.ip_noise_gamma * batch.ip_noise.to(device, torch::kFloat32);
+  } else {
+    input_noise = draw_input_noise(noise, options_.noise, generator);
   }
 
   if (batch.rows == 0) {  // a short last batch left this rank no rows: it adds nothing

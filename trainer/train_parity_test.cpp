@@ -397,6 +397,41 @@ TEST(TrainNoise, PyramidLevelsAreSizedFromTheFullSide) {
   EXPECT_EQ(pyramid_level_size(96, 2.5, 2), 15);  // int(96 / 6.25) = int(15.36)
 }
 
+// kohya's draws for one micro-batch (get_noise_noisy_latents_and_timesteps), in its order, from one
+// generator: randn_like(latents); with --noise_offset_random_strength the strength rand(1) x
+// offset, then the offset's randn(B, C, 1, 1), grown by --adaptive_noise_scale x |channel mean|
+// and clamped at 0 (apply_noise_offset); after the timesteps, --ip_noise_gamma's strength
+// (rand(1) x gamma with random strength) and its randn_like. Rebuilt here from a generator of
+// the same seed; 1e-6 absolute is fp32 rounding of the same sums.
+TEST(TrainNoise, RandomStrengthsAndAdaptiveOffsetAreDrawnInKohyasOrder) {
+  torch::manual_seed(2);
+  const at::Tensor latents = torch::randn({2, 4, 8, 8}) + 0.3;
+  NoiseOptions o;
+  o.noise_offset = 0.1;
+  o.noise_offset_random_strength = true;
+  o.adaptive_noise_scale = 0.05;
+  o.ip_noise_gamma = 0.2;
+  o.ip_noise_gamma_random_strength = true;
+  at::Generator drawn = at::make_generator<at::CPUGeneratorImpl>(11);
+  const at::Tensor noise = draw_noise(latents, o, drawn);
+  const at::Tensor input_noise = draw_input_noise(noise, o, drawn);
+
+  at::Generator g = at::make_generator<at::CPUGeneratorImpl>(11);
+  const at::Tensor base = at::randn({2, 4, 8, 8}, g);
+  const double strength = at::rand({1}, g).item<double>() * 0.1;
+  const at::Tensor offset_noise = at::randn({2, 4, 1, 1}, g);
+  const at::Tensor offset = (strength + 0.05 * latents.mean({2, 3}, true).abs()).clamp_min(0);
+  const at::Tensor expected = base + offset * offset_noise;
+  EXPECT_TRUE(torch::allclose(noise, expected, 0, 1e-6))
+      << (noise - expected).abs().max().item<double>();
+  const double ip_strength = at::rand({1}, g).item<double>() * 0.2;
+  const at::Tensor expected_input = expected + ip_strength * at::randn({2, 4, 8, 8}, g);
+  EXPECT_TRUE(torch::allclose(input_noise, expected_input, 0, 1e-6))
+      << (input_noise - expected_input).abs().max().item<double>();
+  o.ip_noise_gamma = 0;
+  EXPECT_FALSE(draw_input_noise(noise, o, drawn).defined()) << "no perturbation without a gamma";
+}
+
 // --min_timestep / --max_timestep: kohya's torch.randint(min, max), so min is drawn and max is
 // not. 20000 draws over 200 values miss one end with probability (199/200)^20000, about e^-100.
 TEST(TrainNoise, TimestepsAreDrawnFromMinToMaxExclusive) {

@@ -872,13 +872,16 @@ double Run::validation_loss() {
     const models::Conditioning conditioning = step_->conditioning(batch);
     for (int64_t t : validation_timesteps(o_.step.noise)) {
       at::Generator g = generator_for(o_.validation_seed, static_cast<int64_t>(i), t, "val-noise");
-      const torch::Tensor latents = batch.latents.to(device_);
-      const torch::Tensor noise = at::randn(latents.sizes(), g, torch::kFloat).to(device_);
+      const torch::Tensor latents = batch.latents.to(device_, torch::kFloat);
+      // kohya validates through its training's process_batch: the noise is drawn as in training
+      // (--noise_offset, multires noise and --ip_noise_gamma act), from the fixed generator.
+      const torch::Tensor noise = draw_noise(latents, o_.step.noise, g);
       const torch::Tensor timesteps = torch::full({latents.size(0)}, t, torch::kInt64).to(device_);
+      const torch::Tensor input_noise = draw_input_noise(noise, o_.step.noise, g);
       // kohya's process_batch weighs the validation loss as the training loss: the samples'
       // loss weights, then the SNR weightings.
       torch::Tensor loss =
-          step_->per_sample_loss(latents, noise, timesteps, conditioning, {}, batch.masks);
+          step_->per_sample_loss(latents, noise, timesteps, conditioning, input_noise, batch.masks);
       if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device_, torch::kFloat);
       sum += step_->weighted_by_snr(loss, timesteps).mean().item<double>();
       ++n;
