@@ -300,7 +300,8 @@ TEST_F(PreprocessJpeg, FastPathSelfTestAndSwitch) {
   EXPECT_EQ(jpeg_fast_path_decodes(), before + 1) << "the fast path ran with the switch off";
   set_jpeg_fast_path(true);
   EXPECT_TRUE(jpeg_fast_path_enabled());
-  EXPECT_EQ(fast.size(), general.size());
+  ASSERT_EQ(fast.size(), general.size());
+  EXPECT_TRUE(fast == general) << "the switch changed the pixels";
 }
 
 }  // namespace
