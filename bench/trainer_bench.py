@@ -27,7 +27,9 @@ load's own peak, printed beside it, is left out. --checkpointing-memory runs lor
 without gradient checkpointing side by side the same way and prints the cut in the steps' peak
 RSS and in peak tensor memory (every CPU tensor's storage counted as it is allocated and freed:
 torch.cuda.max_memory_allocated's counterpart, the weights included, the heap's slack not).
---batch sets the batch size.
+Then it runs diffusers + peft with and without its own gradient checkpointing
+(enable_gradient_checkpointing) the same way and prints that cut in peak RSS too: how far the
+reference gets on the same step is the yardstick for ours. --batch sets the batch size.
 
 Both sides use every core by default (--threads). On a machine that other processes keep busy,
 OpenMP's spinning barriers make single steps many times slower, on both sides: read the range.
@@ -271,6 +273,24 @@ def checkpointing_memory(args, binary, threads):
           f"MiB ({100 * (1 - (checkpointed.tensor_peak - checkpointed.tensor_base) / (plain.tensor_peak - base)):.1f}% cut); "
           f"with nothing kept at all the cut could reach "
           f"{100 * (1 - base / plain.tensor_peak):.1f}%")
+    # The reference's own checkpointing on the same step, after ours: two sides at a time, so
+    # the machine holds no more than two copies of the weights at once.
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare(tmp, binary, args.size, args.batch)
+        ref_plain = Side("diffusers+peft", [sys.executable, "-W", QUIET, "-c", REFERENCE, tmp, "0",
+                                            str(threads)])
+        ref_checkpointed = Side("diffusers+peft+checkpointing",
+                                [sys.executable, "-W", QUIET, "-c", REFERENCE, tmp, "1",
+                                 str(threads)])
+    ref_ratios = interleave(ref_checkpointed, ref_plain, args.rounds, args.size)
+    ref_plain_rss, ref_checkpointed_rss = ref_plain.finish(), ref_checkpointed.finish()
+    print(f"{args.size}: {side_summary(ref_plain, ref_plain_rss)}; "
+          f"{side_summary(ref_checkpointed, ref_checkpointed_rss)}")
+    print(f"{label}: diffusers' gradient checkpointing cuts its peak RSS by "
+          f"{100 * (1 - ref_checkpointed_rss / ref_plain_rss):.1f}% ({ref_plain_rss:.0f} -> "
+          f"{ref_checkpointed_rss:.0f} MiB), step time x{statistics.median(ref_ratios):.2f} "
+          f"[{min(ref_ratios):.2f}-{max(ref_ratios):.2f}]; checkpointed, lorapipe's peak RSS is "
+          f"{checkpointed_rss / ref_checkpointed_rss:.2f}x the reference's")
 
 
 def main() -> None:
@@ -280,7 +300,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="counted rounds (tiny 20, full 3)")
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--checkpointing-memory", action="store_true",
-                        help="lorapipe's peak RSS with and without gradient checkpointing")
+                        help="peak RSS with and without gradient checkpointing, lorapipe's then diffusers'")
     parser.add_argument("--batch", type=int, help="batch size (tiny 2, full 1)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--profile", metavar="DIR")
