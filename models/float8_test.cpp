@@ -177,7 +177,9 @@ TEST(ModelsLora, DropoutsAndMultiplierActAsKohyas) {
   layer->lora = adapter;
   at::Tensor x = torch::zeros({kBatch, kTokens, 2});
   x.select(2, 0).fill_(1);
-  auto fraction_zero = [](const at::Tensor& t) { return t.eq(0).to(torch::kDouble).mean().item<double>(); };
+  auto fraction_zero = [](const at::Tensor& t) {
+    return t.eq(0).to(torch::kDouble).mean().item<double>();
+  };
   auto only = [](const at::Tensor& t, double a, double b) {
     return (t.eq(a) | t.eq(b)).all().item<bool>();
   };

@@ -23,7 +23,8 @@ struct SpawnOptions {
   // The child leads its own process group, so a signal to the group (Process::signal) reaches
   // what it starts too, and a Ctrl-C at our terminal reaches only us.
   bool own_process_group = false;
-  // The child gets SIGTERM when this process dies, however it dies (PR_SET_PDEATHSIG).
+  // The child gets SIGTERM when the thread that started it ends, however it ends: with a
+  // process's main thread, when the process dies (PR_SET_PDEATHSIG).
   bool die_with_parent = false;
   // Set in the child's environment on top of ours (name, value).
   std::vector<std::pair<std::string, std::string>> environment;
@@ -37,9 +38,11 @@ struct SpawnOptions {
 // a failed exec back through a close-on-exec pipe before this returns.
 pid_t spawn(const SpawnOptions& options);
 
-// The tests' case: argv with stdout and stderr to the given files, the child dying with this
-// process (die_with_parent), so a test binary that fails or crashes half-way leaves no stage
-// running behind it.
+// The tests' case: argv with stdout and stderr to the given files, and die_with_parent: when the
+// calling thread's process ends, however it ends, the child gets SIGTERM (a stage then stops as
+// it stops for a kill), so a test binary that fails or crashes half-way leaves no stage running
+// behind it. PR_SET_PDEATHSIG follows the thread that forked: call it from a thread that
+// outlives the child (a test's own).
 pid_t spawn(const std::vector<std::string>& argv, const std::filesystem::path& stdout_path,
             const std::filesystem::path& stderr_path);
 

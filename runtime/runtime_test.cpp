@@ -125,8 +125,12 @@ TEST_F(LauncherRuntime, AStageStartedByATestEndsWhenTheTestProcessDies) {
   const pid_t test_process = fork();
   ASSERT_GE(test_process, 0);
   if (test_process == 0) {  // stands for a test binary that crashes after starting a stage
-    const pid_t stage = spawn({"/bin/sleep", "60"}, dir_ / "out", dir_ / "err");
-    std::ofstream(pid_file) << stage << "\n";
+    try {
+      const pid_t stage = spawn({"/bin/sleep", "60"}, dir_ / "out", dir_ / "err");
+      std::ofstream(pid_file) << stage << "\n";
+    } catch (...) {
+      _exit(2);  // never back into gtest in the child
+    }
     _exit(1);
   }
   ASSERT_EQ(wait_exit(test_process), 1);

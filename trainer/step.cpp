@@ -177,7 +177,8 @@ double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generat
   // target does not carry; drawn after the timesteps, as kohya draws it.
   at::Tensor input_noise;
   if (options_.noise.ip_noise_gamma > 0 && batch.ip_noise.defined()) {  // a given draw
-    input_noise = noise + options_.noise.ip_noise_gamma * batch.ip_noise.to(device, torch::kFloat32);
+    input_noise =
+        noise + options_.noise.ip_noise_gamma * batch.ip_noise.to(device, torch::kFloat32);
   } else {
     input_noise = draw_input_noise(noise, options_.noise, generator);
   }
