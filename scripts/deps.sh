@@ -19,8 +19,9 @@ LORAPIPE_APT_PACKAGES=(
   nlohmann-json3-dev libxxhash-dev libtomlplusplus-dev libicu-dev zlib1g-dev libssl-dev
   libgloo-dev iproute2
 )
-# Only the tests need these: the sampler gallery test opens the page in headless Chromium.
-LORAPIPE_TEST_APT_PACKAGES=(chromium)
+# Only the tests need these: the sampler gallery test opens the page in headless Chromium; the
+# trainer's save test traces its file calls with strace.
+LORAPIPE_TEST_APT_PACKAGES=(chromium strace)
 
 _lp_log() { printf '[lorapipe] %s\n' "$*" >&2; }
 

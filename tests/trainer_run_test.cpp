@@ -1695,6 +1695,70 @@ TEST_F(TrainRunTest, NonFiniteLossesStopWithASavedState) {
   EXPECT_EQ(saved["global_step"], last);
 }
 
+// Every save (LoRA files, state folders) is written under a temporary name and renamed into
+// place, so a crash or a kill at any instant leaves the old save or the new one whole, never a
+// partial file under a final name. strace(1) records every open and rename of a run with step
+// saves, state saves and pruning: no path under lora/ or state/ is opened for writing unless one
+// of its components is a temporary name ('.NAME.tmp...'), and every save left there arrived by
+// a rename.
+TEST_F(TrainRunTest, SavesAppearUnderTheirNamesOnlyByRename) {
+  std::vector<std::string> a = args(work_, {"--max_train_steps=6", "--save_every_n_steps=2",
+                                            "--save_last_n_steps=2", "--save_state"});
+  const fs::path trace = work_ / "trace";
+  a.insert(a.begin(), {"/usr/bin/strace", "-f", "-qq", "-o", trace.string(), "-e",
+                       "trace=open,openat,creat,rename,renameat,renameat2"});
+  ASSERT_EQ(wait_exit(spawn(a, work_ / "out", work_ / "err")), 0) << read_text(work_ / "err");
+  const std::string lora = (work_ / "lora").string() + "/";
+  const std::string state = (work_ / "state").string() + "/";
+  auto saved_here = [&](const std::string& path) {
+    return path.starts_with(lora) || path.starts_with(state);
+  };
+  auto temporary = [](const std::string& path) {
+    for (const auto& part : fs::path(path)) {
+      const std::string name = part.string();
+      if (name.starts_with(".") && name.find(".tmp") != std::string::npos) return true;
+    }
+    return false;
+  };
+  const std::regex open_call(R"re((?:open|openat)\((?:AT_FDCWD, )?"([^"]+)", ([A-Z_|]+))re");
+  const std::regex creat_call(R"re(creat\("([^"]+)")re");
+  const std::regex rename_call(
+      R"re(rename(?:at2?)?\((?:AT_FDCWD, )?"([^"]+)", (?:AT_FDCWD, )?"([^"]+)")re");
+  std::set<std::string> renamed_to;
+  int writes = 0;
+  std::istringstream lines(read_text(trace));
+  for (std::string line; std::getline(lines, line);) {
+    std::smatch m;
+    if (std::regex_search(line, m, rename_call)) {
+      renamed_to.insert(m[2]);
+      continue;
+    }
+    std::string written;
+    if (std::regex_search(line, m, open_call)) {
+      const std::string flags = m[2];
+      for (const char* mode : {"O_WRONLY", "O_RDWR", "O_CREAT"}) {
+        if (flags.find(mode) != std::string::npos) written = m[1];
+      }
+    } else if (std::regex_search(line, m, creat_call)) {
+      written = m[1];
+    }
+    if (written.empty() || !saved_here(written)) continue;
+    ++writes;
+    EXPECT_TRUE(temporary(written)) << "written under its final name: " << line;
+  }
+  EXPECT_GT(writes, 0) << "the trace saw no save being written";
+  // What the run left: step 4's LoRA file and state (step 2's pruned; step 6 is the final save)
+  // and the final ones; each arrived by a rename.
+  std::vector<std::string> left;
+  for (const fs::path& dir : {work_ / "lora", work_ / "state"}) {
+    for (const auto& entry : fs::directory_iterator(dir)) left.push_back(entry.path().string());
+  }
+  EXPECT_GE(left.size(), 4u);
+  for (const std::string& path : left) {
+    EXPECT_TRUE(renamed_to.count(path)) << path << " did not arrive by a rename";
+  }
+}
+
 // A single-file checkpoint is named and hashed in the metadata as kohya's train_network does it:
 // ss_sd_model_name its file name, ss_sd_model_hash train_util.model_hash (the first 8 hex of the
 // sha256 of the 64 KiB at 1 MiB), ss_new_sd_model_hash the whole file's sha256; hashlib computes
