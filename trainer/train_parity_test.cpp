@@ -963,5 +963,65 @@ TEST_F(TrainLora, AlphaZeroOrAMissingAlphaMeansTheRank) {
   }
 }
 
+// --mixed_precision fp16's loss scale, kept as torch's GradScaler keeps it (kohya's, through
+// accelerate): it starts at 2^16; a step whose gradients overflow is skipped, leaving the LoRA as
+// it was, and halves the scale; 2000 applied steps in a row double it. The tiny model in fp16 on
+// the CPU; the overflow is made by setting the scale to 1e38, the growth by starting the count at
+// 1999.
+class TrainMixedPrecision : public TrainParity {};
+
+TEST_F(TrainMixedPrecision, Fp16LossScaleBacksOffAndGrowsAsTorchsGradScaler) {
+  models::LoadOptions load_options;
+  load_options.tokenizer = tiny_->tokenizer;
+  load_options.dtype = torch::kHalf;
+  models::StableDiffusion model = models::load_stable_diffusion(tiny_->diffusers, load_options);
+  LoraNetwork network(model, NetworkOptions{}, at::make_generator<at::CPUGeneratorImpl>(7));
+  network.set_training(true);
+  StepOptions o;
+  o.base_dtype = torch::kHalf;
+  o.optimizer_groups.learning_rate = 1e-3;
+  o.schedule.initial_lr = 1e-3;
+  o.schedule.training_steps = 10;
+  TrainingStep step(model, network, o);
+  EXPECT_EQ(step.loss_scale(), 65536.0);
+  EXPECT_EQ(step.scale_growth_tracker(), 0);
+  const auto inputs = make_inputs(Scenario{}, model);
+  auto micro_batch = [&](int64_t i) {
+    MicroBatch b;
+    b.latents = inputs.at("latents")[i];
+    b.noise = inputs.at("noise")[i];
+    b.timesteps = inputs.at("timesteps")[i];
+    b.input_ids = inputs.at("input_ids")[i];
+    b.loss_weights = inputs.at("loss_weights")[i];
+    return b;
+  };
+  auto weights = [&] {
+    std::map<std::string, at::Tensor> out;
+    for (const auto& [name, t] : network.named_parameters()) out[name] = t.detach().clone();
+    return out;
+  };
+
+  step.set_scaler(1e38, 5);
+  const auto before = weights();
+  step.accumulate(micro_batch(0), at::make_generator<at::CPUGeneratorImpl>(0));
+  const UpdateResult overflowed = step.update();
+  EXPECT_FALSE(overflowed.applied) << "an overflowing step was applied";
+  EXPECT_EQ(step.loss_scale(), 5e37);
+  EXPECT_EQ(step.scale_growth_tracker(), 0);
+  for (const auto& [name, t] : weights()) {
+    EXPECT_TRUE(torch::equal(t, before.at(name))) << name << " moved on a skipped step";
+  }
+
+  step.set_scaler(1024, 1999);
+  step.accumulate(micro_batch(0), at::make_generator<at::CPUGeneratorImpl>(1));
+  EXPECT_TRUE(step.update().applied);
+  EXPECT_EQ(step.loss_scale(), 2048.0) << "the 2000th applied step in a row doubles the scale";
+  EXPECT_EQ(step.scale_growth_tracker(), 0);
+  step.accumulate(micro_batch(0), at::make_generator<at::CPUGeneratorImpl>(2));
+  EXPECT_TRUE(step.update().applied);
+  EXPECT_EQ(step.loss_scale(), 2048.0);
+  EXPECT_EQ(step.scale_growth_tracker(), 1);
+}
+
 }  // namespace
 }  // namespace lorapipe::trainer
