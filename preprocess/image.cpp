@@ -113,7 +113,13 @@ ImageHeader probe_image(std::string_view bytes) {
     header.height = swaps_axes(header.orientation) ? header.stored_width : header.stored_height;
     return header;
   } catch (const vips::VError& e) {
-    throw InputError("cannot read the image header: " + vips_reason(e));
+    // libvips' loaders do not all say why a header fails (a PNG cut short inside its IHDR gives
+    // an empty message): then the loader and what it means are named instead.
+    std::string why = vips_reason(e);
+    if (why.empty()) {
+      why = std::string(loader) + " gave no reason; the file ends or is damaged inside its header";
+    }
+    throw InputError("cannot read the image header: " + why);
   }
 }
 

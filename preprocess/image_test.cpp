@@ -73,6 +73,24 @@ std::map<std::string, std::string> skipped_by_name(const Report& report) {
   return out;
 }
 
+// A header libvips cannot read is skipped with a reason that says something: what libvips said,
+// or, where its loader says nothing, which loader failed and how. Never the bare prefix.
+TEST_F(PreprocessBadInput, AnUnreadableHeaderIsNamedWithLibvipsReason) {
+  const std::string signature("\x89PNG\r\n\x1a\n", 8);
+  for (const std::string& bytes :
+       {signature + std::string("\0\0\0\x0dIHDR\0\0", 10),  // cut inside IHDR
+        signature + std::string(64, 'x')}) {                     // garbage after the signature
+    try {
+      (void)probe_image(bytes);
+      ADD_FAILURE() << "a broken PNG header was read";
+    } catch (const InputError& e) {
+      const std::string what = e.what(), prefix = "cannot read the image header: ";
+      ASSERT_EQ(what.rfind(prefix, 0), 0u) << what;
+      EXPECT_GT(what.size(), prefix.size() + 10) << "no reason: '" << what << "'";
+    }
+  }
+}
+
 TEST_F(PreprocessBadInput, EveryBadFileIsNamedWithItsReasonAndGoodOnesAreUsed) {
   const Report report = run(report_options());
   const auto skipped = skipped_by_name(report);

@@ -245,8 +245,11 @@ Dispatcher::Outcome Dispatcher::poll_once(zmq::socket_t& socket, std::chrono::mi
                                    deadline - Clock::now()),
                                std::chrono::milliseconds(0));
     zmq::poll(items.data(), count, left);
-    if (count > 1 && (items[1].revents & ZMQ_POLLIN)) drain_monitor();
+    // Messages before connection events: a peer's last messages (preprocess's DatasetReport,
+    // which announces its end with peer_finished) are read before its disconnect is judged, so
+    // a peer that said goodbye and left is not taken for one that died.
     if (items[0].revents & ZMQ_POLLIN) break;
+    if (count > 1 && (items[1].revents & ZMQ_POLLIN)) drain_monitor();
     if (Clock::now() >= deadline) return Outcome::kTimeout;
   }
 
