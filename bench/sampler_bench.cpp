@@ -10,6 +10,7 @@
 //
 //   sampler_bench solo [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16] [--fp8_base]
 //       [--resolution PX] [--steps N] [--images N] [--sampler NAME] [--threads N]
+//       [--lora_rank R [--lora_application slots|merged]]
 //
 // The same render alone, without files or Python (what tests/gpu/run.sh runs on a GPU machine):
 // SD1.5's real UNet, VAE and text encoder at full size on their own random initialisation, in
@@ -17,7 +18,10 @@
 // CLIP's full vocabulary); with --fp8_base, the U-Net's and text encoder's Linear and Conv2d
 // weights stored in float8 as the sampler's --fp8_base stores them. After one warm-up render it
 // renders --images images (default 3) and prints s/image, images/s and the peak allocated memory
-// (CUDA's caching allocator on a GPU, the peak RSS on the CPU).
+// (CUDA's caching allocator on a GPU, the peak RSS on the CPU). With --lora_rank, a random LoRA
+// of that rank on every linear target is applied as the sampler applies a checkpoint's: in the
+// layers' slots (the sampler's way), or merged into the weights with copies kept to restore
+// (the way before it): the two lines side by side give what a LoRA costs in memory and time.
 
 #include <sys/resource.h>
 #include <torch/torch.h>
@@ -38,11 +42,14 @@
 
 #include <filesystem>
 #include <map>
+#include <optional>
 
 #include "common/heap.h"
 #include "models/device.h"
 #include "models/float8.h"
+#include "models/lora_merge.h"
 #include "models/pipeline.h"
+#include "models/safetensors.h"
 #include "models/tiny.h"
 #include "sampler/render.h"
 
@@ -73,6 +80,8 @@ int solo(int argc, char** argv) {
   request.steps = 20;
   int images = 3;
   bool fp8_base = false;
+  int lora_rank = 0;  // --lora_rank: render with a random LoRA of this rank on every target
+  std::string lora_application = "slots";  // the sampler's; "merged" keeps copies instead
   for (int i = 2; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--fp8_base") {
@@ -95,6 +104,10 @@ int solo(int argc, char** argv) {
       request.sampler = value;
     } else if (flag == "--threads") {
       torch::set_num_threads(std::stoi(value));
+    } else if (flag == "--lora_rank") {
+      lora_rank = std::stoi(value);
+    } else if (flag == "--lora_application") {
+      lora_application = value;
     } else {
       throw std::invalid_argument("unknown flag '" + flag + "'");
     }
@@ -130,6 +143,34 @@ int solo(int argc, char** argv) {
            model.unet.ptr().get(), model.vae.ptr().get(), model.text_encoder.ptr().get()}) {
     module->to(device);
   }
+  // A random kohya LoRA over every linear target (kohya's default targets, both models), applied
+  // as the sampler applies a checkpoint's: in the layers' slots, or merged with copies kept.
+  std::optional<m::MergedLora> lora;
+  if (lora_rank > 0) {
+    if (lora_application != "slots" && lora_application != "merged") {
+      throw std::invalid_argument("--lora_application slots or merged");
+    }
+    std::vector<torch::Tensor> keep;
+    std::vector<m::TensorToWrite> entries;
+    auto add = [&](const std::string& name, torch::Tensor t) {
+      keep.push_back(t.contiguous());
+      const torch::Tensor& k = keep.back();
+      entries.push_back({name, m::Dtype::kF32, k.sizes().vec(),
+                         std::string_view(static_cast<const char*>(k.data_ptr()), k.nbytes())});
+    };
+    for (const m::LoraTarget& t : model.lora_targets(/*text_encoder=*/true, /*conv_kxk=*/false)) {
+      const int64_t in = t.weight().numel() / t.weight().size(0);
+      add(t.name + ".lora_down.weight", torch::randn({lora_rank, in}) * 0.01);
+      add(t.name + ".lora_up.weight", torch::randn({t.weight().size(0), lora_rank}) * 0.01);
+    }
+    const std::filesystem::path file = tiny.string() + "-lora.safetensors";
+    m::write_safetensors(file, entries);
+    keep.clear();
+    lora.emplace(model, file, 1.0,
+                 lora_application == "slots" ? m::MergedLora::Application::kInSlots
+                                             : m::MergedLora::Application::kMergedRestorable);
+    std::filesystem::remove(file);
+  }
   auto synchronize = [&] {
 #ifdef LORAPIPE_BENCH_CUDA
     if (device.is_cuda()) torch::cuda::synchronize(device.index());
@@ -160,10 +201,14 @@ int solo(int argc, char** argv) {
     what = "peak allocated";
   }
 #endif
-  std::printf("sampler SD1.5 %s %s%s %dx%d, %d steps %s, CFG %.1f: %.3f s/image, %.3f images/s, "
+  const std::string with_lora =
+      lora ? " LoRA rank " + std::to_string(lora_rank) + " " + lora_application + " (" +
+                 std::to_string(lora->copied_bytes() >> 20) + " MiB of weights copied)"
+           : std::string();
+  std::printf("sampler SD1.5 %s %s%s%s %dx%d, %d steps %s, CFG %.1f: %.3f s/image, %.3f images/s, "
               "%s %.0f MiB\n",
               m::describe_device(device).c_str(), dtype_name.c_str(), fp8_base ? " fp8_base" : "",
-              request.width,
+              with_lora.c_str(), request.width,
               request.height, request.steps, request.sampler.c_str(), request.cfg_scale, seconds,
               1 / seconds, what, peak_mib);
   return 0;

@@ -21,7 +21,8 @@
 #include "common/log.h"
 #include "models/device.h"
 #include "models/fingerprint.h"
-#include "models/pipeline.h"
+#include "models/placement.h"
+#include "models/registry.h"
 #include "proto/wire.h"
 #include "runtime/stage.h"
 #include "runtime/workers.h"
@@ -33,13 +34,6 @@ namespace {
 
 constexpr std::string_view kLog = "cacher";
 using Clock = std::chrono::steady_clock;
-
-c10::ScalarType parse_dtype(const std::string& name) {
-  if (name == "fp32") return torch::kFloat;
-  if (name == "fp16") return torch::kHalf;
-  if (name == "bf16") return torch::kBFloat16;
-  throw InputError("--dtype='" + name + "' is not a dtype: use fp32, fp16 or bf16");
-}
 
 // Names a manifest by everything that decides its records, so runs over one folder with other
 // settings keep their own: each entry's keys (image content . transform . VAE fingerprint, and
@@ -68,25 +62,32 @@ class Cacher {
     store_options.wait_for_writer_s = options.wait_for_writer_s;
     store_.emplace(Store::open(store_options));
 
+    // Built on the CPU in the compute dtype, then placed: the cacher needs the VAE and the text
+    // encoders, both in --dtype (what their fingerprints are taken in).
     models::LoadOptions load;
-    load.device = models::resolve_device(options.device);
-    load.dtype = parse_dtype(options.dtype);
+    load.family = options.model_family;
+    load.dtype = models::parse_precision(options.dtype, "--dtype");
     load.tokenizer = options.tokenizer;
-    load.load_unet = false;
+    load.load_denoiser = false;
     load.vae = options.vae;
-    model_ = models::load_stable_diffusion(options.model, load);
+    model_ = models::load_model(options.model, load);
+    models::Placement placement;
+    placement.device = models::resolve_device(options.device);
+    placement.dtype = load.dtype;
+    placement.vae_dtype = load.dtype;
+    models::place(*model_, placement);
     // Fingerprints of what is loaded, in the compute dtype, with the settings that shape the
     // output: another VAE, dtype, clip skip or tokenizer gives other keys. Everything below goes
     // through the family interface (models/diffusion_model.h).
-    models::DiffusionModel& model = model_;
+    models::DiffusionModel& model = *model_;
     latents_.emplace(model, models::weights_fingerprint(model.vae_module(), "vae"));
     texts_.emplace(model,
                    models::weights_fingerprint(
                        model.text_encoder_module(),
                        model.text_encoder_settings(options.clip_skip, options.max_token_length)),
                    options.clip_skip, options.max_token_length);
-    LP_LOG(kInfo, kLog) << "cache " << store_->dir().string() << ", model " << model_.source
-                        << " on " << models::describe_device(load.device) << ", VAE "
+    LP_LOG(kInfo, kLog) << "cache " << store_->dir().string() << ", model " << model_->source()
+                        << " on " << models::describe_device(placement.device) << ", VAE "
                         << latents_->fingerprint().substr(0, 12) << ", text encoder "
                         << texts_->fingerprint().substr(0, 12);
   }
@@ -158,7 +159,7 @@ class Cacher {
 
   Options options_;
   std::optional<Store> store_;
-  models::StableDiffusion model_;
+  std::unique_ptr<models::DiffusionModel> model_;
   std::optional<LatentEncoder> latents_;
   std::optional<TextEncoder> texts_;
   std::optional<zmq::socket_t> pub_;
@@ -491,6 +492,7 @@ void Cacher::write_manifest(Stream& stream) {
   }
   wire::Manifest manifest;
   manifest.set_text_cached(stream.all_text_cached);
+  manifest.set_model_family(model_->model_family().name);
   manifest.set_vae_fingerprint(latents_->fingerprint());
   manifest.set_text_encoder_fingerprint(texts_->fingerprint());
   *manifest.mutable_source() = report.source();

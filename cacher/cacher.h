@@ -14,6 +14,7 @@ namespace lorapipe::cacher {
 struct Options {
   std::filesystem::path cache_dir;  // empty: default_cache_dir()
   std::filesystem::path model;      // single .safetensors or diffusers folder
+  std::string model_family;         // --model_family: load as this family (empty: detect)
   std::filesystem::path tokenizer;  // for single files (folders carry theirs)
   std::filesystem::path vae;        // kohya's --vae: another VAE than the checkpoint's
   std::string device = "auto";      // auto, cpu, cuda, cuda:N

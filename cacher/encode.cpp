@@ -154,6 +154,7 @@ std::vector<EncodedRecord> TextEncoder::encode(const std::vector<std::string>& c
     text.set_format_version(kRecordFormatVersion);
     to_record_tensor(hidden[k], text.mutable_hidden_states());
     if (pooled) to_record_tensor(result.pooled[k], text.mutable_pooled());
+    if (result.mask.defined()) to_record_tensor(result.mask[k], text.mutable_mask());
     text.set_clip_skip(clip_skip_);
     text.set_text_encoder_fingerprint(fingerprint_);
     record.record = text.SerializeAsString();

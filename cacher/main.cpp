@@ -12,7 +12,12 @@
 #include "runtime/flags.h"
 
 DEFINE_string(cache_dir, "", "Cache folder (default: $LORAPIPE_CACHE_DIR or ~/.cache/lorapipe/cache)");
-DEFINE_string(model, "", "Base model: single .safetensors (original layout) or diffusers folder");
+DEFINE_string(pretrained_model_name_or_path, "",
+              "Base model: single .safetensors (original layout) or diffusers folder");
+DEFINE_string(model, "", "Alias of --pretrained_model_name_or_path");
+DEFINE_string(model_family, "",
+              "Load the model as this family (sd15) instead of detecting it from its keys, its "
+              "model_index.json or its metadata");
 DEFINE_string(tokenizer, "",
               "Another CLIP vocabulary (folder, merges.txt or .gz); CLIP's own is built in");
 DEFINE_string(vae, "",
@@ -74,7 +79,9 @@ int main(int argc, char** argv) {
     }
     c::Options options;
     options.cache_dir = FLAGS_cache_dir;
-    options.model = FLAGS_model;
+    options.model = FLAGS_pretrained_model_name_or_path.empty() ? FLAGS_model
+                                                                : FLAGS_pretrained_model_name_or_path;
+    options.model_family = FLAGS_model_family;
     options.tokenizer = FLAGS_tokenizer;
     options.vae = FLAGS_vae;
     options.device = FLAGS_device;

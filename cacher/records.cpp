@@ -148,7 +148,12 @@ std::string check_text_record(std::string_view bytes) {
       !reason.empty()) {
     return reason;
   }
-  if (record.has_pooled()) return check_tensor(record.pooled(), "TextRecord pooled");
+  if (record.has_pooled()) {
+    if (std::string reason = check_tensor(record.pooled(), "TextRecord pooled"); !reason.empty()) {
+      return reason;
+    }
+  }
+  if (record.has_mask()) return check_tensor(record.mask(), "TextRecord mask");
   return {};
 }
 

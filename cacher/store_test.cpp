@@ -760,7 +760,7 @@ std::string latent(size_t mean_bytes, size_t std_bytes = 4 * 8 * 8 * 2) {
 std::string text(size_t pooled_bytes) {
   wire::TextRecord record;
   record.set_format_version(1);
-  *record.mutable_hidden_states() = tensor(wire::Tensor::F32, {77, 16}, 77 * 16 * 4);
+  *record.mutable_hidden_states() = tensor(wire::Tensor::F32, {12, 16}, 12 * 16 * 4);
   *record.mutable_pooled() = tensor(wire::Tensor::BF16, {16}, pooled_bytes);
   return record.SerializeAsString();
 }

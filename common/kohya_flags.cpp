@@ -6,6 +6,8 @@
 #include <string>
 
 #include "common/error.h"
+#include "common/numbers.h"
+#include "common/text.h"
 
 namespace lorapipe::kohya {
 namespace {
@@ -165,6 +167,33 @@ std::string foreign_flag_value(const ForeignFlag& flag, const std::vector<std::s
       return args[++i];
   }
   return "";
+}
+
+}  // namespace lorapipe::kohya
+
+namespace lorapipe::kohya {
+
+std::vector<std::pair<std::string, double>> parse_base_weights(std::string_view files,
+                                                               std::string_view multipliers) {
+  const std::vector<std::string> names = split_words(files);
+  const std::vector<std::string> values = split_words(multipliers);
+  if (values.size() > names.size()) {
+    throw InputError("--base_weights_multiplier gives " + std::to_string(values.size()) +
+                     " multipliers for " + std::to_string(names.size()) + " --base_weights files");
+  }
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    double multiplier = 1.0;
+    if (i < values.size()) {
+      const std::optional<double> v = parse_double(values[i]);
+      if (!v) {
+        throw InputError("--base_weights_multiplier: '" + values[i] + "' is not a number");
+      }
+      multiplier = *v;
+    }
+    out.emplace_back(names[i], multiplier);
+  }
+  return out;
 }
 
 }  // namespace lorapipe::kohya

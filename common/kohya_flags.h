@@ -7,6 +7,7 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace lorapipe::kohya {
@@ -50,6 +51,12 @@ std::string check_foreign_flag(const ForeignFlag& flag, std::string_view value);
 // InputError when there is none). Advances `i` past the word it takes.
 std::string foreign_flag_value(const ForeignFlag& flag, const std::vector<std::string>& args,
                                size_t& i);
+
+// kohya's --base_weights FILE... with --base_weights_multiplier M... (space-separated words, as
+// every stage that takes them reads them): each file with its multiplier, 1 for those not given.
+// Throws InputError for more multipliers than files, or a multiplier that is not a number.
+std::vector<std::pair<std::string, double>> parse_base_weights(std::string_view files,
+                                                               std::string_view multipliers);
 
 // Every entry, for help texts and tests.
 const std::vector<ForeignFlag>& foreign_flags();

@@ -44,8 +44,8 @@ std::vector<FlagInfo> make_table() {
     add(std::move(name), std::move(targets), true);
   };
   // The model, its tokenizer, the cache: every stage that loads or reads them.
-  add("pretrained_model_name_or_path",
-      {{S::kCacher, "model"}, {S::kTrainer, ""}, {S::kSampler, ""}});
+  value("pretrained_model_name_or_path", {S::kCacher, S::kTrainer, S::kSampler});
+  value("model_family", {S::kCacher, S::kTrainer, S::kSampler});  // detection's override
   value("tokenizer", {S::kCacher, S::kTrainer, S::kSampler});
   value("vae", {S::kCacher, S::kTrainer, S::kSampler});  // kohya's: the one VAE of the run
   // LoRAs merged into the base before training: the sampler renders on the same base.

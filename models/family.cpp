@@ -1,9 +1,17 @@
 #include "models/family.h"
 
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <nlohmann/json.hpp>
+
 #include "common/error.h"
+#include "models/safetensors.h"
 #include "models/sd15_keys.h"
 
 namespace lorapipe::models {
+namespace fs = std::filesystem;
+
 namespace {
 
 ModelFamily make_sd15() {
@@ -12,10 +20,14 @@ ModelFamily make_sd15() {
   f.display_name = "Stable Diffusion 1.5";
   f.latent_channels = 4;
   f.vae_scaling_factor = 0.18215;
+  f.vae_shift_factor = 0;
   f.vae_downsample = 8;
   f.prediction_type = "epsilon";
   f.default_resolution = 512;
   f.text = {"clip-l", 77, 768, /*uses_pooled=*/false, /*default_clip_skip=*/1};
+  // diffusers' SD1.5 scheduler_config.json; kohya's DDPMScheduler for SD1.x the same.
+  f.schedule = {/*beta_start=*/0.00085, /*beta_end=*/0.012, /*steps=*/1000};
+  f.kohya = KohyaFamilyNames{};  // networks.lora, sd_v1, not v2, stable-diffusion-v1, 25 blocks
   f.single_file_components = {{"unet", std::string(kLdmUnetPrefix)},
                               {"vae", std::string(kLdmVaePrefix)},
                               {"text_encoder", std::string(kLdmTextPrefix)}};
@@ -27,21 +39,158 @@ const std::vector<ModelFamily>& families() {
   return all;
 }
 
+std::string known_families() {
+  std::string known;
+  for (const ModelFamily& f : families()) known += (known.empty() ? "" : ", ") + f.name;
+  return known;
+}
+
+bool starts_with(std::string_view s, std::string_view prefix) {
+  return s.substr(0, prefix.size()) == prefix;
+}
+
+// The part of a key that names its component: the first two dotted parts for the wrapped
+// layouts (model.diffusion_model., cond_stage_model.transformer.), else the first.
+std::string top_prefix(const std::string& key) {
+  const size_t first = key.find('.');
+  if (first == std::string::npos) return key;
+  const std::string head = key.substr(0, first);
+  if (head == "model" || head == "cond_stage_model" || head == "conditioner") {
+    const size_t second = key.find('.', first + 1);
+    if (second != std::string::npos) return key.substr(0, second + 1);
+  }
+  return key.substr(0, first + 1);
+}
+
+// What a file that fits no family holds, for the error: its first top-level prefixes by count.
+std::string found_in(const SafetensorsFile& file) {
+  std::map<std::string, int> prefixes;
+  for (const TensorInfo& t : file.tensors()) ++prefixes[top_prefix(t.name)];
+  std::string found;
+  int shown = 0;
+  for (const auto& [prefix, count] : prefixes) {
+    if (shown++ == 8) {
+      found += ", ...";
+      break;
+    }
+    found += (found.empty() ? "" : ", ") + prefix + (prefix.back() == '.' ? "* (" : " (") +
+             std::to_string(count) + ")";
+  }
+  return found.empty() ? "no tensors" : std::to_string(file.tensors().size()) +
+                                            " tensors under " + found;
+}
+
+// A family lorapipe recognises but does not train yet, from a single file's keys; empty if none.
+std::string not_yet_supported(const SafetensorsFile& file) {
+  bool ldm_unet = false, openclip_text = false, sdxl = false, flux = false;
+  for (const TensorInfo& t : file.tensors()) {
+    ldm_unet |= starts_with(t.name, kLdmUnetPrefix);
+    openclip_text |= starts_with(t.name, "cond_stage_model.model.");
+    sdxl |= starts_with(t.name, "conditioner.embedders.");
+    flux |= t.name.find("double_blocks.") != std::string::npos;
+  }
+  if (flux) return "Flux.1 (double_blocks.*)";
+  if (sdxl) return "SDXL (conditioner.embedders.*)";
+  if (ldm_unet && openclip_text) return "SD2.x (an OpenCLIP text encoder, cond_stage_model.model.*)";
+  return "";
+}
+
+FamilyDetection detect_file(const fs::path& path) {
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  const auto& meta = file.metadata();
+  if (const auto it = meta.find("lorapipe.family"); it != meta.end()) {
+    (void)model_family(it->second);  // a family this build does not know is refused by name
+    return {it->second, "its lorapipe.family metadata"};
+  }
+  bool ldm_unet = false, clip_text = false, vae = false;
+  for (const TensorInfo& t : file.tensors()) {
+    ldm_unet |= starts_with(t.name, kLdmUnetPrefix);
+    clip_text |= starts_with(t.name, std::string(kLdmTextPrefix) + "text_model.");
+    vae |= starts_with(t.name, kLdmVaePrefix);
+  }
+  if (ldm_unet && clip_text && vae) {
+    return {"sd15", "its keys (model.diffusion_model.*, first_stage_model.*, and a CLIP-L text "
+                    "encoder under cond_stage_model.transformer.*)"};
+  }
+  const std::string other = not_yet_supported(file);
+  throw InputError(path.string() + ": " +
+                   (other.empty() ? "no known model family fits its keys"
+                                  : "its keys are those of " + other +
+                                        ", a family lorapipe does not train yet") +
+                   "; found " + found_in(file) + " (known families: " + known_families() +
+                   "; --model_family names one)");
+}
+
+nlohmann::json read_json(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError("cannot read " + path.string());
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(path.string() + ": not JSON: " + e.what());
+  }
+}
+
+FamilyDetection detect_folder(const fs::path& folder) {
+  std::string found;
+  if (fs::exists(folder / "model_index.json")) {
+    const nlohmann::json index = read_json(folder / "model_index.json");
+    const std::string pipeline = index.value("_class_name", std::string());
+    if (pipeline == "StableDiffusionPipeline" || pipeline == "StableDiffusionImg2ImgPipeline") {
+      return {"sd15", "its model_index.json (" + pipeline + ")"};
+    }
+    found = "model_index.json names " + (pipeline.empty() ? "no pipeline" : pipeline);
+    if (pipeline.find("XL") != std::string::npos || pipeline.find("Flux") != std::string::npos) {
+      found += ", a family lorapipe does not train yet";
+    }
+  } else if (fs::exists(folder / "unet" / "config.json") && fs::is_directory(folder / "text_encoder")) {
+    const nlohmann::json unet = read_json(folder / "unet" / "config.json");
+    const bool added = unet.contains("addition_embed_type") && !unet["addition_embed_type"].is_null();
+    if (unet.value("_class_name", std::string()) == "UNet2DConditionModel" && !added &&
+        !fs::is_directory(folder / "text_encoder_2")) {
+      return {"sd15", "its unet/config.json (a UNet2DConditionModel without added conditions) "
+                      "and one text encoder"};
+    }
+    found = "unet/config.json names a UNet with added conditions or a second text encoder";
+  } else {
+    std::string parts;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(folder, ec)) {
+      parts += (parts.empty() ? "" : ", ") + entry.path().filename().string() +
+               (entry.is_directory() ? "/" : "");
+    }
+    found = "no model_index.json and no unet/config.json; it holds " +
+            (parts.empty() ? std::string("nothing") : parts);
+  }
+  throw InputError(folder.string() + ": not a diffusers folder of a known family: " + found +
+                   " (known families: " + known_families() + "; --model_family names one)");
+}
+
 }  // namespace
 
 const ModelFamily& model_family(std::string_view name) {
   for (const ModelFamily& f : families()) {
     if (f.name == name) return f;
   }
-  std::string known;
-  for (const ModelFamily& f : families()) known += (known.empty() ? "" : ", ") + f.name;
-  throw InputError("unknown model family '" + std::string(name) + "' (known: " + known + ")");
+  throw InputError("unknown model family '" + std::string(name) + "' (known: " +
+                   known_families() + ")");
 }
 
 std::vector<std::string> model_family_names() {
   std::vector<std::string> names;
   for (const ModelFamily& f : families()) names.push_back(f.name);
   return names;
+}
+
+FamilyDetection detect_family(const fs::path& path, std::string_view override) {
+  if (!override.empty()) {
+    const ModelFamily& family = model_family(override);  // throws for an unknown name
+    return {family.name, "--model_family"};
+  }
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return detect_folder(path);
+  if (!fs::exists(path, ec)) throw InputError(path.string() + ": no such file or folder");
+  return detect_file(path);
 }
 
 }  // namespace lorapipe::models

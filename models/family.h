@@ -1,7 +1,11 @@
 #pragma once
 // A model family: what differs between Stable Diffusion 1.5, SDXL and Flux.1 that the rest of
-// lorapipe must know, so a new family adds modules and key maps, not new pipeline code.
+// lorapipe must know, so a new family adds modules, key maps and rules, not new pipeline code;
+// and the detection that tells a checkpoint's family from its keys, its model_index.json or its
+// metadata. No LibTorch: lorapipe-inspect names families too.
 
+#include <cstdint>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -16,15 +20,41 @@ struct TextConditioning {
   int default_clip_skip = 1;
 };
 
+// The discrete noise schedule a DDPM family trains and samples with: diffusers'
+// DDPMScheduler(beta_start, beta_end, beta_schedule="scaled_linear", num_train_timesteps). The
+// trainer's noise schedule and every sampler's table are built from this one description
+// (models/ddpm.h), so the two can never disagree.
+struct DdpmSchedule {
+  double beta_start = 0.00085;
+  double beta_end = 0.012;
+  int64_t steps = 1000;
+};
+
+// What kohya writes into a LoRA's metadata for this family, and the names of its LoRA network.
+struct KohyaFamilyNames {
+  std::string network_module = "networks.lora";  // ss_network_module
+  std::string base_model_version = "sd_v1";       // ss_base_model_version
+  bool v2 = false;                                // ss_v2
+  std::string modelspec_architecture = "stable-diffusion-v1";  // + "/lora"
+  std::string modelspec_implementation = "diffusers";
+  // kohya's block table for block-wise network_args (block_dims, down/mid/up_lr_weight): 25
+  // blocks for SD1.x's U-Net (IN00-IN11, MID, OUT00-OUT11).
+  int blocks = 25;
+};
+
 struct ModelFamily {
   std::string name;                 // "sd15"
   std::string display_name;         // "Stable Diffusion 1.5"
   int latent_channels = 4;
+  // The denoiser's latents are (vae latents - shift) * scale, the VAE's inverse on the way out.
   double vae_scaling_factor = 0.18215;
+  double vae_shift_factor = 0;
   int vae_downsample = 8;           // pixels per latent along each side
   std::string prediction_type;      // "epsilon" or "v_prediction"
   int default_resolution = 512;
   TextConditioning text;
+  DdpmSchedule schedule;
+  KohyaFamilyNames kohya;
   // Components and where they live in the original single file (their key prefixes).
   std::vector<std::pair<std::string, std::string>> single_file_components;
 };
@@ -32,5 +62,23 @@ struct ModelFamily {
 // The families lorapipe knows. Throws lorapipe::InputError listing them for an unknown name.
 const ModelFamily& model_family(std::string_view name);
 std::vector<std::string> model_family_names();
+
+// The family of a checkpoint, and what told it.
+struct FamilyDetection {
+  std::string family;  // a name model_family() knows
+  std::string reason;  // "--model_family", "its lorapipe.family metadata", "its keys (...)", ...
+};
+
+// Detects the family of `path`:
+//  - `override` (the stages' --model_family) when not empty: it must name a known family;
+//  - a single .safetensors file: by its lorapipe.family metadata (lorapipe's own files), else by
+//    its keys (SD1.x: model.diffusion_model.* with a CLIP-L text encoder under
+//    cond_stage_model.transformer.*);
+//  - a diffusers folder: by model_index.json's _class_name (StableDiffusionPipeline), else by
+//    unet/config.json (a UNet2DConditionModel without added conditions) beside text_encoder/.
+// Throws lorapipe::InputError naming the path, what was found (the file's top-level key
+// prefixes, or the folder's pipeline class and components) and the known families; where the
+// keys are those of a family lorapipe does not train yet (SD2.x, SDXL, Flux.1) it says which.
+FamilyDetection detect_family(const std::filesystem::path& path, std::string_view override = {});
 
 }  // namespace lorapipe::models

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "common/log.h"
 #include "models/device.h"
 #include "models/float8.h"
 #include "models/linear.h"
@@ -28,7 +29,8 @@ std::string shape(const at::Tensor& t) {
 }  // namespace
 
 MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
-                       double multiplier, bool keep_originals) {
+                       double multiplier, Application application) {
+  const bool keep_originals = application != Application::kMergedForGood;
   std::map<std::string, at::Tensor> tensors;
   try {
     tensors = read_tensors(SafetensorsFile::open(file));
@@ -100,7 +102,7 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
     // No alpha, or alpha 0, means the rank (scale 1), as kohya's LoRAModule reads it.
     const double stored = m.alpha.defined() ? m.alpha.to(torch::kFloat64).item<double>() : 0.0;
     const double alpha = stored != 0 ? stored : static_cast<double>(rank);
-    if (is_float8(weight)) {
+    if (is_float8(weight) || application == Application::kInSlots) {
       // Beside the weight, kept in fp32 (the layer computes it in its own dtype), with
       // the scale folded into down so that a stack joins by concatenation alone.
       auto adapter = std::make_shared<LoraAdapter>();
@@ -173,8 +175,14 @@ void MergedLora::restore() {
 }
 
 void MergedLoras::add(DiffusionModel& model, const std::filesystem::path& file,
-                      double multiplier) {
-  merged_.push_back(std::make_unique<MergedLora>(model, file, multiplier));
+                      double multiplier, MergedLora::Application application) {
+  merged_.push_back(std::make_unique<MergedLora>(model, file, multiplier, application));
+}
+
+int64_t MergedLora::copied_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& [weight, original] : saved_) bytes += static_cast<int64_t>(original.nbytes());
+  return bytes;
 }
 
 bool MergedLoras::changes_text_encoder() const {
@@ -186,6 +194,15 @@ bool MergedLoras::changes_text_encoder() const {
 
 void MergedLoras::restore() {
   while (!merged_.empty()) merged_.pop_back();  // newest first: each restores what it found
+}
+
+void merge_base_weights(DiffusionModel& model,
+                        const std::vector<std::pair<std::filesystem::path, double>>& loras) {
+  for (const auto& [file, multiplier] : loras) {
+    const MergedLora merged(model, file, multiplier, MergedLora::Application::kMergedForGood);
+    LP_LOG(kInfo, "models") << "--base_weights: merged " << file.string() << " x" << multiplier
+                            << " into the base model (" << merged.module_count() << " modules)";
+  }
 }
 
 }  // namespace lorapipe::models

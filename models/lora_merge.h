@@ -1,17 +1,23 @@
 #pragma once
-// A LoRA merged into a loaded model (the sampler's renders, the trainer's --base_weights), and
-// taken out again: W += multiplier * (alpha / rank) * up @ down for every module of a
-// kohya-format file (ours, kohya's, anyone's: lora_unet_* / lora_te_* with .lora_down.weight,
-// .lora_up.weight and optionally .alpha, which when absent or 0 means the rank, as in kohya),
-// then restore() puts back a copy of each original weight, so the base is bit-identical to
-// before. Every module's update is computed before the first weight changes (a file that does
-// not fit leaves the model as it was), so a merge briefly holds those updates beside the model.
+// A LoRA applied to a loaded model (the sampler's renders, the trainer's --base_weights), and
+// taken out again, for every module of a kohya-format file (ours, kohya's, anyone's: lora_unet_*
+// / lora_te_* with .lora_down.weight, .lora_up.weight and optionally .alpha, which when absent or
+// 0 means the rank, as in kohya). Every module is checked and its update computed before the
+// first layer changes (a file that does not fit leaves the model as it was).
 //
-// A layer whose weight is stored in float8 (--fp8_base, models/float8.h) is not merged into:
+// How it is applied (Application):
+//  - kInSlots (the sampler's, by default): each module goes into its layer's LoRA slot and is
+//    computed beside the frozen weight, base(x) + up(down(x)) * multiplier * alpha / rank, as
+//    kohya computes its network when it samples during training. No weight changes and none is
+//    copied, so a LoRA costs its own tensors and not a second copy of the weights it touches;
+//    restore() empties the slots and the base is bit for bit what it was. A LoRA already in a
+//    slot (a stack) is joined by concatenating the ranks.
+//  - kMergedRestorable: W += multiplier * (alpha / rank) * up @ down, keeping a copy of each
+//    weight it changes for restore(); renders compute no extra matmuls, at the cost of that copy.
+//  - kMergedForGood (--base_weights): merged the same way, no copy, nothing to restore.
+// A layer whose weight is stored in float8 (--fp8_base, models/float8.h) always takes the slot:
 // float8 keeps 3 mantissa bits, and a LoRA's update, mostly far below a weight's rounding step,
-// would be rounded away. The module goes into the layer's LoRA slot instead, computed beside
-// the weight as kohya computes its network during training (a LoRA already there from a stack
-// is joined by concatenating the ranks); restore() puts back what the slot held.
+// would be rounded away.
 
 #include <ATen/core/Tensor.h>
 
@@ -28,14 +34,14 @@ namespace lorapipe::models {
 
 class MergedLora {
  public:
+  enum class Application { kInSlots, kMergedRestorable, kMergedForGood };
+
   // Checks the whole file before touching a weight, and throws InputError naming the file and
   // what is wrong: unreadable or truncated, a LoRA kind other than plain LoRA/LoCon, keys that
   // fit no layer of this model (listed: a LoRA made for another base model), shapes that do not
   // fit their layer.
-  // With keep_originals false the merge is for good (the trainer's and sampler's --base_weights):
-  // no copy of a weight is made, and restore() has nothing to put back.
   MergedLora(DiffusionModel& model, const std::filesystem::path& file, double multiplier,
-             bool keep_originals = true);
+             Application application = Application::kInSlots);
   ~MergedLora() { restore(); }
   MergedLora(const MergedLora&) = delete;
   MergedLora& operator=(const MergedLora&) = delete;
@@ -44,6 +50,8 @@ class MergedLora {
   void restore();
   size_t module_count() const { return saved_.size() + slotted_.size(); }
   size_t slotted_count() const { return slotted_.size(); }  // of them, those in a LoRA slot
+  // Bytes of weights copied to be put back (kMergedRestorable only; 0 in slots).
+  int64_t copied_bytes() const;
   // Whether a module of the file is the text encoder's: then prompts encode otherwise.
   bool changes_text_encoder() const { return changes_text_encoder_; }
 
@@ -68,8 +76,9 @@ class MergedLoras {
   MergedLoras(const MergedLoras&) = delete;
   MergedLoras& operator=(const MergedLoras&) = delete;
 
-  // Merges `file` on top of what is merged (MergedLora's checks and errors).
-  void add(DiffusionModel& model, const std::filesystem::path& file, double multiplier);
+  // Applies `file` on top of what is applied (MergedLora's checks and errors).
+  void add(DiffusionModel& model, const std::filesystem::path& file, double multiplier,
+           MergedLora::Application application = MergedLora::Application::kInSlots);
   // Idempotent.
   void restore();
   size_t size() const { return merged_.size(); }
@@ -78,5 +87,12 @@ class MergedLoras {
  private:
   std::vector<std::unique_ptr<MergedLora>> merged_;
 };
+
+// kohya's --base_weights: each (file, multiplier) merged into `model` for good, in order, with
+// MergedLora's checks. The trainer and the sampler call it on the model as loaded, before
+// placement, so a merge adds to the weights as the file holds them (load them in fp32 to merge
+// as kohya's merge_to does: in fp32, then narrowed to the compute dtype).
+void merge_base_weights(DiffusionModel& model,
+                        const std::vector<std::pair<std::filesystem::path, double>>& loras);
 
 }  // namespace lorapipe::models

@@ -13,6 +13,7 @@
 #include "models/prompt_attention.h"
 #include "models/safetensors.h"
 #include "models/sd15_keys.h"
+#include "models/sd15_lora.h"
 #include "models/weights.h"
 
 namespace lorapipe::models {
@@ -61,22 +62,47 @@ VaeLayout layout_of(const VaeConfig& c) {
   return {static_cast<int>(c.block_out_channels.size()), static_cast<int>(c.layers_per_block)};
 }
 
-// Builds the three modules in the compute dtype and device.
+// Sets LibTorch's default dtype for as long as it lives, so that modules built meanwhile create
+// their parameters in it: a model built for bf16 never exists in fp32 first.
+class DefaultDtype {
+ public:
+  explicit DefaultDtype(c10::ScalarType dtype) : saved_(c10::get_default_dtype()) {
+    c10::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
+  }
+  ~DefaultDtype() { c10::set_default_dtype(saved_); }
+  DefaultDtype(const DefaultDtype&) = delete;
+  DefaultDtype& operator=(const DefaultDtype&) = delete;
+
+ private:
+  caffe2::TypeMeta saved_;
+};
+
+c10::ScalarType storage_dtype(c10::ScalarType dtype, const char* option) {
+  if (dtype != c10::kFloat && dtype != c10::kHalf && dtype != c10::kBFloat16) {
+    throw InputError(std::string("LoadOptions::") + option + ": " + c10::toString(dtype) +
+                     " is no storage dtype to load into (fp32, fp16 or bf16; float8 is placed)");
+  }
+  return dtype;
+}
+
+// Builds the three modules on the CPU, each in its storage dtype from the start.
 void build(StableDiffusion& sd, const UNetConfig& unet, const VaeConfig& vae,
            const ClipTextConfig& text, const LoadOptions& options) {
-  std::vector<std::shared_ptr<torch::nn::Module>> modules;
-  if (options.load_unet) {
-    sd.unet = UNet(unet);
-    modules.push_back(sd.unet.ptr());
-  }
-  sd.vae = AutoencoderKL(vae);
-  sd.text_encoder = ClipTextModel(text);
-  modules.push_back(sd.vae.ptr());
-  modules.push_back(sd.text_encoder.ptr());
-  for (const auto& m : modules) {
-    m->to(options.device, options.dtype);
-    m->eval();
-  }
+  torch::NoGradGuard no_grad;  // initial values are overwritten by the file's: no graph for them
+  auto make = [](c10::ScalarType dtype, auto construct) {
+    DefaultDtype guard(dtype);
+    auto module = construct();
+    module->to(dtype);  // any tensor a module made in an explicit fp32
+    module->eval();
+    return module;
+  };
+  const c10::ScalarType dtype = storage_dtype(options.dtype, "dtype");
+  if (options.load_denoiser) sd.unet = make(dtype, [&] { return UNet(unet); });
+  sd.vae = make(storage_dtype(options.vae_dtype.value_or(dtype), "vae_dtype"),
+                [&] { return AutoencoderKL(vae); });
+  sd.text_encoder =
+      make(storage_dtype(options.text_encoder_dtype.value_or(dtype), "text_encoder_dtype"),
+           [&] { return ClipTextModel(text); });
 }
 
 // The tokenizer from `path`; without one, CLIP's built-in vocabulary when this build has it and
@@ -93,7 +119,7 @@ void attach_tokenizer(StableDiffusion& sd, const fs::path& path) {
   if (static_cast<int64_t>(builtin.vocab_size()) != sd.text_encoder->config().vocab_size) return;
   sd.tokenizer = std::move(builtin);
   sd.builtin_tokenizer = true;
-  LP_LOG(kInfo, kLog) << sd.source << ": no tokenizer given, using CLIP's vocabulary (built in)";
+  LP_LOG(kInfo, kLog) << sd.source_path << ": no tokenizer given, using CLIP's vocabulary (built in)";
 }
 
 // ldm keeps the VAE mid-block attention projections as 1x1 convolutions.
@@ -108,22 +134,22 @@ AdaptTensor vae_attention_from_ldm() {
 StableDiffusion load_single_file(const fs::path& path, const LoadOptions& options) {
   const SafetensorsFile file = SafetensorsFile::open(path);
   StableDiffusion sd;
-  sd.family = model_family(options.family);
-  sd.source = path.string();
+  sd.family = model_family("sd15");  // the family this loader reads
+  sd.source_path = path.string();
   const auto& meta = file.metadata();
   auto config_from = [&](const char* key) -> const std::string* {
     auto it = meta.find(key);
     return it == meta.end() ? nullptr : &it->second;
   };
   const UNetConfig unet_config =
-      config_from(kUnetConfigKey) ? UNetConfig::from_json(*config_from(kUnetConfigKey), sd.source)
+      config_from(kUnetConfigKey) ? UNetConfig::from_json(*config_from(kUnetConfigKey), sd.source_path)
                                   : UNetConfig::sd15();
   const VaeConfig vae_config = config_from(kVaeConfigKey)
-                                   ? VaeConfig::from_json(*config_from(kVaeConfigKey), sd.source)
+                                   ? VaeConfig::from_json(*config_from(kVaeConfigKey), sd.source_path)
                                    : VaeConfig::sd15();
   const ClipTextConfig text_config =
       config_from(kTextConfigKey)
-          ? ClipTextConfig::from_json(*config_from(kTextConfigKey), sd.source)
+          ? ClipTextConfig::from_json(*config_from(kTextConfigKey), sd.source_path)
           : ClipTextConfig::sd15();
   build(sd, unet_config, vae_config, text_config, options);
 
@@ -149,7 +175,7 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
       ++sd.skipped_keys;
       continue;
     }
-    if (target == &unet && !options.load_unet) continue;
+    if (target == &unet && !options.load_denoiser) continue;
     if (!name) {
       unknown.push_back(key);
       continue;
@@ -159,25 +185,25 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
   if (!unknown.empty()) {
     std::string list;
     for (size_t i = 0; i < unknown.size() && i < 8; ++i) list += (i ? ", " : "") + unknown[i];
-    throw InputError(sd.source + ": " + std::to_string(unknown.size()) +
+    throw InputError(sd.source_path + ": " + std::to_string(unknown.size()) +
                      " keys belong to no known component of an SD1.x checkpoint: " + list);
   }
   if (sd.skipped_keys > 0) {
-    LP_LOG(kWarning, kLog) << sd.source << ": skipped " << sd.skipped_keys
+    LP_LOG(kWarning, kLog) << sd.source_path << ": skipped " << sd.skipped_keys
                            << " entries that carry no weights we use (EMA copies, noise "
                               "schedule, position_ids)";
   }
-  if (options.load_unet) load_into(*sd.unet, file, unet, sd.source + " (unet)");
-  load_into(*sd.vae, file, vae, sd.source + " (vae)", vae_attention_from_ldm());
-  load_into(*sd.text_encoder, file, text, sd.source + " (text encoder)");
+  if (options.load_denoiser) load_into(*sd.unet, file, unet, sd.source_path + " (unet)");
+  load_into(*sd.vae, file, vae, sd.source_path + " (vae)", vae_attention_from_ldm());
+  load_into(*sd.text_encoder, file, text, sd.source_path + " (text encoder)");
   attach_tokenizer(sd, options.tokenizer);
   return sd;
 }
 
 StableDiffusion load_diffusers_folder(const fs::path& folder, const LoadOptions& options) {
   StableDiffusion sd;
-  sd.family = model_family(options.family);
-  sd.source = folder.string();
+  sd.family = model_family("sd15");  // the family this loader reads
+  sd.source_path = folder.string();
   for (const char* part : {"unet", "vae", "text_encoder"}) {
     if (!fs::is_directory(folder / part)) {
       throw InputError(folder.string() + ": not a diffusers folder: no " + part + "/");
@@ -191,7 +217,7 @@ StableDiffusion load_diffusers_folder(const fs::path& folder, const LoadOptions&
         ClipTextConfig::from_json(read_text(folder / "text_encoder" / "config.json"),
                                   (folder / "text_encoder" / "config.json").string()),
         options);
-  if (options.load_unet) load_unet_diffusers(sd.unet, folder / "unet");
+  if (options.load_denoiser) load_unet_diffusers(sd.unet, folder / "unet");
   load_vae(sd.vae, folder / "vae");
   load_clip_text(sd.text_encoder, folder / "text_encoder");
   attach_tokenizer(sd, !options.tokenizer.empty()               ? options.tokenizer
@@ -404,8 +430,8 @@ void save_diffusers(const StableDiffusion& model, const fs::path& folder,
 
 // ---- the DiffusionModel interface -------------------------------------------------------------
 
-at::Tensor StableDiffusion::tokenize(const std::vector<std::string>& captions,
-                                     int max_token_length) const {
+TokenBatch StableDiffusion::tokenize(const std::vector<std::string>& captions,
+                                     int max_token_length, bool weighted) const {
   require_tokenizer();
   const int per_chunk = family.text.max_length - 2;  // 75 tokens between BOS and EOS
   if (max_token_length == 0) {  // the smallest of kohya's lengths that holds every caption
@@ -418,11 +444,24 @@ at::Tensor StableDiffusion::tokenize(const std::vector<std::string>& captions,
       max_token_length += per_chunk;
     }
   }
+  const int64_t batch = static_cast<int64_t>(captions.size());
   std::vector<int64_t> ids;
-  for (const std::string& caption : captions) {
-    for (int32_t id : tokenizer->encode_long(caption, max_token_length)) ids.push_back(id);
+  TokenBatch out;
+  if (weighted) {
+    std::vector<float> w;
+    for (const std::string& caption : captions) {
+      const ClipTokenizer::WeightedIds t = tokenizer->encode_long_weighted(caption, max_token_length);
+      ids.insert(ids.end(), t.ids.begin(), t.ids.end());
+      w.insert(w.end(), t.weights.begin(), t.weights.end());
+    }
+    out.weights.push_back(torch::tensor(w, torch::kFloat32).view({batch, -1}));
+  } else {
+    for (const std::string& caption : captions) {
+      for (int32_t id : tokenizer->encode_long(caption, max_token_length)) ids.push_back(id);
+    }
   }
-  return torch::tensor(ids, torch::kInt64).view({static_cast<int64_t>(captions.size()), -1});
+  out.ids.push_back(torch::tensor(ids, torch::kInt64).view({batch, -1}));
+  return out;
 }
 
 void StableDiffusion::require_tokenizer() const {
@@ -431,7 +470,7 @@ void StableDiffusion::require_tokenizer() const {
                               ? "this build has no built-in CLIP vocabulary"
                               : "its text encoder is not CLIP's size, so the built-in CLIP "
                                 "vocabulary does not fit";
-  throw InputError(source + " has no tokenizer and " + why +
+  throw InputError(source_path + " has no tokenizer and " + why +
                    ": pass --tokenizer (a diffusers tokenizer/ folder, a merges.txt or "
                    "bpe_simple_vocab_16e6.txt.gz)");
 }
@@ -489,44 +528,28 @@ Conditioning StableDiffusion::encode_prompts(const std::vector<std::string>& pro
   return c;
 }
 
-Conditioning StableDiffusion::encode_text(const at::Tensor& input_ids, int clip_skip) {
+Conditioning StableDiffusion::encode_text(const TokenBatch& tokens, int clip_skip) {
+  TORCH_CHECK(tokens.ids.size() == 1, "SD1.x has one text encoder; got token ids for ",
+              tokens.ids.size());
+  const at::Tensor& input_ids = tokens.ids.front();
   Conditioning c;
   c.hidden_states = text_encoder->encode_chunked(
       input_ids.to(text_encoder->parameters().front().device()), clip_skip, &c.pooled);
-  return c;
-}
-
-at::Tensor StableDiffusion::tokenize_weighted(const std::vector<std::string>& captions,
-                                              int max_token_length, at::Tensor& weights) const {
-  require_tokenizer();
-  std::vector<int64_t> ids;
-  std::vector<float> w;
-  for (const std::string& caption : captions) {
-    const ClipTokenizer::WeightedIds t = tokenizer->encode_long_weighted(caption, max_token_length);
-    ids.insert(ids.end(), t.ids.begin(), t.ids.end());
-    w.insert(w.end(), t.weights.begin(), t.weights.end());
-  }
-  const int64_t batch = static_cast<int64_t>(captions.size());
-  weights = torch::tensor(w, torch::kFloat32).view({batch, -1});
-  return torch::tensor(ids, torch::kInt64).view({batch, -1});
-}
-
-Conditioning StableDiffusion::encode_weighted_text(const at::Tensor& input_ids,
-                                                   const at::Tensor& token_weights, int clip_skip) {
-  Conditioning c = encode_text(input_ids, clip_skip);
+  if (tokens.weights.empty()) return c;
+  const at::Tensor& token_weights = tokens.weights.front();
   TORCH_CHECK(token_weights.sizes() == input_ids.sizes(), "token weights ",
               token_weights.sizes(), " do not match the ids ", input_ids.sizes());
   // The weights laid out as encode_chunked lays out the states: the first chunk's BOS, each
   // chunk's 75 inner positions, the last position (BOS and EOS weigh 1, as kohya leaves them).
   const int64_t chunk = family.text.max_length;
-  const int64_t tokens = token_weights.size(1);
+  const int64_t count = token_weights.size(1);
   at::Tensor w = token_weights;
-  if (tokens > chunk) {
+  if (count > chunk) {
     std::vector<at::Tensor> parts{token_weights.narrow(1, 0, 1)};
-    for (int64_t i = 1; i < tokens - 1; i += chunk) {
+    for (int64_t i = 1; i < count - 1; i += chunk) {
       parts.push_back(token_weights.narrow(1, i, chunk - 2));
     }
-    parts.push_back(token_weights.narrow(1, tokens - 1, 1));
+    parts.push_back(token_weights.narrow(1, count - 1, 1));
     w = torch::cat(parts, /*dim=*/1);
   }
   // In fp32 (kohya's weights are fp32 tensors), then back in the states' dtype, which the
@@ -546,8 +569,10 @@ ImageLatents StableDiffusion::encode_images(const at::Tensor& images) {
 
 at::Tensor StableDiffusion::decode_latents(const at::Tensor& latents) {
   const at::Tensor weight = vae->parameters().front();
-  // diffusers: vae.decode(latents / scaling_factor).
-  return vae->decode(latents.to(weight.device(), weight.scalar_type()) / family.vae_scaling_factor);
+  // diffusers: vae.decode(latents / scaling_factor + shift_factor).
+  at::Tensor x = latents.to(weight.device(), weight.scalar_type()) / family.vae_scaling_factor;
+  if (family.vae_shift_factor != 0) x = x + family.vae_shift_factor;
+  return vae->decode(x);
 }
 
 std::string StableDiffusion::text_encoder_settings(int clip_skip, int max_token_length) const {
@@ -559,12 +584,14 @@ std::string StableDiffusion::text_encoder_settings(int clip_skip, int max_token_
       max_token_length);
 }
 
-at::Tensor StableDiffusion::denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,
-                                    const Conditioning& conditioning) {
-  // The compute dtype: a norm's, as norms never take float8 storage (models/float8.h).
+at::Tensor StableDiffusion::denoise(const DenoiseInput& input) {
+  TORCH_CHECK(input.conditioning != nullptr, "denoise: no conditioning");
+  if (!unet) throw Error(source_path + ": loaded without its U-Net (load_denoiser off)");
+  // The compute dtype: a norm's, as norms never take float8 storage (models/float8.h). SD1.x
+  // conditions on the text states alone: no pooled output, geometry or guidance.
   const at::Tensor& like = unet->conv_norm_out->weight;
-  return unet->forward(noisy_latents.to(like.device(), like.scalar_type()), timesteps,
-                       conditioning.hidden_states.to(like.device(), like.scalar_type()));
+  return unet->forward(input.latents.to(like.device(), like.scalar_type()), input.time,
+                       input.conditioning->hidden_states.to(like.device(), like.scalar_type()));
 }
 
 std::vector<LoraTarget> StableDiffusion::lora_targets(bool with_text_encoder, bool conv_kxk) const {
@@ -580,10 +607,37 @@ void StableDiffusion::set_gradient_checkpointing(bool enabled) {
   if (text_encoder) text_encoder->gradient_checkpointing = enabled;
 }
 
-torch::nn::Module& StableDiffusion::denoiser_module() { return *unet; }
+std::vector<DiffusionModel::Component> StableDiffusion::components() {
+  std::vector<Component> out;
+  if (unet) out.push_back({Role::kDenoiser, "unet", "U-Net", unet.ptr().get()});
+  if (text_encoder) {
+    out.push_back({Role::kTextEncoder, "text_encoder", "text encoder", text_encoder.ptr().get()});
+  }
+  if (vae) out.push_back({Role::kVae, "vae", "VAE", vae.ptr().get()});
+  return out;
+}
 
-torch::nn::Module& StableDiffusion::text_encoder_module() { return *text_encoder; }
+void StableDiffusion::release(Role role) {
+  switch (role) {
+    case Role::kDenoiser: unet = nullptr; break;
+    case Role::kTextEncoder: text_encoder = nullptr; break;
+    case Role::kVae: vae = nullptr; break;
+  }
+}
 
-torch::nn::Module& StableDiffusion::vae_module() { return *vae; }
+torch::nn::Module& StableDiffusion::denoiser_module() {
+  if (!unet) throw Error(source_path + ": loaded without its U-Net");
+  return *unet;
+}
+
+torch::nn::Module& StableDiffusion::text_encoder_module() {
+  if (!text_encoder) throw Error(source_path + ": its text encoder was released");
+  return *text_encoder;
+}
+
+torch::nn::Module& StableDiffusion::vae_module() {
+  if (!vae) throw Error(source_path + ": its VAE was released");
+  return *vae;
+}
 
 }  // namespace lorapipe::models

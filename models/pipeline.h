@@ -3,7 +3,9 @@
 // encoder and (when the checkpoint carries one) the tokenizer, from
 //  - a single .safetensors file in the original (ldm) layout, mapped through sd15_keys; or
 //  - a diffusers folder (unet/, vae/, text_encoder/, tokenizer/, each with its config).
-// fp32, fp16 and bf16 files load; the compute dtype and device are the caller's choice.
+// fp32, fp16 and bf16 files load, each component built in its storage dtype (LoadOptions) on the
+// CPU; models::place (placement.h) then gives it its device. The stages reach it only through
+// models::load_model (registry.h) and the DiffusionModel interface.
 
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -17,25 +19,11 @@
 #include "models/clip_tokenizer.h"
 #include "models/diffusion_model.h"
 #include "models/family.h"
+#include "models/registry.h"
 #include "models/unet.h"
 #include "models/vae.h"
 
 namespace lorapipe::models {
-
-struct LoadOptions {
-  c10::Device device = c10::Device(c10::kCPU);
-  c10::ScalarType dtype = c10::kFloat;
-  std::string family = "sd15";
-  // The CLIP vocabulary for a checkpoint that carries none (single files never do): open_clip's
-  // bpe_simple_vocab_16e6.txt.gz, a merges.txt, or a diffusers tokenizer/ folder. Empty takes
-  // the checkpoint's own, else CLIP's built-in one (ClipTokenizer::builtin) when it fits.
-  std::filesystem::path tokenizer;
-  // The cacher needs only the VAE and the text encoder: false leaves `unet` empty and reads none
-  // of its weights.
-  bool load_unet = true;
-  // kohya's --vae: another VAE in place of the checkpoint's own (load_vae_override).
-  std::filesystem::path vae;
-};
 
 // A Stable Diffusion 1.x/2.x model as loaded, and the DiffusionModel the stages call on it.
 struct StableDiffusion : DiffusionModel {
@@ -46,26 +34,25 @@ struct StableDiffusion : DiffusionModel {
   std::optional<ClipTokenizer> tokenizer;
   std::filesystem::path tokenizer_path;  // where the tokenizer came from
   bool builtin_tokenizer = false;        // CLIP's vocabulary built into lorapipe, no path
-  std::string source;
+  std::string source_path;
   int skipped_keys = 0;  // known extras of a single file that were not loaded (EMA, schedule)
 
   const ModelFamily& model_family() const override { return family; }
+  const std::string& source() const override { return source_path; }
   bool has_tokenizer() const override { return tokenizer.has_value(); }
-  at::Tensor tokenize(const std::vector<std::string>& captions,
-                      int max_token_length = 75) const override;
-  Conditioning encode_text(const at::Tensor& input_ids, int clip_skip) override;
-  at::Tensor tokenize_weighted(const std::vector<std::string>& captions, int max_token_length,
-                               at::Tensor& weights) const override;
-  Conditioning encode_weighted_text(const at::Tensor& input_ids, const at::Tensor& token_weights,
-                                    int clip_skip) override;
+  TokenBatch tokenize(const std::vector<std::string>& captions, int max_token_length = 75,
+                      bool weighted = false) const override;
+  Conditioning encode_text(const TokenBatch& tokens, int clip_skip) override;
   Conditioning encode_prompts(const std::vector<std::string>& prompts, int clip_skip) override;
   ImageLatents encode_images(const at::Tensor& images) override;
   at::Tensor decode_latents(const at::Tensor& latents) override;
   std::string text_encoder_settings(int clip_skip, int max_token_length = 75) const override;
-  at::Tensor denoise(const at::Tensor& noisy_latents, const at::Tensor& timesteps,
-                     const Conditioning& conditioning) override;
+  using DiffusionModel::denoise;
+  at::Tensor denoise(const DenoiseInput& input) override;
   std::vector<LoraTarget> lora_targets(bool text_encoder, bool conv_kxk) const override;
   void set_gradient_checkpointing(bool enabled) override;
+  std::vector<Component> components() override;
+  void release(Role role) override;
   torch::nn::Module& denoiser_module() override;
   torch::nn::Module& text_encoder_module() override;
   torch::nn::Module& vae_module() override;

@@ -273,8 +273,8 @@ TEST_F(PipelineParity, SingleFileTakesTheBuiltInClipVocabularyWhenItFits) {
   const StableDiffusion by_path = load_stable_diffusion(file, given);
   EXPECT_FALSE(by_path.builtin_tokenizer);
   EXPECT_EQ(builtin.text_encoder_settings(1), by_path.text_encoder_settings(1));
-  EXPECT_TRUE(torch::equal(builtin.tokenize({"a red circle, 3 blue squares"}),
-                           by_path.tokenize({"a red circle, 3 blue squares"})));
+  EXPECT_TRUE(torch::equal(builtin.tokenize({"a red circle, 3 blue squares"}).ids.at(0),
+                           by_path.tokenize({"a red circle, 3 blue squares"}).ids.at(0)));
 
   const StableDiffusion tiny_vocab = load_stable_diffusion(tiny_.single_file);
   EXPECT_FALSE(tiny_vocab.has_tokenizer());

@@ -3,6 +3,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <regex>
 #include <set>
 
 namespace lorapipe::models {
@@ -32,6 +33,7 @@ std::vector<LoraTarget> collect(const torch::nn::Module& root, const std::string
       target.module_path = item.key() + "." + child.key();
       target.name = kohya_name(prefix, target.module_path);
       target.text_encoder = text_encoder;
+      target.block = text_encoder ? -1 : sd15_kohya_block_index(target.name);
       out.push_back(std::move(target));
     }
   }
@@ -44,6 +46,19 @@ bool is(const torch::nn::Module& m) {
 }
 
 }  // namespace
+
+int sd15_kohya_block_index(const std::string& lora_name) {
+  static const std::regex updown(
+      "(up|down)_blocks_(\\d+)_(resnets|upsamplers|downsamplers|attentions)_(\\d+)_");
+  std::smatch m;
+  if (std::regex_search(lora_name, m, updown)) {
+    const int i = std::stoi(m[2].str()), j = std::stoi(m[4].str());
+    const int index = m[3] == "resnets" || m[3] == "attentions" ? 3 * i + j : 3 * i + 2;
+    return m[1] == "down" ? 1 + index : 13 + index;
+  }
+  if (lora_name.find("mid_block_") != std::string::npos) return 12;
+  return -1;
+}
 
 bool LoraTarget::is_conv_kxk() const {
   if (!conv) return false;

@@ -18,25 +18,10 @@
 
 #include "models/clip_text.h"
 #include "models/linear.h"
+#include "models/lora_target.h"
 #include "models/unet.h"
 
 namespace lorapipe::models {
-
-struct LoraTarget {
-  std::string name;         // kohya's: "lora_unet_down_blocks_0_attentions_0_proj_in"
-  std::string module_path;  // diffusers' / transformers': "down_blocks.0.attentions.0.proj_in"
-  bool text_encoder = false;
-  // Exactly one of the two is set.
-  std::shared_ptr<LinearImpl> linear;
-  std::shared_ptr<Conv2dImpl> conv;
-
-  // A 3x3 (or larger) convolution: adapted only with conv LoRA, at the conv rank.
-  bool is_conv_kxk() const;
-  int64_t in_features() const;   // input channels for a conv
-  int64_t out_features() const;  // output channels for a conv
-  const at::Tensor& weight() const;
-  std::shared_ptr<LoraAdapter>& slot() const;
-};
 
 // The UNet's targets in module order; with `conv_kxk`, the ResnetBlock2D / Downsample2D /
 // Upsample2D layers too (kohya's UNET_TARGET_REPLACE_MODULE_CONV2D_3X3).
@@ -47,5 +32,11 @@ std::vector<LoraTarget> text_encoder_lora_targets(const ClipTextModel& text_enco
 
 inline constexpr const char* kLoraUnetPrefix = "lora_unet";
 inline constexpr const char* kLoraTextEncoderPrefix = "lora_te";
+
+// kohya's block of an SD1.x U-Net LoRA name (lora_unet_...), as networks/lora.py's
+// get_block_index numbers the 25 blocks: IN01-IN11 are 1 + 3i + j for down_blocks.i's layer j
+// (its downsampler j = 2), MID 12, OUT00-OUT11 13 + 3i + j for up_blocks.i; -1 for a layer in
+// no block (time_embedding, conv_in, conv_out), which kohya's lists index as their last.
+int sd15_kohya_block_index(const std::string& lora_name);
 
 }  // namespace lorapipe::models

@@ -220,7 +220,11 @@ VaeConfig VaeConfig::from_json(const std::string& text, const std::string& sourc
 torch::Tensor LatentDistribution::std() const { return torch::exp(0.5 * logvar); }
 
 torch::Tensor LatentDistribution::sample(std::optional<at::Generator> generator) const {
-  return mean + std() * at::randn(mean.sizes(), generator, mean.options());
+  // Drawn on the CPU, where the generator is (a CPU generator cannot draw on a CUDA device), in
+  // the mean's dtype, then moved: the same draw whatever device the VAE is on.
+  const at::Tensor noise =
+      at::randn(mean.sizes(), generator, mean.options().device(at::kCPU)).to(mean.device());
+  return mean + std() * noise;
 }
 
 AutoencoderKLImpl::AutoencoderKLImpl(const VaeConfig& config) : config_(config) {

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "common/kohya_flags.h"
 #include "common/log.h"
 #include "common/numbers.h"
 #include "common/text.h"
@@ -19,6 +20,9 @@
 DEFINE_string(pretrained_model_name_or_path, "",
               "Base model: single .safetensors or diffusers folder");
 DEFINE_string(model, "", "Alias of --pretrained_model_name_or_path");
+DEFINE_string(model_family, "",
+              "Load the model as this family (sd15) instead of detecting it from its keys, its "
+              "model_index.json or its metadata");
 DEFINE_string(tokenizer, "",
               "Another CLIP vocabulary (folder, merges.txt or .gz); CLIP's own is built in");
 DEFINE_string(vae, "", "Decode with another VAE than the checkpoint's (kohya's --vae)");
@@ -63,6 +67,7 @@ int main(int argc, char** argv) {
     s::SamplerOptions o;
     o.model = FLAGS_pretrained_model_name_or_path.empty() ? FLAGS_model
                                                           : FLAGS_pretrained_model_name_or_path;
+    o.model_family = FLAGS_model_family;
     o.tokenizer = FLAGS_tokenizer;
     o.vae = FLAGS_vae;
     o.sample_prompts = FLAGS_sample_prompts;
@@ -80,22 +85,9 @@ int main(int argc, char** argv) {
     o.idle_timeout_s = FLAGS_idle_timeout_s;
     o.delay_per_image_s = FLAGS_delay_per_image_s;
     o.threads = FLAGS_threads;
-    const std::vector<std::string> files = lorapipe::split_words(FLAGS_base_weights);
-    const std::vector<std::string> multipliers =
-        lorapipe::split_words(FLAGS_base_weights_multiplier);
-    for (size_t i = 0; i < files.size(); ++i) {
-      const std::string& file = files[i];
-      double value = 1.0;
-      if (i < multipliers.size()) {
-        const std::string& multiplier = multipliers[i];
-        try {
-          value = std::stod(multiplier);
-        } catch (const std::exception&) {
-          throw lorapipe::InputError("--base_weights_multiplier: '" + multiplier +
-                                     "' is not a number");
-        }
-      }
-      o.base_weights.emplace_back(file, value);
+    for (const auto& [file, multiplier] :
+         lorapipe::kohya::parse_base_weights(FLAGS_base_weights, FLAGS_base_weights_multiplier)) {
+      o.base_weights.emplace_back(file, multiplier);
     }
     std::stringstream list(FLAGS_lora);
     std::string item;

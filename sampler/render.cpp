@@ -26,7 +26,8 @@ RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
   }
   torch::NoGradGuard no_grad;
   const models::ModelFamily& family = model.model_family();
-  Scheduler scheduler(scheduler_options(request.sampler, options.v_prediction), request.steps);
+  Scheduler scheduler(scheduler_options(request.sampler, options.v_prediction, family.schedule),
+                      request.steps);
   auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(request.seed));
 
   const bool guided = request.cfg_scale > 1.0;

@@ -33,7 +33,7 @@
 #include "models/attention.h"
 #include "models/float8.h"
 #include "models/parity_util.h"
-#include "models/pipeline.h"
+#include "models/registry.h"
 #include "models/safetensors.h"
 #include "models/tiny.h"
 #include "models/weights.h"
@@ -65,22 +65,25 @@ class SamplerParityRender : public ::testing::Test {
   void check(const std::string& sampler, bool with_lora = false, const std::string& prompt = "",
              bool fp8 = false) {
     models::set_force_math_attention(true);
-    models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+    const auto owned = models::load_model(tiny_.diffusers);
+    models::DiffusionModel& model = *owned;
     if (fp8) {
-      models::store_weights_in_float8(*model.unet);
-      models::store_weights_in_float8(*model.text_encoder);
+      models::store_weights_in_float8(model.denoiser_module());
+      models::store_weights_in_float8(model.text_encoder_module());
     }
     std::optional<MergedLora> lora;
     std::map<std::string, torch::Tensor> before;  // in fp32: float8 widens exactly
     if (with_lora) {
-      for (const auto& item : model.unet->named_parameters())
+      for (const auto& item : model.denoiser_module().named_parameters())
         before[item.key()] = item.value().to(torch::kFloat);
-      for (const auto& item : model.text_encoder->named_parameters()) {
+      for (const auto& item : model.text_encoder_module().named_parameters()) {
         before["te." + item.key()] = item.value().to(torch::kFloat);
       }
       lora.emplace(model, ref_ / "lora.safetensors", /*multiplier=*/1.0);
       ASSERT_GT(lora->module_count(), 0u);
-      EXPECT_EQ(lora->slotted_count(), fp8 ? lora->module_count() : 0u);
+      // In the layers' slots (the sampler's way), over float8 weights or not: no weight is copied.
+      EXPECT_EQ(lora->slotted_count(), lora->module_count());
+      EXPECT_EQ(lora->copied_bytes(), 0);
     }
     std::ifstream in(ref_ / "request.json");
     const nlohmann::json r = nlohmann::json::parse(in);
@@ -135,11 +138,11 @@ class SamplerParityRender : public ::testing::Test {
       EXPECT_GT((expected - plain.at("latents")).abs().max().item<double>(), 1e-2 * scale);
       // Taken out again, the base is bit-identical to before, and no slot holds anything.
       lora->restore();
-      for (const auto& item : model.unet->named_parameters()) {
+      for (const auto& item : model.denoiser_module().named_parameters()) {
         EXPECT_TRUE(torch::equal(item.value().to(torch::kFloat), before.at(item.key())))
             << item.key();
       }
-      for (const auto& item : model.text_encoder->named_parameters()) {
+      for (const auto& item : model.text_encoder_module().named_parameters()) {
         EXPECT_TRUE(torch::equal(item.value().to(torch::kFloat), before.at("te." + item.key())))
             << item.key();
       }
@@ -177,7 +180,7 @@ TEST_F(SamplerParityRender, Ddpm) { check("ddpm"); }
 // A kohya-format LoRA on the UNet and the text encoder: diffusers' load_lora_weights against
 // lorapipe's merge, then the merge taken out bit for bit.
 TEST_F(SamplerParityRender, DdimWithLora) { check("ddim", /*with_lora=*/true); }
-// A prompt of about 100 tokens, conditioned as kohya's sample images are (two chunks of 77, kept
+// A prompt of about 100 tokens, conditioned as kohya's sample images are (two whole chunks, kept
 // whole: 154 states), the reference's handed to the pipeline as prompt_embeds.
 TEST_F(SamplerParityRender, DdimWithALongPrompt) {
   check("ddim", /*with_lora=*/false, "long");
@@ -203,7 +206,8 @@ TEST_F(SamplerParityRender, DdimWithLoraOverFloat8Weights) {
 // Without weights and within 75 tokens, the sample conditioning is exactly the plain one (what
 // the short-prompt parities above rely on); a weight changes it.
 TEST_F(SamplerParityRender, PromptConditioningIsPlainWithoutWeights) {
-  models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+  const auto owned = models::load_model(tiny_.diffusers);
+  models::DiffusionModel& model = *owned;
   const std::vector<std::string> plain = {"blurry", "a red circle on a blue background"};
   const models::Conditioning a = model.encode_prompts(plain, /*clip_skip=*/1);
   const models::Conditioning b = model.encode_text(model.tokenize(plain), /*clip_skip=*/1);
@@ -215,8 +219,9 @@ TEST_F(SamplerParityRender, PromptConditioningIsPlainWithoutWeights) {
 }
 
 TEST_F(SamplerParityRender, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothing) {
-  models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
-  const torch::Tensor probe = model.unet->conv_in->weight.clone();
+  const auto owned = models::load_model(tiny_.diffusers);
+  models::DiffusionModel& model = *owned;
+  const torch::Tensor probe = model.denoiser_module().named_parameters()["conv_in.weight"].clone();
   // Keys of another model: named.
   auto tensors =
       models::read_tensors(models::SafetensorsFile::open(ref_ / "lora.safetensors"));
@@ -245,33 +250,42 @@ TEST_F(SamplerParityRender, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothin
                 fs::copy_options::overwrite_existing);
   fs::resize_file(dir_ / "half.safetensors", size / 2);
   EXPECT_THROW(MergedLora(model, dir_ / "half.safetensors", 1.0), InputError);
-  EXPECT_TRUE(torch::equal(model.unet->conv_in->weight, probe));
+  EXPECT_TRUE(torch::equal(model.denoiser_module().named_parameters()["conv_in.weight"], probe));
   const auto target = model.lora_targets(true, true).front();
   const torch::Tensor untouched = target.weight().clone();
   EXPECT_THROW(MergedLora(model, dir_ / "other.safetensors", 1.0), InputError);
   EXPECT_TRUE(torch::equal(target.weight(), untouched)) << "a refused file merged nothing";
 }
 
-// Two LoRAs merged on top of one another come out newest first, so the base is bit-identical to
-// before; and a stored alpha of 0 means the rank (kohya), not a LoRA that does nothing.
+// Two LoRAs on top of one another come out newest first, so the base is bit-identical to before:
+// in the layers' slots (the sampler's way: no weight changes, the slots are empty after) and
+// merged into the weights with copies kept; and a stored alpha of 0 means the rank (kohya), not a
+// LoRA that does nothing.
 TEST_F(SamplerParityRender, StackedLorasRestoreTheBaseAndAlphaZeroMeansTheRank) {
-  models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
+  const auto owned = models::load_model(tiny_.diffusers);
+  models::DiffusionModel& model = *owned;
   std::map<std::string, torch::Tensor> before;
-  for (const auto& item : model.unet->named_parameters()) before[item.key()] = item.value().clone();
-  {
-    MergedLoras stack;
-    stack.add(model, ref_ / "lora.safetensors", 1.0);
-    stack.add(model, ref_ / "lora.safetensors", 0.5);
-    ASSERT_EQ(stack.size(), 2u);
-  }
-  for (const auto& item : model.unet->named_parameters()) {
-    EXPECT_TRUE(torch::equal(item.value(), before.at(item.key()))) << item.key() << " changed";
+  for (const auto& item : model.denoiser_module().named_parameters()) before[item.key()] = item.value().clone();
+  for (const auto application :
+       {MergedLora::Application::kInSlots, MergedLora::Application::kMergedRestorable}) {
+    {
+      MergedLoras stack;
+      stack.add(model, ref_ / "lora.safetensors", 1.0, application);
+      stack.add(model, ref_ / "lora.safetensors", 0.5, application);
+      ASSERT_EQ(stack.size(), 2u);
+    }
+    for (const auto& item : model.denoiser_module().named_parameters()) {
+      EXPECT_TRUE(torch::equal(item.value(), before.at(item.key()))) << item.key() << " changed";
+    }
+    for (const auto& target : model.lora_targets(true, true)) {
+      EXPECT_EQ(target.slot(), nullptr) << target.name;
+    }
   }
 
   // The same LoRA with every alpha written as 0, and as its rank: the same merge.
   auto unet_weights = [&] {
     std::map<std::string, torch::Tensor> out;
-    for (const auto& item : model.unet->named_parameters()) out[item.key()] = item.value().clone();
+    for (const auto& item : model.denoiser_module().named_parameters()) out[item.key()] = item.value().clone();
     return out;
   };
   const auto tensors =
@@ -300,11 +314,13 @@ TEST_F(SamplerParityRender, StackedLorasRestoreTheBaseAndAlphaZeroMeansTheRank) 
   write_with_alpha(dir_ / "alpha_rank.safetensors", false);
   std::map<std::string, torch::Tensor> with_zero, with_rank;
   {
-    MergedLora zero(model, dir_ / "alpha0.safetensors", 1.0);
+    MergedLora zero(model, dir_ / "alpha0.safetensors", 1.0,
+                    MergedLora::Application::kMergedRestorable);
     with_zero = unet_weights();
   }
   {
-    MergedLora rank(model, dir_ / "alpha_rank.safetensors", 1.0);
+    MergedLora rank(model, dir_ / "alpha_rank.safetensors", 1.0,
+                    MergedLora::Application::kMergedRestorable);
     with_rank = unet_weights();
   }
   int changed = 0;
@@ -320,15 +336,22 @@ TEST_F(SamplerParityRender, StackedLorasRestoreTheBaseAndAlphaZeroMeansTheRank) 
 // out newest first the slots are empty again.
 TEST_F(SamplerParityRender, StackedLorasOverFloat8WeightsShareTheSlots) {
   models::set_force_math_attention(true);
-  models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers);
-  models::store_weights_in_float8(*model.unet);
+  const auto owned = models::load_model(tiny_.diffusers);
+  models::DiffusionModel& model = *owned;
+  models::store_weights_in_float8(model.denoiser_module());
   torch::manual_seed(3);
   const torch::Tensor latents = torch::randn({1, 4, 8, 8});
   const torch::Tensor t = torch::tensor({500}, torch::kInt64);
-  const torch::Tensor context = torch::randn({1, 77, model.unet->config().cross_attention_dim});
+  // The tiny model's cross-attention width, from its first attention's key projection.
+  const int64_t width = model.denoiser_module()
+                            .named_parameters()["down_blocks.0.attentions.0.transformer_blocks.0"
+                                                ".attn2.to_k.weight"]
+                            .size(1);
+  models::Conditioning context;
+  context.hidden_states = torch::randn({1, model.model_family().text.max_length, width});
   auto denoise = [&] {
     torch::NoGradGuard no_grad;
-    return model.unet->forward(latents, t, context);
+    return model.denoise(latents, t, context);
   };
   torch::Tensor once;
   {

@@ -21,7 +21,8 @@
 #include "common/log.h"
 #include "models/device.h"
 #include "models/float8.h"
-#include "models/pipeline.h"
+#include "models/placement.h"
+#include "models/registry.h"
 #include "models/safetensors.h"
 #include "proto/wire.h"
 #include "runtime/stage.h"
@@ -219,31 +220,26 @@ class Sampler {
       sub_->connect(o_.sub_endpoint);
     }
     start_vips();
-    models::LoadOptions load;
     const c10::Device device = models::resolve_device(o_.device);
     device_ = device;
-    const std::map<std::string, c10::ScalarType> dtypes{
-        {"no", c10::kFloat}, {"fp16", c10::kHalf}, {"bf16", c10::kBFloat16}};
-    if (!dtypes.count(o_.mixed_precision)) {
-      throw InputError("--mixed_precision=" + o_.mixed_precision + ": expected no, fp16 or bf16");
-    }
-    const c10::ScalarType dtype = dtypes.at(o_.mixed_precision);
+    const c10::ScalarType dtype = models::parse_precision(o_.mixed_precision, "--mixed_precision");
+    // Built on the CPU, then placed (models/placement.h). The trainer's --base_weights merge into
+    // fp32 weights, as the trainer's do, so the renders see the base it trained on.
+    models::LoadOptions load;
+    load.family = o_.model_family;
     load.tokenizer = o_.tokenizer;
     load.vae = o_.vae;
-    model_ = models::load_stable_diffusion(o_.model, load);  // fp32, on the CPU
-    for (const auto& [file, multiplier] : o_.base_weights) {  // into the fp32 weights
-      const models::MergedLora merged(model_, file, multiplier, /*keep_originals=*/false);
-    }
-    model_.unet->to(dtype);
-    model_.text_encoder->to(dtype);
-    if (dtype != c10::kHalf) model_.vae->to(dtype);
-    if (o_.fp8_base || o_.fp8_base_unet) models::store_weights_in_float8(*model_.unet);
-    if (o_.fp8_base && !o_.fp8_base_unet) models::store_weights_in_float8(*model_.text_encoder);
-    for (torch::nn::Module* m : std::vector<torch::nn::Module*>{
-             model_.unet.get(), model_.text_encoder.get(), model_.vae.get()}) {
-      m->to(device);  // device only: a dtype would widen float8 weights again
-    }
-    load.device = device;
+    load.dtype = o_.base_weights.empty() ? dtype : c10::kFloat;
+    // fp16 keeps the VAE in fp32 (SD's VAE overflows in fp16), as loaded.
+    load.vae_dtype = dtype == c10::kHalf || !o_.base_weights.empty() ? c10::kFloat : dtype;
+    model_ = models::load_model(o_.model, load);
+    models::merge_base_weights(*model_, o_.base_weights);
+    models::Placement placement;
+    placement.device = device;
+    placement.dtype = dtype;
+    placement.fp8_denoiser = o_.fp8_base || o_.fp8_base_unet;
+    placement.fp8_text_encoders = o_.fp8_base && !o_.fp8_base_unet;
+    models::place(*model_, placement);
     PromptDefaults defaults;
     defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
     for (char c : o_.sampler) {
@@ -274,8 +270,8 @@ class Sampler {
         LP_LOG(kWarning, kLog) << index.string() << " unreadable, starting a new one: " << e.what();
       }
     }
-    LP_LOG(kInfo, kLog) << "model " << model_.source << " on "
-                        << models::describe_device(load.device) << "; " << prompts_.prompts.size()
+    LP_LOG(kInfo, kLog) << "model " << model_->source() << " on "
+                        << models::describe_device(device) << "; " << prompts_.prompts.size()
                         << " prompts from " << o_.sample_prompts.string();
   }
 
@@ -302,7 +298,7 @@ class Sampler {
     try {
       std::string lora_names;
       for (const auto& [file, multiplier] : loras) {
-        merged.add(model_, file, multiplier);
+        merged.add(*model_, file, multiplier);
         std::ostringstream weight;
         weight << multiplier;  // shortest form: 0.125 stays 0.125, 1 is 1
         lora_names += (lora_names.empty() ? "" : " ") + file.stem().string() + ":" + weight.str();
@@ -319,17 +315,17 @@ class Sampler {
         const RenderRequest& r = prompts_.prompts[i];
         std::vector<models::Conditioning>& kept = own_text_encoder ? for_this_lora : base_prompts_;
         if (kept.size() <= i) {
-          kept.push_back(encode_request(model_, r, o_.clip_skip));
+          kept.push_back(encode_request(*model_, r, o_.clip_skip));
           ++summary_.prompt_encodings;
         }
         render_options.conditioning = &kept[i];
-        const RenderResult result = render(model_, r, render_options);
+        const RenderResult result = render(*model_, r, render_options);
         char file_name[64];
         std::snprintf(file_name, sizeof file_name, "%06llu_%02d.png",
                       static_cast<unsigned long long>(step), r.index);
         const fs::path path = o_.output_dir / "samples" / (prefix + file_name);
         VImage image = to_vips(result.image);
-        write_png(path, image, parameters_text(r, model_.source, lora_names));
+        write_png(path, image, parameters_text(r, model_->source(), lora_names));
         images.push_back(path.filename().string());
         tiles.push_back(image);
         if (o_.delay_per_image_s > 0) {
@@ -499,7 +495,7 @@ class Sampler {
   SamplerOptions o_;
   zmq::context_t context_;
   std::optional<zmq::socket_t> sub_;  // following a run: CheckpointReady
-  models::StableDiffusion model_;
+  std::unique_ptr<models::DiffusionModel> model_;
   PromptSet prompts_;
   SamplerSummary summary_;
   std::optional<runtime::StatusPublisher> status_;  // while following a run

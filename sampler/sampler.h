@@ -21,6 +21,7 @@ namespace lorapipe::sampler {
 
 struct SamplerOptions {
   std::filesystem::path model;
+  std::string model_family;  // --model_family: load as this family (empty: detect it)
   std::filesystem::path tokenizer;
   std::filesystem::path vae;  // kohya's --vae: decode with another VAE than the checkpoint's
   std::filesystem::path sample_prompts;

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "common/error.h"
+#include "models/ddpm.h"
 
 namespace lorapipe::sampler {
 namespace {
@@ -68,7 +69,8 @@ std::vector<std::string> sampler_names() {
           "dpmsolver++_karras"};
 }
 
-SchedulerOptions scheduler_options(const std::string& name, bool v_prediction) {
+SchedulerOptions scheduler_options(const std::string& name, bool v_prediction,
+                                   const models::DdpmSchedule& schedule) {
   static const std::map<std::string, std::pair<SamplerKind, bool>> kinds = {
       {"ddim", {SamplerKind::kDdim, false}},
       {"euler", {SamplerKind::kEuler, false}},
@@ -100,6 +102,7 @@ SchedulerOptions scheduler_options(const std::string& name, bool v_prediction) {
   o.v_prediction = v_prediction;
   o.kind = it->second.first;
   o.karras = it->second.second;
+  o.schedule = schedule;
   return o;
 }
 
@@ -116,11 +119,12 @@ Scheduler::Scheduler(const SchedulerOptions& options, int steps)
   if (options.karras && kind != SamplerKind::kEuler && kind != SamplerKind::kDpmSolverPlusPlus) {
     throw InputError("Karras sigmas apply to euler and dpmsolver++ only");
   }
-  // diffusers' scaled_linear schedule, with the same ops on the CPU (linspace of square roots in
-  // fp32, squared; cumprod).
-  const at::Tensor betas =
-      torch::linspace(std::sqrt(0.00085), std::sqrt(0.012), kTrainSteps, torch::kFloat32).pow(2);
-  alphas_cumprod_ = torch::cumprod(1.0 - betas, 0);
+  // The family's scaled_linear table (models/ddpm.h), the trainer's own.
+  if (options.schedule.steps != kTrainSteps) {
+    throw InputError("the samplers take a 1000-step training schedule, the model's has " +
+                     std::to_string(options.schedule.steps));
+  }
+  alphas_cumprod_ = models::ddpm_alphas_cumprod(options.schedule);
   final_alpha_cumprod_ = kind == SamplerKind::kPndm || !options.set_alpha_to_one
                              ? alphas_cumprod_[0]
                              : scalar_tensor(1.0);

@@ -5,8 +5,8 @@
 // EulerAncestralDiscreteScheduler, DPMSolverMultistepScheduler (DPM++ 2M and DPM-Solver 2M),
 // DPMSolverSinglestepScheduler (DPM++ 2S), HeunDiscreteScheduler, KDPM2DiscreteScheduler,
 // KDPM2AncestralDiscreteScheduler, LMSDiscreteScheduler, PNDMScheduler and DDPMScheduler, with
-// epsilon or v-prediction, and Karras sigmas for Euler and DPM++ 2M. The noise schedule is SD's
-// (scaled_linear 0.00085-0.012 over 1000 steps).
+// epsilon or v-prediction, and Karras sigmas for Euler and DPM++ 2M. The noise table is the
+// model family's (ModelFamily::schedule through models/ddpm.h, the one the trainer noises with).
 //
 // The arithmetic follows diffusers' code: the tables are built with the same LibTorch ops on the
 // CPU, the scalars of a step are 0-dim fp32 tensors combined in diffusers' order, the timestep
@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include "models/family.h"
+
 namespace lorapipe::sampler {
 
 enum class SamplerKind {
@@ -47,6 +49,8 @@ enum class SamplerKind {
 
 struct SchedulerOptions {
   SamplerKind kind = SamplerKind::kDdim;
+  // The family's training schedule (ModelFamily::schedule): its table, over 1000 steps.
+  models::DdpmSchedule schedule;
   bool v_prediction = false;
   bool karras = false;  // Euler and DPM++ 2M: Karras et al.'s sigmas (rho 7)
   // DDIM only. kohya's: offset 0, final alpha 1; diffusers' SD1.5 config: 1, false.
@@ -60,7 +64,8 @@ struct SchedulerOptions {
 // "dpmsolver++", "dpmsolver", "dpmsingle", "heun", "dpm_2" / "k_dpm_2", "dpm_2_a" / "k_dpm_2_a",
 // "lms" / "k_lms", "pndm", "ddpm"; and "euler_karras", "dpmsolver++_karras" for Karras sigmas.
 // Throws InputError naming an unknown sampler and listing these.
-SchedulerOptions scheduler_options(const std::string& name, bool v_prediction);
+SchedulerOptions scheduler_options(const std::string& name, bool v_prediction,
+                                   const models::DdpmSchedule& schedule = {});
 std::vector<std::string> sampler_names();
 
 class Scheduler {

@@ -506,7 +506,8 @@ TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
   EXPECT_EQ(s.output, "/tmp/x");
   // Each stage gets its own flags, under its own names.
   const auto cacher = stage_args(s, Stage::kCacher);
-  EXPECT_NE(std::find(cacher.begin(), cacher.end(), "--model=/m.safetensors"), cacher.end());
+  EXPECT_NE(std::find(cacher.begin(), cacher.end(), "--pretrained_model_name_or_path=/m.safetensors"),
+            cacher.end());
   const auto trainer = stage_args(s, Stage::kTrainer);
   EXPECT_NE(std::find(trainer.begin(), trainer.end(), "--network_dim=32"), trainer.end());
   EXPECT_NE(std::find(trainer.begin(), trainer.end(),
@@ -649,13 +650,17 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
         "check_flags",       // the launcher's check before any stage starts
         "train_data_dir"}},  // refused, pointing to preprocess (where the launcher routes it)
       {Stage::kSampler,
-       {"output_dir", "sub", "pub", "lora", "idle_timeout_s", "delay_per_image_s", "model"}},
+       {"output_dir", "sub", "pub", "lora", "idle_timeout_s", "delay_per_image_s"}},
   };
   // A stage's second name for a flag: the launcher takes it too, as the routed name.
   const std::map<Stage, std::map<std::string, std::string>> aliases = {
       {Stage::kPreprocess,
        {{"train_data_dir", "data_dir"},                  // kohya's name
         {"caption_extention", "caption_extension"}}},  // kohya's old spelling
+      // Every stage that loads a model takes it by kohya's name and as --model.
+      {Stage::kCacher, {{"model", "pretrained_model_name_or_path"}}},
+      {Stage::kTrainer, {{"model", "pretrained_model_name_or_path"}}},
+      {Stage::kSampler, {{"model", "pretrained_model_name_or_path"}}},
   };
   for (const auto& [stage, names] : aliases) {
     for (const auto& [alias, name] : names) {

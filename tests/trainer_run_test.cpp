@@ -213,15 +213,7 @@ class TrainRunTest : public ::testing::Test {
     return nlohmann::json::parse(read_text(out / "tb.json"), nullptr, false);
   }
 
-  static std::vector<double> losses(const std::string& log) {
-    std::vector<double> out;
-    const std::regex re(R"(step \d+/\d+  loss ([-0-9.naif]+))");
-    for (auto it = std::sregex_iterator(log.begin(), log.end(), re); it != std::sregex_iterator();
-         ++it) {
-      out.push_back(std::stod((*it)[1]));
-    }
-    return out;
-  }
+  static std::vector<double> losses(const std::string& log) { return testing::trainer_losses(log); }
 
   // loss/current of each step, as TensorBoard stored it (float32).
   static std::vector<double> tensorboard_losses(const fs::path& out) {
@@ -547,11 +539,9 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
   ASSERT_EQ(r.exit, 0) << r.err;
   const fs::path file = work_ / "lora" / "tiny.safetensors";
   const auto tensors = lora(file);
-  models::LoadOptions load;
-  const models::StableDiffusion model = models::load_stable_diffusion(tiny_.diffusers, load);
+  const std::unique_ptr<models::DiffusionModel> model = models::load_model(tiny_.diffusers);
   std::map<std::string, models::LoraTarget> targets;
-  for (auto& t : models::unet_lora_targets(model.unet, /*conv_kxk=*/true)) targets[t.name] = t;
-  for (auto& t : models::text_encoder_lora_targets(model.text_encoder)) targets[t.name] = t;
+  for (auto& t : model->lora_targets(/*text_encoder=*/true, /*conv_kxk=*/true)) targets[t.name] = t;
   size_t modules = 0, conv_kxk = 0;
   for (const auto& [key, tensor] : tensors) {
     const size_t dot = key.find('.');
@@ -584,6 +574,18 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
   }
   EXPECT_EQ(meta.at("ss_network_dim"), "4");
   EXPECT_EQ(meta.at("ss_network_module"), "networks.lora");
+  // What a UI or a model site reads, as kohya writes it: its arguments as str() gives them, None
+  // for those not given, the optimizer's arguments only where the user gave some, and for a
+  // diffusers folder the hashes kohya's model_hash and calculate_sha256 give a folder.
+  EXPECT_EQ(meta.at("ss_network_alpha"), python_float_repr(std::stod(meta.at("ss_network_alpha"))));
+  EXPECT_NE(meta.at("ss_network_alpha").find('.'), std::string::npos) << meta.at("ss_network_alpha");
+  EXPECT_EQ(meta.at("ss_unet_lr"), "None");
+  EXPECT_EQ(meta.at("ss_text_encoder_lr"), "None");
+  EXPECT_EQ(meta.at("ss_clip_skip"), "None");
+  EXPECT_EQ(meta.at("ss_optimizer").find('('), std::string::npos) << meta.at("ss_optimizer");
+  EXPECT_EQ(meta.at("ss_sd_model_name"), tiny_.diffusers.filename().string());  // the suite's
+  EXPECT_EQ(meta.at("ss_sd_model_hash"), "IsADirectory");
+  EXPECT_EQ(meta.at("ss_new_sd_model_hash"), "IsADirectory");
   EXPECT_EQ(meta.at("ss_lowram"), "False");  // kohya writes its --lowram, given or not
   EXPECT_EQ(meta.at("ss_steps"), "4");
   EXPECT_EQ(meta.at("ss_resolution"), "(128, 128)");  // the suite caches at --resolution=128
@@ -932,7 +934,7 @@ TEST_F(TrainRunTest, ValidationLossIsWeighedAsTheTrainingLoss) {
   };
   const double plain = start_loss("plain", {});
   const double weighted = start_loss("min_snr", {"--min_snr_gamma=1"});
-  const double snr200 = trainer::NoiseSchedule().snr(torch::tensor({int64_t{200}})).item<double>();
+  const double snr200 = trainer::NoiseSchedule(models::model_family("sd15").schedule).snr(torch::tensor({int64_t{200}})).item<double>();
   ASSERT_GT(snr200, 1);
   std::printf("[validation] plain %.6f, min-SNR 1 %.6f (t=200 weighed by %.4f)\n", plain, weighted,
               1 / snr200);
@@ -1385,7 +1387,8 @@ TEST_F(TrainRunTest, NoMetadataKeepsKohyasMinimumAndTheEndStateIsSaved) {
     if (!key.starts_with("modelspec.")) ss.insert(key);
   }
   EXPECT_EQ(ss, (std::set<std::string>{"ss_v2", "ss_base_model_version", "ss_network_module",
-                                       "ss_network_dim", "ss_network_alpha", "sshs_model_hash"}));
+                                       "ss_network_dim", "ss_network_alpha", "sshs_model_hash",
+                                       "sshs_legacy_hash"}));
   EXPECT_EQ(meta.at("ss_network_dim"), "4");
   EXPECT_EQ(meta.at("modelspec.title"), "tiny");
   EXPECT_TRUE(fs::exists(work_ / "state" / "tiny-state"));
@@ -1486,7 +1489,7 @@ TEST_F(TrainRunTest, DimFromWeightsBuildsTheNetworkAsTheFileIs) {
   // flags' dim 8.
   const auto meta = models::SafetensorsFile::open(work_ / "c" / "lora" / "tiny.safetensors").metadata();
   EXPECT_EQ(meta.at("ss_network_dim"), "4");
-  EXPECT_EQ(meta.at("ss_network_alpha"), "4");
+  EXPECT_EQ(meta.at("ss_network_alpha"), "4.0");  // a float, as kohya's str(args.network_alpha)
 
   const TrainRun unset = run(work_ / "d", {"--max_train_steps=1", "--dim_from_weights"});
   EXPECT_NE(unset.exit, 0);

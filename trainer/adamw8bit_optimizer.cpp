@@ -144,14 +144,11 @@ class AdamW8bit final : public Optimizer {
     step_ = step.item<int64_t>();
   }
 
+  // kohya's ss_optimizer: the class, and the arguments only where the user gave some.
   std::string describe() const override {
-    std::ostringstream out;
-    out << "bitsandbytes.optim.adamw." << (paged_ ? "PagedAdamW8bit" : "AdamW8bit")
-        << "(weight_decay=" << weight_decay() << ",betas=(" << options_.beta1 << ","
-        << options_.beta2 << "),eps=" << options_.eps;
-    if (options_.min_8bit_size) out << ",min_8bit_size=" << *options_.min_8bit_size;
-    out << ")";
-    return out.str();
+    return kohya_optimizer_name(
+        std::string("bitsandbytes.optim.adamw.") + (paged_ ? "PagedAdamW8bit" : "AdamW8bit"),
+        options_);
   }
 
  private:

@@ -67,18 +67,6 @@ std::vector<double> block_list(const std::string& key, const std::string& value)
 
 }  // namespace
 
-int kohya_block_index(const std::string& lora_name) {
-  static const std::regex updown("(up|down)_blocks_(\\d+)_(resnets|upsamplers|downsamplers|attentions)_(\\d+)_");
-  std::smatch m;
-  if (std::regex_search(lora_name, m, updown)) {
-    const int i = std::stoi(m[2].str()), j = std::stoi(m[4].str());
-    const int index = m[3] == "resnets" || m[3] == "attentions" ? 3 * i + j : 3 * i + 2;
-    return m[1] == "down" ? 1 + index : 13 + index;
-  }
-  if (lora_name.find("mid_block_") != std::string::npos) return 12;
-  return -1;
-}
-
 std::vector<std::string> resolve_block_args(const BlockArgs& args, NetworkOptions& options) {
   std::vector<std::string> warnings;
   const auto given = [&](const char* key) { return args.values.count(key) > 0; };
@@ -233,7 +221,7 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
     double alpha = kxk ? options.conv_alpha : options.alpha;
     if (blocks && !target.text_encoder) {
       // kohya's block-wise ranks; a name outside every block is Python's index -1, the last.
-      const int index = kohya_block_index(target.name);
+      const int index = target.block;
       const size_t b = index < 0 ? kKohyaBlocks - 1 : static_cast<size_t>(index);
       if (b >= kKohyaBlocks) throw Error(target.name + ": block " + std::to_string(b) + " of 25");
       if (!kxk) {
@@ -257,8 +245,10 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
     }
     if (alpha == 0) alpha = static_cast<double>(rank);  // kohya: alpha 0 or None means dim
     auto adapter = std::make_shared<models::LoraAdapter>();
-    const at::Tensor& weight = target.weight();
-    const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32).device(weight.device());
+    // Built and drawn on the CPU from the CPU generator, as kohya initialises its network
+    // before accelerate places it, then moved to the layer's device: the same values on every
+    // device (a CPU generator cannot draw into a CUDA tensor).
+    const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32).device(torch::kCPU);
     if (target.conv) {
       const auto& o = target.conv->options;
       const auto& k = *o.kernel_size();
@@ -273,6 +263,9 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
       adapter->up = torch::zeros({target.out_features(), rank}, fp32);
     }
     kaiming_uniform_sqrt5(adapter->down, generator);
+    const c10::Device device = target.weight().device();
+    adapter->down = adapter->down.to(device);
+    adapter->up = adapter->up.to(device);
     adapter->scale = alpha / static_cast<double>(rank);
     adapter->multiplier = options.multiplier;
     adapter->dropout = options.dropout;

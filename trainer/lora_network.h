@@ -45,14 +45,10 @@ struct NetworkOptions {
   std::vector<double> block_lr_weight;
 };
 
-// SD1.x's U-Net as kohya's block-wise arguments count it: IN00-IN11, MID, OUT00-OUT11.
+// SD1.x's U-Net as kohya's block-wise arguments count it: IN00-IN11, MID, OUT00-OUT11. The
+// network checks it against the family's table (KohyaFamilyNames::blocks), which gives each
+// target its block (LoraTarget::block).
 inline constexpr size_t kKohyaBlocks = 25;
-
-// kohya's get_block_index for an SD1.x module name ("lora_unet_down_blocks_1_attentions_0_..."):
-// down block i's resnet or attention j is block 1 + 3i + j and its downsampler 1 + 3i + 2; the
-// mid block is 12; up block i's are 13 + 3i + j (its upsampler 13 + 3i + 2). -1 for a name
-// outside those blocks.
-int kohya_block_index(const std::string& lora_name);
 
 // The raw block-wise network_args, by key, as kohya's create_network takes them.
 struct BlockArgs {

@@ -31,6 +31,10 @@
 // Model, data and output.
 DEFINE_string(pretrained_model_name_or_path, "",
               "Base model: single .safetensors or diffusers folder");
+DEFINE_string(model, "", "Alias of --pretrained_model_name_or_path");
+DEFINE_string(model_family, "",
+              "Load the model as this family (sd15) instead of detecting it from its keys, its "
+              "model_index.json or its metadata");
 DEFINE_string(tokenizer, "",
               "Another CLIP vocabulary (folder, merges.txt or .gz); CLIP's own is built in");
 DEFINE_string(vae, "",
@@ -357,7 +361,9 @@ int main(int argc, char** argv) {
     t::Options o;
     // Data-parallel ranks, as torchrun, Slurm and Kubernetes start them (trainer/ranks.h).
     o.ranks = t::rank_environment();
-    o.model = FLAGS_pretrained_model_name_or_path;
+    o.model = FLAGS_pretrained_model_name_or_path.empty() ? FLAGS_model
+                                                          : FLAGS_pretrained_model_name_or_path;
+    o.model_family = FLAGS_model_family;
     o.tokenizer = FLAGS_tokenizer;
     o.vae = FLAGS_vae;
     o.cache_dir = FLAGS_cache_dir;
@@ -483,22 +489,14 @@ int main(int argc, char** argv) {
     o.network_args = words(FLAGS_network_args);
     o.network_weights = FLAGS_network_weights;
     o.dim_from_weights = FLAGS_dim_from_weights;
-    const std::vector<std::string> multipliers = words(FLAGS_base_weights_multiplier);
-    const std::vector<std::string> base_files = words(FLAGS_base_weights);
-    if (multipliers.size() > base_files.size()) {
-      throw lorapipe::InputError("--base_weights_multiplier gives " +
-                                 std::to_string(multipliers.size()) + " multipliers for " +
-                                 std::to_string(base_files.size()) + " --base_weights files");
-    }
-    for (size_t i = 0; i < base_files.size(); ++i) {
-      o.base_weights.emplace_back(
-          base_files[i], i < multipliers.size()
-                             ? flag_number("--base_weights_multiplier", multipliers[i])
-                             : 1.0);
+    for (const auto& [file, multiplier] :
+         lorapipe::kohya::parse_base_weights(FLAGS_base_weights, FLAGS_base_weights_multiplier)) {
+      o.base_weights.emplace_back(file, multiplier);
     }
     o.lr_warmup_steps = steps_or_ratio("--lr_warmup_steps", FLAGS_lr_warmup_steps);
     auto& s = o.step;
     s.clip_skip = FLAGS_clip_skip;
+    o.clip_skip_given = !gflags::GetCommandLineFlagInfoOrDie("clip_skip").is_default;
     s.base_dtype = FLAGS_mixed_precision == "fp16"   ? c10::kHalf
                    : FLAGS_mixed_precision == "bf16" ? c10::kBFloat16
                                                      : c10::kFloat;

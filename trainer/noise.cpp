@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "models/ddpm.h"
 
 namespace lorapipe::trainer {
 namespace {
@@ -17,11 +18,10 @@ at::Tensor per_sample(const at::Tensor& values, const at::Tensor& like) {
 
 }  // namespace
 
-NoiseSchedule::NoiseSchedule(double beta_start, double beta_end, int64_t steps,
-                             bool zero_terminal_snr)
-    : steps_(steps) {
-  at::Tensor betas =
-      torch::linspace(std::sqrt(beta_start), std::sqrt(beta_end), steps, torch::kFloat32).pow(2);
+NoiseSchedule::NoiseSchedule(const models::DdpmSchedule& schedule, bool zero_terminal_snr)
+    : steps_(schedule.steps) {
+  const int64_t steps = schedule.steps;
+  at::Tensor betas = models::ddpm_betas(schedule);
   alphas_cumprod_ = torch::cumprod(1.0 - betas, /*dim=*/0);
   all_snr_ = (alphas_cumprod_.sqrt() / (1.0 - alphas_cumprod_).sqrt()).pow(2);
   if (!zero_terminal_snr) return;

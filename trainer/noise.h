@@ -9,11 +9,12 @@
 #include <cstdint>
 #include <string>
 
+#include "models/family.h"
+
 namespace lorapipe::trainer {
 
-// diffusers DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-// num_train_timesteps=1000): betas = linspace(sqrt(0.00085), sqrt(0.012), 1000)^2 in fp32,
-// alphas_cumprod = cumprod(1 - betas) in fp32. Stable Diffusion's training schedule.
+// The family's DDPM training schedule (ModelFamily::schedule, its table from models/ddpm.h:
+// diffusers' DDPMScheduler with scaled_linear betas), with kohya's options on top.
 //
 // `zero_terminal_snr` (kohya's --zero_terminal_snr; Lin et al. 2023, arXiv 2305.08891) rescales
 // the betas so that sqrt(alphas_cumprod) keeps its first value and ends at exactly 0: the last
@@ -24,8 +25,7 @@ namespace lorapipe::trainer {
 // it rescales, so min-SNR and the other SNR weightings stay finite at the last timestep.
 class NoiseSchedule {
  public:
-  NoiseSchedule(double beta_start = 0.00085, double beta_end = 0.012, int64_t steps = 1000,
-                bool zero_terminal_snr = false);
+  explicit NoiseSchedule(const models::DdpmSchedule& schedule, bool zero_terminal_snr = false);
 
   int64_t num_train_timesteps() const { return steps_; }
   const at::Tensor& alphas_cumprod() const { return alphas_cumprod_; }  // [steps] fp32, CPU

@@ -80,12 +80,9 @@ class TorchAdamW final : public Optimizer {
     }
     adamw_->load(archive);
   }
+  // kohya's ss_optimizer: the class, and the arguments only where the user gave some.
   std::string describe() const override {
-    std::ostringstream out;
-    out << "torch.optim.adamw.AdamW(weight_decay=" << options_.weight_decay.value_or(kAdamWWeightDecay)
-        << ",betas=("
-        << options_.beta1 << "," << options_.beta2 << "),eps=" << options_.eps << ")";
-    return out.str();
+    return kohya_optimizer_name("torch.optim.adamw.AdamW", options_);
   }
 
  private:

@@ -48,7 +48,7 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
     : model_(model),
       network_(network),
       options_(options),
-      schedule_(0.00085, 0.012, 1000, options.zero_terminal_snr) {
+      schedule_(model.model_family().schedule, options.zero_terminal_snr) {
   check(options);
 
   std::vector<ParamGroup> groups;
@@ -84,7 +84,7 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
     std::map<int, std::vector<at::Tensor>> by_block;
     for (const LoraNetwork::Module& m : network.modules()) {
       if (m.target.text_encoder) continue;
-      const int index = kohya_block_index(m.target.name);
+      const int index = m.target.block;
       const int b = index < 0 ? static_cast<int>(kKohyaBlocks) - 1 : index;  // Python's [-1]
       if (!by_block.count(b)) order.push_back(b);
       by_block[b].push_back(m.adapter->down);
@@ -117,13 +117,10 @@ std::vector<at::Tensor> TrainingStep::trainable() const {
 
 models::Conditioning TrainingStep::conditioning(const MicroBatch& batch) {
   if (batch.encoder_hidden_states.defined()) {
-    return model_.cached_conditioning(batch.encoder_hidden_states, batch.pooled);
+    return model_.cached_conditioning(batch.encoder_hidden_states, batch.pooled, batch.text_mask);
   }
-  TORCH_CHECK(batch.input_ids.defined(), "a micro-batch needs input_ids or hidden states");
-  if (batch.token_weights.defined()) {
-    return model_.encode_weighted_text(batch.input_ids, batch.token_weights, options_.clip_skip);
-  }
-  return model_.encode_text(batch.input_ids, options_.clip_skip);
+  TORCH_CHECK(!batch.tokens.empty(), "a micro-batch needs token ids or hidden states");
+  return model_.encode_text(batch.tokens, options_.clip_skip);
 }
 
 at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
@@ -193,10 +190,11 @@ double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generat
       return t.defined() ? t.narrow(0, batch.rows_begin, batch.rows) : t;
     };
     MicroBatch mine;
-    mine.input_ids = rows(batch.input_ids);
-    mine.token_weights = rows(batch.token_weights);
+    for (const at::Tensor& ids : batch.tokens.ids) mine.tokens.ids.push_back(rows(ids));
+    for (const at::Tensor& w : batch.tokens.weights) mine.tokens.weights.push_back(rows(w));
     mine.encoder_hidden_states = rows(batch.encoder_hidden_states);
     mine.pooled = rows(batch.pooled);
+    mine.text_mask = rows(batch.text_mask);
     const at::Tensor my_timesteps = rows(timesteps);
     at::Tensor loss = per_sample_loss(rows(latents), rows(noise), my_timesteps, conditioning(mine),
                                       rows(input_noise), rows(batch.masks));

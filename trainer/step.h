@@ -18,15 +18,12 @@
 #include <string>
 #include <vector>
 
+#include "models/diffusion_model.h"
 #include "trainer/lora_network.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/noise.h"
 #include "trainer/optimizer.h"
 
-namespace lorapipe::models {
-class DiffusionModel;
-struct Conditioning;
-}
 
 namespace lorapipe::trainer {
 
@@ -52,7 +49,6 @@ struct StepOptions {
   double max_grad_norm = 1.0;     // 0: no clipping
   c10::ScalarType base_dtype = c10::kFloat;  // --mixed_precision: the frozen base's dtype
   bool gradient_checkpointing = false;
-  double vae_scaling_factor = 0.18215;
   OptimizerOptions optimizer;
   struct LearningRates {
     double learning_rate = 1e-4;  // --learning_rate
@@ -68,15 +64,16 @@ struct StepOptions {
 };
 
 // One micro-batch. `latents` are already drawn from the cached distribution and scaled by the
-// VAE factor. Text comes as token ids (encoded online, through the LoRA when the text encoder
-// trains) or as cached encoder hidden states. `noise`, `offset_noise` and `timesteps` are drawn
+// family's latent factors (DiffusionModel::model_latents). Text comes as token ids for each text
+// encoder (encoded online, through the LoRA when the text encoder trains) or as cached encoder
+// hidden states. `noise`, `offset_noise` and `timesteps` are drawn
 // from the step's generator unless given.
 struct MicroBatch {
   at::Tensor latents;                // [B, 4, h, w] fp32
-  at::Tensor input_ids;              // [B, 77] int64 (with token_weights, --weighted_captions), or
-  at::Tensor encoder_hidden_states;  // [B, 77, C]
+  models::TokenBatch tokens;         // ids per text encoder (weights: --weighted_captions), or
+  at::Tensor encoder_hidden_states;  // [B, tokens, C] cached
   at::Tensor pooled;                 // [B, C'] cached with the hidden states (families that use it)
-  at::Tensor token_weights;          // optional [B, 77] fp32, input_ids' weights
+  at::Tensor text_mask;              // [B, tokens] cached with them (families whose text has one)
   at::Tensor loss_weights;           // [B] fp32: prior_loss_weight for reg images, else 1
   at::Tensor noise;                  // optional [B, 4, h, w]
   at::Tensor offset_noise;           // optional [B, 4, 1, 1] (with noise_offset)

@@ -19,6 +19,7 @@ namespace lorapipe::trainer {
 struct Options {
   // What to train on.
   std::filesystem::path model;  // --pretrained_model_name_or_path: single file or diffusers folder
+  std::string model_family;     // --model_family: load as this family (empty: detect it)
   std::filesystem::path tokenizer;  // for single files (folders carry theirs)
   // kohya's --vae: the VAE the cacher encoded with, in place of the checkpoint's (the manifest's
   // VAE fingerprint is checked against it).
@@ -28,6 +29,9 @@ struct Options {
   std::string dataset_id;
   std::string device = "auto";
   std::string mixed_precision = "no";  // no, fp16, bf16
+  // Whether --clip_skip was given (kohya's ss_clip_skip is None otherwise); step.clip_skip holds
+  // the layer either way.
+  bool clip_skip_given = false;
   // kohya's --fp8_base (the U-Net's and the text encoder's Linear and Conv2d weights stored in
   // float8, models/float8.h) and --fp8_base_unet (the U-Net's alone; it wins over fp8_base).
   bool fp8_base = false;

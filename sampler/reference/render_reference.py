@@ -193,21 +193,13 @@ def main():
     render(pipe, "ddim", initial, f"{out}/ddim_long.safetensors", prompt=LONG_PROMPT)
     assert len(prompt_attention(WEIGHTED_PROMPT)) > 3, prompt_attention(WEIGHTED_PROMPT)
     render(pipe, "ddim", initial, f"{out}/ddim_weighted.safetensors", prompt=WEIGHTED_PROMPT)
-    # With a LoRA: diffusers loads the kohya file (load_lora_weights, scale 1) and fuses it into
-    # the weights (fuse_lora: W + scale * up @ down), as lorapipe merges it.
+    # With a LoRA: diffusers loads the kohya file (load_lora_weights, scale 1) and peft computes it
+    # beside the frozen weights, base(x) + lora_B(lora_A(x)) * scale, unfused: what lorapipe's
+    # sampler computes with the LoRA in the layers' slots.
     kohya_lora(pipe, f"{out}/lora.safetensors")
     pipe.load_lora_weights(f"{out}/lora.safetensors", adapter_name="check")
-    base = {m: {n: p.detach().clone() for n, p in getattr(pipe, m).named_parameters()}
-            for m in ("unet", "text_encoder")}
-    pipe.fuse_lora(lora_scale=1.0)
     for name in ("ddim", "euler", "euler_a", "dpmsolver++", "dpmsolver++_karras"):
         render(pipe, name, initial, f"{out}/{name}_lora.safetensors")
-    # Unfused again, the base weights put back exactly (unfusing subtracts, which rounds).
-    pipe.unfuse_lora()
-    with torch.no_grad():
-        for m, saved in base.items():
-            for n, p in getattr(pipe, m).named_parameters():
-                p.copy_(saved[n])
     # --fp8_base: every base Linear and Conv2d weight of the U-Net and text encoder rounded to
     # float8_e4m3fn (lorapipe stores them so and widens them per call; the VAE is not touched),
     # the LoRA computed beside them, unfused, as peft computes it (lorapipe puts it in the layers'

@@ -20,8 +20,14 @@
 #     the script runs the test binaries that hold them, whole): kernels_test (the devices),
 #     adamw8bit_test (the CUDA kernel bit for bit against the CPU reference, paged against plain
 #     state; its parity tests against bitsandbytes run where bitsandbytes is installed),
-#     models_test (device selection) and trainer_ranks_test (each rank's GPU). A test that skips
-#     itself here counts as a failure, and so does a machine where torch sees no CUDA device.
+#     models_test (device selection, the model seam's placement) and trainer_ranks_test (each
+#     rank's GPU). A test that skips itself here counts as a failure, and so does a machine where
+#     torch sees no CUDA device.
+#   - The stages on CUDA (tests/stages_on_device_test.cpp): lorapipe-cacher encoding samples sent
+#     to it over ZeroMQ on the device, lorapipe-trainer training from that cache with
+#     --save_state, and a second run resuming from the state of step 2 to the straight run's end.
+#     And train_parity_test's TrainLora.AdaptersDrawTheSameValuesWhateverThePlacement: the LoRA's
+#     adapters over a base on CUDA equal the CPU run's (drawn on the CPU, then placed).
 #   - bench/adamw8bit_bench.py on CUDA with bf16 parameters: lorapipe's kernel against torch's
 #     fused AdamW (and bitsandbytes' CUDA AdamW8bit where present), the memory-bandwidth bound
 #     it is measured against, and paged against plain device memory.
@@ -33,8 +39,9 @@
 #   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps, also
 #     over float8 weights (--fp8_base);
 #     s/image and peak allocated memory.
-# Not yet here: two-rank NCCL training (one GPU cannot hold two NCCL ranks) and a launcher run
-# (its stages write images through libvips, whose Debian packages are more than the carry allows).
+# Not yet here: two-rank NCCL training (one GPU cannot hold two NCCL ranks), and the sampler stage
+# and a launcher run (they write images through libvips, whose Debian packages are more than the
+# carry allows): the sampler's render path on CUDA is sampler_bench's below.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -101,7 +108,8 @@ cmake -S "${ROOT}" -B "${BUILD}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLORAPIPE_
   -DCMAKE_CUDA_ARCHITECTURES=90 -DProtobuf_PROTOC_EXECUTABLE="${PREFIX}/usr/bin/protoc" \
   -DCMAKE_INCLUDE_PATH="${PREFIX}/usr/include" -DCMAKE_LIBRARY_PATH="${LIBDIR}" || exit 1
 cmake --build "${BUILD}" --parallel "$(nproc)" --target kernels_test adamw8bit_test models_test \
-  trainer_ranks_test adamw8bit_bench trainer_bench sampler_bench || exit 1
+  trainer_ranks_test train_parity_test stages_on_device_test lorapipe-cacher lorapipe-trainer \
+  adamw8bit_bench trainer_bench sampler_bench || exit 1
 
 step "GPU tests"
 # adamw8bit_test's parity suite needs bitsandbytes in python3; the rest needs nothing more.
@@ -110,7 +118,9 @@ if ! python3 -c 'import bitsandbytes' 2>/dev/null; then
   FILTER='AdamW8bitCuda.*:AdamW8bitCpu.*:AdamW8bitQuantize.*'
   echo "not run (no bitsandbytes in python3): AdamW8bitParity.*, AdamW8bitMaps.*"
 fi
-for test in kernels_test models_test trainer_ranks_test "adamw8bit_test --gtest_filter=${FILTER}"; do
+for test in kernels_test models_test trainer_ranks_test "adamw8bit_test --gtest_filter=${FILTER}" \
+  "train_parity_test --gtest_filter=TrainLora.AdaptersDrawTheSameValuesWhateverThePlacement" \
+  stages_on_device_test; do
   name="${test%% *}"
   # shellcheck disable=SC2086  # the filter travels as its own word
   if ! "${BUILD}/bin/"${test} --gtest_output="xml:${OUT}/${name}.xml"; then FAILED+=("${name}"); fi

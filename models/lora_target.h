@@ -1,0 +1,40 @@
+#pragma once
+// A layer a LoRA adapts, whatever the family: kohya's name for it, the module path the
+// reference implementation gives it, which part of the model it belongs to (the denoiser, or
+// which text encoder) and kohya's block index for block-wise network_args. Each family makes its
+// own (models/sd15_lora.h for SD1.x); saving, loading, training and merging LoRAs go through
+// this alone.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "models/linear.h"
+
+namespace lorapipe::models {
+
+struct LoraTarget {
+  std::string name;         // kohya's: "lora_unet_down_blocks_0_attentions_0_proj_in"
+  std::string module_path;  // diffusers' / transformers': "down_blocks.0.attentions.0.proj_in"
+  bool text_encoder = false;
+  // Which text encoder (0: the first; SDXL's second is 1), for text-encoder targets.
+  int encoder = 0;
+  // kohya's block of a denoiser target, an index into the family's block table
+  // (KohyaFamilyNames::blocks); -1 where the layer is in no block (kohya's Python index -1: the
+  // last) and for text-encoder targets.
+  int block = -1;
+  // Exactly one of the two is set.
+  std::shared_ptr<LinearImpl> linear;
+  std::shared_ptr<Conv2dImpl> conv;
+
+  // A 3x3 (or larger) convolution: adapted only with conv LoRA, at the conv rank.
+  bool is_conv_kxk() const;
+  int64_t in_features() const;   // input channels for a conv
+  int64_t out_features() const;  // output channels for a conv
+  const at::Tensor& weight() const;
+  std::shared_ptr<LoraAdapter>& slot() const;
+};
+
+}  // namespace lorapipe::models

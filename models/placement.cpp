@@ -1,0 +1,79 @@
+#include "models/placement.h"
+
+#include <torch/torch.h>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "models/device.h"
+#include "models/float8.h"
+
+namespace lorapipe::models {
+namespace {
+
+constexpr std::string_view kLog = "models";
+using Role = DiffusionModel::Role;
+
+}  // namespace
+
+c10::ScalarType parse_precision(std::string_view name, std::string_view flag) {
+  if (name == "no" || name == "float" || name == "fp32") return c10::kFloat;
+  if (name == "fp16") return c10::kHalf;
+  if (name == "bf16") return c10::kBFloat16;
+  throw InputError(std::string(flag) + "=" + std::string(name) + ": expected " +
+                   (flag == "--mixed_precision" ? "no" : flag == "--save_precision" ? "float" : "fp32") +
+                   ", fp16 or bf16");
+}
+
+PlacementReport place(DiffusionModel& model, const Placement& placement) {
+  if (placement.blocks_to_swap > 0) {
+    throw InputError("--blocks_to_swap=" + std::to_string(placement.blocks_to_swap) +
+                     ": block swap is not built yet; fit the model with --fp8_base and "
+                     "--gradient_checkpointing instead");
+  }
+  torch::NoGradGuard no_grad;
+  PlacementReport report;
+  for (const DiffusionModel::Component& c : model.components()) {
+    torch::nn::Module& module = *c.module;
+    const bool text = c.role == Role::kTextEncoder;
+    c10::ScalarType dtype = placement.dtype;
+    if (c.role == Role::kVae) {
+      if (placement.vae_dtype) {
+        dtype = *placement.vae_dtype;
+      } else if (dtype == c10::kHalf) {
+        dtype = module.parameters().empty() ? dtype : module.parameters().front().scalar_type();
+      }
+    }
+    const bool fp8 = (c.role == Role::kDenoiser && placement.fp8_denoiser) ||
+                     (text && placement.fp8_text_encoders);
+    const c10::Device device =
+        text && !placement.text_encoders_on_device ? c10::Device(c10::kCPU) : placement.device;
+    module.to(dtype);  // on the CPU, where it was built
+    if (fp8) {
+      const Float8Storage s = store_weights_in_float8(module);
+      report.float8_tensors += s.tensors;
+      report.float8_bytes_before += s.bytes_before;
+      report.float8_bytes_after += s.bytes_after;
+      report.float8_saturated += s.saturated;
+      LP_LOG(kInfo, kLog) << "float8 (--fp8_base): the " << c.label << "'s " << s.tensors
+                          << " Linear and Conv2d weights stored in float8_e4m3fn, "
+                          << s.bytes_before / (1 << 20) << " MiB -> " << s.bytes_after / (1 << 20)
+                          << " MiB";
+      if (s.saturated > 0) {
+        LP_LOG(kWarning, kLog) << "float8 (--fp8_base): " << s.saturated << " of the " << c.label
+                               << "'s weights hold values beyond float8's +-448, clamped to it";
+      }
+    }
+    module.to(device);  // device only: a dtype would widen the float8 weights again
+    if (placement.freeze) {
+      for (auto& p : module.parameters()) p.requires_grad_(false);
+    }
+    module.eval();
+    if (text && !placement.text_encoders_on_device && placement.device != device) {
+      LP_LOG(kInfo, kLog) << "the " << c.label << " stays on the CPU: its outputs come from the "
+                          << "cache and it is not trained";
+    }
+  }
+  return report;
+}
+
+}  // namespace lorapipe::models

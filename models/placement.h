@@ -1,0 +1,55 @@
+#pragma once
+// One placement call for every stage and every family: the compute dtype, float8 storage per
+// component (kohya's --fp8_base, --fp8_base_unet), the device, which components go there, and
+// frozen base weights. The cacher, trainer and sampler build the model on the CPU (models/
+// registry.h, load_model) and then place it with this; none of them moves a module itself.
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <optional>
+#include <string_view>
+
+#include "models/diffusion_model.h"
+
+namespace lorapipe::models {
+
+struct Placement {
+  c10::Device device = c10::Device(c10::kCPU);
+  // The compute dtype of the denoiser and the text encoders (--mixed_precision).
+  c10::ScalarType dtype = c10::kFloat;
+  // The VAE's dtype; unset: `dtype`, except that fp16 keeps the VAE as loaded (SD's VAE
+  // overflows in fp16, kohya's --no_half_vae is what users set for it).
+  std::optional<c10::ScalarType> vae_dtype;
+  // Float8 e4m3 storage of the denoiser's and the text encoders' Linear and Conv2d weights
+  // (models/float8.h): --fp8_base stores both, --fp8_base_unet the denoiser only.
+  bool fp8_denoiser = false;
+  bool fp8_text_encoders = false;
+  // False keeps the text encoders on the CPU, as kohya does when their outputs come from the
+  // cache and they are not trained: they are then used only to check cached text against.
+  bool text_encoders_on_device = true;
+  // Base weights take no gradient (a LoRA trains through its own tensors).
+  bool freeze = true;
+  // Block swap (kohya's --blocks_to_swap): the frozen weights of this many of the denoiser's
+  // blocks in pinned host memory, streamed to the device one block ahead of compute. The hook
+  // for the block-swap work to fill; refused above 0 until then.
+  int blocks_to_swap = 0;
+};
+
+struct PlacementReport {
+  int64_t float8_tensors = 0;      // weights converted to float8
+  int64_t float8_bytes_before = 0, float8_bytes_after = 0;
+  int64_t float8_saturated = 0;    // of them, those with values beyond +-448 (clamped)
+};
+
+// Converts and moves every component of `model` as `placement` says, in this order: dtype on the
+// CPU, float8 on the CPU, then a device-only move (a dtype move would widen float8 weights
+// again), so the device never holds a wider copy than the one it keeps. Logs what it did.
+// Throws InputError for a placement that cannot be done (block swap, for now).
+PlacementReport place(DiffusionModel& model, const Placement& placement);
+
+// --mixed_precision / --save_precision / --dtype values: "no", "float", "fp32", "fp16", "bf16".
+// Throws InputError naming `flag` and the value.
+c10::ScalarType parse_precision(std::string_view name, std::string_view flag);
+
+}  // namespace lorapipe::models

@@ -1,0 +1,21 @@
+#include "models/registry.h"
+
+#include "common/error.h"
+#include "common/log.h"
+#include "models/pipeline.h"
+
+namespace lorapipe::models {
+
+std::unique_ptr<DiffusionModel> load_model(const std::filesystem::path& path,
+                                           const LoadOptions& options) {
+  const FamilyDetection detected = detect_family(path, options.family);
+  LP_LOG(kInfo, "models") << path.string() << ": " << model_family(detected.family).display_name
+                          << " (told by " << detected.reason << ")";
+  // Each family's loader; SDXL and Flux add theirs here.
+  if (detected.family == "sd15") {
+    return std::make_unique<StableDiffusion>(load_stable_diffusion(path, options));
+  }
+  throw InputError(path.string() + ": no loader for family '" + detected.family + "'");
+}
+
+}  // namespace lorapipe::models

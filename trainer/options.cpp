@@ -1,0 +1,150 @@
+// The trainer's options checked before anything loads: kohya's network_args read into the
+// options, every flag's range, and what kohya refuses at start.
+#include "trainer/run.h"
+
+#include "common/error.h"
+#include "common/log.h"
+#include "models/placement.h"
+#include "trainer/optimizer.h"
+
+namespace lorapipe::trainer {
+using detail::kLog;
+using detail::number;
+namespace fs = std::filesystem;
+
+void apply_network_args(Options& options) {
+  BlockArgs blocks;
+  for (const std::string& arg : options.network_args) {
+    const size_t eq = arg.find('=');
+    if (eq == std::string::npos)
+      throw InputError("--network_args '" + arg + "': expected key=value");
+    const std::string key = arg.substr(0, eq), value = arg.substr(eq + 1);
+    if (key == "block_dims" || key == "block_alphas" || key == "conv_block_dims" ||
+        key == "conv_block_alphas" || key == "down_lr_weight" || key == "mid_lr_weight" ||
+        key == "up_lr_weight") {
+      blocks.values[key] = value;  // lists and curves: resolve_block_args reads them
+      continue;
+    }
+    double v = 0;
+    try {
+      size_t used = 0;
+      v = std::stod(value, &used);
+      if (used != value.size()) throw std::invalid_argument(value);
+    } catch (const std::exception&) {
+      throw InputError("--network_args '" + arg + "': '" + value + "' is not a number");
+    }
+    if (key == "conv_dim") {
+      options.network.conv_dim = static_cast<int64_t>(v);
+    } else if (key == "conv_alpha") {
+      options.network.conv_alpha = v;
+    } else if (key == "rank_dropout") {
+      options.network.rank_dropout = v;
+    } else if (key == "module_dropout") {
+      options.network.module_dropout = v;
+    } else if (key == "loraplus_lr_ratio") {
+      options.step.optimizer_groups.loraplus_lr_ratio = v;
+    } else if (key == "loraplus_unet_lr_ratio") {
+      options.step.optimizer_groups.loraplus_unet_lr_ratio = v;
+    } else if (key == "loraplus_text_encoder_lr_ratio") {
+      options.step.optimizer_groups.loraplus_text_encoder_lr_ratio = v;
+    } else if (key == "block_lr_zero_threshold") {
+      blocks.zero_threshold = v;
+    } else {
+      throw InputError("--network_args '" + arg + "': unknown argument '" + key +
+                       "' (known: conv_dim, conv_alpha, rank_dropout, module_dropout, "
+                       "loraplus_lr_ratio, loraplus_unet_lr_ratio, "
+                       "loraplus_text_encoder_lr_ratio, block_dims, block_alphas, "
+                       "conv_block_dims, conv_block_alphas, down_lr_weight, mid_lr_weight, "
+                       "up_lr_weight, block_lr_zero_threshold)");
+    }
+  }
+  // After the loop: conv_dim and conv_alpha may come after the block lists.
+  for (const std::string& warning : resolve_block_args(blocks, options.network)) {
+    LP_LOG(kWarning, kLog) << "--network_args: " << warning;
+  }
+}
+
+void check_options(const Options& o) {
+  validate(o);
+  // The files and folders the flags name are there (read only once the data is cached).
+  auto there = [](const fs::path& path, const std::string& flag) {
+    std::error_code ec;
+    if (!path.empty() && !fs::exists(path, ec)) {
+      throw InputError(path.string() + " (" + flag + "): no such file or folder");
+    }
+  };
+  there(o.model, "--pretrained_model_name_or_path");
+  there(o.tokenizer, "--tokenizer");
+  there(o.vae, "--vae");
+  there(o.network_weights, "--network_weights");
+  there(o.resume, "--resume");
+  for (const auto& [file, multiplier] : o.base_weights) there(file, "--base_weights");
+  LoraNetwork::check(o.network);
+  TrainingStep::check(o.step);
+  // The optimizer's type and arguments, over a stand-in tensor: its real groups come with the
+  // model.
+  std::vector<ParamGroup> groups;
+  groups.push_back(ParamGroup{{torch::zeros({1}).requires_grad_()},
+                              o.step.optimizer_groups.learning_rate, "check"});
+  (void)make_optimizer(o.step.optimizer, std::move(groups));
+}
+
+void validate(const Options& o) {
+  auto need = [](bool ok, const std::string& message) {
+    if (!ok) throw InputError(message);
+  };
+  need(!o.model.empty(), "--pretrained_model_name_or_path is required");
+  need(!o.dataset_id.empty(),
+       "--dataset_id is required (the manifest preprocess and the cacher wrote)");
+  need(!o.output_dir.empty(), "--output_dir is required");
+  need(o.output_name.find('/') == std::string::npos,
+       "--output_name='" + o.output_name + "' must be a plain file name");
+  need(!o.dim_from_weights || !o.network_weights.empty(),
+       "--dim_from_weights takes the ranks from --network_weights, which is unset");
+  need(!o.dim_from_weights || o.network.block_dims.empty(),
+       "block-wise network_args (block_dims, *_lr_weight) shape a new network; --dim_from_weights "
+       "takes the ranks of --network_weights instead");
+  need(o.max_train_steps > 0 || o.max_train_epochs > 0,
+       "--max_train_steps=" + std::to_string(o.max_train_steps) + ": must be at least 1");
+  need(o.max_train_epochs >= 0, "--max_train_epochs must not be negative");
+  need(o.train_batch_size >= 1,
+       "--train_batch_size=" + std::to_string(o.train_batch_size) + ": must be at least 1");
+  need(o.network.dim >= 1,
+       "--network_dim=" + std::to_string(o.network.dim) + ": must be at least 1");
+  need(o.network.alpha >= 0, "--network_alpha must not be negative");
+  const auto& lr = o.step.optimizer_groups;
+  need(lr.learning_rate >= 0,
+       "--learning_rate=" + number(lr.learning_rate) + ": must not be negative");
+  need(o.step.gradient_accumulation_steps >= 1, "--gradient_accumulation_steps must be at least 1");
+  need(o.max_bad_steps >= 1, "--max_bad_steps must be at least 1");
+  need(o.validation_split >= 0 && o.validation_split < 1, "--validation_split must be in [0, 1)");
+  need(o.save_every_n_steps >= 0 && o.save_every_n_epochs >= 0, "--save_every_n_* must be >= 0");
+  need(o.save_n_epoch_ratio >= 0, "--save_n_epoch_ratio must be >= 0");
+  need(o.sample_every_n_steps >= 0 && o.sample_every_n_epochs >= 0,
+       "--sample_every_n_* must be >= 0");
+  need(o.prior_loss_weight >= 0, "--prior_loss_weight must not be negative");
+  need(o.threads >= 0, "--threads must not be negative");
+  need(o.step.clip_skip >= 1, "--clip_skip must be at least 1");
+  need(o.max_token_length == 75 || o.max_token_length == 150 || o.max_token_length == 225,
+       "--max_token_length=" + std::to_string(o.max_token_length) +
+           ": expected 75, 150 or 225 (kohya's)");
+  models::parse_precision(o.mixed_precision, "--mixed_precision");
+  models::parse_precision(o.save_precision, "--save_precision");
+  LrScheduleOptions schedule = o.step.schedule;
+  trainer::validate(schedule);
+  // What kohya refuses at start rather than train with silently.
+  need(!(schedule.name == "constant" && o.lr_warmup_steps > 0),
+       "--lr_scheduler=constant takes no --lr_warmup_steps: use constant_with_warmup");
+
+  need(!(schedule.name == "polynomial" && lr.learning_rate <= schedule.lr_end),
+       "--lr_scheduler=polynomial decays to " + number(schedule.lr_end) +
+           ": --learning_rate=" + number(lr.learning_rate) + " must be above it");
+  need(o.step.noise.adaptive_noise_scale == 0 || o.step.noise.noise_offset > 0,
+       "--adaptive_noise_scale needs --noise_offset");
+  (void)elementwise_loss(torch::zeros({1}), torch::zeros({1}), o.step.loss_type, torch::ones({1}));
+  OptimizerOptions optimizer = o.step.optimizer;
+  (void)make_optimizer(optimizer,
+                       {ParamGroup{{torch::zeros({1}, torch::requires_grad())}, 1e-4, "x"}});
+}
+
+}  // namespace lorapipe::trainer

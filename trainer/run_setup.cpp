@@ -1,0 +1,238 @@
+// The run's data and model: the manifest, the pre-flight check of every record it names, and
+// the model loaded, checked against the cache (family, VAE, text encoder) and placed.
+#include "trainer/run.h"
+
+#include <malloc.h>
+
+#include <set>
+
+#include "cacher/records.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "common/sha256.h"
+#include "models/fingerprint.h"
+#include "models/lora_merge.h"
+#include "models/placement.h"
+#include "models/prompt_attention.h"
+#include "models/registry.h"
+
+namespace lorapipe::trainer::detail {
+
+void Run::load_data() {
+  records_ = o_.cacher_endpoint.empty()
+                 ? open_local_records(o_.cache_dir)
+                 : open_remote_records(
+                       o_.cacher_endpoint,
+                       std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000)));
+  // Ctrl-C while a remote cacher does not answer stops the waiting (see train_steps); ranks
+  // stop together at a step's start only, so they go on waiting.
+  if (o_.ranks.world_size <= 1) records_->cancel_waiting_when([] { return g_stop_requested != 0; });
+  std::string resolved;
+  manifest_ = records_->manifest(o_.dataset_id, &resolved);
+  if (resolved != o_.dataset_id) {
+    LP_LOG(kInfo, kLog) << "dataset " << o_.dataset_id << ": manifest " << resolved
+                        << " (named by its content)";
+    o_.dataset_id = resolved;
+  }
+  if (o_.weighted_captions) {
+    // A caption whose attention syntax cannot be read (a weight like "1.2.3") is refused here,
+    // naming its image, not when its batch comes up hours into the run.
+    std::vector<std::string> bad;
+    for (const wire::ManifestEntry& e : manifest_.entries()) {
+      try {
+        (void)models::parse_prompt_attention(e.caption());
+      } catch (const InputError& error) {
+        bad.push_back(e.path() + ": " + error.what());
+      }
+    }
+    if (!bad.empty()) {
+      std::string message = "--weighted_captions: " + std::to_string(bad.size()) +
+                            " caption(s) whose attention syntax cannot be read";
+      for (size_t i = 0; i < bad.size() && i < 5; ++i) message += "\n  " + bad[i];
+      throw InputError(message);
+    }
+  }
+  if (o_.validation_split > 0) {
+    const ValidationSplit split =
+        split_for_validation(manifest_, o_.validation_split, o_.validation_seed);
+    wire::Manifest train = manifest_;
+    train.clear_entries();
+    validation_manifest_ = manifest_;
+    validation_manifest_.clear_entries();
+    for (int i = 0; i < manifest_.entries_size(); ++i) {
+      const auto k = static_cast<size_t>(i);
+      if (split.trains[k]) *train.add_entries() = manifest_.entries(i);
+      if (split.validates[k]) *validation_manifest_.add_entries() = manifest_.entries(i);
+    }
+    manifest_ = std::move(train);
+  }
+  scheduler_ = std::make_unique<BatchScheduler>(manifest_, o_.train_batch_size, o_.seed,
+                                                o_.fill_last_batch, o_.ranks.world_size);
+  dataset_metadata_ = kohya_dataset_metadata(manifest_, *scheduler_);  // the training images
+}
+
+void Run::preflight() {
+  // --dim_from_weights: the file the network is built from, read before any compute.
+  if (o_.dim_from_weights) o_.network.ranks_from_weights = lora_file_ranks(o_.network_weights);
+  // Every record the run will read, read once and checked, before any compute.
+  std::vector<std::string> latent_keys, text_keys;
+  std::set<std::string> seen;
+  for (const wire::Manifest* m : {&manifest_, &validation_manifest_}) {
+    for (const auto& e : m->entries()) {
+      if (seen.insert(e.latent_key()).second) latent_keys.push_back(e.latent_key());
+      if (cached_text_ && seen.insert(e.text_key()).second) text_keys.push_back(e.text_key());
+    }
+  }
+  std::vector<std::string> problems;
+  auto check = [&](RecordKind kind, const std::vector<std::string>& keys) {
+    for (size_t at = 0; at < keys.size(); at += 256) {
+      const std::vector<std::string> chunk(keys.begin() + at,
+                                           keys.begin() + std::min(keys.size(), at + 256));
+      const auto values = records_->get(kind, chunk);
+      for (size_t i = 0; i < chunk.size(); ++i) {
+        if (!values[i]) {
+          problems.push_back(chunk[i] + ": missing");
+          continue;
+        }
+        const std::string why = kind == RecordKind::kLatent
+                                    ? cacher::check_latent_record(*values[i])
+                                    : cacher::check_text_record(*values[i]);
+        if (!why.empty()) problems.push_back(chunk[i] + ": " + why);
+        wire::LatentRecord latent;
+        if (why.empty() && kind == RecordKind::kLatent && latent.ParseFromString(*values[i]) &&
+            latent.has_mask()) {
+          ++masked_images_;
+        }
+      }
+    }
+  };
+  check(RecordKind::kLatent, latent_keys);
+  check(RecordKind::kText, text_keys);
+  // kohya masks the loss whenever the batch carries alpha masks; --masked_loss asks for masks.
+  if (masked_images_ > 0) {
+    LP_LOG(kInfo, kLog) << masked_images_ << " of " << latent_keys.size()
+                        << " images carry an alpha mask: their loss is masked by it";
+  } else if (o_.masked_loss) {
+    LP_LOG(kWarning, kLog) << "--masked_loss: no image of manifest '" << o_.dataset_id
+                           << "' carries an alpha mask (preprocess with --alpha_mask, or "
+                              "alpha_mask = true in the dataset TOML): the loss is not masked";
+  }
+  if (problems.empty()) return;
+  std::string message = "manifest '" + o_.dataset_id + "' in " + records_->describe() + ": " +
+                        std::to_string(problems.size()) + " records missing or damaged (re-run " +
+                        "the cacher on the dataset):";
+  for (size_t i = 0; i < problems.size() && i < 10; ++i) message += "\n  " + problems[i];
+  if (problems.size() > 10) message += "\n  ...";
+  throw InputError(message);
+}
+
+void Run::load_model() {
+  device_ = rank_device(o_.device, o_.ranks);  // --device, or LOCAL_RANK's GPU with ranks
+  const c10::ScalarType dtype = o_.step.base_dtype;
+  // Built on the CPU, then placed (models/placement.h). The denoiser loads straight into the
+  // compute dtype, or fp32 when LoRAs are merged into it (kohya merges into fp32 weights and
+  // narrows after). The VAE and the text encoder load in fp32: they are checked against the
+  // cache's fingerprints in each dtype the cacher may have used, and the VAE is then dropped.
+  models::LoadOptions load;
+  load.family = o_.model_family;
+  load.tokenizer = o_.tokenizer;
+  load.dtype = o_.base_weights.empty() ? dtype : torch::kFloat;
+  load.text_encoder_dtype = torch::kFloat;
+  load.vae_dtype = torch::kFloat;
+  load.vae = o_.vae;
+  model_ = models::load_model(o_.model, load);
+  models::DiffusionModel& model = *model_;
+  if (!model.has_tokenizer()) {
+    throw InputError(o_.model.string() + " carries no tokenizer: pass --tokenizer");
+  }
+  // The records were encoded by a model of this family (manifests before families were
+  // recorded hold SD1.x's).
+  const std::string cached_family =
+      manifest_.model_family().empty() ? "sd15" : manifest_.model_family();
+  if (cached_family != model.model_family().name) {
+    throw InputError("manifest '" + o_.dataset_id + "' was cached with a " + cached_family +
+                     " model, and " + o_.model.string() + " is " + model.model_family().name +
+                     " (" + model.model_family().display_name +
+                     "): re-cache the dataset with this model (preprocess and the cacher)");
+  }
+  // Into the weights as loaded, before they take the compute dtype. The text encoder changes
+  // with them, so text cached from the plain one no longer matches and is encoded online.
+  models::merge_base_weights(model, o_.base_weights);
+  // Latents from another VAE would train the LoRA on the wrong images. The cacher fingerprints
+  // the VAE in its compute dtype, so each dtype it may have used is tried.
+  bool vae_matches = false;
+  for (auto vae_dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    model.vae_module().to(vae_dtype);
+    if (models::weights_fingerprint(model.vae_module(), "vae") == manifest_.vae_fingerprint()) {
+      vae_matches = true;
+      break;
+    }
+  }
+  model.release(models::DiffusionModel::Role::kVae);  // training needs no VAE
+  if (!vae_matches) {
+    const std::string vae = o_.vae.empty() ? o_.model.string() + "'s" : "--vae=" + o_.vae.string();
+    throw InputError("manifest '" + o_.dataset_id + "' was cached with another VAE (fingerprint " +
+                     manifest_.vae_fingerprint().substr(0, 12) + ") than " + vae +
+                     ": re-cache the dataset with this model (run preprocess and the cacher, "
+                     "with the same --vae), or give the trainer the cacher's --vae");
+  }
+  const bool train_te = o_.network.train_text_encoder;
+  if (o_.weighted_captions) {
+    LP_LOG(kInfo, kLog) << "--weighted_captions: captions are encoded online, their attention "
+                           "syntax weighing their tokens";
+  } else if (manifest_.text_cached() && !train_te) {
+    const std::string settings =
+        model.text_encoder_settings(o_.step.clip_skip, o_.max_token_length);
+    // Each dtype the cacher may have used is tried on the weights as loaded. A conversion rounds
+    // them, so when none matches and the text is to be encoded online, the loaded fp32 weights
+    // are put back (else it would encode through weights rounded to bf16).
+    torch::nn::Module& text_encoder = model.text_encoder_module();
+    std::vector<torch::Tensor> loaded;
+    for (const torch::Tensor& p : text_encoder.parameters()) loaded.push_back(p.detach().clone());
+    for (auto text_dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+      text_encoder.to(text_dtype);
+      if (models::weights_fingerprint(text_encoder, settings) ==
+          manifest_.text_encoder_fingerprint()) {
+        cached_text_ = true;
+        break;
+      }
+    }
+    if (!cached_text_) {
+      torch::NoGradGuard no_grad;
+      text_encoder.to(torch::kFloat);
+      const auto params = text_encoder.parameters();
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(loaded[i]);
+      LP_LOG(kInfo, kLog) << "cached text was made by another text encoder, clip skip or "
+                             "max_token_length: captions are encoded online";
+    }
+  }
+  models::Placement placement;
+  placement.device = device_;
+  placement.dtype = dtype;
+  placement.fp8_denoiser = o_.fp8_base || o_.fp8_base_unet;
+  placement.fp8_text_encoders = o_.fp8_base && !o_.fp8_base_unet;  // kohya: _unet wins
+  // kohya keeps the text encoder off the device when its outputs come from the cache and it is
+  // not trained.
+  placement.text_encoders_on_device = !cached_text_ || train_te;
+  models::place(model, placement);
+  if (fs::is_regular_file(o_.model)) {
+    model_hash_ = legacy_model_hash(o_.model);
+    model_sha256_ = sha256_file(o_.model);
+  } else if (fs::is_directory(o_.model)) {
+    // kohya's model_hash and calculate_sha256 of a diffusers folder: open() fails with
+    // IsADirectoryError, which both answer with "IsADirectory".
+    model_hash_ = model_sha256_ = "IsADirectory";
+  }
+  if (fs::is_regular_file(o_.vae)) {
+    vae_hash_ = legacy_model_hash(o_.vae);
+    vae_sha256_ = sha256_file(o_.vae);
+  }
+#ifdef __GLIBC__
+  // Loading went through copies of every weight (and the VAE, dropped above); under the heap
+  // policy of keep_freed_memory_for_reuse they would stay resident for the whole run. Hand them
+  // back once: at SD1.5 size that is about 3 GB of the process's peak.
+  malloc_trim(0);
+#endif
+}
+
+}  // namespace lorapipe::trainer::detail
