@@ -46,6 +46,7 @@ std::vector<FlagInfo> make_table() {
   // The model, its tokenizer, the cache: every stage that loads or reads them.
   value("pretrained_model_name_or_path", {S::kCacher, S::kTrainer, S::kSampler});
   value("model_family", {S::kCacher, S::kTrainer, S::kSampler});  // detection's override
+  boolean("merge_lora", {S::kSampler});
   value("tokenizer", {S::kCacher, S::kTrainer, S::kSampler});
   value("vae", {S::kCacher, S::kTrainer, S::kSampler});  // kohya's: the one VAE of the run
   // LoRAs merged into the base before training: the sampler renders on the same base.

@@ -63,6 +63,21 @@ torch::Tensor read_tensor(const SafetensorsFile& file, const TensorInfo& info) {
   return out;
 }
 
+namespace {
+
+// A view of `info`'s bytes in the mapping, not a copy: valid only while `file` is, and used here
+// only for the copy into a parameter, which converts the dtype on the way (no temporary in the
+// file's dtype, none in the parameter's).
+torch::Tensor view_tensor(const SafetensorsFile& file, const TensorInfo& info) {
+  const torch::ScalarType type = to_scalar_type(info.dtype, info.name);
+  const std::string_view bytes = file.bytes(info);
+  if (bytes.empty()) return torch::empty(info.shape, torch::TensorOptions().dtype(type));
+  return torch::from_blob(const_cast<char*>(bytes.data()), info.shape,
+                          torch::TensorOptions().dtype(type));
+}
+
+}  // namespace
+
 std::map<std::string, torch::Tensor> read_tensors(const SafetensorsFile& file,
                                                   const std::string& prefix) {
   std::map<std::string, torch::Tensor> out;
@@ -99,7 +114,7 @@ void load_named(torch::nn::Module& module, const std::set<std::string>& names,
       misshaped.push_back(why.str());
       return;
     }
-    target.copy_(tensor.to(target.dtype()));
+    target.copy_(tensor);  // converts to the parameter's dtype as it copies
     done(name);
   };
   for (auto& item : module.named_parameters(/*recurse=*/true)) assign(item.key(), item.value());
@@ -133,7 +148,7 @@ void load_into(torch::nn::Module& module, const SafetensorsFile& file, const std
   std::set<std::string> names;
   for (const TensorInfo& info : file.tensors()) names.insert(info.name);
   load_named(
-      module, names, [&](const std::string& name) { return read_tensor(file, *file.find(name)); },
+      module, names, [&](const std::string& name) { return view_tensor(file, *file.find(name)); },
       [&](const std::string& name) { file.release(*file.find(name)); }, source, optional);
 }
 
@@ -146,7 +161,7 @@ void load_into(torch::nn::Module& module, const SafetensorsFile& file,
       module, keys,
       [&](const std::string& name) {
         const TensorInfo& info = *names.at(name);
-        torch::Tensor tensor = read_tensor(file, info);
+        torch::Tensor tensor = view_tensor(file, info);
         return adapt ? adapt(info, std::move(tensor)) : tensor;
       },
       [&](const std::string& name) { file.release(*names.at(name)); }, source, optional);

@@ -39,8 +39,9 @@ void load_into(torch::nn::Module& module, const std::map<std::string, torch::Ten
                const std::string& source, const std::set<std::string>& optional = {});
 
 // The same, straight from `file`, one tensor at a time: each is copied out of the mapping into
-// its parameter and its pages handed back (SafetensorsFile::release), so loading adds about one
-// tensor to the resident memory rather than the file twice over.
+// its parameter, converted to its dtype on the way (no temporary copy), and its pages handed back
+// (SafetensorsFile::release), so loading adds about one tensor's pages to the resident memory
+// rather than the file twice over.
 void load_into(torch::nn::Module& module, const SafetensorsFile& file, const std::string& source,
                const std::set<std::string>& optional = {});
 

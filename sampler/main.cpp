@@ -41,6 +41,9 @@ DEFINE_bool(fp8_base, false,
             "Store the U-Net's and text encoder's Linear/Conv2d weights in float8 (the LoRA is "
             "then applied beside them, not merged)");
 DEFINE_bool(fp8_base_unet, false, "--fp8_base for the U-Net alone");
+DEFINE_bool(merge_lora, false,
+            "Merge each checkpoint's LoRA into the weights, keeping a copy of those it changes "
+            "(faster renders, more memory); by default it is computed beside them, copying none");
 DEFINE_string(sample_sampler, "ddim", "Sampler for prompts without --ss (kohya's names)");
 DEFINE_bool(v_parameterization, false, "The model predicts v (SD2.x 768-v)");
 DEFINE_int32(clip_skip, 1, "Text-encoder layers to skip from the end (1: the last)");
@@ -76,6 +79,7 @@ int main(int argc, char** argv) {
     o.mixed_precision = FLAGS_mixed_precision;
     o.fp8_base = FLAGS_fp8_base;
     o.fp8_base_unet = FLAGS_fp8_base_unet;
+    o.merge_lora = FLAGS_merge_lora;
     o.sampler = FLAGS_sample_sampler;
     o.v_prediction = FLAGS_v_parameterization;
     o.clip_skip = FLAGS_clip_skip;

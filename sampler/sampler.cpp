@@ -298,7 +298,9 @@ class Sampler {
     try {
       std::string lora_names;
       for (const auto& [file, multiplier] : loras) {
-        merged.add(*model_, file, multiplier);
+        merged.add(*model_, file, multiplier,
+                   o_.merge_lora ? models::MergedLora::Application::kMergedRestorable
+                                 : models::MergedLora::Application::kInSlots);
         std::ostringstream weight;
         weight << multiplier;  // shortest form: 0.125 stays 0.125, 1 is 1
         lora_names += (lora_names.empty() ? "" : " ") + file.stem().string() + ":" + weight.str();

@@ -209,11 +209,12 @@ TEST_F(SamplerRun, OneShotWritesImagesSheetAndGallery) {
 }
 
 // The LoRA and its multiplier reach the pixels: at multiplier 0 two different LoRA files render
-// the base model's very pixels (merging 0 x up x down adds exact zeros), and 0.7 and 1 each render
+// the base model's very pixels (a LoRA at 0 adds exact zeros), and 0.7 and 1 each render
 // other pixels. (The numbers of the merge are SamplerParity's; this is the command line's part.)
 TEST_F(SamplerRun, LoraMultiplierShapesThePixels) {
-  auto render = [&](const std::string& tag, const std::string& lora) {
+  auto render = [&](const std::string& tag, const std::string& lora, bool merge = false) {
     std::vector<std::string> a = args({"--lora=" + (dir_ / lora).string()});
+    if (merge) a.push_back("--merge_lora");
     a[3] = "--output_dir=" + (work_ / tag).string();
     fs::create_directories(work_ / tag);
     EXPECT_EQ(wait_exit(spawn(a, work_ / tag / "out", work_ / tag / "err")), 0)
@@ -237,6 +238,10 @@ TEST_F(SamplerRun, LoraMultiplierShapesThePixels) {
   EXPECT_FALSE(differ(off, other_off)) << "multiplier 0 left some of a LoRA in the weights";
   EXPECT_TRUE(differ(off, part)) << "the LoRA at 0.7 changed nothing";
   EXPECT_TRUE(differ(part, full)) << "0.7 and 1 rendered the same pixels";
+  // --merge_lora merges the LoRA into the weights instead of computing it beside them: the same
+  // render but for rounding (the same products summed in another grouping, fp32: at most 1/255).
+  const vips::VImage merged = render("merged", "one.safetensors:1", /*merge=*/true);
+  EXPECT_LE((merged.cast(VIPS_FORMAT_INT) - full.cast(VIPS_FORMAT_INT)).abs().max(), 1.0);
 }
 
 // kohya's --vae: the sampler decodes with the VAE it is given. The same render with another
