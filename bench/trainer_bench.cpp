@@ -130,7 +130,7 @@ int serve(m::StableDiffusion& model, const fs::path& dir, bool checkpointing) {
   t::MicroBatch batch;
   batch.latents = inputs.at("latents");
   batch.noise = inputs.at("noise");
-  batch.timesteps = inputs.at("timesteps");
+  batch.times = inputs.at("timesteps");
   batch.encoder_hidden_states = inputs.at("context");
   batch.loss_weights = inputs.at("loss_weights");
 

@@ -168,6 +168,11 @@ FamilyDetection detect_folder(const fs::path& folder) {
 
 }  // namespace
 
+std::string KohyaBlocks::describe() const {
+  auto two = [](int i) { return (i < 10 ? "0" : "") + std::to_string(i); };
+  return "IN00-IN" + two(side - 1) + ", MID, OUT00-OUT" + two(side - 1);
+}
+
 const ModelFamily& model_family(std::string_view name) {
   for (const ModelFamily& f : families()) {
     if (f.name == name) return f;

@@ -30,6 +30,17 @@ struct DdpmSchedule {
   int64_t steps = 1000;
 };
 
+// kohya's block table for block-wise network_args: the denoiser's blocks as kohya numbers them,
+// `side` input blocks, `mid` middle ones, then `side` output blocks. SD1.x's U-Net: IN00-IN11,
+// MID, OUT00-OUT11 (25).
+struct KohyaBlocks {
+  int side = 12;
+  int mid = 1;
+  size_t count() const { return static_cast<size_t>(2 * side + mid); }
+  // "IN00-IN11, MID, OUT00-OUT11", for messages.
+  std::string describe() const;
+};
+
 // What kohya writes into a LoRA's metadata for this family, and the names of its LoRA network.
 struct KohyaFamilyNames {
   std::string network_module = "networks.lora";  // ss_network_module
@@ -37,10 +48,13 @@ struct KohyaFamilyNames {
   bool v2 = false;                                // ss_v2
   std::string modelspec_architecture = "stable-diffusion-v1";  // + "/lora"
   std::string modelspec_implementation = "diffusers";
-  // kohya's block table for block-wise network_args (block_dims, down/mid/up_lr_weight): 25
-  // blocks for SD1.x's U-Net (IN00-IN11, MID, OUT00-OUT11).
-  int blocks = 25;
+  // kohya's block table for block-wise network_args (block_dims, down/mid/up_lr_weight).
+  KohyaBlocks blocks;
 };
+
+// How a family is trained: which TrainingObjective (models/objective.h) it gets. DDPM: integer
+// timesteps over DdpmSchedule, the noise (or v) as the target. Flow matching arrives with Flux.
+enum class ObjectiveKind { kDdpm };
 
 struct ModelFamily {
   std::string name;                 // "sd15"
@@ -53,7 +67,8 @@ struct ModelFamily {
   std::string prediction_type;      // "epsilon" or "v_prediction"
   int default_resolution = 512;
   TextConditioning text;
-  DdpmSchedule schedule;
+  ObjectiveKind objective = ObjectiveKind::kDdpm;
+  DdpmSchedule schedule;  // the DDPM families' table (trainer and sampler alike)
   KohyaFamilyNames kohya;
   // Components and where they live in the original single file (their key prefixes).
   std::vector<std::pair<std::string, std::string>> single_file_components;

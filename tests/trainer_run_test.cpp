@@ -23,6 +23,7 @@
 #include "common/error.h"
 #include "common/numbers.h"
 #include "common/sha256.h"
+#include "models/ddpm.h"
 #include "models/pipeline.h"
 #include "models/safetensors.h"
 #include "models/sd15_lora.h"
@@ -934,7 +935,9 @@ TEST_F(TrainRunTest, ValidationLossIsWeighedAsTheTrainingLoss) {
   };
   const double plain = start_loss("plain", {});
   const double weighted = start_loss("min_snr", {"--min_snr_gamma=1"});
-  const double snr200 = trainer::NoiseSchedule(models::model_family("sd15").schedule).snr(torch::tensor({int64_t{200}})).item<double>();
+  const double snr200 = models::DdpmNoiseSchedule(models::model_family("sd15").schedule)
+                            .snr(torch::tensor({int64_t{200}}))
+                            .item<double>();
   ASSERT_GT(snr200, 1);
   std::printf("[validation] plain %.6f, min-SNR 1 %.6f (t=200 weighed by %.4f)\n", plain, weighted,
               1 / snr200);

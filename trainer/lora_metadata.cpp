@@ -130,9 +130,6 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
                                           ? std::to_string(s.noise.multires_noise_iterations)
                                           : "None";
   m["ss_multires_noise_discount"] = python_float_repr(s.noise.multires_noise_discount);
-  m["ss_min_snr_gamma"] = float_or_none(s.min_snr_gamma);
-  m["ss_debiased_estimation"] = s.debiased_estimation_loss ? "True" : "False";
-  m["ss_zero_terminal_snr"] = s.zero_terminal_snr ? "True" : "False";
   m["ss_masked_loss"] = o_.masked_loss ? "True" : "False";
   m["ss_scale_weight_norms"] = float_or_none(s.scale_weight_norms);
   m["ss_ip_noise_gamma"] = float_or_none(s.noise.ip_noise_gamma);
@@ -141,12 +138,11 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_prior_loss_weight"] = python_float_repr(o_.prior_loss_weight);
   m["ss_max_grad_norm"] = python_float_repr(s.max_grad_norm);
   m["ss_loss_type"] = s.loss_type;
-  m["ss_huber_schedule"] = s.huber_schedule;
-  m["ss_huber_scale"] = python_float_repr(s.huber_scale);
   m["ss_fp8_base"] = o_.fp8_base ? "True" : "False";
   m["ss_fp8_base_unet"] = o_.fp8_base_unet ? "True" : "False";
-  m["ss_huber_c"] = python_float_repr(s.huber_c);
   m["ss_optimizer"] = step_->optimizer().describe();
+  // The family's objective: its parametrisation, weightings, Huber schedule and point range.
+  step_->objective().write_metadata(m);
   m["ss_training_comment"] = o_.training_comment.empty() ? "None" : o_.training_comment;
   m["ss_sd_model_name"] = o_.model.filename().string();
   m["ss_sd_model_hash"] = model_hash_;
@@ -170,7 +166,6 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
       o_.validate_every_n_epochs > 0 ? std::to_string(o_.validate_every_n_epochs) : "None";
   m["ss_max_validation_steps"] =
       o_.max_validation_steps > 0 ? std::to_string(o_.max_validation_steps) : "None";
-  m["ss_v_parameterization"] = s.v_prediction ? "True" : "False";
   if (o_.no_metadata) {
     // kohya's minimum metadata (SS_METADATA_MINIMUM_KEYS): what a loader needs to apply the file.
     std::map<std::string, std::string> minimum;
@@ -179,6 +174,10 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
       minimum[key] = m.at(key);
     }
     if (!o_.network_args.empty()) minimum["ss_network_args"] = m.at("ss_network_args");
+    // The ModelSpec keys stay (kohya writes them either way): the objective's are in already.
+    for (const auto& [key, value] : m) {
+      if (key.rfind("modelspec.", 0) == 0) minimum[key] = value;
+    }
     m = std::move(minimum);
   }
   // ModelSpec 1.0.1, as kohya's sai_model_spec writes it for a LoRA of the family.
@@ -188,14 +187,9 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   // kohya's: --metadata_title (below), else --output_name, else "LoRA@" and the time.
   m["modelspec.title"] = o_.output_name.empty() ? "LoRA@" + unix_time_now() : o_.output_name;
   m["modelspec.date"] = iso_now().substr(0, 19);
-  m["modelspec.prediction_type"] = s.v_prediction ? "v" : "epsilon";
   m["modelspec.resolution"] =
       std::to_string(dataset_metadata_.width) + "x" + std::to_string(dataset_metadata_.height);
   if (s.clip_skip != 1) m["modelspec.encoder_layer"] = std::to_string(s.clip_skip);
-  if (s.noise.min_timestep != 0 || s.noise.max_timestep != 1000) {
-    m["modelspec.timestep_range"] =
-        std::to_string(s.noise.min_timestep) + "," + std::to_string(s.noise.max_timestep);
-  }
   for (const auto& [field, value] : o_.modelspec) m["modelspec." + field] = value;
   return m;
 }

@@ -53,32 +53,36 @@ double parse_number(const std::string& key, const std::string& item, const std::
   throw InputError("--network_args '" + key + "=" + whole + "': '" + item + "' is not a number");
 }
 
-// A per-block list (block_dims and kin): exactly kKohyaBlocks numbers.
-std::vector<double> block_list(const std::string& key, const std::string& value) {
+// A per-block list (block_dims and kin): exactly one number per block of the table.
+std::vector<double> block_list(const std::string& key, const std::string& value,
+                               const models::KohyaBlocks& table) {
   std::vector<double> out;
   for (const std::string& item : split_commas(value)) out.push_back(parse_number(key, item, value));
-  if (out.size() != kKohyaBlocks) {
+  if (out.size() != table.count()) {
     throw InputError("--network_args '" + key + "=" + value + "': " + std::to_string(out.size()) +
-                     " values, where SD1.x's U-Net has " + std::to_string(kKohyaBlocks) +
-                     " blocks (IN00-IN11, MID, OUT00-OUT11)");
+                     " values, where the model's denoiser has " + std::to_string(table.count()) +
+                     " blocks (" + table.describe() + ")");
   }
   return out;
 }
 
 }  // namespace
 
-std::vector<std::string> resolve_block_args(const BlockArgs& args, NetworkOptions& options) {
+std::vector<std::string> resolve_block_args(const BlockArgs& args, const models::KohyaBlocks& table,
+                                            NetworkOptions& options) {
+  const size_t blocks = table.count();
   std::vector<std::string> warnings;
   const auto given = [&](const char* key) { return args.values.count(key) > 0; };
-  // The learning-rate weights: down (12) + mid (1) + up (12).
+  // The learning-rate weights: down (SD1.x: 12) + mid (1) + up (12).
   std::vector<double> lr_weight;
   if (given("down_lr_weight") || given("mid_lr_weight") || given("up_lr_weight")) {
-    constexpr size_t kSide = 12, kMid = 1;
+    const size_t side_blocks = static_cast<size_t>(table.side);
+    const size_t mid_blocks = static_cast<size_t>(table.mid);
     auto side = [&](const char* key, size_t length) -> std::vector<double> {
       if (!given(key)) return std::vector<double>(length, 1.0);
       const std::string& value = args.values.at(key);
       std::vector<double> w;
-      if (value.find(',') != std::string::npos || length == kMid) {
+      if (value.find(',') != std::string::npos || key == std::string("mid_lr_weight")) {
         for (const std::string& item : split_commas(value)) {
           w.push_back(item.empty() ? 0.0 : parse_number(key, item, value));  // kohya: empty is 0
         }
@@ -120,9 +124,9 @@ std::vector<std::string> resolve_block_args(const BlockArgs& args, NetworkOption
       }
       return w;
     };
-    lr_weight = side("down_lr_weight", kSide);
-    const std::vector<double> mid = side("mid_lr_weight", kMid);
-    const std::vector<double> up = side("up_lr_weight", kSide);
+    lr_weight = side("down_lr_weight", side_blocks);
+    const std::vector<double> mid = side("mid_lr_weight", mid_blocks);
+    const std::vector<double> up = side("up_lr_weight", side_blocks);
     lr_weight.insert(lr_weight.end(), mid.begin(), mid.end());
     lr_weight.insert(lr_weight.end(), up.begin(), up.end());
   }
@@ -147,21 +151,21 @@ std::vector<std::string> resolve_block_args(const BlockArgs& args, NetworkOption
     return out;
   };
   options.block_dims = given("block_dims")
-                           ? ranks("block_dims", block_list("block_dims", args.values.at("block_dims")))
-                           : std::vector<int64_t>(kKohyaBlocks, options.dim);
+                           ? ranks("block_dims", block_list("block_dims", args.values.at("block_dims"), table))
+                           : std::vector<int64_t>(blocks, options.dim);
   options.block_alphas = given("block_alphas")
-                             ? block_list("block_alphas", args.values.at("block_alphas"))
-                             : std::vector<double>(kKohyaBlocks, options.alpha);
+                             ? block_list("block_alphas", args.values.at("block_alphas"), table)
+                             : std::vector<double>(blocks, options.alpha);
   if (given("conv_block_dims")) {
     options.conv_block_dims =
-        ranks("conv_block_dims", block_list("conv_block_dims", args.values.at("conv_block_dims")));
+        ranks("conv_block_dims", block_list("conv_block_dims", args.values.at("conv_block_dims"), table));
     options.conv_block_alphas =
         given("conv_block_alphas")
-            ? block_list("conv_block_alphas", args.values.at("conv_block_alphas"))
-            : std::vector<double>(kKohyaBlocks, options.conv_alpha);
+            ? block_list("conv_block_alphas", args.values.at("conv_block_alphas"), table)
+            : std::vector<double>(blocks, options.conv_alpha);
   } else if (options.conv_dim > 0) {
-    options.conv_block_dims.assign(kKohyaBlocks, options.conv_dim);
-    options.conv_block_alphas.assign(kKohyaBlocks, options.conv_alpha);
+    options.conv_block_dims.assign(blocks, options.conv_dim);
+    options.conv_block_alphas.assign(blocks, options.conv_alpha);
   } else if (given("conv_block_alphas")) {
     warnings.push_back("conv_block_alphas is ignored without conv_block_dims or conv_dim, as kohya "
                        "ignores it");
@@ -222,8 +226,11 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
     if (blocks && !target.text_encoder) {
       // kohya's block-wise ranks; a name outside every block is Python's index -1, the last.
       const int index = target.block;
-      const size_t b = index < 0 ? kKohyaBlocks - 1 : static_cast<size_t>(index);
-      if (b >= kKohyaBlocks) throw Error(target.name + ": block " + std::to_string(b) + " of 25");
+      const size_t table = options.block_dims.size();
+      const size_t b = index < 0 ? table - 1 : static_cast<size_t>(index);
+      if (b >= table) {
+        throw Error(target.name + ": block " + std::to_string(b) + " of " + std::to_string(table));
+      }
       if (!kxk) {
         rank = options.block_dims[b], alpha = options.block_alphas[b];
       } else if (!options.conv_block_dims.empty()) {

@@ -38,17 +38,14 @@ struct NetworkOptions {
   // kohya's block-wise network_args (resolve_block_args): a rank and alpha per U-Net block for
   // the Linear and 1x1 modules (block_dims/block_alphas) and for the kxk convs
   // (conv_block_dims/conv_block_alphas), and a learning-rate weight per block
-  // (down/mid/up_lr_weight). Each has kKohyaBlocks items, or none (not in use). A block of rank 0
-  // builds no module. The text encoder's modules keep dim and alpha.
+  // (down/mid/up_lr_weight). Each has one item per block of the family's table
+  // (KohyaFamilyNames::blocks, which gives each target its block, LoraTarget::block), or none
+  // (not in use). A block of rank 0 builds no module. The text encoder's modules keep dim and alpha.
   std::vector<int64_t> block_dims, conv_block_dims;
   std::vector<double> block_alphas, conv_block_alphas;
   std::vector<double> block_lr_weight;
 };
 
-// SD1.x's U-Net as kohya's block-wise arguments count it: IN00-IN11, MID, OUT00-OUT11. The
-// network checks it against the family's table (KohyaFamilyNames::blocks), which gives each
-// target its block (LoraTarget::block).
-inline constexpr size_t kKohyaBlocks = 25;
 
 // The raw block-wise network_args, by key, as kohya's create_network takes them.
 struct BlockArgs {
@@ -60,11 +57,13 @@ struct BlockArgs {
 // kohya's create_network for the block-wise arguments: when block_dims or a *_lr_weight is
 // given, every block gets dim/alpha (network_dim/network_alpha where block_dims/block_alphas are
 // not given), kxk convs conv_block_dims/alphas (or conv_dim/conv_alpha, or none), and blocks
-// whose weight is 0 (or at most block_lr_zero_threshold) no module. Lists must have 25 items;
-// a *_lr_weight is 12 (1 for mid) comma-separated weights, padded with 1 or cut as kohya does,
-// or a curve: cosine, sine, linear, reverse_linear, zeros (each with an optional +base). Fills
-// `options`' block fields; throws InputError naming the argument. Returns warnings to log.
-std::vector<std::string> resolve_block_args(const BlockArgs& args, NetworkOptions& options);
+// whose weight is 0 (or at most block_lr_zero_threshold) no module. Lists must have one item per
+// block of the family's `table` (SD1.x: 25); a *_lr_weight is one weight per input or output
+// block (1 for mid), comma-separated, padded with 1 or cut as kohya does, or a curve: cosine,
+// sine, linear, reverse_linear, zeros (each with an optional +base). Fills `options`' block
+// fields; throws InputError naming the argument. Returns warnings to log.
+std::vector<std::string> resolve_block_args(const BlockArgs& args, const models::KohyaBlocks& table,
+                                            NetworkOptions& options);
 
 // The rank of each module of a LoRA file (NAME -> rows of NAME.lora_down.weight), for
 // NetworkOptions::ranks_from_weights. Throws InputError naming the file when it holds none.

@@ -541,12 +541,12 @@ int main(int argc, char** argv) {
     s.max_grad_norm = FLAGS_max_grad_norm;
     s.gradient_accumulation_steps = FLAGS_gradient_accumulation_steps;
     s.gradient_checkpointing = FLAGS_gradient_checkpointing;
-    s.v_prediction = FLAGS_v_parameterization;
-    s.min_snr_gamma = FLAGS_min_snr_gamma;
-    s.scale_v_pred_loss_like_noise_pred = FLAGS_scale_v_pred_loss_like_noise_pred;
-    s.v_pred_like_loss = FLAGS_v_pred_like_loss;
-    s.debiased_estimation_loss = FLAGS_debiased_estimation_loss;
-    s.zero_terminal_snr = FLAGS_zero_terminal_snr;
+    s.objective.v_prediction = FLAGS_v_parameterization;
+    s.objective.min_snr_gamma = FLAGS_min_snr_gamma;
+    s.objective.scale_v_pred_loss_like_noise_pred = FLAGS_scale_v_pred_loss_like_noise_pred;
+    s.objective.v_pred_like_loss = FLAGS_v_pred_like_loss;
+    s.objective.debiased_estimation_loss = FLAGS_debiased_estimation_loss;
+    s.objective.zero_terminal_snr = FLAGS_zero_terminal_snr;
     s.scale_weight_norms = FLAGS_scale_weight_norms;
     s.noise.noise_offset = FLAGS_noise_offset;
     s.noise.ip_noise_gamma = FLAGS_ip_noise_gamma;
@@ -555,12 +555,12 @@ int main(int argc, char** argv) {
     s.noise.adaptive_noise_scale = FLAGS_adaptive_noise_scale;
     s.noise.multires_noise_iterations = FLAGS_multires_noise_iterations;
     s.noise.multires_noise_discount = FLAGS_multires_noise_discount;
-    s.noise.min_timestep = FLAGS_min_timestep;
-    s.noise.max_timestep = FLAGS_max_timestep;
+    s.objective.min_timestep = FLAGS_min_timestep;
+    s.objective.max_timestep = FLAGS_max_timestep;
     s.loss_type = FLAGS_loss_type;
-    s.huber_schedule = FLAGS_huber_schedule;
-    s.huber_c = FLAGS_huber_c;
-    s.huber_scale = FLAGS_huber_scale;
+    s.objective.huber_schedule = FLAGS_huber_schedule;
+    s.objective.huber_c = FLAGS_huber_c;
+    s.objective.huber_scale = FLAGS_huber_scale;
     t::apply_network_args(o);
     if (FLAGS_check_flags) {
       t::check_options(o);

@@ -4,6 +4,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "models/family.h"
 #include "models/placement.h"
 #include "trainer/optimizer.h"
 
@@ -58,8 +59,13 @@ void apply_network_args(Options& options) {
                        "up_lr_weight, block_lr_zero_threshold)");
     }
   }
-  // After the loop: conv_dim and conv_alpha may come after the block lists.
-  for (const std::string& warning : resolve_block_args(blocks, options.network)) {
+  if (blocks.values.empty()) return;
+  // After the loop: conv_dim and conv_alpha may come after the block lists. The lists are read
+  // against the block table of the model's family, detected here from the checkpoint (its
+  // header or its folder's configs: nothing is loaded).
+  const models::ModelFamily& family =
+      models::model_family(models::detect_family(options.model, options.model_family).family);
+  for (const std::string& warning : resolve_block_args(blocks, family.kohya.blocks, options.network)) {
     LP_LOG(kWarning, kLog) << "--network_args: " << warning;
   }
 }

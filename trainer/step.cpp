@@ -29,15 +29,8 @@ void TrainingStep::check(const StepOptions& options) {
     throw InputError("--gradient_accumulation_steps must be at least 1");
   }
   if (options.max_grad_norm < 0) throw InputError("--max_grad_norm must not be negative");
-  if (options.min_snr_gamma < 0) throw InputError("--min_snr_gamma must not be negative");
-  if (options.v_pred_like_loss < 0) throw InputError("--v_pred_like_loss must not be negative");
   if (options.noise.ip_noise_gamma < 0) throw InputError("--ip_noise_gamma must not be negative");
-  if (options.noise.min_timestep < 0 || options.noise.max_timestep > 1000 ||
-      options.noise.min_timestep >= options.noise.max_timestep) {
-    throw InputError("--min_timestep/--max_timestep: need 0 <= min < max <= 1000, got " +
-                     std::to_string(options.noise.min_timestep) + " and " +
-                     std::to_string(options.noise.max_timestep));
-  }
+  models::check_objective_options(options.objective);
   (void)elementwise_loss(torch::zeros({1}), torch::zeros({1}), options.loss_type,
                          torch::ones({1}));  // names an unknown --loss_type now, not mid-run
   validate(options.schedule);
@@ -47,9 +40,9 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
                            const StepOptions& options)
     : model_(model),
       network_(network),
-      options_(options),
-      schedule_(model.model_family().schedule, options.zero_terminal_snr) {
+      options_(options) {
   check(options);
+  objective_ = models::make_training_objective(model.model_family(), options.objective);
 
   std::vector<ParamGroup> groups;
   const auto& o = options.optimizer_groups;
@@ -85,7 +78,7 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
     for (const LoraNetwork::Module& m : network.modules()) {
       if (m.target.text_encoder) continue;
       const int index = m.target.block;
-      const int b = index < 0 ? static_cast<int>(kKohyaBlocks) - 1 : index;  // Python's [-1]
+      const int b = index < 0 ? static_cast<int>(block_lr_weight.size()) - 1 : index;  // [-1]
       if (!by_block.count(b)) order.push_back(b);
       by_block[b].push_back(m.adapter->down);
       by_block[b].push_back(m.adapter->up);
@@ -124,19 +117,16 @@ models::Conditioning TrainingStep::conditioning(const MicroBatch& batch) {
 }
 
 at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
-                                         const at::Tensor& timesteps,
+                                         const at::Tensor& times,
                                          const models::Conditioning& conditioning,
                                          const at::Tensor& input_noise, const at::Tensor& mask) {
   const at::Tensor noisy =
-      schedule_.add_noise(latents, input_noise.defined() ? input_noise : noise, timesteps);
-  const at::Tensor prediction =
-      model_.denoise(noisy, timesteps, conditioning).to(torch::kFloat32);
-  const at::Tensor target = options_.v_prediction ? schedule_.velocity(latents, noise, timesteps)
-                                                  : noise;
+      objective_->noisy_latents(latents, input_noise.defined() ? input_noise : noise, times);
+  const at::Tensor prediction = model_.denoise(noisy, times, conditioning).to(torch::kFloat32);
+  const at::Tensor target = objective_->target(latents, noise, times);
   at::Tensor huber_c = torch::ones({1}, latents.options());
   if (options_.loss_type == "huber" || options_.loss_type == "smooth_l1") {
-    huber_c = huber_threshold(schedule_, timesteps, options_.huber_schedule, options_.huber_c,
-                              options_.huber_scale);
+    huber_c = objective_->huber_threshold(times);
   }
   at::Tensor loss =
       elementwise_loss(prediction, target.to(torch::kFloat32), options_.loss_type, huber_c);
@@ -165,13 +155,12 @@ double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generat
   } else {
     noise = draw_noise(latents, options_.noise, generator);
   }
-  at::Tensor timesteps =
-      batch.timesteps.defined()
-          ? batch.timesteps.to(device, torch::kInt64)
-          : draw_timesteps(latents.size(0), options_.noise, generator, device);
+  const at::Tensor times = batch.times.defined()
+                               ? batch.times.to(device)
+                               : objective_->draw_times(latents.size(0), generator, device);
 
   // kohya's input perturbation (ip_noise_gamma): the latents are noised with extra noise that the
-  // target does not carry; drawn after the timesteps, as kohya draws it.
+  // target does not carry; drawn after the noise points, as kohya draws it.
   at::Tensor input_noise;
   if (options_.noise.ip_noise_gamma > 0 && batch.ip_noise.defined()) {  // a given draw
     input_noise =
@@ -195,37 +184,20 @@ double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generat
     mine.encoder_hidden_states = rows(batch.encoder_hidden_states);
     mine.pooled = rows(batch.pooled);
     mine.text_mask = rows(batch.text_mask);
-    const at::Tensor my_timesteps = rows(timesteps);
-    at::Tensor loss = per_sample_loss(rows(latents), rows(noise), my_timesteps, conditioning(mine),
+    const at::Tensor my_times = rows(times);
+    at::Tensor loss = per_sample_loss(rows(latents), rows(noise), my_times, conditioning(mine),
                                       rows(input_noise), rows(batch.masks));
     if (batch.loss_weights.defined()) {
       loss = loss * rows(batch.loss_weights).to(device, torch::kFloat32);
     }
-    loss = weighted_by_snr(loss, my_timesteps);
+    loss = weighted(loss, my_times);
     return backward(loss.sum() / static_cast<double>(global));
   }
   at::Tensor loss =
-      per_sample_loss(latents, noise, timesteps, conditioning(batch), input_noise, batch.masks);
+      per_sample_loss(latents, noise, times, conditioning(batch), input_noise, batch.masks);
   if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device, torch::kFloat32);
-  loss = weighted_by_snr(loss, timesteps);
+  loss = weighted(loss, times);
   return backward(loss.mean());
-}
-
-at::Tensor TrainingStep::weighted_by_snr(at::Tensor loss, const at::Tensor& timesteps) const {
-  // kohya train_network's order: min-SNR, v-prediction-like scaling, v-prediction-like loss,
-  // debiased estimation.
-  if (options_.min_snr_gamma > 0) {
-    loss = loss * min_snr_weight(schedule_, timesteps, options_.min_snr_gamma,
-                                 options_.v_prediction);
-  }
-  if (options_.scale_v_pred_loss_like_noise_pred) loss = loss * snr_scale(schedule_, timesteps);
-  if (options_.v_pred_like_loss > 0) {
-    loss = loss + loss / snr_scale(schedule_, timesteps) * options_.v_pred_like_loss;
-  }
-  if (options_.debiased_estimation_loss) {
-    loss = debiased_estimation_weight(schedule_, timesteps, options_.v_prediction) * loss;
-  }
-  return loss;
 }
 
 double TrainingStep::backward(const at::Tensor& loss) {

@@ -1,8 +1,8 @@
 #pragma once
-// One training step of a LoRA on a Stable Diffusion model, as kohya sd-scripts' train_network.py
-// runs it for SD1.5: noise and timesteps, the noised latents, the UNet's prediction against the
-// epsilon or v target, kohya's loss options, backward (divided over gradient accumulation),
-// then gradient clipping, the optimizer and the learning-rate schedule.
+// One training step of a LoRA, as kohya sd-scripts' train_network.py runs it: the noise and the
+// noise points, the noisy latents, the denoiser's prediction against the target (the family's
+// training objective, models/objective.h), kohya's loss options, backward (divided over
+// gradient accumulation), then gradient clipping, the optimizer and the learning-rate schedule.
 //
 // The step is the unit the parity tests compare with diffusers + peft (trainer/reference/
 // train_reference.py), so everything random can also be given explicitly.
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "models/diffusion_model.h"
+#include "models/objective.h"
 #include "trainer/lora_network.h"
 #include "trainer/lr_schedule.h"
 #include "trainer/noise.h"
@@ -28,22 +29,14 @@
 namespace lorapipe::trainer {
 
 struct StepOptions {
-  bool v_prediction = false;      // --v_parameterization
-  double min_snr_gamma = 0;       // --min_snr_gamma (0: off)
-  // kohya's other loss weightings by the timestep's SNR (library/custom_train_functions.py),
-  // applied after min-SNR in kohya's order.
-  bool scale_v_pred_loss_like_noise_pred = false;  // x snr / (snr + 1)
-  double v_pred_like_loss = 0;                     // + loss * (snr + 1) / snr * this
-  bool debiased_estimation_loss = false;           // x 1 / sqrt(snr), v-prediction 1 / (snr + 1)
-  bool zero_terminal_snr = false;  // --zero_terminal_snr: the rescaled schedule (NoiseSchedule)
+  // The family's objective under kohya's knobs (--v_parameterization, --min_snr_gamma, the
+  // timestep range, the Huber schedule, ...): models/objective.h.
+  models::ObjectiveOptions objective;
   // --scale_weight_norms (0: off): kohya's max-norm regularization after every micro-batch
   // (LoraNetwork::apply_max_norm).
   double scale_weight_norms = 0;
   NoiseOptions noise;
   std::string loss_type = "l2";   // --loss_type l2 | l1 | huber | smooth_l1
-  std::string huber_schedule = "snr";
-  double huber_c = 0.1;
-  double huber_scale = 1.0;
   int clip_skip = 1;
   int gradient_accumulation_steps = 1;
   double max_grad_norm = 1.0;     // 0: no clipping
@@ -66,8 +59,8 @@ struct StepOptions {
 // One micro-batch. `latents` are already drawn from the cached distribution and scaled by the
 // family's latent factors (DiffusionModel::model_latents). Text comes as token ids for each text
 // encoder (encoded online, through the LoRA when the text encoder trains) or as cached encoder
-// hidden states. `noise`, `offset_noise` and `timesteps` are drawn
-// from the step's generator unless given.
+// hidden states. `noise`, `offset_noise` and `times` are drawn from the step's generator unless
+// given.
 struct MicroBatch {
   at::Tensor latents;                // [B, 4, h, w] fp32
   models::TokenBatch tokens;         // ids per text encoder (weights: --weighted_captions), or
@@ -77,7 +70,7 @@ struct MicroBatch {
   at::Tensor loss_weights;           // [B] fp32: prior_loss_weight for reg images, else 1
   at::Tensor noise;                  // optional [B, 4, h, w]
   at::Tensor offset_noise;           // optional [B, 4, 1, 1] (with noise_offset)
-  at::Tensor timesteps;              // optional [B] int64
+  at::Tensor times;                  // optional [B] model times (DDPM: int64 timesteps)
   at::Tensor ip_noise;               // optional [B, 4, h, w] (with ip_noise_gamma; fixed strength)
   at::Tensor masks;                  // optional [B, 1, h, w] fp32: kohya's alpha masks
   // Data-parallel ranks (trainer/ranks.h): every rank gets the whole global batch and draws its
@@ -135,17 +128,20 @@ class TrainingStep {
   void set_scaler(double scale, int64_t tracker) { loss_scale_ = scale, growth_tracker_ = tracker; }
 
   // The denoiser's loss for a batch whose text conditioning is already computed (validation
-  // uses it with fixed noise and timesteps). Per-sample, before weighting, [B]. The latents are
+  // uses it with fixed noise and points). Per-sample, before weighting, [B]. The latents are
   // noised with `input_noise` when given (kohya's ip_noise_gamma perturbation), the target
   // stays `noise`. `mask` [B, 1, h, w] (kohya's alpha mask at latent size) weighs each element
   // of the loss before the mean, as kohya's apply_masked_loss.
   at::Tensor per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
-                             const at::Tensor& timesteps,
+                             const at::Tensor& times,
                              const models::Conditioning& conditioning,
                              const at::Tensor& input_noise = {}, const at::Tensor& mask = {});
   models::Conditioning conditioning(const MicroBatch& batch);
-  // Per-sample losses times kohya's SNR weightings that are on (min-SNR and the rest), [B].
-  at::Tensor weighted_by_snr(at::Tensor loss, const at::Tensor& timesteps) const;
+  // Per-sample losses times the objective's weighting (kohya's min-SNR and the rest), [B].
+  at::Tensor weighted(at::Tensor loss, const at::Tensor& times) const {
+    return objective_->weighted(std::move(loss), times);
+  }
+  const models::TrainingObjective& objective() const { return *objective_; }
 
  private:
   std::vector<at::Tensor> trainable() const;
@@ -157,7 +153,7 @@ class TrainingStep {
   models::DiffusionModel& model_;
   LoraNetwork& network_;
   StepOptions options_;
-  NoiseSchedule schedule_;
+  std::unique_ptr<models::TrainingObjective> objective_;
   std::unique_ptr<Optimizer> optimizer_;
   std::vector<std::string> group_names_;
   std::vector<double> initial_lrs_;

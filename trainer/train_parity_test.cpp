@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <fstream>
 #include <numbers>
 #include <nlohmann/json.hpp>
@@ -22,7 +23,9 @@
 #include "cacher/encode.h"
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/ddpm.h"
 #include "models/float8.h"
+#include "models/objective.h"
 #include "models/parity_util.h"
 #include "models/placement.h"
 #include "models/registry.h"
@@ -174,19 +177,19 @@ class TrainParity : public ::testing::Test {
     LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(7));
     network.load(init_lora);
     StepOptions o;
-    o.v_prediction = s.v_prediction;
-    o.min_snr_gamma = s.min_snr_gamma;
-    o.scale_v_pred_loss_like_noise_pred = s.scale_v_pred_loss_like_noise_pred;
-    o.v_pred_like_loss = s.v_pred_like_loss;
-    o.debiased_estimation_loss = s.debiased_estimation_loss;
-    o.zero_terminal_snr = s.zero_terminal_snr;
+    o.objective.v_prediction = s.v_prediction;
+    o.objective.min_snr_gamma = s.min_snr_gamma;
+    o.objective.scale_v_pred_loss_like_noise_pred = s.scale_v_pred_loss_like_noise_pred;
+    o.objective.v_pred_like_loss = s.v_pred_like_loss;
+    o.objective.debiased_estimation_loss = s.debiased_estimation_loss;
+    o.objective.zero_terminal_snr = s.zero_terminal_snr;
     o.scale_weight_norms = s.scale_weight_norms;
     o.noise.ip_noise_gamma = s.ip_noise_gamma;
     o.noise.noise_offset = s.noise_offset;
     o.noise.adaptive_noise_scale = s.adaptive_noise_scale;
     o.loss_type = s.loss_type;
-    o.huber_schedule = s.huber_schedule;
-    o.huber_c = s.huber_c;
+    o.objective.huber_schedule = s.huber_schedule;
+    o.objective.huber_c = s.huber_c;
     o.gradient_accumulation_steps = s.accumulation;
     o.max_grad_norm = s.max_grad_norm;
     o.gradient_checkpointing = s.checkpointing;
@@ -211,7 +214,7 @@ class TrainParity : public ::testing::Test {
       batch.latents = inputs.at("latents")[i];
       batch.noise = inputs.at("noise")[i];
       batch.offset_noise = inputs.at("offset_noise")[i];
-      batch.timesteps = inputs.at("timesteps")[i];
+      batch.times = inputs.at("timesteps")[i];
       if (s.ip_noise_gamma > 0) batch.ip_noise = inputs.at("ip_noise")[i];
       batch.loss_weights = inputs.at("loss_weights")[i];
       batch.tokens.ids = {inputs.at("input_ids")[i]};
@@ -367,7 +370,8 @@ class TrainParity : public ::testing::Test {
     if (ours_out) *ours_out = ours;
     // The noise schedule is diffusers' bit for bit (fp32 values, sent as float64).
     EXPECT_TRUE(reference.count("alphas_cumprod") &&
-                torch::equal(NoiseSchedule(models::model_family("sd15").schedule, s.zero_terminal_snr)
+                torch::equal(models::DdpmNoiseSchedule(models::model_family("sd15").schedule,
+                                                        s.zero_terminal_snr)
                                  .alphas_cumprod()
                                  .to(torch::kFloat64),
                              reference.at("alphas_cumprod")))
@@ -448,19 +452,82 @@ TEST(TrainNoise, RandomStrengthsAndAdaptiveOffsetAreDrawnInKohyasOrder) {
 // --min_timestep / --max_timestep: kohya's torch.randint(min, max), so min is drawn and max is
 // not. 20000 draws over 200 values miss one end with probability (199/200)^20000, about e^-100.
 TEST(TrainNoise, TimestepsAreDrawnFromMinToMaxExclusive) {
-  NoiseOptions o;
+  const models::ModelFamily& family = models::model_family("sd15");
+  models::ObjectiveOptions o;
   o.min_timestep = 100;
   o.max_timestep = 300;
-  const at::Tensor t = draw_timesteps(20000, o, at::make_generator<at::CPUGeneratorImpl>(3),
-                                      torch::kCPU);
+  const at::Tensor t = models::make_training_objective(family, o)->draw_times(
+      20000, at::make_generator<at::CPUGeneratorImpl>(3), torch::kCPU);
   EXPECT_EQ(t.scalar_type(), torch::kInt64);
   EXPECT_EQ(t.min().item<int64_t>(), 100);
   EXPECT_EQ(t.max().item<int64_t>(), 299);
-  const at::Tensor all = draw_timesteps(20000, NoiseOptions{},
-                                        at::make_generator<at::CPUGeneratorImpl>(3), torch::kCPU);
+  const at::Tensor all = models::make_training_objective(family, {})->draw_times(
+      20000, at::make_generator<at::CPUGeneratorImpl>(3), torch::kCPU);
   EXPECT_EQ(all.min().item<int64_t>(), 0);
   EXPECT_GE(all.max().item<int64_t>(), 990);  // of 1000 values: a miss of 10 has odds e^-200
   EXPECT_LE(all.max().item<int64_t>(), 999);
+}
+
+// The DDPM objective's validation points are kohya's, np.linspace(min, max, 6, dtype=int)[1:-1]
+// (computed here by numpy itself), each a batch of int64 timesteps; its metadata says what it
+// trains (kohya's keys, and ModelSpec's prediction type and timestep range); and the checks every
+// objective makes name the flag.
+TEST(TrainObjective, DdpmValidationPointsAndMetadataAreKohyas) {
+  const char* python = std::getenv("LORAPIPE_PYTHON");
+  ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
+  const models::ModelFamily& family = models::model_family("sd15");
+  for (const auto& [min, max] : {std::pair<int64_t, int64_t>{0, 1000}, {100, 300}, {7, 993}}) {
+    const std::string command = std::string(python) +
+                                " -c 'import numpy; print(*numpy.linspace(" + std::to_string(min) +
+                                ", " + std::to_string(max) + ", 6, dtype=int)[1:-1])'";
+    FILE* pipe = ::popen(command.c_str(), "r");
+    ASSERT_NE(pipe, nullptr) << command;
+    std::vector<int64_t> kohya;
+    long long v = 0;
+    while (std::fscanf(pipe, "%lld", &v) == 1) kohya.push_back(v);
+    ASSERT_EQ(::pclose(pipe), 0) << command;
+    models::ObjectiveOptions o;
+    o.min_timestep = min;
+    o.max_timestep = max;
+    std::vector<int64_t> ours;
+    for (const models::ValidationPoint& p :
+         models::make_training_objective(family, o)->validation_points(3, torch::kCPU)) {
+      ours.push_back(p.timestep);
+      EXPECT_TRUE(torch::equal(p.time, torch::full({3}, p.timestep, torch::kInt64)));
+    }
+    EXPECT_EQ(ours, kohya) << min << ".." << max;
+  }
+
+  std::map<std::string, std::string> plain, v;
+  models::make_training_objective(family, {})->write_metadata(plain);
+  EXPECT_EQ(plain.at("ss_v_parameterization"), "False");
+  EXPECT_EQ(plain.at("ss_min_snr_gamma"), "None");
+  EXPECT_EQ(plain.at("modelspec.prediction_type"), "epsilon");
+  EXPECT_FALSE(plain.count("modelspec.timestep_range"));
+  models::ObjectiveOptions o;
+  o.v_prediction = true;
+  o.min_snr_gamma = 5;
+  o.min_timestep = 100;
+  o.max_timestep = 300;
+  models::make_training_objective(family, o)->write_metadata(v);
+  EXPECT_EQ(v.at("ss_v_parameterization"), "True");
+  EXPECT_EQ(v.at("ss_min_snr_gamma"), "5.0");
+  EXPECT_EQ(v.at("modelspec.prediction_type"), "v");
+  EXPECT_EQ(v.at("modelspec.timestep_range"), "100,300");
+
+  models::ObjectiveOptions bad;
+  bad.huber_schedule = "cosine";
+  try {
+    models::check_objective_options(bad);
+    ADD_FAILURE() << "an unknown --huber_schedule was taken";
+  } catch (const lorapipe::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--huber_schedule='cosine'"), std::string::npos)
+        << e.what();
+  }
+  bad = {};
+  bad.min_timestep = 500;
+  bad.max_timestep = 500;
+  EXPECT_THROW(models::make_training_objective(family, bad), lorapipe::InputError);
 }
 
 // LoRA+ as kohya's prepare_optimizer_params groups it: each side's up matrices in a group of
@@ -534,9 +601,12 @@ TEST_F(TrainParity, BlockArgsShapeRanksAlphasAndRatesAsKohya) {
     return -1;
   };
   // Ranks 1-5 by block, block 5 (IN05) of rank 0; alphas b + 0.5.
-  std::vector<int64_t> dims(kKohyaBlocks);
+  const models::KohyaBlocks& table = models::model_family("sd15").kohya.blocks;
+  const size_t block_count = table.count();
+  ASSERT_EQ(block_count, 25u);  // kohya's SD1.x table: IN00-IN11, MID, OUT00-OUT11
+  std::vector<int64_t> dims(block_count);
   std::string dims_arg, alphas_arg;
-  for (size_t b = 0; b < kKohyaBlocks; ++b) {
+  for (size_t b = 0; b < block_count; ++b) {
     dims[b] = b == 5 ? 0 : static_cast<int64_t>(b % 5 + 1);
     dims_arg += (b ? "," : "") + std::to_string(dims[b]);
     alphas_arg += (b ? "," : "") + std::to_string(b) + ".5";
@@ -556,16 +626,16 @@ TEST_F(TrainParity, BlockArgsShapeRanksAlphasAndRatesAsKohya) {
   net.alpha = 2;
   net.conv_dim = 2;  // kxk convs: conv_dim and conv_alpha in every block (no conv_block_dims)
   net.conv_alpha = 1;
-  EXPECT_TRUE(resolve_block_args(args, net).empty());
-  std::vector<double> weight(kKohyaBlocks, 1.0);
+  EXPECT_TRUE(resolve_block_args(args, table, net).empty());
+  std::vector<double> weight(block_count, 1.0);
   weight[2] = 0.5, weight[3] = 0;  // down_lr_weight's items are IN00-IN11
   weight[12] = 2;
   for (int i = 0; i < 12; ++i) {
     const double w = std::sin(std::numbers::pi * (i / 11.0) / 2) + 0.05;
     weight[13 + i] = w > 0.1 ? w : 0;
   }
-  ASSERT_EQ(net.block_lr_weight.size(), kKohyaBlocks);
-  for (size_t b = 0; b < kKohyaBlocks; ++b) {
+  ASSERT_EQ(net.block_lr_weight.size(), block_count);
+  for (size_t b = 0; b < block_count; ++b) {
     EXPECT_DOUBLE_EQ(net.block_lr_weight[b], weight[b]) << "block " << b;
   }
 
@@ -622,16 +692,16 @@ TEST_F(TrainParity, BlockArgsShapeRanksAlphasAndRatesAsKohya) {
   NetworkOptions other;
   args.values = {{"block_dims", "1,2,3"}};
   try {
-    resolve_block_args(args, other);
+    resolve_block_args(args, table, other);
     ADD_FAILURE() << "block_dims of 3 values taken";
   } catch (const lorapipe::InputError& e) {
     EXPECT_NE(std::string(e.what()).find("block_dims=1,2,3': 3 values"), std::string::npos)
         << e.what();
   }
   args.values = {{"up_lr_weight", "0.5"}};  // one weight needs a comma, or it names a curve
-  EXPECT_THROW(resolve_block_args(args, other), lorapipe::InputError);
+  EXPECT_THROW(resolve_block_args(args, table, other), lorapipe::InputError);
   args.values = {{"conv_block_dims", dims_arg}};
-  const std::vector<std::string> warnings = resolve_block_args(args, other);
+  const std::vector<std::string> warnings = resolve_block_args(args, table, other);
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_NE(warnings[0].find("conv_block_dims is ignored"), std::string::npos) << warnings[0];
   EXPECT_TRUE(other.block_dims.empty());
@@ -1091,7 +1161,7 @@ TEST_F(TrainMixedPrecision, Fp16LossScaleBacksOffAndGrowsAsTorchsGradScaler) {
     MicroBatch b;
     b.latents = inputs.at("latents")[i];
     b.noise = inputs.at("noise")[i];
-    b.timesteps = inputs.at("timesteps")[i];
+    b.times = inputs.at("timesteps")[i];
     b.tokens.ids = {inputs.at("input_ids")[i]};
     b.loss_weights = inputs.at("loss_weights")[i];
     return b;

@@ -2,29 +2,12 @@
 // images, weighted as the training loss is.
 #include "trainer/run.h"
 
-#include <cmath>
 #include <random>
 
 #include "common/log.h"
 #include "common/random.h"
 
 namespace lorapipe::trainer::detail {
-
-namespace {
-
-// kohya's validation timesteps (train_network.py): four, evenly inside [min_timestep,
-// max_timestep] (np.linspace(min, max, 6, dtype=int)[1:-1]; 200, 400, 600, 800 by default), fixed
-// so validation losses compare.
-std::vector<int64_t> validation_timesteps(const NoiseOptions& noise) {
-  std::vector<int64_t> out;
-  const double step = static_cast<double>(noise.max_timestep - noise.min_timestep) / 5.0;
-  for (int k = 1; k <= 4; ++k) {
-    out.push_back(static_cast<int64_t>(std::floor(static_cast<double>(noise.min_timestep) + k * step)));
-  }
-  return out;
-}
-
-}  // namespace
 
 void Run::prepare_validation() {
   if (validation_manifest_.entries_size() == 0) return;
@@ -72,20 +55,23 @@ double Run::validation_loss() {
   for (size_t i = 0; i < items; ++i) {
     const MicroBatch batch = to_micro_batch(validation_[i]);
     const models::Conditioning conditioning = step_->conditioning(batch);
-    for (int64_t t : validation_timesteps(o_.step.noise)) {
-      at::Generator g = generator_for(o_.validation_seed, static_cast<int64_t>(i), t, "val-noise");
-      const torch::Tensor latents = batch.latents.to(device_, torch::kFloat);
+    const torch::Tensor latents = batch.latents.to(device_, torch::kFloat);
+    // kohya's fixed points (the objective's: 200, 400, 600, 800 of 1000 timesteps by default),
+    // each with noise from a generator of its own, so validation losses compare.
+    for (const models::ValidationPoint& point :
+         step_->objective().validation_points(latents.size(0), device_)) {
+      at::Generator g = generator_for(o_.validation_seed, static_cast<int64_t>(i), point.timestep,
+                                      "val-noise");
       // kohya validates through its training's process_batch: the noise is drawn as in training
       // (--noise_offset, multires noise and --ip_noise_gamma act), from the fixed generator.
       const torch::Tensor noise = draw_noise(latents, o_.step.noise, g);
-      const torch::Tensor timesteps = torch::full({latents.size(0)}, t, torch::kInt64).to(device_);
       const torch::Tensor input_noise = draw_input_noise(noise, o_.step.noise, g);
       // kohya's process_batch weighs the validation loss as the training loss: the samples'
-      // loss weights, then the SNR weightings.
-      torch::Tensor loss =
-          step_->per_sample_loss(latents, noise, timesteps, conditioning, input_noise, batch.masks);
+      // loss weights, then the objective's weighting.
+      torch::Tensor loss = step_->per_sample_loss(latents, noise, point.time, conditioning,
+                                                  input_noise, batch.masks);
       if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device_, torch::kFloat);
-      sum += step_->weighted_by_snr(loss, timesteps).mean().item<double>();
+      sum += step_->weighted(loss, point.time).mean().item<double>();
       ++n;
     }
   }
