@@ -73,7 +73,7 @@ std::string sampler_choice(const std::string& value, Note&& note) {
 // weight not a number, or a step count its sampler cannot take (pndm under 4). Checked when the
 // file is read, so such a line is skipped there rather than failing every checkpoint's render.
 void check_request(const RenderRequest& r) {
-  (void)Scheduler(scheduler_options(r.sampler, false), r.steps);
+  (void)make_scheduler(scheduler_options(r.sampler, false), r.steps);
   for (const std::string* text : {&r.prompt, &r.negative_prompt}) {
     for (const models::WeightedText& piece : models::parse_prompt_attention(*text)) {
       (void)models::fix_text(piece.text);

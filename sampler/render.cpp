@@ -26,8 +26,8 @@ RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
   }
   torch::NoGradGuard no_grad;
   const models::ModelFamily& family = model.model_family();
-  Scheduler scheduler(scheduler_options(request.sampler, options.v_prediction, family.schedule),
-                      request.steps);
+  const std::unique_ptr<Scheduler> scheduler = make_scheduler(
+      scheduler_options(request.sampler, options.v_prediction, family.schedule), request.steps);
   auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(request.seed));
 
   const bool guided = request.cfg_scale > 1.0;
@@ -44,18 +44,18 @@ RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
       options.initial_latents.defined()
           ? options.initial_latents.to(torch::kFloat32)
           : torch::randn({1, family.latent_channels, h, w}, generator, torch::kFloat32);
-  latents = (latents * scheduler.init_noise_sigma()).to(weight.device());
+  latents = (latents * scheduler->init_noise_sigma()).to(weight.device());
 
-  for (int i = 0; i < scheduler.calls(); ++i) {
+  for (int i = 0; i < scheduler->calls(); ++i) {
     torch::Tensor input = guided ? torch::cat({latents, latents}) : latents;
-    input = scheduler.scale_model_input(input, i);
-    const torch::Tensor t = scheduler.timesteps()[i];
+    input = scheduler->scale_model_input(input, i);
+    const torch::Tensor t = scheduler->timesteps()[i];
     torch::Tensor prediction = model.denoise(input, t, conditioning).to(torch::kFloat32);
     if (guided) {
       const auto parts = prediction.chunk(2);
       prediction = parts[0] + request.cfg_scale * (parts[1] - parts[0]);
     }
-    latents = scheduler.step(prediction, i, latents, generator);
+    latents = scheduler->step(prediction, i, latents, generator);
     if (options.on_step) options.on_step(i, latents);
   }
   RenderResult result;

@@ -25,6 +25,7 @@
 #include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -68,10 +69,14 @@ SchedulerOptions scheduler_options(const std::string& name, bool v_prediction,
                                    const models::DdpmSchedule& schedule = {});
 std::vector<std::string> sampler_names();
 
+// One sampler, behind the one interface the renderer calls; make_scheduler() builds the one
+// SchedulerOptions::kind names. Each is a class of its own: the timestep samplers DDIM, DDPM and
+// PNDM (sampler/scheduler_timesteps.cpp), the DPM-Solvers (sampler/scheduler_dpm_solver.cpp) and
+// the sigma-based K-samplers Euler, Euler ancestral, Heun, DPM2, DPM2 ancestral and LMS
+// (sampler/scheduler_k.cpp). A flow-matching family's samplers arrive as more classes.
 class Scheduler {
  public:
-  // `steps` denoising steps (>= 1; PNDM >= 4). Throws InputError otherwise.
-  Scheduler(const SchedulerOptions& options, int steps);
+  virtual ~Scheduler() = default;
 
   int steps() const { return steps_; }
   // How many times the model is called: steps(), or more for Heun, DPM2 and PNDM.
@@ -85,7 +90,10 @@ class Scheduler {
   // The initial noise is randn * init_noise_sigma().
   double init_noise_sigma() const { return init_noise_sigma_; }
   // The denoiser's input at call `index` (the K-samplers divide by sqrt(sigma^2 + 1)).
-  at::Tensor scale_model_input(const at::Tensor& sample, int index) const;
+  virtual at::Tensor scale_model_input(const at::Tensor& sample, int index) const {
+    (void)index;
+    return sample;
+  }
   // The sample after call `index` (0-based, in order), from the model's output there (after
   // classifier-free guidance). `generator` feeds the noise of Euler ancestral, DPM2 ancestral and
   // DDPM (drawn on the CPU and moved, as diffusers' randn_tensor does with a CPU generator); the
@@ -93,51 +101,22 @@ class Scheduler {
   at::Tensor step(const at::Tensor& model_output, int index, const at::Tensor& sample,
                   at::Generator generator);
 
- private:
-  at::Tensor ddim_step(const at::Tensor& model_output, int index, const at::Tensor& sample) const;
-  at::Tensor euler_step(const at::Tensor& model_output, int index, const at::Tensor& sample) const;
-  at::Tensor euler_ancestral_step(const at::Tensor& model_output, int index,
-                                  const at::Tensor& sample, at::Generator generator) const;
-  at::Tensor dpm_multistep(const at::Tensor& model_output, int index, const at::Tensor& sample);
-  at::Tensor dpm_singlestep(const at::Tensor& model_output, int index, const at::Tensor& sample);
-  at::Tensor heun_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
-  at::Tensor dpm2_stage(const at::Tensor& model_output, int index, const at::Tensor& sample,
-                        const at::Tensor& sigma, const at::Tensor& sigma_interpol,
-                        const at::Tensor& sigma_to);
-  at::Tensor dpm2_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
-  at::Tensor dpm2_ancestral_step(const at::Tensor& model_output, int index,
-                                 const at::Tensor& sample, at::Generator generator);
-  at::Tensor lms_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
-  at::Tensor pndm_step(const at::Tensor& model_output, int index, const at::Tensor& sample);
-  at::Tensor ddpm_step(const at::Tensor& model_output, int index, const at::Tensor& sample,
-                       at::Generator generator) const;
-  // Standard normal noise shaped as `model_output`, from `generator` on the CPU.
-  static at::Tensor noise_like(const at::Tensor& model_output, at::Generator generator);
-  // The x0 prediction at sigma for the sigma-based kinds.
-  at::Tensor predicted_original(const at::Tensor& model_output, const at::Tensor& sigma,
-                                const at::Tensor& sample) const;
-  // DPM-Solver's data (dpmsolver++) or noise (dpmsolver) prediction at call `index`.
-  at::Tensor dpm_model_output(const at::Tensor& model_output, int index,
-                              const at::Tensor& sample) const;
-  // PNDM's step from timestep t to prev_t with the (combined) model output.
-  at::Tensor pndm_previous(const at::Tensor& sample, int64_t t, int64_t prev_t,
-                           at::Tensor model_output) const;
+ protected:
+  // Checks what every sampler needs (1 to 1000 steps, Karras sigmas only where they apply, the
+  // family's 1000-step table) and builds the family's alphas_cumprod. Throws InputError.
+  Scheduler(const SchedulerOptions& options, int steps);
+  virtual at::Tensor step_at(const at::Tensor& model_output, int index, const at::Tensor& sample,
+                             at::Generator generator) = 0;
 
   SchedulerOptions options_;
   int steps_;
-  at::Tensor alphas_cumprod_;  // [1000] fp32
-  at::Tensor final_alpha_cumprod_;
+  at::Tensor alphas_cumprod_;  // [1000] fp32, the family's (models/ddpm.h)
   at::Tensor timesteps_, sigmas_;
-  at::Tensor sigmas_interpol_, sigmas_up_, sigmas_down_;  // DPM2 (ancestral)
   double init_noise_sigma_ = 1.0;
-  // The multistep and two-stage samplers' state.
-  at::Tensor previous_x0_;  // DPM-Solver's converted model output of the step before
-  int lower_order_count_ = 0;
-  std::vector<int> orders_;                 // DPM++ 2S: the order of each step
-  at::Tensor first_sample_, previous_derivative_, previous_dt_;  // Heun, DPM2, DPM++ 2S
-  std::vector<at::Tensor> derivatives_;     // LMS: the last four, oldest first
-  std::vector<at::Tensor> pndm_outputs_;    // PNDM: its "ets"
-  at::Tensor pndm_combined_;                // PNDM: the Runge-Kutta sum so far
 };
+
+// The sampler `options.kind` names, for `steps` denoising steps (>= 1; PNDM >= 4). Throws
+// InputError otherwise.
+std::unique_ptr<Scheduler> make_scheduler(const SchedulerOptions& options, int steps);
 
 }  // namespace lorapipe::sampler
