@@ -92,7 +92,7 @@ class ClipTextModelImpl : public torch::nn::Module {
   // The same conditioning from an output already computed.
   torch::Tensor conditioning(const ClipTextOutput& output, int clip_skip = 1);
   // kohya's long-prompt conditioning (train_util.get_hidden_states, SD1 branch) for ids made of
-  // k chunks of max_position_embeddings tokens each ([B, k * 77], ClipTokenizer::encode_long):
+  // k chunks of max_position_embeddings tokens each ([B, k * 77], models/long_prompt.h):
   // every chunk is encoded on its own, then joined as the first chunk's BOS state, tokens 1..75
   // of each chunk, and the last chunk's final state: [B, 2 + 75k, width]. With one chunk it is
   // encode(). Also returns the first chunk's pooled output in `pooled` when given.

@@ -18,7 +18,6 @@
 #include <sstream>
 
 #include "common/error.h"
-#include "models/prompt_attention.h"
 
 namespace lorapipe::models {
 namespace fs = std::filesystem;
@@ -826,64 +825,6 @@ std::vector<int32_t> ClipTokenizer::encode_padded(std::string_view text, int max
   out.push_back(eos_);
   out.resize(max_length, pad());
   return out;
-}
-
-namespace {
-
-void check_max_token_length(int max_token_length) {
-  if (max_token_length != 75 && max_token_length != 150 && max_token_length != 225) {
-    throw InputError("max_token_length " + std::to_string(max_token_length) +
-                     " is not one of kohya's 75, 150, 225");
-  }
-}
-
-// kohya's chunking of a padded sequence of max_length ids (BOS, ids, EOS, padding) into
-// (max_length - 2) / 75 chunks, each its first element + 75 elements + its last element; a
-// sequence of one chunk stays as it is.
-template <typename T>
-std::vector<T> chunked(const std::vector<T>& padded, const T& first, const T& last) {
-  constexpr int kModelMaxLength = ClipTokenizer::kModelMaxLength;
-  constexpr int kChunk = kModelMaxLength - 2;
-  const int max_length = static_cast<int>(padded.size());
-  if (max_length <= kModelMaxLength) return padded;
-  std::vector<T> out;
-  for (int i = 1; i < max_length - kModelMaxLength + 2; i += kChunk) {
-    out.push_back(first);
-    const int end = std::min(i + kChunk, max_length);
-    out.insert(out.end(), padded.begin() + i, padded.begin() + end);
-    out.push_back(last);
-  }
-  return out;
-}
-
-}  // namespace
-
-std::vector<int32_t> ClipTokenizer::encode_long(std::string_view text, int max_token_length) const {
-  check_max_token_length(max_token_length);
-  const std::vector<int32_t> ids = encode_padded(text, max_token_length + 2);
-  return chunked(ids, /*first=*/ids.front(), /*last=*/ids.back());
-}
-
-ClipTokenizer::WeightedIds ClipTokenizer::encode_long_weighted(std::string_view text,
-                                                               int max_token_length) const {
-  check_max_token_length(max_token_length);
-  const size_t limit = static_cast<size_t>(max_token_length);
-  std::vector<int32_t> ids{bos_};
-  std::vector<float> weights{1.0f};
-  for (const WeightedText& piece : parse_prompt_attention(text)) {
-    for (int32_t id : encode(piece.text)) {
-      ids.push_back(id);
-      weights.push_back(static_cast<float>(piece.weight));
-    }
-    if (ids.size() - 1 > limit) break;
-  }
-  ids.resize(std::min(ids.size(), limit + 1));
-  weights.resize(ids.size());
-  ids.push_back(eos_);
-  ids.resize(limit + 2, pad());
-  weights.resize(limit + 2, 1.0f);
-  return {chunked(ids, /*first=*/ids.front(), /*last=*/ids.back()),
-          chunked(weights, /*first=*/1.0f, /*last=*/1.0f)};
 }
 
 std::string fix_text(std::string_view text) {

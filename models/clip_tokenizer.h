@@ -80,24 +80,6 @@ class ClipTokenizer {
   // EOS, then pad() up to exactly max_length ids. Throws InputError when max_length < 2.
   std::vector<int32_t> encode_padded(std::string_view text, int max_length = kModelMaxLength) const;
 
-  // kohya sd-scripts' long-prompt mode (BaseDataset.get_input_ids in library/train_util.py, the
-  // SD1.x branch where pad == eos) for --max_token_length 75 (kohya's default when unset), 150 or
-  // 225: encode_padded(text, max_token_length + 2), cut into max_token_length / 75 chunks of 75
-  // ids, each written as BOS + chunk + EOS; returns the chunks concatenated (n_chunks * 77 ids).
-  // A chunk past the end of the prompt is BOS followed by 76 EOS, as in kohya. Throws InputError
-  // for any other max_token_length.
-  std::vector<int32_t> encode_long(std::string_view text, int max_token_length) const;
-
-  // kohya's --weighted_captions tokenization (TokenizeStrategy._get_weighted_input_ids, then
-  // encode_long's chunks): the caption's A1111 attention syntax read (models/prompt_attention.h),
-  // each piece encoded on its own, the ids cut at max_token_length; laid out and chunked as
-  // encode_long. `weights` has one entry per id: its piece's weight, 1 for BOS, EOS and padding.
-  struct WeightedIds {
-    std::vector<int32_t> ids;
-    std::vector<float> weights;
-  };
-  WeightedIds encode_long_weighted(std::string_view text, int max_token_length) const;
-
   int32_t bos() const { return bos_; }  // <|startoftext|>
   int32_t eos() const { return eos_; }  // <|endoftext|>
   // The padding id: <|endoftext|>, as in openai/clip-vit-large-patch14's tokenizer (SD1.x).

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common/error.h"
+#include "models/long_prompt.h"
 
 namespace lorapipe::models {
 namespace {
@@ -148,9 +149,9 @@ TEST_F(ClipTokenizerParity, PaddedMatchesTransformersAndLongMatchesKohya) {
       std::vector<int32_t> actual;
     } variants[] = {
         {"padded_77", tokenizer_->encode_padded(text)},
-        {"padded_77", tokenizer_->encode_long(text, /*max_token_length=*/75)},
-        {"long_150", tokenizer_->encode_long(text, /*max_token_length=*/150)},
-        {"long_225", tokenizer_->encode_long(text, /*max_token_length=*/225)},
+        {"padded_77", kohya_long_prompt_ids(*tokenizer_, text, /*max_token_length=*/75)},
+        {"long_150", kohya_long_prompt_ids(*tokenizer_, text, /*max_token_length=*/150)},
+        {"long_225", kohya_long_prompt_ids(*tokenizer_, text, /*max_token_length=*/225)},
     };
     for (const auto& v : variants) {
       const std::string diff = compare(v.actual, c[v.key]);
@@ -165,7 +166,7 @@ TEST_F(ClipTokenizerParity, PaddedMatchesTransformersAndLongMatchesKohya) {
 }
 
 // kohya's --weighted_captions tokenization at each max_token_length, on every case (those without
-// attention syntax must give encode_long's ids with all weights 1; the "weights/" cases carry
+// attention syntax must give kohya_long_prompt_ids' ids with all weights 1; the "weights/" cases carry
 // nested, escaped, glued, negative and chunk-crossing weights). Weights are compared as the fp32
 // values kohya's torch.tensor makes of its Python floats: exactly.
 TEST_F(ClipTokenizerParity, WeightedCaptionsMatchKohya) {
@@ -177,10 +178,10 @@ TEST_F(ClipTokenizerParity, WeightedCaptionsMatchKohya) {
     for (int length : {75, 150, 225}) {
       const json& expected = c["weighted_" + std::to_string(length)];
       if (expected.is_null()) {
-        EXPECT_THROW(tokenizer_->encode_long_weighted(text, length), InputError) << name;
+        EXPECT_THROW(kohya_weighted_long_prompt_ids(*tokenizer_, text, length), InputError) << name;
         continue;
       }
-      const ClipTokenizer::WeightedIds actual = tokenizer_->encode_long_weighted(text, length);
+      const WeightedIds actual = kohya_weighted_long_prompt_ids(*tokenizer_, text, length);
       std::string diff = compare(actual.ids, expected["ids"]);
       std::vector<float> weights;
       for (double w : expected["weights"]) weights.push_back(static_cast<float>(w));
@@ -399,9 +400,9 @@ TEST_F(ClipTokenizerParityTinyVocab, InvalidUtf8TextNamesTheByte) {
 
 TEST_F(ClipTokenizerParityTinyVocab, LengthsOutsideKohyasChoicesAreRejected) {
   const ClipTokenizer t = tiny();
-  EXPECT_NE(error_of([&] { t.encode_long("hello", 100); }).find("100"), std::string::npos);
+  EXPECT_NE(error_of([&] { kohya_long_prompt_ids(t, "hello", 100); }).find("100"), std::string::npos);
   EXPECT_NE(error_of([&] { t.encode_padded("hello", 1); }).find("max_length 1"), std::string::npos);
-  EXPECT_EQ(t.encode_long("hello", 75), t.encode_padded("hello"));
+  EXPECT_EQ(kohya_long_prompt_ids(t, "hello", 75), t.encode_padded("hello"));
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "models/fingerprint.h"
+#include "models/long_prompt.h"
 #include "models/prompt_attention.h"
 #include "models/safetensors.h"
 #include "models/sd15_keys.h"
@@ -450,14 +451,16 @@ TokenBatch StableDiffusion::tokenize(const std::vector<std::string>& captions,
   if (weighted) {
     std::vector<float> w;
     for (const std::string& caption : captions) {
-      const ClipTokenizer::WeightedIds t = tokenizer->encode_long_weighted(caption, max_token_length);
+      const WeightedIds t = kohya_weighted_long_prompt_ids(*tokenizer, caption, max_token_length);
       ids.insert(ids.end(), t.ids.begin(), t.ids.end());
       w.insert(w.end(), t.weights.begin(), t.weights.end());
     }
     out.weights.push_back(torch::tensor(w, torch::kFloat32).view({batch, -1}));
   } else {
     for (const std::string& caption : captions) {
-      for (int32_t id : tokenizer->encode_long(caption, max_token_length)) ids.push_back(id);
+      for (int32_t id : kohya_long_prompt_ids(*tokenizer, caption, max_token_length)) {
+        ids.push_back(id);
+      }
     }
   }
   out.ids.push_back(torch::tensor(ids, torch::kInt64).view({batch, -1}));
