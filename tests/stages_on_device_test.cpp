@@ -1,7 +1,9 @@
 // The stage binaries on a compute device, without preprocess (so without libvips: the GPU
 // machine's build has neither): lorapipe-cacher encodes samples sent to it over ZeroMQ as
 // preprocess sends them, lorapipe-trainer trains on its cache with --save_state, and a second run
-// resumes from the state saved halfway and ends where the straight run ended.
+// resumes from the state saved halfway and ends where the straight run ended; the sampler's
+// render (its library: the stage binary writes PNGs through libvips) draws the trained
+// checkpoint there.
 //
 // The device is LORAPIPE_STAGE_DEVICE, else CUDA where torch sees it, else the CPU: CI runs the
 // chain on the CPU, tests/gpu/run.sh on the GPU, where none of the stages had run before.
@@ -15,12 +17,16 @@
 #include <random>
 #include <thread>
 
+#include "models/lora_merge.h"
 #include "models/parity_util.h"
+#include "models/placement.h"
+#include "models/registry.h"
 #include "models/safetensors.h"
 #include "models/tiny.h"
 #include "models/weights.h"
 #include "process_util.h"
 #include "proto/wire.h"
+#include "sampler/render.h"
 
 namespace lorapipe {
 namespace {
@@ -179,6 +185,47 @@ TEST_F(StagesOnDevice, CacherEncodesTrainerTrainsSavesAndResumes) {
   EXPECT_NE(both.err.find("text encoded online"), std::string::npos) << both.err;
   EXPECT_EQ(trainer_losses(both.err).size(), 4u) << both.err;
   for (double loss : trainer_losses(both.err)) EXPECT_TRUE(std::isfinite(loss)) << both.err;
+
+  // The sampler's render of the trained checkpoint on the device (the stage's path: load, place,
+  // the LoRA in the layers' slots, then render): finite, changed by the LoRA, and the CPU's
+  // image where the device is the CPU. On CUDA the pixels are held to 2 of 255 against the CPU
+  // render (fp32 throughout; the kernels' summation orders differ, and four Euler-ancestral steps
+  // at 64x64 carry that far less than a level; a wrong placement or a LoRA left on the CPU shows
+  // up as a crash or a different image).
+  sampler::RenderRequest request;
+  request.prompt = "a photo of a cat";
+  request.negative_prompt = "blurry";
+  request.width = request.height = 64;
+  request.steps = 4;
+  request.cfg_scale = 5;
+  request.seed = 7;
+  request.sampler = "euler_a";
+  auto render_on = [&](const std::string& on, bool with_lora) {
+    std::unique_ptr<models::DiffusionModel> model = models::load_model(tiny_->diffusers, {});
+    models::Placement placement;
+    placement.device = c10::Device(on);
+    models::place(*model, placement);
+    std::unique_ptr<models::MergedLora> lora;
+    if (with_lora) {
+      lora = std::make_unique<models::MergedLora>(
+          *model, straight_dir / "lora" / "tiny.safetensors", /*multiplier=*/1.0);
+    }
+    return sampler::render(*model, request).image;
+  };
+  const at::Tensor on_device = render_on(device, /*with_lora=*/true);
+  const at::Tensor on_cpu = render_on("cpu", /*with_lora=*/true);
+  const at::Tensor without = render_on("cpu", /*with_lora=*/false);
+  ASSERT_EQ(on_device.sizes(), on_cpu.sizes());
+  const int64_t most =
+      (on_device.to(torch::kInt32) - on_cpu.to(torch::kInt32)).abs().max().item<int64_t>();
+  std::printf("[stages] sampler on %s: most pixel difference from the CPU render %lld\n",
+              device.c_str(), static_cast<long long>(most));
+  if (exact) {
+    EXPECT_TRUE(torch::equal(on_device, on_cpu));
+  } else {
+    EXPECT_LE(most, 2);
+  }
+  EXPECT_FALSE(torch::equal(on_cpu, without)) << "the trained LoRA left the render unchanged";
 }
 
 }  // namespace

@@ -25,7 +25,9 @@
 #     torch sees no CUDA device.
 #   - The stages on CUDA (tests/stages_on_device_test.cpp): lorapipe-cacher encoding samples sent
 #     to it over ZeroMQ on the device, lorapipe-trainer training from that cache with
-#     --save_state, and a second run resuming from the state of step 2 to the straight run's end.
+#     --save_state, and a second run resuming from the state of step 2 to the straight run's end;
+#     then the sampler's render path (load, place, the trained LoRA in the layers' slots, render)
+#     drawing that checkpoint on CUDA, held to 2 of 255 per pixel against the CPU's render.
 #     And train_parity_test's TrainLora.AdaptersDrawTheSameValuesWhateverThePlacement: the LoRA's
 #     adapters over a base on CUDA equal the CPU run's (drawn on the CPU, then placed).
 #   - bench/adamw8bit_bench.py on CUDA with bf16 parameters: lorapipe's kernel against torch's
@@ -41,7 +43,8 @@
 #     s/image and peak allocated memory.
 # Not yet here: two-rank NCCL training (one GPU cannot hold two NCCL ranks), and the sampler stage
 # and a launcher run (they write images through libvips, whose Debian packages are more than the
-# carry allows): the sampler's render path on CUDA is sampler_bench's below.
+# carry allows): the sampler's render path on CUDA is the stage test's above and sampler_bench's
+# below.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
