@@ -43,6 +43,12 @@ class KScheduler : public Scheduler {
 
   // Called by each sampler's constructor once sigmas_ is laid out.
   void set_init_noise_sigma() { init_noise_sigma_ = sigmas_.max().item<float>(); }
+  // One call per grid point (Euler, Euler ancestral, LMS).
+  void use_grid() {
+    sigmas_ = grid_sigmas_;
+    timesteps_ = grid_times_;
+    set_init_noise_sigma();
+  }
 
   // The sigma the model's input is scaled by at call `index`.
   virtual at::Tensor input_sigma(int index) const { return sigmas_[index]; }
@@ -84,9 +90,7 @@ class KScheduler : public Scheduler {
 class Euler final : public KScheduler {
  public:
   Euler(const SchedulerOptions& options, int steps) : KScheduler(options, steps) {
-    sigmas_ = grid_sigmas_;
-    timesteps_ = grid_times_;
-    set_init_noise_sigma();
+    use_grid();
   }
 
  private:
@@ -105,9 +109,7 @@ class Euler final : public KScheduler {
 class EulerAncestral final : public KScheduler {
  public:
   EulerAncestral(const SchedulerOptions& options, int steps) : KScheduler(options, steps) {
-    sigmas_ = grid_sigmas_;
-    timesteps_ = grid_times_;
-    set_init_noise_sigma();
+    use_grid();
   }
 
  private:
@@ -272,9 +274,7 @@ class Dpm2Ancestral final : public Dpm2Base {
 class Lms final : public KScheduler {
  public:
   Lms(const SchedulerOptions& options, int steps) : KScheduler(options, steps) {
-    sigmas_ = grid_sigmas_;
-    timesteps_ = grid_times_;
-    set_init_noise_sigma();
+    use_grid();
   }
 
  private:
