@@ -73,7 +73,6 @@ void refuse_unsupported(const json& config, const std::string& source) {
     if (value != nullptr) refuse(source, key, *value, why);
   };
   constexpr const char* kNotYet = "is not supported yet";
-  must_be_null("addition_embed_type", "is not supported yet (SDXL add_embedding)");
   must_be_null("class_embed_type", kNotYet);
   must_be_null("num_class_embeds", kNotYet);
   must_be_null("encoder_hid_dim_type", kNotYet);
@@ -131,6 +130,23 @@ UNetConfig UNetConfig::sd15() {
   return config;
 }
 
+UNetConfig UNetConfig::sdxl() {
+  UNetConfig config;
+  config.block_out_channels = {320, 640, 1280};
+  config.layers_per_block = {2, 2, 2};
+  config.down_block_types = {kDown, kCrossAttnDown, kCrossAttnDown};
+  config.up_block_types = {kCrossAttnUp, kCrossAttnUp, kUp};
+  config.cross_attention_dim = 2048;
+  config.attention_head_dim = {5, 10, 20};
+  config.transformer_layers_per_block = {1, 2, 10};
+  config.use_linear_projection = true;
+  config.sample_size = 128;
+  config.addition_embed_type = "text_time";
+  config.addition_time_embed_dim = 256;
+  config.projection_class_embeddings_input_dim = 2816;
+  return config;
+}
+
 UNetConfig UNetConfig::from_json(const std::string& text, const std::string& source) {
   json config;
   try {
@@ -158,6 +174,14 @@ UNetConfig UNetConfig::from_json(const std::string& text, const std::string& sou
   read("use_linear_projection", out.use_linear_projection);
   read("flip_sin_to_cos", out.flip_sin_to_cos);
   read("freq_shift", out.freq_shift);
+  if (const json* value = field(config, "addition_embed_type")) {
+    if (*value != "text_time") {
+      refuse(source, "addition_embed_type", *value, "is not supported yet (only SDXL's text_time)");
+    }
+    out.addition_embed_type = "text_time";
+    read("addition_time_embed_dim", out.addition_time_embed_dim);
+    read("projection_class_embeddings_input_dim", out.projection_class_embeddings_input_dim);
+  }
   if (const json* value = field(config, "cross_attention_dim")) {
     if (!value->is_number_integer()) {
       refuse(source, "cross_attention_dim", *value, "is not supported yet (only one width)");
@@ -204,6 +228,13 @@ void UNetConfig::validate() const {
   }
   if (in_channels <= 0 || out_channels <= 0 || cross_attention_dim <= 0 || norm_num_groups <= 0) {
     fail("in_channels, out_channels, cross_attention_dim and norm_num_groups must be positive");
+  }
+  if (!addition_embed_type.empty() &&
+      (addition_embed_type != "text_time" || addition_time_embed_dim <= 0 ||
+       projection_class_embeddings_input_dim <= 0)) {
+    fail("addition_embed_type \"" + addition_embed_type +
+         "\" needs \"text_time\" with positive addition_time_embed_dim and "
+         "projection_class_embeddings_input_dim");
   }
   for (size_t i = 0; i < n; ++i) {
     const std::string block = " (block " + std::to_string(i) + ")";
@@ -570,6 +601,11 @@ UNetImpl::UNetImpl(const UNetConfig& config) : config_(config) {
   conv_in = register_module("conv_in", conv3x3(c.in_channels, c.block_out_channels[0]));
   time_embedding = register_module(
       "time_embedding", unet_blocks::TimestepEmbedding(c.block_out_channels[0], time_embed_dim));
+  if (!c.addition_embed_type.empty()) {
+    add_embedding = register_module(
+        "add_embedding",
+        unet_blocks::TimestepEmbedding(c.projection_class_embeddings_input_dim, time_embed_dim));
+  }
 
   int64_t output_channels = c.block_out_channels[0];
   for (size_t i = 0; i < n; ++i) {
@@ -612,7 +648,8 @@ UNetImpl::UNetImpl(const UNetConfig& config) : config_(config) {
 }
 
 torch::Tensor UNetImpl::time_embed(const torch::Tensor& timesteps, int64_t batch,
-                                   const torch::Tensor& like) {
+                                   const torch::Tensor& like, const torch::Tensor& text_embeds,
+                                   const torch::Tensor& time_ids) {
   TORCH_CHECK(timesteps.dim() <= 1, "timesteps must be 0-d or 1-d, got ", timesteps.sizes());
   torch::Tensor t = timesteps.reshape({-1}).to(like.device());
   TORCH_CHECK(t.size(0) == 1 || t.size(0) == batch, "got ", t.size(0), " timesteps for a batch of ",
@@ -620,18 +657,43 @@ torch::Tensor UNetImpl::time_embed(const torch::Tensor& timesteps, int64_t batch
   t = t.expand({batch});
   const torch::Tensor t_emb = timestep_embedding(t, config_.block_out_channels[0],
                                                  config_.flip_sin_to_cos, config_.freq_shift);
-  return time_embedding(t_emb.to(like.scalar_type()));
+  torch::Tensor emb = time_embedding(t_emb.to(like.scalar_type()));
+  if (!add_embedding) {
+    TORCH_CHECK(!text_embeds.defined() && !time_ids.defined(),
+                "this UNet takes no added conditions (text_embeds, time_ids)");
+    return emb;
+  }
+  // diffusers' get_aug_embed for "text_time": each time id's sinusoidal embedding, joined after
+  // the pooled text embedding, through add_embedding, added to the timestep's.
+  TORCH_CHECK(text_embeds.defined() && time_ids.defined(),
+              "an SDXL UNet needs text_embeds and time_ids (the pooled text and the six time ids)");
+  TORCH_CHECK(text_embeds.dim() == 2 && text_embeds.size(0) == batch && time_ids.dim() == 2 &&
+                  time_ids.size(0) == batch,
+              "text_embeds and time_ids must be (", batch, ", n), got ", text_embeds.sizes(),
+              " and ", time_ids.sizes());
+  const torch::Tensor time_embeds =
+      timestep_embedding(time_ids.to(like.device()).flatten(), config_.addition_time_embed_dim,
+                         config_.flip_sin_to_cos, config_.freq_shift)
+          .reshape({batch, -1});
+  const torch::Tensor add_embeds =
+      torch::cat({text_embeds.to(like.device(), torch::kFloat32), time_embeds}, /*dim=*/-1);
+  TORCH_CHECK(add_embeds.size(1) == config_.projection_class_embeddings_input_dim,
+              "text_embeds and time_ids give ", add_embeds.size(1),
+              " values, the config's projection_class_embeddings_input_dim is ",
+              config_.projection_class_embeddings_input_dim);
+  return emb + add_embedding(add_embeds.to(emb.scalar_type()));
 }
 
 torch::Tensor UNetImpl::forward(const torch::Tensor& sample, const torch::Tensor& timesteps,
-                                const torch::Tensor& encoder_hidden_states) {
+                                const torch::Tensor& encoder_hidden_states,
+                                const torch::Tensor& text_embeds, const torch::Tensor& time_ids) {
   TORCH_CHECK(sample.dim() == 4 && sample.size(1) == config_.in_channels,
               "UNet sample must be (B, ", config_.in_channels, ", H, W), got ", sample.sizes());
   TORCH_CHECK(encoder_hidden_states.dim() == 3 && encoder_hidden_states.size(0) == sample.size(0) &&
                   encoder_hidden_states.size(2) == config_.cross_attention_dim,
               "encoder_hidden_states must be (", sample.size(0), ", tokens, ",
               config_.cross_attention_dim, "), got ", encoder_hidden_states.sizes());
-  const torch::Tensor emb = time_embed(timesteps, sample.size(0), sample);
+  const torch::Tensor emb = time_embed(timesteps, sample.size(0), sample, text_embeds, time_ids);
   torch::Tensor x = conv_in(sample);
   std::vector<torch::Tensor> skips{x};
   const bool checkpointed = gradient_checkpointing && torch::GradMode::is_enabled();
@@ -685,6 +747,10 @@ double unet_forward_flops(const UNetConfig& config, int64_t batch, int64_t heigh
   const int64_t temb = c.block_out_channels[0] * 4;
   linear(b, c.block_out_channels[0], temb);  // time_embedding.linear_1, linear_2
   linear(b, temb, temb);
+  if (!c.addition_embed_type.empty()) {  // add_embedding.linear_1, linear_2
+    linear(b, c.projection_class_embeddings_input_dim, temb);
+    linear(b, temb, temb);
+  }
   auto resnet = [&](int64_t in, int64_t out, int64_t h, int64_t w) {
     conv(in, out, 3, h, w);
     linear(b, temb, out);  // time_emb_proj

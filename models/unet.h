@@ -4,10 +4,10 @@
 // ("down_blocks.0.attentions.1.transformer_blocks.0.attn2.to_k.weight") and a diffusers
 // `unet/diffusion_pytorch_model.safetensors` loads by name.
 //
-// Covered: SD1.x and SD2.x (a config each: SD2 turns on use_linear_projection and gives heads per
-// block), and transformer_layers_per_block > 1. Not yet: SDXL's add_embedding (addition_embed_type
-// "text_time"), class embeddings, and the other variants diffusers' config can ask for; the config
-// refuses them by name rather than build a different network.
+// Covered: SD1.x, SD2.x (use_linear_projection, heads per block) and SDXL (transformer depth per
+// level, and addition_embed_type "text_time": the projected pooled text embedding and six time
+// ids through add_embedding). Not yet: class embeddings and the other variants diffusers' config
+// can ask for; the config refuses them by name rather than build a different network.
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -49,9 +49,20 @@ struct UNetConfig {
   bool flip_sin_to_cos = true;         // timestep embedding order: cos, sin
   double freq_shift = 0;               // diffusers' downscale_freq_shift
   int64_t sample_size = 0;             // training latent side (0: not given); [h, w]: h
+  // SDXL's added conditions (addition_embed_type "text_time"; empty: none): each time id gets an
+  // addition_time_embed_dim-wide sinusoidal embedding (flip_sin_to_cos and freq_shift as the
+  // timestep's), those are joined after the pooled text embedding into
+  // projection_class_embeddings_input_dim values (SDXL: 1280 + 6 x 256 = 2816), and add_embedding
+  // (a TimestepEmbedding) maps them onto the time embedding, which they are added to.
+  std::string addition_embed_type;
+  int64_t addition_time_embed_dim = 0;
+  int64_t projection_class_embeddings_input_dim = 0;
 
   // SD1.5 (runwayml/stable-diffusion-v1-5 unet/config.json).
   static UNetConfig sd15();
+  // SDXL 1.0 base (stabilityai/stable-diffusion-xl-base-1.0 unet/config.json): 2,567,463,684
+  // parameters.
+  static UNetConfig sdxl();
   // Parses a diffusers unet/config.json. Unknown fields are ignored, missing ones take diffusers'
   // defaults; fields set to something this UNet does not build (addition_embed_type,
   // class_embed_type, a non-default act_fn, ...) throw InputError naming the field and value, as
@@ -229,13 +240,18 @@ struct UNetImpl : torch::nn::Module {
 
   // The noise (or v) prediction for `sample` (B, in_channels, H, W) at `timesteps` (0-d, or 1-d
   // of length 1 or B; any numeric dtype), conditioned on `encoder_hidden_states`
-  // (B, tokens, cross_attention_dim). Any H and W work: upsamplers follow the skip sizes.
+  // (B, tokens, cross_attention_dim). Any H and W work: upsamplers follow the skip sizes. With
+  // addition_embed_type "text_time", `text_embeds` (B, pooled width) and `time_ids` (B, n) are
+  // required (diffusers' added_cond_kwargs); otherwise they must be left undefined.
   torch::Tensor forward(const torch::Tensor& sample, const torch::Tensor& timesteps,
-                        const torch::Tensor& encoder_hidden_states);
+                        const torch::Tensor& encoder_hidden_states,
+                        const torch::Tensor& text_embeds = {}, const torch::Tensor& time_ids = {});
 
-  // The timestep embedding `emb` the resnets receive, (B, 4 * block_out_channels[0]).
-  torch::Tensor time_embed(const torch::Tensor& timesteps, int64_t batch,
-                           const torch::Tensor& like);
+  // The timestep embedding `emb` the resnets receive, (B, 4 * block_out_channels[0]), with the
+  // added conditions' embedding added where the config has them.
+  torch::Tensor time_embed(const torch::Tensor& timesteps, int64_t batch, const torch::Tensor& like,
+                           const torch::Tensor& text_embeds = {},
+                           const torch::Tensor& time_ids = {});
 
   const UNetConfig& config() const { return config_; }
 
@@ -248,6 +264,7 @@ struct UNetImpl : torch::nn::Module {
 
   Conv2d conv_in{nullptr};
   unet_blocks::TimestepEmbedding time_embedding{nullptr};
+  unet_blocks::TimestepEmbedding add_embedding{nullptr};  // "text_time" configs only
   torch::nn::ModuleList down_blocks, up_blocks;
   std::vector<unet_blocks::DownBlock> down_list;
   std::vector<unet_blocks::UpBlock> up_list;

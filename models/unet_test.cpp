@@ -71,8 +71,15 @@ class UNetParity : public ::testing::Test {
     load_unet_diffusers(unet, dir_ / variant);
     set_force_math_attention(true);
     unet->eval();
-    torch::Tensor probe = unet->named_parameters()
-                              ["down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight"];
+    // The first cross-attention key projection, as the reference picks it.
+    torch::Tensor probe;
+    for (const auto& item : unet->named_parameters()) {
+      if (item.key().ends_with("attn2.to_k.weight")) {
+        probe = item.value();
+        break;
+      }
+    }
+    ASSERT_TRUE(probe.defined());
 
     const auto io = testing::read_all(dir_ / (variant + "_io.safetensors"));
     std::set<std::string> cases;
@@ -86,8 +93,15 @@ class UNetParity : public ::testing::Test {
                   c10::str(ref("timesteps").sizes()).c_str());
       torch::Tensor sample = ref("sample").clone().requires_grad_(true);
       torch::Tensor context = ref("encoder_hidden_states").clone().requires_grad_(true);
+      const bool added = io.count(c + ".text_embeds") > 0;
+      ASSERT_EQ(added, !config.addition_embed_type.empty());
+      torch::Tensor text_embeds, time_ids;
+      if (added) {
+        text_embeds = ref("text_embeds").clone().requires_grad_(true);
+        time_ids = ref("time_ids");
+      }
       unet->zero_grad();
-      const torch::Tensor out = unet(sample, ref("timesteps"), context);
+      const torch::Tensor out = unet(sample, ref("timesteps"), context, text_embeds, time_ids);
       (out * ref("loss_weights")).sum().backward();
       const std::string prefix = variant + "." + c + ".";
       testing::expect_close(prefix + "out", out, ref("out"), kTolerance);
@@ -96,13 +110,19 @@ class UNetParity : public ::testing::Test {
                             ref("grad_encoder_hidden_states"), kTolerance);
       testing::expect_close(prefix + "grad_to_k_weight", probe.grad(), ref("grad_to_k_weight"),
                             kTolerance);
+      if (added) {
+        testing::expect_close(prefix + "grad_text_embeds", text_embeds.grad(),
+                              ref("grad_text_embeds"), kTolerance);
+      }
 
       // The default backend (what the sampler and trainer run) must agree as well.
       set_force_math_attention(false);
       {
         torch::NoGradGuard no_grad;
         testing::expect_close(prefix + "out (default SDPA backend)",
-                              unet(ref("sample"), ref("timesteps"), ref("encoder_hidden_states")),
+                              unet(ref("sample"), ref("timesteps"), ref("encoder_hidden_states"),
+                                   added ? ref("text_embeds") : torch::Tensor(),
+                                   added ? ref("time_ids") : torch::Tensor()),
                               ref("out"), kTolerance);
       }
       set_force_math_attention(true);
@@ -110,7 +130,9 @@ class UNetParity : public ::testing::Test {
   }
 
   // A real-size UNet built from the published config.json has exactly diffusers' keys and shapes.
-  void check_full_size_layout(const std::string& name, const UNetConfig& expected) {
+  // `dtype`: what the parameters are built in (SDXL's 2.6 billion in bf16: 5 GB, not 10).
+  void check_full_size_layout(const std::string& name, const UNetConfig& expected,
+                              c10::ScalarType dtype = torch::kFloat32) {
     const fs::path folder = dir_ / name;
     const UNetConfig config = UNetConfig::from_json(read_text(folder / "config.json"));
     EXPECT_EQ(config.block_out_channels, expected.block_out_channels);
@@ -121,9 +143,17 @@ class UNetParity : public ::testing::Test {
     EXPECT_EQ(config.down_block_types, expected.down_block_types);
     EXPECT_EQ(config.up_block_types, expected.up_block_types);
     EXPECT_EQ(config.sample_size, expected.sample_size);
+    EXPECT_EQ(config.transformer_layers_per_block, expected.transformer_layers_per_block);
+    EXPECT_EQ(config.addition_embed_type, expected.addition_embed_type);
+    EXPECT_EQ(config.addition_time_embed_dim, expected.addition_time_embed_dim);
+    EXPECT_EQ(config.projection_class_embeddings_input_dim,
+              expected.projection_class_embeddings_input_dim);
 
     const nlohmann::json shapes = nlohmann::json::parse(read_text(folder / "shapes.json"));
+    const caffe2::TypeMeta saved = c10::get_default_dtype();
+    c10::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
     UNet unet(config);
+    c10::set_default_dtype(saved);
     std::map<std::string, std::vector<int64_t>> ours;
     int64_t parameters = 0;
     for (const auto& item : unet->named_parameters()) {
@@ -131,9 +161,18 @@ class UNetParity : public ::testing::Test {
       parameters += item.value().numel();
     }
     std::map<std::string, std::vector<int64_t>> theirs;
-    for (const auto& [key, shape] : shapes.items()) theirs[key] = shape.get<std::vector<int64_t>>();
-    std::printf("%s: %zu tensors, %lld parameters (diffusers: %zu tensors)\n", name.c_str(),
-                ours.size(), static_cast<long long>(parameters), theirs.size());
+    int64_t their_parameters = 0;
+    for (const auto& [key, shape] : shapes.items()) {
+      theirs[key] = shape.get<std::vector<int64_t>>();
+      int64_t n = 1;
+      for (int64_t d : theirs[key]) n *= d;
+      their_parameters += n;
+    }
+    std::printf("%s: %zu tensors, %lld parameters (diffusers: %zu tensors, %lld parameters)\n",
+                name.c_str(), ours.size(), static_cast<long long>(parameters), theirs.size(),
+                static_cast<long long>(their_parameters));
+    EXPECT_EQ(parameters, their_parameters) << name;
+    last_parameters_ = parameters;
     for (const auto& [key, shape] : theirs) {
       auto it = ours.find(key);
       if (it == ours.end()) {
@@ -148,12 +187,15 @@ class UNetParity : public ::testing::Test {
   }
 
   static fs::path dir_;
+  int64_t last_parameters_ = 0;  // what the last check_full_size_layout counted
 };
 fs::path UNetParity::dir_;
 
 TEST_F(UNetParity, Sd15ShapedTinyUNetMatchesDiffusers) { check_variant("unet"); }
 
 TEST_F(UNetParity, Sd2ShapedTinyUNetMatchesDiffusers) { check_variant("unet_linear"); }
+
+TEST_F(UNetParity, SdxlShapedTinyUNetMatchesDiffusers) { check_variant("unet_sdxl"); }
 
 TEST_F(UNetParity, FullSizeSd15KeysAndShapesMatchDiffusers) {
   check_full_size_layout("sd15", UNetConfig::sd15());
@@ -166,6 +208,13 @@ TEST_F(UNetParity, FullSizeSd21KeysAndShapesMatchDiffusers) {
   sd21.use_linear_projection = true;
   sd21.sample_size = 96;
   check_full_size_layout("sd21", sd21);
+}
+
+// SDXL 1.0 base: the published config builds diffusers' keys and shapes, 2,567,463,684
+// parameters (UNetConfig::sdxl() is that config).
+TEST_F(UNetParity, FullSizeSdxlKeysAndShapesMatchDiffusers) {
+  check_full_size_layout("sdxl", UNetConfig::sdxl(), torch::kBFloat16);
+  EXPECT_EQ(last_parameters_, 2567463684);
 }
 
 // kohya's LoRA targets on SD1.5 at its real size: models/reference/lora_targets_reference.py
@@ -319,7 +368,10 @@ TEST(UNetConfigTest, UnsupportedOrMalformedConfigsNameTheField) {
     }
     return "";
   };
-  EXPECT_NE(error_of(R"({"addition_embed_type": "text_time"})").find("addition_embed_type"),
+  EXPECT_NE(error_of(R"({"addition_embed_type": "text"})").find("addition_embed_type"),
+            std::string::npos);
+  EXPECT_NE(error_of(R"({"addition_embed_type": "text_time"})")
+                .find("projection_class_embeddings_input_dim"),
             std::string::npos);
   EXPECT_NE(error_of(R"({"act_fn": "gelu"})").find("act_fn"), std::string::npos);
   EXPECT_NE(error_of(R"({"layers_per_block": "two"})").find("layers_per_block"), std::string::npos);
@@ -339,7 +391,7 @@ TEST(UNetConfigTest, UnsupportedOrMalformedConfigsNameTheField) {
 TEST(UNetFlops, CountedAsTorchsFlopCounterOnDiffusersUNet) {
   const fs::path out = testing::reference_output("models/reference/unet_flops_reference.py");
   const auto cases = nlohmann::json::parse(read_text(out / "flops.json"));
-  ASSERT_GE(cases.size(), 7u);
+  ASSERT_GE(cases.size(), 9u);
   for (const auto& c : cases) {
     const std::string name = c["config"].get<std::string>();
     const UNetConfig config =
