@@ -14,6 +14,18 @@ namespace lorapipe::models {
 
 ClipTextConfig ClipTextConfig::sd15() { return ClipTextConfig{}; }
 
+ClipTextConfig ClipTextConfig::sdxl_clip_g() {
+  ClipTextConfig c;
+  c.hidden_size = 1280;
+  c.intermediate_size = 5120;
+  c.num_hidden_layers = 32;
+  c.num_attention_heads = 20;
+  c.hidden_act = "gelu";
+  c.with_projection = true;
+  c.projection_dim = 1280;
+  return c;
+}
+
 ClipTextConfig ClipTextConfig::from_json(const std::string& text, const std::string& source) try {
   const nlohmann::json j = nlohmann::json::parse(text);
   ClipTextConfig c;
@@ -26,6 +38,13 @@ ClipTextConfig ClipTextConfig::from_json(const std::string& text, const std::str
   c.hidden_act = j.value("hidden_act", c.hidden_act);
   c.layer_norm_eps = j.value("layer_norm_eps", c.layer_norm_eps);
   c.eos_token_id = j.value("eos_token_id", c.eos_token_id);
+  c.projection_dim = j.value("projection_dim", c.projection_dim);
+  if (const auto it = j.find("architectures"); it != j.end() && it->is_array()) {
+    for (const auto& name : *it) {
+      c.with_projection |=
+          name.is_string() && name.get<std::string>() == "CLIPTextModelWithProjection";
+    }
+  }
   if (c.hidden_act != "quick_gelu" && c.hidden_act != "gelu") {
     throw InputError(source + ": text encoder config: hidden_act '" + c.hidden_act +
                      "' is not supported");
@@ -96,6 +115,11 @@ ClipTextTransformerImpl::ClipTextTransformerImpl(const ClipTextConfig& c) : conf
 
 ClipTextModelImpl::ClipTextModelImpl(const ClipTextConfig& config) {
   text_model_ = register_module("text_model", ClipTextTransformer(config));
+  if (config.with_projection) {
+    text_projection = register_module(
+        "text_projection", Linear(torch::nn::LinearOptions(config.hidden_size, config.projection_dim)
+                                      .bias(false)));
+  }
 }
 
 ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& input_ids) {
@@ -131,6 +155,7 @@ ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& input_ids) {
           : (input_ids == m.config.eos_token_id).to(torch::kInt).argmax(-1);
   const torch::Tensor batch = torch::arange(input_ids.size(0), eos_index.options());
   out.pooled = out.last_hidden_state.index({batch, eos_index});
+  if (text_projection) out.text_embeds = text_projection(out.pooled);
   return out;
 }
 

@@ -1,7 +1,9 @@
 #pragma once
 // The CLIP text encoder of Stable Diffusion (transformers CLIPTextModel: the ViT-L/14 text tower
-// in SD1.5), with parameters named as transformers names them ("text_model.encoder.layers.0.
-// self_attn.q_proj.weight", ...), so a transformers checkpoint loads by name.
+// in SD1.5 and SDXL; with `with_projection`, CLIPTextModelWithProjection: SDXL's OpenCLIP
+// ViT-bigG tower, whose projected pooled output SDXL also conditions on), with parameters named
+// as transformers names them ("text_model.encoder.layers.0.self_attn.q_proj.weight",
+// "text_projection.weight", ...), so a transformers checkpoint loads by name.
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -27,8 +29,15 @@ struct ClipTextConfig {
   std::string hidden_act = "quick_gelu";  // or "gelu" (SD2's OpenCLIP tower)
   double layer_norm_eps = 1e-5;
   int64_t eos_token_id = 2;  // 2: the legacy config, where the pooled token is argmax(input_ids)
+  // CLIPTextModelWithProjection (config.json's architectures say so): text_projection, a Linear
+  // without bias from hidden_size to projection_dim, over the pooled state.
+  bool with_projection = false;
+  int64_t projection_dim = 512;
 
   static ClipTextConfig sd15();
+  // SDXL's second text encoder, OpenCLIP ViT-bigG/14 as transformers holds it
+  // (stabilityai/stable-diffusion-xl-base-1.0 text_encoder_2/config.json).
+  static ClipTextConfig sdxl_clip_g();
   // A transformers `text_encoder/config.json`; absent fields keep these defaults. Throws InputError
   // naming `source` for malformed JSON, a field of the wrong type or an unsupported activation.
   static ClipTextConfig from_json(const std::string& text,
@@ -63,6 +72,8 @@ TORCH_MODULE(ClipEncoderLayer);
 struct ClipTextOutput {
   torch::Tensor last_hidden_state;           // [B, T, C], after the final layer norm
   torch::Tensor pooled;                      // [B, C], the end-of-text token's state
+  torch::Tensor text_embeds;                 // [B, projection_dim]: pooled through
+                                             // text_projection (with_projection only)
   std::vector<torch::Tensor> hidden_states;  // embeddings, then each layer's output (no final LN)
 };
 
@@ -100,6 +111,8 @@ class ClipTextModelImpl : public torch::nn::Module {
                                torch::Tensor* pooled = nullptr);
 
   const ClipTextConfig& config() const { return text_model_->config; }
+
+  Linear text_projection{nullptr};  // with_projection only
 
   // With grad mode on, each encoder layer runs under models::checkpoint (models/checkpoint.h),
   // its LoRA tensors passed explicitly: kohya checkpoints the text encoder too when it trains.

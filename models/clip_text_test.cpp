@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/open_clip_keys.h"
 #include "models/parity_util.h"
 
 namespace lorapipe::models {
@@ -26,11 +27,11 @@ class ClipTextParity : public ::testing::Test {
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
 
-  static ClipTextModel load() {
-    std::ifstream in(dir_ / "text_encoder" / "config.json");
+  static ClipTextModel load(const std::string& folder = "text_encoder") {
+    std::ifstream in(dir_ / folder / "config.json");
     const std::string json{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
     ClipTextModel model(ClipTextConfig::from_json(json));
-    load_clip_text(model, dir_ / "text_encoder");
+    load_clip_text(model, dir_ / folder);
     model->eval();
     return model;
   }
@@ -82,6 +83,83 @@ TEST_F(ClipTextParity, LongPromptsChunkedAsKohya) {
   expect_close("one chunk", model->encode_chunked(io.at("input_ids"), 1),
                io.at("last_hidden_state"), kTolerance);
   set_force_math_attention(false);
+}
+
+// SDXL's second text encoder (CLIPTextModelWithProjection, gelu): its states, SDXL's
+// penultimate conditioning (no final layer norm), the pooled state at the end-of-text token with
+// padding 0 after it, and text_projection of it. Same 1e-4 tolerance.
+class SdxlTextEncoderParity : public ClipTextParity {};
+
+TEST_F(SdxlTextEncoderParity, ProjectedPooledAndPenultimateMatchTransformers) {
+  set_force_math_attention(true);
+  ClipTextModel model = load("text_encoder_2");
+  ASSERT_TRUE(model->config().with_projection);
+  ASSERT_TRUE(model->text_projection);
+  EXPECT_EQ(model->config().hidden_act, "gelu");
+  const auto io = testing::read_all(dir_ / "clip_text_io.safetensors");
+  torch::NoGradGuard no_grad;
+  const ClipTextOutput out = model->forward(io.at("g_input_ids"));
+  constexpr double kTolerance = 1e-4;
+  expect_close("clip-g last_hidden_state", out.last_hidden_state, io.at("g_last_hidden_state"),
+               kTolerance);
+  expect_close("clip-g penultimate", out.hidden_states.end()[-2], io.at("g_penultimate"),
+               kTolerance);
+  expect_close("clip-g pooled", out.pooled, io.at("g_pooled"), kTolerance);
+  expect_close("clip-g text_embeds", out.text_embeds, io.at("g_text_embeds"), kTolerance);
+  set_force_math_attention(false);
+  // The first encoder has no projection: its config (a CLIPTextModel) builds none.
+  EXPECT_FALSE(load()->text_projection);
+}
+
+// SDXL single files hold the second encoder in OpenCLIP's layout: converted as diffusers'
+// convert_open_clip_checkpoint converts it (the same names, the same values bit for bit), it
+// loads into the encoder and gives transformers' outputs; a key OpenCLIP does not have is named.
+TEST_F(SdxlTextEncoderParity, OpenClipSingleFileLayoutConvertsAsDiffusers) {
+  const auto single = testing::read_all(dir_ / "openclip_single_file.safetensors");
+  const auto diffusers = testing::read_all(dir_ / "openclip_converted.safetensors");
+  const auto ours = open_clip_to_transformers(single, kSdxlOpenClipPrefix, "single.safetensors");
+  ASSERT_EQ(ours.size(), diffusers.size());
+  for (const auto& [key, tensor] : diffusers) {
+    ASSERT_TRUE(ours.count(key)) << "missing " << key;
+    EXPECT_TRUE(torch::equal(ours.at(key), tensor)) << key;
+  }
+  std::ifstream in(dir_ / "text_encoder_2" / "config.json");
+  const std::string json{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  ClipTextModel model(ClipTextConfig::from_json(json));
+  load_into(*model, ours, "single.safetensors");
+  model->eval();
+  set_force_math_attention(true);
+  torch::NoGradGuard no_grad;
+  const auto io = testing::read_all(dir_ / "clip_text_io.safetensors");
+  expect_close("clip-g from the single file, text_embeds",
+               model->forward(io.at("g_input_ids")).text_embeds, io.at("g_text_embeds"), 1e-4);
+  set_force_math_attention(false);
+
+  auto edited = single;
+  edited[std::string(kSdxlOpenClipPrefix) + "transformer.resblocks.0.attn.q_weight"] =
+      torch::zeros({4});
+  try {
+    (void)open_clip_to_transformers(edited, kSdxlOpenClipPrefix, "single.safetensors");
+    ADD_FAILURE() << "an unknown OpenCLIP key was taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("single.safetensors: conditioner.embedders.1.model."
+                                         "transformer.resblocks.0.attn.q_weight"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// Full size, without weights read: SDXL's second encoder has OpenCLIP ViT-bigG's 694,659,840
+// parameters (transformers' count for CLIPTextModelWithProjection at its published config).
+TEST(SdxlTextEncoder, FullSizeClipGHasBigGsParameterCount) {
+  const caffe2::TypeMeta saved = c10::get_default_dtype();
+  c10::set_default_dtype(c10::scalarTypeToTypeMeta(torch::kBFloat16));
+  ClipTextModel model(ClipTextConfig::sdxl_clip_g());
+  c10::set_default_dtype(saved);
+  int64_t parameters = 0;
+  for (const torch::Tensor& p : model->parameters()) parameters += p.numel();
+  EXPECT_EQ(parameters, 694659840);
+  EXPECT_EQ(model->text_projection->weight.sizes(), (std::vector<int64_t>{1280, 1280}));
 }
 
 TEST_F(ClipTextParity, MissingOrUnexpectedKeysAreNamed) {
