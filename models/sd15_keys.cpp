@@ -58,6 +58,10 @@ KeyMap sd15_unet_key_map(const UNetLayout& layout) {
   const int layers = layout.layers_per_block;
   map.add(p + "time_embed.0", "time_embedding.linear_1");
   map.add(p + "time_embed.2", "time_embedding.linear_2");
+  if (layout.text_time) {
+    map.add(p + "label_emb.0.0", "add_embedding.linear_1");
+    map.add(p + "label_emb.0.2", "add_embedding.linear_2");
+  }
   map.add(p + "input_blocks.0.0", "conv_in");
   map.add(p + "out.0", "conv_norm_out");
   map.add(p + "out.2", "conv_out");

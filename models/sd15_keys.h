@@ -24,6 +24,8 @@ struct UNetLayout {
   std::vector<bool> down_attention{true, true, true, false};  // CrossAttnDownBlock2D or not
   std::vector<bool> up_attention{false, true, true, true};
   int layers_per_block = 2;
+  // SDXL's added conditions: ldm's label_emb.0.0 / label_emb.0.2 are add_embedding.linear_1/2.
+  bool text_time = false;
 };
 
 struct VaeLayout {

@@ -78,6 +78,39 @@ TEST(Sd15KeysParity, TableMatchesDiffusersSingleFileConverters) {
   fs::remove_all(dir);
 }
 
+// SDXL single files keep the ldm UNet layout (sgm's): three levels, no attention in the first,
+// ten transformer blocks deep where SD1.5 has one (the table maps whole attention modules, so
+// depth needs no entries), and label_emb for the added conditions. diffusers'
+// convert_ldm_unet_checkpoint must give back exactly the tiny SDXL-shaped UNet lorapipe wrote
+// through the table.
+TEST(SdxlKeysParity, UNetTableMatchesDiffusersSingleFileConverter) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("lorapipe-sdxl-keys-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  ASSERT_EQ(python("make " + dir.string()), 0);
+  UNetLayout layout{{false, true}, {true, false}, 2};
+  layout.text_time = true;
+  const KeyMap map = sd15_unet_key_map(layout);
+  const SafetensorsFile file =
+      SafetensorsFile::open(dir / "unet_sdxl" / "diffusion_pytorch_model.safetensors");
+  std::vector<TensorToWrite> single;
+  bool label_emb = false;
+  for (const TensorInfo& t : file.tensors()) {
+    const auto ldm = map.to_ldm(t.name);
+    ASSERT_TRUE(ldm.has_value()) << "no ldm name for " << t.name;
+    label_emb |= ldm->find("label_emb.0.") != std::string::npos;
+    single.push_back({*ldm, t.dtype, t.shape, file.bytes(t)});
+    EXPECT_EQ(map.to_diffusers(*ldm).value_or("<none>"), t.name) << *ldm;
+  }
+  EXPECT_TRUE(label_emb);
+  const fs::path single_file = dir / "tiny-sdxl-unet-ldm.safetensors";
+  write_safetensors(single_file, single);
+  EXPECT_EQ(python("check_unet " + (dir / "unet_sdxl").string() + " " + single_file.string()), 0)
+      << "diffusers' converter does not give back the SDXL UNet lorapipe wrote";
+  fs::remove_all(dir);
+}
+
 TEST(Sd15KeysParity, OlderTextEncoderLayoutAndOptionalKeys) {
   const KeyMap text = sd15_text_key_map();
   EXPECT_EQ(text.to_diffusers("cond_stage_model.transformer.embeddings.token_embedding.weight"),

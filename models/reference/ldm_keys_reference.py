@@ -9,6 +9,9 @@
         converts SINGLE_FILE (written by lorapipe in the ldm layout) back with diffusers'
         convert_ldm_unet_checkpoint / convert_ldm_vae_checkpoint / convert_ldm_clip_checkpoint
         and requires exactly the saved weights: same names, shapes and values. Exit 0 if so.
+    ldm_keys_reference.py check_unet OUT_DIR/unet_sdxl SINGLE_FILE
+        the same for the SDXL-shaped tiny UNet that `make` also saves (unet_reference.py's
+        config: no attention in the first level, depth per level, label_emb), UNet alone.
 """
 import json
 import os
@@ -19,6 +22,8 @@ from diffusers import AutoencoderKL, UNet2DConditionModel
 from diffusers.loaders import single_file_utils as sfu
 from safetensors.torch import load_file
 from transformers import CLIPTextConfig, CLIPTextModel
+
+from unet_reference import TINY
 
 
 def make(out: str) -> None:
@@ -39,6 +44,11 @@ def make(out: str) -> None:
             for p in model.parameters():
                 p.copy_(torch.randn_like(p))
     unet.save_pretrained(os.path.join(out, "unet"), safe_serialization=True)
+    sdxl = UNet2DConditionModel(**TINY["unet_sdxl"])
+    with torch.no_grad():
+        for p in sdxl.parameters():
+            p.copy_(torch.randn_like(p))
+    sdxl.save_pretrained(os.path.join(out, "unet_sdxl"), safe_serialization=True)
     vae.save_pretrained(os.path.join(out, "vae"), safe_serialization=True)
     clip.save_pretrained(os.path.join(out, "text_encoder"), safe_serialization=True)
 
@@ -68,8 +78,17 @@ def check(out: str, single_file: str) -> int:
     return 0 if ok else 1
 
 
+def check_unet(folder: str, single_file: str) -> int:
+    config = json.load(open(os.path.join(folder, "config.json")))
+    want = load_file(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+    return 0 if same("unet", want, sfu.convert_ldm_unet_checkpoint(load_file(single_file),
+                                                                  config)) else 1
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "make":
         make(sys.argv[2])
         sys.exit(0)
+    if sys.argv[1] == "check_unet":
+        sys.exit(check_unet(sys.argv[2], sys.argv[3]))
     sys.exit(check(sys.argv[2], sys.argv[3]))
