@@ -165,14 +165,34 @@ torch::Tensor ClipTextModelImpl::encode(const torch::Tensor& input_ids, int clip
 
 torch::Tensor ClipTextModelImpl::encode_chunked(const torch::Tensor& input_ids, int clip_skip,
                                                 torch::Tensor* pooled) {
+  return chunked(
+      input_ids, [&](const ClipTextOutput& out) { return conditioning(out, clip_skip); }, pooled,
+      /*projected=*/false);
+}
+
+torch::Tensor ClipTextModelImpl::encode_chunked_penultimate(const torch::Tensor& input_ids,
+                                                            torch::Tensor* pooled) {
+  TORCH_CHECK(text_model_->config.num_hidden_layers >= 2, "text encoder: no penultimate layer");
+  return chunked(
+      input_ids,
+      [](const ClipTextOutput& out) { return out.hidden_states[out.hidden_states.size() - 2]; },
+      pooled, /*projected=*/static_cast<bool>(text_projection));
+}
+
+torch::Tensor ClipTextModelImpl::chunked(
+    const torch::Tensor& input_ids,
+    const std::function<torch::Tensor(const ClipTextOutput&)>& pick, torch::Tensor* pooled,
+    bool projected) {
   const int64_t chunk = text_model_->config.max_position_embeddings;
   const int64_t batch = input_ids.size(0), tokens = input_ids.size(1);
   TORCH_CHECK(tokens % chunk == 0, "long-prompt ids must be whole chunks of ", chunk,
               " tokens, got ", tokens);
   const int64_t chunks = tokens / chunk;
   const ClipTextOutput out = forward(input_ids.reshape({batch * chunks, chunk}));
-  if (pooled != nullptr) *pooled = out.pooled.view({batch, chunks, -1}).select(1, 0);
-  const torch::Tensor states = conditioning(out, clip_skip).reshape({batch, tokens, -1});
+  if (pooled != nullptr) {
+    *pooled = (projected ? out.text_embeds : out.pooled).view({batch, chunks, -1}).select(1, 0);
+  }
+  const torch::Tensor states = pick(out).reshape({batch, tokens, -1});
   if (chunks == 1) return states;
   // kohya: [BOS of chunk 0] + states[:, i : i + 75] for i in 1, 78, 155 ... + [the last state].
   std::vector<torch::Tensor> parts{states.narrow(1, 0, 1)};

@@ -12,6 +12,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -109,6 +110,13 @@ class ClipTextModelImpl : public torch::nn::Module {
   // encode(). Also returns the first chunk's pooled output in `pooled` when given.
   torch::Tensor encode_chunked(const torch::Tensor& input_ids, int clip_skip = 1,
                                torch::Tensor* pooled = nullptr);
+  // SDXL's conditioning from either encoder (kohya's get_hidden_states_sdxl; diffusers'
+  // StableDiffusionXLPipeline.encode_prompt without clip_skip): the penultimate layer's output
+  // without the final layer norm, chunked as encode_chunked. `pooled`, when given, gets the first
+  // chunk's pooled output through text_projection (with_projection: bigG's text_embeds), else
+  // the pooled state itself.
+  torch::Tensor encode_chunked_penultimate(const torch::Tensor& input_ids,
+                                           torch::Tensor* pooled = nullptr);
 
   const ClipTextConfig& config() const { return text_model_->config; }
 
@@ -119,6 +127,12 @@ class ClipTextModelImpl : public torch::nn::Module {
   bool gradient_checkpointing = false;
 
  private:
+  // The chunked encoding: `states` picks each chunk's states from its output; `pooled` gets the
+  // first chunk's pooled output (projected with `projected`).
+  torch::Tensor chunked(const torch::Tensor& input_ids,
+                        const std::function<torch::Tensor(const ClipTextOutput&)>& states,
+                        torch::Tensor* pooled, bool projected);
+
   ClipTextTransformer text_model_{nullptr};
 };
 TORCH_MODULE(ClipTextModel);

@@ -134,6 +134,7 @@ TEST_F(ClipTokenizerParity, EncodeMatchesTransformersOnEveryCase) {
   EXPECT_EQ(mismatches, 0) << "of " << cases().size() << " cases";
 }
 
+// Also SDXL's second tokenizer (pad id 0): transformers' padding and kohya's long-prompt chunks.
 TEST_F(ClipTokenizerParity, PaddedMatchesTransformersAndLongMatchesKohya) {
   int mismatches = 0;
   int checked = 0;
@@ -152,6 +153,10 @@ TEST_F(ClipTokenizerParity, PaddedMatchesTransformersAndLongMatchesKohya) {
         {"padded_77", kohya_long_prompt_ids(*tokenizer_, text, /*max_token_length=*/75)},
         {"long_150", kohya_long_prompt_ids(*tokenizer_, text, /*max_token_length=*/150)},
         {"long_225", kohya_long_prompt_ids(*tokenizer_, text, /*max_token_length=*/225)},
+        // SDXL's second tokenizer pads with id 0 and takes kohya's pad != eos branch.
+        {"sdxl2_77", kohya_long_prompt_ids(*tokenizer_, text, 75, /*pad=*/0)},
+        {"sdxl2_150", kohya_long_prompt_ids(*tokenizer_, text, 150, /*pad=*/0)},
+        {"sdxl2_225", kohya_long_prompt_ids(*tokenizer_, text, 225, /*pad=*/0)},
     };
     for (const auto& v : variants) {
       const std::string diff = compare(v.actual, c[v.key]);

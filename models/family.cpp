@@ -34,8 +34,36 @@ ModelFamily make_sd15() {
   return f;
 }
 
+ModelFamily make_sdxl() {
+  ModelFamily f;
+  f.name = "sdxl";
+  f.display_name = "Stable Diffusion XL";
+  f.latent_channels = 4;
+  f.vae_scaling_factor = 0.13025;  // SDXL's VAE (diffusers' vae/config.json scaling_factor)
+  f.vae_shift_factor = 0;
+  f.vae_downsample = 8;
+  f.prediction_type = "epsilon";  // v-prediction models (NoobAI-XL v-pred): --v_parameterization
+  f.default_resolution = 1024;
+  // CLIP-L's 768 and OpenCLIP ViT-bigG's 1280 penultimate states side by side; the pooled
+  // output is bigG's projected end-of-text state. kohya's SDXL ignores --clip_skip.
+  f.text = {"clip-l+clip-g", 77, 2048, /*uses_pooled=*/true, /*default_clip_skip=*/1};
+  f.schedule = {/*beta_start=*/0.00085, /*beta_end=*/0.012, /*steps=*/1000};
+  f.kohya.network_module = "networks.lora";
+  f.kohya.base_model_version = "sdxl_base_v1-0";
+  f.kohya.v2 = false;
+  f.kohya.modelspec_architecture = "stable-diffusion-xl-v1-base";
+  // kohya's sai_model_spec names Stability AI's implementation for SDXL LoRAs.
+  f.kohya.modelspec_implementation = "https://github.com/Stability-AI/generative-models";
+  f.kohya.blocks = KohyaBlocks{/*side=*/9, /*mid=*/3, /*head=*/1, /*tail=*/1};
+  f.single_file_components = {{"unet", std::string(kLdmUnetPrefix)},
+                              {"vae", std::string(kLdmVaePrefix)},
+                              {"text_encoder", std::string(kSdxlClipLPrefix)},
+                              {"text_encoder_2", "conditioner.embedders.1.model."}};
+  return f;
+}
+
 const std::vector<ModelFamily>& families() {
-  static const std::vector<ModelFamily> all{make_sd15()};
+  static const std::vector<ModelFamily> all{make_sd15(), make_sdxl()};
   return all;
 }
 
@@ -82,15 +110,15 @@ std::string found_in(const SafetensorsFile& file) {
 
 // A family lorapipe recognises but does not train yet, from a single file's keys; empty if none.
 std::string not_yet_supported(const SafetensorsFile& file) {
-  bool ldm_unet = false, openclip_text = false, sdxl = false, flux = false;
+  bool ldm_unet = false, openclip_text = false, sdxl_refiner = false, flux = false;
   for (const TensorInfo& t : file.tensors()) {
     ldm_unet |= starts_with(t.name, kLdmUnetPrefix);
     openclip_text |= starts_with(t.name, "cond_stage_model.model.");
-    sdxl |= starts_with(t.name, "conditioner.embedders.");
+    sdxl_refiner |= starts_with(t.name, "conditioner.embedders.0.model.");
     flux |= t.name.find("double_blocks.") != std::string::npos;
   }
   if (flux) return "Flux.1 (double_blocks.*)";
-  if (sdxl) return "SDXL (conditioner.embedders.*)";
+  if (sdxl_refiner) return "the SDXL refiner (OpenCLIP alone, conditioner.embedders.0.model.*)";
   if (ldm_unet && openclip_text) return "SD2.x (an OpenCLIP text encoder, cond_stage_model.model.*)";
   return "";
 }
@@ -102,15 +130,22 @@ FamilyDetection detect_file(const fs::path& path) {
     (void)model_family(it->second);  // a family this build does not know is refused by name
     return {it->second, "its lorapipe.family metadata"};
   }
-  bool ldm_unet = false, clip_text = false, vae = false;
+  bool ldm_unet = false, clip_text = false, vae = false, sdxl_clip_l = false, sdxl_clip_g = false;
   for (const TensorInfo& t : file.tensors()) {
     ldm_unet |= starts_with(t.name, kLdmUnetPrefix);
     clip_text |= starts_with(t.name, std::string(kLdmTextPrefix) + "text_model.");
     vae |= starts_with(t.name, kLdmVaePrefix);
+    sdxl_clip_l |= starts_with(t.name, std::string(kSdxlClipLPrefix) + "text_model.");
+    sdxl_clip_g |= starts_with(t.name, "conditioner.embedders.1.model.");
   }
   if (ldm_unet && clip_text && vae) {
     return {"sd15", "its keys (model.diffusion_model.*, first_stage_model.*, and a CLIP-L text "
                     "encoder under cond_stage_model.transformer.*)"};
+  }
+  if (ldm_unet && vae && sdxl_clip_l && sdxl_clip_g) {
+    return {"sdxl", "its keys (model.diffusion_model.*, first_stage_model.*, CLIP-L under "
+                    "conditioner.embedders.0.transformer.* and OpenCLIP ViT-bigG under "
+                    "conditioner.embedders.1.model.*)"};
   }
   const std::string other = not_yet_supported(file);
   throw InputError(path.string() + ": " +
@@ -139,9 +174,13 @@ FamilyDetection detect_folder(const fs::path& folder) {
     if (pipeline == "StableDiffusionPipeline" || pipeline == "StableDiffusionImg2ImgPipeline") {
       return {"sd15", "its model_index.json (" + pipeline + ")"};
     }
+    if ((pipeline == "StableDiffusionXLPipeline" || pipeline == "StableDiffusionXLImg2ImgPipeline") &&
+        index.contains("text_encoder") && !index["text_encoder"].is_null()) {
+      return {"sdxl", "its model_index.json (" + pipeline + ")"};
+    }
     found = "model_index.json names " + (pipeline.empty() ? "no pipeline" : pipeline);
     if (pipeline.find("XL") != std::string::npos || pipeline.find("Flux") != std::string::npos) {
-      found += ", a family lorapipe does not train yet";
+      found += ", a family lorapipe does not train yet (the SDXL refiner has no CLIP-L)";
     }
   } else if (fs::exists(folder / "unet" / "config.json") && fs::is_directory(folder / "text_encoder")) {
     const nlohmann::json unet = read_json(folder / "unet" / "config.json");
@@ -151,7 +190,13 @@ FamilyDetection detect_folder(const fs::path& folder) {
       return {"sd15", "its unet/config.json (a UNet2DConditionModel without added conditions) "
                       "and one text encoder"};
     }
-    found = "unet/config.json names a UNet with added conditions or a second text encoder";
+    const bool text_time = added && unet["addition_embed_type"] == "text_time";
+    if (unet.value("_class_name", std::string()) == "UNet2DConditionModel" && text_time &&
+        fs::is_directory(folder / "text_encoder_2")) {
+      return {"sdxl", "its unet/config.json (a UNet2DConditionModel with text_time added "
+                      "conditions) and two text encoders"};
+    }
+    found = "unet/config.json names a UNet with other added conditions or text encoders";
   } else {
     std::string parts;
     std::error_code ec;
@@ -170,7 +215,9 @@ FamilyDetection detect_folder(const fs::path& folder) {
 
 std::string KohyaBlocks::describe() const {
   auto two = [](int i) { return (i < 10 ? "0" : "") + std::to_string(i); };
-  return "IN00-IN" + two(side - 1) + ", MID, OUT00-OUT" + two(side - 1);
+  return std::string(head > 0 ? "BASE, " : "") + "IN00-IN" + two(side - 1) +
+         (mid == 1 ? ", MID" : ", MID00-MID" + two(mid - 1)) + ", OUT00-OUT" + two(side - 1) +
+         (tail > 0 ? ", OUT" : "");
 }
 
 const ModelFamily& model_family(std::string_view name) {

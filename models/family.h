@@ -13,7 +13,7 @@
 namespace lorapipe::models {
 
 struct TextConditioning {
-  std::string encoder;         // "clip-l" (SD1.5), later "clip-l+clip-g" (SDXL), "t5+clip-l"
+  std::string encoder;         // "clip-l" (SD1.5), "clip-l+clip-g" (SDXL), later "t5+clip-l"
   int max_length = 77;         // tokens per chunk, BOS and EOS included
   int hidden_size = 768;       // width of the conditioning sequence the UNet attends to
   bool uses_pooled = false;    // SDXL and Flux also condition on a pooled embedding
@@ -31,12 +31,17 @@ struct DdpmSchedule {
 };
 
 // kohya's block table for block-wise network_args: the denoiser's blocks as kohya numbers them,
-// `side` input blocks, `mid` middle ones, then `side` output blocks. SD1.x's U-Net: IN00-IN11,
-// MID, OUT00-OUT11 (25).
+// `head` blocks before the inputs (SDXL's BASE: time and label embeddings), `side` input blocks,
+// `mid` middle ones, `side` output blocks, then `tail` (SDXL's OUT: the final norm and conv).
+// SD1.x's U-Net: IN00-IN11, MID, OUT00-OUT11 (25). SDXL's: BASE, IN00-IN08, MID00-MID02,
+// OUT00-OUT08, OUT (23), as networks/lora.py's get_block_index numbers them with is_sdxl. The
+// *_lr_weight lists give the side and middle blocks; head and tail weigh 1, as kohya adds them.
 struct KohyaBlocks {
   int side = 12;
   int mid = 1;
-  size_t count() const { return static_cast<size_t>(2 * side + mid); }
+  int head = 0;
+  int tail = 0;
+  size_t count() const { return static_cast<size_t>(head + 2 * side + mid + tail); }
   // "IN00-IN11, MID, OUT00-OUT11", for messages.
   std::string describe() const;
 };
@@ -88,12 +93,15 @@ struct FamilyDetection {
 //  - `override` (the stages' --model_family) when not empty: it must name a known family;
 //  - a single .safetensors file: by its lorapipe.family metadata (lorapipe's own files), else by
 //    its keys (SD1.x: model.diffusion_model.* with a CLIP-L text encoder under
-//    cond_stage_model.transformer.*);
-//  - a diffusers folder: by model_index.json's _class_name (StableDiffusionPipeline), else by
-//    unet/config.json (a UNet2DConditionModel without added conditions) beside text_encoder/.
+//    cond_stage_model.transformer.*; SDXL: model.diffusion_model.* with CLIP-L under
+//    conditioner.embedders.0.transformer.* and OpenCLIP ViT-bigG under conditioner.embedders.1.model.*);
+//  - a diffusers folder: by model_index.json's _class_name (StableDiffusionPipeline,
+//    StableDiffusionXLPipeline), else by unet/config.json (a UNet2DConditionModel without added
+//    conditions beside text_encoder/: SD1.x; with text_time added conditions beside
+//    text_encoder_2/: SDXL).
 // Throws lorapipe::InputError naming the path, what was found (the file's top-level key
 // prefixes, or the folder's pipeline class and components) and the known families; where the
-// keys are those of a family lorapipe does not train yet (SD2.x, SDXL, Flux.1) it says which.
+// keys are those of a family lorapipe does not train yet (SD2.x, Flux.1) it says which.
 FamilyDetection detect_family(const std::filesystem::path& path, std::string_view override = {});
 
 }  // namespace lorapipe::models

@@ -35,17 +35,40 @@ std::vector<T> chunked(const std::vector<T>& padded, const T& first, const T& la
   return out;
 }
 
+// Everything after the first EOS becomes `pad` (transformers' padding with that id).
+void repad(std::vector<int32_t>& ids, int32_t eos, int32_t pad) {
+  const auto end = std::find(ids.begin(), ids.end(), eos);
+  if (end != ids.end()) std::fill(end + 1, ids.end(), pad);
+}
+
+// kohya's fixes of the chunks of a sequence padded with another id than EOS (get_input_ids,
+// the pad != eos branch).
+void fix_chunks(std::vector<int32_t>& chunks, int32_t eos, int32_t pad) {
+  constexpr size_t kModelMaxLength = ClipTokenizer::kModelMaxLength;
+  if (chunks.size() <= kModelMaxLength) return;
+  for (size_t c = 0; c + kModelMaxLength <= chunks.size(); c += kModelMaxLength) {
+    int32_t* chunk = chunks.data() + c;
+    const int32_t before_last = chunk[kModelMaxLength - 2];
+    if (before_last != eos && before_last != pad) chunk[kModelMaxLength - 1] = eos;
+    if (chunk[1] == pad) chunk[1] = eos;
+  }
+}
+
 }  // namespace
 
 std::vector<int32_t> kohya_long_prompt_ids(const ClipTokenizer& tokenizer, std::string_view text,
-                                           int max_token_length) {
+                                           int max_token_length, std::optional<int32_t> pad) {
   check_max_token_length(max_token_length);
-  const std::vector<int32_t> ids = tokenizer.encode_padded(text, max_token_length + 2);
-  return chunked(ids, /*first=*/ids.front(), /*last=*/ids.back());
+  std::vector<int32_t> ids = tokenizer.encode_padded(text, max_token_length + 2);
+  if (!pad || *pad == tokenizer.eos()) return chunked(ids, /*first=*/ids.front(), /*last=*/ids.back());
+  repad(ids, tokenizer.eos(), *pad);
+  std::vector<int32_t> out = chunked(ids, /*first=*/ids.front(), /*last=*/ids.back());
+  fix_chunks(out, tokenizer.eos(), *pad);
+  return out;
 }
 
 WeightedIds kohya_weighted_long_prompt_ids(const ClipTokenizer& tokenizer, std::string_view text,
-                                           int max_token_length) {
+                                           int max_token_length, std::optional<int32_t> pad) {
   check_max_token_length(max_token_length);
   const size_t limit = static_cast<size_t>(max_token_length);
   std::vector<int32_t> ids{tokenizer.bos()};
@@ -60,10 +83,13 @@ WeightedIds kohya_weighted_long_prompt_ids(const ClipTokenizer& tokenizer, std::
   ids.resize(std::min(ids.size(), limit + 1));
   weights.resize(ids.size());
   ids.push_back(tokenizer.eos());
-  ids.resize(limit + 2, tokenizer.pad());
+  const bool other_pad = pad && *pad != tokenizer.eos();
+  ids.resize(limit + 2, other_pad ? *pad : tokenizer.pad());
   weights.resize(limit + 2, 1.0f);
-  return {chunked(ids, /*first=*/ids.front(), /*last=*/ids.back()),
-          chunked(weights, /*first=*/1.0f, /*last=*/1.0f)};
+  WeightedIds out{chunked(ids, /*first=*/ids.front(), /*last=*/ids.back()),
+                  chunked(weights, /*first=*/1.0f, /*last=*/1.0f)};
+  if (other_pad) fix_chunks(out.ids, tokenizer.eos(), *pad);
+  return out;
 }
 
 }  // namespace lorapipe::models

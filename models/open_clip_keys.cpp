@@ -75,4 +75,52 @@ std::map<std::string, at::Tensor> open_clip_to_transformers(
   return out;
 }
 
+std::map<std::string, at::Tensor> transformers_to_open_clip(
+    const std::map<std::string, at::Tensor>& tensors, std::string_view prefix) {
+  std::map<std::string, at::Tensor> out;
+  const std::string p(prefix);
+  const std::string layers = "text_model.encoder.layers.";
+  for (const auto& [name, tensor] : tensors) {
+    if (name == "text_model.embeddings.token_embedding.weight") {
+      out[p + "token_embedding.weight"] = tensor;
+    } else if (name == "text_model.embeddings.position_embedding.weight") {
+      out[p + "positional_embedding"] = tensor;
+    } else if (name.rfind("text_model.final_layer_norm.", 0) == 0) {
+      out[p + "ln_final." + name.substr(28)] = tensor;
+    } else if (name == "text_projection.weight") {
+      out[p + "text_projection"] = tensor.t().contiguous();
+    } else if (name == "text_model.embeddings.position_ids") {
+      continue;
+    } else if (name.rfind(layers, 0) == 0) {
+      const size_t dot = name.find('.', layers.size());
+      const std::string block =
+          p + "transformer.resblocks." + name.substr(layers.size(), dot - layers.size()) + ".";
+      const std::string rest = name.substr(dot + 1);
+      if (rest.rfind("self_attn.q_proj.", 0) == 0) {
+        const std::string kind = rest.substr(17);  // weight or bias
+        const std::string head = name.substr(0, dot + 1) + "self_attn.";
+        out[block + "attn.in_proj_" + kind] =
+            torch::cat({tensors.at(head + "q_proj." + kind), tensors.at(head + "k_proj." + kind),
+                        tensors.at(head + "v_proj." + kind)});
+        continue;
+      }
+      if (rest.rfind("self_attn.k_proj.", 0) == 0 || rest.rfind("self_attn.v_proj.", 0) == 0) {
+        continue;  // fused with q above
+      }
+      bool mapped = false;
+      for (const auto& [from, to] : block_names()) {
+        if (rest.rfind(to, 0) == 0) {
+          out[block + from + rest.substr(to.size())] = tensor;
+          mapped = true;
+          break;
+        }
+      }
+      if (!mapped) throw Error("transformers_to_open_clip: no OpenCLIP name for " + name);
+    } else {
+      throw Error("transformers_to_open_clip: no OpenCLIP name for " + name);
+    }
+  }
+  return out;
+}
+
 }  // namespace lorapipe::models

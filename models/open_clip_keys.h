@@ -24,4 +24,10 @@ std::map<std::string, at::Tensor> open_clip_to_transformers(
     const std::map<std::string, at::Tensor>& tensors, std::string_view prefix,
     const std::string& source);
 
+// The inverse, for writing single files: transformers' CLIPTextModelWithProjection tensors (as
+// module_tensors names them) in OpenCLIP's layout under `prefix`, q/k/v fused back by rows and
+// text_projection transposed. Throws Error for a name that has no OpenCLIP place.
+std::map<std::string, at::Tensor> transformers_to_open_clip(
+    const std::map<std::string, at::Tensor>& tensors, std::string_view prefix);
+
 }  // namespace lorapipe::models

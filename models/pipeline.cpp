@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -16,6 +17,7 @@
 #include "models/sd15_keys.h"
 #include "models/sd15_lora.h"
 #include "models/weights.h"
+#include "models/loading.h"
 
 namespace lorapipe::models {
 namespace fs = std::filesystem;
@@ -28,108 +30,22 @@ constexpr const char* kUnetConfigKey = "lorapipe.unet_config";
 constexpr const char* kVaeConfigKey = "lorapipe.vae_config";
 constexpr const char* kTextConfigKey = "lorapipe.text_encoder_config";
 
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError("cannot read " + path.string());
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_text(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  out << text;
-  if (!out) throw Error("cannot write " + path.string());
-}
-
-UNetLayout layout_of(const UNetConfig& c) {
-  UNetLayout layout;
-  layout.down_attention.clear();
-  layout.up_attention.clear();
-  for (const std::string& t : c.down_block_types) {
-    layout.down_attention.push_back(t == "CrossAttnDownBlock2D");
-  }
-  for (const std::string& t : c.up_block_types) {
-    layout.up_attention.push_back(t == "CrossAttnUpBlock2D");
-  }
-  for (int64_t layers : c.layers_per_block) {
-    if (layers != c.layers_per_block[0]) {
-      throw InputError("single-file layout: layers_per_block must be the same for every block");
-    }
-  }
-  layout.layers_per_block = static_cast<int>(c.layers_per_block[0]);
-  return layout;
-}
-
-VaeLayout layout_of(const VaeConfig& c) {
-  return {static_cast<int>(c.block_out_channels.size()), static_cast<int>(c.layers_per_block)};
-}
-
-// Sets LibTorch's default dtype for as long as it lives, so that modules built meanwhile create
-// their parameters in it: a model built for bf16 never exists in fp32 first.
-class DefaultDtype {
- public:
-  explicit DefaultDtype(c10::ScalarType dtype) : saved_(c10::get_default_dtype()) {
-    c10::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
-  }
-  ~DefaultDtype() { c10::set_default_dtype(saved_); }
-  DefaultDtype(const DefaultDtype&) = delete;
-  DefaultDtype& operator=(const DefaultDtype&) = delete;
-
- private:
-  caffe2::TypeMeta saved_;
-};
-
-c10::ScalarType storage_dtype(c10::ScalarType dtype, const char* option) {
-  if (dtype != c10::kFloat && dtype != c10::kHalf && dtype != c10::kBFloat16) {
-    throw InputError(std::string("LoadOptions::") + option + ": " + c10::toString(dtype) +
-                     " is no storage dtype to load into (fp32, fp16 or bf16; float8 is placed)");
-  }
-  return dtype;
-}
-
 // Builds the three modules on the CPU, each in its storage dtype from the start.
 void build(StableDiffusion& sd, const UNetConfig& unet, const VaeConfig& vae,
            const ClipTextConfig& text, const LoadOptions& options) {
-  torch::NoGradGuard no_grad;  // initial values are overwritten by the file's: no graph for them
-  auto make = [](c10::ScalarType dtype, auto construct) {
-    DefaultDtype guard(dtype);
-    auto module = construct();
-    module->to(dtype);  // any tensor a module made in an explicit fp32
-    module->eval();
-    return module;
-  };
   const c10::ScalarType dtype = storage_dtype(options.dtype, "dtype");
-  if (options.load_denoiser) sd.unet = make(dtype, [&] { return UNet(unet); });
-  sd.vae = make(storage_dtype(options.vae_dtype.value_or(dtype), "vae_dtype"),
-                [&] { return AutoencoderKL(vae); });
+  if (options.load_denoiser) sd.unet = build_in(dtype, [&] { return UNet(unet); });
+  sd.vae = build_in(storage_dtype(options.vae_dtype.value_or(dtype), "vae_dtype"),
+                    [&] { return AutoencoderKL(vae); });
   sd.text_encoder =
-      make(storage_dtype(options.text_encoder_dtype.value_or(dtype), "text_encoder_dtype"),
-           [&] { return ClipTextModel(text); });
+      build_in(storage_dtype(options.text_encoder_dtype.value_or(dtype), "text_encoder_dtype"),
+               [&] { return ClipTextModel(text); });
 }
 
-// The tokenizer from `path`; without one, CLIP's built-in vocabulary when this build has it and
-// the text encoder has CLIP's 49408 ids (every SD1.x checkpoint); else none, and tokenize() asks
-// for --tokenizer.
 void attach_tokenizer(StableDiffusion& sd, const fs::path& path) {
-  if (!path.empty()) {
-    sd.tokenizer = ClipTokenizer::from_file(path);
-    sd.tokenizer_path = path;
-    return;
-  }
-  if (ClipTokenizer::builtin_vocabulary().empty()) return;
-  ClipTokenizer builtin = ClipTokenizer::builtin();
-  if (static_cast<int64_t>(builtin.vocab_size()) != sd.text_encoder->config().vocab_size) return;
-  sd.tokenizer = std::move(builtin);
-  sd.builtin_tokenizer = true;
-  LP_LOG(kInfo, kLog) << sd.source_path << ": no tokenizer given, using CLIP's vocabulary (built in)";
-}
-
-// ldm keeps the VAE mid-block attention projections as 1x1 convolutions.
-AdaptTensor vae_attention_from_ldm() {
-  return [](const TensorInfo& info, torch::Tensor tensor) {
-    const bool conv_projection =
-        info.name.find(".mid.attn_1.") != std::string::npos && tensor.dim() == 4;
-    return conv_projection ? tensor.flatten(1) : tensor;
-  };
+  sd.tokenizer = clip_tokenizer_for(path, sd.text_encoder->config().vocab_size, sd.source_path,
+                                    &sd.builtin_tokenizer);
+  sd.tokenizer_path = path;
 }
 
 StableDiffusion load_single_file(const fs::path& path, const LoadOptions& options) {
@@ -228,6 +144,133 @@ StableDiffusion load_diffusers_folder(const fs::path& folder, const LoadOptions&
 }
 
 }  // namespace
+
+// ---- models/loading.h -------------------------------------------------------------------------
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError("cannot read " + path.string());
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  if (!out) throw Error("cannot write " + path.string());
+}
+
+UNetLayout layout_of(const UNetConfig& c) {
+  UNetLayout layout;
+  layout.down_attention.clear();
+  layout.up_attention.clear();
+  for (const std::string& t : c.down_block_types) {
+    layout.down_attention.push_back(t == "CrossAttnDownBlock2D");
+  }
+  for (const std::string& t : c.up_block_types) {
+    layout.up_attention.push_back(t == "CrossAttnUpBlock2D");
+  }
+  for (int64_t layers : c.layers_per_block) {
+    if (layers != c.layers_per_block[0]) {
+      throw InputError("single-file layout: layers_per_block must be the same for every block");
+    }
+  }
+  layout.layers_per_block = static_cast<int>(c.layers_per_block[0]);
+  layout.text_time = c.addition_embed_type == "text_time";
+  return layout;
+}
+
+VaeLayout layout_of(const VaeConfig& c) {
+  return {static_cast<int>(c.block_out_channels.size()), static_cast<int>(c.layers_per_block)};
+}
+
+c10::ScalarType storage_dtype(c10::ScalarType dtype, const char* option) {
+  if (dtype != c10::kFloat && dtype != c10::kHalf && dtype != c10::kBFloat16) {
+    throw InputError(std::string("LoadOptions::") + option + ": " + c10::toString(dtype) +
+                     " is no storage dtype to load into (fp32, fp16 or bf16; float8 is placed)");
+  }
+  return dtype;
+}
+
+AdaptTensor vae_attention_from_ldm() {
+  return [](const TensorInfo& info, torch::Tensor tensor) {
+    const bool conv_projection =
+        info.name.find(".mid.attn_1.") != std::string::npos && tensor.dim() == 4;
+    return conv_projection ? tensor.flatten(1) : tensor;
+  };
+}
+
+std::optional<ClipTokenizer> clip_tokenizer_for(const fs::path& path, int64_t vocab_size,
+                                                const std::string& source, bool* builtin) {
+  *builtin = false;
+  if (!path.empty()) return ClipTokenizer::from_file(path);
+  if (ClipTokenizer::builtin_vocabulary().empty()) return std::nullopt;
+  ClipTokenizer tokenizer = ClipTokenizer::builtin();
+  if (static_cast<int64_t>(tokenizer.vocab_size()) != vocab_size) return std::nullopt;
+  *builtin = true;
+  LP_LOG(kInfo, kLog) << source << ": no tokenizer given, using CLIP's vocabulary (built in)";
+  return tokenizer;
+}
+
+TokenBatch kohya_token_batch(const ClipTokenizer& tokenizer, const std::vector<std::string>& captions,
+                             int max_token_length, bool weighted,
+                             const std::vector<std::optional<int32_t>>& pads) {
+  const int per_chunk = ClipTokenizer::kModelMaxLength - 2;  // 75 tokens between BOS and EOS
+  if (max_token_length == 0) {  // the smallest of kohya's lengths that holds every caption
+    size_t longest = 0;
+    for (const std::string& caption : captions) {
+      longest = std::max(longest, tokenizer.encode(caption).size());
+    }
+    max_token_length = per_chunk;
+    while (max_token_length < 3 * per_chunk && longest > static_cast<size_t>(max_token_length)) {
+      max_token_length += per_chunk;
+    }
+  }
+  const int64_t batch = static_cast<int64_t>(captions.size());
+  TokenBatch out;
+  for (const std::optional<int32_t>& pad : pads) {
+    std::vector<int64_t> ids;
+    if (weighted) {
+      std::vector<float> w;
+      for (const std::string& caption : captions) {
+        const WeightedIds t =
+            kohya_weighted_long_prompt_ids(tokenizer, caption, max_token_length, pad);
+        ids.insert(ids.end(), t.ids.begin(), t.ids.end());
+        w.insert(w.end(), t.weights.begin(), t.weights.end());
+      }
+      out.weights.push_back(torch::tensor(w, torch::kFloat32).view({batch, -1}));
+    } else {
+      for (const std::string& caption : captions) {
+        for (int32_t id : kohya_long_prompt_ids(tokenizer, caption, max_token_length, pad)) {
+          ids.push_back(id);
+        }
+      }
+    }
+    out.ids.push_back(torch::tensor(ids, torch::kInt64).view({batch, -1}));
+  }
+  return out;
+}
+
+at::Tensor weigh_chunked_states(const at::Tensor& states, const at::Tensor& token_weights,
+                                int64_t chunk) {
+  // The weights laid out as encode_chunked lays out the states: the first chunk's BOS, each
+  // chunk's 75 inner positions, the last position (BOS and EOS weigh 1, as kohya leaves them).
+  const int64_t count = token_weights.size(1);
+  at::Tensor w = token_weights;
+  if (count > chunk) {
+    std::vector<at::Tensor> parts{token_weights.narrow(1, 0, 1)};
+    for (int64_t i = 1; i < count - 1; i += chunk) {
+      parts.push_back(token_weights.narrow(1, i, chunk - 2));
+    }
+    parts.push_back(token_weights.narrow(1, count - 1, 1));
+    w = torch::cat(parts, /*dim=*/1);
+  }
+  TORCH_CHECK(w.size(1) == states.size(1), "token weights for ", w.size(1),
+              " positions, states for ", states.size(1));
+  // In fp32 (kohya's weights are fp32 tensors), then back in the states' dtype, which the
+  // denoiser casts to anyway (kohya keeps the promoted fp32 product; under autocast the same).
+  return (states.to(torch::kFloat32) * w.to(states.device(), torch::kFloat32).unsqueeze(-1))
+      .to(states.scalar_type());
+}
 
 StableDiffusion load_stable_diffusion(const fs::path& path, const LoadOptions& options) {
   std::error_code ec;
@@ -329,6 +372,17 @@ std::string to_config_json(const UNetConfig& c) {
          {"freq_shift", c.freq_shift},
          {"act_fn", "silu"}};
   if (c.sample_size > 0) j["sample_size"] = c.sample_size;
+  // One number where every block has the same, as diffusers' own configs write it (its LoRA and
+  // single-file converters read an int).
+  if (std::all_of(c.layers_per_block.begin(), c.layers_per_block.end(),
+                  [&](int64_t n) { return n == c.layers_per_block.front(); })) {
+    j["layers_per_block"] = c.layers_per_block.front();
+  }
+  if (!c.addition_embed_type.empty()) {
+    j["addition_embed_type"] = c.addition_embed_type;
+    j["addition_time_embed_dim"] = c.addition_time_embed_dim;
+    j["projection_class_embeddings_input_dim"] = c.projection_class_embeddings_input_dim;
+  }
   return j.dump(2);
 }
 
@@ -350,7 +404,7 @@ std::string to_config_json(const VaeConfig& c) {
 }
 
 std::string to_config_json(const ClipTextConfig& c) {
-  return json{{"architectures", {"CLIPTextModel"}},
+  return json{{"architectures", {c.with_projection ? "CLIPTextModelWithProjection" : "CLIPTextModel"}},
               {"model_type", "clip_text_model"},
               {"vocab_size", c.vocab_size},
               {"hidden_size", c.hidden_size},
@@ -363,7 +417,7 @@ std::string to_config_json(const ClipTextConfig& c) {
               {"eos_token_id", c.eos_token_id},
               {"bos_token_id", 0},
               {"pad_token_id", 1},
-              {"projection_dim", c.hidden_size}}
+              {"projection_dim", c.with_projection ? c.projection_dim : c.hidden_size}}
       .dump(2);
 }
 
@@ -434,37 +488,7 @@ void save_diffusers(const StableDiffusion& model, const fs::path& folder,
 TokenBatch StableDiffusion::tokenize(const std::vector<std::string>& captions,
                                      int max_token_length, bool weighted) const {
   require_tokenizer();
-  const int per_chunk = family.text.max_length - 2;  // 75 tokens between BOS and EOS
-  if (max_token_length == 0) {  // the smallest of kohya's lengths that holds every caption
-    size_t longest = 0;
-    for (const std::string& caption : captions) {
-      longest = std::max(longest, tokenizer->encode(caption).size());
-    }
-    max_token_length = per_chunk;
-    while (max_token_length < 3 * per_chunk && longest > static_cast<size_t>(max_token_length)) {
-      max_token_length += per_chunk;
-    }
-  }
-  const int64_t batch = static_cast<int64_t>(captions.size());
-  std::vector<int64_t> ids;
-  TokenBatch out;
-  if (weighted) {
-    std::vector<float> w;
-    for (const std::string& caption : captions) {
-      const WeightedIds t = kohya_weighted_long_prompt_ids(*tokenizer, caption, max_token_length);
-      ids.insert(ids.end(), t.ids.begin(), t.ids.end());
-      w.insert(w.end(), t.weights.begin(), t.weights.end());
-    }
-    out.weights.push_back(torch::tensor(w, torch::kFloat32).view({batch, -1}));
-  } else {
-    for (const std::string& caption : captions) {
-      for (int32_t id : kohya_long_prompt_ids(*tokenizer, caption, max_token_length)) {
-        ids.push_back(id);
-      }
-    }
-  }
-  out.ids.push_back(torch::tensor(ids, torch::kInt64).view({batch, -1}));
-  return out;
+  return kohya_token_batch(*tokenizer, captions, max_token_length, weighted, {std::nullopt});
 }
 
 void StableDiffusion::require_tokenizer() const {
@@ -538,29 +562,10 @@ Conditioning StableDiffusion::encode_text(const TokenBatch& tokens, int clip_ski
   Conditioning c;
   c.hidden_states = text_encoder->encode_chunked(
       input_ids.to(text_encoder->parameters().front().device()), clip_skip, &c.pooled);
-  if (tokens.weights.empty()) return c;
-  const at::Tensor& token_weights = tokens.weights.front();
-  TORCH_CHECK(token_weights.sizes() == input_ids.sizes(), "token weights ",
-              token_weights.sizes(), " do not match the ids ", input_ids.sizes());
-  // The weights laid out as encode_chunked lays out the states: the first chunk's BOS, each
-  // chunk's 75 inner positions, the last position (BOS and EOS weigh 1, as kohya leaves them).
-  const int64_t chunk = family.text.max_length;
-  const int64_t count = token_weights.size(1);
-  at::Tensor w = token_weights;
-  if (count > chunk) {
-    std::vector<at::Tensor> parts{token_weights.narrow(1, 0, 1)};
-    for (int64_t i = 1; i < count - 1; i += chunk) {
-      parts.push_back(token_weights.narrow(1, i, chunk - 2));
-    }
-    parts.push_back(token_weights.narrow(1, count - 1, 1));
-    w = torch::cat(parts, /*dim=*/1);
+  if (!tokens.weights.empty()) {
+    c.hidden_states =
+        weigh_chunked_states(c.hidden_states, tokens.weights.front(), family.text.max_length);
   }
-  // In fp32 (kohya's weights are fp32 tensors), then back in the states' dtype, which the
-  // denoiser casts to anyway (kohya keeps the promoted fp32 product; under autocast the same).
-  const at::Tensor& states = c.hidden_states;
-  c.hidden_states = (states.to(torch::kFloat32) *
-                     w.to(states.device(), torch::kFloat32).unsqueeze(-1))
-                        .to(states.scalar_type());
   return c;
 }
 

@@ -57,7 +57,7 @@ struct StableDiffusion : DiffusionModel {
   torch::nn::Module& text_encoder_module() override;
   torch::nn::Module& vae_module() override;
 
- private:
+ protected:
   void require_tokenizer() const;  // throws InputError asking for --tokenizer
 };
 

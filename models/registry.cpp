@@ -3,6 +3,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "models/pipeline.h"
+#include "models/sdxl.h"
 
 namespace lorapipe::models {
 
@@ -11,9 +12,12 @@ std::unique_ptr<DiffusionModel> load_model(const std::filesystem::path& path,
   const FamilyDetection detected = detect_family(path, options.family);
   LP_LOG(kInfo, "models") << path.string() << ": " << model_family(detected.family).display_name
                           << " (told by " << detected.reason << ")";
-  // Each family's loader; SDXL and Flux add theirs here.
+  // Each family's loader; Flux adds its own here.
   if (detected.family == "sd15") {
     return std::make_unique<StableDiffusion>(load_stable_diffusion(path, options));
+  }
+  if (detected.family == "sdxl") {
+    return std::make_unique<StableDiffusionXL>(load_stable_diffusion_xl(path, options));
   }
   throw InputError(path.string() + ": no loader for family '" + detected.family + "'");
 }

@@ -111,26 +111,27 @@ TEST_F(ModelRegistry, RefusesAFileOfNoFamilyWithWhatItFoundAndTheFamiliesKnown) 
   });
   const std::string why = refusal(other);
   for (const std::string& part : {other.string(), std::string("no known model family"),
-                                  std::string("net.*"), std::string("known families: sd15"),
+                                  std::string("net.*"), std::string("known families: sd15, sdxl"),
                                   std::string("--model_family")}) {
     EXPECT_NE(why.find(part), std::string::npos) << "'" << part << "' not in: " << why;
   }
 
-  const fs::path sdxl = rewrite(tiny_->single_file, "sdxl.safetensors", [](const std::string& n) {
+  // The SDXL refiner's layout: OpenCLIP alone under conditioner.embedders.0.model.
+  const fs::path refiner = rewrite(tiny_->single_file, "refiner.safetensors", [](const std::string& n) {
     if (n.rfind("cond_stage_model.transformer.", 0) == 0) {
-      return "conditioner.embedders.0.transformer." + n.substr(29);
+      return "conditioner.embedders.0.model." + n.substr(29);
     }
     return n;
   });
-  const std::string sdxl_why = refusal(sdxl);
-  EXPECT_NE(sdxl_why.find("SDXL"), std::string::npos) << sdxl_why;
-  EXPECT_NE(sdxl_why.find("does not train yet"), std::string::npos) << sdxl_why;
+  const std::string refiner_why = refusal(refiner);
+  EXPECT_NE(refiner_why.find("SDXL refiner"), std::string::npos) << refiner_why;
+  EXPECT_NE(refiner_why.find("does not train yet"), std::string::npos) << refiner_why;
 
   const FamilyDetection forced = detect_family(other, "sd15");
   EXPECT_EQ(forced.family, "sd15");
   EXPECT_EQ(forced.reason, "--model_family");
-  const std::string unknown = refusal(other, "sdxl");
-  EXPECT_NE(unknown.find("unknown model family 'sdxl' (known: sd15)"), std::string::npos)
+  const std::string unknown = refusal(other, "flux1");
+  EXPECT_NE(unknown.find("unknown model family 'flux1' (known: sd15, sdxl)"), std::string::npos)
       << unknown;
 
   EXPECT_THROW(load_model(other), InputError);

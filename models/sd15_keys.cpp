@@ -147,12 +147,12 @@ KeyMap sd15_vae_key_map(const VaeLayout& layout) {
   return map;
 }
 
-KeyMap sd15_text_key_map() {
+KeyMap sd15_text_key_map(std::string_view prefix) {
   KeyMap map;
   // Longest prefix first wins, so newer files ("...transformer.text_model.") map directly and
   // older ones ("...transformer.embeddings.") through the shorter entry.
-  map.add(str(kLdmTextPrefix) + "text_model", "text_model");
-  map.add(str(kLdmTextPrefix).substr(0, kLdmTextPrefix.size() - 1), "text_model");
+  map.add(str(prefix) + "text_model", "text_model");
+  map.add(str(prefix).substr(0, prefix.size() - 1), "text_model");
   return map;
 }
 

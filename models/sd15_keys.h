@@ -19,6 +19,9 @@ enum class Component { kUnet, kVae, kTextEncoder };
 inline constexpr std::string_view kLdmUnetPrefix = "model.diffusion_model.";
 inline constexpr std::string_view kLdmVaePrefix = "first_stage_model.";
 inline constexpr std::string_view kLdmTextPrefix = "cond_stage_model.transformer.";
+// SDXL's first text encoder (CLIP-L, transformers' layout) in its single files; its second is
+// OpenCLIP's (models/open_clip_keys.h).
+inline constexpr std::string_view kSdxlClipLPrefix = "conditioner.embedders.0.transformer.";
 
 struct UNetLayout {
   std::vector<bool> down_attention{true, true, true, false};  // CrossAttnDownBlock2D or not
@@ -56,8 +59,8 @@ KeyMap sd15_unet_key_map(const UNetLayout& layout);
 // [C, C, 1, 1] in ldm files and linears [C, C] in diffusers: the loader reshapes them.
 KeyMap sd15_vae_key_map(const VaeLayout& layout);
 // CLIP text encoder: "cond_stage_model.transformer.text_model.*" (or, in older files, without
-// "text_model.") <-> "text_model.*".
-KeyMap sd15_text_key_map();
+// "text_model.") <-> "text_model.*"; `prefix` is where the file keeps it (SDXL: kSdxlClipLPrefix).
+KeyMap sd15_text_key_map(std::string_view prefix = kLdmTextPrefix);
 
 // Top-level entries of SD single files that carry no weights we load: the DDPM schedule
 // buffers, EMA copies, the text encoder's position_ids. Loaders skip them with a warning.

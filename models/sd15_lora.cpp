@@ -88,11 +88,14 @@ std::vector<LoraTarget> unet_lora_targets(const UNet& unet, bool conv_kxk) {
                  });
 }
 
-std::vector<LoraTarget> text_encoder_lora_targets(const ClipTextModel& text_encoder) {
-  return collect(*text_encoder, kLoraTextEncoderPrefix, /*text_encoder=*/true,
-                 [](const torch::nn::Module& m) {
-                   return is<ClipAttentionImpl>(m) || is<ClipMlpImpl>(m);
-                 });
+std::vector<LoraTarget> text_encoder_lora_targets(const ClipTextModel& text_encoder,
+                                                  const char* prefix, int encoder) {
+  std::vector<LoraTarget> targets =
+      collect(*text_encoder, prefix, /*text_encoder=*/true, [](const torch::nn::Module& m) {
+        return is<ClipAttentionImpl>(m) || is<ClipMlpImpl>(m);
+      });
+  for (LoraTarget& t : targets) t.encoder = encoder;
+  return targets;
 }
 
 }  // namespace lorapipe::models

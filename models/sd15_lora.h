@@ -27,11 +27,14 @@ namespace lorapipe::models {
 // Upsample2D layers too (kohya's UNET_TARGET_REPLACE_MODULE_CONV2D_3X3).
 std::vector<LoraTarget> unet_lora_targets(const UNet& unet, bool conv_kxk);
 
-// The text encoder's targets in module order.
-std::vector<LoraTarget> text_encoder_lora_targets(const ClipTextModel& text_encoder);
-
 inline constexpr const char* kLoraUnetPrefix = "lora_unet";
 inline constexpr const char* kLoraTextEncoderPrefix = "lora_te";
+
+// The text encoder's targets in module order, named under `prefix` (SDXL's: lora_te1 and
+// lora_te2), LoraTarget::encoder set to `encoder`.
+std::vector<LoraTarget> text_encoder_lora_targets(const ClipTextModel& text_encoder,
+                                                  const char* prefix = kLoraTextEncoderPrefix,
+                                                  int encoder = 0);
 
 // kohya's block of an SD1.x U-Net LoRA name (lora_unet_...), as networks/lora.py's
 // get_block_index numbers the 25 blocks: IN01-IN11 are 1 + 3i + j for down_blocks.i's layer j

@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "models/pipeline.h"
+#include "models/sdxl.h"
 
 namespace lorapipe::models {
 namespace fs = std::filesystem;
@@ -48,10 +49,20 @@ std::vector<std::string> byte_symbols() {
 }
 
 // vocab.json and merges.txt in open_clip's layout: bytes, bytes with </w>, merges, specials.
+// The bytes in CLIP's order (bytes_to_unicode's: the printable ones first), so "!" is id 0 as
+// in CLIP, the padding id of SDXL's second tokenizer.
 void write_tiny_tokenizer(const fs::path& folder) {
   fs::create_directories(folder);
   nlohmann::ordered_json vocab;
-  const auto symbols = byte_symbols();
+  const auto by_byte = byte_symbols();
+  std::vector<std::string> symbols;
+  auto printable = [](int b) { return (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE; };
+  for (int b = 0; b < 256; ++b) {
+    if (printable(b)) symbols.push_back(by_byte[b]);
+  }
+  for (int b = 0; b < 256; ++b) {
+    if (!printable(b)) symbols.push_back(by_byte[b]);
+  }
   int id = 0;
   for (const std::string& s : symbols) vocab[s] = id++;
   for (const std::string& s : symbols) vocab[s + "</w>"] = id++;
@@ -116,6 +127,65 @@ ClipTextConfig tiny_text_config() {
   return c;
 }
 
+// LibTorch initialises conv_out and norms to fixed values; draw every weight so that no part
+// of a tiny model is trivially zero or one (a test would not see it miswired).
+static void draw_weights(std::initializer_list<torch::nn::Module*> modules) {
+  torch::NoGradGuard no_grad;
+  for (torch::nn::Module* m : modules) {
+    for (auto& p : m->parameters()) {
+      const double fan_in = p.dim() > 1 ? static_cast<double>(p[0].numel()) : 1.0;
+      p.normal_(p.dim() > 1 ? 0.0 : 0.5, 1.0 / std::sqrt(fan_in));
+    }
+  }
+}
+
+UNetConfig tiny_sdxl_unet_config() {
+  UNetConfig c;
+  c.block_out_channels = {32, 64};
+  c.layers_per_block = {2, 2};
+  c.down_block_types = {"DownBlock2D", "CrossAttnDownBlock2D"};
+  c.up_block_types = {"CrossAttnUpBlock2D", "UpBlock2D"};
+  c.cross_attention_dim = 64;
+  c.attention_head_dim = {2, 4};
+  c.transformer_layers_per_block = {1, 2};
+  c.use_linear_projection = true;
+  c.norm_num_groups = 8;
+  c.sample_size = 8;
+  c.addition_embed_type = "text_time";
+  c.addition_time_embed_dim = 8;
+  c.projection_class_embeddings_input_dim = 32 + 6 * 8;  // bigG's projection + six time ids
+  return c;
+}
+
+ClipTextConfig tiny_sdxl_text_2_config() {
+  ClipTextConfig c = tiny_text_config();
+  c.hidden_act = "gelu";
+  c.with_projection = true;
+  c.projection_dim = 32;
+  return c;
+}
+
+TinyCheckpoint write_tiny_sdxl_checkpoint(const fs::path& dir, uint64_t seed) {
+  fs::create_directories(dir);
+  TinyCheckpoint out{dir / "tiny-sdxl-diffusers", dir / "tiny-sdxl.safetensors",
+                     dir / "tiny-sdxl-tokenizer"};
+  write_tiny_tokenizer(out.tokenizer);
+  torch::manual_seed(seed);
+  StableDiffusionXL model;
+  model.family = model_family("sdxl");
+  model.unet = UNet(tiny_sdxl_unet_config());
+  VaeConfig vae = tiny_vae_config();
+  vae.scaling_factor = model.family.vae_scaling_factor;
+  model.vae = AutoencoderKL(vae);
+  model.text_encoder = ClipTextModel(tiny_text_config());
+  model.text_encoder_2 = ClipTextModel(tiny_sdxl_text_2_config());
+  draw_weights({model.unet.ptr().get(), model.vae.ptr().get(), model.text_encoder.ptr().get(),
+                model.text_encoder_2.ptr().get()});
+  save_sdxl_diffusers(model, out.diffusers, out.tokenizer);
+  save_sdxl_single_file(model, out.single_file);
+  return out;
+}
+
 TinyCheckpoint write_tiny_checkpoint(const fs::path& dir, uint64_t seed) {
   fs::create_directories(dir);
   TinyCheckpoint out{dir / "tiny-sd15-diffusers", dir / "tiny-sd15.safetensors",
@@ -127,18 +197,7 @@ TinyCheckpoint write_tiny_checkpoint(const fs::path& dir, uint64_t seed) {
   model.unet = UNet(tiny_unet_config());
   model.vae = AutoencoderKL(tiny_vae_config());
   model.text_encoder = ClipTextModel(tiny_text_config());
-  // LibTorch initialises conv_out and norms to fixed values; draw every weight so that no part
-  // of a tiny model is trivially zero or one (a test would not see it miswired).
-  {
-    torch::NoGradGuard no_grad;
-    for (torch::nn::Module* m : std::initializer_list<torch::nn::Module*>{
-             model.unet.ptr().get(), model.vae.ptr().get(), model.text_encoder.ptr().get()}) {
-      for (auto& p : m->parameters()) {
-        const double fan_in = p.dim() > 1 ? static_cast<double>(p[0].numel()) : 1.0;
-        p.normal_(p.dim() > 1 ? 0.0 : 0.5, 1.0 / std::sqrt(fan_in));
-      }
-    }
-  }
+  draw_weights({model.unet.ptr().get(), model.vae.ptr().get(), model.text_encoder.ptr().get()});
   save_diffusers(model, out.diffusers, out.tokenizer);
   save_single_file(model, out.single_file);
   return out;

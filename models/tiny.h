@@ -27,4 +27,12 @@ struct TinyCheckpoint {
 // byte-level BPE with the 256 byte symbols and a few merges (no download needed).
 TinyCheckpoint write_tiny_checkpoint(const std::filesystem::path& dir, uint64_t seed = 0);
 
+// Tiny SDXL (the real architectures at diffusers' SDXL test sizes): a U-Net with text_time added
+// conditions (no attention in its first level, depth 1 and 2, linear projections, 8-wide time-id
+// embeddings), SD's VAE layout at SDXL's scale, CLIP-L- and bigG-shaped encoders (gelu, projected)
+// of width 32 each (cross-attention 64). diffusers' StableDiffusionXLPipeline loads the folder.
+UNetConfig tiny_sdxl_unet_config();
+ClipTextConfig tiny_sdxl_text_2_config();
+TinyCheckpoint write_tiny_sdxl_checkpoint(const std::filesystem::path& dir, uint64_t seed = 0);
+
 }  // namespace lorapipe::models

@@ -73,7 +73,7 @@ std::vector<std::string> resolve_block_args(const BlockArgs& args, const models:
   const size_t blocks = table.count();
   std::vector<std::string> warnings;
   const auto given = [&](const char* key) { return args.values.count(key) > 0; };
-  // The learning-rate weights: down (SD1.x: 12) + mid (1) + up (12).
+  // The learning-rate weights: down (SD1.x: 12; SDXL: 9) + mid (1; 3) + up (12; 9).
   std::vector<double> lr_weight;
   if (given("down_lr_weight") || given("mid_lr_weight") || given("up_lr_weight")) {
     const size_t side_blocks = static_cast<size_t>(table.side);
@@ -87,7 +87,7 @@ std::vector<std::string> resolve_block_args(const BlockArgs& args, const models:
           w.push_back(item.empty() ? 0.0 : parse_number(key, item, value));  // kohya: empty is 0
         }
       } else {
-        // A curve over the side's 12 blocks, shallow to deep (kohya's get_list).
+        // A curve over the side's blocks, shallow to deep (kohya's get_list).
         const size_t plus = value.find('+');
         const std::string name = value.substr(0, plus);
         const double base =
@@ -124,11 +124,15 @@ std::vector<std::string> resolve_block_args(const BlockArgs& args, const models:
       }
       return w;
     };
-    lr_weight = side("down_lr_weight", side_blocks);
+    // kohya's order: head (SDXL's BASE, weight 1), down, mid, up, tail (SDXL's OUT, weight 1).
+    lr_weight.assign(static_cast<size_t>(table.head), 1.0);
+    const std::vector<double> down = side("down_lr_weight", side_blocks);
     const std::vector<double> mid = side("mid_lr_weight", mid_blocks);
     const std::vector<double> up = side("up_lr_weight", side_blocks);
+    lr_weight.insert(lr_weight.end(), down.begin(), down.end());
     lr_weight.insert(lr_weight.end(), mid.begin(), mid.end());
     lr_weight.insert(lr_weight.end(), up.begin(), up.end());
+    lr_weight.insert(lr_weight.end(), static_cast<size_t>(table.tail), 1.0);
   }
   if (!given("block_dims") && lr_weight.empty()) {
     for (const char* key : {"block_alphas", "conv_block_dims", "conv_block_alphas"}) {

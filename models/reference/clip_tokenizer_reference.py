@@ -92,8 +92,9 @@ def write_tokenizer_files(gz_path, folder):
 
 
 def kohya_get_input_ids(tokenizer, caption, max_token_length):
-    """kohya sd-scripts library/train_util.py BaseDataset.get_input_ids for SD1.x (the tokenizer
-    pads with its EOS), torch.cat/torch.stack written as list operations. tokenizer_max_length
+    """kohya sd-scripts library/train_util.py BaseDataset.get_input_ids, both branches (SD1.x's
+    tokenizer pads with its EOS; SDXL's second with id 0), torch.cat/torch.stack written as list
+    operations. tokenizer_max_length
     is set in BaseDataset.__init__ as model_max_length (None) or max_token_length + 2."""
     tokenizer_max_length = (tokenizer.model_max_length if max_token_length is None
                             else max_token_length + 2)
@@ -101,11 +102,18 @@ def kohya_get_input_ids(tokenizer, caption, max_token_length):
                           max_length=tokenizer_max_length).input_ids
     if tokenizer_max_length > tokenizer.model_max_length:
         iids_list = []
-        assert tokenizer.pad_token_id == tokenizer.eos_token_id  # the "v1" branch
         for i in range(1, tokenizer_max_length - tokenizer.model_max_length + 2,
                        tokenizer.model_max_length - 2):  # (1, 152, 75)
             ids_chunk = ([input_ids[0]] + input_ids[i:i + tokenizer.model_max_length - 2]
                          + [input_ids[-1]])
+            if tokenizer.pad_token_id != tokenizer.eos_token_id:
+                # The "v2 / SDXL" branch (SDXL's second tokenizer pads with "!", id 0): a chunk
+                # ending inside the caption ends in EOS; one starting in the padding starts
+                # BOS EOS.
+                if ids_chunk[-2] not in (tokenizer.eos_token_id, tokenizer.pad_token_id):
+                    ids_chunk[-1] = tokenizer.eos_token_id
+                if ids_chunk[1] == tokenizer.pad_token_id:
+                    ids_chunk[1] = tokenizer.eos_token_id
             iids_list.append(ids_chunk)
         input_ids = iids_list  # n_chunks x 77
     else:
@@ -514,6 +522,11 @@ def main():
     assert tokenizer.pad_token_id == tokenizer.eos_token_id
     # The same tokenizer with ftfy's mojibake repair (fix_encoding) switched off: the subset of
     # ftfy that the C++ tokenizer implements.
+    # SDXL's tokenizer_2: the same vocabulary, padding with "!" (id 0), as stabilityai's
+    # tokenizer_2/special_tokens_map.json sets it.
+    tokenizer_2 = CLIPTokenizer(vocab_file, merges_file, model_max_length=MODEL_MAX_LENGTH,
+                                pad_token="!")
+    assert tokenizer_2.pad_token_id == 0
     subset = CLIPTokenizer(vocab_file, merges_file, model_max_length=MODEL_MAX_LENGTH)
     subset.fix_text = functools.partial(ftfy.fix_text, fix_encoding=False)
 
@@ -532,6 +545,10 @@ def main():
                                    max_length=MODEL_MAX_LENGTH).input_ids,
             "long_150": kohya_get_input_ids(tokenizer, text, 150),
             "long_225": kohya_get_input_ids(tokenizer, text, 225),
+            "sdxl2_77": tokenizer_2(text, padding="max_length", truncation=True,
+                                    max_length=MODEL_MAX_LENGTH).input_ids,
+            "sdxl2_150": kohya_get_input_ids(tokenizer_2, text, 150),
+            "sdxl2_225": kohya_get_input_ids(tokenizer_2, text, 225),
         }
         for length in (75, 150, 225):
             try:
