@@ -82,8 +82,14 @@ class ClipTokenizer {
 
   int32_t bos() const { return bos_; }  // <|startoftext|>
   int32_t eos() const { return eos_; }  // <|endoftext|>
-  // The padding id: <|endoftext|>, as in openai/clip-vit-large-patch14's tokenizer (SD1.x).
-  int32_t pad() const { return eos_; }
+  // The padding id: <|endoftext|>, as in openai/clip-vit-large-patch14's tokenizer (SD1.x), or
+  // the token set_pad_token gave.
+  int32_t pad() const { return pad_; }
+  // Pads with `token` instead (SDXL's second tokenizer: "!", id 0), as transformers'
+  // CLIPTokenizer(pad_token=token) does, which also makes it an added token: every occurrence is
+  // split out of the text before BPE and becomes that id ("wow!!" is "wow", 0, 0, not "wow" and
+  // the BPE token "!!"). Throws InputError when the vocabulary has no such token.
+  void set_pad_token(std::string_view token);
   // Entries in the vocabulary (49408 for CLIP), transformers' `len(tokenizer.encoder)`.
   size_t vocab_size() const { return vocab_size_; }
 
@@ -112,6 +118,8 @@ class ClipTokenizer {
   std::unordered_map<uint64_t, Merge> merges_;  // (left symbol << 32 | right symbol) -> merge
   int32_t bos_ = 0;
   int32_t eos_ = 0;
+  int32_t pad_ = 0;
+  std::string pad_text_;  // set_pad_token's token (an added token), empty: EOS pads
   size_t vocab_size_ = 0;
   std::unique_ptr<Cache> cache_;
 };

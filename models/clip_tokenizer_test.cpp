@@ -70,10 +70,16 @@ class ClipTokenizerParity : public ::testing::Test {
     reference_ = new json(json::parse(in));
     tokenizer_ =
         new ClipTokenizer(ClipTokenizer::from_file((*reference_)["vocab_gz"].get<std::string>()));
+    // SDXL's second tokenizer: the same vocabulary, padding with "!".
+    tokenizer_2_ =
+        new ClipTokenizer(ClipTokenizer::from_file((*reference_)["vocab_gz"].get<std::string>()));
+    tokenizer_2_->set_pad_token("!");
   }
   static void TearDownTestSuite() {
     delete tokenizer_;
     tokenizer_ = nullptr;
+    delete tokenizer_2_;
+    tokenizer_2_ = nullptr;
     delete reference_;
     reference_ = nullptr;
     fs::remove_all(dir_);
@@ -87,10 +93,12 @@ class ClipTokenizerParity : public ::testing::Test {
   static fs::path dir_;
   static json* reference_;
   static ClipTokenizer* tokenizer_;
+  static ClipTokenizer* tokenizer_2_;
 };
 fs::path ClipTokenizerParity::dir_;
 json* ClipTokenizerParity::reference_ = nullptr;
 ClipTokenizer* ClipTokenizerParity::tokenizer_ = nullptr;
+ClipTokenizer* ClipTokenizerParity::tokenizer_2_ = nullptr;
 
 TEST_F(ClipTokenizerParity, EncodeMatchesTransformersOnEveryCase) {
   const json& ref = *reference_;
@@ -134,7 +142,8 @@ TEST_F(ClipTokenizerParity, EncodeMatchesTransformersOnEveryCase) {
   EXPECT_EQ(mismatches, 0) << "of " << cases().size() << " cases";
 }
 
-// Also SDXL's second tokenizer (pad id 0): transformers' padding and kohya's long-prompt chunks.
+// Also SDXL's second tokenizer (pad token "!", id 0): transformers' padding and kohya's
+// long-prompt chunks.
 TEST_F(ClipTokenizerParity, PaddedMatchesTransformersAndLongMatchesKohya) {
   int mismatches = 0;
   int checked = 0;
@@ -153,10 +162,12 @@ TEST_F(ClipTokenizerParity, PaddedMatchesTransformersAndLongMatchesKohya) {
         {"padded_77", kohya_long_prompt_ids(*tokenizer_, text, /*max_token_length=*/75)},
         {"long_150", kohya_long_prompt_ids(*tokenizer_, text, /*max_token_length=*/150)},
         {"long_225", kohya_long_prompt_ids(*tokenizer_, text, /*max_token_length=*/225)},
-        // SDXL's second tokenizer pads with id 0 and takes kohya's pad != eos branch.
-        {"sdxl2_77", kohya_long_prompt_ids(*tokenizer_, text, 75, /*pad=*/0)},
-        {"sdxl2_150", kohya_long_prompt_ids(*tokenizer_, text, 150, /*pad=*/0)},
-        {"sdxl2_225", kohya_long_prompt_ids(*tokenizer_, text, 225, /*pad=*/0)},
+        // SDXL's second tokenizer pads with "!" (id 0, an added token: split out of the text)
+        // and takes kohya's pad != eos branch.
+        {"sdxl2_77", tokenizer_2_->encode_padded(text)},
+        {"sdxl2_77", kohya_long_prompt_ids(*tokenizer_2_, text, 75)},
+        {"sdxl2_150", kohya_long_prompt_ids(*tokenizer_2_, text, 150)},
+        {"sdxl2_225", kohya_long_prompt_ids(*tokenizer_2_, text, 225)},
     };
     for (const auto& v : variants) {
       const std::string diff = compare(v.actual, c[v.key]);

@@ -35,12 +35,6 @@ std::vector<T> chunked(const std::vector<T>& padded, const T& first, const T& la
   return out;
 }
 
-// Everything after the first EOS becomes `pad` (transformers' padding with that id).
-void repad(std::vector<int32_t>& ids, int32_t eos, int32_t pad) {
-  const auto end = std::find(ids.begin(), ids.end(), eos);
-  if (end != ids.end()) std::fill(end + 1, ids.end(), pad);
-}
-
 // kohya's fixes of the chunks of a sequence padded with another id than EOS (get_input_ids,
 // the pad != eos branch).
 void fix_chunks(std::vector<int32_t>& chunks, int32_t eos, int32_t pad) {
@@ -57,18 +51,16 @@ void fix_chunks(std::vector<int32_t>& chunks, int32_t eos, int32_t pad) {
 }  // namespace
 
 std::vector<int32_t> kohya_long_prompt_ids(const ClipTokenizer& tokenizer, std::string_view text,
-                                           int max_token_length, std::optional<int32_t> pad) {
+                                           int max_token_length) {
   check_max_token_length(max_token_length);
-  std::vector<int32_t> ids = tokenizer.encode_padded(text, max_token_length + 2);
-  if (!pad || *pad == tokenizer.eos()) return chunked(ids, /*first=*/ids.front(), /*last=*/ids.back());
-  repad(ids, tokenizer.eos(), *pad);
+  const std::vector<int32_t> ids = tokenizer.encode_padded(text, max_token_length + 2);
   std::vector<int32_t> out = chunked(ids, /*first=*/ids.front(), /*last=*/ids.back());
-  fix_chunks(out, tokenizer.eos(), *pad);
+  if (tokenizer.pad() != tokenizer.eos()) fix_chunks(out, tokenizer.eos(), tokenizer.pad());
   return out;
 }
 
 WeightedIds kohya_weighted_long_prompt_ids(const ClipTokenizer& tokenizer, std::string_view text,
-                                           int max_token_length, std::optional<int32_t> pad) {
+                                           int max_token_length) {
   check_max_token_length(max_token_length);
   const size_t limit = static_cast<size_t>(max_token_length);
   std::vector<int32_t> ids{tokenizer.bos()};
@@ -83,12 +75,11 @@ WeightedIds kohya_weighted_long_prompt_ids(const ClipTokenizer& tokenizer, std::
   ids.resize(std::min(ids.size(), limit + 1));
   weights.resize(ids.size());
   ids.push_back(tokenizer.eos());
-  const bool other_pad = pad && *pad != tokenizer.eos();
-  ids.resize(limit + 2, other_pad ? *pad : tokenizer.pad());
+  ids.resize(limit + 2, tokenizer.pad());
   weights.resize(limit + 2, 1.0f);
   WeightedIds out{chunked(ids, /*first=*/ids.front(), /*last=*/ids.back()),
                   chunked(weights, /*first=*/1.0f, /*last=*/1.0f)};
-  if (other_pad) fix_chunks(out.ids, tokenizer.eos(), *pad);
+  if (tokenizer.pad() != tokenizer.eos()) fix_chunks(out.ids, tokenizer.eos(), tokenizer.pad());
   return out;
 }
 

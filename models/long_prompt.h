@@ -7,7 +7,6 @@
 // No LibTorch.
 
 #include <cstdint>
-#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -20,14 +19,13 @@ namespace lorapipe::models {
 // chunk past the end of the prompt is BOS followed by 76 EOS, as in kohya. At 75 this is
 // encode_padded(text). Throws InputError for a max_token_length kohya does not offer.
 //
-// `pad`: a tokenizer that pads with another id than EOS (SDXL's second, whose pad token "!" is
-// id 0): the padding after EOS is that id, and the chunks take kohya's other branch (pad !=
-// eos): each chunk is BOS + 75 ids + the sequence's last id (pad, or EOS when the caption fills
-// it); a chunk whose 75th id is neither EOS nor padding ends in EOS, and one that starts in the
-// padding starts with EOS (BOS EOS pad ...).
+// A tokenizer that pads with another id than EOS (SDXL's second, whose pad token "!" is id 0:
+// ClipTokenizer::set_pad_token) takes kohya's other branch (pad != eos): each chunk is BOS + 75
+// ids + the sequence's last id (padding, or EOS when the caption fills it); a chunk whose 75th
+// id is neither EOS nor padding ends in EOS, and one that starts in the padding starts with EOS
+// (BOS EOS pad ...).
 std::vector<int32_t> kohya_long_prompt_ids(const ClipTokenizer& tokenizer, std::string_view text,
-                                           int max_token_length,
-                                           std::optional<int32_t> pad = std::nullopt);
+                                           int max_token_length);
 
 // kohya's --weighted_captions tokenization (TokenizeStrategy._get_weighted_input_ids, then the
 // chunks above): the caption's A1111 attention syntax read (models/prompt_attention.h), each
@@ -39,7 +37,6 @@ struct WeightedIds {
   std::vector<float> weights;
 };
 WeightedIds kohya_weighted_long_prompt_ids(const ClipTokenizer& tokenizer, std::string_view text,
-                                           int max_token_length,
-                                           std::optional<int32_t> pad = std::nullopt);
+                                           int max_token_length);
 
 }  // namespace lorapipe::models
