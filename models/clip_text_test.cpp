@@ -13,6 +13,7 @@
 #include "models/attention.h"
 #include "models/open_clip_keys.h"
 #include "models/parity_util.h"
+#include "models/sd15_lora.h"
 
 namespace lorapipe::models {
 namespace {
@@ -160,6 +161,10 @@ TEST(SdxlTextEncoder, FullSizeClipGHasBigGsParameterCount) {
   for (const torch::Tensor& p : model->parameters()) parameters += p.numel();
   EXPECT_EQ(parameters, 694659840);
   EXPECT_EQ(model->text_projection->weight.sizes(), (std::vector<int64_t>{1280, 1280}));
+  // kohya's lora_te2: 32 layers' q, k, v, out_proj, fc1, fc2 (CLIP-L's lora_te1: 12 x 6 = 72).
+  EXPECT_EQ(text_encoder_lora_targets(model, "lora_te2", 1).size(), 192u);
+  EXPECT_EQ(text_encoder_lora_targets(ClipTextModel(ClipTextConfig::sd15()), "lora_te1", 0).size(),
+            72u);
 }
 
 TEST_F(ClipTextParity, MissingOrUnexpectedKeysAreNamed) {

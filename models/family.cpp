@@ -40,10 +40,13 @@ ModelFamily make_sdxl() {
   f.display_name = "Stable Diffusion XL";
   f.latent_channels = 4;
   f.vae_scaling_factor = 0.13025;  // SDXL's VAE (diffusers' vae/config.json scaling_factor)
+  f.vae_overflows_in_fp16 = true;  // madebyollin's sdxl-vae-fp16-fix exists for this reason
   f.vae_shift_factor = 0;
   f.vae_downsample = 8;
   f.prediction_type = "epsilon";  // v-prediction models (NoobAI-XL v-pred): --v_parameterization
   f.default_resolution = 1024;
+  f.default_max_bucket_reso = 2048;
+  f.bucket_reso_multiple = 32;  // kohya's sdxl_train_util: bucket_reso_steps % 32 == 0
   // CLIP-L's 768 and OpenCLIP ViT-bigG's 1280 penultimate states side by side; the pooled
   // output is bigG's projected end-of-text state. kohya's SDXL ignores --clip_skip.
   f.text = {"clip-l+clip-g", 77, 2048, /*uses_pooled=*/true, /*default_clip_skip=*/1};

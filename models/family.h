@@ -69,8 +69,15 @@ struct ModelFamily {
   double vae_scaling_factor = 0.18215;
   double vae_shift_factor = 0;
   int vae_downsample = 8;           // pixels per latent along each side
+  // The VAE's activations pass fp16's 65504 (SDXL's): it runs in fp32 unless the user gives
+  // another VAE (--vae: the fixed fp16 one), as kohya's --no_half_vae advice has it.
+  bool vae_overflows_in_fp16 = false;
   std::string prediction_type;      // "epsilon" or "v_prediction"
   int default_resolution = 512;
+  // What kohya users expect of the family's buckets: the largest side (0: preprocess's 1024), and
+  // what every bucket side must be a multiple of (SDXL: 32, kohya's check on bucket_reso_steps).
+  int default_max_bucket_reso = 0;
+  int bucket_reso_multiple = 8;
   TextConditioning text;
   ObjectiveKind objective = ObjectiveKind::kDdpm;
   DdpmSchedule schedule;  // the DDPM families' table (trainer and sampler alike)

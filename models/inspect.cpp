@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "models/family.h"
 #include "models/safetensors.h"
 
 namespace lorapipe::models {
@@ -116,6 +117,17 @@ std::string component_of(const std::string& key) {
   return "other";
 }
 
+// "family: sdxl (Stable Diffusion XL), told by ...": what the stages would load `path` as.
+std::string family_line(const fs::path& path) {
+  try {
+    const FamilyDetection family = detect_family(path);
+    return "family: " + family.family + " (" + model_family(family.family).display_name +
+           "), told by " + family.reason + "\n";
+  } catch (const InputError&) {
+    return "family: none lorapipe loads\n";
+  }
+}
+
 std::string guess_kind(const SafetensorsFile& file) {
   bool kohya_lora = false, peft_lora = false, ldm_unet = false, sdxl = false, flux = false;
   bool diffusers_unet = false, diffusers_vae = false, clip_text = false;
@@ -155,6 +167,8 @@ std::string describe_file(const fs::path& path) {
   std::error_code ec;
   out << "file: " << path.string() << " (" << fs::file_size(path, ec) << " bytes)\n";
   out << "kind: " << guess_kind(file) << "\n";
+  // The family the stages would load it as (models/family.h), for checkpoints.
+  if (guess_kind(file).find("LoRA") == std::string::npos) out << family_line(path);
   double parameters = 0;
   std::map<std::string, int> dtypes;
   std::map<std::string, double> components;
@@ -226,6 +240,7 @@ std::string inspect_checkpoint(const fs::path& path) {
   std::ostringstream out;
   out << "folder: " << path.string()
       << (fs::exists(path / "model_index.json") ? " (diffusers pipeline)\n" : "\n");
+  out << family_line(path);
   std::vector<fs::path> files;
   for (const auto& entry : fs::recursive_directory_iterator(path, ec)) {
     if (!entry.is_regular_file()) continue;

@@ -1,7 +1,8 @@
 #pragma once
 // What the families' loaders share (models/pipeline.cpp for SD1.x, models/sdxl.cpp for SDXL):
 // building a module straight in its storage dtype, the ldm layouts of configs, reading a
-// config, and the attaching of a CLIP tokenizer. Internal to models/.
+// config, and the attaching of a CLIP tokenizer. Internal to models/ (and the benches, which
+// build modules the same way).
 
 #include <c10/core/ScalarType.h>
 #include <torch/nn/module.h>
@@ -66,11 +67,11 @@ std::optional<ClipTokenizer> clip_tokenizer_for(const std::filesystem::path& pat
                                                 bool* builtin);
 
 // DiffusionModel::tokenize for CLIP tokenizers: kohya's layout of each caption at
-// `max_token_length` (0: the smallest of 75, 150, 225 that holds the longest), one id tensor per
-// entry of `pads` (the padding id of each text encoder's tokenizer; nullopt: its EOS).
-TokenBatch kohya_token_batch(const ClipTokenizer& tokenizer, const std::vector<std::string>& captions,
-                             int max_token_length, bool weighted,
-                             const std::vector<std::optional<int32_t>>& pads);
+// `max_token_length` (0: the smallest of 75, 150, 225 that holds the longest in the first
+// tokenizer), one id tensor per tokenizer (one per text encoder, each padding its own way).
+TokenBatch kohya_token_batch(const std::vector<const ClipTokenizer*>& tokenizers,
+                             const std::vector<std::string>& captions, int max_token_length,
+                             bool weighted);
 
 // kohya's --weighted_captions on chunked states ([B, 2 + 75k, C], ClipTextModel::encode_chunked):
 // every state times its token's weight (`token_weights` [B, 77k] as tokenized).

@@ -58,13 +58,15 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
                        "(LoHa, LoKr, DoRA) are not supported yet");
     }
   }
-  std::map<std::string, LoraTarget> targets;
+  std::map<std::string, LoraTarget> targets;  // by name, and by alias (another trainer's name)
   for (LoraTarget& t : model.lora_targets(/*text_encoder=*/true, /*conv_kxk=*/true)) {
+    if (!t.alias.empty()) targets.emplace(t.alias, t);
     targets.emplace(t.name, std::move(t));
   }
   std::set<std::string> denoiser_targets;
   for (const LoraTarget& t : model.lora_targets(/*text_encoder=*/false, /*conv_kxk=*/true)) {
     denoiser_targets.insert(t.name);
+    if (!t.alias.empty()) denoiser_targets.insert(t.alias);
   }
   std::vector<std::string> unknown;
   for (const auto& [name, m] : modules) {

@@ -18,6 +18,10 @@ namespace lorapipe::models {
 struct LoraTarget {
   std::string name;         // kohya's: "lora_unet_down_blocks_0_attentions_0_proj_in"
   std::string module_path;  // diffusers' / transformers': "down_blocks.0.attentions.0.proj_in"
+  // Another name LoRA files give the same layer, accepted when one is read (SDXL's U-Net layers
+  // in diffusers' module names, "lora_unet_down_blocks_1_attentions_0_proj_in", as some
+  // trainers write them; kohya converts them to `name` on load); empty: none.
+  std::string alias;
   bool text_encoder = false;
   // Which text encoder (0: the first; SDXL's second is 1), for text-encoder targets.
   int encoder = 0;

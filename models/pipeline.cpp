@@ -211,14 +211,14 @@ std::optional<ClipTokenizer> clip_tokenizer_for(const fs::path& path, int64_t vo
   return tokenizer;
 }
 
-TokenBatch kohya_token_batch(const ClipTokenizer& tokenizer, const std::vector<std::string>& captions,
-                             int max_token_length, bool weighted,
-                             const std::vector<std::optional<int32_t>>& pads) {
+TokenBatch kohya_token_batch(const std::vector<const ClipTokenizer*>& tokenizers,
+                             const std::vector<std::string>& captions, int max_token_length,
+                             bool weighted) {
   const int per_chunk = ClipTokenizer::kModelMaxLength - 2;  // 75 tokens between BOS and EOS
   if (max_token_length == 0) {  // the smallest of kohya's lengths that holds every caption
     size_t longest = 0;
     for (const std::string& caption : captions) {
-      longest = std::max(longest, tokenizer.encode(caption).size());
+      longest = std::max(longest, tokenizers.front()->encode(caption).size());
     }
     max_token_length = per_chunk;
     while (max_token_length < 3 * per_chunk && longest > static_cast<size_t>(max_token_length)) {
@@ -227,20 +227,19 @@ TokenBatch kohya_token_batch(const ClipTokenizer& tokenizer, const std::vector<s
   }
   const int64_t batch = static_cast<int64_t>(captions.size());
   TokenBatch out;
-  for (const std::optional<int32_t>& pad : pads) {
+  for (const ClipTokenizer* tokenizer : tokenizers) {
     std::vector<int64_t> ids;
     if (weighted) {
       std::vector<float> w;
       for (const std::string& caption : captions) {
-        const WeightedIds t =
-            kohya_weighted_long_prompt_ids(tokenizer, caption, max_token_length, pad);
+        const WeightedIds t = kohya_weighted_long_prompt_ids(*tokenizer, caption, max_token_length);
         ids.insert(ids.end(), t.ids.begin(), t.ids.end());
         w.insert(w.end(), t.weights.begin(), t.weights.end());
       }
       out.weights.push_back(torch::tensor(w, torch::kFloat32).view({batch, -1}));
     } else {
       for (const std::string& caption : captions) {
-        for (int32_t id : kohya_long_prompt_ids(tokenizer, caption, max_token_length, pad)) {
+        for (int32_t id : kohya_long_prompt_ids(*tokenizer, caption, max_token_length)) {
           ids.push_back(id);
         }
       }
@@ -488,7 +487,7 @@ void save_diffusers(const StableDiffusion& model, const fs::path& folder,
 TokenBatch StableDiffusion::tokenize(const std::vector<std::string>& captions,
                                      int max_token_length, bool weighted) const {
   require_tokenizer();
-  return kohya_token_batch(*tokenizer, captions, max_token_length, weighted, {std::nullopt});
+  return kohya_token_batch({&*tokenizer}, captions, max_token_length, weighted);
 }
 
 void StableDiffusion::require_tokenizer() const {

@@ -76,4 +76,11 @@ PlacementReport place(DiffusionModel& model, const Placement& placement) {
   return report;
 }
 
+c10::ScalarType vae_compute_dtype(const ModelFamily& family, c10::ScalarType dtype,
+                                  bool vae_given, bool no_half_vae) {
+  if (no_half_vae) return c10::kFloat;
+  if (dtype == c10::kHalf && family.vae_overflows_in_fp16 && !vae_given) return c10::kFloat;
+  return dtype;
+}
+
 }  // namespace lorapipe::models

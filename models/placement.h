@@ -48,6 +48,13 @@ struct PlacementReport {
 // Throws InputError for a placement that cannot be done (block swap, for now).
 PlacementReport place(DiffusionModel& model, const Placement& placement);
 
+// The dtype a stage computing in `dtype` runs its VAE in: fp32 with `no_half_vae` (kohya's
+// --no_half_vae), and where fp16 is asked of a family whose VAE overflows in it
+// (ModelFamily::vae_overflows_in_fp16, SDXL) and the user gave no other VAE (`vae_given`: --vae,
+// the fixed fp16 VAE, which is trusted); else `dtype`.
+c10::ScalarType vae_compute_dtype(const ModelFamily& family, c10::ScalarType dtype,
+                                  bool vae_given, bool no_half_vae);
+
 // --mixed_precision / --save_precision / --dtype values: "no", "float", "fp32", "fp16", "bf16".
 // Throws InputError naming `flag` and the value.
 c10::ScalarType parse_precision(std::string_view name, std::string_view flag);

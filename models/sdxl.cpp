@@ -66,10 +66,26 @@ void build(StableDiffusionXL& xl, const UNetConfig& unet, const VaeConfig& vae,
   xl.text_encoders = hold_text_encoders(xl.text_encoder, xl.text_encoder_2);
 }
 
-void attach_tokenizer(StableDiffusionXL& xl, const fs::path& path) {
+// Both tokenizers from `path` (or CLIP's built-in vocabulary), the second padding with
+// `pad_token_2`; `folder_2` (a diffusers folder's tokenizer_2/) may name another pad token.
+void attach_tokenizer(StableDiffusionXL& xl, const fs::path& path, const fs::path& folder_2 = {}) {
   xl.tokenizer = clip_tokenizer_for(path, xl.text_encoder->config().vocab_size, xl.source_path,
                                     &xl.builtin_tokenizer);
   xl.tokenizer_path = path;
+  if (!xl.tokenizer) return;
+  bool builtin = false;
+  xl.tokenizer_2 = clip_tokenizer_for(path, xl.text_encoder->config().vocab_size, xl.source_path,
+                                      &builtin);
+  const fs::path special = folder_2 / "special_tokens_map.json";
+  if (!folder_2.empty() && fs::exists(special)) {
+    const json tokens = json::parse(read_text(special), nullptr, /*allow_exceptions=*/false);
+    if (tokens.is_object() && tokens.contains("pad_token")) {
+      const json& pad = tokens["pad_token"];
+      if (pad.is_string()) xl.pad_token_2 = pad.get<std::string>();
+      if (pad.is_object() && pad.contains("content")) xl.pad_token_2 = pad["content"].get<std::string>();
+    }
+  }
+  xl.tokenizer_2->set_pad_token(xl.pad_token_2);
 }
 
 std::string list_some(const std::vector<std::string>& keys) {
@@ -191,9 +207,11 @@ StableDiffusionXL load_diffusers_folder(const fs::path& folder, const LoadOption
   load_vae(xl.vae, folder / "vae");
   load_clip_text(xl.text_encoder, folder / "text_encoder");
   load_clip_text(xl.text_encoder_2, folder / "text_encoder_2");
-  attach_tokenizer(xl, !options.tokenizer.empty()               ? options.tokenizer
-                       : fs::is_directory(folder / "tokenizer") ? folder / "tokenizer"
-                                                                : fs::path());
+  attach_tokenizer(xl,
+                   !options.tokenizer.empty()               ? options.tokenizer
+                   : fs::is_directory(folder / "tokenizer") ? folder / "tokenizer"
+                                                            : fs::path(),
+                   fs::is_directory(folder / "tokenizer_2") ? folder / "tokenizer_2" : fs::path());
   return xl;
 }
 
@@ -313,9 +331,10 @@ void save_sdxl_diffusers(const StableDiffusionXL& model, const fs::path& folder,
 
 TokenBatch StableDiffusionXL::tokenize(const std::vector<std::string>& captions,
                                        int max_token_length, bool weighted) const {
-  if (!tokenizer) return StableDiffusion::tokenize(captions, max_token_length, weighted);  // throws
-  return kohya_token_batch(*tokenizer, captions, max_token_length, weighted,
-                           {std::nullopt, pad_2});
+  if (!tokenizer || !tokenizer_2) {
+    return StableDiffusion::tokenize(captions, max_token_length, weighted);  // throws
+  }
+  return kohya_token_batch({&*tokenizer, &*tokenizer_2}, captions, max_token_length, weighted);
 }
 
 void StableDiffusionXL::warn_clip_skip(int clip_skip) {
@@ -379,8 +398,7 @@ std::string StableDiffusionXL::text_encoder_settings(int clip_skip, int max_toke
           ? tokenizer_fingerprint(ClipTokenizer::kBuiltinName, ClipTokenizer::builtin_vocabulary())
           : tokenizer_fingerprint(tokenizer_path);
   return models::text_encoder_settings(/*clip_skip=*/1,
-                                       tokenizer_print + ";sdxl:penultimate;pad2=" +
-                                           std::to_string(pad_2),
+                                       tokenizer_print + ";sdxl:penultimate;pad2=" + pad_token_2,
                                        max_token_length);
 }
 
@@ -416,15 +434,17 @@ at::Tensor StableDiffusionXL::denoise(const DenoiseInput& input) {
   const at::Tensor& like = unet->conv_norm_out->weight;  // the compute dtype (never float8)
   const int64_t batch = input.latents.size(0);
   // The conditioning may be one row for the whole batch (a sampler's prompt): repeat it.
-  auto rows = [&](const at::Tensor& t) {
-    at::Tensor x = t.to(like.device(), like.scalar_type());
+  auto rows = [&](const at::Tensor& t, c10::ScalarType dtype) {
+    at::Tensor x = t.to(like.device(), dtype);
     return x.size(0) == batch || x.size(0) != 1 ? x : x.expand({batch, -1}).contiguous();
   };
+  // The time ids stay fp32, as kohya embeds them (bf16 would round an original width of 1023
+  // to 1024); the U-Net's sinusoidal embedding of them is fp32 too.
   const at::Tensor ids =
       (c.added.defined() ? c.added : time_ids(input.geometry, input.latents));
   return unet->forward(input.latents.to(like.device(), like.scalar_type()), input.time,
-                       c.hidden_states.to(like.device(), like.scalar_type()), rows(c.pooled),
-                       rows(ids));
+                       c.hidden_states.to(like.device(), like.scalar_type()),
+                       rows(c.pooled, like.scalar_type()), rows(ids, torch::kFloat32));
 }
 
 std::vector<LoraTarget> StableDiffusionXL::lora_targets(bool with_text_encoder,

@@ -38,8 +38,10 @@ struct StableDiffusionXL : StableDiffusion {
   // Holds both text encoders as "text_encoder" and "text_encoder_2", so that the stages'
   // one text-encoder module (fingerprints, dtype moves) covers both.
   std::shared_ptr<torch::nn::Module> text_encoders;
-  // tokenizer_2's padding id: "!" (0), as SDXL's tokenizer_2/special_tokens_map.json sets it.
-  int32_t pad_2 = 0;
+  // The second encoder's tokenizer: the first's vocabulary, padding with tokenizer_2's pad token
+  // ("!", id 0, as SDXL's tokenizer_2/special_tokens_map.json sets it).
+  std::optional<ClipTokenizer> tokenizer_2;
+  std::string pad_token_2 = "!";
 
   TokenBatch tokenize(const std::vector<std::string>& captions, int max_token_length = 75,
                       bool weighted = false) const override;

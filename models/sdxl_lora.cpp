@@ -20,6 +20,7 @@ std::vector<LoraTarget> sdxl_unet_lora_targets(const UNet& unet, bool conv_kxk) 
     std::string path = ldm->substr(kLdmUnetPrefix.size());
     path.resize(path.size() - std::string(".weight").size());
     std::replace(path.begin(), path.end(), '.', '_');
+    t.alias = t.name;  // the SD1.x rule's name: diffusers' module path
     t.name = std::string(kLoraUnetPrefix) + "_" + path;
     t.block = sdxl_kohya_block_index(t.name);
   }

@@ -18,8 +18,10 @@
 
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/inspect.h"
 #include "models/lora_merge.h"
 #include "models/parity_util.h"
+#include "models/placement.h"
 #include "models/registry.h"
 #include "models/safetensors.h"
 #include "models/sdxl.h"
@@ -106,6 +108,9 @@ TEST_F(SdxlPipelineParity, FolderAndSingleFileAreDetectedAsSdxl) {
   EXPECT_EQ(by_keys.family, "sdxl");
   EXPECT_NE(by_keys.reason.find("conditioner.embedders.1.model."), std::string::npos)
       << by_keys.reason;
+  // lorapipe-inspect names it.
+  const std::string described = inspect_checkpoint(dir_ / "plain.safetensors");
+  EXPECT_NE(described.find("family: sdxl (Stable Diffusion XL)"), std::string::npos) << described;
 }
 
 TEST_F(SdxlPipelineParity, FolderConditioningMatchesDiffusersEncodePrompt) {
@@ -154,12 +159,14 @@ TEST_F(SdxlPipelineParity, UNetWithTimeIdsAndItsInputGradientMatchDiffusers) {
 
 class SdxlSamplerParity : public SdxlPipelineParity {
  protected:
-  void render_check(const std::string& sampler, bool with_lora) {
+  // `lora_file`: the LoRA to merge (the reference's kohya file by default).
+  void render_check(const std::string& sampler, bool with_lora, fs::path lora_file = {}) {
     set_force_math_attention(true);
     const auto model = load_model(tiny_.diffusers);
     std::optional<MergedLora> lora;
     if (with_lora) {
-      lora.emplace(*model, ref_ / "lora.safetensors", /*multiplier=*/1.0);
+      lora.emplace(*model, lora_file.empty() ? ref_ / "lora.safetensors" : lora_file,
+                   /*multiplier=*/1.0);
       EXPECT_EQ(lora->module_count(), static_cast<size_t>(request_["lora_modules"]));
     }
     const std::string tag = sampler + (with_lora ? "_lora" : "");
@@ -202,6 +209,35 @@ TEST_F(SdxlSamplerParity, DpmSolverPlusPlus2M) { render_check("dpmsolver++", fal
 // kohya's SDXL LoRA format (SAI module names, lora_te1/lora_te2), as diffusers loads it.
 TEST_F(SdxlSamplerParity, DdimWithKohyaLora) { render_check("ddim", true); }
 TEST_F(SdxlSamplerParity, EulerWithKohyaLora) { render_check("euler", true); }
+// The same LoRA with its U-Net modules under diffusers' module names (lora_unet_down_blocks_...,
+// as some trainers write SDXL LoRAs and kohya converts on load) renders the same.
+TEST_F(SdxlSamplerParity, DdimWithLoraInDiffusersModuleNames) {
+  const auto model = load_model(tiny_.diffusers);
+  std::map<std::string, std::string> alias;
+  for (const LoraTarget& t : model->lora_targets(true, true)) {
+    if (!t.alias.empty()) alias[t.name] = t.alias;
+  }
+  ASSERT_FALSE(alias.empty());
+  const auto tensors = read_tensors(SafetensorsFile::open(ref_ / "lora.safetensors"));
+  std::vector<torch::Tensor> storage;
+  std::vector<TensorToWrite> renamed;
+  size_t moved = 0;
+  for (const auto& [key, tensor] : tensors) {
+    const std::string module = key.substr(0, key.find('.'));
+    const auto it = alias.find(module);
+    moved += it != alias.end();
+    storage.push_back(tensor.contiguous());
+    const auto& t = storage.back();
+    renamed.push_back({(it != alias.end() ? it->second : module) + key.substr(module.size()),
+                       to_safetensors_dtype(t.scalar_type()),
+                       std::vector<int64_t>(t.sizes().begin(), t.sizes().end()),
+                       std::string_view(static_cast<const char*>(t.data_ptr()),
+                                        t.numel() * t.element_size())});
+  }
+  EXPECT_GT(moved, 0u);
+  write_safetensors(dir_ / "diffusers-names.safetensors", renamed);
+  render_check("ddim", true, dir_ / "diffusers-names.safetensors");
+}
 
 // kohya's names for SDXL: the U-Net's layers by their Stability AI paths, the text encoders
 // under lora_te1 / lora_te2, and kohya's 23-block numbering.
@@ -236,6 +272,45 @@ TEST(SdxlLora, TinyTargetsAreNamedAndNumberedAsKohya) {
   EXPECT_EQ(sdxl_kohya_block_index("lora_unet_output_blocks_8_0_in_layers_2"), 21);
   EXPECT_EQ(sdxl_kohya_block_index("lora_unet_time_embed_0"), 0);
   EXPECT_EQ(sdxl_kohya_block_index("lora_unet_out_2"), 22);
+  fs::remove_all(dir);
+}
+
+// SDXL's VAE overflows in fp16: its decoder's activations pass 65504 (why the fixed fp16 VAE
+// exists). Its weights cannot be had here, so the tiny SDXL's decoder input convolution is
+// scaled up until its activations pass fp16's range as the real VAE's do: decoded in fp16 the
+// image is not finite; in the dtype the stages pick for SDXL (vae_compute_dtype: fp32 unless
+// --vae gives another VAE) it is, and equals the fp32 decode.
+TEST(SdxlVae, OverflowsInFp16AndTheDefaultDtypeAvoidsIt) {
+  const ModelFamily& sdxl = model_family("sdxl");
+  const ModelFamily& sd15 = model_family("sd15");
+  EXPECT_EQ(vae_compute_dtype(sdxl, torch::kHalf, /*vae_given=*/false, false), torch::kFloat);
+  EXPECT_EQ(vae_compute_dtype(sdxl, torch::kHalf, /*vae_given=*/true, false), torch::kHalf);
+  EXPECT_EQ(vae_compute_dtype(sdxl, torch::kBFloat16, false, false), torch::kBFloat16);
+  EXPECT_EQ(vae_compute_dtype(sd15, torch::kHalf, false, false), torch::kHalf);
+  EXPECT_EQ(vae_compute_dtype(sd15, torch::kHalf, false, /*no_half_vae=*/true), torch::kFloat);
+
+  const auto dir = testing::make_temp_dir("sdxl-vae");
+  const TinyCheckpoint tiny = write_tiny_sdxl_checkpoint(dir, 2);
+  auto decode = [&](c10::ScalarType dtype) {
+    LoadOptions options;
+    options.vae_dtype = dtype;
+    const auto model = load_model(tiny.diffusers, options);
+    {
+      torch::NoGradGuard no_grad;
+      auto& conv_in = *model->vae_module().named_parameters().find("decoder.conv_in.weight");
+      conv_in.mul_(4e4);
+    }
+    torch::NoGradGuard no_grad;
+    const at::Tensor latents =
+        torch::randn({1, 4, 8, 8}, at::detail::createCPUGenerator(3), torch::kFloat32);
+    return model->decode_latents(latents).to(torch::kFloat32);
+  };
+  const at::Tensor half = decode(torch::kHalf);
+  const at::Tensor chosen = decode(vae_compute_dtype(sdxl, torch::kHalf, false, false));
+  const at::Tensor wide = decode(torch::kFloat);
+  EXPECT_FALSE(torch::isfinite(half).all().item<bool>()) << "fp16 should overflow";
+  EXPECT_TRUE(torch::isfinite(chosen).all().item<bool>());
+  EXPECT_TRUE(torch::equal(chosen, wide));
   fs::remove_all(dir);
 }
 

@@ -1,18 +1,31 @@
-// lorapipe-make-tiny-model DIR [SEED]: writes the tiny SD1.5 checkpoint (see models/tiny.h).
+// lorapipe-make-tiny-model DIR [SEED] [--sdxl]: writes the tiny SD1.5 checkpoint, or with --sdxl
+// the tiny SDXL one (see models/tiny.h).
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <vector>
 
 #include "models/tiny.h"
 
 int main(int argc, char** argv) {
-  if (argc < 2) {
-    std::fprintf(stderr, "usage: lorapipe-make-tiny-model DIR [SEED]\n");
+  bool sdxl = false;
+  std::vector<const char*> args;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--sdxl") == 0) {
+      sdxl = true;
+    } else {
+      args.push_back(argv[i]);
+    }
+  }
+  if (args.empty() || args.size() > 2) {
+    std::fprintf(stderr, "usage: lorapipe-make-tiny-model DIR [SEED] [--sdxl]\n");
     return 2;
   }
   try {
-    const auto out = lorapipe::models::write_tiny_checkpoint(
-        argv[1], argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 0);
+    const uint64_t seed = args.size() > 1 ? std::strtoull(args[1], nullptr, 10) : 0;
+    const auto out = sdxl ? lorapipe::models::write_tiny_sdxl_checkpoint(args[0], seed)
+                          : lorapipe::models::write_tiny_checkpoint(args[0], seed);
     std::printf("diffusers folder: %s\nsingle file:      %s\ntokenizer:        %s\n"
                 "(the single file carries no tokenizer, and its small text encoder does not fit "
                 "CLIP's built-in one: give it with --tokenizer=%s)\n",

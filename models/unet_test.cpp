@@ -28,6 +28,7 @@
 #include "models/parity_util.h"
 #include "models/safetensors.h"
 #include "models/sd15_lora.h"
+#include "models/sdxl_lora.h"
 #include "models/weights.h"
 
 namespace lorapipe::models {
@@ -173,6 +174,7 @@ class UNetParity : public ::testing::Test {
                 static_cast<long long>(their_parameters));
     EXPECT_EQ(parameters, their_parameters) << name;
     last_parameters_ = parameters;
+    last_unet_ = unet;
     for (const auto& [key, shape] : theirs) {
       auto it = ours.find(key);
       if (it == ours.end()) {
@@ -188,6 +190,7 @@ class UNetParity : public ::testing::Test {
 
   static fs::path dir_;
   int64_t last_parameters_ = 0;  // what the last check_full_size_layout counted
+  UNet last_unet_{nullptr};      // and the U-Net it built
 };
 fs::path UNetParity::dir_;
 
@@ -215,6 +218,25 @@ TEST_F(UNetParity, FullSizeSd21KeysAndShapesMatchDiffusers) {
 TEST_F(UNetParity, FullSizeSdxlKeysAndShapesMatchDiffusers) {
   check_full_size_layout("sdxl", UNetConfig::sdxl(), torch::kBFloat16);
   EXPECT_EQ(last_parameters_, 2567463684);
+  // kohya's SDXL LoRA on it: 722 layers (70 transformer blocks' 10, 11 Transformer2Ds'
+  // proj_in/proj_out), named by their Stability AI paths, each in one of the 23 blocks.
+  const std::vector<LoraTarget> targets = sdxl_unet_lora_targets(last_unet_, /*conv_kxk=*/false);
+  EXPECT_EQ(targets.size(), 722u);
+  std::set<std::string> names;
+  for (const LoraTarget& t : targets) {
+    names.insert(t.name);
+    EXPECT_GE(t.block, 1) << t.name;
+    EXPECT_LE(t.block, 21) << t.name;
+  }
+  EXPECT_EQ(names.size(), targets.size());
+  for (const char* kohya : {"lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q",
+                            "lora_unet_input_blocks_8_1_transformer_blocks_9_ff_net_2",
+                            "lora_unet_middle_block_1_transformer_blocks_9_attn2_to_out_0",
+                            "lora_unet_middle_block_1_proj_in",
+                            "lora_unet_output_blocks_0_1_transformer_blocks_9_ff_net_0_proj",
+                            "lora_unet_output_blocks_5_1_proj_out"}) {
+    EXPECT_TRUE(names.count(kohya)) << kohya;
+  }
 }
 
 // kohya's LoRA targets on SD1.5 at its real size: models/reference/lora_targets_reference.py
