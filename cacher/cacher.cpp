@@ -70,11 +70,15 @@ class Cacher {
     load.tokenizer = options.tokenizer;
     load.load_denoiser = false;
     load.vae = options.vae;
+    // SDXL's VAE overflows in fp16: fp32 unless --vae gives the fixed one (kohya's --no_half_vae).
+    load.vae_dtype = models::vae_compute_dtype(
+        models::model_family(models::detect_family(options.model, options.model_family).family),
+        load.dtype, !options.vae.empty(), options.no_half_vae);
     model_ = models::load_model(options.model, load);
     models::Placement placement;
     placement.device = models::resolve_device(options.device);
     placement.dtype = load.dtype;
-    placement.vae_dtype = load.dtype;
+    placement.vae_dtype = load.vae_dtype;
     models::place(*model_, placement);
     // Fingerprints of what is loaded, in the compute dtype, with the settings that shape the
     // output: another VAE, dtype, clip skip or tokenizer gives other keys. Everything below goes

@@ -20,6 +20,7 @@ struct Options {
   std::string device = "auto";      // auto, cpu, cuda, cuda:N
   std::string dtype = "fp32";       // compute dtype: fp32, fp16, bf16 (records are fp16)
   int vae_batch_size = 4;
+  bool no_half_vae = false;  // kohya's --no_half_vae: the VAE in fp32 whatever dtype says
   int text_batch_size = 32;
   int clip_skip = 1;
   int max_token_length = 75;  // kohya's: 75 (one chunk), 150 or 225 (chunks of 75)

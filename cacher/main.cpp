@@ -26,6 +26,8 @@ DEFINE_string(vae, "",
 DEFINE_string(device, "auto", "auto, cpu, cuda or cuda:N");
 DEFINE_string(dtype, "fp32", "Compute dtype: fp32, fp16 or bf16 (records are stored in fp16)");
 DEFINE_int32(vae_batch_size, 4, "Images per VAE batch (one bucket at a time)");
+DEFINE_bool(no_half_vae, false,
+            "kohya's: the VAE in fp32 whatever --dtype says (SDXL's is, unless --vae is given)");
 DEFINE_int32(clip_skip, 1, "Text-encoder layer from the end, as kohya/A1111 (1: last)");
 DEFINE_int32(max_token_length, 75,
              "kohya's caption length: 75, or 150 / 225 tokens encoded in chunks of 75");
@@ -87,6 +89,7 @@ int main(int argc, char** argv) {
     options.device = FLAGS_device;
     options.dtype = FLAGS_dtype;
     options.vae_batch_size = FLAGS_vae_batch_size;
+    options.no_half_vae = FLAGS_no_half_vae;
     options.clip_skip = FLAGS_clip_skip;
     options.max_token_length = FLAGS_max_token_length;
     options.max_map_bytes = FLAGS_max_map_mb << 20;
