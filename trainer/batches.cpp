@@ -26,6 +26,25 @@ torch::Tensor from_record(const wire::Tensor& t) {
       .to(torch::kFloat, /*non_blocking=*/false, /*copy=*/true);
 }
 
+// kohya's SDXL size conditioning of a cached sample (BaseDataset.__getitem__): its original size,
+// the crop's top-left (for a flipped sample the left is the target width minus crop_ltrb's right)
+// and the target size, the cached latents' size in pixels (`downsample` pixels per latent);
+// each truncated to an int as kohya's.
+models::SampleGeometry sample_geometry(const wire::LatentRecord& record, bool flipped,
+                                       const torch::Tensor& latent, int64_t downsample) {
+  models::SampleGeometry g;
+  g.target_height = latent.size(1) * downsample;
+  g.target_width = latent.size(2) * downsample;
+  g.original_height = record.has_original_size() ? record.original_size().height() : g.target_height;
+  g.original_width = record.has_original_size() ? record.original_size().width() : g.target_width;
+  if (record.crop_ltrb_size() == 4) {
+    g.crop_top = static_cast<int64_t>(record.crop_ltrb(1));
+    g.crop_left = flipped ? static_cast<int64_t>(static_cast<double>(g.target_width) - record.crop_ltrb(2))
+                          : static_cast<int64_t>(record.crop_ltrb(0));
+  }
+  return g;
+}
+
 at::Generator generator_for(uint64_t seed, int64_t epoch, int64_t index, std::string_view purpose) {
   return at::make_generator<at::CPUGeneratorImpl>(stream(seed, epoch, index, purpose)());
 }
@@ -69,6 +88,8 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
     // A fresh draw from the stored distribution every time (kohya freezes one at caching).
     latent_list.push_back(mean + std * at::randn(mean.sizes(), draw, torch::kFloat));
     out.flipped.push_back(flipped);
+    out.geometry.push_back(
+        sample_geometry(record, flipped, mean, model_->model_family().vae_downsample));
     // kohya's alpha mask, flipped with its image; an image without one weighs every cell fully.
     const bool has_mask = flipped ? record.has_flipped_mask() : record.has_mask();
     any_mask |= has_mask;
@@ -125,6 +146,7 @@ MicroBatch Run::to_micro_batch(const PreparedBatch& p) {
   batch.latents = p.latents;
   batch.loss_weights = p.loss_weights;
   batch.masks = p.masks;
+  batch.geometry = p.geometry;
   if (p.hidden_states.defined()) {
     batch.encoder_hidden_states = p.hidden_states;
     batch.pooled = p.pooled;

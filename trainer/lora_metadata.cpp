@@ -62,7 +62,13 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_learning_rate"] = python_float_repr(lr.learning_rate);
   // kohya writes its arguments: None for a rate not given (the learning rate then applies).
   m["ss_unet_lr"] = lr.unet_lr >= 0 ? python_float_repr(lr.unet_lr) : "None";
-  m["ss_text_encoder_lr"] = lr.text_encoder_lr >= 0 ? python_float_repr(lr.text_encoder_lr) : "None";
+  // kohya writes its list as Python prints it where two rates were given.
+  m["ss_text_encoder_lr"] =
+      lr.text_encoder_2_lr >= 0
+          ? "[" + python_float_repr(lr.text_encoder_lr >= 0 ? lr.text_encoder_lr : lr.learning_rate) +
+                ", " + python_float_repr(lr.text_encoder_2_lr) + "]"
+      : lr.text_encoder_lr >= 0 ? python_float_repr(lr.text_encoder_lr)
+                                : "None";
   m["ss_num_train_images"] = std::to_string(scheduler_->train_images());
   m["ss_num_reg_images"] = std::to_string(scheduler_->reg_images());
   uint64_t validation_images = 0;  // kohya's: repeats included

@@ -314,10 +314,12 @@ std::vector<at::Tensor> LoraNetwork::unet_parameters() const {
   return out;
 }
 
-std::vector<at::Tensor> LoraNetwork::text_encoder_parameters() const {
+std::vector<at::Tensor> LoraNetwork::text_encoder_parameters(int encoder) const {
   std::vector<at::Tensor> out;
   for (const Module& m : modules_) {
-    if (m.target.text_encoder) out.insert(out.end(), {m.adapter->down, m.adapter->up});
+    if (m.target.text_encoder && (encoder < 0 || m.target.encoder == encoder)) {
+      out.insert(out.end(), {m.adapter->down, m.adapter->up});
+    }
   }
   return out;
 }

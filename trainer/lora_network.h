@@ -105,7 +105,8 @@ class LoraNetwork {
 
   // The trainable tensors (down, up of each module, in module order).
   std::vector<at::Tensor> unet_parameters() const;
-  std::vector<at::Tensor> text_encoder_parameters() const;
+  // `encoder`: only that text encoder's modules (SDXL's 0 and 1); -1: every encoder's.
+  std::vector<at::Tensor> text_encoder_parameters(int encoder = -1) const;
   // Every module's down and up, keyed by kohya's tensor names ("NAME.lora_down.weight").
   std::map<std::string, at::Tensor> named_parameters() const;
 

@@ -136,7 +136,9 @@ DEFINE_string(optimizer_args, "",
               "relative_step, warmup_init for Adafactor)");
 DEFINE_double(learning_rate, 1e-4, "Learning rate");
 DEFINE_double(unet_lr, -1, "UNet learning rate (default: --learning_rate)");
-DEFINE_double(text_encoder_lr, -1, "Text-encoder learning rate (default: --learning_rate)");
+DEFINE_string(text_encoder_lr, "",
+              "Text-encoder learning rate (default: --learning_rate); two values (kohya's list) "
+              "give SDXL's two encoders theirs");
 DEFINE_string(lr_scheduler, "constant",
               "constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial, "
               "cosine_with_min_lr, warmup_stable_decay, inverse_sqrt or piecewise_constant");
@@ -245,7 +247,7 @@ std::vector<std::string> join_multi_value_flags(int argc, char** argv) {
     }
     const bool multi = arg == "--network_args" || arg == "--optimizer_args" ||
                        arg == "--lr_scheduler_args" || arg == "--base_weights" ||
-                       arg == "--base_weights_multiplier";
+                       arg == "--base_weights_multiplier" || arg == "--text_encoder_lr";
     if (!multi) {
       out.push_back(arg);
       continue;
@@ -525,7 +527,31 @@ int main(int argc, char** argv) {
                                   << s.optimizer.type << ", which is run with about 1.0";
     }
     s.optimizer_groups.unet_lr = FLAGS_unet_lr;
-    s.optimizer_groups.text_encoder_lr = FLAGS_text_encoder_lr;
+    {
+      std::vector<std::string> rates;
+      for (const std::string& word : lorapipe::split_words(FLAGS_text_encoder_lr)) {
+        std::stringstream items(word);
+        for (std::string item; std::getline(items, item, ',');) {
+          if (!item.empty()) rates.push_back(item);
+        }
+      }
+      if (rates.size() > 2) {
+        throw lorapipe::InputError("--text_encoder_lr takes one rate, or one per text encoder "
+                                   "(two), not " + std::to_string(rates.size()));
+      }
+      std::vector<double> values;
+      for (const std::string& rate : rates) {
+        try {
+          size_t used = 0;
+          values.push_back(std::stod(rate, &used));
+          if (used != rate.size()) throw std::invalid_argument(rate);
+        } catch (const std::exception&) {
+          throw lorapipe::InputError("--text_encoder_lr: '" + rate + "' is not a number");
+        }
+      }
+      if (!values.empty()) s.optimizer_groups.text_encoder_lr = values[0];
+      if (values.size() == 2) s.optimizer_groups.text_encoder_2_lr = values[1];
+    }
     s.schedule.name = FLAGS_lr_scheduler;
     s.schedule.num_cycles = FLAGS_lr_scheduler_num_cycles;
     s.schedule.power = FLAGS_lr_scheduler_power;

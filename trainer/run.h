@@ -53,6 +53,11 @@ extern volatile std::sig_atomic_t g_stop_requested;
 
 // A tensor from a record, as fp32 on the CPU (batches.cpp).
 torch::Tensor from_record(const wire::Tensor& t);
+// kohya's size conditioning of a cached sample (SDXL's time ids): its original size, the crop's
+// top-left from crop_ltrb (flipped: the left is the target width minus crop_ltrb's right) and
+// the target size, `latent` ([C, h, w]) in pixels at `downsample` pixels per latent.
+models::SampleGeometry sample_geometry(const wire::LatentRecord& record, bool flipped,
+                                       const torch::Tensor& latent, int64_t downsample);
 // The CPU generator of one purpose at one place in the run: every random number of a
 // micro-batch follows from (seed, epoch, index) (batches.cpp).
 at::Generator generator_for(uint64_t seed, int64_t epoch, int64_t index, std::string_view purpose);
@@ -79,6 +84,7 @@ struct PreparedBatch {
   torch::Tensor loss_weights;
   torch::Tensor masks;  // [B, 1, h, w] kohya's alpha masks when any image has one, or undefined
   std::vector<bool> flipped;  // which images are their flipped twins
+  std::vector<models::SampleGeometry> geometry;  // each image's, as kohya builds SDXL's time ids
   std::string error;  // the producer failed: this message, then stop
 };
 

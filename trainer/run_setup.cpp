@@ -155,6 +155,17 @@ void Run::load_model() {
                      " (" + model.model_family().display_name +
                      "): re-cache the dataset with this model (preprocess and the cacher)");
   }
+  // Every bucket's sides must be what the family's denoiser takes (SDXL: multiples of 32, as
+  // kohya requires of its bucket_reso_steps).
+  const int multiple = model.model_family().bucket_reso_multiple;
+  for (const wire::ManifestEntry& e : manifest_.entries()) {
+    if (e.bucket().width() % multiple != 0 || e.bucket().height() % multiple != 0) {
+      throw InputError(e.path() + ": its bucket " + std::to_string(e.bucket().width()) + "x" +
+                       std::to_string(e.bucket().height()) + " is not made of multiples of " +
+                       std::to_string(multiple) + ", which " + model.model_family().display_name +
+                       " needs: preprocess again with --bucket_reso_steps 32 or 64");
+    }
+  }
   // Into the weights as loaded, before they take the compute dtype. The text encoder changes
   // with them, so text cached from the plain one no longer matches and is encoded online.
   models::merge_base_weights(model, o_.base_weights);

@@ -62,9 +62,14 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
     }
   };
   if (network.options().train_text_encoder) {
-    add_group(network.text_encoder_parameters(),
-              o.text_encoder_lr >= 0 ? o.text_encoder_lr : o.learning_rate, "text_encoder",
+    // kohya's prepare_optimizer_params: with a second text encoder (SDXL), a group for each, at
+    // --text_encoder_lr's first and second value (the first for both when it has one).
+    const double te_lr = o.text_encoder_lr >= 0 ? o.text_encoder_lr : o.learning_rate;
+    add_group(network.text_encoder_parameters(0), te_lr, "text_encoder",
               o.loraplus_text_encoder_lr_ratio);
+    add_group(network.text_encoder_parameters(1),
+              o.text_encoder_2_lr >= 0 ? o.text_encoder_2_lr : te_lr,
+              "text_encoder_2", o.loraplus_text_encoder_lr_ratio);
   }
   const double unet_lr = o.unet_lr >= 0 ? o.unet_lr : o.learning_rate;
   const std::vector<double>& block_lr_weight = network.options().block_lr_weight;
@@ -119,10 +124,15 @@ models::Conditioning TrainingStep::conditioning(const MicroBatch& batch) {
 at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
                                          const at::Tensor& times,
                                          const models::Conditioning& conditioning,
-                                         const at::Tensor& input_noise, const at::Tensor& mask) {
-  const at::Tensor noisy =
+                                         const at::Tensor& input_noise, const at::Tensor& mask,
+                                         const std::vector<models::SampleGeometry>& geometry) {
+  models::DenoiseInput input;
+  input.latents =
       objective_->noisy_latents(latents, input_noise.defined() ? input_noise : noise, times);
-  const at::Tensor prediction = model_.denoise(noisy, times, conditioning).to(torch::kFloat32);
+  input.time = times;
+  input.conditioning = &conditioning;
+  input.geometry = geometry;
+  const at::Tensor prediction = model_.denoise(input).to(torch::kFloat32);
   const at::Tensor target = objective_->target(latents, noise, times);
   at::Tensor huber_c = torch::ones({1}, latents.options());
   if (options_.loss_type == "huber" || options_.loss_type == "smooth_l1") {
@@ -185,8 +195,13 @@ double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generat
     mine.pooled = rows(batch.pooled);
     mine.text_mask = rows(batch.text_mask);
     const at::Tensor my_times = rows(times);
+    std::vector<models::SampleGeometry> my_geometry;
+    if (!batch.geometry.empty()) {
+      my_geometry.assign(batch.geometry.begin() + batch.rows_begin,
+                         batch.geometry.begin() + batch.rows_begin + batch.rows);
+    }
     at::Tensor loss = per_sample_loss(rows(latents), rows(noise), my_times, conditioning(mine),
-                                      rows(input_noise), rows(batch.masks));
+                                      rows(input_noise), rows(batch.masks), my_geometry);
     if (batch.loss_weights.defined()) {
       loss = loss * rows(batch.loss_weights).to(device, torch::kFloat32);
     }
@@ -194,7 +209,8 @@ double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generat
     return backward(loss.sum() / static_cast<double>(global));
   }
   at::Tensor loss =
-      per_sample_loss(latents, noise, times, conditioning(batch), input_noise, batch.masks);
+      per_sample_loss(latents, noise, times, conditioning(batch), input_noise, batch.masks,
+                      batch.geometry);
   if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device, torch::kFloat32);
   loss = weighted(loss, times);
   return backward(loss.mean());

@@ -47,6 +47,9 @@ struct StepOptions {
     double learning_rate = 1e-4;  // --learning_rate
     double unet_lr = -1;          // --unet_lr (negative: learning_rate)
     double text_encoder_lr = -1;  // --text_encoder_lr (negative: learning_rate)
+    // --text_encoder_lr's second value, the second text encoder's (SDXL's bigG); negative: the
+    // first's. kohya's list: one value for both, or one per encoder.
+    double text_encoder_2_lr = -1;
     double loraplus_lr_ratio = 0; // network_args loraplus_lr_ratio (0: off)
     // network_args loraplus_unet_lr_ratio / loraplus_text_encoder_lr_ratio: that side's ratio,
     // over loraplus_lr_ratio (0: unset), as kohya's prepare_optimizer_params picks it.
@@ -73,6 +76,9 @@ struct MicroBatch {
   at::Tensor times;                  // optional [B] model times (DDPM: int64 timesteps)
   at::Tensor ip_noise;               // optional [B, 4, h, w] (with ip_noise_gamma; fixed strength)
   at::Tensor masks;                  // optional [B, 1, h, w] fp32: kohya's alpha masks
+  // Each sample's original size, crop and target size (kohya's, from the cache), for the
+  // families that condition on them (SDXL); empty: every sample at its latents' size, no crop.
+  std::vector<models::SampleGeometry> geometry;
   // Data-parallel ranks (trainer/ranks.h): every rank gets the whole global batch and draws its
   // noise and timesteps, then computes rows [rows_begin, rows_begin + rows) alone, with a loss
   // that is their sum over B, so the ranks' summed gradients are the global batch's mean.
@@ -121,6 +127,8 @@ class TrainingStep {
   // The optimizer's parameter groups by name, in its order ("text_encoder", "unet", and with
   // LoRA+ "text_encoder_plus", "unet_plus").
   const std::vector<std::string>& group_names() const { return group_names_; }
+  // Each group's rate before the schedule (kohya's per-group --unet_lr / --text_encoder_lr).
+  const std::vector<double>& initial_lrs() const { return initial_lrs_; }
   const StepOptions& options() const { return options_; }
   // fp16 only: the gradient scaler's state, saved with the training state.
   double loss_scale() const { return loss_scale_; }
@@ -131,11 +139,13 @@ class TrainingStep {
   // uses it with fixed noise and points). Per-sample, before weighting, [B]. The latents are
   // noised with `input_noise` when given (kohya's ip_noise_gamma perturbation), the target
   // stays `noise`. `mask` [B, 1, h, w] (kohya's alpha mask at latent size) weighs each element
-  // of the loss before the mean, as kohya's apply_masked_loss.
+  // of the loss before the mean, as kohya's apply_masked_loss. `geometry`: each sample's, for
+  // the families that condition on it (SDXL's time ids); empty: the latents' own size.
   at::Tensor per_sample_loss(const at::Tensor& latents, const at::Tensor& noise,
                              const at::Tensor& times,
                              const models::Conditioning& conditioning,
-                             const at::Tensor& input_noise = {}, const at::Tensor& mask = {});
+                             const at::Tensor& input_noise = {}, const at::Tensor& mask = {},
+                             const std::vector<models::SampleGeometry>& geometry = {});
   models::Conditioning conditioning(const MicroBatch& batch);
   // Per-sample losses times the objective's weighting (kohya's min-SNR and the rest), [B].
   at::Tensor weighted(at::Tensor loss, const at::Tensor& times) const {

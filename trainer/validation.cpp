@@ -69,7 +69,7 @@ double Run::validation_loss() {
       // kohya's process_batch weighs the validation loss as the training loss: the samples'
       // loss weights, then the objective's weighting.
       torch::Tensor loss = step_->per_sample_loss(latents, noise, point.time, conditioning,
-                                                  input_noise, batch.masks);
+                                                  input_noise, batch.masks, batch.geometry);
       if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device_, torch::kFloat);
       sum += step_->weighted(loss, point.time).mean().item<double>();
       ++n;
