@@ -109,12 +109,13 @@ std::vector<FlagInfo> make_table() {
         "use_8bit_adam", "gradient_checkpointing",
         "noise_offset_random_strength", "cache_latents", "cache_latents_to_disk", "sdpa",
         "xformers", "mem_eff_attn", "persistent_data_loader_workers", "sample_at_first",
-        "no_half_vae", "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",
+        "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",
         "debiased_estimation_loss", "ip_noise_gamma_random_strength", "zero_terminal_snr",
         "weighted_captions", "save_state_on_train_end", "no_metadata", "use_lion_optimizer",
         "dim_from_weights", "masked_loss", "debug_dataset"}) {
     boolean(name, {S::kTrainer});
   }
+  boolean("no_half_vae", {S::kCacher, S::kTrainer});  // the cacher's VAE in fp32
   // Previews render as the run trains: in its precision, over its float8 weights.
   value("mixed_precision", {S::kTrainer, S::kSampler});
   for (const char* name : {"fp8_base", "fp8_base_unet"}) boolean(name, {S::kTrainer, S::kSampler});
@@ -142,7 +143,8 @@ const FlagInfo* find_flag(const std::string& name) {
 // kohya's flags that take several space-separated words.
 bool multi_value(const std::string& name) {
   return name == "optimizer_args" || name == "network_args" || name == "lr_scheduler_args" ||
-         name == "base_weights" || name == "base_weights_multiplier";
+         name == "base_weights" || name == "base_weights_multiplier" ||
+         name == "text_encoder_lr";
 }
 
 std::string canonical(const std::string& name) {

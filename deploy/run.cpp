@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <deque>
@@ -35,6 +36,7 @@
 
 #include "common/error.h"
 #include "deploy/launcher.h"
+#include "models/family.h"
 #include "proto/lorapipe.pb.h"
 #include "proto/wire.h"
 #include "runtime/exit_code.h"
@@ -162,6 +164,7 @@ class Supervisor {
  private:
   void prepare_folder();
   void apply_demo_defaults();
+  void apply_family_defaults();
   std::string endpoint(const std::string& name) const;
   void start(Stage stage, std::vector<std::string> args);
   int check_trainer_flags();  // kExitOk, or kExitError with the trainer's reasons shown
@@ -317,6 +320,31 @@ void Supervisor::apply_demo_defaults() {
     if ((bucket_range.count(name) || name == "resolution") && own_dataset) continue;
     if (bucket_range.count(name)) value = bucket_range.at(name);
     if (!s_.has(name)) s_.set(name, value);
+  }
+}
+
+// The model's family (told by its keys or folder, no weights read) decides the defaults kohya
+// users expect of it where the user set none: SDXL trains at 1024 px with buckets up to 2048.
+// A bucket step the family cannot take is refused before any stage starts (SDXL: a multiple of
+// 32, as kohya's sdxl_train_util checks).
+void Supervisor::apply_family_defaults() {
+  const models::FamilyDetection detected = models::detect_family(
+      s_.get("pretrained_model_name_or_path"), s_.has("model_family") ? s_.get("model_family") : "");
+  const models::ModelFamily& family = models::model_family(detected.family);
+  const bool own_dataset = s_.has("dataset_config") || s_.has("in_json");
+  if (!own_dataset && !s_.has("resolution")) {
+    s_.set("resolution", std::to_string(family.default_resolution));
+  }
+  if (!own_dataset && !s_.has("max_bucket_reso") && family.default_max_bucket_reso > 0) {
+    s_.set("max_bucket_reso", std::to_string(family.default_max_bucket_reso));
+  }
+  const int steps = s_.has("bucket_reso_steps") ? std::atoi(s_.get("bucket_reso_steps").c_str()) : 64;
+  if (steps > 0 && steps % family.bucket_reso_multiple != 0) {
+    throw InputError("--bucket_reso_steps=" + std::to_string(steps) + ": " + family.display_name +
+                     " needs bucket sides that are multiples of " +
+                     std::to_string(family.bucket_reso_multiple) +
+                     " (so that every bucket's latents halve evenly through its U-Net's "
+                     "downsamplers, as kohya's sdxl_train_util requires); use 32 or 64");
   }
 }
 
@@ -542,6 +570,7 @@ int Supervisor::run() {
   tty_ = &display_ == &std::cout && isatty(1);
   prepare_folder();
   if (!s_.has("pretrained_model_name_or_path")) apply_demo_defaults();
+  apply_family_defaults();
   if (!s_.has("data_dir") && !s_.has("dataset_config") && !s_.has("in_json")) {
     throw InputError("--data_dir, --dataset_config or --in_json is needed with a model of your "
                      "own");

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -255,6 +256,85 @@ TEST_F(LauncherRun, DebugDatasetPrintsTheBatchesAndTrainsNothing) {
   EXPECT_NE(log.find("10_shapes/"), std::string::npos) << "no image listed:\n" << log;
   EXPECT_FALSE(fs::exists(run / "logs" / "sampler.log")) << "a sampler was started";
   EXPECT_TRUE(!fs::exists(run / "lora") || fs::is_empty(run / "lora")) << "something was saved";
+  expect_no_stage_alive(run);
+}
+
+// An SDXL model of the user's (the tiny SDXL single file, as users have theirs): `lorapipe run`
+// trains an SDXL LoRA with kohya's SDXL names and metadata and renders its samples, and
+// diffusers' StableDiffusionXLPipeline.load_lora_weights takes the file with no module left over
+// and changes its outputs. A bucket step SDXL cannot take is refused before any stage starts.
+TEST_F(LauncherRun, SdxlModelTrainsAnSdxlLoraThatDiffusersLoads) {
+  const fs::path model = work_ / "model";
+  ASSERT_EQ(wait_exit(spawn({(kBin / "lorapipe-make-tiny-model").string(), model.string(), "3",
+                             "--sdxl"},
+                            work_ / "tiny.out", work_ / "tiny.err")),
+            0)
+      << read_text(work_ / "tiny.err");
+  const fs::path data = work_ / "data";
+  ASSERT_EQ(wait_exit(spawn({(kBin / "lorapipe-demo-dataset").string(), data.string()},
+                            work_ / "demo.out", work_ / "demo.err")),
+            0);
+  std::ofstream(work_ / "prompts.txt") << "a red circle --w 64 --h 64 --d 1 --s 4\n";
+  const std::vector<std::string> common = {
+      "--model=" + (model / "tiny-sdxl.safetensors").string(),
+      "--tokenizer=" + (model / "tiny-sdxl-tokenizer").string(), "--data_dir=" + data.string(),
+      "--resolution=128", "--min_bucket_reso=64", "--max_bucket_reso=256",
+      "--train_batch_size=2", "--network_dim=4", "--learning_rate=1e-3", "--device=cpu",
+      "--sampler_device=cpu", "--output_name=xl"};
+
+  std::vector<std::string> refused = {"run", "--output=" + (work_ / "refused").string(),
+                                      "--bucket_reso_steps=48", "--max_train_steps=2"};
+  refused.insert(refused.end(), common.begin(), common.end());
+  EXPECT_EQ(lorapipe(refused), kExitError);
+  EXPECT_NE(err_.find("--bucket_reso_steps=48: Stable Diffusion XL needs bucket sides that are "
+                      "multiples of 32"),
+            std::string::npos)
+      << err_;
+  EXPECT_FALSE(fs::exists(work_ / "refused" / "logs" / "cacher.log")) << "a stage was started";
+
+  const fs::path run = work_ / "run";
+  std::vector<std::string> args = {"run", "--output=" + run.string(), "--max_train_steps=4",
+                                   "--sample_prompts=" + (work_ / "prompts.txt").string(),
+                                   "--sample_every_n_steps=2", "--save_every_n_steps=2"};
+  args.insert(args.end(), common.begin(), common.end());
+  ASSERT_EQ(lorapipe(args), 0) << out_ << err_;
+  const std::string trainer_log = read_text(run / "logs" / "trainer.log");
+  EXPECT_NE(trainer_log.find("Stable Diffusion XL"), std::string::npos) << trainer_log;
+  const fs::path lora = run / "lora" / "xl.safetensors";
+  ASSERT_TRUE(fs::exists(lora));
+  const json s = status(run);
+  std::set<int> sampled;
+  for (const json& sample : s["samples"]) {
+    sampled.insert(sample["step"].get<int>());
+    EXPECT_TRUE(fs::exists(sample["contact_sheet"].get<std::string>()));
+  }
+  EXPECT_TRUE(sampled.count(4)) << s.dump(2);
+
+  // kohya's SDXL names and metadata, and diffusers' loader takes every module.
+  const char* python = std::getenv("LORAPIPE_PYTHON");
+  ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
+  const fs::path result = work_ / "diffusers.json";
+  const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
+                              "/trainer/reference/sdxl_diffusers_lora_check.py --model " +
+                              (model / "tiny-sdxl-diffusers").string() + " --lora " +
+                              lora.string() + " --out " + result.string() + " > " +
+                              (work_ / "diffusers.log").string() + " 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << read_text(work_ / "diffusers.log");
+  const json check = json::parse(read_text(result));
+  std::printf("[diffusers] %s\n", check.dump().c_str());
+  EXPECT_GT(check["file_modules"].get<int>(), 0);
+  EXPECT_EQ(check["adapted_modules"], check["file_modules"]);
+  EXPECT_TRUE(check["leftover"].empty()) << check["leftover"].dump();
+  EXPECT_GT(check["unet_change"].get<double>(), 1e-4);
+  EXPECT_GT(check["text_change"].get<double>(), 1e-4);
+  ASSERT_EQ(wait_exit(spawn({(kBin / "lorapipe-inspect").string(), lora.string()},
+                            work_ / "inspect.out", work_ / "inspect.err")),
+            0);
+  const std::string inspected = read_text(work_ / "inspect.out");
+  for (const char* part : {"ss_base_model_version = sdxl_base_v1-0",
+                           "modelspec.architecture = stable-diffusion-xl-v1-base/lora"}) {
+    EXPECT_NE(inspected.find(part), std::string::npos) << part << " not in " << inspected;
+  }
   expect_no_stage_alive(run);
 }
 
