@@ -1,6 +1,8 @@
 // Model speed and memory at the real SD1.5 sizes, fp32 on CPU, random weights:
 //   models_bench vae  [WEIGHTS]   VAE encode of one 512x512 image
 //   models_bench unet [WEIGHTS]   UNet forward + backward, 64x64 latent, batch 1, 77x768 context
+//   models_bench unet_sdxl [WEIGHTS] [bf16|fp32]   SDXL's U-Net forward + backward, 64x64 latent,
+//                 77x2048 context, the pooled embedding and six time ids
 // With WEIGHTS the random weights are written there first (safetensors, diffusers names), so the
 // reference runs the very same weights. Then it prints "ready" and serves stdin, one command per
 // line, so that bench/models_bench.py can interleave its steps with the reference's:
@@ -131,6 +133,30 @@ int main(int argc, char** argv) {
     const torch::Tensor timestep = torch::tensor({500});
     return serve([&] { unet->forward(latents, timestep, context).square().mean().backward(); });
   }
+  if (what == "unet_sdxl") {
+    // SDXL's full-size U-Net in bf16, or fp32 (argv[3]: on a CPU without native bf16, where
+    // LibTorch's bf16 convolutions fall back to a naive GEMM), a 64x64 latent (512 px), the
+    // pooled embedding and SDXL's six time ids.
+    if (std::getenv("LORAPIPE_BENCH_DEFAULT_HEAP") == nullptr) lorapipe::keep_freed_memory_for_reuse();
+    const c10::ScalarType dtype =
+        argc > 3 && std::string(argv[3]) == "fp32" ? torch::kFloat : torch::kBFloat16;
+    const caffe2::TypeMeta saved = c10::get_default_dtype();
+    c10::set_default_dtype(c10::scalarTypeToTypeMeta(dtype));
+    m::UNet unet(m::UNetConfig::sdxl());
+    c10::set_default_dtype(saved);
+    unet->train();
+    save_weights(*unet);
+    for (auto& p : unet->parameters()) p.set_requires_grad(false);
+    const auto in_dtype = torch::TensorOptions().dtype(dtype);
+    const torch::Tensor latents = torch::randn({1, 4, 64, 64}, in_dtype).requires_grad_(true);
+    const torch::Tensor context = torch::randn({1, 77, 2048}, in_dtype);
+    const torch::Tensor pooled = torch::randn({1, 1280}, in_dtype);
+    const torch::Tensor time_ids = torch::tensor({512.f, 512.f, 0.f, 0.f, 512.f, 512.f}).view({1, 6});
+    const torch::Tensor timestep = torch::tensor({500});
+    return serve([&] {
+      unet->forward(latents, timestep, context, pooled, time_ids).to(torch::kFloat).square().mean().backward();
+    });
+  }
   if (what == "checkpoint" && !weights_out.empty()) {
     m::StableDiffusion sd;
     sd.family = m::model_family("sd15");
@@ -160,6 +186,6 @@ int main(int argc, char** argv) {
                 (peak - before) / weights);
     return 0;
   }
-  std::fprintf(stderr, "usage: models_bench vae|unet [WEIGHTS] | checkpoint FILE [fp16] | load PATH [DTYPE]\n");
+  std::fprintf(stderr, "usage: models_bench vae|unet|unet_sdxl [WEIGHTS] | checkpoint FILE [fp16] | load PATH [DTYPE]\n");
   return 2;
 }

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """SD1.5 at real size, fp32 on CPU: lorapipe against diffusers on the same random weights (lorapipe
-writes them, diffusers loads them), on the same machine in the same run.
+writes them, diffusers loads them), on the same machine in the same run; and SDXL's U-Net at real
+size (unet_sdxl, run with --only): in bf16 where the CPU computes it natively (AVX512-BF16 or
+AMX), else in fp32, where two copies (10 GiB of weights each) do not fit beside each other in
+24 GiB: then the sides run one after the other, not paired, each alone on the machine.
 
-    $LORAPIPE_PYTHON bench/models_bench.py [--build build] [--rounds 5] [--only vae|unet]
+    $LORAPIPE_PYTHON bench/models_bench.py [--build build] [--rounds 5] [--only vae|unet|unet_sdxl]
         [--profile DIR] [--default-heap]
 
 Both sides stay up as separate processes (so each peak RSS is that side's own) and their steps
@@ -26,6 +29,7 @@ import resource, sys, time, torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
 from safetensors import safe_open
 what, weights = sys.argv[1], sys.argv[2]
+dtype = torch.float32 if len(sys.argv) > 3 and sys.argv[3] == "fp32" else torch.bfloat16
 def load_same_weights(model):
     # One tensor at a time, so loading adds no more than one tensor to the peak RSS.
     with safe_open(weights, framework="pt") as f, torch.no_grad():
@@ -43,6 +47,26 @@ if what == "vae":
     def work():
         with torch.no_grad():
             vae.encode(image)
+elif what == "unet_sdxl":
+    # SDXL's published unet/config.json, in the dtype of lorapipe's side, built in it.
+    torch.set_default_dtype(dtype)
+    unet = UNet2DConditionModel(sample_size=128, cross_attention_dim=2048,
+        attention_head_dim=[5, 10, 20], block_out_channels=(320, 640, 1280), layers_per_block=2,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=[1, 2, 10], use_linear_projection=True,
+        addition_embed_type="text_time", addition_time_embed_dim=256,
+        projection_class_embeddings_input_dim=2816).train()
+    torch.set_default_dtype(torch.float32)
+    load_same_weights(unet)
+    unet.requires_grad_(False)
+    latents = torch.randn(1, 4, 64, 64, dtype=dtype, requires_grad=True)
+    context = torch.randn(1, 77, 2048, dtype=dtype)
+    added = {"text_embeds": torch.randn(1, 1280, dtype=dtype),
+             "time_ids": torch.tensor([[512.0, 512, 0, 0, 512, 512]])}
+    t = torch.tensor([500])
+    def work():
+        unet(latents, t, context, added_cond_kwargs=added).sample.float().square().mean().backward()
 else:
     unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8,
         block_out_channels=(320, 640, 1280, 1280), layers_per_block=2).train()
@@ -101,8 +125,44 @@ class Side:
         return rss
 
 
+def native_bf16():
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): without, LibTorch's bf16
+    convolutions fall back to a naive GEMM, many times slower than fp32."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def sequential(what, binary, rounds, env, dtype):
+    """Each side alone on the machine, one after the other (the two do not fit side by side): the
+    ratio is of the medians, not paired, so it carries the machine's drift between the halves."""
+    print(f"{what} ({dtype}): the sides run one after the other, {rounds} counted steps each",
+          flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = os.path.join(tmp, f"{what}.safetensors")  # lorapipe's side writes them
+        rss, sides = {}, []
+        for name, command in (("lorapipe", [binary, what, weights, dtype]),
+                              ("diffusers", [sys.executable, "-c", REFERENCE, what, weights, dtype])):
+            side = Side(name, command, env if name == "lorapipe" else None)
+            for r in range(rounds + 1):  # round 0 warms up and is not counted
+                ms, cpu = side.step()
+                if r > 0:
+                    side.times.append(ms)
+                    print(f"  {what} {name} step {r}: {ms:.0f} ms ({cpu:.0f} CPU)", flush=True)
+            rss[name] = side.finish()
+            sides.append(side)
+    ours, ref = sides
+    ratio = statistics.median(ref.times) / statistics.median(ours.times)
+    print(f"{what} ({dtype}): lorapipe {statistics.median(ours.times):.0f} ms / "
+          f"{rss['lorapipe']:.0f} MiB, diffusers {statistics.median(ref.times):.0f} ms / "
+          f"{rss['diffusers']:.0f} MiB; speed ratio (medians, one after the other) {ratio:.2f}x, "
+          f"memory ratio {rss['lorapipe'] / rss['diffusers']:.2f}x")
+
+
 def compare(what, binary, rounds, profile_dir, default_heap):
     env = dict(os.environ, LORAPIPE_BENCH_DEFAULT_HEAP="1") if default_heap else None
+    if what == "unet_sdxl" and not native_bf16():
+        return sequential(what, binary, rounds, env, "fp32")
     with tempfile.TemporaryDirectory() as tmp:
         weights = os.path.join(tmp, f"{what}.safetensors")
         ours = Side("lorapipe", [binary, what, weights], env)
@@ -138,7 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--build", default="build")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--only", choices=["vae", "unet"])
+    parser.add_argument("--only", choices=["vae", "unet", "unet_sdxl"])
     parser.add_argument("--profile", metavar="DIR")
     parser.add_argument("--default-heap", action="store_true")
     args = parser.parse_args()

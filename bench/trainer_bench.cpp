@@ -2,12 +2,14 @@
 // the UNet on noised latents, the l2 loss against the noise, backward, gradient clipping at 1.0
 // and AdamW (lr 1e-4) on a kohya LoRA of rank 16, alpha 16 over the UNet's transformer blocks.
 // The text encoder is not trained: the conditioning is a fixed tensor.
-//   trainer_bench config tiny|full
+//   trainer_bench config tiny|full|sdxl
 //       prints the UNet config (diffusers' config.json) that bench/trainer_bench.py builds the
 //       shared weights from, so both sides run one architecture.
-//   trainer_bench step tiny|full DIR [--gradient_checkpointing] [--threads N]
+//   trainer_bench step tiny|full|sdxl DIR [--gradient_checkpointing] [--dtype fp32|bf16]
+//       [--threads N]
 //       loads DIR/diffusion_pytorch_model.safetensors (diffusers names) and DIR/inputs.safetensors
-//       (latents, noise, timesteps, context, loss_weights), prints
+//       (latents, noise, timesteps, context, loss_weights, and SDXL's pooled), the base in
+//       --dtype (the LoRA fp32, as --mixed_precision trains), prints
 //       "ready <load peak MiB> <RSS now MiB> <LoRA modules> <LoRA parameters>" and serves
 //       stdin, one command per line, so that bench/trainer_bench.py can interleave its steps
 //       with the reference's:
@@ -19,12 +21,14 @@
 //       memory it freed is handed back before), then the most tensor storage alive at once over
 //       the steps and what was alive at "ready" (the weights and inputs): the CPU's counterparts
 //       of torch.cuda.max_memory_allocated and memory_allocated, free of the heap's slack.
-//   trainer_bench solo tiny|full [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16]
+//   trainer_bench solo tiny|full|sdxl [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16]
 //       [--batch N] [--resolution PX] [--steps N] [--gradient_checkpointing] [--fp8_base]
 //       [--threads N]
 //       [--peak_tflops T] [--optimizer_type NAME [--optimizer_args K=V ...] [--learning_rate LR]]
 //       the same step alone, on the UNet's own random initialisation and random inputs (no files,
-//       no Python: what tests/gpu/run.sh runs on a GPU machine). The base is frozen in --dtype
+//       no Python); `sdxl` is SDXL's full-size U-Net (1024x1024 by default, the pooled embedding
+//       and the default time ids as added conditions, kohya's SDXL LoRA targets): what
+//       tests/gpu/run.sh runs on a GPU machine. The base is frozen in --dtype
 //       (the LoRA stays fp32, as --mixed_precision trains), batch 1 at 512x512 (64x64 latents)
 //       by default. After two warm-up steps it times --steps steps (default 5) and prints one
 //       line: s/it, samples/s, peak allocated memory over the timed steps (CUDA's caching
@@ -69,7 +73,9 @@
 #include "common/heap.h"
 #include "models/device.h"
 #include "models/float8.h"
+#include "models/loading.h"
 #include "models/pipeline.h"
+#include "models/sdxl.h"
 #include "models/tensor_memory.h"
 #include "models/tiny.h"
 #include "models/unet.h"
@@ -122,10 +128,12 @@ double ms_since(Clock::time_point start) {
 m::UNetConfig config_for(const std::string& size) {
   if (size == "tiny") return m::tiny_unet_config();
   if (size == "full") return m::UNetConfig::sd15();
-  throw std::invalid_argument("size must be tiny or full, got '" + size + "'");
+  if (size == "sdxl") return m::UNetConfig::sdxl();
+  throw std::invalid_argument("size must be tiny, full (SD1.5) or sdxl, got '" + size + "'");
 }
 
-int serve(m::StableDiffusion& model, const fs::path& dir, bool checkpointing) {
+int serve(m::StableDiffusion& model, const fs::path& dir, bool checkpointing,
+          c10::ScalarType dtype) {
   const auto inputs = t::read_tensor_file(dir / "inputs.safetensors");
   t::MicroBatch batch;
   batch.latents = inputs.at("latents");
@@ -133,6 +141,9 @@ int serve(m::StableDiffusion& model, const fs::path& dir, bool checkpointing) {
   batch.times = inputs.at("timesteps");
   batch.encoder_hidden_states = inputs.at("context");
   batch.loss_weights = inputs.at("loss_weights");
+  // SDXL: the pooled text embedding; the time ids are the default geometry's (original = target
+  // = the latents' size, no crop), which the reference passes as well.
+  if (inputs.count("pooled")) batch.pooled = inputs.at("pooled");
 
   t::NetworkOptions net;
   net.dim = 16;
@@ -141,6 +152,7 @@ int serve(m::StableDiffusion& model, const fs::path& dir, bool checkpointing) {
   t::LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/7));
   t::StepOptions options;  // l2, epsilon, no min-SNR, max_grad_norm 1.0, AdamW, lr 1e-4
   options.gradient_checkpointing = checkpointing;
+  options.base_dtype = dtype;
   t::TrainingStep step(model, network, options);
   int64_t lora_numel = 0;
   for (const auto& p : network.unet_parameters()) lora_numel += p.numel();
@@ -239,7 +251,7 @@ void synchronize(const c10::Device& device) {
 
 int solo(const std::string& size, int argc, char** argv) {
   std::string device_spec = "cpu", dtype_name = "fp32";
-  int64_t batch = 1, resolution = size == "tiny" ? 128 : 512, steps = 5;
+  int64_t batch = 1, resolution = size == "tiny" ? 128 : size == "sdxl" ? 1024 : 512, steps = 5;
   bool checkpointing = false, fp8_base = false;
   double peak_tflops = -1;
   t::OptimizerOptions optimizer;
@@ -289,9 +301,16 @@ int solo(const std::string& size, int argc, char** argv) {
   if (peak_tflops < 0) peak_tflops = known_peak_tflops(device);
 
   torch::manual_seed(0);
-  m::StableDiffusion model;
-  model.family = m::model_family("sd15");
-  model.unet = m::UNet(config_for(size));
+  // SDXL through its own model (its LoRA targets, names and added conditions); the others SD1.x.
+  std::unique_ptr<m::StableDiffusion> owned =
+      size == "sdxl" ? std::make_unique<m::StableDiffusionXL>() : std::make_unique<m::StableDiffusion>();
+  m::StableDiffusion& model = *owned;
+  model.family = m::model_family(size == "sdxl" ? "sdxl" : "sd15");
+  {
+    // Built in --dtype from the start: a full SDXL U-Net in fp32 first would take 10 GiB.
+    m::DefaultDtype built_in(dtype == c10::kHalf ? c10::kFloat : dtype);
+    model.unet = m::UNet(config_for(size));
+  }
   model.unet->to(dtype);
   if (fp8_base) m::store_weights_in_float8(*model.unet);  // on the CPU, then moved, as the trainer
   model.unet->to(device);
@@ -315,6 +334,10 @@ int solo(const std::string& size, int argc, char** argv) {
   t::MicroBatch micro;
   micro.latents = torch::randn({batch, config.in_channels, side, side});
   micro.encoder_hidden_states = torch::randn({batch, 77, config.cross_attention_dim});
+  if (!config.addition_embed_type.empty()) {  // SDXL: the pooled embedding; time ids by default
+    micro.pooled = torch::randn(
+        {batch, config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim});
+  }
   micro.loss_weights = torch::ones({batch});
   int64_t seed = 0;
   auto one_step = [&] {
@@ -356,10 +379,10 @@ int run(int argc, char** argv) {
   if (command == "solo" && argc >= 3) return solo(size, argc, argv);
   if (command != "step" || argc < 4) {
     std::fprintf(stderr,
-                 "usage: trainer_bench config tiny|full\n"
-                 "       trainer_bench step tiny|full DIR [--gradient_checkpointing] "
-                 "[--threads N]\n"
-                 "       trainer_bench solo tiny|full [--device D] [--dtype fp32|bf16|fp16] "
+                 "usage: trainer_bench config tiny|full|sdxl\n"
+                 "       trainer_bench step tiny|full|sdxl DIR [--gradient_checkpointing] "
+                 "[--dtype fp32|bf16] [--threads N]\n"
+                 "       trainer_bench solo tiny|full|sdxl [--device D] [--dtype fp32|bf16|fp16] "
                  "[--batch N]\n"
                  "             [--resolution PX] [--steps N] [--gradient_checkpointing] "
                  "[--threads N] [--peak_tflops T]\n");
@@ -367,10 +390,15 @@ int run(int argc, char** argv) {
   }
   const fs::path dir = argv[3];
   bool checkpointing = false;
+  c10::ScalarType dtype = c10::kFloat;
   for (int i = 4; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--gradient_checkpointing") {
       checkpointing = true;
+    } else if (flag == "--dtype" && i + 1 < argc) {
+      const std::string name = argv[++i];
+      if (name != "fp32" && name != "bf16") throw std::invalid_argument("--dtype fp32 or bf16");
+      dtype = name == "bf16" ? c10::kBFloat16 : c10::kFloat;
     } else if (flag == "--threads" && i + 1 < argc) {
       at::set_num_threads(std::stoi(argv[++i]));
     } else {
@@ -378,13 +406,21 @@ int run(int argc, char** argv) {
       return 2;
     }
   }
-  m::StableDiffusion model;
-  model.family = m::model_family("sd15");
-  model.unet = m::UNet(config_for(size));
+  // SDXL through its own model (its LoRA targets and added conditions), built in the base dtype
+  // from the start as the trainer builds it.
+  std::unique_ptr<m::StableDiffusion> owned =
+      size == "sdxl" ? std::make_unique<m::StableDiffusionXL>() : std::make_unique<m::StableDiffusion>();
+  m::StableDiffusion& model = *owned;
+  model.family = m::model_family(size == "sdxl" ? "sdxl" : "sd15");
+  {
+    m::DefaultDtype built_in(dtype);
+    model.unet = m::UNet(config_for(size));
+  }
   m::load_unet_diffusers(model.unet, dir);
+  model.unet->to(dtype);
   for (auto& p : model.unet->parameters()) p.requires_grad_(false);  // frozen base, as the trainer
   model.unet->train();
-  return serve(model, dir, checkpointing);
+  return serve(model, dir, checkpointing, dtype);
 }
 
 }  // namespace

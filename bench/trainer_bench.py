@@ -2,8 +2,8 @@
 """One LoRA training step, fp32 on CPU: lorapipe's trainer::TrainingStep against diffusers + peft
 on the same UNet weights and inputs, on the same machine in the same run.
 
-    $LORAPIPE_PYTHON bench/trainer_bench.py [--build build] [--size tiny|full] [--rounds N]
-        [--gradient_checkpointing] [--threads N] [--profile DIR]
+    $LORAPIPE_PYTHON bench/trainer_bench.py [--build build] [--size tiny|full|sdxl] [--rounds N]
+        [--dtype fp32|bf16] [--gradient_checkpointing] [--threads N] [--profile DIR]
     $LORAPIPE_PYTHON bench/trainer_bench.py --checkpointing-memory [--size full] [--rounds N]
         [--batch N]
 
@@ -12,7 +12,13 @@ noise, backward, clip_grad_norm_ 1.0, AdamW (lr 1e-4, weight decay 0.01) on a Lo
 alpha 16 on kohya's UNet targets (every Linear and 1x1 conv inside the Transformer2D blocks: 192
 on SD1.5); the base is frozen and the text encoder is not trained (a fixed [B, 77, C] context).
 --size tiny is models/tiny.h's UNet on a 16x16 latent, batch 2; --size full is SD1.5 on 64x64,
-batch 1. The UNet config comes from lorapipe (trainer_bench config), a separate process writes
+batch 1; --size sdxl is SDXL's full-size UNet on 64x64, batch 1, with its added conditions (a
+pooled text embedding, and the time ids of a 512x512 image uncropped: what lorapipe's trainer
+builds for such a sample) and kohya's 722 SDXL targets; its base is bf16 by default where the CPU
+computes bf16 natively (AVX512-BF16 or AMX), else fp32 (--dtype; the LoRA stays fp32 on both
+sides, as --mixed_precision bf16 trains). Two fp32 copies of SDXL (10 GiB of weights each) do not
+fit beside each other in 24 GiB: in fp32 the sides run one after the other, each alone on the
+machine, and the ratio is of their medians, not paired. The UNet config comes from lorapipe (trainer_bench config), a separate process writes
 random weights and the inputs with diffusers, and both sides load them.
 
 Both sides stay up as separate processes (so each peak RSS is that side's own) and their steps
@@ -42,8 +48,14 @@ import sys
 import tempfile
 
 # Batch, latent side and default counted rounds of each --size (the UNet config is lorapipe's).
-SIZES = {"tiny": {"batch": 2, "latent": 16, "rounds": 20},
-         "full": {"batch": 1, "latent": 64, "rounds": 3}}
+SIZES = {"tiny": {"batch": 2, "latent": 16, "rounds": 20, "dtype": "fp32"},
+         "full": {"batch": 1, "latent": 64, "rounds": 3, "dtype": "fp32"},
+         "sdxl": {"batch": 1, "latent": 64, "rounds": 3, "dtype": None}}  # None: by the CPU
+
+# How far the two sides' warm-up losses may differ, relative, by base dtype: fp32 runs the same
+# function to rounding (1e-4); bf16 keeps 8 bits of mantissa, so each side's own rounding of
+# every activation is ~4e-3 relative and the loss, a mean of squares, differs by up to ~1e-2.
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 1e-2}
 
 # diffusers warns at import that CUDA is missing, once per module that asks for autocast.
 QUIET = "ignore:CUDA is not available"
@@ -52,17 +64,25 @@ WRITER = r'''
 import json, sys, torch
 from diffusers import UNet2DConditionModel
 from safetensors.torch import save_file
-folder, batch, side = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+folder, batch, side, dtype = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
+# Built in the base dtype: a full SDXL UNet in fp32 alone takes 10 GiB.
+torch.set_default_dtype(torch.bfloat16 if dtype == "bf16" else torch.float32)
 unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
-unet.save_pretrained(folder)  # diffusion_pytorch_model.safetensors beside config.json
-save_file({
+torch.set_default_dtype(torch.float32)
+# One diffusion_pytorch_model.safetensors beside config.json (fp32 SDXL would be sharded).
+unet.save_pretrained(folder, max_shard_size="100GB")
+inputs = {
     "latents": torch.randn(batch, 4, side, side),
     "noise": torch.randn(batch, 4, side, side),
     "timesteps": torch.randint(0, 1000, (batch,)),
     "context": torch.randn(batch, 77, unet.config.cross_attention_dim),
     "loss_weights": torch.ones(batch),
-}, f"{folder}/inputs.safetensors")
+}
+if unet.config.addition_embed_type == "text_time":  # SDXL: the pooled text embedding
+    pooled = unet.config.projection_class_embeddings_input_dim - 6 * unet.config.addition_time_embed_dim
+    inputs["pooled"] = torch.randn(batch, pooled)
+save_file(inputs, f"{folder}/inputs.safetensors")
 '''
 
 REFERENCE = r'''
@@ -74,6 +94,7 @@ from peft import LoraConfig
 from safetensors import safe_open
 from safetensors.torch import load_file
 folder, checkpointing, threads = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
+dtype = torch.bfloat16 if sys.argv[4] == "bf16" else torch.float32
 torch.set_num_threads(threads)
 def status_mib(field):
     with open("/proc/self/status") as f:
@@ -85,7 +106,9 @@ def peak_rss_mib():
     hwm = status_mib("VmHWM:")
     return hwm if hwm >= 0 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 torch.manual_seed(0)
+torch.set_default_dtype(dtype)  # built in the base dtype, as lorapipe builds it
 unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
+torch.set_default_dtype(torch.float32)
 # One tensor at a time, so loading adds no more than one tensor to the peak RSS.
 weights = f"{folder}/diffusion_pytorch_model.safetensors"
 with safe_open(weights, framework="pt") as f, torch.no_grad():
@@ -96,12 +119,18 @@ with safe_open(weights, framework="pt") as f, torch.no_grad():
 unet.requires_grad_(False).train()
 inputs = load_file(f"{folder}/inputs.safetensors")
 latents, noise, timesteps = inputs["latents"], inputs["noise"], inputs["timesteps"]
-context, loss_weights = inputs["context"], inputs["loss_weights"]
+context, loss_weights = inputs["context"].to(dtype), inputs["loss_weights"]
+added = None
+if "pooled" in inputs:  # SDXL: time ids of the latents' own size, uncropped, as lorapipe's default
+    h, w = latents.shape[2] * 8, latents.shape[3] * 8
+    time_ids = torch.tensor([[h, w, 0, 0, h, w]] * latents.shape[0], dtype=dtype)
+    added = {"text_embeds": inputs["pooled"].to(dtype), "time_ids": time_ids}
 # kohya's rule (networks/lora.py): every Linear and Conv2d inside a Transformer2DModel.
 targets = [f"{path}.{child}" for path, module in unet.named_modules()
            if isinstance(module, Transformer2DModel)
            for child, leaf in module.named_modules()
            if isinstance(leaf, (torch.nn.Linear, torch.nn.Conv2d))]
+# peft keeps the adapters in fp32 over a bf16 base (autocast_adapter_dtype), as lorapipe does.
 unet.add_adapter(LoraConfig(r=16, lora_alpha=16, init_lora_weights=True, target_modules=targets))
 params = [p for p in unet.parameters() if p.requires_grad]
 assert len(params) == 2 * len(targets), f"{len(params)} trainable tensors, {len(targets)} targets"
@@ -113,7 +142,7 @@ scheduler = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end
 def work():
     start = time.perf_counter()
     noisy = scheduler.add_noise(latents, noise, timesteps)
-    pred = unet(noisy, timesteps, context).sample
+    pred = unet(noisy.to(dtype), timesteps, context, added_cond_kwargs=added).sample
     loss = F.mse_loss(pred.float(), noise.float(), reduction="none").mean([1, 2, 3]) * loss_weights
     loss = loss.mean()
     value = loss.item()
@@ -183,16 +212,17 @@ class Side:
         return fields[0]
 
 
-def prepare(folder, binary, size, batch):
-    """Writes the UNet config (lorapipe's), random weights and the inputs into `folder`."""
+def prepare(folder, binary, size, batch, dtype):
+    """Writes the UNet config (lorapipe's), random weights in `dtype` and the inputs into
+    `folder`."""
     config = subprocess.run([binary, "config", size], check=True, capture_output=True, text=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         f.write(config.stdout)
     subprocess.run([sys.executable, "-W", QUIET, "-c", WRITER, folder, str(batch),
-                    str(SIZES[size]["latent"])], check=True)
+                    str(SIZES[size]["latent"]), dtype], check=True)
 
 
-def interleave(a, b, rounds, label):
+def interleave(a, b, rounds, label, tolerance=1e-4):
     """Alternating steps of two sides, round 0 a warm-up that is not counted (first-touch
     allocation, oneDNN primitive creation, the optimizer's state). Both run the same function on
     the same weights and inputs with LoRA up = 0, so their warm-up losses must agree. Returns the
@@ -203,7 +233,7 @@ def interleave(a, b, rounds, label):
         took = {side.name: side.step() for side in pair}
         ta, tb = took[a.name], took[b.name]
         if r == 0:
-            if abs(ta[2] - tb[2]) > 1e-4 * abs(tb[2]):
+            if abs(ta[2] - tb[2]) > tolerance * abs(tb[2]):
                 sys.exit(f"first-step losses differ: {a.name} {ta[2]}, {b.name} {tb[2]}")
             continue
         a.steps.append(ta)
@@ -214,6 +244,36 @@ def interleave(a, b, rounds, label):
     return ratios
 
 
+def native_bf16():
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): without, LibTorch's bf16
+    convolutions fall back to a naive GEMM, many times slower than fp32."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(f.read().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def one_after_the_other(sides, rounds, label, tolerance):
+    """Each side's steps alone, the next side started only once the last has finished (for
+    models two copies of which do not fit in memory). `sides`: (name, command) pairs. Round 0
+    warms up, is not counted, and the sides' warm-up losses must agree. Returns the finished
+    Sides and their peak RSS."""
+    done, rss, first_loss = [], [], None
+    for name, command in sides:
+        side = Side(name, command)
+        for r in range(rounds + 1):
+            took = side.step()
+            if r == 0:
+                if first_loss is not None and abs(took[2] - first_loss) > tolerance * abs(first_loss):
+                    sys.exit(f"first-step losses differ: {done[0].name} {first_loss}, {name} {took[2]}")
+                first_loss = took[2] if first_loss is None else first_loss
+                continue
+            side.steps.append(took)
+            print(f"  {label} {name} step {r}: {took[0]:.0f} ms ({took[1]:.0f} CPU)", flush=True)
+        rss.append(side.finish())
+        done.append(side)
+    return done, rss
+
+
 def side_summary(side, rss):
     return (f"{side.name} {side.median(0):.0f} ms (forward+backward {side.median(3):.0f}, "
             f"clip+AdamW {side.median(4):.1f}), peak RSS {rss:.0f} MiB (loaded {side.loaded:.0f}, "
@@ -221,20 +281,41 @@ def side_summary(side, rss):
 
 
 def compare(args, binary, threads):
-    label = args.size + (" checkpointing" if args.gradient_checkpointing else "")
+    label = (f"{args.size} {args.dtype}" +
+             (" checkpointing" if args.gradient_checkpointing else ""))
+    checkpointing = ["--gradient_checkpointing"] if args.gradient_checkpointing else []
+    if args.size == "sdxl" and args.dtype == "fp32":
+        with tempfile.TemporaryDirectory() as tmp:
+            prepare(tmp, binary, args.size, args.batch, args.dtype)
+            print(f"{label}: {threads} threads, the sides one after the other", flush=True)
+            (ours, ref), (ours_rss, ref_rss) = one_after_the_other(
+                [("lorapipe", [binary, "step", args.size, tmp, "--threads", str(threads),
+                               "--dtype", args.dtype] + checkpointing),
+                 ("diffusers+peft", [sys.executable, "-W", QUIET, "-c", REFERENCE, tmp,
+                                     "1" if args.gradient_checkpointing else "0", str(threads),
+                                     args.dtype])],
+                args.rounds, label, LOSS_TOLERANCE[args.dtype])
+        if (ours.modules, ours.lora_numel) != (ref.modules, ref.lora_numel):
+            sys.exit(f"the LoRAs differ: lorapipe {ours.modules} modules / {ours.lora_numel} "
+                     f"parameters, reference {ref.modules} / {ref.lora_numel}")
+        print(f"{label}: LoRA of {ours.modules} modules, {int(ours.lora_numel):,} parameters; "
+              f"{side_summary(ours, ours_rss)}; {side_summary(ref, ref_rss)}")
+        print(f"{label}: step time ratio lorapipe/reference (medians, one after the other) "
+              f"{ours.median(0) / ref.median(0):.2f}x, peak RSS ratio {ours_rss / ref_rss:.2f}x")
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        prepare(tmp, binary, args.size, args.batch)
-        checkpointing = ["--gradient_checkpointing"] if args.gradient_checkpointing else []
+        prepare(tmp, binary, args.size, args.batch, args.dtype)
         ref = Side("diffusers+peft", [sys.executable, "-W", QUIET, "-c", REFERENCE, tmp,
-                                      "1" if args.gradient_checkpointing else "0", str(threads)])
-        ours = Side("lorapipe", [binary, "step", args.size, tmp, "--threads", str(threads)] +
-                    checkpointing)
+                                      "1" if args.gradient_checkpointing else "0", str(threads),
+                                      args.dtype])
+        ours = Side("lorapipe", [binary, "step", args.size, tmp, "--threads", str(threads),
+                                 "--dtype", args.dtype] + checkpointing)
     if (ours.modules, ours.lora_numel) != (ref.modules, ref.lora_numel):
         sys.exit(f"the LoRAs differ: lorapipe {ours.modules} modules / {ours.lora_numel} "
                  f"parameters, reference {ref.modules} / {ref.lora_numel}")
     print(f"{label}: {threads} threads, LoRA of {ours.modules} modules, {int(ours.lora_numel):,} "
           f"parameters", flush=True)
-    ratios = interleave(ours, ref, args.rounds, label)
+    ratios = interleave(ours, ref, args.rounds, label, LOSS_TOLERANCE[args.dtype])
     if args.profile:
         for side in (ours, ref):
             path = os.path.join(args.profile, f"train_{args.size}_{side.name}.json")
@@ -250,7 +331,7 @@ def compare(args, binary, threads):
 
 def checkpointing_memory(args, binary, threads):
     with tempfile.TemporaryDirectory() as tmp:
-        prepare(tmp, binary, args.size, args.batch)
+        prepare(tmp, binary, args.size, args.batch, "fp32")
         plain = Side("lorapipe", [binary, "step", args.size, tmp, "--threads", str(threads)])
         checkpointed = Side("lorapipe+checkpointing", [binary, "step", args.size, tmp, "--threads",
                                                        str(threads), "--gradient_checkpointing"])
@@ -276,12 +357,12 @@ def checkpointing_memory(args, binary, threads):
     # The reference's own checkpointing on the same step, after ours: two sides at a time, so
     # the machine holds no more than two copies of the weights at once.
     with tempfile.TemporaryDirectory() as tmp:
-        prepare(tmp, binary, args.size, args.batch)
+        prepare(tmp, binary, args.size, args.batch, "fp32")
         ref_plain = Side("diffusers+peft", [sys.executable, "-W", QUIET, "-c", REFERENCE, tmp, "0",
-                                            str(threads)])
+                                            str(threads), "fp32"])
         ref_checkpointed = Side("diffusers+peft+checkpointing",
                                 [sys.executable, "-W", QUIET, "-c", REFERENCE, tmp, "1",
-                                 str(threads)])
+                                 str(threads), "fp32"])
     ref_ratios = interleave(ref_checkpointed, ref_plain, args.rounds, args.size)
     ref_plain_rss, ref_checkpointed_rss = ref_plain.finish(), ref_checkpointed.finish()
     print(f"{args.size}: {side_summary(ref_plain, ref_plain_rss)}; "
@@ -298,6 +379,8 @@ def main() -> None:
     parser.add_argument("--build", default="build")
     parser.add_argument("--size", choices=sorted(SIZES))
     parser.add_argument("--rounds", type=int, help="counted rounds (tiny 20, full 3)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"],
+                        help="the frozen base's dtype (tiny, full: fp32; sdxl: bf16)")
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--checkpointing-memory", action="store_true",
                         help="peak RSS with and without gradient checkpointing, lorapipe's then diffusers'")
@@ -308,6 +391,8 @@ def main() -> None:
     args.size = args.size or ("full" if args.checkpointing_memory else "tiny")
     args.rounds = args.rounds or SIZES[args.size]["rounds"]
     args.batch = args.batch or SIZES[args.size]["batch"]
+    args.dtype = (args.dtype or SIZES[args.size]["dtype"] or
+                  ("bf16" if native_bf16() else "fp32"))
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     binary = os.path.join(args.build, "bin", "trainer_bench")

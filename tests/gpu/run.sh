@@ -38,6 +38,8 @@
 #     again with each of the trainer's other optimizers (AdamW8bit, PagedAdamW8bit, Prodigy,
 #     DAdaptAdam, Lion, Adafactor). And over float8 base weights (--fp8_base): batch 1 with and
 #     without checkpointing, batch 8 with it.
+#   - the same `solo` step at SDXL size: 1024^2, bf16, batch 1, gradient checkpointing, rank 16
+#     on kohya's SDXL targets, with and without --fp8_base (s/it, peak allocated memory, MFU).
 #   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps, also
 #     over float8 weights (--fp8_base);
 #     s/image and peak allocated memory.
@@ -166,6 +168,17 @@ for run in "1 " "1 --gradient_checkpointing" "8 --gradient_checkpointing"; do
   "${BUILD}/bin/trainer_bench" solo full --device cuda --dtype bf16 --batch "${batch}" \
     --steps 10 --fp8_base ${checkpointing} | tee -a "${OUT}/bench.txt" \
     || FAILED+=("trainer_bench fp8 b${batch}${checkpointing}")
+done
+
+step "bench: one LoRA training step at SDXL size on CUDA, bf16, 1024x1024, rank 16"
+# SDXL's full-size U-Net on random weights, batch 1, gradient checkpointing, kohya's 722 SDXL
+# LoRA layers of rank 16: s/it, peak allocated memory and MFU; then over float8 base weights.
+# The goals (issue 31): peak <= 6 GB with the bf16 base, <= 4.5 GB with --fp8_base.
+for fp8 in "" --fp8_base; do
+  # shellcheck disable=SC2086  # an empty flag is no word
+  "${BUILD}/bin/trainer_bench" solo sdxl --device cuda --dtype bf16 --batch 1 --resolution 1024 \
+    --steps 5 --gradient_checkpointing ${fp8} | tee -a "${OUT}/bench.txt" \
+    || FAILED+=("trainer_bench sdxl${fp8}")
 done
 
 step "bench: the same step with each of the trainer's other optimizers (batch 1, bf16)"
