@@ -1,5 +1,6 @@
 // SDXL through the model seam against diffusers' StableDiffusionXLPipeline on lorapipe's tiny
-// SDXL (models/reference/sdxl_reference.py): the conditioning of both encoders, the U-Net with
+// SDXL (models/reference/sdxl_reference.py): the conditioning of both encoders (and of kohya's
+// 150-token captions, chunked as kohya chunks them), the U-Net with
 // its time ids and its input gradient, the single file against the folder, and renders per
 // sampler with and without a LoRA in kohya's SDXL format.
 //
@@ -75,6 +76,19 @@ class SdxlPipelineParity : public ::testing::Test {
     EXPECT_LE(states, 1e-4) << what;
     EXPECT_LE(pooled, 1e-4) << what;
     EXPECT_LE(prompt_states, 1e-4) << what;
+
+    // kohya's long captions (--max_token_length 150): both encoders chunked as kohya chunks them.
+    const std::vector<std::string> long_prompts = request_["long_prompts"];
+    const Conditioning l = model.encode_text(
+        model.tokenize(long_prompts, request_["max_token_length"].get<int>()), /*clip_skip=*/1);
+    ASSERT_EQ(l.hidden_states.sizes(), ref.at("long_prompt_embeds").sizes()) << what;
+    ASSERT_EQ(l.pooled.sizes(), ref.at("long_pooled").sizes()) << what;
+    const double long_states = relative(l.hidden_states, ref.at("long_prompt_embeds"));
+    const double long_pooled = relative(l.pooled, ref.at("long_pooled"));
+    std::printf("[sdxl] %s: 150-token captions as kohya: states %.2e, pooled %.2e (limit 1e-4)\n",
+                what.c_str(), long_states, long_pooled);
+    EXPECT_LE(long_states, 1e-4) << what;
+    EXPECT_LE(long_pooled, 1e-4) << what;
   }
 
   static fs::path dir_;

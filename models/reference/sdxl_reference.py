@@ -7,6 +7,13 @@ SDXL (models/tiny.h, write_tiny_sdxl_checkpoint), fp32 on the CPU.
 Writes OUT_DIR/reference.safetensors:
   prompt_embeds, pooled     encode_prompt(PROMPTS) without guidance: both encoders' penultimate
                             states side by side, and bigG's projected pooled output
+  long_prompt_embeds,       LONG_PROMPTS as kohya's SDXL training encodes them with
+  long_pooled               --max_token_length 150: each tokenizer's ids cut into chunks of 77
+                            (kohya's get_input_ids; the second pads with "!" and takes the
+                            pad != eos fixes), every chunk through both encoders, their
+                            penultimate states joined back (BOS, 75 per chunk, the last), and the
+                            pooled output of the first chunk (kohya's pool_workaround: bigG's
+                            final-norm state at the first EOS, projected)
   unet_*                    one U-Net call on seeded latents at two timesteps with GEOMETRY's
                             time ids (diffusers' added_cond_kwargs), its output, and the gradient
                             of sum(output * unet_w) with respect to the latents
@@ -39,8 +46,15 @@ from diffusers.loaders import single_file_utils as sfu  # noqa: E402
 from diffusers.models.attention_processor import AttnProcessor  # noqa: E402
 from transformers import CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from clip_tokenizer_reference import kohya_get_input_ids  # noqa: E402
+
 SEED = 77
 PROMPTS = ["a red circle", "a square on a ring, red"]
+# One caption past 150 tokens (truncated, both chunks full) and one short (its second chunk all
+# padding): both of kohya's chunk fixes.
+LONG_PROMPTS = [" ".join(["a red circle on a ring,"] * 30), "a square"]
+MAX_TOKEN_LENGTH = 150
 # Per sample: original height, width; crop top, left; target height, width.
 GEOMETRY = [(64, 48, 3, 5, 64, 64), (96, 80, 0, 8, 64, 64)]
 REQUEST = {"prompt": "a red circle on a ring", "negative_prompt": "blurry", "width": 64,
@@ -136,6 +150,33 @@ def kohya_sdxl_lora(pipe, checkpoint, path, rank=4):
     return len(tensors) // 3
 
 
+def kohya_long_conditioning(pipe, prompts, max_token_length):
+    """kohya's SDXL text encoding of long captions (strategy_sdxl's encode_tokens with
+    max_token_length), written from its description: ids per chunk, both encoders on every chunk,
+    penultimate states, the chunks' states joined back, the first chunk's pooled output."""
+    chunk = pipe.tokenizer.model_max_length  # 77
+    states = []
+    for tokenizer, encoder in ((pipe.tokenizer, pipe.text_encoder),
+                               (pipe.tokenizer_2, pipe.text_encoder_2)):
+        ids = torch.tensor([kohya_get_input_ids(tokenizer, p, max_token_length) for p in prompts])
+        batch, chunks = ids.shape[0], ids.shape[1] // chunk
+        flat = ids.reshape(batch * chunks, chunk)
+        out = encoder(flat, output_hidden_states=True)
+        hidden = out.hidden_states[-2].reshape(batch, chunks * chunk, -1)
+        parts = [hidden[:, :1]]
+        for i in range(1, max_token_length, chunk):
+            parts.append(hidden[:, i:i + chunk - 2])
+        parts.append(hidden[:, -1:])
+        states.append(torch.cat(parts, dim=1))
+        if encoder is pipe.text_encoder_2:
+            # pool_workaround: the final-norm state at each chunk's first EOS, projected.
+            final = encoder.text_model.final_layer_norm(out.hidden_states[-1])
+            eos = (flat == tokenizer.eos_token_id).int().argmax(dim=-1)
+            pooled = encoder.text_projection(final[torch.arange(flat.shape[0]), eos])
+            pooled = pooled.reshape(batch, chunks, -1)[:, 0]
+    return torch.cat(states, dim=-1), pooled
+
+
 def render(pipe, sampler, initial, path):
     cls, kwargs = SAMPLERS[sampler]
     pipe.scheduler = kohya_scheduler(cls, kwargs)
@@ -178,6 +219,7 @@ def main():
     with torch.no_grad():
         prompt_embeds, _, pooled, _ = pipe.encode_prompt(
             PROMPTS, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False)
+        long_embeds, long_pooled = kohya_long_conditioning(pipe, LONG_PROMPTS, MAX_TOKEN_LENGTH)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 4, 8, 8, generator=g).requires_grad_(True)
     t = torch.tensor([500, 21])
@@ -187,6 +229,8 @@ def main():
     w = torch.randn(y.shape, generator=g)
     (y * w).sum().backward()
     save_file({"prompt_embeds": prompt_embeds.contiguous(), "pooled": pooled.contiguous(),
+               "long_prompt_embeds": long_embeds.contiguous(),
+               "long_pooled": long_pooled.contiguous(),
                "unet_in": x.detach().contiguous(), "unet_t": t, "unet_time_ids": time_ids,
                "unet_out": y.detach().contiguous(), "unet_w": w,
                "unet_grad": x.grad.contiguous()}, os.path.join(out, "reference.safetensors"))
@@ -205,7 +249,8 @@ def main():
     for name in ("ddim", "euler"):
         render(pipe, name, initial, os.path.join(out, f"{name}_lora.safetensors"))
     with open(os.path.join(out, "request.json"), "w") as f:
-        json.dump({**r, "seed": SEED, "prompts": PROMPTS, "geometry": GEOMETRY,
+        json.dump({**r, "seed": SEED, "prompts": PROMPTS, "long_prompts": LONG_PROMPTS,
+                   "max_token_length": MAX_TOKEN_LENGTH, "geometry": GEOMETRY,
                    "lora_modules": modules}, f)
 
 
