@@ -47,19 +47,22 @@ class StagesOnDevice : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new fs::path(models::testing::make_temp_dir("stages-on-device"));
     tiny_ = new models::TinyCheckpoint(models::write_tiny_checkpoint(*dir_ / "model"));
+    tiny_sdxl_ = new models::TinyCheckpoint(models::write_tiny_sdxl_checkpoint(*dir_ / "sdxl"));
   }
   static void TearDownTestSuite() {
     if (!std::getenv("LORAPIPE_KEEP")) fs::remove_all(*dir_);
     delete tiny_;
+    delete tiny_sdxl_;
     delete dir_;
   }
 
   // Eight 64x64 samples of random pixels in one bucket, as preprocess sends them, and the end of
-  // the stream; the cacher's exit code.
-  static int cache(const fs::path& cache_dir) {
-    const fs::path work = *dir_ / "cacher";
+  // the stream, cached with `model` (the tiny SD1.5 by default); the cacher's exit code.
+  static int cache(const fs::path& cache_dir, const fs::path& model = {}) {
+    const fs::path work = cache_dir.parent_path() / (cache_dir.filename().string() + "-cacher");
     fs::create_directories(work);
-    const pid_t cacher = spawn({LORAPIPE_CACHER_BIN, "--model=" + tiny_->diffusers.string(),
+    const pid_t cacher = spawn({LORAPIPE_CACHER_BIN,
+                                "--model=" + (model.empty() ? tiny_->diffusers : model).string(),
                                 "--cache_dir=" + cache_dir.string(), "--device=" + stage_device(),
                                 "--pull=ipc://" + (work / "pull.sock").string(),
                                 "--rep=ipc://" + (work / "rep.sock").string(),
@@ -100,10 +103,12 @@ class StagesOnDevice : public ::testing::Test {
     int exit = -1;
     std::string err;
   };
-  static Run train(const fs::path& cache_dir, const fs::path& out, std::vector<std::string> extra) {
+  static Run train(const fs::path& cache_dir, const fs::path& out, std::vector<std::string> extra,
+                   const fs::path& model = {}) {
     fs::create_directories(out);
     std::vector<std::string> args{LORAPIPE_TRAINER_BIN,
-                                  "--pretrained_model_name_or_path=" + tiny_->diffusers.string(),
+                                  "--pretrained_model_name_or_path=" +
+                                      (model.empty() ? tiny_->diffusers : model).string(),
                                   "--cache_dir=" + cache_dir.string(),
                                   "--dataset_id=device",
                                   "--output_dir=" + out.string(),
@@ -125,11 +130,57 @@ class StagesOnDevice : public ::testing::Test {
     return r;
   }
 
+  // The sampler's render of `lora` over `model` on `on` (the stage's path: load, place, the LoRA
+  // in the layers' slots, then render); no LoRA where `lora` is empty.
+  static at::Tensor render_on(const fs::path& model_path, const std::string& on,
+                              const fs::path& lora_path) {
+    sampler::RenderRequest request;
+    request.prompt = "a photo of a cat";
+    request.negative_prompt = "blurry";
+    request.width = request.height = 64;
+    request.steps = 4;
+    request.cfg_scale = 5;
+    request.seed = 7;
+    request.sampler = "euler_a";
+    std::unique_ptr<models::DiffusionModel> model = models::load_model(model_path, {});
+    models::Placement placement;
+    placement.device = c10::Device(on);
+    models::place(*model, placement);
+    std::unique_ptr<models::MergedLora> lora;
+    if (!lora_path.empty()) {
+      lora = std::make_unique<models::MergedLora>(*model, lora_path, /*multiplier=*/1.0);
+    }
+    return sampler::render(*model, request).image;
+  }
+
+  // The render on the device against the CPU's: equal on the CPU, within 2 of 255 on CUDA (see
+  // the first test), and changed by the LoRA.
+  static void expect_render_matches_cpu(const fs::path& model, const fs::path& lora,
+                                        const std::string& what) {
+    const std::string device = stage_device();
+    const at::Tensor on_device = render_on(model, device, lora);
+    const at::Tensor on_cpu = render_on(model, "cpu", lora);
+    const at::Tensor without = render_on(model, "cpu", {});
+    ASSERT_EQ(on_device.sizes(), on_cpu.sizes());
+    const int64_t most =
+        (on_device.to(torch::kInt32) - on_cpu.to(torch::kInt32)).abs().max().item<int64_t>();
+    std::printf("[stages] %s sampler on %s: most pixel difference from the CPU render %lld\n",
+                what.c_str(), device.c_str(), static_cast<long long>(most));
+    if (device == "cpu") {
+      EXPECT_TRUE(torch::equal(on_device, on_cpu)) << what;
+    } else {
+      EXPECT_LE(most, 2) << what;
+    }
+    EXPECT_FALSE(torch::equal(on_cpu, without)) << what << ": the trained LoRA left the render unchanged";
+  }
+
   static fs::path* dir_;
   static models::TinyCheckpoint* tiny_;
+  static models::TinyCheckpoint* tiny_sdxl_;
 };
 fs::path* StagesOnDevice::dir_ = nullptr;
 models::TinyCheckpoint* StagesOnDevice::tiny_ = nullptr;
+models::TinyCheckpoint* StagesOnDevice::tiny_sdxl_ = nullptr;
 
 // The cacher encodes on the device, the trainer trains the U-Net's LoRA there from the cache (text
 // included; the text encoder stays on the CPU) and saves its state; resumed from the state of
@@ -186,46 +237,42 @@ TEST_F(StagesOnDevice, CacherEncodesTrainerTrainsSavesAndResumes) {
   EXPECT_EQ(trainer_losses(both.err).size(), 4u) << both.err;
   for (double loss : trainer_losses(both.err)) EXPECT_TRUE(std::isfinite(loss)) << both.err;
 
-  // The sampler's render of the trained checkpoint on the device (the stage's path: load, place,
-  // the LoRA in the layers' slots, then render): finite, changed by the LoRA, and the CPU's
-  // image where the device is the CPU. On CUDA the pixels are held to 2 of 255 against the CPU
-  // render (fp32 throughout; the kernels' summation orders differ, and four Euler-ancestral steps
-  // at 64x64 carry that far less than a level; a wrong placement or a LoRA left on the CPU shows
-  // up as a crash or a different image).
-  sampler::RenderRequest request;
-  request.prompt = "a photo of a cat";
-  request.negative_prompt = "blurry";
-  request.width = request.height = 64;
-  request.steps = 4;
-  request.cfg_scale = 5;
-  request.seed = 7;
-  request.sampler = "euler_a";
-  auto render_on = [&](const std::string& on, bool with_lora) {
-    std::unique_ptr<models::DiffusionModel> model = models::load_model(tiny_->diffusers, {});
-    models::Placement placement;
-    placement.device = c10::Device(on);
-    models::place(*model, placement);
-    std::unique_ptr<models::MergedLora> lora;
-    if (with_lora) {
-      lora = std::make_unique<models::MergedLora>(
-          *model, straight_dir / "lora" / "tiny.safetensors", /*multiplier=*/1.0);
-    }
-    return sampler::render(*model, request).image;
-  };
-  const at::Tensor on_device = render_on(device, /*with_lora=*/true);
-  const at::Tensor on_cpu = render_on("cpu", /*with_lora=*/true);
-  const at::Tensor without = render_on("cpu", /*with_lora=*/false);
-  ASSERT_EQ(on_device.sizes(), on_cpu.sizes());
-  const int64_t most =
-      (on_device.to(torch::kInt32) - on_cpu.to(torch::kInt32)).abs().max().item<int64_t>();
-  std::printf("[stages] sampler on %s: most pixel difference from the CPU render %lld\n",
-              device.c_str(), static_cast<long long>(most));
-  if (exact) {
-    EXPECT_TRUE(torch::equal(on_device, on_cpu));
-  } else {
-    EXPECT_LE(most, 2);
+  // The sampler's render of the trained checkpoint on the device: finite, changed by the LoRA,
+  // and the CPU's image where the device is the CPU. On CUDA the pixels are held to 2 of 255
+  // against the CPU render (fp32 throughout; the kernels' summation orders differ, and four
+  // Euler-ancestral steps at 64x64 carry that far less than a level; a wrong placement or a LoRA
+  // left on the CPU shows up as a crash or a different image).
+  expect_render_matches_cpu(tiny_->diffusers, straight_dir / "lora" / "tiny.safetensors", "sd15");
+}
+
+// SDXL through the same stages on the device: the cacher encodes its latents and both encoders'
+// text (states and pooled output) there, the trainer trains from that cache with the time ids of
+// each sample (U-Net only, text from the cache; then both encoders' LoRAs with the text encoded
+// online on the device), and the sampler renders the result there as on the CPU.
+TEST_F(StagesOnDevice, SdxlCachesTrainsAndRendersOnTheDevice) {
+  const fs::path model = tiny_sdxl_->diffusers;
+  const fs::path cache_dir = *dir_ / "sdxl-cache";
+  ASSERT_EQ(cache(cache_dir, model), 0);
+  const Run unet_only = train(cache_dir, *dir_ / "sdxl-unet", {"--network_train_unet_only"}, model);
+  ASSERT_EQ(unet_only.exit, 0) << unet_only.err;
+  EXPECT_NE(unet_only.err.find("text from the cache"), std::string::npos) << unet_only.err;
+  const Run both = train(cache_dir, *dir_ / "sdxl-both", {}, model);
+  ASSERT_EQ(both.exit, 0) << both.err;
+  EXPECT_NE(both.err.find("text encoded online"), std::string::npos) << both.err;
+  for (const Run* run : {&unet_only, &both}) {
+    ASSERT_EQ(trainer_losses(run->err).size(), 4u) << run->err;
+    for (double loss : trainer_losses(run->err)) EXPECT_TRUE(std::isfinite(loss)) << run->err;
   }
-  EXPECT_FALSE(torch::equal(on_cpu, without)) << "the trained LoRA left the render unchanged";
+  const fs::path lora = *dir_ / "sdxl-both" / "lora" / "tiny.safetensors";
+  const auto tensors = models::read_tensors(models::SafetensorsFile::open(lora));
+  size_t te1 = 0, te2 = 0;
+  for (const auto& [name, t] : tensors) {
+    te1 += name.rfind("lora_te1_", 0) == 0;
+    te2 += name.rfind("lora_te2_", 0) == 0;
+  }
+  EXPECT_GT(te1, 0u);
+  EXPECT_GT(te2, 0u);
+  expect_render_matches_cpu(model, lora, "sdxl");
 }
 
 }  // namespace

@@ -28,6 +28,9 @@
 #     --save_state, and a second run resuming from the state of step 2 to the straight run's end;
 #     then the sampler's render path (load, place, the trained LoRA in the layers' slots, render)
 #     drawing that checkpoint on CUDA, held to 2 of 255 per pixel against the CPU's render.
+#     The same for SDXL (StagesOnDevice.SdxlCachesTrainsAndRendersOnTheDevice): both encoders'
+#     text and the latents cached on CUDA, the U-Net's LoRA trained from them with each sample's
+#     time ids, both encoders' LoRAs with the text encoded online, and the render on CUDA.
 #     And train_parity_test's TrainLora.AdaptersDrawTheSameValuesWhateverThePlacement: the LoRA's
 #     adapters over a base on CUDA equal the CPU run's (drawn on the CPU, then placed).
 #   - bench/adamw8bit_bench.py on CUDA with bf16 parameters: lorapipe's kernel against torch's
