@@ -118,12 +118,14 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<k::AdamW8bitCudaPlan> plan;
   void* stream = nullptr;
+  // "cuda" names no index: the current device, which the kernels' calls need as a number.
+  int device_index = -1;
   if (device.is_cuda()) {
-    plan = std::make_unique<k::AdamW8bitCudaPlan>(&t, 1, param_dtype,
-                                                  device.has_index() ? device.index() : -1);
 #ifdef LORAPIPE_BENCH_CUDA
-    stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+    device_index = device.has_index() ? device.index() : c10::cuda::current_device();
+    stream = c10::cuda::getCurrentCUDAStream(device_index).stream();
 #endif
+    plan = std::make_unique<k::AdamW8bitCudaPlan>(&t, 1, param_dtype, device_index);
   }
   std::vector<double> ms;
   for (int step = 0; step <= steps; ++step) {  // step 0 warms up and is not counted
@@ -132,7 +134,7 @@ int main(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     if (device.is_cuda()) {
       if (managed != nullptr) {
-        k::prefetch_managed(managed, static_cast<size_t>(state_bytes), device.index(), stream);
+        k::prefetch_managed(managed, static_cast<size_t>(state_bytes), device_index, stream);
       }
       plan->step(&c, 1, stream);
     } else {

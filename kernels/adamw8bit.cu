@@ -269,6 +269,7 @@ bool managed_memory_supported(int device) {
   int concurrent = 0;
   if (cudaDeviceGetAttribute(&concurrent, cudaDevAttrConcurrentManagedAccess, device) !=
       cudaSuccess) {
+    cudaGetLastError();  // a "no" here, not a sticky error for the next launch's check
     return false;
   }
   return concurrent != 0;

@@ -45,6 +45,9 @@ using testing::trainer_losses;
 class StagesOnDevice : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
+    // cuDNN convolutions default to TF32 (a 10-bit mantissa) in LibTorch: the render compared
+    // with the CPU's within 2 of 255 is the fp32 one, so this process's renders run in IEEE fp32.
+    at::globalContext().setAllowTF32CuDNN(false);
     dir_ = new fs::path(models::testing::make_temp_dir("stages-on-device"));
     tiny_ = new models::TinyCheckpoint(models::write_tiny_checkpoint(*dir_ / "model"));
     tiny_sdxl_ = new models::TinyCheckpoint(models::write_tiny_sdxl_checkpoint(*dir_ / "sdxl"));

@@ -4,6 +4,12 @@
 #
 #   tests/gpu/run.sh --prepare   On this (Debian 12) machine, with apt: downloads the Debian
 #                                packages the build needs into .debs/ (git-ignored; about 30 MB).
+#   tests/gpu/run.sh --pack [BUILD]
+#                                On this machine, after a build (default build/, CUDA on, torch
+#                                from scripts/versions.env): strips the GPU run's binaries into
+#                                .gpu-prebuilt/bin.tar.xz (git-ignored), stamped with the torch
+#                                version and the folder they were built in. Carried, it spares
+#                                the GPU machine the build (minutes of a short device lease).
 #   tests/gpu/run.sh             On a machine with an NVIDIA GPU, nvcc and a python3 that holds
 #                                torch 2.11 (CUDA 13.0), and no network: unpacks .debs/ into a
 #                                private prefix (never into /), builds the CUDA kernels and every
@@ -11,7 +17,11 @@
 #                                then runs the GPU tests and benchmarks. Results go to $OUT (default
 #                                build-gpu/out): gpu-tests.xml, bench.txt and the log.
 #
-# Carry .debs/ (and nothing else: the build is made there) with the working tree. Environment:
+# Carry .debs/ (and .gpu-prebuilt/ where --pack made it) with the working tree. The prebuilt
+# binaries are used only where the machine's torch is the version they were built against, the
+# folder they were built in can be made to point at this checkout (the test binaries name their
+# stage binaries and sources by absolute path), and every one of them loads with all its symbols
+# bound; otherwise the script builds there, as without them. Environment:
 # LORAPIPE_GPU_BUILD (default build-gpu), OUT, LORAPIPE_GPU_SIZES (optimizer bench sizes,
 # default 10M,100M,1B).
 #
@@ -65,7 +75,31 @@ PACKAGES=(
   liblmdb-dev liblmdb0 libssl-dev libssl3 libicu-dev libicu72 icu-devtools zlib1g-dev
   libgloo-dev  # headers only: the trainer's ranks use the Gloo inside libtorch_cpu
   libxxhash-dev libxxhash0 libtomlplusplus-dev libtomlplusplus3  # common's hashes; TOML files
+  # libzmq's GSSAPI: not in every CUDA image (Ubuntu's minimal ones lack them).
+  libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libcom-err2 libkeyutils1
 )
+
+# The binaries the GPU run executes.
+TARGETS=(kernels_test adamw8bit_test models_test trainer_ranks_test train_parity_test
+  stages_on_device_test lorapipe-cacher lorapipe-trainer adamw8bit_bench trainer_bench sampler_bench)
+PREBUILT="${ROOT}/.gpu-prebuilt"
+
+if [[ ${1:-} == --pack ]]; then
+  build="$(cd "${2:-${ROOT}/build}" && pwd)" || exit 1
+  grep -q 'adamw8bit\.cu\.o' "${build}/build.ninja" 2>/dev/null \
+    || { echo "${build}: not a CUDA build (its kernels are the CPU stand-ins)"; exit 1; }
+  python="$(sed -n 's/^LORAPIPE_PYTHON:FILEPATH=//p' "${build}/CMakeCache.txt")"
+  torch_version="$("${python}" -c 'import torch; print(torch.__version__)')" || exit 1
+  stage="$(mktemp -d)" && mkdir -p "${stage}/bin" "${PREBUILT}"
+  for target in "${TARGETS[@]}"; do
+    strip --strip-debug -o "${stage}/bin/${target}" "${build}/bin/${target}" || exit 1
+  done
+  printf 'root=%s\ntorch=%s\n' "${ROOT}" "${torch_version}" >"${stage}/stamp"
+  tar -C "${stage}" -cJf "${PREBUILT}/bin.tar.xz" bin stamp || exit 1
+  rm -rf "${stage}"
+  ls -l "${PREBUILT}/bin.tar.xz"
+  exit 0
+fi
 
 if [[ ${1:-} == --prepare ]]; then
   mkdir -p "${DEBS}"
@@ -75,7 +109,7 @@ if [[ ${1:-} == --prepare ]]; then
 fi
 
 BUILD="${LORAPIPE_GPU_BUILD:-${ROOT}/build-gpu}"
-OUT="${OUT:-${BUILD}/out}"
+OUT="${OUT:-${ROOT}/build-gpu/out}"
 mkdir -p "${OUT}"
 LOG="${OUT}/gpu-run.log"
 exec > >(tee "${LOG}") 2>&1
@@ -102,22 +136,89 @@ fi
 rm -rf "${PREFIX}" && mkdir -p "${PREFIX}"
 for deb in "${DEBS}"/*.deb; do dpkg-deb -x "${deb}" "${PREFIX}" || dpkg -x "${deb}" "${PREFIX}"; done
 LIBDIR="${PREFIX}/usr/lib/x86_64-linux-gnu"
+# The packages assume a Debian 12 root; three of their assumptions fail in another image:
+# zlib1g-dev's libz.so points at Debian's absolute /lib/.../libz.so.1.2.13 (link the machine's own
+# libz.so.1 instead), libzmq.pc's Requires.private names .pc files of libraries we link only
+# through libzmq.so (a static link would want them; we link shared), and libssl-dev keeps
+# opensslconf.h under the multiarch include folder.
+ln -sf /lib/x86_64-linux-gnu/libz.so.1 "${LIBDIR}/libz.so"
+sed -i '/^Requires.private/d' "${LIBDIR}/pkgconfig/libzmq.pc"
+export CPATH="${PREFIX}/usr/include/x86_64-linux-gnu${CPATH:+:${CPATH}}"
 export PATH="${PREFIX}/usr/bin:${PATH}"
 export LD_LIBRARY_PATH="${LIBDIR}:${LD_LIBRARY_PATH:-}"
 export PKG_CONFIG_PATH="${LIBDIR}/pkgconfig:${PREFIX}/usr/share/pkgconfig"
 export PKG_CONFIG_SYSROOT_DIR="${PREFIX}"  # the .pc files say /usr
 export CMAKE_PREFIX_PATH="${PREFIX}/usr"
 
-step "configure and build (CUDA on, preprocess off)"
 LORAPIPE_PYTHON="$(command -v python3)"
 export LORAPIPE_PYTHON
+TORCH_LIB="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')"
+
+# The binaries --pack made, where they can run here (see the top); 1 where they cannot, and why.
+use_prebuilt() {
+  [[ -f ${PREBUILT}/bin.tar.xz ]] || return 1
+  local unpacked=/tmp/lorapipe-prebuilt
+  rm -rf "${unpacked}" && mkdir -p "${unpacked}" && tar -C "${unpacked}" -xJf "${PREBUILT}/bin.tar.xz" || return 1
+  local root torch_version here
+  root="$(sed -n 's/^root=//p' "${unpacked}/stamp")"
+  torch_version="$(sed -n 's/^torch=//p' "${unpacked}/stamp")"
+  here="$(python3 -c 'import torch; print(torch.__version__)')"
+  if [[ ${torch_version} != "${here}" ]]; then
+    echo "prebuilt: built against torch ${torch_version}, this machine has ${here}"; return 1
+  fi
+  if [[ ! -e ${root} ]]; then mkdir -p "$(dirname "${root}")" && ln -s "${ROOT}" "${root}" || return 1; fi
+  if [[ $(cd "${root}" && pwd -P) != "$(cd "${ROOT}" && pwd -P)" ]]; then
+    echo "prebuilt: ${root}, where they were built, is another folder here"; return 1
+  fi
+  mkdir -p "${ROOT}/build/bin" && cp "${unpacked}"/bin/* "${ROOT}/build/bin/" || return 1
+  BUILD="${root}/build"
+  # Where the build's RUNPATH pointed on the packing machine: torch's libraries, and the CUDA
+  # runtime (the wheel's own, else the toolkit's).
+  export LD_LIBRARY_PATH="${LD_LIBRARY_PATH}:${TORCH_LIB}:${TORCH_LIB}/../../nvidia/cu13/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib"
+  local target missing
+  for target in "${TARGETS[@]}"; do
+    missing="$(ldd "${BUILD}/bin/${target}" | grep 'not found')"
+    if [[ -n ${missing} ]]; then echo "prebuilt: ${target} lacks ${missing}"; return 1; fi
+  done
+  # Every symbol bound at load: a torch whose ABI differs from the headers fails here, not later.
+  for target in "${TARGETS[@]}"; do
+    [[ ${target} == *_test ]] || continue
+    if ! LD_BIND_NOW=1 "${BUILD}/bin/${target}" --gtest_list_tests >/dev/null; then
+      echo "prebuilt: ${target} does not load"; return 1
+    fi
+  done
+  echo "prebuilt: the binaries of ${PREBUILT}/bin.tar.xz (torch ${torch_version}), from ${root}"
+}
+
+step "the binaries: prebuilt, or configure and build (CUDA on, preprocess off)"
+if use_prebuilt; then
+  :
+else
+BUILD="${LORAPIPE_GPU_BUILD:-${ROOT}/build-gpu}"
 cmake -S "${ROOT}" -B "${BUILD}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLORAPIPE_CUDA=ON \
   -DLORAPIPE_PREPROCESS=OFF -DLORAPIPE_PYTHON="${LORAPIPE_PYTHON}" \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DProtobuf_PROTOC_EXECUTABLE="${PREFIX}/usr/bin/protoc" \
   -DCMAKE_INCLUDE_PATH="${PREFIX}/usr/include" -DCMAKE_LIBRARY_PATH="${LIBDIR}" || exit 1
-cmake --build "${BUILD}" --parallel "$(nproc)" --target kernels_test adamw8bit_test models_test \
-  trainer_ranks_test train_parity_test stages_on_device_test lorapipe-cacher lorapipe-trainer \
-  adamw8bit_bench trainer_bench sampler_bench || exit 1
+cmake --build "${BUILD}" --parallel "$(nproc)" --target "${TARGETS[@]}" || exit 1
+fi
+
+# LORAPIPE_GPU_DEADLINE_S: seconds from the script's start after which no further benchmark
+# starts (a short device lease ends the machine, and what ran must still come back); each run also
+# has its own time limit, so a hang costs minutes, not the lease.
+STARTED=$(date +%s)
+DEADLINE=$((STARTED + ${LORAPIPE_GPU_DEADLINE_S:-86400}))
+# bench NAME LIMIT_S COMMAND...: runs COMMAND, its output appended to bench.txt, unless the
+# deadline has passed; a failure, a time-out or a skip past the deadline is named in the summary.
+bench() {
+  local name="$1" limit="$2"
+  shift 2
+  if (($(date +%s) >= DEADLINE)); then
+    echo "not run (past LORAPIPE_GPU_DEADLINE_S): ${name}"
+    FAILED+=("${name} (deadline)")
+    return
+  fi
+  timeout --kill-after=10 "${limit}" "$@" | tee -a "${OUT}/bench.txt" || FAILED+=("${name}")
+}
 
 step "GPU tests"
 # adamw8bit_test's parity suite needs bitsandbytes in python3; the rest needs nothing more.
@@ -131,11 +232,13 @@ for test in kernels_test models_test trainer_ranks_test "adamw8bit_test --gtest_
   stages_on_device_test; do
   name="${test%% *}"
   # shellcheck disable=SC2086  # the filter travels as its own word
-  if ! "${BUILD}/bin/"${test} --gtest_output="xml:${OUT}/${name}.xml"; then FAILED+=("${name}"); fi
+  if ! timeout --kill-after=10 300 "${BUILD}/bin/"${test} --gtest_output="xml:${OUT}/${name}.xml"; then
+    FAILED+=("${name}")
+  fi
   # A test that skipped itself here (no device, no paging) is a GPU check that did not happen.
   # Only the two-device test may skip, on a machine with one GPU.
   skipped=()
-  for t in $(grep -o '<testcase name="[^"]*"[^>]*result="skipped"' "${OUT}/${name}.xml" \
+  for t in $(grep -o '<testcase name="[^"]*"[^>]*result="skipped"' "${OUT}/${name}.xml" 2>/dev/null \
     | sed 's/<testcase name="\([^"]*\)".*/\1/'); do
     if [[ ${t} == StepsOnItsTensorsDeviceWhicheverIsCurrent && ${GPUS} -lt 2 ]]; then
       echo "not run (one GPU): ${t}"
@@ -146,10 +249,15 @@ for test in kernels_test models_test trainer_ranks_test "adamw8bit_test --gtest_
   if ((${#skipped[@]})); then FAILED+=("${name} skipped: ${skipped[*]}"); fi
 done
 
-step "bench: AdamW8bit on CUDA, bf16 parameters"
-PYTHONPATH="${ROOT}" python3 "${ROOT}/bench/adamw8bit_bench.py" --build "${BUILD}" --device cuda \
-  --dtype bf16 --sizes "${LORAPIPE_GPU_SIZES:-10M,100M,1B}" --rounds 3 --steps 20 \
-  | tee "${OUT}/bench.txt" || FAILED+=("adamw8bit_bench")
+step "bench: one LoRA training step at SDXL size on CUDA, bf16, 1024x1024, rank 16"
+# SDXL's full-size U-Net on random weights, batch 1, gradient checkpointing, kohya's 722 SDXL
+# LoRA layers of rank 16: s/it, peak allocated memory and MFU; then over float8 base weights.
+# The goals (issue 31): peak <= 6 GB with the bf16 base, <= 4.5 GB with --fp8_base.
+for fp8 in "" --fp8_base; do
+  # shellcheck disable=SC2086  # an empty flag is no word
+  bench "trainer_bench sdxl${fp8}" 180 "${BUILD}/bin/trainer_bench" solo sdxl --device cuda \
+    --dtype bf16 --batch 1 --resolution 1024 --steps 5 --gradient_checkpointing ${fp8}
+done
 
 step "bench: one LoRA training step at SD1.5 size on CUDA, bf16, 512x512"
 # The trainer's own step (trainer::TrainingStep: SDPA attention, bf16 frozen base, fp32 LoRA of
@@ -157,8 +265,8 @@ step "bench: one LoRA training step at SD1.5 size on CUDA, bf16, 512x512"
 for batch in 1 8; do
   for checkpointing in "" --gradient_checkpointing; do
     # shellcheck disable=SC2086  # an empty flag is no word
-    "${BUILD}/bin/trainer_bench" solo full --device cuda --dtype bf16 --batch "${batch}" \
-      --steps 10 ${checkpointing} | tee -a "${OUT}/bench.txt" || FAILED+=("trainer_bench b${batch}${checkpointing}")
+    bench "trainer_bench b${batch}${checkpointing}" 120 "${BUILD}/bin/trainer_bench" solo full \
+      --device cuda --dtype bf16 --batch "${batch}" --steps 10 ${checkpointing}
   done
 done
 
@@ -168,21 +276,18 @@ step "bench: the same step over float8 base weights (--fp8_base), bf16 compute"
 for run in "1 " "1 --gradient_checkpointing" "8 --gradient_checkpointing"; do
   batch="${run%% *}" checkpointing="${run#* }"
   # shellcheck disable=SC2086  # an empty flag is no word
-  "${BUILD}/bin/trainer_bench" solo full --device cuda --dtype bf16 --batch "${batch}" \
-    --steps 10 --fp8_base ${checkpointing} | tee -a "${OUT}/bench.txt" \
-    || FAILED+=("trainer_bench fp8 b${batch}${checkpointing}")
+  bench "trainer_bench fp8 b${batch}${checkpointing}" 120 "${BUILD}/bin/trainer_bench" solo full \
+    --device cuda --dtype bf16 --batch "${batch}" --steps 10 --fp8_base ${checkpointing}
 done
 
-step "bench: one LoRA training step at SDXL size on CUDA, bf16, 1024x1024, rank 16"
-# SDXL's full-size U-Net on random weights, batch 1, gradient checkpointing, kohya's 722 SDXL
-# LoRA layers of rank 16: s/it, peak allocated memory and MFU; then over float8 base weights.
-# The goals (issue 31): peak <= 6 GB with the bf16 base, <= 4.5 GB with --fp8_base.
-for fp8 in "" --fp8_base; do
-  # shellcheck disable=SC2086  # an empty flag is no word
-  "${BUILD}/bin/trainer_bench" solo sdxl --device cuda --dtype bf16 --batch 1 --resolution 1024 \
-    --steps 5 --gradient_checkpointing ${fp8} | tee -a "${OUT}/bench.txt" \
-    || FAILED+=("trainer_bench sdxl${fp8}")
-done
+step "bench: one preview render at SD1.5 size on CUDA, bf16, 512x512, 20 steps"
+# The sampler's render (sampler/render.h: text encoding, 20 DDIM steps with CFG, the VAE decode)
+# on random full-size weights: s/image and peak allocated memory (bench/sampler_bench.cpp).
+bench sampler_bench 120 "${BUILD}/bin/sampler_bench" solo --device cuda --dtype bf16 \
+  --resolution 512 --steps 20 --images 5
+# And over float8 weights (--fp8_base): what the sampler takes beside a trainer on a small card.
+bench "sampler_bench fp8" 120 "${BUILD}/bin/sampler_bench" solo --device cuda --dtype bf16 \
+  --fp8_base --resolution 512 --steps 20 --images 5
 
 step "bench: the same step with each of the trainer's other optimizers (batch 1, bf16)"
 # Each optimizer's update runs on the device the LoRA lives on; the CPU tests check them bit for
@@ -190,19 +295,24 @@ step "bench: the same step with each of the trainer's other optimizers (batch 1,
 for spec in AdamW8bit PagedAdamW8bit Prodigy:1.0 DAdaptAdam:1.0 Lion:3e-5 Adafactor; do
   name="${spec%%:*}" lr="${spec#*:}"
   [[ ${lr} == "${name}" ]] && lr=1e-4
-  "${BUILD}/bin/trainer_bench" solo full --device cuda --dtype bf16 --batch 1 --steps 10 \
-    --optimizer_type "${name}" --learning_rate "${lr}" | tee -a "${OUT}/bench.txt" \
-    || FAILED+=("trainer_bench ${name}")
+  bench "trainer_bench ${name}" 120 "${BUILD}/bin/trainer_bench" solo full --device cuda \
+    --dtype bf16 --batch 1 --steps 10 --optimizer_type "${name}" --learning_rate "${lr}"
 done
 
-step "bench: one preview render at SD1.5 size on CUDA, bf16, 512x512, 20 steps"
-# The sampler's render (sampler/render.h: text encoding, 20 DDIM steps with CFG, the VAE decode)
-# on random full-size weights: s/image and peak allocated memory (bench/sampler_bench.cpp).
-"${BUILD}/bin/sampler_bench" solo --device cuda --dtype bf16 --resolution 512 --steps 20 \
-  --images 5 | tee -a "${OUT}/bench.txt" || FAILED+=("sampler_bench")
-# And over float8 weights (--fp8_base): what the sampler takes beside a trainer on a small card.
-"${BUILD}/bin/sampler_bench" solo --device cuda --dtype bf16 --fp8_base --resolution 512 \
-  --steps 20 --images 5 | tee -a "${OUT}/bench.txt" || FAILED+=("sampler_bench fp8")
+step "bench: AdamW8bit on CUDA, bf16 parameters"
+bench adamw8bit_bench 240 python3 "${ROOT}/bench/adamw8bit_bench.py" \
+  --build "${BUILD}" --device cuda --dtype bf16 --sizes "${LORAPIPE_GPU_SIZES:-10M,100M,1B}" \
+  --rounds 3 --steps 20
+
+step "calibration: peak allocated memory over resolution and batch (SD1.5, SDXL; checkpointing)"
+# Measured peaks for the memory planner to be checked against (issue 34): the same solo step at
+# more sizes, three timed steps each. Last, so the deadline drops these first.
+for spec in "full 512 4" "full 768 1" "full 768 4" "full 1024 1" "full 1024 4" "sdxl 768 1" \
+  "sdxl 768 2" "sdxl 1024 2"; do
+  read -r size resolution batch <<<"${spec}"
+  bench "calibration ${spec}" 120 "${BUILD}/bin/trainer_bench" solo "${size}" --device cuda \
+    --dtype bf16 --batch "${batch}" --resolution "${resolution}" --steps 3 --gradient_checkpointing
+done
 
 step "summary"
 if ((${#FAILED[@]})); then
