@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <algorithm>
 #include <map>
 #include <random>
 #include <thread>
@@ -188,10 +189,16 @@ models::TinyCheckpoint* StagesOnDevice::tiny_sdxl_ = nullptr;
 // The cacher encodes on the device, the trainer trains the U-Net's LoRA there from the cache (text
 // included; the text encoder stays on the CPU) and saves its state; resumed from the state of
 // step 2, the run's last two losses and its final LoRA are the straight run's. A run that also
-// trains the text encoder's LoRA encodes the captions online, on the device. On the CPU they are equal bit for bit (the same kernels on the same
-// numbers); on CUDA some backward kernels may sum in another order from run to run, so the LoRA is
-// held to 1e-5 relative and the losses to 1e-5 relative (fp32 throughout; measured equal on the
-// CPU).
+// trains the text encoder's LoRA encodes the captions online, on the device. On the CPU they are
+// equal bit for bit (the same kernels on the same numbers). On CUDA the backward kernels (cuDNN's
+// weight gradients, attention's) sum in an order that changes from run to run, and Adam's
+// normalised step carries a gradient's last bits far in the elements whose gradients are near
+// zero: on an H200 two straight runs' LoRA tensors differ by up to 9e-2 relative after four
+// steps, a resumed run's from the straight one's by 1.4e-3 (two noisy steps instead of four). So
+// on CUDA the test measures the spread of the two steps after the resume with a second resume
+// from the same state, and holds the resumed run to ten times that from the straight run (a
+// resume that lost the optimizer's state or the data cursor takes a different first step and
+// lands far outside); the losses stay within 1e-5 relative (fp32 throughout).
 TEST_F(StagesOnDevice, CacherEncodesTrainerTrainsSavesAndResumes) {
   const std::string device = stage_device();
   std::printf("[stages] device %s\n", device.c_str());
@@ -214,24 +221,46 @@ TEST_F(StagesOnDevice, CacherEncodesTrainerTrainsSavesAndResumes) {
   ASSERT_EQ(after.size(), 2u) << resumed.err;
   const bool exact = device == "cpu";
   for (size_t i = 0; i < 2; ++i) {
+    std::printf("[stages] step %zu loss: straight %.9g, resumed %.9g\n", 3 + i, all[2 + i], after[i]);
     if (exact) {
       EXPECT_EQ(after[i], all[2 + i]) << "step " << 3 + i;
     } else {
       EXPECT_NEAR(after[i], all[2 + i], 1e-5 * std::abs(all[2 + i])) << "step " << 3 + i;
     }
   }
-  const auto a = models::read_tensors(
-      models::SafetensorsFile::open(straight_dir / "lora" / "tiny.safetensors"));
-  const auto b = models::read_tensors(
-      models::SafetensorsFile::open(resumed_dir / "lora" / "tiny.safetensors"));
+  auto lora_of = [](const fs::path& run_dir) {
+    return models::read_tensors(
+        models::SafetensorsFile::open(run_dir / "lora" / "tiny.safetensors"));
+  };
+  const auto a = lora_of(straight_dir);
+  const auto b = lora_of(resumed_dir);
   ASSERT_EQ(a.size(), b.size());
   ASSERT_GT(a.size(), 10u);
-  for (const auto& [name, t] : a) {
-    if (exact) {
-      EXPECT_TRUE(torch::equal(b.at(name), t)) << name;
-    } else {
-      EXPECT_LE(models::testing::relative_error(b.at(name), t), 1e-5) << name;
+  // The largest relative difference between two runs' LoRA tensors.
+  auto most_apart = [&a](const std::map<std::string, at::Tensor>& other) {
+    double most = 0;
+    for (const auto& [name, t] : a) {
+      most = std::max(most, models::testing::relative_error(other.at(name), t));
     }
+    return most;
+  };
+  if (exact) {
+    for (const auto& [name, t] : a) EXPECT_TRUE(torch::equal(b.at(name), t)) << name;
+  } else {
+    const fs::path again_dir = *dir_ / "resumed-again";
+    const Run again =
+        train(cache_dir, again_dir, {"--network_train_unet_only", "--resume=" + half.string()});
+    ASSERT_EQ(again.exit, 0) << again.err;
+    const auto c = lora_of(again_dir);
+    double spread = 0;  // between the two resumed runs
+    for (const auto& [name, t] : b) {
+      spread = std::max(spread, models::testing::relative_error(c.at(name), t));
+    }
+    const double resumed_apart = most_apart(b);
+    std::printf("[stages] LoRA after 4 steps: two runs resumed from step 2 differ by %.3g relative "
+                "at most, the resumed run from the straight one by %.3g\n", spread, resumed_apart);
+    // 1e-6: the floor where the device's kernels happen to repeat themselves exactly.
+    EXPECT_LE(resumed_apart, 10 * std::max(spread, 1e-6));
   }
 
   const Run both = train(cache_dir, *dir_ / "both", {});

@@ -23,7 +23,8 @@
 # stage binaries and sources by absolute path), and every one of them loads with all its symbols
 # bound; otherwise the script builds there, as without them. Environment:
 # LORAPIPE_GPU_BUILD (default build-gpu), OUT, LORAPIPE_GPU_SIZES (optimizer bench sizes,
-# default 10M,100M,1B).
+# default 10M,100M,1B), LORAPIPE_GPU_TESTS (a subset of the test binaries), LORAPIPE_GPU_DEADLINE_S
+# (no benchmark starts after it; 0 runs the tests alone).
 #
 # What runs:
 #   - GPU tests (ctest -L gpu is not used: the CUDA tests skip themselves without a device, so
@@ -227,9 +228,18 @@ if ! python3 -c 'import bitsandbytes' 2>/dev/null; then
   FILTER='AdamW8bitCuda.*:AdamW8bitCpu.*:AdamW8bitQuantize.*'
   echo "not run (no bitsandbytes in python3): AdamW8bitParity.*, AdamW8bitMaps.*"
 fi
-for test in kernels_test models_test trainer_ranks_test "adamw8bit_test --gtest_filter=${FILTER}" \
-  "train_parity_test --gtest_filter=TrainLora.AdaptersDrawTheSameValuesWhateverThePlacement" \
-  stages_on_device_test; do
+TESTS=(kernels_test models_test trainer_ranks_test "adamw8bit_test --gtest_filter=${FILTER}"
+  "train_parity_test --gtest_filter=TrainLora.AdaptersDrawTheSameValuesWhateverThePlacement"
+  stages_on_device_test)
+# LORAPIPE_GPU_TESTS: a space-separated subset of the binaries above, to rerun only those.
+if [[ -n ${LORAPIPE_GPU_TESTS:-} ]]; then
+  wanted=()
+  for test in "${TESTS[@]}"; do
+    [[ " ${LORAPIPE_GPU_TESTS} " == *" ${test%% *} "* ]] && wanted+=("${test}")
+  done
+  TESTS=("${wanted[@]}")
+fi
+for test in "${TESTS[@]}"; do
   name="${test%% *}"
   # shellcheck disable=SC2086  # the filter travels as its own word
   if ! timeout --kill-after=10 300 "${BUILD}/bin/"${test} --gtest_output="xml:${OUT}/${name}.xml"; then
