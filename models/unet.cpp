@@ -370,7 +370,8 @@ Transformer2DImpl::Transformer2DImpl(int64_t channels, int64_t heads, int64_t la
   }
 }
 
-torch::Tensor Transformer2DImpl::forward(const torch::Tensor& x, const torch::Tensor& context) {
+torch::Tensor Transformer2DImpl::forward(const torch::Tensor& x, const torch::Tensor& context,
+                                         bool checkpointed) {
   const int64_t batch = x.size(0), height = x.size(2), width = x.size(3);
   // (B, C, H, W) <-> (B, H*W, C); diffusers projects before flattening with the convolution and
   // after it with the Linear (Transformer2DModel._operate_on_continuous_inputs).
@@ -382,7 +383,17 @@ torch::Tensor Transformer2DImpl::forward(const torch::Tensor& x, const torch::Te
   };
   torch::Tensor h = norm(x);
   h = proj_in_linear ? proj_in_linear(to_tokens(h)) : to_tokens(proj_in_conv(h));
-  for (auto& block : blocks) h = block(h, context);
+  for (auto& block : blocks) {
+    if (!checkpointed) {
+      h = block(h, context);
+      continue;
+    }
+    h = checkpoint(
+        [b = block.ptr()](const std::vector<torch::Tensor>& in) {
+          return std::vector<torch::Tensor>{b->forward(in[0], in[1])};
+        },
+        {h, context}, trainable_adapter_tensors(*block))[0];
+  }
   h = proj_out_linear ? to_image(proj_out_linear(h)) : proj_out_conv(to_image(h));
   return h + x;
 }
@@ -452,12 +463,7 @@ torch::Tensor run_resnet(ResnetBlock2D& resnet, const torch::Tensor& x, const to
 
 torch::Tensor run_attention(Transformer2D& attention, const torch::Tensor& x,
                             const torch::Tensor& context, bool checkpointed) {
-  if (!checkpointed) return attention(x, context);
-  return checkpoint(
-      [a = attention.ptr()](const std::vector<torch::Tensor>& in) {
-        return std::vector<torch::Tensor>{a->forward(in[0], in[1])};
-      },
-      {x, context}, trainable_adapter_tensors(*attention))[0];
+  return attention->forward(x, context, checkpointed);
 }
 
 }  // namespace

@@ -129,7 +129,11 @@ TORCH_MODULE(BasicTransformerBlock);
 struct Transformer2DImpl : torch::nn::Module {
   Transformer2DImpl(int64_t channels, int64_t heads, int64_t layers, int64_t context_dim,
                     int64_t groups, bool linear_projection);
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& context);
+  // `checkpointed`: each BasicTransformerBlock runs under models::checkpoint, as diffusers'
+  // Transformer2DModel and kohya's U-Nets checkpoint them (the norm and the projections keep
+  // their activations: two tensors of the block's width).
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& context,
+                        bool checkpointed = false);
   torch::nn::GroupNorm norm{nullptr};
   Conv2d proj_in_conv{nullptr}, proj_out_conv{nullptr};
   Linear proj_in_linear{nullptr}, proj_out_linear{nullptr};
@@ -176,7 +180,7 @@ struct DownBlockImpl : torch::nn::Module {
   DownBlockImpl(int64_t in_channels, int64_t out_channels, int64_t temb_channels, int64_t layers,
                 bool with_attention, int64_t heads, int64_t transformer_layers, int64_t context_dim,
                 const UNetConfig& config, bool add_downsample);
-  // `checkpointed`: each resnet and each Transformer2D runs under models::checkpoint.
+  // `checkpointed`: each resnet and each transformer block runs under models::checkpoint.
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& temb, const torch::Tensor& context,
                         std::vector<torch::Tensor>& skips, bool checkpointed = false);
   torch::nn::ModuleList resnets, attentions, downsamplers;
@@ -255,11 +259,13 @@ struct UNetImpl : torch::nn::Module {
 
   const UNetConfig& config() const { return config_; }
 
-  // With grad mode on, each resnet and each Transformer2D (diffusers' granularity) runs under
-  // models::checkpoint (models/checkpoint.h): its activations are recomputed in backward, and the
-  // LoRA tensors inside it are passed explicitly so a frozen base still gives them gradients.
-  // Only the layers' outputs stay alive through the forward, and the recomputation holds one
-  // layer's activations at a time (a whole block's at 64x64 is over a GiB in fp32).
+  // With grad mode on, each resnet and each BasicTransformerBlock (diffusers' and kohya's
+  // granularity) runs under models::checkpoint (models/checkpoint.h): its activations are
+  // recomputed in backward, and the LoRA tensors inside it are passed explicitly so a frozen base
+  // still gives them gradients. Only the layers' outputs stay alive through the forward, and the
+  // recomputation holds one layer's activations at a time (a whole block's at 64x64 is over a GiB
+  // in fp32; SDXL's ten-deep Transformer2D at 1024x1024 holds 0.7 GiB in bf16 where one
+  // transformer block holds a tenth of it).
   bool gradient_checkpointing = false;
 
   Conv2d conv_in{nullptr};
