@@ -374,28 +374,51 @@ torch::Tensor Transformer2DImpl::forward(const torch::Tensor& x, const torch::Te
                                          bool checkpointed) {
   const int64_t batch = x.size(0), height = x.size(2), width = x.size(3);
   // (B, C, H, W) <-> (B, H*W, C); diffusers projects before flattening with the convolution and
-  // after it with the Linear (Transformer2DModel._operate_on_continuous_inputs).
-  auto to_tokens = [&](const torch::Tensor& t) {
+  // after it with the Linear (Transformer2DModel._operate_on_continuous_inputs). By value: a
+  // checkpoint runs them again in backward.
+  auto to_tokens = [=](const torch::Tensor& t) {
     return t.permute({0, 2, 3, 1}).reshape({batch, height * width, t.size(1)});
   };
-  auto to_image = [&](const torch::Tensor& t) {
+  auto to_image = [=](const torch::Tensor& t) {
     return t.reshape({batch, height, width, t.size(2)}).permute({0, 3, 1, 2}).contiguous();
   };
-  torch::Tensor h = norm(x);
-  h = proj_in_linear ? proj_in_linear(to_tokens(h)) : to_tokens(proj_in_conv(h));
-  for (auto& block : blocks) {
-    if (!checkpointed) {
-      h = block(h, context);
-      continue;
-    }
-    h = checkpoint(
-        [b = block.ptr()](const std::vector<torch::Tensor>& in) {
-          return std::vector<torch::Tensor>{b->forward(in[0], in[1])};
-        },
-        {h, context}, trainable_adapter_tensors(*block))[0];
+  auto head = [this, to_tokens](const torch::Tensor& in) {
+    const torch::Tensor h = norm(in);
+    return proj_in_linear ? proj_in_linear(to_tokens(h)) : to_tokens(proj_in_conv(h));
+  };
+  auto tail = [this, to_image](const torch::Tensor& h, const torch::Tensor& residual) {
+    return (proj_out_linear ? to_image(proj_out_linear(h)) : proj_out_conv(to_image(h))) + residual;
+  };
+  if (!checkpointed) {
+    torch::Tensor h = head(x);
+    for (auto& block : blocks) h = block(h, context);
+    return tail(h, x);
   }
-  h = proj_out_linear ? to_image(proj_out_linear(h)) : proj_out_conv(to_image(h));
-  return h + x;
+  // One checkpoint per transformer block, the first holding the norm and proj_in too and the last
+  // proj_out and the residual, so between blocks only the tokens stay alive (a single block is
+  // the whole module under one checkpoint).
+  const size_t n = blocks.size();
+  torch::Tensor h = x;
+  for (size_t i = 0; i < n; ++i) {
+    const bool first = i == 0, last = i + 1 == n;
+    std::vector<torch::Tensor> inputs{h, context};
+    if (last && !first) inputs.push_back(x);
+    std::vector<torch::Tensor> trainable = trainable_adapter_tensors(*blocks[i]);
+    auto add_trainable = [&trainable](const torch::nn::Module& m) {
+      for (const at::Tensor& t : trainable_adapter_tensors(m)) trainable.push_back(t);
+    };
+    if (first) add_trainable(proj_in_linear ? *proj_in_linear : static_cast<torch::nn::Module&>(*proj_in_conv));
+    if (last) add_trainable(proj_out_linear ? *proj_out_linear : static_cast<torch::nn::Module&>(*proj_out_conv));
+    h = checkpoint(
+        [this, i, first, last, head, tail](const std::vector<torch::Tensor>& in) {
+          torch::Tensor t = first ? head(in[0]) : in[0];
+          t = blocks[i](t, in[1]);
+          if (last) t = tail(t, first ? in[0] : in[2]);
+          return std::vector<torch::Tensor>{t};
+        },
+        inputs, trainable)[0];
+  }
+  return h;
 }
 
 // ---- resnets and resampling ------------------------------------------------------------------

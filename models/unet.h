@@ -130,8 +130,8 @@ struct Transformer2DImpl : torch::nn::Module {
   Transformer2DImpl(int64_t channels, int64_t heads, int64_t layers, int64_t context_dim,
                     int64_t groups, bool linear_projection);
   // `checkpointed`: each BasicTransformerBlock runs under models::checkpoint, as diffusers'
-  // Transformer2DModel and kohya's U-Nets checkpoint them (the norm and the projections keep
-  // their activations: two tensors of the block's width).
+  // Transformer2DModel and kohya's U-Nets checkpoint them; the norm and proj_in share the first
+  // block's checkpoint and proj_out the last's, so only the tokens between blocks are kept.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& context,
                         bool checkpointed = false);
   torch::nn::GroupNorm norm{nullptr};
