@@ -104,10 +104,10 @@ class AdamW8bit final : public Optimizer {
   }
 
   void zero_grad() override {
-    // In place, so the gradients keep their storage (the CUDA plan holds their addresses).
-    for (Slot& slot : slots_) {
-      if (slot.param.grad().defined()) slot.param.mutable_grad().zero_();
-    }
+    // Freed, as torch's optimizers (and ours) do: gradients that lived from one step to the next
+    // would sit beside the activations at the step's peak (on SDXL's rank-16 LoRA, 163 MiB). The
+    // next backward allocates them anew; the CUDA plan follows their addresses (step_cuda).
+    for (Slot& slot : slots_) slot.param.mutable_grad() = at::Tensor();
   }
 
   size_t group_count() const override { return lrs_.size(); }
@@ -215,8 +215,8 @@ class AdamW8bit final : public Optimizer {
     if (managed_ != nullptr) {
       k::prefetch_managed(managed_, static_cast<size_t>(arena_.numel()), device_.index(), stream);
     }
-    // The plan holds the tensors' addresses; gradients keep theirs (zero_grad works in place),
-    // so it is rebuilt only when one changes.
+    // The plan holds the tensors' addresses; it is rebuilt only when one changes (a gradient
+    // allocated anew: CUDA's caching allocator mostly hands a step the blocks of the last).
     auto& plan = plans_[static_cast<int>(dtype)];
     auto& key = plan_keys_[static_cast<int>(dtype)];
     std::vector<const void*> now;
