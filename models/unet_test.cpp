@@ -25,6 +25,9 @@
 #include "common/error.h"
 #include "models/attention.h"
 #include "models/clip_text.h"
+#include "models/linear.h"
+#include "models/lora.h"
+#include "models/tiny.h"
 #include "models/parity_util.h"
 #include "models/safetensors.h"
 #include "models/sd15_lora.h"
@@ -401,6 +404,80 @@ TEST(UNetConfigTest, UnsupportedOrMalformedConfigsNameTheField) {
             std::string::npos);
   EXPECT_NE(error_of(R"({"attention_head_dim": 7})").find("heads"), std::string::npos);
   EXPECT_NE(error_of("{not json").find("unet/config.json"), std::string::npos);
+}
+
+// ---- gradient checkpointing --------------------------------------------------------------------
+
+// Checkpointing changes where activations live, never a number: a UNet whose cross-attention
+// level is three transformer blocks deep (so a Transformer2D runs as a first segment holding
+// the norm and proj_in, a middle one, and a last one holding proj_out and the residual) gives,
+// checkpointed, the output and every gradient of the plain run: the LoRA adapters' on every
+// Linear, the latents' and the text's (which requires grad, as when a text encoder trains). In
+// float64 the two runs differ only where autograd adds the text's gradients from several nodes in
+// another order: 1e-12 relative leaves that room and catches any segment that drops a residual,
+// an adapter or an input's gradient (errors of order 1).
+TEST(UNetCheckpointing, ThreeDeepTransformerLevelGivesThePlainGradients) {
+  UNetConfig config = tiny_sdxl_unet_config();
+  config.transformer_layers_per_block = {1, 3};
+  torch::manual_seed(11);
+  UNet unet(config);
+  unet->to(torch::kDouble);
+  for (auto& p : unet->parameters()) p.requires_grad_(false);
+  std::vector<at::Tensor> adapters;
+  std::map<std::string, at::Tensor> named;
+  for (const auto& item : unet->named_modules()) {
+    auto linear = std::dynamic_pointer_cast<LinearImpl>(item.value());
+    if (!linear || item.key().find("attentions") == std::string::npos) continue;
+    auto lora = std::make_shared<LoraAdapter>();
+    const int64_t rank = 2;
+    lora->down = torch::randn({rank, linear->weight.size(1)}, torch::kDouble).requires_grad_();
+    lora->up = torch::randn({linear->weight.size(0), rank}, torch::kDouble).requires_grad_();
+    lora->scale = 0.5;
+    linear->lora = lora;
+    named[item.key() + ".down"] = lora->down;
+    named[item.key() + ".up"] = lora->up;
+  }
+  // proj_in, proj_out and the ten Linears of each of three blocks, in the level's two
+  // Transformer2Ds down and three up and the mid block's (as deep as the last level, as diffusers
+  // builds it).
+  ASSERT_EQ(named.size(), 2u * 6 * (2 + 3 * 10));
+  const auto opts = torch::TensorOptions().dtype(torch::kDouble);
+  const at::Tensor latents = torch::randn({2, config.in_channels, 8, 8}, opts);
+  const at::Tensor text = torch::randn({2, 5, config.cross_attention_dim}, opts);
+  const at::Tensor pooled = torch::randn({2, 32}, opts);
+  const at::Tensor time_ids = torch::rand({2, 6}, opts) * 1024;
+  const at::Tensor weights = torch::randn({2, config.out_channels, 8, 8}, opts);
+  const at::Tensor timesteps = torch::tensor({3.0, 700.0}, opts);
+
+  struct Run {
+    at::Tensor out;
+    std::map<std::string, at::Tensor> grads;
+  };
+  auto run = [&](bool checkpointed) {
+    unet->gradient_checkpointing = checkpointed;
+    for (auto& [name, t] : named) t.mutable_grad() = at::Tensor();
+    const at::Tensor x = latents.clone().requires_grad_();
+    const at::Tensor context = text.clone().requires_grad_();
+    const at::Tensor out = unet->forward(x, timesteps, context, pooled, time_ids);
+    (out * weights).sum().backward();
+    Run r{out.detach(), {{"latents", x.grad()}, {"text", context.grad()}}};
+    for (const auto& [name, t] : named) r.grads[name] = t.grad().clone();
+    return r;
+  };
+  const Run plain = run(false);
+  const Run checkpointed = run(true);
+  EXPECT_LE(testing::relative_error(checkpointed.out, plain.out), 1e-12);
+  ASSERT_EQ(checkpointed.grads.size(), plain.grads.size());
+  double worst = 0;
+  for (const auto& [name, g] : plain.grads) {
+    ASSERT_TRUE(g.defined() && checkpointed.grads.at(name).defined()) << name;
+    ASSERT_GT(g.abs().max().item<double>(), 0) << name;
+    const double e = testing::relative_error(checkpointed.grads.at(name), g);
+    worst = std::max(worst, e);
+    EXPECT_LE(e, 1e-12) << name;
+  }
+  std::printf("[checkpointing] %zu gradients, checkpointed against plain: max relative error %.3g\n",
+              plain.grads.size(), worst);
 }
 
 // ---- FLOPs (the benches' MFU) --------------------------------------------------------------------
