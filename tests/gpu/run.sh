@@ -15,7 +15,11 @@
 #                                private prefix (never into /), builds the CUDA kernels and every
 #                                LibTorch target except preprocess against that python's torch,
 #                                then runs the GPU tests and benchmarks. Results go to $OUT (default
-#                                build-gpu/out): gpu-tests.xml, bench.txt and the log.
+#                                build-gpu/out): each test binary's XML, bench.txt and the log
+#                                (eight files: the device tool returns no more).
+#
+# Run on an H200 on 2026-12-04 (bench/results/h200-2026-12-04.md): the whole script took 6.8
+# minutes with the prebuilt binaries, about 30 s more for the machine to start.
 #
 # Carry .debs/ (and .gpu-prebuilt/ where --pack made it) with the working tree. The prebuilt
 # binaries are used only where the machine's torch is the version they were built against, the
@@ -57,6 +61,10 @@
 #   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps, also
 #     over float8 weights (--fp8_base);
 #     s/image and peak allocated memory.
+#   - Last, the calibration sweep: the `solo` step with checkpointing at more resolutions and
+#     batches (SD1.5 and SDXL), peaks for the memory planner to be checked against.
+# Order: tests, then SDXL, SD1.5, the sampler, the optimizers, the 8-bit kernel, the sweep, so a
+# deadline that cuts the run drops the least needed.
 # Not yet here: two-rank NCCL training (one GPU cannot hold two NCCL ranks), and the sampler stage
 # and a launcher run (they write images through libvips, whose Debian packages are more than the
 # carry allows): the sampler's render path on CUDA is the stage test's above and sampler_bench's
