@@ -8,7 +8,8 @@
 #                                On this machine, after a build (default build/, CUDA on, torch
 #                                from scripts/versions.env): strips the GPU run's binaries into
 #                                .gpu-prebuilt/bin.tar.xz (git-ignored), stamped with the torch
-#                                version and the folder they were built in. Carried, it spares
+#                                version, the folder they were built in and a hash of the
+#                                sources. Carried, it spares
 #                                the GPU machine the build (minutes of a short device lease).
 #   tests/gpu/run.sh             On a machine with an NVIDIA GPU, nvcc and a python3 that holds
 #                                torch 2.11 (CUDA 13.0), and no network: unpacks .debs/ into a
@@ -22,10 +23,11 @@
 # minutes with the prebuilt binaries, about 30 s more for the machine to start.
 #
 # Carry .debs/ (and .gpu-prebuilt/ where --pack made it) with the working tree. The prebuilt
-# binaries are used only where the machine's torch is the version they were built against, the
-# folder they were built in can be made to point at this checkout (the test binaries name their
-# stage binaries and sources by absolute path), and every one of them loads with all its symbols
-# bound; otherwise the script builds there, as without them. Environment:
+# binaries are used only where they were built from this checkout's sources, the machine's torch
+# is the version they were built against, the folder they were built in can be made to point at
+# this checkout (the test binaries name their stage binaries and sources by absolute path), and
+# every one of them loads with all its symbols bound; otherwise the script builds there, as
+# without them. Environment:
 # LORAPIPE_GPU_BUILD (default build-gpu), OUT, LORAPIPE_GPU_SIZES (optimizer bench sizes,
 # default 10M,100M,1B), LORAPIPE_GPU_TESTS (a subset of the test binaries), LORAPIPE_GPU_DEADLINE_S
 # (no benchmark starts after it; 0 runs the tests alone).
@@ -93,6 +95,17 @@ TARGETS=(kernels_test adamw8bit_test models_test trainer_ranks_test train_parity
   stages_on_device_test lorapipe-cacher lorapipe-trainer adamw8bit_bench trainer_bench sampler_bench)
 PREBUILT="${ROOT}/.gpu-prebuilt"
 
+# One hash of every file the build reads (sources, headers, kernels, CMake files, the Python
+# that generates embedded data), so a pack made from other sources than this checkout's is
+# refused rather than tested in their place.
+sources_hash() {
+  (cd "${ROOT}" && find common proto runtime kernels models preprocess cacher trainer sampler \
+    deploy bench tests cmake CMakeLists.txt -type f \( -name '*.cpp' -o -name '*.h' -o \
+    -name '*.cu' -o -name '*.inc' -o -name '*.proto' -o -name '*.cmake' -o -name '*.in' -o \
+    -name CMakeLists.txt -o -name '*.py' \) -print0 | LC_ALL=C sort -z | xargs -0 sha256sum \
+    | sha256sum | cut -d' ' -f1)
+}
+
 if [[ ${1:-} == --pack ]]; then
   build="$(cd "${2:-${ROOT}/build}" && pwd)" || exit 1
   grep -q 'adamw8bit\.cu\.o' "${build}/build.ninja" 2>/dev/null \
@@ -103,7 +116,8 @@ if [[ ${1:-} == --pack ]]; then
   for target in "${TARGETS[@]}"; do
     strip --strip-debug -o "${stage}/bin/${target}" "${build}/bin/${target}" || exit 1
   done
-  printf 'root=%s\ntorch=%s\n' "${ROOT}" "${torch_version}" >"${stage}/stamp"
+  printf 'root=%s\ntorch=%s\nsources=%s\n' "${ROOT}" "${torch_version}" "$(sources_hash)" \
+    >"${stage}/stamp"
   tar -C "${stage}" -cJf "${PREBUILT}/bin.tar.xz" bin stamp || exit 1
   rm -rf "${stage}"
   ls -l "${PREBUILT}/bin.tar.xz"
@@ -175,11 +189,15 @@ use_prebuilt() {
   if [[ ${torch_version} != "${here}" ]]; then
     echo "prebuilt: built against torch ${torch_version}, this machine has ${here}"; return 1
   fi
+  if [[ $(sed -n 's/^sources=//p' "${unpacked}/stamp") != "$(sources_hash)" ]]; then
+    echo "prebuilt: packed from other sources than this checkout's (run --pack after the build)"
+    return 1
+  fi
   if [[ ! -e ${root} ]]; then mkdir -p "$(dirname "${root}")" && ln -s "${ROOT}" "${root}" || return 1; fi
   if [[ $(cd "${root}" && pwd -P) != "$(cd "${ROOT}" && pwd -P)" ]]; then
     echo "prebuilt: ${root}, where they were built, is another folder here"; return 1
   fi
-  mkdir -p "${ROOT}/build/bin" && cp "${unpacked}"/bin/* "${ROOT}/build/bin/" || return 1
+  mkdir -p "${ROOT}/build/bin" && cp --remove-destination "${unpacked}"/bin/* "${ROOT}/build/bin/" || return 1
   BUILD="${root}/build"
   # Where the build's RUNPATH pointed on the packing machine: torch's libraries, and the CUDA
   # runtime (the wheel's own, else the toolkit's).
