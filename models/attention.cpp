@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <limits>
 
 namespace lorapipe::models {
 namespace {
@@ -38,6 +39,23 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     const int64_t s = k.size(-2);
     at::Tensor mask = at::ones({t, s}, q.options().dtype(at::kBool)).triu(/*diagonal=*/1);
     scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  }
+  return at::matmul(at::softmax(scores, -1), v);
+}
+
+at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& key_mask) {
+  std::optional<at::Tensor> mask;
+  if (key_mask.defined()) {
+    mask = key_mask.to(at::kBool).view({key_mask.size(0), 1, 1, key_mask.size(1)});
+  }
+  if (!g_force_math) {
+    return at::scaled_dot_product_attention(q, k, v, mask);
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * scale;
+  if (mask) {
+    scores = scores.masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
   }
   return at::matmul(at::softmax(scores, -1), v);
 }

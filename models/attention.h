@@ -17,6 +17,13 @@ namespace lorapipe::models {
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      bool causal = false);
 
+// Non-causal attention over the keys `key_mask` selects ([B, S] bool, true: attended; undefined:
+// all), as kohya's Flux attention with --apply_t5_attn_mask: every query still attends to the
+// image tokens and the unmasked text. The math path is SDPA's own (a 4-D matmul, the scale, the
+// masked scores at -inf), the reference's for the transformer families.
+at::Tensor masked_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& key_mask);
+
 // Forces (or stops forcing) the math path process-wide.
 void set_force_math_attention(bool force);
 bool force_math_attention();
