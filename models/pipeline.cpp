@@ -387,7 +387,7 @@ std::string to_config_json(const UNetConfig& c) {
 
 std::string to_config_json(const VaeConfig& c) {
   const size_t levels = c.block_out_channels.size();
-  return json{{"_class_name", "AutoencoderKL"},
+  json j{{"_class_name", "AutoencoderKL"},
               {"in_channels", c.in_channels},
               {"out_channels", c.out_channels},
               {"block_out_channels", c.block_out_channels},
@@ -398,8 +398,11 @@ std::string to_config_json(const VaeConfig& c) {
               {"mid_block_add_attention", c.mid_block_add_attention},
               {"down_block_types", std::vector<std::string>(levels, "DownEncoderBlock2D")},
               {"up_block_types", std::vector<std::string>(levels, "UpDecoderBlock2D")},
-              {"act_fn", "silu"}}
-      .dump(2);
+              {"act_fn", "silu"},
+              {"use_quant_conv", c.use_quant_conv},
+              {"use_post_quant_conv", c.use_post_quant_conv}};
+  if (c.shift_factor != 0) j["shift_factor"] = c.shift_factor;
+  return j.dump(2);
 }
 
 std::string to_config_json(const ClipTextConfig& c) {

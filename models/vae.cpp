@@ -209,8 +209,10 @@ VaeConfig VaeConfig::from_json(const std::string& text, const std::string& sourc
       }
     }
   }
-  if (j.value("use_quant_conv", true) == false || j.value("use_post_quant_conv", true) == false) {
-    throw InputError(source + ": VAE config: models without quant_conv are not supported yet");
+  c.use_quant_conv = j.value("use_quant_conv", c.use_quant_conv);
+  c.use_post_quant_conv = j.value("use_post_quant_conv", c.use_post_quant_conv);
+  if (j.contains("shift_factor") && !j["shift_factor"].is_null()) {
+    c.shift_factor = j["shift_factor"].get<double>();
   }
   return c;
 } catch (const nlohmann::json::exception& e) {
@@ -231,18 +233,24 @@ AutoencoderKLImpl::AutoencoderKLImpl(const VaeConfig& config) : config_(config) 
   encoder_ = register_module("encoder", std::make_shared<VaeEncoderImpl>(config));
   decoder_ = register_module("decoder", std::make_shared<VaeDecoderImpl>(config));
   const int64_t l = config.latent_channels;
-  quant_conv_ = register_module("quant_conv", conv(2 * l, 2 * l, 1).ptr());
-  post_quant_conv_ = register_module("post_quant_conv", conv(l, l, 1).ptr());
+  if (config.use_quant_conv) {
+    quant_conv_ = register_module("quant_conv", conv(2 * l, 2 * l, 1).ptr());
+  }
+  if (config.use_post_quant_conv) {
+    post_quant_conv_ = register_module("post_quant_conv", conv(l, l, 1).ptr());
+  }
 }
 
 LatentDistribution AutoencoderKLImpl::encode(const torch::Tensor& images) {
-  torch::Tensor moments = quant_conv_->as<nn::Conv2d>()->forward(encoder_->forward(images));
+  torch::Tensor moments = encoder_->forward(images);
+  if (quant_conv_) moments = quant_conv_->as<nn::Conv2d>()->forward(moments);
   auto parts = moments.chunk(2, /*dim=*/1);
   return {parts[0], torch::clamp(parts[1], -30.0, 20.0)};
 }
 
 torch::Tensor AutoencoderKLImpl::decode(const torch::Tensor& latents) {
-  return decoder_->forward(post_quant_conv_->as<nn::Conv2d>()->forward(latents));
+  return decoder_->forward(
+      post_quant_conv_ ? post_quant_conv_->as<nn::Conv2d>()->forward(latents) : latents);
 }
 
 void load_vae(AutoencoderKL& vae, const std::filesystem::path& folder_or_file) {

@@ -21,13 +21,18 @@ struct VaeConfig {
   int64_t latent_channels = 4;
   int64_t norm_num_groups = 32;
   double scaling_factor = 0.18215;  // SD1.5; the family decides
+  double shift_factor = 0;          // Flux.1's AE: 0.1159
   bool mid_block_add_attention = true;
+  // The 1x1 convolutions around the latent distribution: SD's VAEs have both, Flux.1's AE neither.
+  bool use_quant_conv = true;
+  bool use_post_quant_conv = true;
 
   static VaeConfig sd15();
   // A diffusers `vae/config.json`; absent fields keep these defaults.
   // Throws InputError naming `source` for malformed JSON, a field of the wrong type or a VAE this
   // code does not build.
-  static VaeConfig from_json(const std::string& text, const std::string& source = "vae/config.json");
+  static VaeConfig from_json(const std::string& text,
+                             const std::string& source = "vae/config.json");
 };
 
 struct LatentDistribution {

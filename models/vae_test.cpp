@@ -27,25 +27,51 @@ class VaeParity : public ::testing::Test {
 };
 fs::path VaeParity::dir_;
 
-TEST_F(VaeParity, EncodeAndDecodeMatchDiffusers) {
+// Encodes and decodes the reference's images and latents with the VAE saved in dir_/<name>.
+void check_vae(const fs::path& dir, const std::string& vae_name, AutoencoderKL& vae) {
   set_force_math_attention(true);
-  std::ifstream in(dir_ / "vae" / "config.json");
-  const std::string json{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  AutoencoderKL vae(VaeConfig::from_json(json));
-  load_vae(vae, dir_ / "vae");
+  load_vae(vae, dir / vae_name);
   vae->eval();
-  EXPECT_DOUBLE_EQ(vae->config().scaling_factor, 0.18215);
-  const auto io = testing::read_all(dir_ / "vae_io.safetensors");
+  const auto io = testing::read_all(dir / (vae_name + "_io.safetensors"));
   torch::NoGradGuard no_grad;
   constexpr double kTolerance = 1e-4;
   for (const std::string name : {"square", "wide"}) {
     const LatentDistribution dist = vae->encode(io.at(name + ".image"));
-    testing::expect_close("vae " + name + " mean", dist.mean, io.at(name + ".mean"), kTolerance);
-    testing::expect_close("vae " + name + " logvar", dist.logvar, io.at(name + ".logvar"),
+    testing::expect_close(vae_name + " " + name + " mean", dist.mean, io.at(name + ".mean"),
                           kTolerance);
-    testing::expect_close("vae " + name + " decode", vae->decode(io.at(name + ".latents")),
+    testing::expect_close(vae_name + " " + name + " logvar", dist.logvar, io.at(name + ".logvar"),
+                          kTolerance);
+    testing::expect_close(vae_name + " " + name + " decode", vae->decode(io.at(name + ".latents")),
                           io.at(name + ".decoded"), kTolerance);
   }
+}
+
+VaeConfig config_of(const fs::path& folder) {
+  std::ifstream in(folder / "config.json");
+  const std::string json{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  return VaeConfig::from_json(json);
+}
+
+TEST_F(VaeParity, EncodeAndDecodeMatchDiffusers) {
+  AutoencoderKL vae(config_of(dir_ / "vae"));
+  EXPECT_DOUBLE_EQ(vae->config().scaling_factor, 0.18215);
+  EXPECT_TRUE(vae->config().use_quant_conv);
+  check_vae(dir_, "vae", vae);
+}
+
+// Flux.1's AE: 16 latent channels and no 1x1 convolutions around the latents (diffusers'
+// use_quant_conv / use_post_quant_conv false), its scale and shift read from the config.
+TEST_F(VaeParity, FluxAutoencoderWithoutQuantConvsMatchesDiffusers) {
+  AutoencoderKL vae(config_of(dir_ / "flux_vae"));
+  EXPECT_EQ(vae->config().latent_channels, 16);
+  EXPECT_FALSE(vae->config().use_quant_conv);
+  EXPECT_FALSE(vae->config().use_post_quant_conv);
+  EXPECT_DOUBLE_EQ(vae->config().scaling_factor, 0.3611);
+  EXPECT_DOUBLE_EQ(vae->config().shift_factor, 0.1159);
+  for (const auto& item : vae->named_parameters()) {
+    EXPECT_EQ(item.key().find("quant_conv"), std::string::npos) << item.key();
+  }
+  check_vae(dir_, "flux_vae", vae);
 }
 
 TEST_F(VaeParity, SampleDrawsAroundTheMean) {
