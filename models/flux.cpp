@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "models/attention.h"
 #include "models/checkpoint.h"
+#include "models/empty_linear.h"
 #include "models/loading.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
@@ -19,26 +20,8 @@
 namespace lorapipe::models {
 namespace {
 
-// A models::Linear whose weight [out, in] and bias [out] are made with `options` and left
-// uninitialised (no memory at all on the meta device): torch's constructor would first make every
-// weight in the default dtype and initialise it for nothing, and the full transformer would exist
-// in fp32 first. (A subclass, to reach Module's parameter table; it is a LinearImpl to everyone.)
-struct UninitializedLinear : LinearImpl {
-  UninitializedLinear(int64_t in, int64_t out, bool with_bias, const at::TensorOptions& tensor)
-      : LinearImpl(torch::nn::LinearOptions(1, 0).bias(with_bias)) {  // nothing to initialise
-    options = torch::nn::LinearOptions(in, out).bias(with_bias);
-    weight = at::empty({out, in}, tensor).requires_grad_(true);
-    parameters_["weight"] = weight;
-    if (with_bias) {
-      bias = at::empty({out}, tensor).requires_grad_(true);
-      parameters_["bias"] = bias;
-    }
-  }
-};
-
 Linear make_linear(int64_t in, int64_t out, bool bias, const at::TensorOptions& options) {
-  return Linear(std::static_pointer_cast<LinearImpl>(
-      std::make_shared<UninitializedLinear>(in, out, bias, options)));
+  return empty_linear(in, out, bias, options);
 }
 
 // Every LayerNorm of Flux: no affine parameters, eps 1e-6.
@@ -57,52 +40,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const at::Tensor out = masked_attention(apply_rope(q, pe), apply_rope(k, pe), v, key_mask);
   return out.transpose(1, 2).flatten(2);
 }
-
-std::string shape_text(at::IntArrayRef shape) {
-  std::ostringstream s;
-  s << shape;
-  return s.str();
-}
-
-// One tensor of the file after the other into `model`'s parameters: `source(name, shape)` gives
-// the tensor for a parameter (undefined when the file lacks it) and notes what it used.
-struct Filler {
-  std::string where;
-  std::vector<std::string> missing, misshaped;
-
-  template <typename Source>
-  void fill(FluxTransformerImpl& model, Source&& source) {
-    at::NoGradGuard no_grad;
-    for (const auto& item : model.named_parameters()) {
-      at::Tensor param = item.value();
-      const at::Tensor t = source(item.key());
-      if (!t.defined()) {
-        missing.push_back(item.key());
-      } else if (t.sizes() != param.sizes()) {
-        misshaped.push_back(item.key() + " (file " + shape_text(t.sizes()) + ", model " +
-                            shape_text(param.sizes()) + ")");
-      } else {
-        param.copy_(t);
-      }
-    }
-  }
-
-  void check(const std::vector<std::string>& unexpected) const {
-    if (missing.empty() && misshaped.empty() && unexpected.empty()) return;
-    std::ostringstream message;
-    message << where << " does not hold a Flux transformer of the expected layout:";
-    auto list = [&message](const char* what, const std::vector<std::string>& names) {
-      if (names.empty()) return;
-      message << " " << names.size() << " " << what << " (";
-      for (size_t i = 0; i < names.size() && i < 5; ++i) message << (i ? ", " : "") << names[i];
-      message << (names.size() > 5 ? ", ..." : "") << ")";
-    };
-    list("missing", missing);
-    list("mis-shaped", misshaped);
-    list("unexpected", unexpected);
-    throw InputError(message.str());
-  }
-};
 
 }  // namespace
 
@@ -539,21 +476,11 @@ std::map<std::string, FluxTensorRecipe> flux_original_from_diffusers(const FluxC
 
 void load_flux_original(FluxTransformerImpl& model, const SafetensorsFile& file,
                         const std::string& prefix) {
-  Filler filler{file.path().string(), {}, {}};
-  std::set<std::string> used;
-  filler.fill(model, [&](const std::string& name) -> at::Tensor {
-    const TensorInfo* info = file.find(prefix + name);
-    if (info == nullptr) return {};
-    used.insert(info->name);
-    at::Tensor t = read_tensor(file, *info);
-    file.release(*info);
-    return t;
-  });
-  std::vector<std::string> unexpected;
+  std::map<std::string, const TensorInfo*> names;
   for (const TensorInfo& t : file.tensors()) {
-    if (t.name.rfind(prefix, 0) == 0 && !used.count(t.name)) unexpected.push_back(t.name);
+    if (t.name.rfind(prefix, 0) == 0) names[t.name.substr(prefix.size())] = &t;
   }
-  filler.check(unexpected);
+  load_into(model, file, names, file.path().string());
 }
 
 void load_flux_diffusers(FluxTransformerImpl& model, const std::filesystem::path& folder) {
@@ -567,8 +494,9 @@ void load_flux_diffusers(FluxTransformerImpl& model, const std::filesystem::path
     std::set<std::string> shards;
     try {
       const nlohmann::json j = nlohmann::json::parse(read_text(index));
-      for (const auto& [key, shard] : j.at("weight_map").items())
+      for (const auto& [key, shard] : j.at("weight_map").items()) {
         shards.insert(shard.get<std::string>());
+      }
     } catch (const nlohmann::json::exception& e) {
       throw InputError(index.string() + ": " + e.what());
     }
@@ -581,32 +509,37 @@ void load_flux_diffusers(FluxTransformerImpl& model, const std::filesystem::path
   for (const auto& f : files) {
     for (const TensorInfo& t : f.tensors()) where[t.name] = {&f, &t};
   }
+  // The model's names that the folder can make, each from all of its recipe's tensors; what the
+  // folder holds beyond the recipes is reported under diffusers' own name.
   const auto recipes = flux_original_from_diffusers(model.config);
-  Filler filler{folder.string(), {}, {}};
-  std::set<std::string> used;
-  filler.fill(model, [&](const std::string& name) -> at::Tensor {
-    const auto recipe = recipes.find(name);
-    if (recipe == recipes.end()) return {};
+  std::set<std::string> names, used;
+  for (const auto& [name, recipe] : recipes) {
+    bool complete = true;
+    for (const auto& source : recipe.sources) complete = complete && where.count(source);
+    if (!complete) continue;
+    names.insert(name);
+    used.insert(recipe.sources.begin(), recipe.sources.end());
+  }
+  for (const auto& [name, _] : where) {
+    if (!used.count(name)) names.insert(name);
+  }
+  auto fetch = [&](const std::string& name) -> at::Tensor {
+    const FluxTensorRecipe& recipe = recipes.at(name);
     std::vector<at::Tensor> parts;
-    for (const auto& source : recipe->second.sources) {
-      const auto it = where.find(source);
-      if (it == where.end()) return {};
-      used.insert(source);
-      parts.push_back(read_tensor(*it->second.first, *it->second.second));
-      it->second.first->release(*it->second.second);
+    for (const auto& source : recipe.sources) {
+      const auto& [file, info] = where.at(source);
+      parts.push_back(read_tensor(*file, *info));
+      file->release(*info);
     }
     at::Tensor t = parts.size() == 1 ? parts[0] : at::cat(parts, 0);
-    if (recipe->second.swap_halves) {
+    if (recipe.swap_halves) {
       const auto halves = t.chunk(2, 0);
       t = at::cat({halves[1], halves[0]}, 0);
     }
     return t;
-  });
-  std::vector<std::string> unexpected;
-  for (const auto& [name, _] : where) {
-    if (!used.count(name)) unexpected.push_back(name);
-  }
-  filler.check(unexpected);
+  };
+  load_into(
+      model, names, fetch, [](const std::string&) {}, folder.string());
 }
 
 }  // namespace lorapipe::models

@@ -88,15 +88,10 @@ std::map<std::string, torch::Tensor> read_tensors(const SafetensorsFile& file,
   return out;
 }
 
-namespace {
-
-// load_into over any source of named tensors: `names` are the tensors there are, `fetch` gives
-// one (called once per parameter or buffer that has a name there), `done` is told when it has
-// been copied in.
-void load_named(torch::nn::Module& module, const std::set<std::string>& names,
-                const std::function<torch::Tensor(const std::string&)>& fetch,
-                const std::function<void(const std::string&)>& done, const std::string& source,
-                const std::set<std::string>& optional) {
+void load_into(torch::nn::Module& module, const std::set<std::string>& names,
+               const std::function<torch::Tensor(const std::string&)>& fetch,
+               const std::function<void(const std::string&)>& done, const std::string& source,
+               const std::set<std::string>& optional) {
   std::vector<std::string> missing;
   std::vector<std::string> misshaped;
   std::set<std::string> used;
@@ -132,13 +127,11 @@ void load_named(torch::nn::Module& module, const std::set<std::string>& names,
   throw InputError(why.str());
 }
 
-}  // namespace
-
 void load_into(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
                const std::string& source, const std::set<std::string>& optional) {
   std::set<std::string> names;
   for (const auto& item : tensors) names.insert(item.first);
-  load_named(
+  load_into(
       module, names, [&](const std::string& name) { return tensors.at(name); },
       [](const std::string&) {}, source, optional);
 }
@@ -147,7 +140,7 @@ void load_into(torch::nn::Module& module, const SafetensorsFile& file, const std
                const std::set<std::string>& optional) {
   std::set<std::string> names;
   for (const TensorInfo& info : file.tensors()) names.insert(info.name);
-  load_named(
+  load_into(
       module, names, [&](const std::string& name) { return view_tensor(file, *file.find(name)); },
       [&](const std::string& name) { file.release(*file.find(name)); }, source, optional);
 }
@@ -157,7 +150,7 @@ void load_into(torch::nn::Module& module, const SafetensorsFile& file,
                const AdaptTensor& adapt, const std::set<std::string>& optional) {
   std::set<std::string> keys;
   for (const auto& item : names) keys.insert(item.first);
-  load_named(
+  load_into(
       module, keys,
       [&](const std::string& name) {
         const TensorInfo& info = *names.at(name);

@@ -53,6 +53,14 @@ void load_into(torch::nn::Module& module, const SafetensorsFile& file,
                const std::map<std::string, const TensorInfo*>& names, const std::string& source,
                const AdaptTensor& adapt = nullptr, const std::set<std::string>& optional = {});
 
+// The general form: `names` are the tensors the source has, under the module's names; `fetch`
+// gives one (called once for each parameter or buffer it has, which it may assemble from several
+// of the source's tensors), `done` is told when it has been copied in (to release its pages).
+void load_into(torch::nn::Module& module, const std::set<std::string>& names,
+               const std::function<torch::Tensor(const std::string&)>& fetch,
+               const std::function<void(const std::string&)>& done, const std::string& source,
+               const std::set<std::string>& optional = {});
+
 // The module's parameters and buffers as safetensors entries (for writing checkpoints and LoRA
 // files), floating-point ones converted to `dtype` when given. `storage` keeps the CPU copies
 // alive while the entries are used.
