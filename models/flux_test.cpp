@@ -13,12 +13,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "models/flux_lora.h"
 #include "models/loading.h"
 #include "models/lora.h"
 #include "models/parity_util.h"
@@ -263,7 +265,39 @@ TEST_F(FluxTransformerParity, FullSizeKeysAndShapesMatchDiffusers) {
                 static_cast<long long>(parameters));
     EXPECT_EQ(matched, theirs.size()) << name;
     EXPECT_EQ(parameters, count) << name;
+
+    // kohya's Flux LoRA on it: 304 layers, named as lora_flux names them.
+    const auto expected_names =
+        nlohmann::json::parse(read_text(ref_ / (std::string("lora_") + name + ".json")))
+            .get<std::vector<std::string>>();
+    std::vector<std::string> names;
+    for (const LoraTarget& t : flux_lora_targets(model)) names.push_back(t.name);
+    EXPECT_EQ(names.size(), 304u) << name;
+    std::sort(names.begin(), names.end());
+    EXPECT_EQ(names, expected_names) << name;
   }
+}
+
+// kohya's names and order on the tiny model, and network_args train_blocks.
+TEST_F(FluxTransformerParity, LoraTargetsAreKohyasLoraFlux) {
+  FluxTransformer model = from_folder("dev");
+  const std::vector<LoraTarget> all = flux_lora_targets(model);
+  ASSERT_EQ(all.size(), 2u * 10 + 2u * 3);
+  const std::vector<std::string> first_block = {
+      "lora_unet_double_blocks_0_img_mod_lin",   "lora_unet_double_blocks_0_img_attn_qkv",
+      "lora_unet_double_blocks_0_img_attn_proj", "lora_unet_double_blocks_0_img_mlp_0",
+      "lora_unet_double_blocks_0_img_mlp_2",     "lora_unet_double_blocks_0_txt_mod_lin",
+      "lora_unet_double_blocks_0_txt_attn_qkv",  "lora_unet_double_blocks_0_txt_attn_proj",
+      "lora_unet_double_blocks_0_txt_mlp_0",     "lora_unet_double_blocks_0_txt_mlp_2"};
+  for (size_t i = 0; i < first_block.size(); ++i) EXPECT_EQ(all[i].name, first_block[i]);
+  EXPECT_EQ(all[20].name, "lora_unet_single_blocks_0_linear1");
+  EXPECT_EQ(all[21].name, "lora_unet_single_blocks_0_linear2");
+  EXPECT_EQ(all[22].name, "lora_unet_single_blocks_0_modulation_lin");
+  EXPECT_EQ(all[1].module_path, "double_blocks.0.img_attn.qkv");
+  EXPECT_EQ(all[1].out_features(), 3 * 32);
+  EXPECT_EQ(flux_lora_targets(model, "single").size(), 6u);
+  EXPECT_EQ(flux_lora_targets(model, "double").size(), 20u);
+  EXPECT_THROW(flux_lora_targets(model, "middle"), InputError);
 }
 
 }  // namespace

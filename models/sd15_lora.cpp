@@ -6,6 +6,8 @@
 #include <regex>
 #include <set>
 
+#include "models/lora_collect.h"
+
 namespace lorapipe::models {
 namespace {
 
@@ -15,11 +17,17 @@ std::string kohya_name(const std::string& prefix, const std::string& path) {
   return name;
 }
 
-// kohya's create_modules over `root`: for each module whose class is a target (`is_target`),
-// every Linear / Conv2d below it, in named_modules order, each layer once.
-template <typename IsTarget>
-std::vector<LoraTarget> collect(const torch::nn::Module& root, const std::string& prefix,
-                                bool text_encoder, IsTarget is_target) {
+template <typename T>
+bool is(const torch::nn::Module& m) {
+  return dynamic_cast<const T*>(&m) != nullptr;
+}
+
+}  // namespace
+
+std::vector<LoraTarget> collect_lora_targets(
+    const torch::nn::Module& root, const std::string& prefix, bool text_encoder,
+    const std::function<bool(const torch::nn::Module&)>& is_target,
+    const std::function<int(const std::string&)>& block_of, int encoder) {
   std::vector<LoraTarget> out;
   std::set<const torch::nn::Module*> seen;
   for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
@@ -33,19 +41,13 @@ std::vector<LoraTarget> collect(const torch::nn::Module& root, const std::string
       target.module_path = item.key() + "." + child.key();
       target.name = kohya_name(prefix, target.module_path);
       target.text_encoder = text_encoder;
-      target.block = text_encoder ? -1 : sd15_kohya_block_index(target.name);
+      target.encoder = text_encoder ? encoder : 0;
+      target.block = text_encoder ? -1 : block_of(target.name);
       out.push_back(std::move(target));
     }
   }
   return out;
 }
-
-template <typename T>
-bool is(const torch::nn::Module& m) {
-  return dynamic_cast<const T*>(&m) != nullptr;
-}
-
-}  // namespace
 
 int sd15_kohya_block_index(const std::string& lora_name) {
   static const std::regex updown(
@@ -76,26 +78,28 @@ int64_t LoraTarget::out_features() const {
 
 const at::Tensor& LoraTarget::weight() const { return linear ? linear->weight : conv->weight; }
 
-std::shared_ptr<LoraAdapter>& LoraTarget::slot() const { return linear ? linear->lora : conv->lora; }
+std::shared_ptr<LoraAdapter>& LoraTarget::slot() const {
+  return linear ? linear->lora : conv->lora;
+}
 
 std::vector<LoraTarget> unet_lora_targets(const UNet& unet, bool conv_kxk) {
   using namespace unet_blocks;
-  return collect(*unet, kLoraUnetPrefix, /*text_encoder=*/false,
-                 [conv_kxk](const torch::nn::Module& m) {
-                   if (is<Transformer2DImpl>(m)) return true;
-                   return conv_kxk && (is<ResnetBlock2DImpl>(m) || is<Downsample2DImpl>(m) ||
-                                       is<Upsample2DImpl>(m));
-                 });
+  return collect_lora_targets(
+      *unet, kLoraUnetPrefix, /*text_encoder=*/false,
+      [conv_kxk](const torch::nn::Module& m) {
+        if (is<Transformer2DImpl>(m)) return true;
+        return conv_kxk &&
+               (is<ResnetBlock2DImpl>(m) || is<Downsample2DImpl>(m) || is<Upsample2DImpl>(m));
+      },
+      sd15_kohya_block_index);
 }
 
 std::vector<LoraTarget> text_encoder_lora_targets(const ClipTextModel& text_encoder,
                                                   const char* prefix, int encoder) {
-  std::vector<LoraTarget> targets =
-      collect(*text_encoder, prefix, /*text_encoder=*/true, [](const torch::nn::Module& m) {
-        return is<ClipAttentionImpl>(m) || is<ClipMlpImpl>(m);
-      });
-  for (LoraTarget& t : targets) t.encoder = encoder;
-  return targets;
+  return collect_lora_targets(
+      *text_encoder, prefix, /*text_encoder=*/true,
+      [](const torch::nn::Module& m) { return is<ClipAttentionImpl>(m) || is<ClipMlpImpl>(m); },
+      [](const std::string&) { return -1; }, encoder);
 }
 
 }  // namespace lorapipe::models

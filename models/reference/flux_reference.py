@@ -27,6 +27,7 @@ For each <v> in dev, schnell:
 
 And the full-size layouts, built on the meta device (no memory, no weights):
   OUT_DIR/full_dev.json, OUT_DIR/full_schnell.json   {original key: shape}, mapped as above
+  OUT_DIR/lora_dev.json, OUT_DIR/lora_schnell.json   kohya's lora_flux names of the full model
 """
 import json
 import os
@@ -178,6 +179,13 @@ def full_layout(out_dir: str, name: str, guidance: bool) -> None:
     original = to_original(sd, config.num_layers, config.num_single_layers)
     with open(os.path.join(out_dir, f"full_{name}.json"), "w") as f:
         json.dump({k: list(v.shape) for k, v in original.items()}, f, indent=0, sort_keys=True)
+    # kohya's lora_flux targets every nn.Linear inside a DoubleStreamBlock / SingleStreamBlock: in
+    # the original layout, the 2-D weights under double_blocks.N / single_blocks.N.
+    names = sorted("lora_unet_" + k[: -len(".weight")].replace(".", "_") for k, v in original.items()
+                   if k.startswith(("double_blocks.", "single_blocks.")) and k.endswith(".weight")
+                   and v.dim() == 2)
+    with open(os.path.join(out_dir, f"lora_{name}.json"), "w") as f:
+        json.dump(names, f, indent=0)
 
 
 def main() -> None:
