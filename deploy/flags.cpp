@@ -101,7 +101,8 @@ std::vector<FlagInfo> make_table() {
         "metadata_merged_from", "metadata_preprocessor", "metadata_is_negative_embedding",
         "console_log_level", "validate_every_n_epochs", "lr_scheduler_min_lr_ratio",
         "lr_decay_steps", "lr_scheduler_timescale", "lr_scheduler_args",
-        "max_validation_steps"}) {
+        "max_validation_steps", "timestep_sampling", "discrete_flow_shift", "sigmoid_scale",
+        "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "model_prediction_type"}) {
     value(name, {S::kTrainer});
   }
   for (const char* name :

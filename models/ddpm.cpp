@@ -118,8 +118,8 @@ class DdpmObjective final : public TrainingObjective {
   DdpmObjective(const ModelFamily& family, const ObjectiveOptions& options)
       : TrainingObjective(options), schedule_(family.schedule, options.zero_terminal_snr) {}
 
-  at::Tensor draw_times(int64_t batch, at::Generator generator,
-                        const at::Device& device) const override {
+  at::Tensor draw_times(int64_t batch, at::Generator generator, const at::Device& device,
+                        int64_t /*latent_height*/, int64_t /*latent_width*/) const override {
     return at::randint(options().min_timestep, options().max_timestep, {batch}, generator,
                        torch::TensorOptions().dtype(torch::kInt64))
         .to(device);

@@ -58,8 +58,10 @@ struct KohyaFamilyNames {
 };
 
 // How a family is trained: which TrainingObjective (models/objective.h) it gets. DDPM: integer
-// timesteps over DdpmSchedule, the noise (or v) as the target. Flow matching arrives with Flux.
-enum class ObjectiveKind { kDdpm };
+// timesteps over DdpmSchedule, the noise (or v) as the target. Flow matching (Flux.1 and the
+// transformers after it): continuous sigmas in [0, 1], x_t = (1 - sigma) x0 + sigma noise, the
+// velocity noise - x0 as the target (models/flow_matching.h).
+enum class ObjectiveKind { kDdpm, kFlowMatching };
 
 struct ModelFamily {
   std::string name;                 // "sd15"

@@ -38,6 +38,18 @@ struct ObjectiveOptions {
   std::string huber_schedule = "snr";  // --huber_schedule constant | exponential | snr
   double huber_c = 0.1;                // --huber_c
   double huber_scale = 1.0;            // --huber_scale
+
+  // Flow matching (kohya's flux_train_network.py and library/flux_train_utils.py; defaults are
+  // kohya's). A DDPM family refuses them when set, a flow-matching family refuses the SD-only
+  // knobs above, each by its flag.
+  std::string timestep_sampling = "sigma";  // --timestep_sampling sigma|uniform|sigmoid|shift|flux_shift
+  double discrete_flow_shift = 3.0;         // --discrete_flow_shift (the sigma schedule's and shift's)
+  double sigmoid_scale = 1.0;               // --sigmoid_scale
+  std::string weighting_scheme = "none";    // --weighting_scheme none|sigma_sqrt|logit_normal|mode|cosmap
+  double logit_mean = 0.0;                  // --logit_mean
+  double logit_std = 1.0;                   // --logit_std
+  double mode_scale = 1.29;                 // --mode_scale
+  std::string model_prediction_type = "sigma_scaled";  // --model_prediction_type raw|additive|sigma_scaled
 };
 
 // The checks every family makes of the options (ranges, names), without a family: the trainer
@@ -59,9 +71,10 @@ class TrainingObjective {
   const ObjectiveOptions& options() const { return options_; }
 
   // A batch's noise points as model times ([B], on `device`): every random number from
-  // `generator` on the CPU, so a run draws the same points on every device.
-  virtual at::Tensor draw_times(int64_t batch, at::Generator generator,
-                                const at::Device& device) const = 0;
+  // `generator` on the CPU, so a run draws the same points on every device. `latent_height` and
+  // `latent_width` are the batch's latents' (kohya's flux_shift shifts by the image's token count).
+  virtual at::Tensor draw_times(int64_t batch, at::Generator generator, const at::Device& device,
+                                int64_t latent_height = 0, int64_t latent_width = 0) const = 0;
   // kohya's validation points for a batch of `batch` samples.
   virtual std::vector<ValidationPoint> validation_points(int64_t batch,
                                                          const at::Device& device) const = 0;
@@ -71,6 +84,14 @@ class TrainingObjective {
   // What the denoiser's output is trained towards (its parametrisation: noise, v, a velocity).
   virtual at::Tensor target(const at::Tensor& latents, const at::Tensor& noise,
                             const at::Tensor& times) const = 0;
+  // What the loss compares with the target: the denoiser's `output` itself, or (kohya's
+  // --model_prediction_type additive / sigma_scaled) a function of it and the `noisy` input.
+  virtual at::Tensor prediction(const at::Tensor& output, const at::Tensor& noisy,
+                                const at::Tensor& times) const {
+    (void)noisy;
+    (void)times;
+    return output;
+  }
   // Per-sample losses [B] times the objective's weighting of each point (kohya's min-SNR and
   // the others that are on); the losses unchanged when none is.
   virtual at::Tensor weighted(at::Tensor per_sample_loss, const at::Tensor& times) const = 0;

@@ -191,6 +191,21 @@ DEFINE_string(loss_type, "l2", "l2, l1, huber or smooth_l1");
 DEFINE_string(huber_schedule, "snr", "constant, exponential or snr");
 DEFINE_double(huber_c, 0.1, "Huber loss parameter");
 DEFINE_double(huber_scale, 1.0, "Huber loss scale");
+// Flow matching (Flux.1), kohya's flux_train_network.py options and defaults; a Stable Diffusion
+// model refuses them by name.
+DEFINE_string(timestep_sampling, "sigma", "flow matching: sigma, uniform, sigmoid, shift or "
+              "flux_shift (kohya's; its docs recommend shift with --discrete_flow_shift 3.1582)");
+DEFINE_double(discrete_flow_shift, 3.0, "flow matching: shift of the sigma schedule and of "
+              "--timestep_sampling shift");
+DEFINE_double(sigmoid_scale, 1.0, "flow matching: scale of the normal draw sigmoid, shift and "
+              "flux_shift take the sigmoid of");
+DEFINE_string(weighting_scheme, "none", "flow matching: none, sigma_sqrt, logit_normal, mode or "
+              "cosmap (how --timestep_sampling sigma draws; the loss weighting of sigma_scaled)");
+DEFINE_double(logit_mean, 0.0, "flow matching: mean of the logit_normal weighting scheme");
+DEFINE_double(logit_std, 1.0, "flow matching: std of the logit_normal weighting scheme");
+DEFINE_double(mode_scale, 1.29, "flow matching: scale of the mode weighting scheme");
+DEFINE_string(model_prediction_type, "sigma_scaled", "flow matching: raw, additive or "
+              "sigma_scaled (kohya's default; its docs recommend raw)");
 DEFINE_int64(sample_every_n_steps, 0,
              "Announce a checkpoint for lorapipe-sampler every N steps (a sample-only save "
              "between saves)");
@@ -587,6 +602,14 @@ int main(int argc, char** argv) {
     s.objective.huber_schedule = FLAGS_huber_schedule;
     s.objective.huber_c = FLAGS_huber_c;
     s.objective.huber_scale = FLAGS_huber_scale;
+    s.objective.timestep_sampling = FLAGS_timestep_sampling;
+    s.objective.discrete_flow_shift = FLAGS_discrete_flow_shift;
+    s.objective.sigmoid_scale = FLAGS_sigmoid_scale;
+    s.objective.weighting_scheme = FLAGS_weighting_scheme;
+    s.objective.logit_mean = FLAGS_logit_mean;
+    s.objective.logit_std = FLAGS_logit_std;
+    s.objective.mode_scale = FLAGS_mode_scale;
+    s.objective.model_prediction_type = FLAGS_model_prediction_type;
     t::apply_network_args(o);
     if (FLAGS_check_flags) {
       t::check_options(o);

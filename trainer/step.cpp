@@ -132,7 +132,8 @@ at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Te
   input.time = times;
   input.conditioning = &conditioning;
   input.geometry = geometry;
-  const at::Tensor prediction = model_.denoise(input).to(torch::kFloat32);
+  const at::Tensor prediction =
+      objective_->prediction(model_.denoise(input).to(torch::kFloat32), input.latents, times);
   const at::Tensor target = objective_->target(latents, noise, times);
   at::Tensor huber_c = torch::ones({1}, latents.options());
   if (options_.loss_type == "huber" || options_.loss_type == "smooth_l1") {
@@ -167,7 +168,8 @@ double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generat
   }
   const at::Tensor times = batch.times.defined()
                                ? batch.times.to(device)
-                               : objective_->draw_times(latents.size(0), generator, device);
+                               : objective_->draw_times(latents.size(0), generator, device,
+                                                        latents.size(2), latents.size(3));
 
   // kohya's input perturbation (ip_noise_gamma): the latents are noised with extra noise that the
   // target does not carry; drawn after the noise points, as kohya draws it.
