@@ -17,7 +17,7 @@ LORAPIPE_APT_PACKAGES=(
   libzmq3-dev cppzmq-dev libprotobuf-dev protobuf-compiler
   libvips-dev libjpeg62-turbo-dev liblmdb-dev libgflags-dev libgtest-dev libgmock-dev
   nlohmann-json3-dev libxxhash-dev libtomlplusplus-dev libicu-dev zlib1g-dev libssl-dev
-  libgloo-dev libsentencepiece-dev iproute2
+  libgloo-dev iproute2
 )
 # Only the tests need these: the sampler gallery test opens the page in headless Chromium; the
 # trainer's save test traces its file calls with strace.

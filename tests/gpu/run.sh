@@ -77,8 +77,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 DEBS="${ROOT}/.debs"
 
 # What the build needs beyond a CUDA + PyTorch image: ZeroMQ, protobuf, gflags, GoogleTest,
-# nlohmann-json, LMDB, OpenSSL, ICU, zlib, SentencePiece and pkg-config, with the run-time
-# libraries they link.
+# nlohmann-json, LMDB, OpenSSL, ICU, zlib and pkg-config, with the run-time libraries they link.
 PACKAGES=(
   pkgconf pkgconf-bin libpkgconf3
   libzmq3-dev libzmq5 libsodium23 libpgm-5.3-0 libnorm1 libbsd0 libmd0 cppzmq-dev
@@ -87,7 +86,6 @@ PACKAGES=(
   liblmdb-dev liblmdb0 libssl-dev libssl3 libicu-dev libicu72 icu-devtools zlib1g-dev
   libgloo-dev  # headers only: the trainer's ranks use the Gloo inside libtorch_cpu
   libxxhash-dev libxxhash0 libtomlplusplus-dev libtomlplusplus3  # common's hashes; TOML files
-  libsentencepiece-dev libsentencepiece0  # T5's tokenizer
   # libzmq's GSSAPI: not in every CUDA image (Ubuntu's minimal ones lack them).
   libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0 libcom-err2 libkeyutils1
 )
