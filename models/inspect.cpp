@@ -130,7 +130,8 @@ std::string family_line(const fs::path& path) {
 
 std::string guess_kind(const SafetensorsFile& file) {
   bool kohya_lora = false, peft_lora = false, ldm_unet = false, sdxl = false, flux = false;
-  bool diffusers_unet = false, diffusers_vae = false, clip_text = false;
+  bool flux_guidance = false, diffusers_unet = false, diffusers_vae = false, clip_text = false;
+  bool t5 = false;
   int64_t context_dim = 0;
   for (const TensorInfo& t : file.tensors()) {
     const std::string& k = t.name;
@@ -138,7 +139,12 @@ std::string guess_kind(const SafetensorsFile& file) {
     peft_lora |= k.find(".lora_A.") != std::string::npos || k.find(".lora.down.") != std::string::npos;
     ldm_unet |= starts_with(k, "model.diffusion_model.");
     sdxl |= starts_with(k, "conditioner.embedders.");
-    flux |= starts_with(k, "double_blocks.");
+    // Flux.1's transformer with or without the original checkpoint's prefix; dev has the
+    // guidance embedding schnell lacks.
+    flux |= starts_with(k, "double_blocks.") ||
+            starts_with(k, "model.diffusion_model.double_blocks.");
+    flux_guidance |= k.find("guidance_in.in_layer.") != std::string::npos;
+    t5 |= starts_with(k, "encoder.block.") && k.find(".SelfAttention.") != std::string::npos;
     diffusers_unet |= starts_with(k, "down_blocks.") && k.find("attentions") != std::string::npos;
     diffusers_vae |= starts_with(k, "encoder.down_blocks.");
     clip_text |= starts_with(k, "text_model.encoder.layers.");
@@ -149,7 +155,10 @@ std::string guess_kind(const SafetensorsFile& file) {
   }
   if (kohya_lora) return "LoRA (kohya names)";
   if (peft_lora) return "LoRA (diffusers/PEFT names)";
-  if (flux) return "Flux.1 transformer";
+  if (flux) {
+    return flux_guidance ? "Flux.1 [dev] transformer (original layout)"
+                         : "Flux.1 [schnell] transformer (original layout)";
+  }
   if (sdxl) return "SDXL checkpoint (single-file original layout)";
   if (ldm_unet) {
     if (context_dim == 1024) return "SD2.x checkpoint (single-file original layout)";
@@ -158,6 +167,7 @@ std::string guess_kind(const SafetensorsFile& file) {
   if (diffusers_unet) return "UNet (diffusers layout)";
   if (diffusers_vae) return "AutoencoderKL (diffusers layout)";
   if (clip_text) return "CLIP text model (transformers layout)";
+  if (t5) return "T5 encoder (transformers layout)";
   return "unknown model (no family recognised from its keys)";
 }
 

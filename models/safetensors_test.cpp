@@ -181,6 +181,27 @@ TEST_F(SafetensorsTest, RefusesEveryMalformedHeader) {
   expect_refused(dir_ / "short.safetensors", "shorter than the 8-byte header length");
 }
 
+// Flux.1's files as users have them: the transformer (dev or schnell, told by guidance_in, with or
+// without the original checkpoint's prefix) and kohya's --t5xxl file.
+TEST_F(SafetensorsTest, InspectNamesFluxDevSchnellAndT5Files) {
+  const std::string w(4 * 4, '\0');
+  auto kind_of = [&](const std::vector<std::string>& names) {
+    std::vector<TensorToWrite> tensors;
+    for (const auto& n : names) tensors.push_back({n, Dtype::kF32, {2, 2}, w});
+    const fs::path file = dir_ / "kind.safetensors";
+    write_safetensors(file, tensors);
+    const std::string text = inspect_checkpoint(file);
+    const size_t at = text.find("kind: ");
+    return at == std::string::npos ? text : text.substr(at + 6, text.find('\n', at) - at - 6);
+  };
+  EXPECT_EQ(kind_of({"double_blocks.0.img_attn.qkv.weight", "guidance_in.in_layer.weight"}),
+            "Flux.1 [dev] transformer (original layout)");
+  EXPECT_EQ(kind_of({"model.diffusion_model.double_blocks.0.img_attn.qkv.weight"}),
+            "Flux.1 [schnell] transformer (original layout)");
+  EXPECT_EQ(kind_of({"encoder.block.0.layer.0.SelfAttention.q.weight", "shared.weight"}),
+            "T5 encoder (transformers layout)");
+}
+
 TEST_F(SafetensorsTest, InspectDescribesALoraAndRefusesPickles) {
   // A kohya-named LoRA: rank 4, alpha 2 (F16), two modules.
   const std::string down(4 * 8 * 4, '\0');
