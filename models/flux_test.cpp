@@ -63,21 +63,26 @@ class FluxTransformerParity : public ::testing::Test {
     return model;
   }
 
-  // Output and input gradients of `model` on the reference's inputs, against its figures.
-  static void check(FluxTransformer& model, const std::string& variant, const std::string& what,
-                    bool masked) {
-    const auto ref = io(variant);
+  // The reference's inputs, img and txt as fresh leaves that collect their gradients.
+  static FluxInput inputs_of(const std::map<std::string, at::Tensor>& ref, bool masked) {
     FluxInput in;
-    const at::Tensor img = ref.at("img").clone().requires_grad_(true);
-    const at::Tensor txt = ref.at("txt").clone().requires_grad_(true);
-    in.img = img;
-    in.txt = txt;
+    in.img = ref.at("img").clone().requires_grad_(true);
+    in.txt = ref.at("txt").clone().requires_grad_(true);
     in.img_ids = ref.at("img_ids");
     in.txt_ids = ref.at("txt_ids");
     in.timesteps = ref.at("timesteps");
     in.y = ref.at("y");
     if (ref.count("guidance")) in.guidance = ref.at("guidance");
     if (masked) in.txt_mask = ref.at("txt_mask");
+    return in;
+  }
+
+  // Output and input gradients of `model` on the reference's inputs, against its figures.
+  static void check(FluxTransformer& model, const std::string& variant, const std::string& what,
+                    bool masked) {
+    const auto ref = io(variant);
+    const FluxInput in = inputs_of(ref, masked);
+    const at::Tensor &img = in.img, &txt = in.txt;
     const at::Tensor out = model(in);
     (out * ref.at("w")).sum().backward();
     const std::string p = masked ? "masked_" : "";
@@ -160,17 +165,8 @@ TEST_F(FluxTransformerParity, GradientCheckpointingGivesThePlainGradients) {
   auto run = [&](bool recompute) {
     model->gradient_checkpointing = recompute;
     for (auto& a : adapters) a.mutable_grad() = at::Tensor();
-    FluxInput in;
-    const at::Tensor img = ref.at("img").clone().requires_grad_(true);
-    const at::Tensor txt = ref.at("txt").clone().requires_grad_(true);
-    in.img = img;
-    in.txt = txt;
-    in.img_ids = ref.at("img_ids");
-    in.txt_ids = ref.at("txt_ids");
-    in.timesteps = ref.at("timesteps");
-    in.y = ref.at("y");
-    in.guidance = ref.at("guidance");
-    in.txt_mask = ref.at("txt_mask");
+    const FluxInput in = inputs_of(ref, /*masked=*/true);
+    const at::Tensor &img = in.img, &txt = in.txt;
     const at::Tensor out = model(in);
     (out * ref.at("w")).sum().backward();
     std::vector<at::Tensor> grads{out.detach(), img.grad(), txt.grad()};
