@@ -73,8 +73,8 @@ def strings():
     return out
 
 
-def main() -> None:
-    out = sys.argv[1]
+def train_spiece(out):
+    """Trains the test's T5-style unigram model into OUT/spiece.model and returns its path."""
     text = os.path.join(out, "corpus.txt")
     corpus(text)
     spm.SentencePieceTrainer.train(
@@ -84,10 +84,11 @@ def main() -> None:
         num_threads=1, minloglevel=2)
     os.remove(text)
     os.remove(os.path.join(out, "spiece.vocab"))
-    model = os.path.join(out, "spiece.model")
+    return os.path.join(out, "spiece.model")
 
-    slow = T5Tokenizer(vocab_file=model, extra_ids=100, legacy=True)
-    fast_457 = T5TokenizerFast(vocab_file=model, extra_ids=100, legacy=True)
+
+def t5_tokenizer_fast(model):
+    """T5TokenizerFast over `model` with the backend T5's and Flux's tokenizer.json configure."""
     fast = T5TokenizerFast(vocab_file=model, extra_ids=100, legacy=True)
     backend = json.loads(fast.backend_tokenizer.to_str())
     charsmap = base64.b64decode(backend["normalizer"]["normalizers"][0]["precompiled_charsmap"])
@@ -95,6 +96,15 @@ def main() -> None:
         [normalizers.Precompiled(charsmap), normalizers.Replace(Regex(" {2,}"), " ")])
     fast.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
+    return fast
+
+
+def main() -> None:
+    out = sys.argv[1]
+    model = train_spiece(out)
+    slow = T5Tokenizer(vocab_file=model, extra_ids=100, legacy=True)
+    fast_457 = T5TokenizerFast(vocab_file=model, extra_ids=100, legacy=True)
+    fast = t5_tokenizer_fast(model)
 
     cases = []
     for s in strings():
