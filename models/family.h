@@ -30,6 +30,17 @@ struct DdpmSchedule {
   int64_t steps = 1000;
 };
 
+// The sampling schedule of a flow-matching family: diffusers' FlowMatchEulerDiscreteScheduler as
+// its scheduler_config.json sets it. With dynamic shifting (FLUX.1 [dev]) the sigmas
+// linspace(1, 1/steps, steps) are shifted by mu, a line through (base_seq_len, base_shift) and
+// (max_seq_len, max_shift) at the image's packed token count; without (schnell), by `shift`.
+struct FlowSchedule {
+  bool dynamic_shifting = true;
+  double shift = 1.0;
+  double base_shift = 0.5, max_shift = 1.15;
+  int64_t base_seq_len = 256, max_seq_len = 4096;
+};
+
 // kohya's block table for block-wise network_args: the denoiser's blocks as kohya numbers them,
 // `head` blocks before the inputs (SDXL's BASE: time and label embeddings), `side` input blocks,
 // `mid` middle ones, `side` output blocks, then `tail` (SDXL's OUT: the final norm and conv).
@@ -83,6 +94,7 @@ struct ModelFamily {
   TextConditioning text;
   ObjectiveKind objective = ObjectiveKind::kDdpm;
   DdpmSchedule schedule;  // the DDPM families' table (trainer and sampler alike)
+  FlowSchedule flow;      // the flow-matching families' sampling schedule
   KohyaFamilyNames kohya;
   // Components and where they live in the original single file (their key prefixes).
   std::vector<std::pair<std::string, std::string>> single_file_components;

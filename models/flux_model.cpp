@@ -25,6 +25,9 @@ ModelFamily flux_model_family(bool dev) {
   f.bucket_reso_multiple = 32;  // kohya's flux_train_network: bucket_reso_steps % 32 == 0
   f.text = {"t5+clip-l", dev ? 512 : 256, 4096, /*uses_pooled=*/true, /*default_clip_skip=*/1};
   f.objective = ObjectiveKind::kFlowMatching;
+  // FLUX.1's scheduler_config.json: dev shifts by resolution, schnell not at all.
+  f.flow.dynamic_shifting = dev;
+  f.flow.shift = dev ? 3.0 : 1.0;
   f.kohya.network_module = "networks.lora_flux";
   f.kohya.base_model_version = "flux1";
   f.kohya.modelspec_architecture = dev ? "flux-1-dev" : "flux-1-schnell";

@@ -11,12 +11,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "models/parity_util.h"
 #include "models/tiny.h"
+#include "sampler/render.h"
 
 namespace lorapipe::models {
 namespace {
@@ -89,6 +91,42 @@ TEST_F(FluxPipelineParity, DenoiseAndDecodeMatchTheTransformerAndAe) {
   // kohya's Flux LoRA on it: 1 double block x 10, 2 single blocks x 3.
   EXPECT_EQ(model.lora_targets(/*text_encoder=*/false, false).size(), 16u);
   EXPECT_GT(model.lora_targets(/*text_encoder=*/true, false).size(), 16u);
+}
+
+// A whole preview through the sampler's render, against FluxPipeline from the same initial
+// latents: the flow schedule (dev's resolution shift), the Euler steps, guidance 3.5, the decode.
+// Final latents within 1e-4 of their scale, every pixel within 1/255 (render_test's bounds).
+TEST_F(FluxPipelineParity, RenderMatchesFluxPipeline) {
+  FluxModel model = load();
+  const auto ref = testing::read_all(ref_ / "reference.safetensors");
+  std::ifstream in(ref_ / "request.json");
+  const nlohmann::json request = nlohmann::json::parse(in);
+  sampler::RenderRequest r;
+  r.prompt = prompts()[0];
+  r.width = r.height = 16;
+  r.steps = request["render_steps"];
+  r.cfg_scale = 3.5;
+  sampler::RenderOptions options;
+  options.initial_latents = ref.at("render_initial");
+  const sampler::RenderResult result = sampler::render(model, r, options);
+  expect_close("flux render latents", result.latents, ref.at("render_latents"), 1e-4);
+  const int pixels = (result.image.to(torch::kInt32) - ref.at("render_image").to(torch::kInt32))
+                         .abs()
+                         .max()
+                         .item<int>();
+  std::printf("[flux render] largest pixel difference %d/255 (limit 1)\n", pixels);
+  EXPECT_LE(pixels, 1);
+}
+
+// The dev schedule shifts by resolution (mu from the packed token count), schnell's not at all.
+TEST(FluxSchedule, DevShiftsByResolutionSchnellDoesNot) {
+  const at::Tensor dev = sampler::flow_sigmas(flux_model_family(true).flow, 4, 4096);
+  const at::Tensor schnell = sampler::flow_sigmas(flux_model_family(false).flow, 4, 4096);
+  EXPECT_EQ(dev.size(0), 5);
+  EXPECT_FLOAT_EQ(schnell[1].item<float>(), 0.75f);  // linspace(1, 1/4, 4), unshifted
+  EXPECT_FLOAT_EQ(dev[4].item<float>(), 0.0f);
+  // mu = 1.15 at 4096 tokens: e^1.15 / (e^1.15 + 1/0.75 - 1).
+  EXPECT_NEAR(dev[1].item<double>(), std::exp(1.15) / (std::exp(1.15) + 1 / 0.75 - 1), 1e-6);
 }
 
 }  // namespace

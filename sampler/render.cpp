@@ -2,6 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
+#include <vector>
+
 #include "common/error.h"
 
 namespace lorapipe::sampler {
@@ -18,14 +21,87 @@ models::Conditioning encode_request(models::DiffusionModel& model, const RenderR
   return model.encode_prompts(captions, clip_skip);
 }
 
+at::Tensor flow_sigmas(const models::FlowSchedule& schedule, int steps, int64_t image_tokens) {
+  // diffusers: np.linspace in double, cast to fp32, shifted in fp32 (numpy's arithmetic with
+  // Python scalars), then a final 0.
+  std::vector<float> base(static_cast<size_t>(steps));
+  const double stop = 1.0 / steps, step = steps > 1 ? (stop - 1.0) / (steps - 1) : 0.0;
+  for (int i = 0; i < steps; ++i) {
+    base[i] = static_cast<float>(i + 1 == steps ? stop : static_cast<double>(i) * step + 1.0);
+  }
+  const torch::Tensor s = torch::tensor(base, torch::kFloat32);
+  torch::Tensor shifted;
+  if (schedule.dynamic_shifting) {
+    const double m = (schedule.max_shift - schedule.base_shift) /
+                     static_cast<double>(schedule.max_seq_len - schedule.base_seq_len);
+    const double mu = static_cast<double>(image_tokens) * m +
+                      (schedule.base_shift - m * static_cast<double>(schedule.base_seq_len));
+    const torch::Tensor e = torch::tensor(static_cast<float>(std::exp(mu)));
+    shifted = e / (e + (1 / s - 1));
+  } else {
+    const torch::Tensor shift = torch::tensor(static_cast<float>(schedule.shift));
+    shifted = shift * s / (1 + (shift - 1) * s);
+  }
+  return torch::cat({shifted, torch::zeros({1})});
+}
+
+namespace {
+
+// A flow-matching family's preview, as diffusers' FluxPipeline and kohya's Flux sampling make
+// it: Euler steps along the predicted velocity over flow_sigmas, the denoiser given the sigma
+// (as the pipeline's timestep / 1000) and the request's scale as its distilled guidance (dev);
+// no negative prompt, no classifier-free batch.
+RenderResult render_flow(models::DiffusionModel& model, const RenderRequest& request,
+                         const RenderOptions& options) {
+  torch::NoGradGuard no_grad;
+  const models::ModelFamily& family = model.model_family();
+  auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(request.seed));
+  models::Conditioning conditioning;
+  if (options.conditioning != nullptr) {
+    conditioning = *options.conditioning;
+  } else {
+    conditioning = model.encode_prompts({request.prompt}, options.clip_skip);
+  }
+  const torch::Tensor weight = model.denoiser_module().parameters().front();
+  const int64_t h = request.height / family.vae_downsample,
+                w = request.width / family.vae_downsample;
+  torch::Tensor latents =
+      options.initial_latents.defined()
+          ? options.initial_latents.to(torch::kFloat32)
+          : torch::randn({1, family.latent_channels, h, w}, generator, torch::kFloat32);
+  latents = latents.to(weight.device());
+  const torch::Tensor sigmas =
+      flow_sigmas(family.flow, request.steps, (latents.size(2) / 2) * (latents.size(3) / 2));
+  for (int i = 0; i < request.steps; ++i) {
+    models::DenoiseInput input;
+    input.latents = latents;
+    input.time = sigmas[i] * 1000 / 1000;  // the pipeline's timestep, back in [0, 1]
+    input.conditioning = &conditioning;
+    input.guidance = request.cfg_scale;
+    const torch::Tensor velocity = model.denoise(input).to(torch::kFloat32);
+    latents = latents + (sigmas[i + 1] - sigmas[i]).to(latents.device()) * velocity;
+    if (options.on_step) options.on_step(i, latents);
+  }
+  RenderResult result;
+  result.latents = latents.to(torch::kFloat32).cpu();
+  result.image = to_uint8_image(model.decode_latents(latents).to(torch::kFloat32).cpu());
+  return result;
+}
+
+}  // namespace
+
 RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
                     const RenderOptions& options) {
   if (request.width < 8 || request.height < 8 || request.width % 8 || request.height % 8) {
     throw InputError("image size " + std::to_string(request.width) + "x" +
                      std::to_string(request.height) + " must be positive multiples of 8");
   }
-  torch::NoGradGuard no_grad;
+  if (request.steps < 1) throw InputError("a render needs at least one step");
   const models::ModelFamily& family = model.model_family();
+  if (family.objective == models::ObjectiveKind::kFlowMatching) {
+    return render_flow(model, request, options);
+  }
+  torch::NoGradGuard no_grad;
   const std::unique_ptr<Scheduler> scheduler = make_scheduler(
       scheduler_options(request.sampler, options.v_prediction, family.schedule), request.steps);
   auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(request.seed));

@@ -1,7 +1,10 @@
 #pragma once
 // One preview image through any model family (models/diffusion_model.h): the prompt and the
 // negative prompt into conditionings, the initial latents from the seed, the scheduler's steps
-// with classifier-free guidance, the VAE's decode. StableDiffusionPipeline's loop, step for step.
+// with classifier-free guidance, the VAE's decode. StableDiffusionPipeline's loop, step for step;
+// for a flow-matching family (Flux.1) FluxPipeline's: Euler steps over the family's flow
+// schedule, the request's scale as the distilled guidance, no negative prompt (--sample_sampler
+// is ignored there, as kohya ignores it for Flux).
 
 #include <ATen/core/Tensor.h>
 
@@ -54,6 +57,11 @@ models::Conditioning encode_request(models::DiffusionModel& model, const RenderR
 // noise, in diffusers' order: the same seed gives diffusers' image with a CPU generator.
 RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
                     const RenderOptions& options = {});
+
+// A flow-matching family's sampling sigmas for `steps` Euler steps over an image of
+// `image_tokens` packed tokens, with a final 0: [steps + 1] fp32, as diffusers'
+// FlowMatchEulerDiscreteScheduler.set_timesteps makes them for FluxPipeline.
+at::Tensor flow_sigmas(const models::FlowSchedule& schedule, int steps, int64_t image_tokens);
 
 // [B, 3, H, W] in [-1, 1] -> [H, W, 3] uint8 of the first image, as diffusers' image processor
 // rounds it ((x / 2 + 0.5).clamp(0, 1) * 255, rounded).

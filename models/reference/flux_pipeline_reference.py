@@ -18,6 +18,9 @@ prompts in OUT_DIR/request.json (T5 at max_sequence_length 16):
   latents [2, 16, 8, 6], sigma     a denoiser call's inputs (guidance 3.5)
   velocity                         the transformer's output on them, unpacked as the pipeline does
   image                            the AE's decode of latents / 0.3611 + 0.1159
+  render_initial, render_latents, render_image   FluxPipeline(PROMPTS[0], 4 steps, guidance
+                                   3.5, 16x16) from the given initial latents: the final latents
+                                   and the uint8 image
 """
 import json
 import os
@@ -33,6 +36,7 @@ from t5_tokenizer_reference import t5_tokenizer_fast, train_spiece  # noqa: E402
 
 PROMPTS = ["a photo of a cat sitting on a red chair", "anime style, 1girl, long hair, sunset"]
 T5_LENGTH = 16
+RENDER_STEPS = 4
 
 
 def randomize(model, gen, scale=0.3):
@@ -87,11 +91,25 @@ def main() -> None:
         velocity = pipe._unpack_latents(velocity, 8 * pipe.vae_scale_factor, 6 * pipe.vae_scale_factor,
                                         pipe.vae_scale_factor)
         image = vae.decode(latents / vae.config.scaling_factor + vae.config.shift_factor).sample
+        # A whole preview: FluxPipeline's Euler steps from given initial latents (16x16 pixels,
+        # 8x8 latents), its final latents and its image as uint8, as diffusers' numpy_to_pil.
+        initial = torch.randn(1, 16, 8, 8, generator=gen)
+        final = pipe(prompt=PROMPTS[0], height=16, width=16, num_inference_steps=RENDER_STEPS,
+                     guidance_scale=3.5, latents=pipe._pack_latents(initial, 1, 16, 8, 8),
+                     max_sequence_length=T5_LENGTH, output_type="latent").images
+        final = pipe._unpack_latents(final, 16, 16, pipe.vae_scale_factor)
+        pixels = pipe(prompt=PROMPTS[0], height=16, width=16, num_inference_steps=RENDER_STEPS,
+                      guidance_scale=3.5, latents=pipe._pack_latents(initial, 1, 16, 8, 8),
+                      max_sequence_length=T5_LENGTH, output_type="np").images[0]
     save_file({"prompt_embeds": prompt_embeds.contiguous(), "pooled": pooled.contiguous(),
                "latents": latents, "sigma": sigma, "velocity": velocity.contiguous(),
-               "image": image.contiguous()}, os.path.join(out, "reference.safetensors"))
+               "image": image.contiguous(), "render_initial": initial,
+               "render_latents": final.contiguous(),
+               "render_image": torch.from_numpy((pixels * 255).round().astype("uint8")).contiguous()},
+              os.path.join(out, "reference.safetensors"))
     with open(os.path.join(out, "request.json"), "w") as f:
-        json.dump({"prompts": PROMPTS, "t5_length": T5_LENGTH, "guidance": 3.5}, f)
+        json.dump({"prompts": PROMPTS, "t5_length": T5_LENGTH, "guidance": 3.5,
+                   "render_steps": RENDER_STEPS}, f)
 
 
 if __name__ == "__main__":
