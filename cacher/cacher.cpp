@@ -70,6 +70,7 @@ class Cacher {
     load.tokenizer = options.tokenizer;
     load.load_denoiser = false;
     load.vae = options.vae;
+    load.parts = options.model_parts;
     // SDXL's VAE overflows in fp16: fp32 unless --vae gives the fixed one (kohya's --no_half_vae).
     load.vae_dtype = models::vae_compute_dtype(
         models::model_family(models::detect_family(options.model, options.model_family).family),

@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <string>
 
+#include "models/model_parts.h"
+
 namespace lorapipe::cacher {
 
 struct Options {
@@ -17,6 +19,7 @@ struct Options {
   std::string model_family;         // --model_family: load as this family (empty: detect)
   std::filesystem::path tokenizer;  // for single files (folders carry theirs)
   std::filesystem::path vae;        // kohya's --vae: another VAE than the checkpoint's
+  models::ModelParts model_parts;   // FLUX.1's --clip_l, --t5xxl, --ae and T5 settings
   std::string device = "auto";      // auto, cpu, cuda, cuda:N
   std::string dtype = "fp32";       // compute dtype: fp32, fp16, bf16 (records are fp16)
   int vae_batch_size = 4;

@@ -152,7 +152,15 @@ std::vector<EncodedRecord> TextEncoder::encode(const std::vector<std::string>& c
     }
     wire::TextRecord text;
     text.set_format_version(kRecordFormatVersion);
-    to_record_tensor(hidden[k], text.mutable_hidden_states());
+    // Where the denoiser never attends to the masked-out states (FLUX.1 with
+    // --apply_t5_attn_mask), only those up to the mask's last 1 are kept: the trainer pads the
+    // rest with zeros, which the mask hides.
+    int64_t kept = hidden.size(1);
+    if (result.mask.defined() && model_.padding_is_masked()) {
+      const torch::Tensor on = result.mask[k].nonzero();
+      kept = on.numel() == 0 ? 1 : on.max().item<int64_t>() + 1;
+    }
+    to_record_tensor(hidden[k].narrow(0, 0, kept), text.mutable_hidden_states());
     if (pooled) to_record_tensor(result.pooled[k], text.mutable_pooled());
     if (result.mask.defined()) to_record_tensor(result.mask[k], text.mutable_mask());
     text.set_clip_skip(clip_skip_);

@@ -86,6 +86,7 @@ int main(int argc, char** argv) {
     options.model_family = FLAGS_model_family;
     options.tokenizer = FLAGS_tokenizer;
     options.vae = FLAGS_vae;
+    options.model_parts = lorapipe::models::model_parts_from_flags();
     options.device = FLAGS_device;
     options.dtype = FLAGS_dtype;
     options.vae_batch_size = FLAGS_vae_batch_size;

@@ -49,6 +49,11 @@ std::vector<FlagInfo> make_table() {
   boolean("merge_lora", {S::kSampler});
   value("tokenizer", {S::kCacher, S::kTrainer, S::kSampler});
   value("vae", {S::kCacher, S::kTrainer, S::kSampler});  // kohya's: the one VAE of the run
+  // FLUX.1's separate parts and T5 settings (models/model_parts.h): every stage that loads it.
+  for (const char* name : {"clip_l", "t5xxl", "ae", "t5_tokenizer", "t5xxl_max_token_length"}) {
+    value(name, {S::kCacher, S::kTrainer, S::kSampler});
+  }
+  boolean("apply_t5_attn_mask", {S::kCacher, S::kTrainer, S::kSampler});
   // LoRAs merged into the base before training: the sampler renders on the same base.
   value("base_weights", {S::kTrainer, S::kSampler});
   value("base_weights_multiplier", {S::kTrainer, S::kSampler});
@@ -102,7 +107,7 @@ std::vector<FlagInfo> make_table() {
         "console_log_level", "validate_every_n_epochs", "lr_scheduler_min_lr_ratio",
         "lr_decay_steps", "lr_scheduler_timescale", "lr_scheduler_args",
         "max_validation_steps", "timestep_sampling", "discrete_flow_shift", "sigmoid_scale",
-        "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "model_prediction_type"}) {
+        "weighting_scheme", "logit_mean", "logit_std", "mode_scale", "model_prediction_type", "guidance_scale"}) {
     value(name, {S::kTrainer});
   }
   for (const char* name :

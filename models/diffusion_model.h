@@ -101,6 +101,10 @@ class DiffusionModel {
   // weight, and each prompt rescaled to the mean it had before weighting. For short prompts
   // without weights this is encode_text(tokenize(prompts)).
   virtual Conditioning encode_prompts(const std::vector<std::string>& prompts, int clip_skip) = 0;
+  // True when the denoiser never attends to the hidden states where the conditioning's mask is 0
+  // (FLUX.1 with kohya's --apply_t5_attn_mask): those states need not be stored, and a cached
+  // conditioning may hold only the masked-in ones, zeros standing in for the rest.
+  virtual bool padding_is_masked() const { return false; }
   // A conditioning read from the cache (the states, pooled output and mask as stored).
   virtual Conditioning cached_conditioning(const at::Tensor& hidden_states,
                                            const at::Tensor& pooled,

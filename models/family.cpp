@@ -65,8 +65,37 @@ ModelFamily make_sdxl() {
   return f;
 }
 
+// FLUX.1 [dev] and [schnell]: one transformer layout, told apart by dev's guidance embedding.
+ModelFamily make_flux(bool dev) {
+  ModelFamily f;
+  f.name = dev ? "flux-dev" : "flux-schnell";
+  f.display_name = dev ? "FLUX.1 [dev]" : "FLUX.1 [schnell]";
+  f.latent_channels = 16;
+  f.vae_scaling_factor = 0.3611;  // the AE's (diffusers' vae/config.json)
+  f.vae_shift_factor = 0.1159;
+  f.vae_downsample = 8;
+  f.prediction_type = "flow";
+  f.default_resolution = 1024;
+  f.bucket_reso_multiple = 32;  // kohya's flux_train_network: bucket_reso_steps % 32 == 0
+  // T5's states (kohya's --t5xxl_max_token_length default: 512 for dev, 256 for schnell) and
+  // CLIP-L's pooled output. kohya's Flux ignores --clip_skip.
+  f.text = {"t5+clip-l", dev ? 512 : 256, 4096, /*uses_pooled=*/true, /*default_clip_skip=*/1};
+  f.objective = ObjectiveKind::kFlowMatching;
+  // FLUX.1's scheduler_config.json: dev shifts by resolution, schnell not at all.
+  f.flow.dynamic_shifting = dev;
+  f.flow.shift = dev ? 3.0 : 1.0;
+  f.kohya.network_module = "networks.lora_flux";
+  f.kohya.base_model_version = "flux1";
+  f.kohya.modelspec_architecture = dev ? "flux-1-dev" : "flux-1-schnell";
+  f.kohya.modelspec_implementation = "https://github.com/black-forest-labs/flux";
+  // Only the transformer lives in a FLUX.1 single file; kohya takes the others by flag.
+  f.single_file_components = {{"transformer", ""}};
+  return f;
+}
+
 const std::vector<ModelFamily>& families() {
-  static const std::vector<ModelFamily> all{make_sd15(), make_sdxl()};
+  static const std::vector<ModelFamily> all{make_sd15(), make_sdxl(), make_flux(true),
+                                            make_flux(false)};
   return all;
 }
 
@@ -113,14 +142,12 @@ std::string found_in(const SafetensorsFile& file) {
 
 // A family lorapipe recognises but does not train yet, from a single file's keys; empty if none.
 std::string not_yet_supported(const SafetensorsFile& file) {
-  bool ldm_unet = false, openclip_text = false, sdxl_refiner = false, flux = false;
+  bool ldm_unet = false, openclip_text = false, sdxl_refiner = false;
   for (const TensorInfo& t : file.tensors()) {
     ldm_unet |= starts_with(t.name, kLdmUnetPrefix);
     openclip_text |= starts_with(t.name, "cond_stage_model.model.");
     sdxl_refiner |= starts_with(t.name, "conditioner.embedders.0.model.");
-    flux |= t.name.find("double_blocks.") != std::string::npos;
   }
-  if (flux) return "Flux.1 (double_blocks.*)";
   if (sdxl_refiner) return "the SDXL refiner (OpenCLIP alone, conditioner.embedders.0.model.*)";
   if (ldm_unet && openclip_text) return "SD2.x (an OpenCLIP text encoder, cond_stage_model.model.*)";
   return "";
@@ -134,7 +161,16 @@ FamilyDetection detect_file(const fs::path& path) {
     return {it->second, "its lorapipe.family metadata"};
   }
   bool ldm_unet = false, clip_text = false, vae = false, sdxl_clip_l = false, sdxl_clip_g = false;
+  bool flux_img_in = false, flux_double = false, flux_guidance = false;
   for (const TensorInfo& t : file.tensors()) {
+    // A FLUX.1 transformer as Black Forest Labs ship it, or with ComfyUI's and kohya's
+    // model.diffusion_model. prefix.
+    const std::string_view bare = starts_with(t.name, kLdmUnetPrefix)
+                                      ? std::string_view(t.name).substr(kLdmUnetPrefix.size())
+                                      : std::string_view(t.name);
+    flux_img_in |= bare == "img_in.weight";
+    flux_double |= starts_with(bare, "double_blocks.");
+    flux_guidance |= starts_with(bare, "guidance_in.");
     ldm_unet |= starts_with(t.name, kLdmUnetPrefix);
     clip_text |= starts_with(t.name, std::string(kLdmTextPrefix) + "text_model.");
     vae |= starts_with(t.name, kLdmVaePrefix);
@@ -149,6 +185,13 @@ FamilyDetection detect_file(const fs::path& path) {
     return {"sdxl", "its keys (model.diffusion_model.*, first_stage_model.*, CLIP-L under "
                     "conditioner.embedders.0.transformer.* and OpenCLIP ViT-bigG under "
                     "conditioner.embedders.1.model.*)"};
+  }
+  if (flux_img_in && flux_double) {
+    return flux_guidance
+               ? FamilyDetection{"flux-dev", "its keys (a FLUX.1 transformer: img_in, "
+                                             "double_blocks.*, and dev's guidance_in)"}
+               : FamilyDetection{"flux-schnell", "its keys (a FLUX.1 transformer: img_in and "
+                                                 "double_blocks.*, without dev's guidance_in)"};
   }
   const std::string other = not_yet_supported(file);
   throw InputError(path.string() + ": " +
@@ -181,8 +224,16 @@ FamilyDetection detect_folder(const fs::path& folder) {
         index.contains("text_encoder") && !index["text_encoder"].is_null()) {
       return {"sdxl", "its model_index.json (" + pipeline + ")"};
     }
+    if ((pipeline == "FluxPipeline" || pipeline == "FluxImg2ImgPipeline") &&
+        fs::exists(folder / "transformer" / "config.json")) {
+      const nlohmann::json transformer = read_json(folder / "transformer" / "config.json");
+      const bool dev = transformer.value("guidance_embeds", false);
+      return {dev ? "flux-dev" : "flux-schnell",
+              "its model_index.json (" + pipeline + ") and transformer/config.json (" +
+                  (dev ? "guidance_embeds" : "no guidance_embeds") + ")"};
+    }
     found = "model_index.json names " + (pipeline.empty() ? "no pipeline" : pipeline);
-    if (pipeline.find("XL") != std::string::npos || pipeline.find("Flux") != std::string::npos) {
+    if (pipeline.find("XL") != std::string::npos) {
       found += ", a family lorapipe does not train yet (the SDXL refiner has no CLIP-L)";
     }
   } else if (fs::exists(folder / "unet" / "config.json") && fs::is_directory(folder / "text_encoder")) {

@@ -125,6 +125,7 @@ class FlowMatchingObjective final : public TrainingObjective {
     m["ss_timestep_sampling"] = o.timestep_sampling;
     m["ss_sigmoid_scale"] = python_float_repr(o.sigmoid_scale);
     m["ss_model_prediction_type"] = o.model_prediction_type;
+    m["ss_guidance_scale"] = python_float_repr(o.guidance_scale);
     m["ss_discrete_flow_shift"] = python_float_repr(o.discrete_flow_shift);
     m["ss_huber_schedule"] = o.huber_schedule;
     m["ss_huber_scale"] = python_float_repr(o.huber_scale);

@@ -484,27 +484,7 @@ void load_flux_original(FluxTransformerImpl& model, const SafetensorsFile& file,
 }
 
 void load_flux_diffusers(FluxTransformerImpl& model, const std::filesystem::path& folder) {
-  namespace fs = std::filesystem;
-  std::vector<SafetensorsFile> files;
-  const fs::path single = folder / "diffusion_pytorch_model.safetensors";
-  const fs::path index = folder / "diffusion_pytorch_model.safetensors.index.json";
-  if (fs::exists(single)) {
-    files.push_back(SafetensorsFile::open(single));
-  } else if (fs::exists(index)) {
-    std::set<std::string> shards;
-    try {
-      const nlohmann::json j = nlohmann::json::parse(read_text(index));
-      for (const auto& [key, shard] : j.at("weight_map").items()) {
-        shards.insert(shard.get<std::string>());
-      }
-    } catch (const nlohmann::json::exception& e) {
-      throw InputError(index.string() + ": " + e.what());
-    }
-    for (const auto& shard : shards) files.push_back(SafetensorsFile::open(folder / shard));
-  } else {
-    throw InputError(folder.string() + ": no diffusion_pytorch_model.safetensors (or its " +
-                     "sharded index) in the Flux transformer's folder");
-  }
+  const std::vector<SafetensorsFile> files = open_weight_files(folder, "diffusion_pytorch_model");
   std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>> where;
   for (const auto& f : files) {
     for (const TensorInfo& t : f.tensors()) where[t.name] = {&f, &t};

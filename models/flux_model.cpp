@@ -7,33 +7,14 @@
 #include "models/flux_lora.h"
 #include "models/loading.h"
 #include "models/safetensors.h"
+#include "models/sd15_keys.h"
 #include "models/sd15_lora.h"
+#include "models/weights.h"
 
 namespace lorapipe::models {
 namespace fs = std::filesystem;
 
-ModelFamily flux_model_family(bool dev) {
-  ModelFamily f;
-  f.name = dev ? "flux-dev" : "flux-schnell";
-  f.display_name = dev ? "FLUX.1 [dev]" : "FLUX.1 [schnell]";
-  f.latent_channels = 16;
-  f.vae_scaling_factor = 0.3611;  // the AE's (diffusers' vae/config.json)
-  f.vae_shift_factor = 0.1159;
-  f.vae_downsample = 8;
-  f.prediction_type = "flow";
-  f.default_resolution = 1024;
-  f.bucket_reso_multiple = 32;  // kohya's flux_train_network: bucket_reso_steps % 32 == 0
-  f.text = {"t5+clip-l", dev ? 512 : 256, 4096, /*uses_pooled=*/true, /*default_clip_skip=*/1};
-  f.objective = ObjectiveKind::kFlowMatching;
-  // FLUX.1's scheduler_config.json: dev shifts by resolution, schnell not at all.
-  f.flow.dynamic_shifting = dev;
-  f.flow.shift = dev ? 3.0 : 1.0;
-  f.kohya.network_module = "networks.lora_flux";
-  f.kohya.base_model_version = "flux1";
-  f.kohya.modelspec_architecture = dev ? "flux-1-dev" : "flux-1-schnell";
-  f.kohya.modelspec_implementation = "https://github.com/black-forest-labs/flux";
-  return f;
-}
+ModelFamily flux_model_family(bool dev) { return model_family(dev ? "flux-dev" : "flux-schnell"); }
 
 TokenBatch FluxModel::tokenize(const std::vector<std::string>& captions, int /*max_token_length*/,
                                bool weighted) const {
@@ -60,9 +41,13 @@ Conditioning FluxModel::encode_text(const TokenBatch& tokens, int /*clip_skip*/)
   const at::Tensor clip_weight = clip->parameters().front();
   c.pooled = clip->forward(tokens.ids[0].to(clip_weight.device())).pooled;
   const at::Tensor& t5_ids = tokens.ids[1];
-  // 1 up to and including </s>: T5's padding id is 0 and no caption token is.
-  c.mask = (t5_ids != (t5_tokenizer ? t5_tokenizer->pad_id() : 0)).to(at::kLong);
-  c.hidden_states = t5(t5_ids, apply_t5_attn_mask ? c.mask : at::Tensor());
+  // With kohya's --apply_t5_attn_mask, the mask: 1 up to and including </s> (T5's padding id
+  // is 0 and no caption token is). Without it T5 and the transformer attend to every position
+  // and the mask is left out: nothing would read it.
+  if (apply_t5_attn_mask) {
+    c.mask = (t5_ids != (t5_tokenizer ? t5_tokenizer->pad_id() : 0)).to(at::kLong);
+  }
+  c.hidden_states = t5(t5_ids, c.mask);
   return c;
 }
 
@@ -166,69 +151,224 @@ torch::nn::Module& FluxModel::vae_module() {
   return *vae;
 }
 
-FluxModel load_flux_diffusers_folder(const fs::path& folder, const LoadOptions& options) {
-  for (const char* part : {"transformer", "text_encoder", "text_encoder_2", "vae"}) {
-    if (!fs::is_directory(folder / part)) {
-      throw InputError(folder.string() + ": not a Flux.1 diffusers folder: no " + part + "/");
+namespace {
+
+constexpr const char* kConfigKey = "lorapipe.config";
+
+// The config JSON a part file of lorapipe's carries (the tests' tiny ones); users' files carry
+// none and are the full-size parts.
+std::optional<std::string> file_config(const SafetensorsFile& file) {
+  const auto it = file.metadata().find(kConfigKey);
+  if (it == file.metadata().end()) return std::nullopt;
+  return it->second;
+}
+
+bool has_key(const SafetensorsFile& file, const std::string& name) {
+  for (const TensorInfo& t : file.tensors()) {
+    if (t.name == name) return true;
+  }
+  return false;
+}
+
+// The transformer of a single file, with or without the model.diffusion_model. prefix: its
+// diffusers config from our metadata, else FLUX.1's full size (dev with guidance_in, schnell
+// without).
+FluxTransformer load_transformer_file(const fs::path& path, c10::ScalarType dtype) {
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  const std::string prefix =
+      has_key(file, std::string(kLdmUnetPrefix) + "img_in.weight") ? std::string(kLdmUnetPrefix) : "";
+  FluxConfig config;
+  if (const auto json = file_config(file)) {
+    config = FluxConfig::from_diffusers_json(*json, path.string());
+  } else {
+    config = has_key(file, prefix + "guidance_in.in_layer.weight") ? FluxConfig::dev()
+                                                                    : FluxConfig::schnell();
+  }
+  at::NoGradGuard no_grad;
+  FluxTransformer transformer(config, at::TensorOptions().dtype(dtype));
+  load_flux_original(*transformer, file, prefix);
+  return transformer;
+}
+
+// CLIP-L from a transformers folder or kohya's clip_l.safetensors (transformers' names; some
+// files also hold the projection and logit scale, which the pooled output does not use).
+ClipTextModel load_clip_l(const fs::path& path, c10::ScalarType dtype) {
+  ClipTextConfig config;
+  fs::path file = path;
+  if (fs::is_directory(path)) {
+    config = ClipTextConfig::from_json(read_text(path / "config.json"),
+                                       (path / "config.json").string());
+    file = path / "model.safetensors";
+  }
+  const SafetensorsFile weights = SafetensorsFile::open(file);
+  if (!fs::is_directory(path)) {
+    const auto json = file_config(weights);
+    config = json ? ClipTextConfig::from_json(*json, file.string()) : ClipTextConfig::sd15();
+  }
+  ClipTextModel clip = build_in(dtype, [&] { return ClipTextModel(config); });
+  load_into(*clip, weights, file.string(),
+            {"text_model.embeddings.position_ids", "text_projection.weight", "logit_scale"});
+  return clip;
+}
+
+// T5 from a transformers folder (config.json and model.safetensors or its shards) or kohya's
+// t5xxl file (XXL, any of fp32, fp16, bf16 or float8 storage).
+T5Encoder load_t5(const fs::path& path, c10::ScalarType dtype) {
+  std::vector<SafetensorsFile> files;
+  T5Config config;
+  if (fs::is_directory(path)) {
+    config = T5Config::from_json(read_text(path / "config.json"), (path / "config.json").string());
+    files = open_weight_files(path, "model");
+  } else {
+    files.push_back(SafetensorsFile::open(path));
+    const auto json = file_config(files.front());
+    config = json ? T5Config::from_json(*json, path.string()) : T5Config::xxl();
+  }
+  at::NoGradGuard no_grad;
+  T5Encoder t5(config, at::TensorOptions().dtype(dtype));
+  std::vector<const SafetensorsFile*> parts;
+  for (const SafetensorsFile& f : files) parts.push_back(&f);
+  load_t5_encoder(*t5, parts, path.string());
+  return t5;
+}
+
+// FLUX.1's AE: 16 channels, no quant convs.
+VaeConfig flux_ae_config() {
+  VaeConfig c = VaeConfig::sd15();
+  c.latent_channels = 16;
+  c.scaling_factor = 0.3611;
+  c.shift_factor = 0.1159;
+  c.use_quant_conv = false;
+  c.use_post_quant_conv = false;
+  return c;
+}
+
+// The AE from a diffusers vae/ folder, or Black Forest Labs' ae.safetensors (ldm's VAE names
+// without first_stage_model.: encoder.down.0.block.0.norm1.weight, ...).
+AutoencoderKL load_ae(const fs::path& path, c10::ScalarType dtype) {
+  if (fs::is_directory(path)) {
+    const VaeConfig config = VaeConfig::from_json(read_text(path / "config.json"),
+                                                  (path / "config.json").string());
+    AutoencoderKL vae = build_in(dtype, [&] { return AutoencoderKL(config); });
+    load_vae(vae, path);
+    return vae;
+  }
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  const auto json = file_config(file);
+  const VaeConfig config = json ? VaeConfig::from_json(*json, path.string()) : flux_ae_config();
+  const KeyMap map = sd15_vae_key_map(layout_of(config));
+  std::map<std::string, const TensorInfo*> names;
+  std::vector<std::string> unknown;
+  for (const TensorInfo& t : file.tensors()) {
+    const auto name = map.to_diffusers(std::string(kLdmVaePrefix) + t.name);
+    if (name) {
+      names[*name] = &t;
+    } else {
+      unknown.push_back(t.name);
     }
   }
+  if (!unknown.empty()) {
+    throw InputError(path.string() + ": " + std::to_string(unknown.size()) +
+                     " keys are not those of an AE in Black Forest Labs' layout, e.g. " +
+                     unknown.front());
+  }
+  AutoencoderKL vae = build_in(dtype, [&] { return AutoencoderKL(config); });
+  load_into(*vae, file, names, path.string(), vae_attention_from_ldm());
+  return vae;
+}
+
+// What a part was given as, for errors: "--ae" or "FOLDER/vae".
+fs::path part_path(const fs::path& option, const fs::path& folder, const char* part,
+                   const fs::path& model, const char* flag) {
+  if (!option.empty()) return option;
+  if (!folder.empty()) return folder / part;
+  throw InputError(model.string() + " is a FLUX.1 transformer alone: pass " + flag +
+                   " (kohya's: the file of that part, e.g. " +
+                   (std::string(flag) == "--clip_l"  ? "clip_l.safetensors"
+                    : std::string(flag) == "--t5xxl" ? "t5xxl_fp16.safetensors"
+                                                     : "ae.safetensors") +
+                   ")");
+}
+
+}  // namespace
+
+FluxModel load_flux(const fs::path& path, const ModelFamily& family, const LoadOptions& options) {
+  const bool folder = fs::is_directory(path);
+  if (folder) {
+    for (const char* part : {"transformer", "text_encoder", "text_encoder_2", "vae"}) {
+      if (!fs::is_directory(path / part)) {
+        throw InputError(path.string() + ": not a FLUX.1 diffusers folder: no " + part + "/");
+      }
+    }
+  }
+  const fs::path parts_folder = folder ? path : fs::path();
   FluxModel m;
-  m.source_path = folder.string();
+  m.source_path = path.string();
+  m.family = family;
   const c10::ScalarType dtype = storage_dtype(options.dtype, "dtype");
   const c10::ScalarType text_dtype =
       storage_dtype(options.text_encoder_dtype.value_or(dtype), "text_encoder_dtype");
   const c10::ScalarType vae_dtype = storage_dtype(options.vae_dtype.value_or(dtype), "vae_dtype");
-  auto config_of = [&](const char* part) {
-    return std::make_pair(read_text(folder / part / "config.json"),
-                          (folder / part / "config.json").string());
-  };
+  if (options.parts.t5_max_length < 0) {
+    throw InputError("--t5xxl_max_token_length must be positive, not " +
+                     std::to_string(options.parts.t5_max_length));
+  }
+  m.t5_max_length = options.parts.t5_max_length > 0 ? options.parts.t5_max_length : family.text.max_length;
+  m.family.text.max_length = m.t5_max_length;
+  m.apply_t5_attn_mask = options.parts.apply_t5_attn_mask;
 
-  const auto [transformer_json, transformer_source] = config_of("transformer");
-  const FluxConfig config = FluxConfig::from_diffusers_json(transformer_json, transformer_source);
-  m.family = flux_model_family(config.guidance_embed);
-  m.t5_max_length = m.family.text.max_length;
   if (options.load_denoiser) {
-    at::NoGradGuard no_grad;
-    m.transformer = FluxTransformer(config, at::TensorOptions().dtype(dtype));
-    load_flux_diffusers(*m.transformer, folder / "transformer");
+    if (folder) {
+      const fs::path config = path / "transformer" / "config.json";
+      const FluxConfig c = FluxConfig::from_diffusers_json(read_text(config), config.string());
+      at::NoGradGuard no_grad;
+      m.transformer = FluxTransformer(c, at::TensorOptions().dtype(dtype));
+      load_flux_diffusers(*m.transformer, path / "transformer");
+    } else {
+      m.transformer = load_transformer_file(path, dtype);
+    }
+    if (m.transformer->config.guidance_embed != (family.name == "flux-dev")) {
+      throw InputError(path.string() + ": loaded as " + family.display_name + ", but its " +
+                       "transformer " + (m.transformer->config.guidance_embed ? "has" : "has no") +
+                       " guidance embedding");
+    }
     m.transformer->eval();
   }
-
-  const auto [clip_json, clip_source] = config_of("text_encoder");
-  const ClipTextConfig clip_config = ClipTextConfig::from_json(clip_json, clip_source);
-  m.clip = build_in(text_dtype, [&] { return ClipTextModel(clip_config); });
-  load_clip_text(m.clip, folder / "text_encoder");
-  const auto [t5_json, t5_source] = config_of("text_encoder_2");
-  {
-    at::NoGradGuard no_grad;
-    m.t5 =
-        T5Encoder(T5Config::from_json(t5_json, t5_source), at::TensorOptions().dtype(text_dtype));
-  }
-  const fs::path t5_file = folder / "text_encoder_2" / "model.safetensors";
-  if (!fs::exists(t5_file)) {
-    throw InputError(folder.string() + ": no text_encoder_2/model.safetensors (T5's weights)");
-  }
-  load_t5_encoder(*m.t5, SafetensorsFile::open(t5_file));
+  const fs::path clip_path = part_path(options.parts.clip_l, parts_folder, "text_encoder", path, "--clip_l");
+  const fs::path t5_path = part_path(options.parts.t5xxl, parts_folder, "text_encoder_2", path, "--t5xxl");
+  const fs::path ae_path = part_path(!options.parts.ae.empty() ? options.parts.ae : options.vae, parts_folder,
+                                     "vae", path, "--ae");
+  m.clip = load_clip_l(clip_path, text_dtype);
+  m.clip->eval();
+  m.t5 = load_t5(t5_path, text_dtype);
   m.t5->eval();
   m.text_encoders = std::make_shared<torch::nn::Module>();
   m.text_encoders->register_module("text_encoder", m.clip.ptr());
   m.text_encoders->register_module("text_encoder_2", m.t5.ptr());
-
-  const auto [vae_json, vae_source] = config_of("vae");
-  const VaeConfig vae_config = VaeConfig::from_json(vae_json, vae_source);
-  m.vae = build_in(vae_dtype, [&] { return AutoencoderKL(vae_config); });
-  load_vae(m.vae, folder / "vae");
+  m.vae = load_ae(ae_path, vae_dtype);
+  m.vae->eval();
 
   bool builtin = false;
   m.clip_tokenizer =
-      clip_tokenizer_for(!options.tokenizer.empty()               ? options.tokenizer
-                         : fs::is_directory(folder / "tokenizer") ? folder / "tokenizer"
-                                                                  : fs::path(),
-                         clip_config.vocab_size, m.source_path, &builtin);
-  if (fs::exists(folder / "tokenizer_2" / "spiece.model")) {
-    m.t5_tokenizer = T5Tokenizer::from_file(folder / "tokenizer_2" / "spiece.model");
+      clip_tokenizer_for(!options.tokenizer.empty()                         ? options.tokenizer
+                         : folder && fs::is_directory(path / "tokenizer") ? path / "tokenizer"
+                                                                            : fs::path(),
+                         m.clip->config().vocab_size, m.source_path, &builtin);
+  fs::path spiece = options.parts.t5_tokenizer;
+  if (spiece.empty() && folder) spiece = path / "tokenizer_2";
+  if (!spiece.empty() && fs::is_directory(spiece)) spiece /= "spiece.model";
+  if (spiece.empty() || !fs::exists(spiece)) {
+    throw InputError(
+        path.string() + ": no T5 tokenizer" + (spiece.empty() ? "" : " at " + spiece.string()) +
+        ": pass --t5_tokenizer, T5's spiece.model (a FLUX.1 diffusers folder's tokenizer_2/, or "
+        "google/t5-v1_1-xxl's); kohya's files carry none");
   }
+  m.t5_tokenizer = T5Tokenizer::from_file(spiece);
   return m;
+}
+
+FluxModel load_flux_diffusers_folder(const fs::path& folder, const LoadOptions& options) {
+  return load_flux(folder, model_family(detect_family(folder, options.family).family), options);
 }
 
 }  // namespace lorapipe::models

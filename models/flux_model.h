@@ -10,9 +10,7 @@
 //    kohya's --guidance_scale default 3.5), unpacked again;
 //  - the AE: 16 channels, (latents - 0.1159) * 0.3611 for the denoiser.
 //
-// Loaded here from a diffusers folder (transformer/, text_encoder/, text_encoder_2/, vae/,
-// tokenizer/, tokenizer_2/spiece.model). Not yet in the registry: until the stages can train and
-// sample it, detect_family keeps refusing Flux checkpoints by name.
+// models::load_model (models/registry.h) loads it through load_flux below.
 
 #include <c10/core/ScalarType.h>
 
@@ -32,7 +30,8 @@
 
 namespace lorapipe::models {
 
-// The Flux.1 families' rules (dev: guidance embedding, T5 at 512 tokens; schnell: neither).
+// The Flux.1 families' rules (dev: guidance embedding, T5 at 512 tokens; schnell: neither):
+// model_family("flux-dev") or ("flux-schnell").
 ModelFamily flux_model_family(bool dev);
 
 struct FluxModel : DiffusionModel {
@@ -54,6 +53,9 @@ struct FluxModel : DiffusionModel {
   const ModelFamily& model_family() const override { return family; }
   const std::string& source() const override { return source_path; }
   bool has_tokenizer() const override { return clip_tokenizer && t5_tokenizer; }
+  // With the mask, the transformer never attends to T5's padding: the cache keeps only the
+  // states up to </s>.
+  bool padding_is_masked() const override { return apply_t5_attn_mask; }
   // ids[0]: CLIP-L's [B, 77]; ids[1]: T5's [B, t5_max_length]. Flux has no long-prompt chunking
   // or weighted captions (kohya's Flux has neither); `max_token_length` is ignored.
   TokenBatch tokenize(const std::vector<std::string>& captions, int max_token_length = 75,
@@ -74,7 +76,15 @@ struct FluxModel : DiffusionModel {
   torch::nn::Module& vae_module() override;
 };
 
-// Throws InputError naming the folder and the part that is missing or malformed.
+// FLUX.1 as users hold it, loaded as `family` (flux-dev or flux-schnell): a diffusers folder
+// (transformer/, text_encoder/, text_encoder_2/, vae/, tokenizer/, tokenizer_2/spiece.model), or
+// a single-file transformer (Black Forest Labs' names, with or without model.diffusion_model.)
+// with kohya's separate parts: options.clip_l, t5xxl and ae (each may also replace a folder's
+// own), and T5's spiece.model as options.t5_tokenizer. Throws InputError naming the file or
+// folder and the part that is missing or malformed, or the flag that would give it.
+FluxModel load_flux(const std::filesystem::path& path, const ModelFamily& family,
+                    const LoadOptions& options);
+// load_flux for a diffusers folder, its family detected.
 FluxModel load_flux_diffusers_folder(const std::filesystem::path& folder,
                                      const LoadOptions& options = {});
 

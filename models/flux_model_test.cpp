@@ -14,10 +14,16 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
+#include "common/error.h"
+#include "models/loading.h"
 #include "models/parity_util.h"
+#include "models/safetensors.h"
+#include "models/sd15_keys.h"
 #include "models/tiny.h"
+#include "models/weights.h"
 #include "sampler/render.h"
 
 namespace lorapipe::models {
@@ -66,9 +72,143 @@ TEST_F(FluxPipelineParity, ConditioningMatchesFluxPipelineEncodePrompt) {
   const Conditioning c = model.encode_text(tokens, /*clip_skip=*/1);
   expect_close("flux pooled (CLIP-L)", c.pooled, ref.at("pooled"), 1e-4);
   expect_close("flux T5 states", c.hidden_states, ref.at("prompt_embeds"), 1e-4);
-  // The mask marks the caption and its </s>: the padding of the shorter caption is 0.
-  EXPECT_EQ(c.mask.sizes(), tokens.ids[1].sizes());
-  EXPECT_LT(c.mask.sum().item<int64_t>(), c.mask.numel());
+  // Without --apply_t5_attn_mask nothing reads a mask, and none is made (or cached).
+  EXPECT_FALSE(c.mask.defined());
+  EXPECT_FALSE(model.padding_is_masked());
+  // With it, the mask marks the caption and its </s>: the padding of the shorter caption is 0.
+  model.apply_t5_attn_mask = true;
+  const Conditioning masked = model.encode_text(tokens, /*clip_skip=*/1);
+  ASSERT_TRUE(masked.mask.defined());
+  EXPECT_EQ(masked.mask.sizes(), tokens.ids[1].sizes());
+  EXPECT_LT(masked.mask.sum().item<int64_t>(), masked.mask.numel());
+  EXPECT_TRUE(model.padding_is_masked());
+}
+
+// With --apply_t5_attn_mask the transformer never attends to T5's padding, so the cache keeps
+// only the states up to </s> and the trainer pads zeros back: the velocity is then the same,
+// bit for bit, as with every state T5 produced.
+TEST_F(FluxPipelineParity, MaskedPaddingStatesDoNotChangeTheVelocity) {
+  FluxModel model = load();
+  model.apply_t5_attn_mask = true;
+  const auto ref = testing::read_all(ref_ / "reference.safetensors");
+  torch::NoGradGuard no_grad;
+  const Conditioning full = model.encode_text(model.tokenize(prompts()), /*clip_skip=*/1);
+  Conditioning cut = full;
+  cut.hidden_states = full.hidden_states.clone();
+  int64_t zeroed = 0;
+  for (int64_t b = 0; b < full.mask.size(0); ++b) {
+    const int64_t kept = full.mask[b].sum().item<int64_t>();
+    cut.hidden_states[b].narrow(0, kept, full.mask.size(1) - kept).zero_();
+    zeroed += full.mask.size(1) - kept;
+  }
+  ASSERT_GT(zeroed, 0) << "the prompts fill T5's length: nothing is left out";
+  DenoiseInput input;
+  input.latents = ref.at("latents");
+  input.time = ref.at("sigma");
+  input.guidance = 3.5;
+  input.conditioning = &full;
+  const at::Tensor expected = model.denoise(input);
+  input.conditioning = &cut;
+  EXPECT_TRUE(torch::equal(model.denoise(input), expected));
+  // Without the mask the padding is attended, and it matters.
+  model.apply_t5_attn_mask = false;
+  const at::Tensor unmasked = model.denoise(input);
+  input.conditioning = &full;
+  EXPECT_FALSE(torch::equal(model.denoise(input), unmasked));
+}
+
+// FLUX.1 as kohya users hold it: the transformer alone in Black Forest Labs' names (here with
+// ComfyUI's model.diffusion_model. prefix), and --clip_l, --t5xxl, --ae and --t5_tokenizer
+// beside it, written from the diffusers folder's weights. load_model detects dev by its keys and
+// the model it builds conditions, denoises and decodes exactly as the folder's does. Without a
+// part, the error names the flag that gives it.
+TEST_F(FluxPipelineParity, SingleFileTransformerWithKohyasPartsEqualsTheFolder) {
+  FluxModel folder = load();
+  const fs::path dir = dir_ / "kohya";
+  fs::create_directories(dir);
+  auto write = [&](const fs::path& file, const torch::nn::Module& module, const std::string& prefix,
+                   const std::string& config,
+                   const std::function<std::string(const std::string&)>& rename = nullptr) {
+    std::vector<at::Tensor> storage;
+    std::vector<TensorToWrite> tensors = module_tensors(module, storage, prefix);
+    if (rename) {
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        tensors[i].name = rename(tensors[i].name);
+        // ldm keeps the AE's mid-block attention projections as 1x1 convolutions.
+        if (tensors[i].name.find("mid.attn_1.") != std::string::npos &&
+            tensors[i].shape.size() == 2) {
+          tensors[i].shape.push_back(1);
+          tensors[i].shape.push_back(1);
+        }
+      }
+    }
+    write_safetensors(file, tensors, {{"lorapipe.config", config}});
+  };
+  write(dir / "flux1-dev.safetensors", *folder.transformer, "model.diffusion_model.",
+        read_text(ref_ / "flux" / "transformer" / "config.json"));
+  write(dir / "clip_l.safetensors", *folder.clip, "",
+        read_text(ref_ / "flux" / "text_encoder" / "config.json"));
+  write(dir / "t5xxl.safetensors", *folder.t5, "",
+        read_text(ref_ / "flux" / "text_encoder_2" / "config.json"));
+  const KeyMap vae_map = sd15_vae_key_map(layout_of(folder.vae->config()));
+  write(dir / "ae.safetensors", *folder.vae, "", read_text(ref_ / "flux" / "vae" / "config.json"),
+        [&](const std::string& name) {
+          const auto ldm = vae_map.to_ldm(name);
+          EXPECT_TRUE(ldm.has_value()) << name;
+          return ldm ? ldm->substr(kLdmVaePrefix.size()) : name;
+        });
+
+  const fs::path transformer = dir / "flux1-dev.safetensors";
+  EXPECT_EQ(detect_family(transformer).family, "flux-dev");
+  LoadOptions options;
+  try {
+    (void)load_model(transformer, options);
+    ADD_FAILURE() << "loaded without --clip_l";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--clip_l"), std::string::npos) << e.what();
+  }
+  options.parts.clip_l = dir / "clip_l.safetensors";
+  options.parts.t5xxl = dir / "t5xxl.safetensors";
+  options.parts.ae = dir / "ae.safetensors";
+  options.tokenizer = ref_ / "flux" / "tokenizer";
+  try {
+    (void)load_model(transformer, options);
+    ADD_FAILURE() << "loaded without --t5_tokenizer";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--t5_tokenizer"), std::string::npos) << e.what();
+  }
+  options.parts.t5_tokenizer = ref_ / "flux" / "tokenizer_2";
+  options.parts.t5_max_length = folder.t5_max_length;
+  const std::unique_ptr<DiffusionModel> loaded = load_model(transformer, options);
+  EXPECT_EQ(loaded->model_family().name, "flux-dev");
+  const auto ref = testing::read_all(ref_ / "reference.safetensors");
+  torch::NoGradGuard no_grad;
+  const Conditioning a = folder.encode_prompts(prompts(), 1);
+  const Conditioning b = loaded->encode_prompts(prompts(), 1);
+  EXPECT_TRUE(torch::equal(a.hidden_states, b.hidden_states));
+  EXPECT_TRUE(torch::equal(a.pooled, b.pooled));
+  DenoiseInput input;
+  input.latents = ref.at("latents");
+  input.time = ref.at("sigma");
+  input.conditioning = &a;
+  const at::Tensor velocity = folder.denoise(input);
+  EXPECT_TRUE(torch::equal(loaded->denoise(input), velocity));
+  EXPECT_TRUE(torch::equal(loaded->decode_latents(ref.at("latents")),
+                           folder.decode_latents(ref.at("latents"))));
+  EXPECT_TRUE(torch::equal(loaded->encode_images(ref.at("image")).mean,
+                           folder.encode_images(ref.at("image")).mean));
+
+  // SD options are refused for it by name, and FLUX.1's for an SD checkpoint.
+  const TinyCheckpoint sd = write_tiny_checkpoint(dir_ / "sd2", /*seed=*/1);
+  LoadOptions sd_options;
+  sd_options.parts.apply_t5_attn_mask = true;
+  try {
+    (void)load_model(sd.diffusers, sd_options);
+    ADD_FAILURE() << "an SD checkpoint took --apply_t5_attn_mask";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--apply_t5_attn_mask is FLUX.1's"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST_F(FluxPipelineParity, DenoiseAndDecodeMatchTheTransformerAndAe) {
@@ -105,7 +245,7 @@ TEST_F(FluxPipelineParity, RenderMatchesFluxPipeline) {
   r.prompt = prompts()[0];
   r.width = r.height = 16;
   r.steps = request["render_steps"];
-  r.cfg_scale = 3.5;
+  r.guidance = 3.5;  // --g; --l is not given: no classifier-free pass
   sampler::RenderOptions options;
   options.initial_latents = ref.at("render_initial");
   const sampler::RenderResult result = sampler::render(model, r, options);

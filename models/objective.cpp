@@ -39,6 +39,7 @@ void check_objective_options(const ObjectiveOptions& o) {
   if (!(o.discrete_flow_shift > 0)) throw InputError("--discrete_flow_shift must be positive");
   if (!(o.sigmoid_scale > 0)) throw InputError("--sigmoid_scale must be positive");
   if (!(o.logit_std > 0)) throw InputError("--logit_std must be positive");
+  if (!(o.guidance_scale >= 0)) throw InputError("--guidance_scale must not be negative");
 }
 
 std::unique_ptr<TrainingObjective> make_training_objective(const ModelFamily& family,
@@ -55,7 +56,8 @@ std::unique_ptr<TrainingObjective> make_training_objective(const ModelFamily& fa
           {options.logit_mean != d.logit_mean, "--logit_mean"},
           {options.logit_std != d.logit_std, "--logit_std"},
           {options.mode_scale != d.mode_scale, "--mode_scale"},
-          {options.model_prediction_type != d.model_prediction_type, "--model_prediction_type"}};
+          {options.model_prediction_type != d.model_prediction_type, "--model_prediction_type"},
+          {options.guidance_scale != d.guidance_scale, "--guidance_scale"}};
       for (const auto& [set, flag] : flow) {
         if (set) {
           throw InputError(std::string(flag) + " is a flow-matching option (Flux.1); " +

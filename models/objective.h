@@ -50,6 +50,9 @@ struct ObjectiveOptions {
   double logit_std = 1.0;                   // --logit_std
   double mode_scale = 1.29;                 // --mode_scale
   std::string model_prediction_type = "sigma_scaled";  // --model_prediction_type raw|additive|sigma_scaled
+  // --guidance_scale: the distilled guidance a guidance-embedded denoiser (FLUX.1 [dev]) is given
+  // in training (kohya's default 3.5; kohya's docs advise 1.0 for dev LoRAs).
+  double guidance_scale = 3.5;
 };
 
 // The checks every family makes of the options (ranges, names), without a family: the trainer

@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "models/flux_model.h"
 #include "models/pipeline.h"
 #include "models/sdxl.h"
 
@@ -12,7 +13,16 @@ std::unique_ptr<DiffusionModel> load_model(const std::filesystem::path& path,
   const FamilyDetection detected = detect_family(path, options.family);
   LP_LOG(kInfo, "models") << path.string() << ": " << model_family(detected.family).display_name
                           << " (told by " << detected.reason << ")";
-  // Each family's loader; Flux adds its own here.
+  const ModelFamily& family = model_family(detected.family);
+  if (family.objective == ObjectiveKind::kFlowMatching) {
+    return std::make_unique<FluxModel>(load_flux(path, family, options));
+  }
+  if (const std::vector<std::string> given = options.parts.given(); !given.empty()) {
+    std::string flags;
+    for (const std::string& g : given) flags += (flags.empty() ? "" : ", ") + g;
+    throw InputError(path.string() + " is " + family.display_name + ": " + flags +
+                     (given.size() == 1 ? " is" : " are") + " FLUX.1's");
+  }
   if (detected.family == "sd15") {
     return std::make_unique<StableDiffusion>(load_stable_diffusion(path, options));
   }

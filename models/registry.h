@@ -12,6 +12,7 @@
 #include <string>
 
 #include "models/diffusion_model.h"
+#include "models/model_parts.h"
 
 namespace lorapipe::models {
 
@@ -34,6 +35,9 @@ struct LoadOptions {
   bool load_denoiser = true;
   // kohya's --vae: another VAE in place of the checkpoint's own.
   std::filesystem::path vae;
+
+  // FLUX.1's separate parts and T5 settings (kohya's --clip_l, --t5xxl, --ae, ...).
+  ModelParts parts;
 };
 
 // Detects the family of `path` (or takes options.family) and loads the model. Throws

@@ -111,7 +111,7 @@ TEST_F(ModelRegistry, RefusesAFileOfNoFamilyWithWhatItFoundAndTheFamiliesKnown) 
   });
   const std::string why = refusal(other);
   for (const std::string& part : {other.string(), std::string("no known model family"),
-                                  std::string("net.*"), std::string("known families: sd15, sdxl"),
+                                  std::string("net.*"), std::string("known families: sd15, sdxl, flux-dev, flux-schnell"),
                                   std::string("--model_family")}) {
     EXPECT_NE(why.find(part), std::string::npos) << "'" << part << "' not in: " << why;
   }
@@ -131,7 +131,7 @@ TEST_F(ModelRegistry, RefusesAFileOfNoFamilyWithWhatItFoundAndTheFamiliesKnown) 
   EXPECT_EQ(forced.family, "sd15");
   EXPECT_EQ(forced.reason, "--model_family");
   const std::string unknown = refusal(other, "flux1");
-  EXPECT_NE(unknown.find("unknown model family 'flux1' (known: sd15, sdxl)"), std::string::npos)
+  EXPECT_NE(unknown.find("unknown model family 'flux1' (known: sd15, sdxl, flux-dev, flux-schnell)"), std::string::npos)
       << unknown;
 
   EXPECT_THROW(load_model(other), InputError);

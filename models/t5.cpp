@@ -184,15 +184,34 @@ at::Tensor T5EncoderImpl::forward(const at::Tensor& ids, const at::Tensor& mask)
 }
 
 void load_t5_encoder(T5EncoderImpl& encoder, const SafetensorsFile& file) {
-  std::map<std::string, const TensorInfo*> names;
-  for (const TensorInfo& t : file.tensors()) names[t.name] = &t;
+  load_t5_encoder(encoder, {&file}, file.path().string());
+}
+
+void load_t5_encoder(T5EncoderImpl& encoder, const std::vector<const SafetensorsFile*>& files,
+                     const std::string& source) {
+  std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>> where;
+  for (const SafetensorsFile* f : files) {
+    for (const TensorInfo& t : f->tensors()) where[t.name] = {f, &t};
+  }
   // The embeddings are tied: files hold them as shared.weight, encoder.embed_tokens.weight or
   // both; one is read, the other is no surprise.
-  if (auto it = names.find("encoder.embed_tokens.weight"); it != names.end()) {
-    if (!names.count("shared.weight")) names["shared.weight"] = it->second;
-    names.erase(it);
+  if (auto it = where.find("encoder.embed_tokens.weight"); it != where.end()) {
+    if (!where.count("shared.weight")) where["shared.weight"] = it->second;
+    where.erase(it);
   }
-  load_into(encoder, file, names, file.path().string());
+  std::set<std::string> names;
+  for (const auto& [name, _] : where) names.insert(name);
+  load_into(
+      encoder, names,
+      [&](const std::string& name) {
+        const auto& [file, info] = where.at(name);
+        return read_tensor(*file, *info);
+      },
+      [&](const std::string& name) {
+        const auto& [file, info] = where.at(name);
+        file->release(*info);
+      },
+      source);
 }
 
 }  // namespace lorapipe::models

@@ -23,6 +23,7 @@
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "models/linear.h"
 
@@ -97,5 +98,8 @@ at::Tensor t5_relative_position_bucket(const at::Tensor& relative, int64_t num_b
 // some files). One tensor at a time; throws InputError naming the file and the missing,
 // unexpected or mis-shaped keys.
 void load_t5_encoder(T5EncoderImpl& encoder, const SafetensorsFile& file);
+// The same from several files (a transformers folder's shards), named `source` in errors.
+void load_t5_encoder(T5EncoderImpl& encoder, const std::vector<const SafetensorsFile*>& files,
+                     const std::string& source);
 
 }  // namespace lorapipe::models

@@ -3,9 +3,12 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "common/error.h"
+#include "models/loading.h"
 
 namespace lorapipe::models {
 namespace {
@@ -179,6 +182,30 @@ std::vector<TensorToWrite> module_tensors(const torch::nn::Module& module,
                    std::string_view(static_cast<const char*>(t.data_ptr()), t.nbytes())});
   }
   return out;
+}
+
+std::vector<SafetensorsFile> open_weight_files(const std::filesystem::path& folder,
+                                               const std::string& stem) {
+  std::vector<SafetensorsFile> files;
+  const std::filesystem::path single = folder / (stem + ".safetensors");
+  const std::filesystem::path index = folder / (stem + ".safetensors.index.json");
+  if (std::filesystem::exists(single)) {
+    files.push_back(SafetensorsFile::open(single));
+    return files;
+  }
+  if (!std::filesystem::exists(index)) {
+    throw InputError(folder.string() + ": no " + single.filename().string() + " and no " +
+                     index.filename().string());
+  }
+  std::set<std::string> shards;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(read_text(index));
+    for (const auto& [key, shard] : j.at("weight_map").items()) shards.insert(shard.get<std::string>());
+  } catch (const nlohmann::json::exception& e) {
+    throw InputError(index.string() + ": " + e.what());
+  }
+  for (const std::string& shard : shards) files.push_back(SafetensorsFile::open(folder / shard));
+  return files;
 }
 
 }  // namespace lorapipe::models

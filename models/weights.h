@@ -7,6 +7,7 @@
 
 #include <torch/types.h>
 
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <optional>
@@ -68,6 +69,12 @@ std::vector<TensorToWrite> module_tensors(const torch::nn::Module& module,
                                           std::vector<torch::Tensor>& storage,
                                           const std::string& prefix = "",
                                           std::optional<torch::ScalarType> dtype = std::nullopt);
+
+// A component folder's weights as diffusers and transformers save them: `stem`.safetensors, or
+// the shards its `stem`.safetensors.index.json names (FLUX.1's transformer and T5). Throws
+// InputError naming the folder when it holds neither.
+std::vector<SafetensorsFile> open_weight_files(const std::filesystem::path& folder,
+                                               const std::string& stem);
 
 // The safetensors Dtype of a LibTorch scalar type; throws Error for ones the format lacks.
 Dtype to_safetensors_dtype(torch::ScalarType type);

@@ -73,6 +73,7 @@ int main(int argc, char** argv) {
     o.model_family = FLAGS_model_family;
     o.tokenizer = FLAGS_tokenizer;
     o.vae = FLAGS_vae;
+    o.model_parts = lorapipe::models::model_parts_from_flags();
     o.sample_prompts = FLAGS_sample_prompts;
     o.output_dir = FLAGS_output_dir;
     o.device = FLAGS_device;

@@ -82,9 +82,9 @@ void check_request(const RenderRequest& r) {
 }
 
 // kohya's prompt options for other models and networks (ControlNet image, additional-network
-// multipliers, frame count, Flux guidance, flow shift, CFG truncation / renormalisation).
+// multipliers, frame count, flow shift, CFG truncation / renormalisation).
 bool is_other_models_option(const std::string& option) {
-  for (const char* name : {"cn", "am", "f", "g", "fs", "ctr", "rcfg"}) {
+  for (const char* name : {"cn", "am", "f", "fs", "ctr", "rcfg"}) {
     if (option == name) return true;
   }
   return false;
@@ -109,7 +109,11 @@ void apply_fields(RenderRequest& r, Get&& get_value, std::vector<std::string>& n
   if (auto v = get("sample_steps")) {
     r.steps = static_cast<int>(std::clamp<int64_t>(whole_number("sample_steps", *v), 1, 1000));
   }
-  if (auto v = get("scale")) r.cfg_scale = decimal("scale", *v);
+  if (auto v = get("scale")) {
+    r.cfg_scale = decimal("scale", *v);
+    r.cfg_scale_given = true;
+  }
+  if (auto v = get("guidance_scale")) r.guidance = decimal("guidance_scale", *v);
   if (auto v = get("sample_sampler")) {
     r.sampler = sampler_choice(*v, [&](const std::string& text) { notes.push_back(text); });
   }
@@ -198,11 +202,16 @@ RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest&
           note("--s " + *digits + " read as " + std::to_string(r.steps) + " (1 to 1000 steps)");
         }
       }
-    } else if (option == "l") {
+    } else if (option == "l" || option == "g") {
       const std::optional<std::string> number = leading(option, value, "0123456789.");
       if (!number) continue;
       try {
-        r.cfg_scale = decimal(option, *number);
+        if (option == "l") {
+          r.cfg_scale = decimal(option, *number);
+          r.cfg_scale_given = true;
+        } else {
+          r.guidance = decimal(option, *number);  // FLUX.1 [dev]'s embedded guidance
+        }
       } catch (const InputError& e) {
         note(std::string(e.what()) + ": left out, as kohya does");
       }
@@ -215,7 +224,7 @@ RenderRequest parse_prompt_line(const std::string& line_in, const RenderRequest&
       note("--" + option + " is for other models or networks: ignored");
     } else {
       note("unknown option --" + option +
-           ": ignored, as kohya does (its options: --n, --w, --h, --d, --s, --l, --ss)");
+           ": ignored, as kohya does (its options: --n, --w, --h, --d, --s, --l, --g, --ss)");
     }
   }
   if (karras && !r.sampler.ends_with("_karras")) {

@@ -1,12 +1,13 @@
 #pragma once
 // kohya's sample prompt files (train_util.load_prompts / line_to_prompt_dict):
 //   .txt   one prompt per line, options after " --": --n negative prompt, --w / --h size (rounded
-//          down to a multiple of 8, at least 64), --d seed, --s steps (1-1000), --l CFG scale,
+//          down to a multiple of 8, at least 64), --d seed, --s steps (1-1000), --l CFG scale
+//          (FLUX.1: true CFG with a negative prompt; 1 by default), --g FLUX.1 [dev]'s guidance,
 //          --ss sampler (and lorapipe's --karras: euler and dpmsolver++ on Karras sigmas, as
 //          --ss euler_karras / dpmsolver++_karras); lines that are empty or start with '#' are
 //          skipped;
 //   .toml  [prompt] defaults and [[prompt.subset]] entries (prompt, negative_prompt, width,
-//          height, seed, sample_steps, scale, sample_sampler);
+//          height, seed, sample_steps, scale, guidance_scale, sample_sampler);
 //   .json  a list of such objects (or of plain prompt strings).
 // A line or entry that cannot be rendered (no prompt, text that cannot be conditioned: invalid
 // UTF-8, an attention weight that is not a number; a step count its sampler cannot take; a
@@ -15,7 +16,7 @@
 // notes it by line: an option's value is read from its start as kohya's regular expressions read
 // it ("--s 28steps" is 28 steps; "--w abc" is left out), an unknown option is ignored, a sampler
 // kohya does not know renders with ddim, as do kohya's samplers that lorapipe lacks, and the
-// options of other models and networks (--cn, --am, --f, --g, --fs, --ctr, --rcfg) are ignored.
+// options of other models and networks (--cn, --am, --f, --fs, --ctr, --rcfg) are ignored.
 // Sampler names are read in any case (kohya's must be lower case). A JSON null is an absent key,
 // as kohya's dict.get reads it. Prompts are numbered by their place in the file, as kohya's
 // "enum" (RenderRequest::index, in the image names and default seeds), skipped ones included.

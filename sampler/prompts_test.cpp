@@ -167,28 +167,34 @@ TEST(SamplerPrompts, TomlAndJsonFormsAsKohyaReadsThem) {
 }
 
 // What kohya reads but SD1.x previews do not use keeps the prompt, with a note by line: options
-// of other models (--am, --cn, --g) are ignored. Every sampler kohya names is taken, in any case;
+// of other models (--am, --cn) are ignored; FLUX.1's --g and --l are read (the guidance and the
+// given CFG scale), not dropped. Every sampler kohya names is taken, in any case;
 // a step count the sampler cannot take (pndm under 4) skips the line. A JSON string is a whole
 // prompt line, options included.
 TEST(SamplerPrompts, KohyaOptionsOfOtherModelsAreNotedAndEveryKohyaSamplerIsTaken) {
   const fs::path file = write("other.txt",
                               "a cat --am 0.5 --ss k_dpm_2_a --d 3\n"
-                              "a dog --cn control.png --g 3.5 --ss Euler_A\n"
+                              "a dog --cn control.png --g 2.5 --l 4 --ss Euler_A\n"
                               "a bird --ss PNDM --s 3\n");
   const PromptSet set = load_prompts(file);
   ASSERT_EQ(set.prompts.size(), 2u);
   EXPECT_EQ(set.prompts[0].sampler, "k_dpm_2_a");
   EXPECT_EQ(set.prompts[0].seed, 3);
   EXPECT_EQ(set.prompts[1].sampler, "euler_a") << "sampler names in any case";
+  EXPECT_FALSE(set.prompts[0].guidance.has_value());
+  EXPECT_FALSE(set.prompts[0].cfg_scale_given);
+  ASSERT_TRUE(set.prompts[1].guidance.has_value());
+  EXPECT_EQ(*set.prompts[1].guidance, 2.5);
+  EXPECT_TRUE(set.prompts[1].cfg_scale_given);
+  EXPECT_EQ(set.prompts[1].cfg_scale, 4.0);
   ASSERT_EQ(set.problems.size(), 1u);
   EXPECT_NE(set.problems[0].find("other.txt:3: the pndm sampler needs at least 4 steps, got 3"),
             std::string::npos)
       << set.problems[0];
-  ASSERT_EQ(set.notes.size(), 3u);
+  ASSERT_EQ(set.notes.size(), 2u);
   EXPECT_NE(set.notes[0].find("other.txt:1: --am is for other models"), std::string::npos)
       << set.notes[0];
   EXPECT_NE(set.notes[1].find(":2: --cn"), std::string::npos) << set.notes[1];
-  EXPECT_NE(set.notes[2].find(":2: --g"), std::string::npos) << set.notes[2];
 
   for (const char* name : {"ddpm", "pndm", "lms", "k_lms", "heun", "dpm_2", "k_dpm_2",
                                   "dpm_2_a", "dpmsolver", "dpmsolver++", "dpmsingle"}) {

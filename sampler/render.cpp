@@ -9,12 +9,24 @@
 
 namespace lorapipe::sampler {
 
+double cfg_scale(const models::ModelFamily& family, const RenderRequest& request) {
+  const bool flow = family.objective == models::ObjectiveKind::kFlowMatching;
+  return flow && !request.cfg_scale_given ? 1.0 : request.cfg_scale;
+}
+
+bool classifier_free(const models::ModelFamily& family, const RenderRequest& request) {
+  if (family.objective == models::ObjectiveKind::kFlowMatching) {
+    return cfg_scale(family, request) != 1.0 && !request.negative_prompt.empty();
+  }
+  return request.cfg_scale > 1.0;
+}
+
 models::Conditioning encode_request(models::DiffusionModel& model, const RenderRequest& request,
                                     int clip_skip) {
   torch::NoGradGuard no_grad;
   // [negative, positive] in one batch, as diffusers concatenates them.
   std::vector<std::string> captions;
-  if (request.cfg_scale > 1.0) captions.push_back(request.negative_prompt);
+  if (classifier_free(model.model_family(), request)) captions.push_back(request.negative_prompt);
   captions.push_back(request.prompt);
   // As kohya conditions its sample images: attention weights, and up to 225 tokens in chunks,
   // both prompts of the pair at the chunk count of the longer.
@@ -49,8 +61,9 @@ namespace {
 
 // A flow-matching family's preview, as diffusers' FluxPipeline and kohya's Flux sampling make
 // it: Euler steps along the predicted velocity over flow_sigmas, the denoiser given the sigma
-// (as the pipeline's timestep / 1000) and the request's scale as its distilled guidance (dev);
-// no negative prompt, no classifier-free batch.
+// (as the pipeline's timestep / 1000) and --g as its distilled guidance (dev); with --l not 1 and
+// a negative prompt, true classifier-free guidance (FluxPipeline's true_cfg_scale): the negative
+// and positive passes in one batch, uncond + scale * (cond - uncond).
 RenderResult render_flow(models::DiffusionModel& model, const RenderRequest& request,
                          const RenderOptions& options) {
   torch::NoGradGuard no_grad;
@@ -60,8 +73,10 @@ RenderResult render_flow(models::DiffusionModel& model, const RenderRequest& req
   if (options.conditioning != nullptr) {
     conditioning = *options.conditioning;
   } else {
-    conditioning = model.encode_prompts({request.prompt}, options.clip_skip);
+    conditioning = encode_request(model, request, options.clip_skip);
   }
+  const bool guided = classifier_free(family, request);
+  const double scale = cfg_scale(family, request);
   const torch::Tensor weight = model.denoiser_module().parameters().front();
   const int64_t h = request.height / family.vae_downsample,
                 w = request.width / family.vae_downsample;
@@ -74,11 +89,15 @@ RenderResult render_flow(models::DiffusionModel& model, const RenderRequest& req
       flow_sigmas(family.flow, request.steps, (latents.size(2) / 2) * (latents.size(3) / 2));
   for (int i = 0; i < request.steps; ++i) {
     models::DenoiseInput input;
-    input.latents = latents;
+    input.latents = guided ? torch::cat({latents, latents}) : latents;
     input.time = sigmas[i] * 1000 / 1000;  // the pipeline's timestep, back in [0, 1]
     input.conditioning = &conditioning;
-    input.guidance = request.cfg_scale;
-    const torch::Tensor velocity = model.denoise(input).to(torch::kFloat32);
+    input.guidance = request.guidance.value_or(3.5);  // kohya's default for --g
+    torch::Tensor velocity = model.denoise(input).to(torch::kFloat32);
+    if (guided) {
+      const auto parts = velocity.chunk(2);
+      velocity = parts[0] + scale * (parts[1] - parts[0]);
+    }
     latents = latents + (sigmas[i + 1] - sigmas[i]).to(latents.device()) * velocity;
     if (options.on_step) options.on_step(i, latents);
   }
@@ -106,7 +125,7 @@ RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
       scheduler_options(request.sampler, options.v_prediction, family.schedule), request.steps);
   auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(request.seed));
 
-  const bool guided = request.cfg_scale > 1.0;
+  const bool guided = classifier_free(family, request);
   const models::Conditioning conditioning = options.conditioning != nullptr
                                                 ? *options.conditioning
                                                 : encode_request(model, request, options.clip_skip);

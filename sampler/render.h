@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "models/diffusion_model.h"
@@ -25,10 +26,23 @@ struct RenderRequest {
   int height = 512;
   int steps = 30;
   double cfg_scale = 7.5;
+  // Whether the prompt set its CFG scale (--l, scale): a flow-matching family's default is 1
+  // (no classifier-free guidance), kohya's, not Stable Diffusion's 7.5.
+  bool cfg_scale_given = false;
+  // --g (guidance_scale): the distilled guidance of a guidance-embedded denoiser (FLUX.1 [dev]);
+  // unset: kohya's 3.5. Stable Diffusion has none and ignores it.
+  std::optional<double> guidance;
   int64_t seed = 0;
   std::string sampler = "ddim";
   int index = 0;  // its place in the prompt file, counting lines that could not be read (kohya's)
 };
+
+// Whether `request` renders with classifier-free guidance (a negative and a positive pass): for
+// Stable Diffusion when its scale is above 1; for a flow-matching family, as kohya's Flux
+// sampling does, when --l is given and not 1 and there is a negative prompt.
+bool classifier_free(const models::ModelFamily& family, const RenderRequest& request);
+// The CFG scale `request` renders with (a flow-matching family's default is 1).
+double cfg_scale(const models::ModelFamily& family, const RenderRequest& request);
 
 struct RenderResult {
   at::Tensor latents;  // [1, C, H/8, W/8] fp32: the denoised latents

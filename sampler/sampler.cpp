@@ -229,6 +229,7 @@ class Sampler {
     load.family = o_.model_family;
     load.tokenizer = o_.tokenizer;
     load.vae = o_.vae;
+    load.parts = o_.model_parts;
     load.dtype = o_.base_weights.empty() ? dtype : c10::kFloat;
     // fp16 keeps the VAE in fp32 (SD's VAE overflows in fp16), as loaded.
     load.vae_dtype = dtype == c10::kHalf || !o_.base_weights.empty() ? c10::kFloat : dtype;

@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "models/model_parts.h"
+
 namespace lorapipe::sampler {
 
 struct SamplerOptions {
@@ -24,6 +26,7 @@ struct SamplerOptions {
   std::string model_family;  // --model_family: load as this family (empty: detect it)
   std::filesystem::path tokenizer;
   std::filesystem::path vae;  // kohya's --vae: decode with another VAE than the checkpoint's
+  models::ModelParts model_parts;  // FLUX.1's --clip_l, --t5xxl, --ae and T5 settings
   std::filesystem::path sample_prompts;
   std::filesystem::path output_dir;
   std::string device = "auto";

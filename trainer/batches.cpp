@@ -101,9 +101,19 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
       if (!texts[k] || !text.ParseFromString(*texts[k])) {
         throw Error("text " + text_keys[k] + " vanished from " + records_->describe());
       }
-      hidden_list.push_back(from_record(text.hidden_states()));
+      torch::Tensor hidden = from_record(text.hidden_states());
+      if (text.has_mask()) {
+        text_mask_list.push_back(from_record(text.mask()));
+        // States kept only up to the mask's end (cacher/encode.cpp): zeros for the rest, which
+        // the mask hides from the denoiser.
+        const int64_t full = text_mask_list.back().size(0);
+        if (hidden.size(0) < full) {
+          hidden = torch::cat({hidden, torch::zeros({full - hidden.size(0), hidden.size(1)},
+                                                    hidden.options())});
+        }
+      }
+      hidden_list.push_back(hidden);
       if (text.has_pooled()) pooled_list.push_back(from_record(text.pooled()));
-      if (text.has_mask()) text_mask_list.push_back(from_record(text.mask()));
     } else {
       out.captions.push_back(process_caption(e.caption(), e.caption_settings(), clock, rng));
     }

@@ -125,6 +125,10 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_clip_skip"] = o_.clip_skip_given ? std::to_string(s.clip_skip) : "None";
   // kohya writes its argument: None when not given, which is 75.
   m["ss_max_token_length"] = o_.max_token_length == 75 ? "None" : std::to_string(o_.max_token_length);
+  if (model_->model_family().objective == models::ObjectiveKind::kFlowMatching) {
+    // FluxNetworkTrainer.update_metadata's own key; the objective writes the others.
+    m["ss_apply_t5_attn_mask"] = o_.model_parts.apply_t5_attn_mask ? "True" : "False";
+  }
   m["ss_cache_latents"] = "True";
   m["ss_seed"] = std::to_string(o_.seed);
   m["ss_lowram"] = o_.lowram ? "True" : "False";

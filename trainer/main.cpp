@@ -206,6 +206,8 @@ DEFINE_double(logit_std, 1.0, "flow matching: std of the logit_normal weighting 
 DEFINE_double(mode_scale, 1.29, "flow matching: scale of the mode weighting scheme");
 DEFINE_string(model_prediction_type, "sigma_scaled", "flow matching: raw, additive or "
               "sigma_scaled (kohya's default; its docs recommend raw)");
+DEFINE_double(guidance_scale, 3.5, "FLUX.1 [dev]: the distilled guidance the transformer is "
+              "given in training (kohya's default; kohya's docs advise 1.0 for dev)");
 DEFINE_int64(sample_every_n_steps, 0,
              "Announce a checkpoint for lorapipe-sampler every N steps (a sample-only save "
              "between saves)");
@@ -383,6 +385,7 @@ int main(int argc, char** argv) {
     o.model_family = FLAGS_model_family;
     o.tokenizer = FLAGS_tokenizer;
     o.vae = FLAGS_vae;
+    o.model_parts = lorapipe::models::model_parts_from_flags();
     o.cache_dir = FLAGS_cache_dir;
     o.cacher_endpoint = FLAGS_cacher;
     o.dataset_id = FLAGS_dataset_id;
@@ -444,10 +447,12 @@ int main(int argc, char** argv) {
           "stage)");
     }
     // kohya's choices that have one answer here: anything else is refused by name.
-    if (FLAGS_network_module != "networks.lora") {
+    // networks.lora_flux is kohya's module for FLUX.1: the family picks its own targets.
+    if (FLAGS_network_module != "networks.lora" && FLAGS_network_module != "networks.lora_flux") {
       throw lorapipe::InputError("--network_module=" + FLAGS_network_module +
                                  ": lorapipe trains kohya's networks.lora (LoRA; LoCon with "
-                                 "--network_args conv_dim=R) and no other module");
+                                 "--network_args conv_dim=R; networks.lora_flux for FLUX.1) "
+                                 "and no other module");
     }
     if (FLAGS_save_model_as != "safetensors") {
       throw lorapipe::InputError("--save_model_as=" + FLAGS_save_model_as +
@@ -610,6 +615,7 @@ int main(int argc, char** argv) {
     s.objective.logit_std = FLAGS_logit_std;
     s.objective.mode_scale = FLAGS_mode_scale;
     s.objective.model_prediction_type = FLAGS_model_prediction_type;
+    s.objective.guidance_scale = FLAGS_guidance_scale;
     t::apply_network_args(o);
     if (FLAGS_check_flags) {
       t::check_options(o);

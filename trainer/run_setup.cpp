@@ -140,6 +140,7 @@ void Run::load_model() {
   load.text_encoder_dtype = torch::kFloat;
   load.vae_dtype = torch::kFloat;
   load.vae = o_.vae;
+  load.parts = o_.model_parts;
   model_ = models::load_model(o_.model, load);
   models::DiffusionModel& model = *model_;
   if (!model.has_tokenizer()) {

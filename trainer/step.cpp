@@ -132,6 +132,7 @@ at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Te
   input.time = times;
   input.conditioning = &conditioning;
   input.geometry = geometry;
+  input.guidance = objective_->options().guidance_scale;  // read by guidance-embedded denoisers
   const at::Tensor prediction =
       objective_->prediction(model_.denoise(input).to(torch::kFloat32), input.latents, times);
   const at::Tensor target = objective_->target(latents, noise, times);

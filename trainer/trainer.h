@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "models/model_parts.h"
 #include "trainer/lora_network.h"
 #include "trainer/ranks.h"
 #include "trainer/step.h"
@@ -24,6 +25,7 @@ struct Options {
   // kohya's --vae: the VAE the cacher encoded with, in place of the checkpoint's (the manifest's
   // VAE fingerprint is checked against it).
   std::filesystem::path vae;
+  models::ModelParts model_parts;  // FLUX.1's --clip_l, --t5xxl, --ae and T5 settings
   std::filesystem::path cache_dir;  // empty: the default shared cache
   std::string cacher_endpoint;      // --cacher: read records from a remote cacher instead
   std::string dataset_id;
