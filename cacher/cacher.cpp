@@ -116,7 +116,7 @@ class Cacher {
     std::vector<Caption> captions;           // a text batch
   };
   struct Counts {
-    uint64_t encoded = 0, rejected = 0, texts_encoded = 0;
+    uint64_t encoded = 0, rejected = 0, texts_encoded = 0, text_bytes = 0;
   };
   struct Done {  // what finished jobs left for the main loop
     std::map<std::string, Counts> streams;  // by stream_id
@@ -350,6 +350,7 @@ void Cacher::pump() {
         into.encoded += counts.encoded;
         into.rejected += counts.rejected;
         into.texts_encoded += counts.texts_encoded;
+        into.text_bytes += counts.text_bytes;
       }
       done_.rejected_keys.insert(done_.rejected_keys.end(), done.rejected_keys.begin(),
                                  done.rejected_keys.end());
@@ -400,6 +401,7 @@ void Cacher::run_job(Job& job, Done& done) {
       continue;
     }
     ++done.streams[job.captions[i].stream].texts_encoded;
+    done.streams[job.captions[i].stream].text_bytes += r.record.size();
     records.emplace_back(std::move(r.key), std::move(r.record));
   }
   store_->put(Table::kTexts, records);
@@ -424,6 +426,7 @@ void Cacher::collect() {
       summary.encoded += counts.encoded;
       summary.rejected += counts.rejected;
       summary.texts_encoded += counts.texts_encoded;
+      summary.text_bytes += counts.text_bytes;
       publish_report(it->second, false);
     }
     // Images settled so far in the open streams; the total is known only at a stream's end.
@@ -524,8 +527,12 @@ void Cacher::write_manifest(Stream& stream) {
   summary.images_per_second = seconds > 0 ? summary.encoded / seconds : 0;
   LP_LOG(kInfo, kLog) << "dataset " << summary.dataset_id << ": " << summary.encoded
                       << " encoded, " << summary.hits << " cached, " << summary.rejected
-                      << " rejected; texts " << summary.texts_encoded << " encoded, "
-                      << summary.texts_cached << " cached; manifest of "
+                      << " rejected; texts " << summary.texts_encoded << " encoded"
+                      << (summary.texts_encoded > 0
+                              ? " (" + std::to_string(summary.text_bytes / summary.texts_encoded) +
+                                    " bytes per caption)"
+                              : std::string())
+                      << ", " << summary.texts_cached << " cached; manifest of "
                       << summary.manifest_entries << " entries written";
   publish_report(stream, true);
   summary_ = summary;

@@ -46,6 +46,7 @@ struct Summary {
   uint64_t hits = 0;           // samples whose latent was already cached
   uint64_t rejected = 0;       // NaN/Inf latents, not in the manifest
   uint64_t texts_encoded = 0;
+  uint64_t text_bytes = 0;     // the text records encoded this run, in all (states, pooled, mask)
   uint64_t texts_cached = 0;
   uint64_t manifest_entries = 0;
   double images_per_second = 0;

@@ -103,14 +103,17 @@ int main(int argc, char** argv) {
     options.delay_per_batch_s = FLAGS_delay_per_batch_s;
     const c::Summary s = c::run(options);
     std::printf("cache report: dataset %s: %llu encoded, %llu cached (%.0f%% hits), %llu "
-                "rejected; texts %llu encoded, %llu cached; manifest %llu entries; %.1f images/s\n",
+                "rejected; texts %llu encoded, %llu cached; manifest %llu entries; %.1f images/s; "
+                "%llu bytes per caption\n",
                 s.dataset_id.c_str(), static_cast<unsigned long long>(s.encoded),
                 static_cast<unsigned long long>(s.hits),
                 s.encoded + s.hits > 0 ? 100.0 * s.hits / (s.encoded + s.hits) : 0.0,
                 static_cast<unsigned long long>(s.rejected),
                 static_cast<unsigned long long>(s.texts_encoded),
                 static_cast<unsigned long long>(s.texts_cached),
-                static_cast<unsigned long long>(s.manifest_entries), s.images_per_second);
+                static_cast<unsigned long long>(s.manifest_entries), s.images_per_second,
+                static_cast<unsigned long long>(s.texts_encoded > 0 ? s.text_bytes / s.texts_encoded
+                                                                    : 0));
     return lorapipe::runtime::kExitOk;
   } catch (const std::exception& e) {
     LP_LOG(kError, "cacher") << e.what();

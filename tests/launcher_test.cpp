@@ -338,6 +338,131 @@ TEST_F(LauncherRun, SdxlModelTrainsAnSdxlLoraThatDiffusersLoads) {
   expect_no_stage_alive(run);
 }
 
+// The "[I HH:MM:SS.mmm" stamp of the first line of `log` holding `part` (empty if none).
+std::string stamp_of(const std::string& log, const std::string& part) {
+  const size_t at = log.find(part);
+  if (at == std::string::npos) return "";
+  const size_t line = log.rfind('\n', at);
+  const size_t start = line == std::string::npos ? 0 : line + 1;
+  return log.substr(start + 3, 12);
+}
+
+// A FLUX.1 [dev] model as a diffusers folder (a tiny one diffusers saved): `lorapipe run` trains
+// a Flux LoRA by flow matching with kohya's networks.lora_flux names and metadata, and renders
+// its samples. Merged onto the same weights through the key map from Black Forest Labs' modules
+// to diffusers' split ones, the LoRA changes FluxPipeline's transformer and CLIP-L, and
+// FluxPipeline's render from the sample's seed equals the sampler's PNG (limit: 1/255 per
+// channel, the rounding of one pixel; the two run the same fp32 operations). The cacher's T5 is
+// gone before the trainer loads. With --apply_t5_attn_mask the cache keeps fewer bytes per
+// caption. A bucket step Flux cannot take is refused before any stage starts.
+TEST_F(LauncherRun, FluxModelTrainsAFluxLoraThatFluxPipelineRendersTheSame) {
+  const char* python = std::getenv("LORAPIPE_PYTHON");
+  ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
+  const fs::path sd = work_ / "sd";
+  ASSERT_EQ(wait_exit(spawn({(kBin / "lorapipe-make-tiny-model").string(), sd.string(), "3"},
+                            work_ / "tiny.out", work_ / "tiny.err")),
+            0)
+      << read_text(work_ / "tiny.err");
+  const fs::path flux = work_ / "flux";
+  const std::string build = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
+                            "/models/reference/tiny_flux.py " +
+                            (sd / "tiny-sd15-diffusers").string() + " " + flux.string() + " > " +
+                            (work_ / "flux.log").string() + " 2>&1";
+  ASSERT_EQ(std::system(build.c_str()), 0) << read_text(work_ / "flux.log");
+  const fs::path data = work_ / "data";
+  ASSERT_EQ(wait_exit(spawn({(kBin / "lorapipe-demo-dataset").string(), data.string()},
+                            work_ / "demo.out", work_ / "demo.err")),
+            0);
+  std::ofstream(work_ / "prompts.txt") << "a red circle --w 64 --h 64 --d 7 --s 4\n";
+  const std::vector<std::string> common = {
+      "--model=" + flux.string(), "--data_dir=" + data.string(), "--resolution=128",
+      "--min_bucket_reso=64", "--max_bucket_reso=256", "--train_batch_size=2",
+      "--network_dim=4", "--learning_rate=1e-3", "--device=cpu", "--sampler_device=cpu",
+      "--output_name=fx", "--t5xxl_max_token_length=32"};
+
+  std::vector<std::string> refused = {"run", "--output=" + (work_ / "refused").string(),
+                                      "--bucket_reso_steps=48", "--max_train_steps=2"};
+  refused.insert(refused.end(), common.begin(), common.end());
+  EXPECT_EQ(lorapipe(refused), kExitError);
+  EXPECT_NE(err_.find("--bucket_reso_steps=48: FLUX.1 [dev] needs bucket sides that are "
+                      "multiples of 32"),
+            std::string::npos)
+      << err_;
+  EXPECT_FALSE(fs::exists(work_ / "refused" / "logs" / "cacher.log")) << "a stage was started";
+
+  const fs::path run = work_ / "run";
+  std::vector<std::string> args = {"run", "--output=" + run.string(), "--max_train_steps=4",
+                                   "--sample_prompts=" + (work_ / "prompts.txt").string(),
+                                   "--sample_every_n_steps=2", "--save_every_n_steps=2",
+                                   "--network_module=networks.lora_flux",
+                                   "--timestep_sampling=shift", "--model_prediction_type=raw"};
+  args.insert(args.end(), common.begin(), common.end());
+  ASSERT_EQ(lorapipe(args), 0) << out_ << err_;
+  const std::string trainer_log = read_text(run / "logs" / "trainer.log");
+  const std::string cacher_log = read_text(run / "logs" / "cacher.log");
+  EXPECT_NE(trainer_log.find("FLUX.1 [dev]"), std::string::npos) << trainer_log;
+  // The cacher (CLIP-L, T5, the AE) has written its report and exited before the trainer loads.
+  const std::string cached = stamp_of(cacher_log, "bytes per caption");
+  const std::string loaded = stamp_of(trainer_log, "FLUX.1 [dev]");
+  ASSERT_FALSE(cached.empty()) << cacher_log;
+  ASSERT_FALSE(loaded.empty()) << trainer_log;
+  EXPECT_LE(cached, loaded) << "the trainer loaded before the cacher was done";
+  const fs::path lora = run / "lora" / "fx.safetensors";
+  ASSERT_TRUE(fs::exists(lora));
+  // The final checkpoint's preview of the one prompt (kohya's image naming).
+  const std::string png = (run / "samples" / "fx_000004_00.png").string();
+  ASSERT_TRUE(fs::exists(png)) << status(run).dump(2);
+
+  const fs::path result = work_ / "diffusers.json";
+  const std::string command =
+      std::string(python) + " " + LORAPIPE_SOURCE_DIR +
+      "/trainer/reference/flux_diffusers_lora_check.py --model " + flux.string() + " --lora " +
+      lora.string() + " --out " + result.string() + " --png " + png +
+      " --prompt 'a red circle' --seed 7 --steps 4 --width 64 --height 64 --t5_length 32 > " +
+      (work_ / "diffusers.log").string() + " 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << read_text(work_ / "diffusers.log");
+  const json check = json::parse(read_text(result));
+  std::printf("[diffusers] %s\n", check.dump().c_str());
+  EXPECT_GT(check["file_modules"].get<int>(), 0);
+  EXPECT_EQ(check["merged_modules"], check["file_modules"]);
+  EXPECT_TRUE(check["leftover"].empty()) << check["leftover"].dump();
+  EXPECT_GT(check["transformer_change"].get<double>(), 1e-4);
+  EXPECT_GT(check["text_change"].get<double>(), 1e-4);
+  EXPECT_LE(check["pixel_difference"].get<int>(), 1);
+  EXPECT_GE(check["pixel_difference"].get<int>(), 0) << "image sizes differ";
+  ASSERT_EQ(wait_exit(spawn({(kBin / "lorapipe-inspect").string(), lora.string()},
+                            work_ / "inspect.out", work_ / "inspect.err")),
+            0);
+  const std::string inspected = read_text(work_ / "inspect.out");
+  for (const char* part :
+       {"ss_base_model_version = flux1", "modelspec.architecture = flux-1-dev/lora",
+        "ss_network_module = networks.lora_flux", "ss_guidance_scale = 3.5",
+        "ss_apply_t5_attn_mask = False", "ss_timestep_sampling = shift",
+        "ss_model_prediction_type = raw", "modelspec.prediction_type = flow"}) {
+    EXPECT_NE(inspected.find(part), std::string::npos) << part << " not in " << inspected;
+  }
+  expect_no_stage_alive(run);
+
+  // With T5's attention mask the cache keeps only each caption's states (and the mask).
+  auto bytes_per_caption = [](const std::string& log) -> long {
+    std::smatch m;
+    const std::regex figure(R"((\d+) bytes per caption)");
+    return std::regex_search(log, m, figure) ? std::stol(m[1]) : -1;
+  };
+  const fs::path masked = work_ / "masked";
+  args = {"run", "--output=" + masked.string(), "--max_train_steps=2", "--apply_t5_attn_mask"};
+  args.insert(args.end(), common.begin(), common.end());
+  ASSERT_EQ(lorapipe(args), 0) << out_ << err_;
+  const long full = bytes_per_caption(cacher_log);
+  const long kept = bytes_per_caption(read_text(masked / "logs" / "cacher.log"));
+  std::printf("[flux cache] bytes per caption: %ld (T5 at 32 tokens), %ld with the mask\n", full,
+              kept);
+  EXPECT_GT(full, 0);
+  EXPECT_GT(kept, 0);
+  EXPECT_LT(kept, full);
+  expect_no_stage_alive(masked);
+}
+
 // Ctrl-C mid-training: the trainer saves a state, every stage stops, exit 130; `lorapipe
 // resume` continues from that state to the end.
 TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
@@ -758,8 +883,10 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
     const std::regex flag("<flag><file>([^<]*)</file><name>([^<]+)</name>.*?<type>([^<]+)</type>");
     for (auto it = std::sregex_iterator(text.begin(), text.end(), flag);
          it != std::sregex_iterator(); ++it) {
-      // Only the stage's own flags (its main.cpp), not gflags' built-ins.
-      if ((*it)[1].str().find("main.cpp") != std::string::npos) {
+      // Only the stage's own flags (its main.cpp, and the model-loading flags every stage
+      // shares from models/model_parts_flags.cpp), not gflags' built-ins.
+      if ((*it)[1].str().find("main.cpp") != std::string::npos ||
+          (*it)[1].str().find("model_parts_flags.cpp") != std::string::npos) {
         stage_flags[stage][(*it)[2].str()] = (*it)[3].str();
       }
     }

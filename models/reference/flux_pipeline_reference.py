@@ -3,16 +3,8 @@
 
     flux_pipeline_reference.py TINY_SD_FOLDER OUT_DIR
 
-Builds from config alone (no network), every weight re-drawn at random (seeded):
-  - CLIP-L's place: the tiny SD1.5 checkpoint's text_encoder/ and tokenizer/ (TINY_SD_FOLDER,
-    written by lorapipe's write_tiny_checkpoint);
-  - T5: a 2-block T5 v1.1 encoder (d_model 32) and a T5TokenizerFast over a unigram model trained
-    as t5_tokenizer_reference.py trains it, with the backend T5's tokenizer.json configures;
-  - the transformer: FluxTransformer2DModel with guidance, 1 double and 2 single blocks, 2 heads
-    of 16 (rotary 4/6/6), 64 packed channels (16 latent channels), T5 and CLIP widths;
-  - the AE: AutoencoderKL with Flux's settings (16 channels, no quant convs, 0.3611 / 0.1159),
-    two levels (2x downsampling);
-and saves FluxPipeline(...) to OUT_DIR/flux. Then OUT_DIR/reference.safetensors holds, for the
+Builds tiny_flux.py's dev pipeline (its AE with two levels: 2x downsampling) and saves it to
+OUT_DIR/flux. Then OUT_DIR/reference.safetensors holds, for the
 prompts in OUT_DIR/request.json (T5 at max_sequence_length 16):
   prompt_embeds, pooled            FluxPipeline.encode_prompt
   latents [2, 16, 8, 6], sigma     a denoiser call's inputs (guidance 3.5)
@@ -27,54 +19,22 @@ import os
 import sys
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from safetensors.torch import save_file
-from transformers import CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from t5_tokenizer_reference import t5_tokenizer_fast, train_spiece  # noqa: E402
+from tiny_flux import build_pipeline  # noqa: E402
 
 PROMPTS = ["a photo of a cat sitting on a red chair", "anime style, 1girl, long hair, sunset"]
 T5_LENGTH = 16
 RENDER_STEPS = 4
 
 
-def randomize(model, gen, scale=0.3):
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            norm = "norm" in name and p.dim() == 1
-            p.copy_(torch.randn(p.shape, generator=gen) * scale + (1.0 if norm else 0.0))
-
-
 def main() -> None:
     tiny_sd, out = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(11)
-    work = os.path.join(out, "spm")
-    os.makedirs(work)
-    t5_tokenizer = t5_tokenizer_fast(train_spiece(work))
-
-    clip = CLIPTextModel.from_pretrained(os.path.join(tiny_sd, "text_encoder")).eval()
-    tokenizer = CLIPTokenizer.from_pretrained(os.path.join(tiny_sd, "tokenizer"))
-    t5 = T5EncoderModel(T5Config(vocab_size=len(t5_tokenizer), d_model=32, d_kv=8, d_ff=48,
-                                 num_layers=2, num_heads=4, relative_attention_num_buckets=8,
-                                 relative_attention_max_distance=16,
-                                 feed_forward_proj="gated-gelu", dropout_rate=0.0)).eval()
-    randomize(t5, gen)
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=clip.config.hidden_size,
-        guidance_embeds=True, axes_dims_rope=(4, 6, 6)).eval()
-    randomize(transformer, gen)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(32, 32),
-                        layers_per_block=1, latent_channels=16, norm_num_groups=32,
-                        use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611,
-                        shift_factor=0.1159).eval()
-    randomize(vae, gen, 0.1)
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
-    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=tokenizer,
-                        text_encoder_2=t5, tokenizer_2=t5_tokenizer, transformer=transformer)
+    pipe = build_pipeline(tiny_sd, os.path.join(out, "spm"), gen, dev=True, ae_levels=2)
+    transformer, vae = pipe.transformer, pipe.vae
     pipe.save_pretrained(os.path.join(out, "flux"), safe_serialization=True)
 
     with torch.no_grad():
