@@ -131,6 +131,9 @@ std::vector<FlagInfo> make_table() {
   add("sample_seed", {{S::kSampler, "seed"}});
   add("sampler_device", {{S::kSampler, "device"}});
   add("sampler_threads", {{S::kSampler, "threads"}});
+  // The launcher's own: the sampler waits for the training's end (auto: when it shares the
+  // trainer's device, and that is not the CPU).
+  add("sample_after_training", {}, /*boolean=*/true);
   return t;
 }
 
@@ -426,7 +429,8 @@ Settings parse_run_args(const std::vector<std::string>& args) {
   // mean the same files when `lorapipe resume` runs from another one (folders the run creates,
   // --cache_dir or --logging_dir, included).
   for (const char* name :
-       {"pretrained_model_name_or_path", "tokenizer", "vae", "base_weights", "cache_dir",
+       {"pretrained_model_name_or_path", "tokenizer", "vae", "clip_l", "t5xxl", "ae",
+        "t5_tokenizer", "base_weights", "cache_dir",
         "data_dir", "reg_data_dir", "dataset_config", "in_json", "network_weights",
         "logging_dir", "sample_prompts", "console_log_file"}) {
     if (!settings.has(name)) continue;

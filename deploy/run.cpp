@@ -601,7 +601,25 @@ int Supervisor::run() {
   start(Stage::kCacher, args);
   // --debug_dataset: the trainer prints its batches and trains nothing; nothing to render.
   const bool debug_dataset = s_.has("debug_dataset") && s_.get("debug_dataset") == "true";
-  if (s_.has("sample_prompts") && !debug_dataset) {
+  // A sampler on the trainer's GPU would hold a second copy of the model beside the training
+  // (FLUX.1's 24 GB in bf16): there it starts once the training is over and renders what the run
+  // saved, in step order. --sample_after_training (true or false) decides otherwise.
+  const std::string device = s_.has("device") ? s_.get("device") : "auto";
+  const std::string sampler_device = s_.has("sampler_device") ? s_.get("sampler_device") : "auto";
+  const std::string after = s_.has("sample_after_training") ? s_.get("sample_after_training")
+                                                            : "auto";
+  const bool previews_wanted = s_.has("sample_prompts") && !debug_dataset;
+  const bool sample_after_training =
+      previews_wanted &&
+      (after == "true" || (after == "auto" && device == sampler_device && device != "cpu"));
+  if (sample_after_training) {
+    display_ << "lorapipe: the sampler "
+             << (after == "true" ? std::string("waits (--sample_after_training)")
+                                 : "shares the trainer's device (" + device + ")")
+             << ": previews render after the training, from the LoRAs it saved "
+                "(--sampler_device=another device renders them as it trains)\n";
+  }
+  if (previews_wanted && !sample_after_training) {
     args = stage_args(s_, Stage::kSampler);
     args.insert(args.end(), {"--output_dir=" + dir_.string(), "--sub=" + endpoint("trainer-pub"),
                              "--pub=" + endpoint("sampler-pub")});
@@ -672,7 +690,7 @@ int Supervisor::run() {
       args.clear();
       // Without a sampler nobody renders kohya's sample schedule: the trainer would save
       // sample-only LoRAs for no one (kohya says "No prompt file" and renders nothing).
-      const bool previews = child(Stage::kSampler) != nullptr;
+      const bool previews = child(Stage::kSampler) != nullptr || sample_after_training;
       std::string left_out;
       for (std::string& arg : stage_args(s_, Stage::kTrainer)) {
         if (!manifest_.empty() && arg.rfind("--dataset_id=", 0) == 0) continue;
@@ -695,6 +713,14 @@ int Supervisor::run() {
       start(Stage::kTrainer, args);
     }
     const Child* trainer = child(Stage::kTrainer);
+    if (sample_after_training && trainer != nullptr && !trainer->running &&
+        trainer->exit_code == 0 && child(Stage::kSampler) == nullptr) {
+      args = stage_args(s_, Stage::kSampler);
+      args.insert(args.end(), {"--output_dir=" + dir_.string(),
+                               "--replay_dir=" + (dir_ / "lora").string(),
+                               "--pub=" + endpoint("sampler-pub")});
+      start(Stage::kSampler, args);
+    }
     const Child* sampler = child(Stage::kSampler);
     if (trainer != nullptr && !trainer->running && (sampler == nullptr || !sampler->running)) {
       while (true) {  // what the stages published last

@@ -1,6 +1,7 @@
 // lorapipe-sampler: flags in, sampler::run_sampler out.
 //   one shot:      --lora=FILE[:multiplier] (repeatable, comma-separated too)
 //   follow a run:  --sub=TRAINER_PUB_ENDPOINT [--pub=ENDPOINT]
+//   after a run:   --replay_dir=RUN/lora [--pub=ENDPOINT]
 #include <gflags/gflags.h>
 
 #include <cstdio>
@@ -33,6 +34,9 @@ DEFINE_string(base_weights, "",
 DEFINE_string(base_weights_multiplier, "", "Their multipliers, in order (1 for those not given)");
 DEFINE_string(lora, "", "One shot: FILE[:multiplier][,FILE[:multiplier]...] merged together");
 DEFINE_string(sub, "", "Follow a run: the trainer's --pub endpoint (CheckpointReady)");
+DEFINE_string(replay_dir, "",
+              "After a run: render every LoRA saved in this folder (and its sample_only/) in "
+              "step order, then exit");
 DEFINE_string(pub, "", "Bind a PUB endpoint for SampleReady");
 DEFINE_string(device, "auto", "auto, cpu, cuda or cuda:N");
 DEFINE_string(mixed_precision, "no",
@@ -90,6 +94,7 @@ int main(int argc, char** argv) {
     o.idle_timeout_s = FLAGS_idle_timeout_s;
     o.delay_per_image_s = FLAGS_delay_per_image_s;
     o.threads = FLAGS_threads;
+    o.replay_dir = FLAGS_replay_dir;
     for (const auto& [file, multiplier] :
          lorapipe::kohya::parse_base_weights(FLAGS_base_weights, FLAGS_base_weights_multiplier)) {
       o.base_weights.emplace_back(file, multiplier);

@@ -401,7 +401,50 @@ class Sampler {
   }
 
   SamplerSummary follow() {
-    zmq::socket_t& sub = *sub_;
+    return publishing([&](std::optional<zmq::socket_t>& pub) {
+      LP_LOG(kInfo, kLog) << "following " << o_.sub_endpoint;
+      follow_loop(*sub_, pub);
+    });
+  }
+
+  // A run's previews after its training (the launcher's way when the sampler shares the
+  // trainer's device and a second model would not fit beside it): every LoRA the run saved in
+  // replay_dir, and the sample-only ones the trainer keeps in replay_dir/sample_only, rendered
+  // in step order as if announced, each step once.
+  SamplerSummary replay() {
+    return publishing([&](std::optional<zmq::socket_t>& pub) {
+      std::map<uint64_t, fs::path> by_step;
+      for (const fs::path& dir : {o_.replay_dir, o_.replay_dir / "sample_only"}) {
+        std::error_code ec;
+        for (const auto& entry : fs::directory_iterator(dir, ec)) {
+          if (entry.path().extension() != ".safetensors") continue;
+          const auto meta = models::SafetensorsFile::open(entry.path()).metadata();
+          const auto it = meta.find("ss_steps");
+          if (it == meta.end()) {
+            LP_LOG(kWarning, kLog) << entry.path().string() << ": no ss_steps: left out";
+            continue;
+          }
+          by_step.emplace(std::stoull(it->second), entry.path());  // a save wins: listed first
+        }
+      }
+      LP_LOG(kInfo, kLog) << "replaying " << by_step.size() << " checkpoints of "
+                          << o_.replay_dir.string();
+      for (const auto& [step, path] : by_step) {
+        if (render_checkpoint({{path, 1.0}}, step, run_name(path))) {
+          ++summary_.checkpoints_rendered;
+          publish_ready(pub, "", step);
+        } else {
+          ++summary_.checkpoints_skipped;
+        }
+        status_->tick();
+      }
+    });
+  }
+
+  // Runs `body` with the SampleReady socket bound (when --pub is given) and the stage's status
+  // published on it.
+  template <typename Body>
+  SamplerSummary publishing(Body&& body) {
     std::optional<zmq::socket_t> pub;
     if (!o_.pub_endpoint.empty()) {
       pub.emplace(wire::make_socket(context_, zmq::socket_type::pub));
@@ -422,9 +465,8 @@ class Sampler {
                " (the log says which)";
     }
     status_->ready(ready);
-    LP_LOG(kInfo, kLog) << "following " << o_.sub_endpoint;
     try {
-      follow_loop(sub, pub);
+      body(pub);
     } catch (const std::exception& e) {
       status_->error(e.what());
       throw;
@@ -474,16 +516,7 @@ class Sampler {
       // kohya names them.
       if (render_checkpoint({{path, 1.0}}, newest->step(), newest->output_name())) {
         ++summary_.checkpoints_rendered;
-        if (pub) {
-          wire::SampleReady ready;
-          ready.set_seconds_per_image(last_seconds_per_image_);
-          ready.set_run_id(newest->run_id());
-          ready.set_step(newest->step());
-          for (const std::string& p : last_paths_) ready.add_image_paths(p);
-          ready.set_contact_sheet(last_sheet_);
-          ready.set_gallery(fs::absolute(o_.output_dir / "samples" / "index.html").string());
-          (void)wire::send(*pub, ready);
-        }
+        publish_ready(pub, newest->run_id(), newest->step());
       } else {
         ++summary_.checkpoints_skipped;
       }
@@ -495,6 +528,19 @@ class Sampler {
   }
 
  private:
+  // SampleReady for the checkpoint just rendered.
+  void publish_ready(std::optional<zmq::socket_t>& pub, const std::string& run_id, uint64_t step) {
+    if (!pub) return;
+    wire::SampleReady ready;
+    ready.set_seconds_per_image(last_seconds_per_image_);
+    ready.set_run_id(run_id);
+    ready.set_step(step);
+    for (const std::string& p : last_paths_) ready.add_image_paths(p);
+    ready.set_contact_sheet(last_sheet_);
+    ready.set_gallery(fs::absolute(o_.output_dir / "samples" / "index.html").string());
+    (void)wire::send(*pub, ready);
+  }
+
   SamplerOptions o_;
   zmq::context_t context_;
   std::optional<zmq::socket_t> sub_;  // following a run: CheckpointReady
@@ -525,6 +571,7 @@ SamplerSummary run_sampler(const SamplerOptions& options) {
   torch::NoGradGuard no_grad;
   if (options.threads > 0) torch::set_num_threads(options.threads);
   Sampler sampler(options);
+  if (!options.replay_dir.empty()) return sampler.replay();
   return options.sub_endpoint.empty() ? sampler.one_shot() : sampler.follow();
 }
 

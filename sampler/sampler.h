@@ -56,6 +56,9 @@ struct SamplerOptions {
   std::vector<std::pair<std::filesystem::path, double>> loras;
   // Following: the trainer's PUB endpoint; and our own PUB for SampleReady.
   std::string sub_endpoint;
+  // Render every LoRA saved in this folder (and its sample_only/) in step order, then exit: a
+  // run's previews after its training (the launcher's --sample_after_training).
+  std::filesystem::path replay_dir;
   std::string pub_endpoint;
   // Following: give up after this long without any checkpoint (0: wait forever).
   double idle_timeout_s = 0;

@@ -463,6 +463,31 @@ TEST_F(LauncherRun, FluxModelTrainsAFluxLoraThatFluxPipelineRendersTheSame) {
   expect_no_stage_alive(masked);
 }
 
+// A sampler that would share the trainer's GPU holds no second model beside the training: it
+// starts once the trainer has exited and renders every LoRA the run saved (and the sample-only
+// ones the trainer keeps), in step order. --sample_after_training asks for that here, on the CPU.
+TEST_F(LauncherRun, SamplerAfterTrainingStartsWhenTheTrainerIsDoneAndRendersEverySave) {
+  const fs::path run = work_ / "run";
+  ASSERT_EQ(lorapipe({"run", "--output=" + run.string(), "--max_train_steps=6",
+                      "--save_every_n_steps=3", "--sample_every_n_steps=2",
+                      "--sample_after_training"}),
+            0)
+      << out_ << err_;
+  EXPECT_NE(out_.find("previews render after the training"), std::string::npos) << out_;
+  const std::string trainer_log = read_text(run / "logs" / "trainer.log");
+  const std::string sampler_log = read_text(run / "logs" / "sampler.log");
+  const std::string trained = stamp_of(trainer_log, " at step 6");  // the final state
+  const std::string started = stamp_of(sampler_log, "[");
+  ASSERT_FALSE(trained.empty()) << trainer_log;
+  ASSERT_FALSE(started.empty()) << sampler_log;
+  EXPECT_LE(trained, started) << "the sampler started before the training was over";
+  for (const char* png : {"demo_000002_00.png", "demo_000003_00.png", "demo_000004_00.png",
+                          "demo_000006_00.png"}) {
+    EXPECT_TRUE(fs::exists(run / "samples" / png)) << png;
+  }
+  expect_no_stage_alive(run);
+}
+
 // Ctrl-C mid-training: the trainer saves a state, every stage stops, exit 130; `lorapipe
 // resume` continues from that state to the end.
 TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
@@ -855,7 +880,7 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
         "check_flags",       // the launcher's check before any stage starts
         "train_data_dir"}},  // refused, pointing to preprocess (where the launcher routes it)
       {Stage::kSampler,
-       {"output_dir", "sub", "pub", "lora", "idle_timeout_s", "delay_per_image_s"}},
+       {"output_dir", "sub", "pub", "lora", "replay_dir", "idle_timeout_s", "delay_per_image_s"}},
   };
   // A stage's second name for a flag: the launcher takes it too, as the routed name.
   const std::map<Stage, std::map<std::string, std::string>> aliases = {
