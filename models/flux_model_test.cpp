@@ -258,6 +258,32 @@ TEST_F(FluxPipelineParity, RenderMatchesFluxPipeline) {
   EXPECT_LE(pixels, 1);
 }
 
+// --l 2 with a negative prompt: true classifier-free guidance, as FluxPipeline's true_cfg_scale
+// (the negative and positive passes, uncond + 2 * (cond - uncond)), from the same initial
+// latents; the final latents within 1e-4 of their scale. Without --l the negative prompt is not
+// used (kohya's default scale for Flux is 1).
+TEST_F(FluxPipelineParity, TrueCfgWithANegativePromptMatchesFluxPipeline) {
+  FluxModel model = load();
+  const auto ref = testing::read_all(ref_ / "reference.safetensors");
+  std::ifstream in(ref_ / "request.json");
+  const nlohmann::json request = nlohmann::json::parse(in);
+  sampler::RenderRequest r;
+  r.prompt = prompts()[0];
+  r.negative_prompt = request["negative"];
+  r.width = r.height = 16;
+  r.steps = request["render_steps"];
+  sampler::RenderOptions options;
+  options.initial_latents = ref.at("render_initial");
+  EXPECT_FALSE(sampler::classifier_free(model.model_family(), r));
+  expect_close("flux render, negative prompt without --l", sampler::render(model, r, options).latents,
+               ref.at("render_latents"), 1e-4);
+  r.cfg_scale = 2.0;
+  r.cfg_scale_given = true;
+  EXPECT_TRUE(sampler::classifier_free(model.model_family(), r));
+  expect_close("flux render, true CFG 2", sampler::render(model, r, options).latents,
+               ref.at("render_cfg_latents"), 1e-4);
+}
+
 // The dev schedule shifts by resolution (mu from the packed token count), schnell's not at all.
 TEST(FluxSchedule, DevShiftsByResolutionSchnellDoesNot) {
   const at::Tensor dev = sampler::flow_sigmas(flux_model_family(true).flow, 4, 4096);

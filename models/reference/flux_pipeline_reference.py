@@ -13,6 +13,8 @@ prompts in OUT_DIR/request.json (T5 at max_sequence_length 16):
   render_initial, render_latents, render_image   FluxPipeline(PROMPTS[0], 4 steps, guidance
                                    3.5, 16x16) from the given initial latents: the final latents
                                    and the uint8 image
+  render_cfg_latents               the same with the negative prompt NEGATIVE and
+                                   true_cfg_scale 2: true classifier-free guidance
 """
 import json
 import os
@@ -27,6 +29,7 @@ from tiny_flux import build_pipeline  # noqa: E402
 PROMPTS = ["a photo of a cat sitting on a red chair", "anime style, 1girl, long hair, sunset"]
 T5_LENGTH = 16
 RENDER_STEPS = 4
+NEGATIVE = "blurry, low quality"
 
 
 def main() -> None:
@@ -61,14 +64,21 @@ def main() -> None:
         pixels = pipe(prompt=PROMPTS[0], height=16, width=16, num_inference_steps=RENDER_STEPS,
                       guidance_scale=3.5, latents=pipe._pack_latents(initial, 1, 16, 8, 8),
                       max_sequence_length=T5_LENGTH, output_type="np").images[0]
+        # True classifier-free guidance: a negative prompt and true_cfg_scale 2 (kohya's --l 2).
+        cfg_final = pipe(prompt=PROMPTS[0], negative_prompt=NEGATIVE, true_cfg_scale=2.0,
+                         height=16, width=16, num_inference_steps=RENDER_STEPS, guidance_scale=3.5,
+                         latents=pipe._pack_latents(initial, 1, 16, 8, 8),
+                         max_sequence_length=T5_LENGTH, output_type="latent").images
+        cfg_final = pipe._unpack_latents(cfg_final, 16, 16, pipe.vae_scale_factor)
     save_file({"prompt_embeds": prompt_embeds.contiguous(), "pooled": pooled.contiguous(),
+               "render_cfg_latents": cfg_final.contiguous(),
                "latents": latents, "sigma": sigma, "velocity": velocity.contiguous(),
                "image": image.contiguous(), "render_initial": initial,
                "render_latents": final.contiguous(),
                "render_image": torch.from_numpy((pixels * 255).round().astype("uint8")).contiguous()},
               os.path.join(out, "reference.safetensors"))
     with open(os.path.join(out, "request.json"), "w") as f:
-        json.dump({"prompts": PROMPTS, "t5_length": T5_LENGTH, "guidance": 3.5,
+        json.dump({"prompts": PROMPTS, "negative": NEGATIVE, "t5_length": T5_LENGTH, "guidance": 3.5,
                    "render_steps": RENDER_STEPS}, f)
 
 
