@@ -324,9 +324,9 @@ void Supervisor::apply_demo_defaults() {
 }
 
 // The model's family (told by its keys or folder, no weights read) decides the defaults kohya
-// users expect of it where the user set none: SDXL trains at 1024 px with buckets up to 2048.
-// A bucket step the family cannot take is refused before any stage starts (SDXL: a multiple of
-// 32, as kohya's sdxl_train_util checks).
+// users expect of it where the user set none: SDXL and FLUX.1 train at 1024 px with buckets up
+// to 2048. A bucket step the family cannot take is refused before any stage starts (SDXL and
+// FLUX.1: a multiple of 32, as kohya's sdxl_train_util and flux_train_network check).
 void Supervisor::apply_family_defaults() {
   const models::FamilyDetection detected = models::detect_family(
       s_.get("pretrained_model_name_or_path"), s_.has("model_family") ? s_.get("model_family") : "");
@@ -343,8 +343,9 @@ void Supervisor::apply_family_defaults() {
     throw InputError("--bucket_reso_steps=" + std::to_string(steps) + ": " + family.display_name +
                      " needs bucket sides that are multiples of " +
                      std::to_string(family.bucket_reso_multiple) +
-                     " (so that every bucket's latents halve evenly through its U-Net's "
-                     "downsamplers, as kohya's sdxl_train_util requires); use 32 or 64");
+                     " (as kohya requires: every bucket's latents must divide evenly through "
+                     "the denoiser, SDXL's U-Net downsamplers or FLUX.1's 2x2 latent patches); "
+                     "use 32 or 64");
   }
 }
 

@@ -76,6 +76,7 @@ ModelFamily make_flux(bool dev) {
   f.vae_downsample = 8;
   f.prediction_type = "flow";
   f.default_resolution = 1024;
+  f.default_max_bucket_reso = 2048;  // as SDXL's: 1024 px of area in buckets of any aspect
   f.bucket_reso_multiple = 32;  // kohya's flux_train_network: bucket_reso_steps % 32 == 0
   // T5's states (kohya's --t5xxl_max_token_length default: 512 for dev, 256 for schnell) and
   // CLIP-L's pooled output. kohya's Flux ignores --clip_skip.

@@ -78,8 +78,15 @@ RenderResult render_flow(models::DiffusionModel& model, const RenderRequest& req
   const bool guided = classifier_free(family, request);
   const double scale = cfg_scale(family, request);
   const torch::Tensor weight = model.denoiser_module().parameters().front();
-  const int64_t h = request.height / family.vae_downsample,
-                w = request.width / family.vae_downsample;
+  // Sizes round down to what 2x2 packing takes (16 px for an 8x AE), as FluxPipeline rounds them.
+  const int64_t h = 2 * (request.height / (2 * family.vae_downsample)),
+                w = 2 * (request.width / (2 * family.vae_downsample));
+  if (h == 0 || w == 0) {
+    throw InputError("image size " + std::to_string(request.width) + "x" +
+                     std::to_string(request.height) + " is under " +
+                     std::to_string(2 * family.vae_downsample) + " px, the smallest " +
+                     family.display_name + " renders");
+  }
   torch::Tensor latents =
       options.initial_latents.defined()
           ? options.initial_latents.to(torch::kFloat32)
