@@ -3,6 +3,11 @@
 //   models_bench unet [WEIGHTS]   UNet forward + backward, 64x64 latent, batch 1, 77x768 context
 //   models_bench unet_sdxl [WEIGHTS] [bf16|fp32]   SDXL's U-Net forward + backward, 64x64 latent,
 //                 77x2048 context, the pooled embedding and six time ids
+//   models_bench flux [WEIGHTS]   FLUX.1 [dev]'s transformer at full width and reduced depth (one
+//                 double and one single block), fp32, forward + backward at 256x256 (256 image
+//                 tokens) with 256 T5 tokens, batch 1, guidance 3.5; weights in Black Forest
+//                 Labs' names
+//   models_bench t5 [WEIGHTS]     T5 v1.1 XXL at full width, two blocks, fp32: 512 tokens encoded
 // With WEIGHTS the random weights are written there first (safetensors, diffusers names), so the
 // reference runs the very same weights. Then it prints "ready" and serves stdin, one command per
 // line, so that bench/models_bench.py can interleave its steps with the reference's:
@@ -35,10 +40,12 @@
 
 #include "common/heap.h"
 #include "models/family.h"
+#include "models/flux.h"
 #include "models/pipeline.h"
 #include "models/placement.h"
 #include "models/registry.h"
 #include "models/safetensors.h"
+#include "models/t5.h"
 #include "models/unet.h"
 #include "models/vae.h"
 #include "models/weights.h"
@@ -157,6 +164,45 @@ int main(int argc, char** argv) {
       unet->forward(latents, timestep, context, pooled, time_ids).to(torch::kFloat).square().mean().backward();
     });
   }
+  if (what == "flux") {
+    if (std::getenv("LORAPIPE_BENCH_DEFAULT_HEAP") == nullptr) lorapipe::keep_freed_memory_for_reuse();
+    m::FluxConfig config = m::FluxConfig::dev();
+    config.depth = 1;
+    config.depth_single_blocks = 1;
+    m::FluxTransformer flux(config, torch::TensorOptions().dtype(torch::kFloat));
+    {
+      torch::NoGradGuard no_grad;  // built uninitialised (models/flux.h): draw every weight
+      for (auto& p : flux->parameters()) p.normal_(0, 0.02);
+    }
+    flux->train();
+    save_weights(*flux);
+    for (auto& p : flux->parameters()) p.set_requires_grad(false);
+    m::FluxInput in;
+    in.img = torch::randn({1, 256, 64}).requires_grad_(true);
+    in.img_ids = m::image_ids(32, 32);
+    in.txt = torch::randn({1, 256, 4096});
+    in.txt_ids = torch::zeros({256, 3});
+    in.timesteps = torch::tensor({0.5f});
+    in.y = torch::randn({1, 768});
+    in.guidance = torch::tensor({3.5f});
+    return serve([&] { flux->forward(in).square().mean().backward(); });
+  }
+  if (what == "t5") {
+    m::T5Config config = m::T5Config::xxl();
+    config.num_layers = 2;
+    m::T5Encoder t5(config, torch::TensorOptions().dtype(torch::kFloat));
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : t5->parameters()) p.normal_(0, 0.05);
+    }
+    t5->eval();
+    save_weights(*t5);
+    const torch::Tensor ids = torch::randint(0, config.vocab_size, {1, 512});
+    return serve([&] {
+      torch::NoGradGuard no_grad;
+      t5->forward(ids);
+    });
+  }
   if (what == "checkpoint" && !weights_out.empty()) {
     m::StableDiffusion sd;
     sd.family = m::model_family("sd15");
@@ -186,6 +232,6 @@ int main(int argc, char** argv) {
                 (peak - before) / weights);
     return 0;
   }
-  std::fprintf(stderr, "usage: models_bench vae|unet|unet_sdxl [WEIGHTS] | checkpoint FILE [fp16] | load PATH [DTYPE]\n");
+  std::fprintf(stderr, "usage: models_bench vae|unet|unet_sdxl|flux|t5 [WEIGHTS] | checkpoint FILE [fp16] | load PATH [DTYPE]\n");
   return 2;
 }

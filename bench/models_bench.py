@@ -3,10 +3,13 @@
 writes them, diffusers loads them), on the same machine in the same run; and SDXL's U-Net at real
 size (unet_sdxl, run with --only): in bf16 where the CPU computes it natively (AVX512-BF16 or
 AMX), else in fp32, where two copies (10 GiB of weights each) do not fit beside each other in
-24 GiB: then the sides run one after the other, not paired, each alone on the machine.
+24 GiB: then the sides run one after the other, not paired, each alone on the machine. With
+--only flux: FLUX.1 [dev]'s transformer at full width and reduced depth (one double and one single
+block), forward + backward at 256 image and 256 T5 tokens, fp32; --only t5: T5 XXL at full width,
+two blocks, encoding 512 tokens, against transformers' T5EncoderModel.
 
     $LORAPIPE_PYTHON bench/models_bench.py [--build build] [--rounds 5] [--only vae|unet|unet_sdxl]
-        [--profile DIR] [--default-heap]
+        [--profile DIR] [--default-heap]    (--only also flux | t5)
 
 Both sides stay up as separate processes (so each peak RSS is that side's own) and their steps
 are interleaved, the order alternating every round: on a shared, noisy machine the two halves of
@@ -67,6 +70,42 @@ elif what == "unet_sdxl":
     t = torch.tensor([500])
     def work():
         unet(latents, t, context, added_cond_kwargs=added).sample.float().square().mean().backward()
+elif what == "flux":
+    # FLUX.1 [dev] at full width, one double and one single block: diffusers' own converter from
+    # Black Forest Labs' names (it assumes the full width, which this is), built on the meta
+    # device and given the converted tensors, so no second copy of the weights exists.
+    from diffusers import FluxTransformer2DModel
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+    from safetensors.torch import load_file
+    with torch.device("meta"):
+        model = FluxTransformer2DModel(num_layers=1, num_single_layers=1, guidance_embeds=True)
+    model.load_state_dict(convert_flux_transformer_checkpoint_to_diffusers(load_file(weights)),
+                          strict=True, assign=True)
+    model.train().requires_grad_(False)
+    img = torch.randn(1, 256, 64, requires_grad=True)
+    ids = torch.zeros(16, 16, 3)
+    ids[..., 1] += torch.arange(16)[:, None]
+    ids[..., 2] += torch.arange(16)[None, :]
+    args = dict(timestep=torch.tensor([0.5]), guidance=torch.tensor([3.5]),
+                pooled_projections=torch.randn(1, 768), encoder_hidden_states=torch.randn(1, 256, 4096),
+                txt_ids=torch.zeros(256, 3), img_ids=ids.reshape(-1, 3), return_dict=False)
+    def work():
+        model(hidden_states=img, **args)[0].square().mean().backward()
+elif what == "t5":
+    from safetensors.torch import load_file
+    from transformers import T5Config, T5EncoderModel
+    with torch.device("meta"):
+        model = T5EncoderModel(T5Config(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240,
+                                        num_layers=2, num_heads=64, feed_forward_proj="gated-gelu",
+                                        dropout_rate=0.0))
+    state = load_file(weights)
+    state["encoder.embed_tokens.weight"] = state["shared.weight"]  # tied
+    model.load_state_dict(state, strict=True, assign=True)
+    model.eval()
+    ids = torch.randint(0, 32128, (1, 512))
+    def work():
+        with torch.no_grad():
+            model(ids)
 else:
     unet = UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8,
         block_out_channels=(320, 640, 1280, 1280), layers_per_block=2).train()
@@ -198,7 +237,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--build", default="build")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--only", choices=["vae", "unet", "unet_sdxl"])
+    parser.add_argument("--only", choices=["vae", "unet", "unet_sdxl", "flux", "t5"])
     parser.add_argument("--profile", metavar="DIR")
     parser.add_argument("--default-heap", action="store_true")
     args = parser.parse_args()

@@ -21,13 +21,16 @@
 //       memory it freed is handed back before), then the most tensor storage alive at once over
 //       the steps and what was alive at "ready" (the weights and inputs): the CPU's counterparts
 //       of torch.cuda.max_memory_allocated and memory_allocated, free of the heap's slack.
-//   trainer_bench solo tiny|full|sdxl [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16]
+//   trainer_bench solo tiny|full|sdxl|flux|flux_tiny [--device cpu|cuda|cuda:N]
+//       [--dtype fp32|bf16|fp16]
 //       [--batch N] [--resolution PX] [--steps N] [--gradient_checkpointing] [--fp8_base]
 //       [--threads N]
 //       [--peak_tflops T] [--optimizer_type NAME [--optimizer_args K=V ...] [--learning_rate LR]]
 //       the same step alone, on the UNet's own random initialisation and random inputs (no files,
 //       no Python); `sdxl` is SDXL's full-size U-Net (1024x1024 by default, the pooled embedding
-//       and the default time ids as added conditions, kohya's SDXL LoRA targets): what
+//       and the default time ids as added conditions, kohya's SDXL LoRA targets); `flux` is
+//       FLUX.1 [dev]'s full-size transformer (512x512 by default, 512 T5 tokens, guidance 3.5,
+//       kohya's Flux LoRA targets; `flux_tiny` the same at a tiny width): what
 //       tests/gpu/run.sh runs on a GPU machine. The base is frozen in --dtype
 //       (the LoRA stays fp32, as --mixed_precision trains), batch 1 at 512x512 (64x64 latents)
 //       by default. After two warm-up steps it times --steps steps (default 5) and prints one
@@ -73,6 +76,8 @@
 #include "common/heap.h"
 #include "models/device.h"
 #include "models/float8.h"
+#include "models/flux.h"
+#include "models/flux_model.h"
 #include "models/loading.h"
 #include "models/pipeline.h"
 #include "models/sdxl.h"
@@ -251,7 +256,8 @@ void synchronize(const c10::Device& device) {
 
 int solo(const std::string& size, int argc, char** argv) {
   std::string device_spec = "cpu", dtype_name = "fp32";
-  int64_t batch = 1, resolution = size == "tiny" ? 128 : size == "sdxl" ? 1024 : 512, steps = 5;
+  int64_t batch = 1, steps = 5;
+  int64_t resolution = size == "tiny" || size == "flux_tiny" ? 128 : size == "sdxl" ? 1024 : 512;
   bool checkpointing = false, fp8_base = false;
   double peak_tflops = -1;
   t::OptimizerOptions optimizer;
@@ -301,21 +307,66 @@ int solo(const std::string& size, int argc, char** argv) {
   if (peak_tflops < 0) peak_tflops = known_peak_tflops(device);
 
   torch::manual_seed(0);
-  // SDXL through its own model (its LoRA targets, names and added conditions); the others SD1.x.
-  std::unique_ptr<m::StableDiffusion> owned =
-      size == "sdxl" ? std::make_unique<m::StableDiffusionXL>() : std::make_unique<m::StableDiffusion>();
-  m::StableDiffusion& model = *owned;
-  model.family = m::model_family(size == "sdxl" ? "sdxl" : "sd15");
-  {
-    // Built in --dtype from the start: a full SDXL U-Net in fp32 first would take 10 GiB.
-    m::DefaultDtype built_in(dtype == c10::kHalf ? c10::kFloat : dtype);
-    model.unet = m::UNet(config_for(size));
+  std::unique_ptr<m::DiffusionModel> owned;
+  t::MicroBatch micro;
+  double flops = 0;
+  const int64_t side = resolution / 8;
+  if (size.rfind("flux", 0) == 0) {
+    // FLUX.1 [dev] (`flux`, full size, or `flux_tiny`), built in --dtype and drawn at random on
+    // the CPU, then placed; kohya's Flux LoRA targets; T5 states of kohya's dev length (512).
+    auto flux = std::make_unique<m::FluxModel>();
+    flux->family = m::flux_model_family(true);
+    m::FluxConfig config = m::FluxConfig::dev();
+    if (size == "flux_tiny") {
+      config.hidden_size = 32, config.num_heads = 2, config.axes_dim = {4, 6, 6};
+      config.depth = 1, config.depth_single_blocks = 2;
+      config.context_in_dim = 32, config.vec_in_dim = 32;
+    } else if (size != "flux") {
+      throw std::invalid_argument("size must be tiny, full, sdxl, flux or flux_tiny");
+    }
+    {
+      torch::NoGradGuard no_grad;
+      flux->transformer = m::FluxTransformer(config, torch::TensorOptions().dtype(dtype));
+      for (auto& p : flux->transformer->parameters()) p.normal_(0, 0.02);  // built uninitialised
+    }
+    if (fp8_base) m::store_weights_in_float8(*flux->transformer);
+    flux->transformer->to(device);
+    for (auto& p : flux->transformer->parameters()) p.requires_grad_(false);
+    flux->transformer->train();
+    const int64_t text = size == "flux_tiny" ? 16 : 512;
+    micro.latents = torch::randn({batch, 16, side, side});
+    micro.encoder_hidden_states = torch::randn({batch, text, config.context_in_dim});
+    micro.pooled = torch::randn({batch, config.vec_in_dim});
+    flops = 2 * m::flux_forward_flops(config, batch, (side / 2) * (side / 2), text);
+    owned = std::move(flux);
+  } else {
+    // SDXL through its own model (its LoRA targets, names and added conditions); the others SD1.x.
+    std::unique_ptr<m::StableDiffusion> sd = size == "sdxl"
+                                                 ? std::make_unique<m::StableDiffusionXL>()
+                                                 : std::make_unique<m::StableDiffusion>();
+    m::StableDiffusion& model = *sd;
+    model.family = m::model_family(size == "sdxl" ? "sdxl" : "sd15");
+    {
+      // Built in --dtype from the start: a full SDXL U-Net in fp32 first would take 10 GiB.
+      m::DefaultDtype built_in(dtype == c10::kHalf ? c10::kFloat : dtype);
+      model.unet = m::UNet(config_for(size));
+    }
+    model.unet->to(dtype);
+    if (fp8_base) m::store_weights_in_float8(*model.unet);  // on the CPU, then moved, as the trainer
+    model.unet->to(device);
+    for (auto& p : model.unet->parameters()) p.requires_grad_(false);
+    model.unet->train();
+    const m::UNetConfig& config = model.unet->config();
+    micro.latents = torch::randn({batch, config.in_channels, side, side});
+    micro.encoder_hidden_states = torch::randn({batch, 77, config.cross_attention_dim});
+    if (!config.addition_embed_type.empty()) {  // SDXL: the pooled embedding; time ids by default
+      micro.pooled = torch::randn(
+          {batch, config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim});
+    }
+    flops = 2 * m::unet_forward_flops(config, batch, side, side, 77);
+    owned = std::move(sd);
   }
-  model.unet->to(dtype);
-  if (fp8_base) m::store_weights_in_float8(*model.unet);  // on the CPU, then moved, as the trainer
-  model.unet->to(device);
-  for (auto& p : model.unet->parameters()) p.requires_grad_(false);
-  model.unet->train();
+  m::DiffusionModel& model = *owned;
   t::NetworkOptions net;
   net.dim = 16;
   net.alpha = 16;
@@ -329,15 +380,6 @@ int solo(const std::string& size, int argc, char** argv) {
   if (learning_rate > 0) options.optimizer_groups.learning_rate = learning_rate;
   t::TrainingStep step(model, network, options);
 
-  const m::UNetConfig& config = model.unet->config();
-  const int64_t side = resolution / 8;
-  t::MicroBatch micro;
-  micro.latents = torch::randn({batch, config.in_channels, side, side});
-  micro.encoder_hidden_states = torch::randn({batch, 77, config.cross_attention_dim});
-  if (!config.addition_embed_type.empty()) {  // SDXL: the pooled embedding; time ids by default
-    micro.pooled = torch::randn(
-        {batch, config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim});
-  }
   micro.loss_weights = torch::ones({batch});
   int64_t seed = 0;
   auto one_step = [&] {
@@ -352,7 +394,6 @@ int solo(const std::string& size, int argc, char** argv) {
   for (int64_t i = 0; i < steps; ++i) one_step();
   synchronize(device);
   const double seconds = ms_since(start) / 1e3 / static_cast<double>(steps);
-  const double flops = 2 * m::unet_forward_flops(config, batch, side, side, 77);
   std::printf("%s %s %s%s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, "
               "peak allocated %.0f MiB",
               size.c_str(), m::describe_device(device).c_str(), dtype_name.c_str(),
@@ -382,7 +423,8 @@ int run(int argc, char** argv) {
                  "usage: trainer_bench config tiny|full|sdxl\n"
                  "       trainer_bench step tiny|full|sdxl DIR [--gradient_checkpointing] "
                  "[--dtype fp32|bf16] [--threads N]\n"
-                 "       trainer_bench solo tiny|full|sdxl [--device D] [--dtype fp32|bf16|fp16] "
+                 "       trainer_bench solo tiny|full|sdxl|flux|flux_tiny [--device D] "
+                 "[--dtype fp32|bf16|fp16] "
                  "[--batch N]\n"
                  "             [--resolution PX] [--steps N] [--gradient_checkpointing] "
                  "[--threads N] [--peak_tflops T]\n");

@@ -522,4 +522,22 @@ void load_flux_diffusers(FluxTransformerImpl& model, const std::filesystem::path
       model, names, fetch, [](const std::string&) {}, folder.string());
 }
 
+double flux_forward_flops(const FluxConfig& config, int64_t batch, int64_t image_tokens,
+                          int64_t text_tokens) {
+  const double h = static_cast<double>(config.hidden_size);
+  const double mlp = static_cast<double>(config.mlp_hidden());
+  const double img = static_cast<double>(image_tokens), txt = static_cast<double>(text_tokens);
+  const double tokens = img + txt;
+  // Per token: a double block's stream has qkv, proj and the MLP; a single block linear1, linear2.
+  const double double_weights = 3 * h * h + h * h + 2 * h * mlp;
+  const double single_weights = h * (3 * h + mlp) + (h + mlp) * h;
+  const double attention = 2 * 2 * tokens * tokens * h;  // q k^T and weights v, per block
+  const double per_sample =
+      static_cast<double>(config.depth) * (2 * double_weights * tokens + attention) +
+      static_cast<double>(config.depth_single_blocks) * (2 * single_weights * tokens + attention) +
+      2 * static_cast<double>(config.in_channels) * h * img * 2 +  // img_in and the final layer
+      2 * static_cast<double>(config.context_in_dim) * h * txt;   // txt_in
+  return static_cast<double>(batch) * per_sample;
+}
+
 }  // namespace lorapipe::models

@@ -216,6 +216,12 @@ struct FluxTransformerImpl : torch::nn::Module {
 };
 TORCH_MODULE(FluxTransformer);
 
+// The multiply-adds of one forward, counted twice (FLOPs): every Linear over its tokens and the
+// attention's two L x L products per block; modulation and embeddings of the per-sample vectors
+// are left out (a few per mille). For MFU figures (bench/trainer_bench.cpp).
+double flux_forward_flops(const FluxConfig& config, int64_t batch, int64_t image_tokens,
+                          int64_t text_tokens);
+
 // How one original-layout tensor is made from diffusers' FluxTransformer2DModel tensors: the
 // `sources` joined along dim 0, in order; `swap_halves` exchanges the two halves along dim 0
 // afterwards (final_layer.adaLN_modulation.1: diffusers stores scale then shift).

@@ -58,6 +58,8 @@
 #     again with each of the trainer's other optimizers (AdamW8bit, PagedAdamW8bit, Prodigy,
 #     DAdaptAdam, Lion, Adafactor). And over float8 base weights (--fp8_base): batch 1 with and
 #     without checkpointing, batch 8 with it.
+#   - the same `solo` step for FLUX.1 [dev] at full size: 512^2 and 1024^2, bf16 and --fp8_base,
+#     batch 1, gradient checkpointing, rank 16 on kohya's Flux targets (s/it, peak, MFU).
 #   - the same `solo` step at SDXL size: 1024^2, bf16, batch 1, gradient checkpointing, rank 16
 #     on kohya's SDXL targets, with and without --fp8_base (s/it, peak allocated memory, MFU).
 #   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps, also
@@ -65,7 +67,7 @@
 #     s/image and peak allocated memory.
 #   - Last, the calibration sweep: the `solo` step with checkpointing at more resolutions and
 #     batches (SD1.5 and SDXL), peaks for the memory planner to be checked against.
-# Order: tests, then SDXL, SD1.5, the sampler, the optimizers, the 8-bit kernel, the sweep, so a
+# Order: tests, then SDXL, FLUX.1, SD1.5, the sampler, the optimizers, the 8-bit kernel, the sweep, so a
 # deadline that cuts the run drops the least needed.
 # Not yet here: two-rank NCCL training (one GPU cannot hold two NCCL ranks), and the sampler stage
 # and a launcher run (they write images through libvips, whose Debian packages are more than the
@@ -293,6 +295,19 @@ for fp8 in "" --fp8_base; do
   # shellcheck disable=SC2086  # an empty flag is no word
   bench "trainer_bench sdxl${fp8}" 180 "${BUILD}/bin/trainer_bench" solo sdxl --device cuda \
     --dtype bf16 --batch 1 --resolution 1024 --steps 5 --gradient_checkpointing ${fp8}
+done
+
+step "bench: one LoRA training step of FLUX.1 [dev] at full size on CUDA, rank 16"
+# The full transformer (11.9 B parameters) on random weights, built in bf16 on the host and
+# placed, 512 T5 tokens, guidance 3.5, kohya's 304 Flux LoRA layers, gradient checkpointing:
+# s/it, peak allocated memory and MFU at 512^2 and 1024^2, bf16 and over float8 (--fp8_base).
+for res in 512 1024; do
+  for fp8 in "" --fp8_base; do
+    # shellcheck disable=SC2086  # an empty flag is no word
+    bench "trainer_bench flux ${res}${fp8}" 300 "${BUILD}/bin/trainer_bench" solo flux \
+      --device cuda --dtype bf16 --batch 1 --resolution "${res}" --steps 3 \
+      --gradient_checkpointing ${fp8}
+  done
 done
 
 step "bench: one LoRA training step at SD1.5 size on CUDA, bf16, 512x512"
