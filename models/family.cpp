@@ -89,6 +89,8 @@ ModelFamily make_flux(bool dev) {
   f.kohya.base_model_version = "flux1";
   f.kohya.modelspec_architecture = dev ? "flux-1-dev" : "flux-1-schnell";
   f.kohya.modelspec_implementation = "https://github.com/black-forest-labs/flux";
+  f.kohya.train_blocks = {{"double", "lora_unet_double_blocks_"},
+                          {"single", "lora_unet_single_blocks_"}};
   // Only the transformer lives in a FLUX.1 single file; kohya takes the others by flag.
   f.single_file_components = {{"transformer", ""}};
   return f;

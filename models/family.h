@@ -66,6 +66,9 @@ struct KohyaFamilyNames {
   std::string modelspec_implementation = "diffusers";
   // kohya's block table for block-wise network_args (block_dims, down/mid/up_lr_weight).
   KohyaBlocks blocks;
+  // kohya's network_args train_blocks (networks.lora_flux): each choice but "all", and the prefix
+  // of the denoiser's LoRA names it keeps. Empty: the family's network has no such argument.
+  std::vector<std::pair<std::string, std::string>> train_blocks;
 };
 
 // How a family is trained: which TrainingObjective (models/objective.h) it gets. DDPM: integer

@@ -23,6 +23,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "common/error.h"
 #include "models/attention.h"
 #include "models/parity_util.h"
 #include "models/registry.h"
@@ -207,6 +208,51 @@ TEST_F(FluxTrainParity, OneStepSigmaScaledAgainstSplitPeftAdapters) {
 
 TEST_F(FluxTrainParity, TwentyAdamWStepsAgainstKohyasFusedForm) {
   run({.steps = 20, .prediction = "raw", .max_grad_norm = 1.0, .mode = "fused"}, "fused20");
+}
+
+// kohya's network_args train_blocks: the double blocks' or the single blocks' modules alone
+// (10 per double block, 3 per single block in the tiny model), CLIP-L's as they were; another
+// choice is refused with the ones there are, and an SD model has no such argument.
+TEST_F(FluxTrainParity, TrainBlocksKeepsOnlyTheChosenBlocksModules) {
+  models::LoadOptions load;
+  load.parts.t5_max_length = kT5Tokens;
+  const auto model = models::load_model(flux_, load);
+  auto count = [&](const std::string& blocks, const std::string& prefix) {
+    NetworkOptions net;
+    net.train_blocks = blocks;
+    LoraNetwork network(*model, net, at::make_generator<at::CPUGeneratorImpl>(1));
+    size_t denoiser = 0, text = 0;
+    for (const LoraNetwork::Module& m : network.modules()) {
+      if (m.target.text_encoder) {
+        ++text;
+        continue;
+      }
+      ++denoiser;
+      EXPECT_EQ(m.target.name.rfind(prefix, 0), 0u) << m.target.name;
+    }
+    EXPECT_GT(text, 0u) << blocks;
+    return denoiser;
+  };
+  EXPECT_EQ(count("all", "lora_unet_"), 16u);
+  EXPECT_EQ(count("double", "lora_unet_double_blocks_"), 10u);
+  EXPECT_EQ(count("single", "lora_unet_single_blocks_"), 6u);
+  NetworkOptions wrong;
+  wrong.train_blocks = "middle";
+  try {
+    LoraNetwork network(*model, wrong, at::make_generator<at::CPUGeneratorImpl>(1));
+    ADD_FAILURE() << "train_blocks=middle was taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("use all, double, single"), std::string::npos) << e.what();
+  }
+  const auto sd = models::load_model(models::write_tiny_checkpoint(dir_ / "sd-blocks", 2).diffusers);
+  NetworkOptions single;
+  single.train_blocks = "single";
+  try {
+    LoraNetwork network(*sd, single, at::make_generator<at::CPUGeneratorImpl>(1));
+    ADD_FAILURE() << "an SD model took train_blocks";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("has no train_blocks"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

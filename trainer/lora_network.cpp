@@ -218,11 +218,33 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
   std::vector<models::LoraTarget> targets = model.lora_targets(
       /*with_text_encoder=*/true,
       options.conv_dim > 0 || !options.conv_block_dims.empty() || !from_weights.empty());
+  // kohya's train_blocks: the denoiser's modules under the chosen blocks' prefix alone.
+  std::string keep_prefix;
+  if (options.train_blocks != "all") {
+    const models::KohyaFamilyNames& kohya = model.model_family().kohya;
+    std::string choices;
+    for (const auto& [choice, prefix] : kohya.train_blocks) {
+      if (choice == options.train_blocks) keep_prefix = prefix;
+      choices += ", " + choice;
+    }
+    if (kohya.train_blocks.empty()) {
+      throw InputError("--network_args train_blocks=" + options.train_blocks + ": " +
+                       model.model_family().display_name + "'s network (" +
+                       kohya.network_module + ") has no train_blocks");
+    }
+    if (keep_prefix.empty()) {
+      throw InputError("--network_args train_blocks=" + options.train_blocks + ": use all" +
+                       choices);
+    }
+  }
   for (models::LoraTarget& target : targets) {
     // kohya's apply_to drops the modules of a side that does not train.
     if (!(target.text_encoder ? options.train_text_encoder : options.train_unet)) {
       untrained_.insert(target.name);
       continue;
+    }
+    if (!keep_prefix.empty() && !target.text_encoder && target.name.rfind(keep_prefix, 0) != 0) {
+      continue;  // not among the trained blocks: no module, as in kohya
     }
     const bool kxk = target.is_conv_kxk();
     int64_t rank = kxk ? options.conv_dim : options.dim;

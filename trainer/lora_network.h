@@ -30,6 +30,8 @@ struct NetworkOptions {
   double multiplier = 1.0;
   bool train_unet = true;          // false with --network_train_text_encoder_only: no U-Net modules
   bool train_text_encoder = true;  // false with --network_train_unet_only
+  // network_args train_blocks (kohya's networks.lora_flux): all, single or double.
+  std::string train_blocks = "all";
   // kohya's --dim_from_weights (create_network_from_weights): each module's rank as the LoRA file
   // to continue from has it, by kohya name. When set, exactly these modules are built (3x3 convs
   // included where the file has them), and dim, alpha and conv_dim above are not used: the

@@ -26,6 +26,15 @@ void apply_network_args(Options& options) {
       blocks.values[key] = value;  // lists and curves: resolve_block_args reads them
       continue;
     }
+    if (key == "train_blocks") {  // kohya's networks.lora_flux: all, single or double
+      options.network.train_blocks = value;
+      continue;
+    }
+    if (key == "split_qkv" || key == "in_dims" || key == "train_t5xxl") {
+      throw InputError("--network_args '" + arg + "': kohya's networks.lora_flux argument " +
+                       key + " is not supported yet (lorapipe trains the fused q/k/v LoRA of "
+                       "the double and single blocks, and CLIP-L's with the text encoder)");
+    }
     double v = 0;
     try {
       size_t used = 0;
@@ -56,7 +65,7 @@ void apply_network_args(Options& options) {
                        "loraplus_lr_ratio, loraplus_unet_lr_ratio, "
                        "loraplus_text_encoder_lr_ratio, block_dims, block_alphas, "
                        "conv_block_dims, conv_block_alphas, down_lr_weight, mid_lr_weight, "
-                       "up_lr_weight, block_lr_zero_threshold)");
+                       "up_lr_weight, block_lr_zero_threshold, train_blocks)");
     }
   }
   if (blocks.values.empty()) return;
