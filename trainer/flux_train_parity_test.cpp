@@ -31,6 +31,7 @@
 #include "trainer/lora_file.h"
 #include "trainer/lora_network.h"
 #include "trainer/step.h"
+#include "trainer/train_parity_util.h"
 
 namespace lorapipe::trainer {
 namespace {
@@ -72,17 +73,9 @@ class FluxTrainParity : public ::testing::Test {
     net.alpha = 2;  // scale 0.5: a wrong scale cannot pass
     net.train_text_encoder = c.train_text_encoder;
     LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(7));
-    // The initial LoRA: kohya's down, an up drawn small but non-zero (a zero up would leave
-    // down's gradient zero and hide half the comparison).
-    auto state = network.state_dict();
-    torch::manual_seed(99);
-    for (auto& [name, t] : state) {
-      if (name.ends_with(".lora_up.weight")) t = torch::randn_like(t) * 0.05;
-    }
     const fs::path work = dir_ / tag;
     fs::create_directories(work);
-    write_lora_file(work / "init.safetensors", state, {});
-    network.load(work / "init.safetensors");
+    testing::start_from_random_ups(network, work / "init.safetensors");
 
     torch::manual_seed(1234);
     const int64_t S = c.steps, B = 2;
@@ -154,21 +147,9 @@ class FluxTrainParity : public ::testing::Test {
 
     models::testing::expect_close(tag + " loss", torch::tensor(losses, torch::kFloat64),
                                   reference.at("loss"), kTolerance);
-    double step_scale = 0;
-    for (const auto& [name, grad] : first_grads) {
-      ASSERT_TRUE(reference.count(name)) << "reference has no " << name;
-      step_scale = std::max(step_scale, reference.at(name).abs().max().item<double>());
-    }
-    double worst = 0;
-    std::string worst_name;
+    const testing::Worst grads = testing::expect_gradients_close(first_grads, reference, kTolerance);
     size_t text = 0, fused = 0;
     for (const auto& [name, grad] : first_grads) {
-      const torch::Tensor& want = reference.at(name);
-      EXPECT_GT(want.abs().max().item<double>(), 0) << name << " is all zero";
-      const double e = (grad.to(torch::kFloat64) - want).abs().max().item<double>() /
-                       std::max(want.abs().max().item<double>(), 0.01 * step_scale);
-      if (e > worst) worst = e, worst_name = name;
-      EXPECT_LE(e, kTolerance) << name;
       text += name.rfind("lora_te", 0) == 0;
       const std::string module = name.substr(0, name.find('.'));
       if (c.mode == "peft" && name.ends_with("lora_down.grad")) {
@@ -177,20 +158,18 @@ class FluxTrainParity : public ::testing::Test {
     }
     std::printf("[flux parity] %s: every LoRA gradient (%zu tensors, %zu of CLIP-L; %zu fused "
                 "modules against split peft adapters): max relative error %.3g (%s)\n",
-                tag.c_str(), first_grads.size(), text, fused, worst, worst_name.c_str());
+                tag.c_str(), first_grads.size(), text, fused, grads.error, grads.name.c_str());
     if (c.mode == "peft") {
       EXPECT_EQ(fused, 4u) << "img_attn.qkv, txt_attn.qkv and two single blocks' linear1";
       return;
     }
-    worst = 0;
-    for (const auto& [name, p] : params) {
-      const double e = models::testing::relative_error(p.detach(), reference.at(name));
-      if (e > worst) worst = e, worst_name = name;
-      EXPECT_LE(e, kTolerance) << name;
-    }
+    std::map<std::string, torch::Tensor> weights;
+    for (const auto& [name, p] : params) weights[name] = p.detach();
+    const testing::Worst final = testing::expect_weights_close(weights, reference, kTolerance);
     std::printf("[flux parity] %s: every LoRA weight after %lld steps (%zu tensors): max relative "
                 "error %.3g (%s)\n",
-                tag.c_str(), static_cast<long long>(S), params.size(), worst, worst_name.c_str());
+                tag.c_str(), static_cast<long long>(S), params.size(), final.error,
+                final.name.c_str());
   }
 
   static fs::path dir_, flux_;

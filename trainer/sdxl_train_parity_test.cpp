@@ -28,6 +28,7 @@
 #include "trainer/lora_network.h"
 #include "trainer/run.h"
 #include "trainer/step.h"
+#include "trainer/train_parity_util.h"
 
 namespace lorapipe::trainer {
 namespace {
@@ -77,18 +78,10 @@ class SdxlTrainParity : public ::testing::Test {
   void run(const Case& c, const std::string& tag, bool final_weights) {
     const auto owned = models::load_model(tiny_.diffusers);
     models::DiffusionModel& model = *owned;
-    // The initial LoRA: kohya's down, an up drawn small but non-zero (a zero up would leave
-    // down's gradient zero and hide half the comparison).
     LoraNetwork network(model, network_options(c), at::make_generator<at::CPUGeneratorImpl>(7));
-    auto state = network.state_dict();
-    torch::manual_seed(99);
-    for (auto& [name, t] : state) {
-      if (name.ends_with(".lora_up.weight")) t = torch::randn_like(t) * 0.05;
-    }
     const fs::path work = dir_ / tag;
     fs::create_directories(work);
-    write_lora_file(work / "init.safetensors", state, {});
-    network.load(work / "init.safetensors");
+    testing::start_from_random_ups(network, work / "init.safetensors");
     nlohmann::json names;
     bool text_modules = false;
     for (const LoraNetwork::Module& m : network.modules()) {
@@ -183,47 +176,27 @@ class SdxlTrainParity : public ::testing::Test {
 
     models::testing::expect_close(tag + " loss", torch::tensor(ours.losses, torch::kFloat64),
                                   reference.at("loss"), kTolerance);
-    double step_scale = 0;
-    for (const auto& [name, grad] : ours.first_grads) {
-      ASSERT_TRUE(reference.count(name)) << "reference has no " << name;
-      step_scale = std::max(step_scale, reference.at(name).abs().max().item<double>());
-    }
-    double worst = 0;
-    std::string worst_name;
-    size_t text = 0;
     // The first encoder's last layer feeds nothing: SDXL takes its penultimate hidden state, and
     // the pooled output is the second encoder's. Its LoRA gets no gradient on either side (as in
     // kohya: its layer 11 trains for nothing); every other module's gradient must be nonzero.
     const std::string unused_layer = "lora_te1_text_model_encoder_layers_" +
                                      std::to_string(models::tiny_text_config().num_hidden_layers - 1) + "_";
+    const testing::Worst grads = testing::expect_gradients_close(
+        ours.first_grads, reference, kTolerance,
+        [&](const std::string& name) { return name.rfind(unused_layer, 0) == 0; });
+    size_t text = 0;
     for (const auto& [name, grad] : ours.first_grads) {
-      const torch::Tensor& want = reference.at(name);
-      if (name.rfind(unused_layer, 0) == 0) {
-        EXPECT_EQ(want.abs().max().item<double>(), 0) << name;
-        EXPECT_EQ(grad.abs().max().item<double>(), 0) << name;
-        continue;
-      }
-      EXPECT_GT(want.abs().max().item<double>(), 0) << name << " is all zero";
-      const double e = (grad.to(torch::kFloat64) - want).abs().max().item<double>() /
-                       std::max(want.abs().max().item<double>(), 0.01 * step_scale);
-      if (e > worst) worst = e, worst_name = name;
-      EXPECT_LE(e, kTolerance) << name;
-      text += name.rfind("lora_te", 0) == 0;
+      text += name.rfind("lora_te", 0) == 0 && name.rfind(unused_layer, 0) != 0;
     }
     std::printf("[sdxl parity] %s: every LoRA gradient (%zu tensors, %zu of the text encoders): "
                 "max relative error %.3g (%s)\n",
-                tag.c_str(), ours.first_grads.size(), text, worst, worst_name.c_str());
+                tag.c_str(), ours.first_grads.size(), text, grads.error, grads.name.c_str());
     if (!final_weights) return;
-    worst = 0;
-    for (const auto& [name, w] : ours.weights) {
-      const double e = models::testing::relative_error(w, reference.at(name));
-      if (e > worst) worst = e, worst_name = name;
-      EXPECT_LE(e, kTolerance) << name;
-    }
+    const testing::Worst final = testing::expect_weights_close(ours.weights, reference, kTolerance);
     std::printf("[sdxl parity] %s: every LoRA weight after %lld steps (%zu tensors): max "
                 "relative error %.3g (%s)\n",
-                tag.c_str(), static_cast<long long>(S), ours.weights.size(), worst,
-                worst_name.c_str());
+                tag.c_str(), static_cast<long long>(S), ours.weights.size(), final.error,
+                final.name.c_str());
   }
 
   static fs::path dir_;
