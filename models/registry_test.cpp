@@ -150,6 +150,41 @@ TEST_F(ModelRegistry, RefusesAFolderOfAnotherPipelineNamingIt) {
   EXPECT_NE(why.find("known families: sd15"), std::string::npos) << why;
 }
 
+// FLUX.1 is told dev from schnell: a FluxPipeline folder by its transformer's guidance_embeds, a
+// single-file transformer by guidance_in (with or without model.diffusion_model.). A transformer
+// of any other key layout is no FLUX.1.
+TEST_F(ModelRegistry, TellsFluxDevFromSchnellInFoldersAndSingleFiles) {
+  for (const bool dev : {true, false}) {
+    const fs::path folder = *dir_ / (dev ? "flux-dev" : "flux-schnell");
+    fs::create_directories(folder / "transformer");
+    std::ofstream(folder / "model_index.json")
+        << nlohmann::json{{"_class_name", "FluxPipeline"}}.dump();
+    std::ofstream(folder / "transformer" / "config.json")
+        << nlohmann::json{{"_class_name", "FluxTransformer2DModel"}, {"guidance_embeds", dev}}.dump();
+    EXPECT_EQ(detect_family(folder).family, dev ? "flux-dev" : "flux-schnell");
+    for (const std::string prefix : {"", "model.diffusion_model."}) {
+      std::vector<std::string> names = {"img_in.weight", "double_blocks.0.img_attn.qkv.weight",
+                                        "single_blocks.0.linear1.weight"};
+      if (dev) names.push_back("guidance_in.in_layer.weight");
+      std::vector<TensorToWrite> tensors;
+      static const float zero = 0;
+      for (const std::string& n : names) {
+        TensorToWrite t;
+        t.name = prefix + n;
+        t.shape = {1};
+        t.bytes = std::string_view(reinterpret_cast<const char*>(&zero), sizeof(zero));
+        tensors.push_back(t);
+      }
+      const fs::path file = *dir_ / ((dev ? "dev" : "schnell") + std::to_string(prefix.size()) +
+                                     ".safetensors");
+      write_safetensors(file, tensors);
+      const FamilyDetection detected = detect_family(file);
+      EXPECT_EQ(detected.family, dev ? "flux-dev" : "flux-schnell") << prefix;
+      EXPECT_NE(detected.reason.find("FLUX.1 transformer"), std::string::npos) << detected.reason;
+    }
+  }
+}
+
 // Loading into bf16 builds every component in bf16 from the start: no parameter is fp32, and the
 // weights equal the fp32 load's rounded to bf16 (one rounding, from the file's values).
 TEST_F(ModelRegistry, LoadsStraightIntoTheStorageDtype) {
