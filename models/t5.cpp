@@ -136,6 +136,24 @@ T5BlockImpl::T5BlockImpl(const T5Config& c, bool relative_bias, const at::Tensor
                                       T5LayerNorm(c.d_model, c.layer_norm_epsilon, options));
 }
 
+// `wo`'s weights are set aside before the conversion and put back (moved, never rounded), so an
+// fp32 wo keeps its exact values.
+void T5BlockImpl::to(torch::Dtype dtype, bool non_blocking) {
+  const at::Tensor kept = wo->weight.detach();
+  torch::nn::Module::to(dtype, non_blocking);
+  if (dtype != at::kHalf) return;
+  wo->weight.set_data(kept.scalar_type() == at::kHalf ? kept.to(at::kFloat) : kept);
+}
+
+void T5BlockImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  const at::Tensor kept = wo->weight.detach();
+  torch::nn::Module::to(device, dtype, non_blocking);
+  if (dtype != at::kHalf) return;
+  wo->weight.set_data(kept.to(device, kept.scalar_type() == at::kHalf ? at::kFloat
+                                                                     : kept.scalar_type(),
+                              non_blocking));
+}
+
 at::Tensor T5BlockImpl::position_bias(int64_t length) const {
   const auto positions = at::arange(length, relative_attention_bias.options().dtype(at::kLong));
   const at::Tensor relative = positions.unsqueeze(0) - positions.unsqueeze(1);  // key - query

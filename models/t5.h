@@ -65,6 +65,11 @@ struct T5BlockImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& bias);
   // The first block's relative position bias for `length` tokens, [1, heads, T, T].
   at::Tensor position_bias(int64_t length) const;
+  // A conversion to fp16 keeps `wo` in fp32, as the constructor and transformers do (the stages
+  // convert loaded models with Module::to: an fp16 cache of T5 XXL would overflow otherwise).
+  using torch::nn::Module::to;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
 
   T5Config config;
   Linear q{nullptr}, k{nullptr}, v{nullptr}, o{nullptr};

@@ -80,6 +80,22 @@ TEST_F(T5EncoderParity, Fp16KeepsWoInFp32AndMatchesTransformers) {
   check(encoder, "fp16_", 1.0 / 1024);
 }
 
+// The stages load in one dtype and convert with Module::to (models/placement.cpp): converted to
+// fp16, `wo` stays fp32 as when built in fp16, and the outputs are those of the fp16 build, bit
+// for bit; back to fp32, every weight is fp32 again.
+TEST_F(T5EncoderParity, ConvertedToFp16KeepsWoInFp32AsTheFp16Build) {
+  T5Encoder built = load(ref_ / "t5" / "model.safetensors", at::kHalf);
+  T5Encoder converted = load(ref_ / "t5" / "model.safetensors", at::kFloat);
+  converted->to(at::kHalf);
+  auto* block = (*converted->blocks)[0]->as<T5BlockImpl>();
+  EXPECT_EQ(block->wo->weight.scalar_type(), at::kFloat);
+  EXPECT_EQ(block->wi_0->weight.scalar_type(), at::kHalf);
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::equal(converted(io_.at("ids")), built(io_.at("ids"))));
+  converted->to(at::kFloat);
+  for (const auto& p : converted->parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);
+}
+
 TEST_F(T5EncoderParity, TiedEmbeddingsLoadUnderEitherName) {
   T5Encoder encoder = load(ref_ / "t5_both.safetensors", at::kFloat);
   check(encoder, "", 1e-4);
