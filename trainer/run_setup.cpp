@@ -199,14 +199,20 @@ void Run::load_model() {
     // them, so when none matches and the text is to be encoded online, the loaded fp32 weights
     // are put back (else it would encode through weights rounded to bf16).
     torch::nn::Module& text_encoder = model.text_encoder_module();
+    // As loaded (fp32) first: the copy to restore from is made only when a conversion is tried
+    // (T5 XXL alone is 19 GB in fp32).
+    cached_text_ = models::weights_fingerprint(text_encoder, settings) ==
+                   manifest_.text_encoder_fingerprint();
     std::vector<torch::Tensor> loaded;
-    for (const torch::Tensor& p : text_encoder.parameters()) loaded.push_back(p.detach().clone());
-    for (auto text_dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    if (!cached_text_) {
+      for (const torch::Tensor& p : text_encoder.parameters()) loaded.push_back(p.detach().clone());
+    }
+    for (auto text_dtype : {torch::kHalf, torch::kBFloat16}) {
+      if (cached_text_) break;
       text_encoder.to(text_dtype);
       if (models::weights_fingerprint(text_encoder, settings) ==
           manifest_.text_encoder_fingerprint()) {
         cached_text_ = true;
-        break;
       }
     }
     if (!cached_text_) {
