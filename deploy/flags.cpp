@@ -114,6 +114,7 @@ std::vector<FlagInfo> make_table() {
        {"fill_last_batch", "network_train_unet_only", "network_train_text_encoder_only",
         "use_8bit_adam", "gradient_checkpointing",
         "noise_offset_random_strength", "cache_latents", "cache_latents_to_disk", "sdpa",
+        "cache_text_encoder_outputs", "cache_text_encoder_outputs_to_disk",
         "xformers", "mem_eff_attn", "persistent_data_loader_workers", "sample_at_first",
         "lowram", "highvram", "scale_v_pred_loss_like_noise_pred",
         "debiased_estimation_loss", "ip_noise_gamma_random_strength", "zero_terminal_snr",

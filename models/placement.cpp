@@ -49,18 +49,20 @@ PlacementReport place(DiffusionModel& model, const Placement& placement) {
         text && !placement.text_encoders_on_device ? c10::Device(c10::kCPU) : placement.device;
     module.to(dtype);  // on the CPU, where it was built
     if (fp8) {
+      // "the U-Net's", "the text encoders'"
+      const std::string owner = c.label + (c.label.back() == 's' ? "'" : "'s");
       const Float8Storage s = store_weights_in_float8(module);
       report.float8_tensors += s.tensors;
       report.float8_bytes_before += s.bytes_before;
       report.float8_bytes_after += s.bytes_after;
       report.float8_saturated += s.saturated;
-      LP_LOG(kInfo, kLog) << "float8 (--fp8_base): the " << c.label << "'s " << s.tensors
+      LP_LOG(kInfo, kLog) << "float8 (--fp8_base): the " << owner << " " << s.tensors
                           << " Linear and Conv2d weights stored in float8_e4m3fn, "
                           << s.bytes_before / (1 << 20) << " MiB -> " << s.bytes_after / (1 << 20)
                           << " MiB";
       if (s.saturated > 0) {
-        LP_LOG(kWarning, kLog) << "float8 (--fp8_base): " << s.saturated << " of the " << c.label
-                               << "'s weights hold values beyond float8's +-448, clamped to it";
+        LP_LOG(kWarning, kLog) << "float8 (--fp8_base): " << s.saturated << " of the " << owner
+                               << " weights hold values beyond float8's +-448, clamped to it";
       }
     }
     module.to(device);  // device only: a dtype would widen the float8 weights again

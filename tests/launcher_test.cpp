@@ -389,6 +389,12 @@ TEST_F(LauncherRun, FluxModelTrainsAFluxLoraThatFluxPipelineRendersTheSame) {
             std::string::npos)
       << err_;
   EXPECT_FALSE(fs::exists(work_ / "refused" / "logs" / "cacher.log")) << "a stage was started";
+  // kohya's --cache_text_encoder_outputs is taken with --network_train_unet_only alone, as kohya.
+  refused = {"run", "--output=" + (work_ / "refused2").string(), "--cache_text_encoder_outputs",
+             "--max_train_steps=2"};
+  refused.insert(refused.end(), common.begin(), common.end());
+  EXPECT_EQ(lorapipe(refused), kExitError);
+  EXPECT_NE((out_ + err_).find("add --network_train_unet_only"), std::string::npos) << err_ << out_;
 
   const fs::path run = work_ / "run";
   std::vector<std::string> args = {"run", "--output=" + run.string(), "--max_train_steps=4",

@@ -233,6 +233,11 @@ DEFINE_bool(lowram, false, "Accepted: weights stream from the file, one tensor a
 DEFINE_bool(highvram, false, "Accepted: no effect");
 DEFINE_bool(cache_latents, true, "Accepted: lorapipe always trains from the cache");
 DEFINE_bool(cache_latents_to_disk, true, "Accepted: lorapipe always trains from the cache");
+DEFINE_bool(cache_text_encoder_outputs, false,
+            "Accepted: the cacher always caches the text, and the trainer reads it whenever no "
+            "text-encoder LoRA trains (--network_train_unet_only, as kohya requires with it)");
+DEFINE_bool(cache_text_encoder_outputs_to_disk, false,
+            "Accepted: the cache is on disk (kohya's FLUX.1 and SDXL flag)");
 DEFINE_bool(sdpa, true, "Accepted: attention is always scaled_dot_product_attention");
 DEFINE_bool(xformers, false, "Accepted: attention is always scaled_dot_product_attention");
 DEFINE_bool(mem_eff_attn, false, "Accepted: attention is always scaled_dot_product_attention");
@@ -447,6 +452,12 @@ int main(int argc, char** argv) {
           "stage)");
     }
     // kohya's choices that have one answer here: anything else is refused by name.
+    if (FLAGS_cache_text_encoder_outputs && !FLAGS_network_train_unet_only) {
+      throw lorapipe::InputError(
+          "--cache_text_encoder_outputs with a text-encoder LoRA: kohya refuses it (cached text "
+          "cannot train the text encoder); add --network_train_unet_only, or leave the flag out "
+          "to train CLIP-L's LoRA with the text encoded at every step");
+    }
     // networks.lora_flux is kohya's module for FLUX.1: the family picks its own targets.
     if (FLAGS_network_module != "networks.lora" && FLAGS_network_module != "networks.lora_flux") {
       throw lorapipe::InputError("--network_module=" + FLAGS_network_module +
