@@ -7,9 +7,10 @@
 DEFINE_string(clip_l, "",
               "FLUX.1: CLIP-L's weights (kohya's --clip_l, e.g. clip_l.safetensors), needed with a "
               "single-file transformer; replaces a diffusers folder's text_encoder/");
-DEFINE_string(t5xxl, "",
-              "FLUX.1: T5 XXL's weights (kohya's --t5xxl, e.g. t5xxl_fp16.safetensors), needed with "
-              "a single-file transformer; replaces a diffusers folder's text_encoder_2/");
+DEFINE_string(
+    t5xxl, "",
+    "FLUX.1: T5 XXL's weights (kohya's --t5xxl, e.g. t5xxl_fp16.safetensors), needed with "
+    "a single-file transformer; replaces a diffusers folder's text_encoder_2/");
 DEFINE_string(ae, "",
               "FLUX.1: the AE's weights (kohya's --ae, ae.safetensors), needed with a single-file "
               "transformer; replaces a diffusers folder's vae/");

@@ -134,20 +134,22 @@ class FluxTrainParity : public ::testing::Test {
     std::ofstream(work / "config.json") << config.dump(2);
     const char* python = std::getenv("LORAPIPE_PYTHON");
     ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
-    const std::string command =
-        std::string(python) + " " + LORAPIPE_SOURCE_DIR +
-        "/trainer/reference/flux_train_reference.py --model " + flux_.string() + " --lora " +
-        (work / "init.safetensors").string() + " --inputs " +
-        (work / "inputs.safetensors").string() + " --config " + (work / "config.json").string() +
-        " --out " + (work / "out.safetensors").string() + " --mode " + c.mode + " > " +
-        (work / "reference.log").string() + " 2>&1";
-    ASSERT_EQ(std::system(command.c_str()), 0) << models::testing::read_bytes(work / "reference.log");
+    const std::string command = std::string(python) + " " + LORAPIPE_SOURCE_DIR +
+                                "/trainer/reference/flux_train_reference.py --model " +
+                                flux_.string() + " --lora " + (work / "init.safetensors").string() +
+                                " --inputs " + (work / "inputs.safetensors").string() +
+                                " --config " + (work / "config.json").string() + " --out " +
+                                (work / "out.safetensors").string() + " --mode " + c.mode + " > " +
+                                (work / "reference.log").string() + " 2>&1";
+    ASSERT_EQ(std::system(command.c_str()), 0)
+        << models::testing::read_bytes(work / "reference.log");
     const auto reference =
         models::read_tensors(models::SafetensorsFile::open(work / "out.safetensors"));
 
     models::testing::expect_close(tag + " loss", torch::tensor(losses, torch::kFloat64),
                                   reference.at("loss"), kTolerance);
-    const testing::Worst grads = testing::expect_gradients_close(first_grads, reference, kTolerance);
+    const testing::Worst grads =
+        testing::expect_gradients_close(first_grads, reference, kTolerance);
     size_t text = 0, fused = 0;
     for (const auto& [name, grad] : first_grads) {
       text += name.rfind("lora_te", 0) == 0;
@@ -156,9 +158,10 @@ class FluxTrainParity : public ::testing::Test {
         fused += reference.at(module + ".parts").item<double>() > 1;
       }
     }
-    std::printf("[flux parity] %s: every LoRA gradient (%zu tensors, %zu of CLIP-L; %zu fused "
-                "modules against split peft adapters): max relative error %.3g (%s)\n",
-                tag.c_str(), first_grads.size(), text, fused, grads.error, grads.name.c_str());
+    std::printf(
+        "[flux parity] %s: every LoRA gradient (%zu tensors, %zu of CLIP-L; %zu fused "
+        "modules against split peft adapters): max relative error %.3g (%s)\n",
+        tag.c_str(), first_grads.size(), text, fused, grads.error, grads.name.c_str());
     if (c.mode == "peft") {
       EXPECT_EQ(fused, 4u) << "img_attn.qkv, txt_attn.qkv and two single blocks' linear1";
       return;
@@ -166,10 +169,10 @@ class FluxTrainParity : public ::testing::Test {
     std::map<std::string, torch::Tensor> weights;
     for (const auto& [name, p] : params) weights[name] = p.detach();
     const testing::Worst final = testing::expect_weights_close(weights, reference, kTolerance);
-    std::printf("[flux parity] %s: every LoRA weight after %lld steps (%zu tensors): max relative "
-                "error %.3g (%s)\n",
-                tag.c_str(), static_cast<long long>(S), params.size(), final.error,
-                final.name.c_str());
+    std::printf(
+        "[flux parity] %s: every LoRA weight after %lld steps (%zu tensors): max relative "
+        "error %.3g (%s)\n",
+        tag.c_str(), static_cast<long long>(S), params.size(), final.error, final.name.c_str());
   }
 
   static fs::path dir_, flux_;
@@ -177,9 +180,7 @@ class FluxTrainParity : public ::testing::Test {
 fs::path FluxTrainParity::dir_;
 fs::path FluxTrainParity::flux_;
 
-TEST_F(FluxTrainParity, OneStepRawAgainstSplitPeftAdapters) {
-  run({.prediction = "raw"}, "raw");
-}
+TEST_F(FluxTrainParity, OneStepRawAgainstSplitPeftAdapters) { run({.prediction = "raw"}, "raw"); }
 
 TEST_F(FluxTrainParity, OneStepSigmaScaledAgainstSplitPeftAdapters) {
   run({.prediction = "sigma_scaled"}, "sigma_scaled");
@@ -223,7 +224,8 @@ TEST_F(FluxTrainParity, TrainBlocksKeepsOnlyTheChosenBlocksModules) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("use all, double, single"), std::string::npos) << e.what();
   }
-  const auto sd = models::load_model(models::write_tiny_checkpoint(dir_ / "sd-blocks", 2).diffusers);
+  const auto sd =
+      models::load_model(models::write_tiny_checkpoint(dir_ / "sd-blocks", 2).diffusers);
   NetworkOptions single;
   single.train_blocks = "single";
   try {
