@@ -18,6 +18,23 @@ namespace {
 // nn.init.kaiming_uniform_(w, a=sqrt(5)) from `generator`: bound = sqrt(6 / ((1 + a^2) fan_in)),
 // i.e. 1 / sqrt(fan_in), fan_in = in * kernel area (the default init of nn.Linear / nn.Conv2d
 // that kohya's lora_down keeps).
+// split_qkv's up: 1 on each part's diagonal block (its rows, its rank's columns), 0 elsewhere.
+at::Tensor split_mask(const std::vector<int64_t>& split_dims, int64_t part_rank,
+                      const at::TensorOptions& options) {
+  int64_t rows = 0;
+  for (int64_t d : split_dims) rows += d;
+  at::Tensor mask = at::zeros({rows, part_rank * static_cast<int64_t>(split_dims.size())},
+                              options.requires_grad(false));
+  int64_t row = 0;
+  for (size_t j = 0; j < split_dims.size(); ++j) {
+    mask.narrow(0, row, split_dims[j])
+        .narrow(1, static_cast<int64_t>(j) * part_rank, part_rank)
+        .fill_(1);
+    row += split_dims[j];
+  }
+  return mask;
+}
+
 void kaiming_uniform_sqrt5(at::Tensor& w, at::Generator generator) {
   const double fan_in = static_cast<double>(w.numel() / w.size(0));
   const double bound = std::sqrt(6.0 / ((1.0 + 5.0) * fan_in));
@@ -237,6 +254,11 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
                        choices);
     }
   }
+  if (options.split_qkv && model.model_family().kohya.network_module != "networks.lora_flux") {
+    throw InputError("--network_args split_qkv=True: " + model.model_family().display_name +
+                     "'s network (" + model.model_family().kohya.network_module +
+                     ") has no fused q/k/v layers");
+  }
   for (models::LoraTarget& target : targets) {
     // kohya's apply_to drops the modules of a side that does not train.
     if (!(target.text_encoder ? options.train_text_encoder : options.train_unet)) {
@@ -277,6 +299,32 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
       if (rank < 1) throw InputError(target.name + ": a LoRA module of rank 0 in the file");
     }
     if (alpha == 0) alpha = static_cast<double>(rank);  // kohya: alpha 0 or None means dim
+    // split_qkv: kohya's rule by name, with the widths the layer has (kohya writes FLUX.1's
+    // 3072 and 12288): q, k, v of a double block's qkv; q, k, v and the MLP of linear1.
+    std::vector<int64_t> split_dims;
+    if (options.split_qkv && !target.text_encoder && !target.conv) {
+      const int64_t in = target.in_features(), out = target.out_features();
+      const std::string& n = target.name;
+      if (n.find("double") != std::string::npos && n.find("qkv") != std::string::npos) {
+        split_dims = {out / 3, out / 3, out / 3};
+      } else if (n.find("single") != std::string::npos &&
+                 n.find("linear1") != std::string::npos) {
+        split_dims = {in, in, in, out - 3 * in};
+      }
+      if (!from_weights.empty() && !split_dims.empty()) {
+        // A file's merged rank is the parts' rank times their count.
+        if (rank % static_cast<int64_t>(split_dims.size()) != 0) {
+          throw InputError(target.name + ": rank " + std::to_string(rank) + " in the file is no "
+                           "multiple of its " + std::to_string(split_dims.size()) +
+                           " split_qkv parts");
+        }
+      } else if (!split_dims.empty()) {
+        rank *= static_cast<int64_t>(split_dims.size());
+      }
+    }
+    const int64_t part_rank =
+        split_dims.empty() ? rank : rank / static_cast<int64_t>(split_dims.size());
+    if (!from_weights.empty() && !split_dims.empty()) alpha = static_cast<double>(part_rank);
     auto adapter = std::make_shared<models::LoraAdapter>();
     // Built and drawn on the CPU from the CPU generator, as kohya initialises its network
     // before accelerate places it, then moved to the layer's device: the same values on every
@@ -299,7 +347,7 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
     const c10::Device device = target.weight().device();
     adapter->down = adapter->down.to(device);
     adapter->up = adapter->up.to(device);
-    adapter->scale = alpha / static_cast<double>(rank);
+    adapter->scale = alpha / static_cast<double>(part_rank);
     adapter->multiplier = options.multiplier;
     adapter->dropout = options.dropout;
     adapter->rank_dropout = options.rank_dropout;
@@ -307,8 +355,15 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
     const bool trained = target.text_encoder ? options.train_text_encoder : options.train_unet;
     adapter->down.requires_grad_(trained);
     adapter->up.requires_grad_(trained);
+    if (!split_dims.empty() && trained) {
+      // Each part's up reads its own down alone: the blocks off the diagonal stay zero (their
+      // gradient is masked, and every optimizer leaves a parameter with zero gradient, weight
+      // decay included, at zero).
+      const at::Tensor mask = split_mask(split_dims, part_rank, adapter->up.options());
+      adapter->up.register_hook([mask](const at::Tensor& grad) { return grad * mask; });
+    }
     target.slot() = adapter;
-    modules_.push_back(Module{std::move(target), std::move(adapter), alpha});
+    modules_.push_back(Module{std::move(target), std::move(adapter), alpha, split_dims});
   }
 }
 
@@ -380,7 +435,7 @@ MaxNormResult LoraNetwork::apply_max_norm(double max_norm) {
     }
     // kohya: its fp32 alpha buffer over the rank, a 0-d tensor
     const at::Tensor scale =
-        torch::scalar_tensor(m.alpha, update.options()) / static_cast<double>(down.size(0));
+        torch::scalar_tensor(m.alpha, update.options()) / static_cast<double>(m.scale_rank());
     update = update * scale;
     const at::Tensor norm = update.norm().clamp_min(max_norm / 2);
     const at::Tensor ratio = norm.clamp_max(max_norm) / norm;
@@ -455,11 +510,15 @@ void LoraNetwork::load(const std::map<std::string, at::Tensor>& tensors, const s
     }
     m.adapter->down.copy_(down->second);
     m.adapter->up.copy_(up->second);
+    if (!m.split_dims.empty()) {
+      // kohya's split_qkv load reads each part's diagonal block and nothing else.
+      m.adapter->up.mul_(split_mask(m.split_dims, m.scale_rank(), m.adapter->up.options()));
+    }
     auto alpha = tensors.find(alpha_key);
-    m.alpha = alpha == tensors.end() ? static_cast<double>(m.adapter->rank())
+    m.alpha = alpha == tensors.end() ? static_cast<double>(m.scale_rank())
                                      : alpha->second.to(torch::kFloat64).item<double>();
     unused.erase(alpha_key);
-    m.adapter->scale = m.alpha / static_cast<double>(m.adapter->rank());
+    m.adapter->scale = m.alpha / static_cast<double>(m.scale_rank());
   }
   // A file's modules for the side this network does not train (--network_train_unet_only or
   // --network_train_text_encoder_only), or for a block the block-wise network_args leave out,

@@ -32,6 +32,11 @@ struct NetworkOptions {
   bool train_text_encoder = true;  // false with --network_train_unet_only
   // network_args train_blocks (kohya's networks.lora_flux): all, single or double.
   std::string train_blocks = "all";
+  // network_args split_qkv (kohya's networks.lora_flux): a fused q/k/v layer (the double
+  // blocks' img_attn.qkv and txt_attn.qkv, the single blocks' linear1 with its MLP part) gets a
+  // LoRA of its own per part, each of rank `dim` at alpha / dim, saved merged as kohya saves it:
+  // the downs stacked, the ups block-diagonal, alpha unchanged.
+  bool split_qkv = false;
   // kohya's --dim_from_weights (create_network_from_weights): each module's rank as the LoRA file
   // to continue from has it, by kohya name. When set, exactly these modules are built (3x3 convs
   // included where the file has them), and dim, alpha and conv_dim above are not used: the
@@ -84,6 +89,14 @@ class LoraNetwork {
     models::LoraTarget target;
     std::shared_ptr<models::LoraAdapter> adapter;
     double alpha = 1.0;
+    // split_qkv: the output rows of each part (empty: one LoRA); the adapter then holds every
+    // part's down stacked and their ups block-diagonal, its rank the parts' rank times their
+    // count, its scale alpha over one part's rank.
+    std::vector<int64_t> split_dims;
+    int64_t scale_rank() const {
+      return split_dims.empty() ? adapter->rank()
+                                : adapter->rank() / static_cast<int64_t>(split_dims.size());
+    }
   };
 
   // Builds an adapter for every layer `model` names as a LoRA target (the text encoder's too with

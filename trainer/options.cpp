@@ -30,10 +30,14 @@ void apply_network_args(Options& options) {
       options.network.train_blocks = value;
       continue;
     }
-    if (key == "split_qkv" || key == "in_dims" || key == "train_t5xxl") {
+    if (key == "split_qkv") {  // kohya's reading: "True" is true, anything else false
+      options.network.split_qkv = value == "True";
+      continue;
+    }
+    if (key == "in_dims" || key == "train_t5xxl") {
       throw InputError("--network_args '" + arg + "': kohya's networks.lora_flux argument " +
-                       key + " is not supported yet (lorapipe trains the fused q/k/v LoRA of "
-                       "the double and single blocks, and CLIP-L's with the text encoder)");
+                       key + " is not supported yet (lorapipe trains the double and single "
+                       "blocks' layers, split_qkv or not, and CLIP-L's with the text encoder)");
     }
     double v = 0;
     try {
@@ -65,7 +69,7 @@ void apply_network_args(Options& options) {
                        "loraplus_lr_ratio, loraplus_unet_lr_ratio, "
                        "loraplus_text_encoder_lr_ratio, block_dims, block_alphas, "
                        "conv_block_dims, conv_block_alphas, down_lr_weight, mid_lr_weight, "
-                       "up_lr_weight, block_lr_zero_threshold, train_blocks)");
+                       "up_lr_weight, block_lr_zero_threshold, train_blocks, split_qkv)");
     }
   }
   if (blocks.values.empty()) return;

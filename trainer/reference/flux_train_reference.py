@@ -16,6 +16,9 @@ cut into the parts. Two ways to put that on diffusers' modules:
                 of the A gradients. One step only (the copies would part ways in AdamW).
   --mode fused  kohya's form directly: each part's output gains scale * up[rows] @ down @ x with
                 the one shared down and up as the parameters, trained with AdamW for S steps.
+  --mode split  kohya's split_qkv: each part its own down and up (the file's merged form read as
+                kohya reads it: the down's rows and the up's diagonal blocks), scale alpha over
+                one part's rank, trained for S steps; gradients and weights reported merged.
 
     python flux_train_reference.py --model DIR --lora INIT.safetensors --inputs IN.safetensors \
         --config CONFIG.json --out OUT.safetensors --mode peft|fused
@@ -85,6 +88,40 @@ def fused(table, groups):
     return params
 
 
+def split(table, groups):
+    """kohya's split_qkv form: {kohya name: [(down_j, up_j)]}; every part's own LoRA."""
+    parts = {}
+    for name, g in groups.items():
+        n = len(table[name])
+        down, up = g["lora_down.weight"], g["lora_up.weight"]
+        rank = down.shape[0] // n
+        scale = g["alpha"].item() / rank
+        parts[name] = []
+        for j, (linear, rows) in enumerate(table[name]):
+            d = torch.nn.Parameter(down[j * rank:(j + 1) * rank].clone())
+            r = (0, up.shape[0]) if rows is None else rows
+            u = torch.nn.Parameter(up[r[0]:r[1], j * rank:(j + 1) * rank].clone())
+
+            def hook(module, inputs, output, d=d, u=u, scale=scale):
+                return output + scale * F.linear(F.linear(inputs[0], d), u)
+            linear.register_forward_hook(hook)
+            parts[name].append((d, u))
+    return parts
+
+
+def merged(parts, value):
+    """A module's parts as kohya saves them: the downs stacked, the ups block-diagonal."""
+    downs = [value(d) for d, _ in parts]
+    ups = [value(u) for _, u in parts]
+    rank = downs[0].shape[0]
+    up = torch.zeros(sum(u.shape[0] for u in ups), rank * len(ups))
+    row = 0
+    for j, u in enumerate(ups):
+        up[row:row + u.shape[0], j * rank:(j + 1) * rank] = u
+        row += u.shape[0]
+    return torch.cat(downs), up
+
+
 def peft_split(models, tables, groups):
     """peft adapters on every part; {kohya name: [(layer, rows)]}."""
     placed = {}
@@ -150,6 +187,11 @@ def main():
     if args.mode == "fused":
         table = {**tables["transformer"], **tables["clip"]}
         params = fused(table, groups)
+    elif args.mode == "split":
+        table = {**tables["transformer"], **tables["clip"]}
+        split_parts = split(table, groups)
+        params = {f"{name}.{j}.{which}": p for name, ps in split_parts.items()
+                  for j, pair in enumerate(ps) for which, p in zip("du", pair)}
     else:
         placed = peft_split(models, tables, groups)
         params = {}
@@ -160,7 +202,7 @@ def main():
     optimizer = torch.optim.AdamW(list(params.values()), lr=cfg["learning_rate"],
                                   eps=cfg["adam_eps"], weight_decay=cfg["weight_decay"])
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)  # constant
-    steps = cfg["steps"] if args.mode == "fused" else 1
+    steps = cfg["steps"] if args.mode in ("fused", "split") else 1
     losses, grad_norms, lrs, first_grads = [], [], [], {}
     for step in range(steps):
         b = {k: v[step] for k, v in inputs.items()}
@@ -186,11 +228,18 @@ def main():
         loss = (F.mse_loss(pred, target, reduction="none").mean([1, 2, 3]) * b["loss_weights"]).mean()
         loss.backward()
         losses.append(loss.item())
-        if args.mode == "fused":
+        if args.mode in ("fused", "split"):
             optimizer_step(cfg, params, optimizer, lr_scheduler, first_grads, grad_norms, lrs)
 
     out = {"loss": torch.tensor(losses)}
-    if args.mode == "fused":
+    if args.mode == "split":
+        for name, ps in split_parts.items():
+            grads = [(first_grads[f"{name}.{j}.d.grad"], first_grads[f"{name}.{j}.u.grad"])
+                     for j in range(len(ps))]
+            out[f"{name}.lora_down.grad"], out[f"{name}.lora_up.grad"] = merged(grads, lambda t: t)
+            out[f"{name}.lora_down.weight"], out[f"{name}.lora_up.weight"] = merged(
+                ps, lambda t: t.detach())
+    elif args.mode == "fused":
         out.update(first_grads)
         out.update({f"{key}.weight": p.detach() for key, p in params.items()})
     else:
