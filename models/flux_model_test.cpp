@@ -284,6 +284,36 @@ TEST_F(FluxPipelineParity, TrueCfgWithANegativePromptMatchesFluxPipeline) {
                ref.at("render_cfg_latents"), 1e-4);
 }
 
+// Flux previews round their size down to what 2x2 packing takes (16 px for an 8x AE; 4 px for
+// the tiny 2x AE), as FluxPipeline does; a size under that is refused by name.
+TEST_F(FluxPipelineParity, RenderSizesRoundDownToWhatPackingTakes) {
+  FluxModel model = load();
+  sampler::RenderRequest r;
+  r.prompt = prompts()[0];
+  r.width = 24;   // 12 latents at 2x: packs as 12
+  r.height = 16;  // 8 latents
+  r.steps = 1;
+  model.family.vae_downsample = 2;  // the tiny AE's factor (FLUX.1's is 8)
+  const sampler::RenderResult sized = sampler::render(model, r, {});
+  EXPECT_EQ(sized.latents.size(2), 8);
+  EXPECT_EQ(sized.latents.size(3), 12);
+  r.width = 24 + 2;  // not a multiple of 8: the render's own check refuses it first
+  EXPECT_THROW(sampler::render(model, r, {}), InputError);
+  model.family.vae_downsample = 8;  // as FLUX.1's: 16 px per packed token
+  r.width = 40;                     // 5 latents: rounded down to 4
+  r.height = 16;
+  const at::Tensor rounded = sampler::render(model, r, {}).latents;
+  EXPECT_EQ(rounded.size(3), 4);
+  EXPECT_EQ(rounded.size(2), 2);
+  r.height = 8;  // 1 latent: nothing to pack
+  try {
+    (void)sampler::render(model, r, {});
+    ADD_FAILURE() << "an 8 px tall Flux preview was rendered";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("under 16 px"), std::string::npos) << e.what();
+  }
+}
+
 // The dev schedule shifts by resolution (mu from the packed token count), schnell's not at all.
 TEST(FluxSchedule, DevShiftsByResolutionSchnellDoesNot) {
   const at::Tensor dev = sampler::flow_sigmas(flux_model_family(true).flow, 4, 4096);

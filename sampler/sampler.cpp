@@ -413,12 +413,22 @@ class Sampler {
   // in step order as if announced, each step once.
   SamplerSummary replay() {
     return publishing([&](std::optional<zmq::socket_t>& pub) {
+      if (!fs::is_directory(o_.replay_dir)) {
+        throw InputError(o_.replay_dir.string() + " (--replay_dir): no such folder");
+      }
       std::map<uint64_t, fs::path> by_step;
       for (const fs::path& dir : {o_.replay_dir, o_.replay_dir / "sample_only"}) {
         std::error_code ec;
         for (const auto& entry : fs::directory_iterator(dir, ec)) {
           if (entry.path().extension() != ".safetensors") continue;
-          const auto meta = models::SafetensorsFile::open(entry.path()).metadata();
+          // One unreadable file is named and left out; the others still render.
+          std::map<std::string, std::string> meta;
+          try {
+            meta = models::SafetensorsFile::open(entry.path()).metadata();
+          } catch (const std::exception& e) {
+            LP_LOG(kWarning, kLog) << entry.path().string() << ": left out: " << e.what();
+            continue;
+          }
           const auto it = meta.find("ss_steps");
           if (it == meta.end()) {
             LP_LOG(kWarning, kLog) << entry.path().string() << ": no ss_steps: left out";

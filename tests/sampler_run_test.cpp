@@ -208,6 +208,27 @@ TEST_F(SamplerRun, OneShotWritesImagesSheetAndGallery) {
   EXPECT_EQ(index["checkpoints"][0]["images"].size(), 2u);
 }
 
+// After a run (--replay_dir): every LoRA of the folder renders under its step; a file that is no
+// safetensors is named and left out, and the others still render. A folder that is not there is
+// refused by name.
+TEST_F(SamplerRun, ReplayRendersEverySavedLoraAndLeavesOutABrokenOne) {
+  const fs::path lora = work_ / "lora";
+  fs::create_directories(lora / "sample_only");
+  fs::copy_file(dir_ / "one.safetensors", lora / "one.safetensors");
+  std::ofstream(lora / "sample_only" / "one-step00000007.safetensors") << "not a safetensors file";
+  ASSERT_EQ(wait_exit(spawn(args({"--replay_dir=" + lora.string()}), work_ / "out", work_ / "err")),
+            0)
+      << read_text(work_ / "err");
+  const std::string err = read_text(work_ / "err");
+  EXPECT_NE(err.find("one-step00000007.safetensors: left out"), std::string::npos) << err;
+  EXPECT_TRUE(fs::exists(work_ / "samples" / "one_000040_00.png"));
+  EXPECT_EQ(wait_exit(spawn(args({"--replay_dir=" + (work_ / "nothing").string()}),
+                            work_ / "out2", work_ / "err2")),
+            2);
+  EXPECT_NE(read_text(work_ / "err2").find("(--replay_dir): no such folder"), std::string::npos)
+      << read_text(work_ / "err2");
+}
+
 // The LoRA and its multiplier reach the pixels: at multiplier 0 two different LoRA files render
 // the base model's very pixels (a LoRA at 0 adds exact zeros), and 0.7 and 1 each render
 // other pixels. (The numbers of the merge are SamplerParity's; this is the command line's part.)
