@@ -91,6 +91,7 @@ ModelFamily make_flux(bool dev) {
   f.kohya.modelspec_implementation = "https://github.com/black-forest-labs/flux";
   f.kohya.train_blocks = {{"double", "lora_unet_double_blocks_"},
                           {"single", "lora_unet_single_blocks_"}};
+  f.kohya.in_dims = {"img_in", "time_in", "vector_in", "guidance_in", "txt_in"};
   // Only the transformer lives in a FLUX.1 single file; kohya takes the others by flag.
   f.single_file_components = {{"transformer", ""}};
   return f;

@@ -69,6 +69,10 @@ struct KohyaFamilyNames {
   // kohya's network_args train_blocks (networks.lora_flux): each choice but "all", and the prefix
   // of the denoiser's LoRA names it keeps. Empty: the family's network has no such argument.
   std::vector<std::pair<std::string, std::string>> train_blocks;
+  // kohya's network_args in_dims (networks.lora_flux): the groups of input layers, in the order
+  // of its list, that get a module at the rank the list gives them (0 or none: no module). Empty:
+  // the family's network has no such argument.
+  std::vector<std::string> in_dims;
 };
 
 // How a family is trained: which TrainingObjective (models/objective.h) it gets. DDPM: integer

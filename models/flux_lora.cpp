@@ -2,6 +2,8 @@
 
 #include <torch/nn/module.h>
 
+#include <algorithm>
+
 #include "common/error.h"
 #include "models/lora_collect.h"
 #include "models/sd15_lora.h"
@@ -9,13 +11,14 @@
 namespace lorapipe::models {
 
 std::vector<LoraTarget> flux_lora_targets(const FluxTransformer& model,
-                                          const std::string& train_blocks) {
+                                          const std::string& train_blocks,
+                                          const std::vector<std::string>& in_dims) {
   if (train_blocks != "all" && train_blocks != "single" && train_blocks != "double") {
     throw InputError("network_args train_blocks=" + train_blocks +
                      ": Flux.1 LoRA trains all, single or double blocks");
   }
   const bool doubles = train_blocks != "single", singles = train_blocks != "double";
-  return collect_lora_targets(
+  std::vector<LoraTarget> targets = collect_lora_targets(
       *model, kLoraUnetPrefix, /*text_encoder=*/false,
       [doubles, singles](const torch::nn::Module& m) {
         return (doubles && dynamic_cast<const FluxDoubleBlockImpl*>(&m) != nullptr) ||
@@ -23,6 +26,21 @@ std::vector<LoraTarget> flux_lora_targets(const FluxTransformer& model,
       },
       // kohya's Flux LoRA has no block table for block-wise learning rates.
       [](const std::string&) { return -1; });
+  for (size_t group = 0; group < in_dims.size(); ++group) {
+    const std::string filter = "_" + in_dims[group];
+    for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+      LoraTarget target;
+      target.linear = std::dynamic_pointer_cast<LinearImpl>(item.value());
+      if (!target.linear) continue;
+      target.module_path = item.key();
+      target.name = std::string(kLoraUnetPrefix) + "." + item.key();
+      std::replace(target.name.begin(), target.name.end(), '.', '_');
+      if (target.name.find(filter) == std::string::npos) continue;
+      target.in_dims = static_cast<int>(group);
+      targets.push_back(std::move(target));
+    }
+  }
+  return targets;
 }
 
 }  // namespace lorapipe::models

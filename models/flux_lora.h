@@ -16,8 +16,12 @@
 namespace lorapipe::models {
 
 // kohya's network_args train_blocks: "all" (default), "single" or "double". Throws InputError
-// naming the value otherwise.
+// naming the value otherwise. After the blocks' layers come the input layers of each group of
+// `in_dims` (kohya's in_dims filters: "img_in", "time_in", ...; a Linear whose kohya name holds
+// "_" + group, in named_modules order), marked with LoraTarget::in_dims, whatever train_blocks
+// says: kohya adds them after the blocks whichever blocks train.
 std::vector<LoraTarget> flux_lora_targets(const FluxTransformer& model,
-                                          const std::string& train_blocks = "all");
+                                          const std::string& train_blocks = "all",
+                                          const std::vector<std::string>& in_dims = {});
 
 }  // namespace lorapipe::models

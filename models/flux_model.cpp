@@ -95,7 +95,8 @@ at::Tensor FluxModel::denoise(const DenoiseInput& input) {
 }
 
 std::vector<LoraTarget> FluxModel::lora_targets(bool text_encoder, bool /*conv_kxk*/) const {
-  std::vector<LoraTarget> targets = flux_lora_targets(transformer);
+  std::vector<LoraTarget> targets =
+      flux_lora_targets(transformer, "all", model_family().kohya.in_dims);
   if (text_encoder && clip) {
     for (LoraTarget& t : text_encoder_lora_targets(clip, "lora_te1", 0)) {
       targets.push_back(std::move(t));

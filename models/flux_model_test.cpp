@@ -228,9 +228,14 @@ TEST_F(FluxPipelineParity, DenoiseAndDecodeMatchTheTransformerAndAe) {
   input.guidance = 1.0;
   EXPECT_GT(testing::relative_error(model.denoise(input), ref.at("velocity")), 1e-4);
   expect_close("flux AE decode", model.decode_latents(ref.at("latents")), ref.at("image"), 1e-4);
-  // kohya's Flux LoRA on it: 1 double block x 10, 2 single blocks x 3.
-  EXPECT_EQ(model.lora_targets(/*text_encoder=*/false, false).size(), 16u);
-  EXPECT_GT(model.lora_targets(/*text_encoder=*/true, false).size(), 16u);
+  // kohya's Flux LoRA on it: 1 double block x 10, 2 single blocks x 3; then the input layers
+  // network_args in_dims can adapt (img_in, time_in x 2, vector_in x 2, guidance_in x 2, txt_in).
+  const std::vector<LoraTarget> targets = model.lora_targets(/*text_encoder=*/false, false);
+  ASSERT_EQ(targets.size(), 24u);
+  for (size_t i = 0; i < targets.size(); ++i) EXPECT_EQ(targets[i].in_dims >= 0, i >= 16) << i;
+  EXPECT_EQ(targets[16].name, "lora_unet_img_in");
+  EXPECT_EQ(targets[23].name, "lora_unet_txt_in");
+  EXPECT_GT(model.lora_targets(/*text_encoder=*/true, false).size(), 24u);
 }
 
 // A whole preview through the sampler's render, against FluxPipeline from the same initial

@@ -29,6 +29,10 @@ struct LoraTarget {
   // (KohyaFamilyNames::blocks); -1 where the layer is in no block (kohya's Python index -1: the
   // last) and for text-encoder targets.
   int block = -1;
+  // One of the family's input layers that kohya adapts only where network_args in_dims gives it
+  // a rank (networks.lora_flux: img_in, time_in, vector_in, guidance_in, txt_in): the index of
+  // its group in KohyaFamilyNames::in_dims; -1 for every other layer.
+  int in_dims = -1;
   // Exactly one of the two is set.
   std::shared_ptr<LinearImpl> linear;
   std::shared_ptr<Conv2dImpl> conv;

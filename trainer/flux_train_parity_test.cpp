@@ -31,6 +31,7 @@
 #include "trainer/lora_file.h"
 #include "trainer/lora_network.h"
 #include "trainer/step.h"
+#include "trainer/trainer.h"
 #include "trainer/train_parity_util.h"
 
 namespace lorapipe::trainer {
@@ -48,6 +49,7 @@ struct Case {
   double max_grad_norm = 0;
   std::string mode = "peft";  // the reference's: peft (one step), fused or split
   bool split_qkv = false;     // network_args split_qkv
+  std::vector<int64_t> in_dims;  // network_args in_dims
 };
 
 class FluxTrainParity : public ::testing::Test {
@@ -74,6 +76,7 @@ class FluxTrainParity : public ::testing::Test {
     net.alpha = 2;  // scale 0.5: a wrong scale cannot pass
     net.train_text_encoder = c.train_text_encoder;
     net.split_qkv = c.split_qkv;
+    net.in_dims = c.in_dims;
     LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(7));
     const fs::path work = dir_ / tag;
     fs::create_directories(work);
@@ -145,6 +148,19 @@ class FluxTrainParity : public ::testing::Test {
       }
       EXPECT_EQ(split, 4u);
     }
+    if (!c.in_dims.empty()) {  // each input layer at its group's rank and --network_alpha
+      std::map<std::string, int64_t> ranks;
+      for (const LoraNetwork::Module& m : network.modules()) {
+        if (m.target.in_dims < 0) continue;
+        ranks[m.target.name] = m.adapter->down.size(0);
+        EXPECT_DOUBLE_EQ(m.adapter->scale, net.alpha / static_cast<double>(ranks[m.target.name]));
+      }
+      const std::map<std::string, int64_t> expected{
+          {"lora_unet_img_in", c.in_dims[0]},           {"lora_unet_time_in_in_layer", c.in_dims[1]},
+          {"lora_unet_time_in_out_layer", c.in_dims[1]}, {"lora_unet_guidance_in_in_layer", c.in_dims[3]},
+          {"lora_unet_guidance_in_out_layer", c.in_dims[3]}, {"lora_unet_txt_in", c.in_dims[4]}};
+      EXPECT_EQ(ranks, expected) << "vector_in's rank is 0: no module";
+    }
     nlohmann::json config{{"steps", S},
                           {"learning_rate", 1e-3},
                           {"model_prediction_type", c.prediction},
@@ -209,6 +225,77 @@ TEST_F(FluxTrainParity, OneStepSigmaScaledAgainstSplitPeftAdapters) {
 
 TEST_F(FluxTrainParity, TwentyAdamWStepsAgainstKohyasFusedForm) {
   run({.steps = 20, .prediction = "raw", .max_grad_norm = 1.0, .mode = "fused"}, "fused20");
+}
+
+// kohya's network_args in_dims: the input layers (img_in, time_in, vector_in, guidance_in,
+// txt_in) each at the rank its group is given (vector_in's 0: none), trained with the blocks'
+// layers for 20 AdamW steps against the reference training kohya's fused form with the same
+// modules on diffusers' x_embedder, time_text_embed and context_embedder.
+TEST_F(FluxTrainParity, TwentyAdamWStepsWithInDimsAgainstKohyasFusedForm) {
+  run({.steps = 20, .prediction = "raw", .max_grad_norm = 1.0, .mode = "fused",
+       .in_dims = {2, 4, 0, 3, 2}},
+      "in_dims20");
+}
+
+// in_dims as kohya reads it ("[2,4,0,3,2]" or without brackets), and refused where the list is
+// not five whole numbers, where its length does not match, and for a family with no such layers.
+TEST_F(FluxTrainParity, InDimsIsReadAsKohyaReadsItAndRefusedWhereItCannotApply) {
+  Options o;
+  o.network_args = {"in_dims=[2, 4,0,3,2]"};
+  apply_network_args(o);
+  EXPECT_EQ(o.network.in_dims, (std::vector<int64_t>{2, 4, 0, 3, 2}));
+  o.network_args = {"in_dims=1,0,0,0,1"};
+  apply_network_args(o);
+  EXPECT_EQ(o.network.in_dims, (std::vector<int64_t>{1, 0, 0, 0, 1}));
+  for (const char* bad : {"in_dims=[4,x,0,0,4]", "in_dims=[4,-1,0,0,4]", "in_dims=[4,,0,0,4]"}) {
+    o.network_args = {bad};
+    try {
+      apply_network_args(o);
+      ADD_FAILURE() << bad << " was taken";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("is not a rank"), std::string::npos) << e.what();
+    }
+  }
+  models::LoadOptions load;
+  load.parts.t5_max_length = kT5Tokens;
+  const auto model = models::load_model(flux_, load);
+  NetworkOptions four;
+  four.in_dims = {4, 0, 0, 4};
+  try {
+    LoraNetwork network(*model, four, at::make_generator<at::CPUGeneratorImpl>(1));
+    ADD_FAILURE() << "four in_dims were taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("img_in, time_in, vector_in, guidance_in, txt_in"),
+              std::string::npos)
+        << e.what();
+  }
+  // Without in_dims no input layer has a module, and a file's modules for them are not loaded
+  // (kohya's load is not strict): a network continues from a file trained with in_dims.
+  NetworkOptions with;
+  with.in_dims = {2, 0, 0, 0, 0};
+  const fs::path file = dir_ / "in_dims.safetensors";
+  {
+    LoraNetwork network(*model, with, at::make_generator<at::CPUGeneratorImpl>(1));
+    EXPECT_EQ(network.unet_module_count(), 17u);
+    std::map<std::string, torch::Tensor> tensors;
+    for (const auto& [name, p] : network.named_parameters()) tensors[name] = p.detach();
+    for (const LoraNetwork::Module& m : network.modules()) {
+      tensors[m.target.name + ".alpha"] = torch::tensor(m.alpha);
+    }
+    write_lora_file(file, tensors, {});
+  }
+  LoraNetwork without(*model, NetworkOptions{}, at::make_generator<at::CPUGeneratorImpl>(1));
+  EXPECT_EQ(without.unet_module_count(), 16u);
+  EXPECT_NO_THROW(without.load(file));
+  const auto sd = models::load_model(models::write_tiny_checkpoint(dir_ / "sd-in-dims", 2).diffusers);
+  NetworkOptions five;
+  five.in_dims = {4, 0, 0, 0, 4};
+  try {
+    LoraNetwork network(*sd, five, at::make_generator<at::CPUGeneratorImpl>(1));
+    ADD_FAILURE() << "an SD model took in_dims";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("has no in_dims"), std::string::npos) << e.what();
+  }
 }
 
 // kohya's network_args train_blocks: the double blocks' or the single blocks' modules alone

@@ -259,19 +259,45 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
                      "'s network (" + model.model_family().kohya.network_module +
                      ") has no fused q/k/v layers");
   }
+  const std::vector<std::string>& in_groups = model.model_family().kohya.in_dims;
+  if (!options.in_dims.empty()) {
+    if (in_groups.empty()) {
+      throw InputError("--network_args in_dims: " + model.model_family().display_name +
+                       "'s network (" + model.model_family().kohya.network_module +
+                       ") has no in_dims");
+    }
+    if (options.in_dims.size() != in_groups.size()) {
+      std::string groups;
+      for (const std::string& g : in_groups) groups += (groups.empty() ? "" : ", ") + g;
+      throw InputError("--network_args in_dims: " + std::to_string(options.in_dims.size()) +
+                       " ranks given; it takes " + std::to_string(in_groups.size()) + " (" +
+                       groups + ")");
+    }
+  }
   for (models::LoraTarget& target : targets) {
     // kohya's apply_to drops the modules of a side that does not train.
     if (!(target.text_encoder ? options.train_text_encoder : options.train_unet)) {
       untrained_.insert(target.name);
       continue;
     }
-    if (!keep_prefix.empty() && !target.text_encoder && target.name.rfind(keep_prefix, 0) != 0) {
+    const bool input_layer = target.in_dims >= 0;
+    if (!keep_prefix.empty() && !target.text_encoder && !input_layer &&
+        target.name.rfind(keep_prefix, 0) != 0) {
       continue;  // not among the trained blocks: no module, as in kohya
     }
     const bool kxk = target.is_conv_kxk();
     int64_t rank = kxk ? options.conv_dim : options.dim;
     double alpha = kxk ? options.conv_alpha : options.alpha;
-    if (blocks && !target.text_encoder) {
+    if (input_layer && from_weights.empty()) {
+      // kohya's in_dims: a module at its group's rank and --network_alpha; none at rank 0 or
+      // without in_dims, and then a --network_weights file's module for it is not loaded (kohya's
+      // load is not strict).
+      rank = options.in_dims.empty() ? 0 : options.in_dims[static_cast<size_t>(target.in_dims)];
+      if (rank == 0) {
+        untrained_.insert(target.name);
+        continue;
+      }
+    } else if (blocks && !target.text_encoder) {
       // kohya's block-wise ranks; a name outside every block is Python's index -1, the last.
       const int index = target.block;
       const size_t table = options.block_dims.size();

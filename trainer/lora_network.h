@@ -37,6 +37,10 @@ struct NetworkOptions {
   // LoRA of its own per part, each of rank `dim` at alpha / dim, saved merged as kohya saves it:
   // the downs stacked, the ups block-diagonal, alpha unchanged.
   bool split_qkv = false;
+  // network_args in_dims (kohya's networks.lora_flux, "[4,0,0,0,4]"): a rank for each group of
+  // the family's input layers (KohyaFamilyNames::in_dims: img_in, time_in, vector_in,
+  // guidance_in, txt_in), 0 for none, each at --network_alpha as kohya builds them. Empty: none.
+  std::vector<int64_t> in_dims;
   // kohya's --dim_from_weights (create_network_from_weights): each module's rank as the LoRA file
   // to continue from has it, by kohya name. When set, exactly these modules are built (3x3 convs
   // included where the file has them), and dim, alpha and conv_dim above are not used: the

@@ -2,6 +2,9 @@
 // options, every flag's range, and what kohya refuses at start.
 #include "trainer/run.h"
 
+#include <cctype>
+#include <sstream>
+
 #include "common/error.h"
 #include "common/log.h"
 #include "models/family.h"
@@ -34,10 +37,35 @@ void apply_network_args(Options& options) {
       options.network.split_qkv = value == "True";
       continue;
     }
-    if (key == "in_dims" || key == "train_t5xxl") {
+    if (key == "in_dims") {  // kohya's networks.lora_flux: "[4,0,0,0,4]" or "4,0,0,0,4"
+      std::string list = value;
+      if (list.size() >= 2 && list.front() == '[' && list.back() == ']') {
+        list = list.substr(1, list.size() - 2);
+      }
+      options.network.in_dims.clear();
+      std::stringstream items(list);
+      for (std::string item; std::getline(items, item, ',');) {
+        size_t used = 0;
+        int64_t rank = -1;
+        try {
+          rank = std::stoll(item, &used);
+          while (used < item.size() && std::isspace(static_cast<unsigned char>(item[used]))) ++used;
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != item.size() || rank < 0) {
+          throw InputError("--network_args '" + arg + "': '" + item +
+                           "' is not a rank (a whole number, 0 for none)");
+        }
+        options.network.in_dims.push_back(rank);
+      }
+      continue;
+    }
+    if (key == "train_t5xxl") {
       throw InputError("--network_args '" + arg + "': kohya's networks.lora_flux argument " +
                        key + " is not supported yet (lorapipe trains the double and single "
-                       "blocks' layers, split_qkv or not, and CLIP-L's with the text encoder)");
+                       "blocks' layers, split_qkv or not, the input layers in_dims names, and "
+                       "CLIP-L's with the text encoder)");
     }
     double v = 0;
     try {
@@ -69,7 +97,7 @@ void apply_network_args(Options& options) {
                        "loraplus_lr_ratio, loraplus_unet_lr_ratio, "
                        "loraplus_text_encoder_lr_ratio, block_dims, block_alphas, "
                        "conv_block_dims, conv_block_alphas, down_lr_weight, mid_lr_weight, "
-                       "up_lr_weight, block_lr_zero_threshold, train_blocks, split_qkv)");
+                       "up_lr_weight, block_lr_zero_threshold, train_blocks, split_qkv, in_dims)");
     }
   }
   if (blocks.values.empty()) return;

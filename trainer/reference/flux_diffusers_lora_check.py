@@ -57,6 +57,16 @@ def flux_table(transformer):
                                    (block.proj_mlp, (3 * h, 3 * h + m))]
         table[base + "linear2"] = [(block.proj_out, None)]
         table[base + "modulation_lin"] = [(block.norm.linear, None)]
+    # kohya's network_args in_dims: the input layers (schnell has no guidance embedder).
+    table["lora_unet_img_in"] = [(transformer.x_embedder, None)]
+    table["lora_unet_txt_in"] = [(transformer.context_embedder, None)]
+    embed = transformer.time_text_embed
+    for ours, theirs in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"),
+                         ("guidance_in", "guidance_embedder")):
+        mlp = getattr(embed, theirs, None)
+        if mlp is not None:
+            table[f"lora_unet_{ours}_in_layer"] = [(mlp.linear_1, None)]
+            table[f"lora_unet_{ours}_out_layer"] = [(mlp.linear_2, None)]
     return table
 
 
