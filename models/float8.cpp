@@ -31,34 +31,43 @@ struct FrozenBias {
 
 struct Float8Linear : torch::autograd::Function<Float8Linear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
-                            const at::Tensor& weight, const FrozenBias& bias) {
+                            const at::Tensor& weight, const FrozenBias& bias,
+                            const FrozenBias& scale) {
     ctx->save_for_backward({weight});  // the float8 tensor itself: no copy is kept
-    return at::linear(input, weight.to(input.scalar_type()), bias.tensor);
+    ctx->saved_data["scale"] = scale.tensor.defined() ? c10::IValue(scale.tensor) : c10::IValue();
+    return at::linear(input, dequantize_float8(weight, scale.tensor, input.scalar_type()),
+                      bias.tensor);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const at::Tensor weight = ctx->get_saved_variables()[0];
+    const c10::IValue& saved = ctx->saved_data["scale"];
+    const at::Tensor scale = saved.isTensor() ? saved.toTensor() : at::Tensor();
     const at::Tensor& grad = grads[0];
     // y = x W^T + b, so dL/dx = dL/dy W: what linear's own backward computes for its input.
-    return {at::matmul(grad, weight.to(grad.scalar_type())), at::Tensor(), at::Tensor()};
+    return {at::matmul(grad, dequantize_float8(weight, scale, grad.scalar_type())), at::Tensor(),
+            at::Tensor(), at::Tensor()};
   }
 };
 
 struct Float8Conv2d : torch::autograd::Function<Float8Conv2d> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& weight, const FrozenBias& bias,
-                            std::vector<int64_t> stride, std::vector<int64_t> padding,
+                            const FrozenBias& scale, std::vector<int64_t> stride, std::vector<int64_t> padding,
                             std::vector<int64_t> dilation, int64_t groups) {
     ctx->save_for_backward({weight});
+    ctx->saved_data["scale"] = scale.tensor.defined() ? c10::IValue(scale.tensor) : c10::IValue();
     ctx->saved_data["input_sizes"] = input.sizes().vec();
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["padding"] = padding;
     ctx->saved_data["dilation"] = dilation;
     ctx->saved_data["groups"] = groups;
-    return at::conv2d(input, weight.to(input.scalar_type()), bias.tensor, stride, padding,
-                      dilation, groups);
+    return at::conv2d(input, dequantize_float8(weight, scale.tensor, input.scalar_type()),
+                      bias.tensor, stride, padding, dilation, groups);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const at::Tensor weight = ctx->get_saved_variables()[0];
+    const c10::IValue& saved = ctx->saved_data["scale"];
+    const at::Tensor scale = saved.isTensor() ? saved.toTensor() : at::Tensor();
     const at::Tensor& grad = grads[0];
     const auto input_sizes = ctx->saved_data["input_sizes"].toIntVector();
     const auto stride = ctx->saved_data["stride"].toIntVector();
@@ -75,53 +84,106 @@ struct Float8Conv2d : torch::autograd::Function<Float8Conv2d> {
                                                 dilation[d] * (kernel - 1) + 1);
     }
     at::Tensor grad_input =
-        at::conv_transpose2d(grad, weight.to(grad.scalar_type()), /*bias=*/{}, stride, padding,
-                             output_padding, groups, dilation);
-    return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+        at::conv_transpose2d(grad, dequantize_float8(weight, scale, grad.scalar_type()),
+                             /*bias=*/{}, stride, padding, output_padding, groups, dilation);
+    return {grad_input,  at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight,
-                         const at::Tensor& bias) {
+at::Tensor float8_scales(const at::Tensor& weight) {
+  torch::NoGradGuard no_grad;
+  const at::Tensor w = weight.detach().to(at::kFloat).abs();
+  at::Tensor amax;
+  if (w.dim() == 2 && w.size(1) % kFloat8ScaleBlock == 0) {
+    amax = w.view({w.size(0), w.size(1) / kFloat8ScaleBlock, kFloat8ScaleBlock})
+               .amax(/*dim=*/2, /*keepdim=*/true);
+  } else if (w.dim() == 2) {
+    amax = w.amax(/*dim=*/1, /*keepdim=*/true);
+  } else {
+    amax = w.max();
+  }
+  // An all-zero block keeps scale 1: its zeros stay zeros, and nothing divides by zero.
+  at::Tensor scale = amax / kFloat8E4m3Max;
+  return at::where(scale > 0, scale, at::ones_like(scale));
+}
+
+at::Tensor quantize_float8(const at::Tensor& weight, const at::Tensor& scale) {
+  torch::NoGradGuard no_grad;
+  const at::Tensor w = weight.detach().to(at::kFloat);
+  const at::Tensor scaled =
+      scale.dim() == 3
+          ? (w.view({scale.size(0), scale.size(1), kFloat8ScaleBlock}) / scale).view(weight.sizes())
+          : w / scale;
+  return scaled.clamp(-kFloat8E4m3Max, kFloat8E4m3Max).to(at::kFloat8_e4m3fn);
+}
+
+at::Tensor dequantize_float8(const at::Tensor& weight, const at::Tensor& scale,
+                             c10::ScalarType dtype) {
+  if (!scale.defined()) return weight.to(dtype);
+  const at::Tensor w = weight.to(at::kFloat);
+  const at::Tensor wide =
+      scale.dim() == 3
+          ? (w.view({scale.size(0), scale.size(1), kFloat8ScaleBlock}) * scale).view(weight.sizes())
+          : w * scale;
+  return wide.to(dtype);
+}
+
+at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                         const at::Tensor& scale) {
   require_frozen(weight, bias);
-  return Float8Linear::apply(input, weight, FrozenBias{bias});
+  return Float8Linear::apply(input, weight, FrozenBias{bias}, FrozenBias{scale});
 }
 
 at::Tensor float8_conv2d(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
-                         const torch::nn::detail::ConvNdOptions<2>& options) {
+                         const torch::nn::detail::ConvNdOptions<2>& options,
+                         const at::Tensor& scale) {
   TORCH_CHECK(std::holds_alternative<torch::enumtype::kZeros>(options.padding_mode()),
               "a float8 convolution pads with zeros only");
   const auto* padding = std::get_if<torch::ExpandingArray<2>>(&options.padding());
   TORCH_CHECK(padding != nullptr, "a float8 convolution takes explicit padding only");
   require_frozen(weight, bias);
   auto vec = [](at::IntArrayRef a) { return a.vec(); };
-  return Float8Conv2d::apply(input, weight, FrozenBias{bias}, vec(options.stride()), vec(*padding),
-                             vec(options.dilation()), options.groups());
+  return Float8Conv2d::apply(input, weight, FrozenBias{bias}, FrozenBias{scale},
+                             vec(options.stride()), vec(*padding), vec(options.dilation()),
+                             options.groups());
 }
 
-Float8Storage store_weights_in_float8(torch::nn::Module& module) {
+Float8Storage store_weights_in_float8(torch::nn::Module& module, bool scaled) {
   torch::NoGradGuard no_grad;
   Float8Storage out;
-  auto store = [&](at::Tensor& weight, at::Tensor& bias) {
+  auto store = [&](torch::nn::Module& layer, at::Tensor& weight, at::Tensor& bias,
+                   at::Tensor& weight_scale) {
     if (!weight.defined() || is_float8(weight)) return;
     weight.requires_grad_(false);
     if (bias.defined()) bias.requires_grad_(false);
-    at::Tensor w = weight.detach();
-    if (w.abs().max().item<double>() > kFloat8E4m3Max) {
-      ++out.saturated;
-      w = w.clamp(-kFloat8E4m3Max, kFloat8E4m3Max);
-    }
     ++out.tensors;
     out.bytes_before += static_cast<int64_t>(weight.nbytes());
-    weight.set_data(w.to(at::kFloat8_e4m3fn));
+    if (scaled) {
+      // The scale takes each block's largest magnitude to 448: nothing saturates.
+      const at::Tensor scale = float8_scales(weight);
+      weight.set_data(quantize_float8(weight, scale));
+      weight_scale = layer.register_buffer("scale_weight", scale);
+      out.bytes_after += static_cast<int64_t>(scale.nbytes());
+    } else {
+      at::Tensor w = weight.detach();
+      if (w.abs().max().item<double>() > kFloat8E4m3Max) {
+        ++out.saturated;
+        w = w.clamp(-kFloat8E4m3Max, kFloat8E4m3Max);
+      }
+      weight.set_data(w.to(at::kFloat8_e4m3fn));
+    }
     out.bytes_after += static_cast<int64_t>(weight.nbytes());
   };
   for (const auto& m : module.modules(/*include_self=*/true)) {
-    if (auto linear = std::dynamic_pointer_cast<LinearImpl>(m)) store(linear->weight, linear->bias);
-    if (auto conv = std::dynamic_pointer_cast<Conv2dImpl>(m)) store(conv->weight, conv->bias);
+    if (auto linear = std::dynamic_pointer_cast<LinearImpl>(m)) {
+      store(*linear, linear->weight, linear->bias, linear->weight_scale);
+    }
+    if (auto conv = std::dynamic_pointer_cast<Conv2dImpl>(m)) {
+      store(*conv, conv->weight, conv->bias, conv->weight_scale);
+    }
   }
   return out;
 }

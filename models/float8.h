@@ -13,6 +13,15 @@
 //
 // These layers are frozen: no gradient reaches a float8 weight or a bias beside it (a LoRA on the
 // layer trains through its own tensors), and the input's gradient is the only one computed.
+//
+// Scaled float8 (--fp8_scaled with --fp8_base, musubi-tuner's): each weight is stored as
+// float8(weight / scale) with float32 scales, one per 64 input features of each output row of a
+// Linear whose input width is a multiple of 64, one per row of another Linear, one for the whole
+// weight of a convolution. Each scale takes its block's largest magnitude to 448, so small
+// weights keep float8's full precision instead of falling into its subnormals (a plain cast
+// rounds a weight of 0.002 to a multiple of 0.002), and nothing saturates. The layer computes
+// with (float8 widened to fp32, times its scale) rounded to the input's dtype: exactly what a
+// layer holding that dequantised weight computes. The scales cost 1/16 of the float8 bytes.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -30,12 +39,30 @@ inline bool is_float8(const at::Tensor& t) {
   return t.defined() && c10::isFloat8Type(t.scalar_type());
 }
 
-// at::linear(input, weight upcast to input's dtype, bias), for a float8 weight.
-at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias);
+// at::linear(input, weight upcast to input's dtype, bias), for a float8 weight; with `scale`
+// (scaled float8), the dequantised weight (dequantize_float8).
+at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                         const at::Tensor& scale = {});
 
-// torch::nn::Conv2d's forward (zero padding) with the float8 weight upcast to input's dtype.
+// torch::nn::Conv2d's forward (zero padding) with the float8 weight upcast to input's dtype (or
+// dequantised with `scale`).
 at::Tensor float8_conv2d(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
-                         const torch::nn::detail::ConvNdOptions<2>& options);
+                         const torch::nn::detail::ConvNdOptions<2>& options,
+                         const at::Tensor& scale = {});
+
+// Scaled float8's block: this many input features of one output row share a scale.
+inline constexpr int64_t kFloat8ScaleBlock = 64;
+
+// A weight's float32 scales, its blocks' largest magnitudes over 448 (1 for an all-zero block):
+// [out, in / 64, 1] for a 2-d weight whose input width is a multiple of 64, [out, 1] for another
+// 2-d weight, a 0-d tensor for any other shape.
+at::Tensor float8_scales(const at::Tensor& weight);
+// float8_e4m3fn(weight / scale), rounded to nearest, in the weight's shape.
+at::Tensor quantize_float8(const at::Tensor& weight, const at::Tensor& scale);
+// The weight a scaled float8 layer computes with: float8 widened to fp32 times its scale, rounded
+// to `dtype`; without a scale, the plain widening.
+at::Tensor dequantize_float8(const at::Tensor& weight, const at::Tensor& scale,
+                             c10::ScalarType dtype);
 
 // The largest magnitude float8_e4m3fn holds; store_weights_in_float8 saturates beyond it (a plain
 // conversion would make such a value NaN).
@@ -49,9 +76,10 @@ struct Float8Storage {
 };
 
 // Stores the weight of every models::Linear and models::Conv2d under `module` (on its device) as
-// float8_e4m3fn, rounded to nearest, and freezes those layers (weight and bias). Move the module
-// to its device afterwards with a device-only .to(device): a .to(dtype) converts the float8
-// weights back.
-Float8Storage store_weights_in_float8(torch::nn::Module& module);
+// float8_e4m3fn, rounded to nearest, and freezes those layers (weight and bias). `scaled`: scaled
+// float8, the scales a buffer of the layer ("scale_weight", musubi-tuner's name) that moves with
+// it. Move the module to its device afterwards with a device-only .to(device): a .to(dtype)
+// converts the float8 weights back (and the scales to that dtype).
+Float8Storage store_weights_in_float8(torch::nn::Module& module, bool scaled = false);
 
 }  // namespace lorapipe::models

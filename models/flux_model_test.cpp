@@ -20,8 +20,10 @@
 #include "common/error.h"
 #include "models/loading.h"
 #include "models/parity_util.h"
+#include "models/placement.h"
 #include "models/safetensors.h"
 #include "models/sd15_keys.h"
+#include "models/t5.h"
 #include "models/tiny.h"
 #include "models/weights.h"
 #include "sampler/render.h"
@@ -208,6 +210,66 @@ TEST_F(FluxPipelineParity, SingleFileTransformerWithKohyasPartsEqualsTheFolder) 
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("--apply_t5_attn_mask is FLUX.1's"), std::string::npos)
         << e.what();
+  }
+}
+
+// --fp8_base through the one placement call, for FLUX.1 as for every family: the transformer's
+// and both text encoders' Linear weights (T5's wo too) in float8, plain or scaled
+// (--fp8_scaled), computing in bf16. The conditioning and the velocity are, bit for bit, those of
+// the same model placed in bf16 holding the dequantised weights.
+TEST_F(FluxPipelineParity, Float8BaseThroughThePlacementComputesTheDequantisedModel) {
+  const auto ref = testing::read_all(ref_ / "reference.safetensors");
+  auto layers = [](torch::nn::Module& module) {
+    std::vector<std::shared_ptr<LinearImpl>> out;
+    for (const auto& m : module.modules()) {
+      if (auto l = std::dynamic_pointer_cast<LinearImpl>(m)) out.push_back(l);
+    }
+    return out;
+  };
+  for (const bool scaled : {false, true}) {
+    FluxModel model = load();
+    Placement placement;
+    placement.dtype = at::kBFloat16;
+    placement.fp8_denoiser = placement.fp8_text_encoders = true;
+    placement.fp8_scaled = scaled;
+    const PlacementReport report = place(model, placement);
+    EXPECT_EQ(report.float8_saturated, 0);
+    auto* block = (*model.t5->blocks)[0]->as<T5BlockImpl>();
+    ASSERT_TRUE(is_float8(block->wo->weight));
+    EXPECT_EQ(block->wo->weight_scale.defined(), scaled);
+    FluxModel dequantised = load();
+    int64_t converted = 0;
+    for (const auto& [a, b] : std::vector<std::pair<torch::nn::Module*, torch::nn::Module*>>{
+             {model.transformer.get(), dequantised.transformer.get()},
+             {model.clip.get(), dequantised.clip.get()},
+             {model.t5.get(), dequantised.t5.get()}}) {
+      const auto from = layers(*a), to = layers(*b);
+      ASSERT_EQ(from.size(), to.size());
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < from.size(); ++i) {
+        ASSERT_TRUE(is_float8(from[i]->weight));
+        to[i]->weight.set_data(
+            dequantize_float8(from[i]->weight, from[i]->weight_scale, at::kFloat));
+        ++converted;
+      }
+    }
+    EXPECT_EQ(report.float8_tensors, converted);
+    Placement bf16;
+    bf16.dtype = at::kBFloat16;
+    place(dequantised, bf16);
+    torch::NoGradGuard no_grad;
+    const Conditioning c = model.encode_prompts(prompts(), 1);
+    const Conditioning d = dequantised.encode_prompts(prompts(), 1);
+    EXPECT_TRUE(torch::equal(c.hidden_states, d.hidden_states)) << scaled;
+    EXPECT_TRUE(torch::equal(c.pooled, d.pooled)) << scaled;
+    DenoiseInput input;
+    input.latents = ref.at("latents");
+    input.time = ref.at("sigma");
+    input.conditioning = &c;
+    input.guidance = 3.5;
+    const at::Tensor velocity = model.denoise(input);
+    EXPECT_TRUE(torch::isfinite(velocity).all().item<bool>());
+    EXPECT_TRUE(torch::equal(velocity, dequantised.denoise(input))) << scaled;
   }
 }
 

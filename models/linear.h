@@ -10,7 +10,8 @@
 // UNet, the VAE attention and the CLIP tower goes through here, so this is the difference between
 // matching the reference's kernel sequence and an extra pass over every projection's output.
 //
-// A weight stored in float8 (--fp8_base, models/float8.h) is upcast to the input's dtype per call.
+// A weight stored in float8 (--fp8_base, models/float8.h) is upcast to the input's dtype per call
+// (dequantised with its scales under --fp8_scaled).
 
 #include <ATen/ops/linear.h>
 #include <torch/nn/modules/conv.h>
@@ -27,22 +28,24 @@ namespace lorapipe::models {
 struct LinearImpl : torch::nn::LinearImpl {
   using torch::nn::LinearImpl::LinearImpl;
   at::Tensor forward(const at::Tensor& input) {
-    at::Tensor out =
-        is_float8(weight) ? float8_linear(input, weight, bias) : at::linear(input, weight, bias);
+    at::Tensor out = is_float8(weight) ? float8_linear(input, weight, bias, weight_scale)
+                                       : at::linear(input, weight, bias);
     return lora ? lora->add_to(input, out) : out;
   }
   std::shared_ptr<LoraAdapter> lora;  // filled by a LoRA network, empty otherwise
+  at::Tensor weight_scale;  // scaled float8's scales (the buffer "scale_weight"); else undefined
 };
 TORCH_MODULE(Linear);
 
 struct Conv2dImpl : torch::nn::Conv2dImpl {
   using torch::nn::Conv2dImpl::Conv2dImpl;
   at::Tensor forward(const at::Tensor& input) {
-    at::Tensor out = is_float8(weight) ? float8_conv2d(input, weight, bias, options)
+    at::Tensor out = is_float8(weight) ? float8_conv2d(input, weight, bias, options, weight_scale)
                                        : torch::nn::Conv2dImpl::forward(input);
     return lora ? lora->add_to(input, out) : out;
   }
   std::shared_ptr<LoraAdapter> lora;
+  at::Tensor weight_scale;
 };
 TORCH_MODULE(Conv2d);
 

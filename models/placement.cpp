@@ -51,13 +51,14 @@ PlacementReport place(DiffusionModel& model, const Placement& placement) {
     if (fp8) {
       // "the U-Net's", "the text encoders'"
       const std::string owner = c.label + (c.label.back() == 's' ? "'" : "'s");
-      const Float8Storage s = store_weights_in_float8(module);
+      const Float8Storage s = store_weights_in_float8(module, placement.fp8_scaled);
       report.float8_tensors += s.tensors;
       report.float8_bytes_before += s.bytes_before;
       report.float8_bytes_after += s.bytes_after;
       report.float8_saturated += s.saturated;
-      LP_LOG(kInfo, kLog) << "float8 (--fp8_base): the " << owner << " " << s.tensors
-                          << " Linear and Conv2d weights stored in float8_e4m3fn, "
+      LP_LOG(kInfo, kLog) << "float8 (--fp8_base" << (placement.fp8_scaled ? " --fp8_scaled" : "")
+                          << "): the " << owner << " " << s.tensors << " Linear and Conv2d weights stored in "
+                          << (placement.fp8_scaled ? "scaled " : "") << "float8_e4m3fn, "
                           << s.bytes_before / (1 << 20) << " MiB -> " << s.bytes_after / (1 << 20)
                           << " MiB";
       if (s.saturated > 0) {

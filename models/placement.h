@@ -25,6 +25,8 @@ struct Placement {
   // (models/float8.h): --fp8_base stores both, --fp8_base_unet the denoiser only.
   bool fp8_denoiser = false;
   bool fp8_text_encoders = false;
+  // --fp8_scaled: those float8 weights with a scale per block of 64 inputs (models/float8.h).
+  bool fp8_scaled = false;
   // False keeps the text encoders on the CPU, as kohya does when their outputs come from the
   // cache and they are not trained: they are then used only to check cached text against.
   bool text_encoders_on_device = true;

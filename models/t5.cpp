@@ -175,7 +175,13 @@ at::Tensor T5BlockImpl::forward(const at::Tensor& x, const at::Tensor& bias) {
 
   const at::Tensor n = ff_norm(out);
   at::Tensor gated = gelu_new(wi_0(n)) * wi_1(n);
-  if (gated.scalar_type() != wo->weight.scalar_type()) gated = gated.to(wo->weight.scalar_type());
+  // wo computes in its weight's dtype (fp32 beside fp16: transformers' keep-in-fp32). A float8
+  // wo (--fp8_base) computes in what it stood in for: fp32 beside fp16, else the block's dtype.
+  const c10::ScalarType wo_dtype =
+      !is_float8(wo->weight) ? wo->weight.scalar_type()
+      : gated.scalar_type() == at::kHalf ? at::kFloat
+                                         : gated.scalar_type();
+  if (gated.scalar_type() != wo_dtype) gated = gated.to(wo_dtype);
   return clamp_fp16(out + wo(gated));
 }
 

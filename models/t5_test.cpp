@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "models/float8.h"
 #include "models/loading.h"
 #include "models/parity_util.h"
 #include "models/safetensors.h"
@@ -94,6 +95,47 @@ TEST_F(T5EncoderParity, ConvertedToFp16KeepsWoInFp32AsTheFp16Build) {
   EXPECT_TRUE(torch::equal(converted(io_.at("ids")), built(io_.at("ids"))));
   converted->to(at::kFloat);
   for (const auto& p : converted->parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat);
+}
+
+// --fp8_base reaches T5 too: its Linear weights, `wo` included, in float8 (plain or scaled). A
+// float8 `wo` computes in fp32 beside fp16 (what transformers keeps it in) and in the blocks'
+// dtype beside bf16; before, it cast its input to float8, which no kernel takes. Each encoder
+// computes, bit for bit, what the same encoder holding the dequantised weights in the same dtype
+// computes (the encoder itself matches transformers above). Against fp32 the tiny random T5 is
+// no yardstick: rounding one layer of it to float8 moves transformers' own output by 34%.
+TEST_F(T5EncoderParity, Float8WeightsComputeWhatTheDequantisedWeightsCompute) {
+  for (const at::ScalarType dtype : {at::kHalf, at::kBFloat16}) {
+    for (const bool scaled : {false, true}) {
+      T5Encoder encoder = load(ref_ / "t5" / "model.safetensors", at::kFloat);
+      encoder->to(dtype);
+      const Float8Storage s = store_weights_in_float8(*encoder, scaled);
+      auto* block = (*encoder->blocks)[0]->as<T5BlockImpl>();
+      ASSERT_TRUE(is_float8(block->wo->weight));
+      EXPECT_EQ(block->wo->weight_scale.defined(), scaled);
+      EXPECT_EQ(s.tensors, 7 * encoder->config.num_layers);  // q, k, v, o, wi_0, wi_1, wo
+      T5Encoder dequantised = load(ref_ / "t5" / "model.safetensors", at::kFloat);
+      std::vector<std::shared_ptr<LinearImpl>> from, to;
+      for (const auto& m : encoder->modules()) {
+        if (auto l = std::dynamic_pointer_cast<LinearImpl>(m)) from.push_back(l);
+      }
+      for (const auto& m : dequantised->modules()) {
+        if (auto l = std::dynamic_pointer_cast<LinearImpl>(m)) to.push_back(l);
+      }
+      ASSERT_EQ(from.size(), to.size());
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < from.size(); ++i) {
+        to[i]->weight.set_data(
+            dequantize_float8(from[i]->weight, from[i]->weight_scale, at::kFloat));
+      }
+      dequantised->to(dtype);
+      const std::string what = std::string(dtype == at::kHalf ? "fp16" : "bf16") +
+                               (scaled ? " scaled" : " plain");
+      const at::Tensor out = encoder(io_.at("ids"), io_.at("mask"));
+      EXPECT_EQ(out.scalar_type(), dtype) << what;
+      EXPECT_TRUE(torch::isfinite(out).all().item<bool>()) << what;
+      EXPECT_TRUE(torch::equal(out, dequantised(io_.at("ids"), io_.at("mask")))) << what;
+    }
+  }
 }
 
 TEST_F(T5EncoderParity, TiedEmbeddingsLoadUnderEitherName) {

@@ -45,6 +45,9 @@ DEFINE_bool(fp8_base, false,
             "Store the U-Net's and text encoder's Linear/Conv2d weights in float8 (the LoRA is "
             "then applied beside them, not merged)");
 DEFINE_bool(fp8_base_unet, false, "--fp8_base for the U-Net alone");
+DEFINE_bool(fp8_scaled, false,
+            "With --fp8_base(_unet): float8 with a scale per 64 input features of each output "
+            "row (musubi-tuner's)");
 DEFINE_bool(merge_lora, false,
             "Merge each checkpoint's LoRA into the weights, keeping a copy of those it changes "
             "(faster renders, more memory); by default it is computed beside them, copying none");
@@ -84,6 +87,7 @@ int main(int argc, char** argv) {
     o.mixed_precision = FLAGS_mixed_precision;
     o.fp8_base = FLAGS_fp8_base;
     o.fp8_base_unet = FLAGS_fp8_base_unet;
+    o.fp8_scaled = FLAGS_fp8_scaled;
     o.merge_lora = FLAGS_merge_lora;
     o.sampler = FLAGS_sample_sampler;
     o.v_prediction = FLAGS_v_parameterization;

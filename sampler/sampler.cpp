@@ -240,6 +240,7 @@ class Sampler {
     placement.dtype = dtype;
     placement.fp8_denoiser = o_.fp8_base || o_.fp8_base_unet;
     placement.fp8_text_encoders = o_.fp8_base && !o_.fp8_base_unet;
+    placement.fp8_scaled = o_.fp8_scaled;
     models::place(*model_, placement);
     PromptDefaults defaults;
     defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
@@ -575,6 +576,10 @@ SamplerSummary run_sampler(const SamplerOptions& options) {
   if (options.model.empty()) throw InputError("--pretrained_model_name_or_path is required");
   if (options.sample_prompts.empty()) throw InputError("--sample_prompts is required");
   if (options.output_dir.empty()) throw InputError("--output_dir is required");
+  if (options.fp8_scaled && !options.fp8_base && !options.fp8_base_unet) {
+    throw InputError("--fp8_scaled scales the float8 weights of --fp8_base or --fp8_base_unet: "
+                     "give one of them");
+  }
   if (options.sub_endpoint.empty() && options.loras.empty()) {
     LP_LOG(kInfo, kLog) << "no --sub and no --lora: rendering the base model";
   }

@@ -327,6 +327,17 @@ TEST_F(SamplerRun, MixedPrecisionAndFloat8WeightsRender) {
     EXPECT_GT(wide.relational(small, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
         << name << ": bf16 over float8 rendered the fp32 pixels";
   }
+  // --fp8_scaled: other float8 weights, so other pixels; alone it is refused by name.
+  const auto scaled = render_one("fp8s", {"--mixed_precision=bf16", "--fp8_base", "--fp8_scaled"});
+  ASSERT_EQ(scaled.first, 0) << scaled.second;
+  vips::VImage plain = vips::VImage::new_from_file((work_ / "fp8" / "samples" / "one_000040_00.png").c_str());
+  vips::VImage fine = vips::VImage::new_from_file((work_ / "fp8s" / "samples" / "one_000040_00.png").c_str());
+  EXPECT_GT(plain.relational(fine, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
+      << "--fp8_scaled rendered plain float8's pixels";
+  const auto alone = render_one("fp8s-alone", {"--fp8_scaled"});
+  EXPECT_NE(alone.first, 0);
+  EXPECT_NE(alone.second.find("--fp8_scaled scales the float8 weights"), std::string::npos)
+      << alone.second;
   const auto bad = render_one("bad", {"--mixed_precision=fp8"});
   EXPECT_NE(bad.first, 0);
   EXPECT_NE(bad.second.find("--mixed_precision=fp8"), std::string::npos) << bad.second;

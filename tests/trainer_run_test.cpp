@@ -1532,6 +1532,7 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--v2"}, "--v2=true: Stable Diffusion 2.x"},
       {{"--vae=/m/vae.safetensors"}, "/m/vae.safetensors (--vae): no such file"},
       {{"--cpu_offload_checkpointing"}, "--cpu_offload_checkpointing=true"},
+      {{"--fp8_scaled"}, "--fp8_scaled scales the float8 weights of --fp8_base"},
       {{"--lr_scheduler_args", "T_max=100", "--seed=1"}, "--lr_scheduler_args 'T_max=100'"},
       {{"--lr_scheduler=cosine_with_min_lr"}, "needs --lr_scheduler_min_lr_ratio"},
       {{"--lr_scheduler=cosine", "--lr_warmup_steps=lots"}, "--lr_warmup_steps=lots: not a number"},
@@ -2151,19 +2152,25 @@ TEST_F(TrainRunTest, InterruptWhileTheCacherDoesNotAnswerStopsAtOnce) {
 // catch a wrong cast, a scale not undone or a step skipped. --fp8_base over bf16 stores the
 // weights with 3 mantissa bits (up to 6% off each, 2% on average): measured 2% on the losses,
 // held to 8%, which a weight read wrong (its bits, or unscaled) is far beyond; the parity of
-// float8 storage itself is TrainParity.Float8BaseLoConCheckpointedTwoSteps'.
+// float8 storage itself is TrainParity.Float8BaseLoConCheckpointedTwoSteps'. --fp8_scaled the
+// same (its layers are Float8Weights.ScaledLayersComputeWhatALayerHoldingTheDequantisedWeight-
+// Computes'), and the LoRA's metadata says which float8 it trained over.
 TEST_F(TrainRunTest, MixedPrecisionLearnsLikeFp32) {
   const std::vector<std::string> common{"--max_train_steps=6", "--train_batch_size=2",
                                         "--gradient_checkpointing"};
   const TrainRun full = run(work_ / "fp32", common);
   ASSERT_EQ(full.exit, 0) << full.err;
-  for (const auto& [precision, fp8, tolerance] :
-       std::vector<std::tuple<std::string, bool, double>>{
-           {"bf16", false, 0.03}, {"fp16", false, 0.03}, {"bf16", true, 0.08}}) {
+  for (const auto& [precision, float8, tolerance] :
+       std::vector<std::tuple<std::string, std::string, double>>{{"bf16", "", 0.03},
+                                                                 {"fp16", "", 0.03},
+                                                                 {"bf16", "fp8", 0.08},
+                                                                 {"bf16", "fp8-scaled", 0.08}}) {
+    const bool fp8 = !float8.empty();
     auto extra = common;
     extra.push_back("--mixed_precision=" + precision);
     if (fp8) extra.push_back("--fp8_base");
-    const std::string tag = precision + (fp8 ? "-fp8" : "");
+    if (float8 == "fp8-scaled") extra.push_back("--fp8_scaled");
+    const std::string tag = precision + (fp8 ? "-" + float8 : "");
     const TrainRun r = run(work_ / tag, extra);
     ASSERT_EQ(r.exit, 0) << tag << ": " << r.err;
     const auto a = losses(full.err), b = losses(r.err);
@@ -2181,6 +2188,11 @@ TEST_F(TrainRunTest, MixedPrecisionLearnsLikeFp32) {
         << tag << " trained exactly as fp32 did";
     if (fp8) {
       EXPECT_NE(r.err.find("the U-Net's"), std::string::npos) << r.err;
+      const bool scaled = float8 == "fp8-scaled";
+      EXPECT_EQ(r.err.find("scaled float8_e4m3fn") != std::string::npos, scaled) << r.err;
+      const auto meta = models::SafetensorsFile::open(work_ / tag / "lora" / "tiny.safetensors")
+                            .metadata();
+      EXPECT_EQ(meta.at("ss_fp8_scaled"), scaled ? "True" : "False");
     }
   }
 }

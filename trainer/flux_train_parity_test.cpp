@@ -49,7 +49,7 @@ struct Case {
   double max_grad_norm = 0;
   std::string mode = "peft";  // the reference's: peft (one step), fused or split
   bool split_qkv = false;     // network_args split_qkv
-  std::vector<int64_t> in_dims;  // network_args in_dims
+  std::vector<int64_t> in_dims = {};  // network_args in_dims
 };
 
 class FluxTrainParity : public ::testing::Test {

@@ -87,6 +87,9 @@ DEFINE_bool(fp8_base, false,
             "--mixed_precision's dtype");
 DEFINE_bool(fp8_base_unet, false, "--fp8_base for the U-Net alone (the text encoder stays in "
                                   "--mixed_precision's dtype)");
+DEFINE_bool(fp8_scaled, false,
+            "With --fp8_base(_unet): float8 with a scale per 64 input features of each output "
+            "row (musubi-tuner's), closer to the weights than the plain cast");
 DEFINE_int32(threads, 0, "CPU threads for compute (0: one per core)");
 // Length and data.
 DEFINE_int64(max_train_steps, 1600, "Optimizer steps");
@@ -399,6 +402,7 @@ int main(int argc, char** argv) {
     o.mixed_precision = FLAGS_mixed_precision;
     o.fp8_base = FLAGS_fp8_base;
     o.fp8_base_unet = FLAGS_fp8_base_unet;
+    o.fp8_scaled = FLAGS_fp8_scaled;
     o.output_dir = FLAGS_output_dir;
     o.output_name = FLAGS_output_name;
     o.save_precision = FLAGS_save_precision;

@@ -38,6 +38,9 @@ struct Options {
   // float8, models/float8.h) and --fp8_base_unet (the U-Net's alone; it wins over fp8_base).
   bool fp8_base = false;
   bool fp8_base_unet = false;
+  // --fp8_scaled (musubi-tuner's, with --fp8_base or --fp8_base_unet): those float8 weights with a
+  // scale per 64 input features of each output row (models/float8.h).
+  bool fp8_scaled = false;
   int threads = 0;                     // CPU compute threads (0: LibTorch's default, one per core)
   // Data-parallel ranks (trainer/ranks.h), from the environment torchrun sets. train_batch_size
   // is per rank, as kohya's: a step trains train_batch_size x world_size samples.
