@@ -24,6 +24,7 @@
 //   trainer_bench solo tiny|full|sdxl|flux|flux_tiny [--device cpu|cuda|cuda:N]
 //       [--dtype fp32|bf16|fp16]
 //       [--batch N] [--resolution PX] [--steps N] [--gradient_checkpointing] [--fp8_base]
+//       [--fp8_scaled] [--blocks_to_swap N (FLUX.1; kohya's split, the trainer's placement)]
 //       [--threads N]
 //       [--peak_tflops T] [--optimizer_type NAME [--optimizer_args K=V ...] [--learning_rate LR]]
 //       the same step alone, on the UNet's own random initialisation and random inputs (no files,
@@ -258,7 +259,8 @@ int solo(const std::string& size, int argc, char** argv) {
   std::string device_spec = "cpu", dtype_name = "fp32";
   int64_t batch = 1, steps = 5;
   int64_t resolution = size == "tiny" || size == "flux_tiny" ? 128 : size == "sdxl" ? 1024 : 512;
-  bool checkpointing = false, fp8_base = false;
+  bool checkpointing = false, fp8_base = false, fp8_scaled = false;
+  int blocks_to_swap = 0;
   double peak_tflops = -1;
   t::OptimizerOptions optimizer;
   std::vector<std::string> optimizer_args;
@@ -283,6 +285,10 @@ int solo(const std::string& size, int argc, char** argv) {
       checkpointing = true;
     } else if (flag == "--fp8_base") {
       fp8_base = true;
+    } else if (flag == "--fp8_scaled") {
+      fp8_scaled = true;
+    } else if (flag == "--blocks_to_swap") {
+      blocks_to_swap = std::stoi(value());
     } else if (flag == "--threads") {
       at::set_num_threads(std::stoi(value()));
     } else if (flag == "--peak_tflops") {
@@ -329,7 +335,9 @@ int solo(const std::string& size, int argc, char** argv) {
       flux->transformer = m::FluxTransformer(config, torch::TensorOptions().dtype(dtype));
       for (auto& p : flux->transformer->parameters()) p.normal_(0, 0.02);  // built uninitialised
     }
-    if (fp8_base) m::store_weights_in_float8(*flux->transformer);
+    if (fp8_base) m::store_weights_in_float8(*flux->transformer, fp8_scaled);
+    // As the trainer's placement: the swapped weights go to host memory before the move.
+    if (blocks_to_swap > 0) (void)flux->enable_block_swap(blocks_to_swap, device, 2);
     flux->transformer->to(device);
     for (auto& p : flux->transformer->parameters()) p.requires_grad_(false);
     flux->transformer->train();
@@ -352,7 +360,9 @@ int solo(const std::string& size, int argc, char** argv) {
       model.unet = m::UNet(config_for(size));
     }
     model.unet->to(dtype);
-    if (fp8_base) m::store_weights_in_float8(*model.unet);  // on the CPU, then moved, as the trainer
+    if (blocks_to_swap > 0) throw std::invalid_argument("--blocks_to_swap: FLUX.1 only");
+    // On the CPU, then moved, as the trainer.
+    if (fp8_base) m::store_weights_in_float8(*model.unet, fp8_scaled);
     model.unet->to(device);
     for (auto& p : model.unet->parameters()) p.requires_grad_(false);
     model.unet->train();
@@ -394,10 +404,13 @@ int solo(const std::string& size, int argc, char** argv) {
   for (int64_t i = 0; i < steps; ++i) one_step();
   synchronize(device);
   const double seconds = ms_since(start) / 1e3 / static_cast<double>(steps);
-  std::printf("%s %s %s%s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, "
+  const std::string swap =
+      blocks_to_swap > 0 ? " blocks_to_swap " + std::to_string(blocks_to_swap) : "";
+  std::printf("%s %s %s%s%s%s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, "
               "peak allocated %.0f MiB",
               size.c_str(), m::describe_device(device).c_str(), dtype_name.c_str(),
-              fp8_base ? " fp8_base" : "", optimizer.type.c_str(),
+              fp8_base ? " fp8_base" : "", fp8_scaled ? " scaled" : "", swap.c_str(),
+              optimizer.type.c_str(),
               static_cast<long long>(batch), static_cast<long long>(resolution),
               static_cast<long long>(resolution), checkpointing ? ", checkpointing" : "", seconds,
               static_cast<double>(batch) / seconds, peak_allocated_mib(device));

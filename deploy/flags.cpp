@@ -125,6 +125,7 @@ std::vector<FlagInfo> make_table() {
   boolean("no_half_vae", {S::kCacher, S::kTrainer});  // the cacher's VAE in fp32
   // Previews render as the run trains: in its precision, over its float8 weights.
   value("mixed_precision", {S::kTrainer, S::kSampler});
+  value("blocks_to_swap", {S::kTrainer});
   for (const char* name : {"fp8_base", "fp8_base_unet", "fp8_scaled"}) {
     boolean(name, {S::kTrainer, S::kSampler});
   }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "common/error.h"
 #include "models/linear.h"
 
 namespace lorapipe::models {
@@ -19,6 +20,7 @@ using torch::autograd::variable_list;
 // The block travels to backward through the context, refcounted with the graph node.
 struct BlockHolder : torch::CustomClassHolder {
   BlockFunction block;
+  BlockCalls calls;
   size_t input_count = 0;
   std::vector<at::Generator> generators;  // CPU, and the inputs' CUDA device when there is one
   std::vector<at::Tensor> rng_states;
@@ -46,7 +48,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     saved.insert(saved.end(), trainable.begin(), trainable.end());
     ctx->save_for_backward(saved);
     at::NoGradGuard no_grad;
-    return holder->block(std::vector<at::Tensor>(inputs.begin(), inputs.end()));
+    if (holder->calls.enter) holder->calls.enter(false);
+    variable_list out = holder->block(std::vector<at::Tensor>(inputs.begin(), inputs.end()));
+    if (holder->calls.leave) holder->calls.leave(false);
+    return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -71,6 +76,14 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       target_slot.push_back(i);
     }
 
+    if (holder->calls.enter) holder->calls.enter(true);
+    // `leave` once the gradients through the block are computed, whichever way this returns.
+    struct Leave {
+      const BlockCalls& calls;
+      ~Leave() {
+        if (calls.leave) calls.leave(true);
+      }
+    } leave{holder->calls};
     std::vector<at::Tensor> outputs;
     {
       // Same random numbers as the first run, then the stream continues where it was.
@@ -104,17 +117,46 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
 }  // namespace
 
+namespace {
+
+bool keeps_graph(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& trainable) {
+  if (!at::GradMode::is_enabled()) return false;
+  return !trainable.empty() ||
+         std::any_of(inputs.begin(), inputs.end(),
+                     [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
+}
+
+std::vector<at::Tensor> call(const BlockFunction& block, const std::vector<at::Tensor>& inputs,
+                             const BlockCalls& calls) {
+  if (calls.enter) calls.enter(false);
+  std::vector<at::Tensor> out = block(inputs);
+  if (calls.leave) calls.leave(false);
+  return out;
+}
+
+}  // namespace
+
 std::vector<at::Tensor> checkpoint(BlockFunction block, const std::vector<at::Tensor>& inputs,
-                                   const std::vector<at::Tensor>& trainable) {
-  if (!at::GradMode::is_enabled()) return block(inputs);
-  // Nothing inside or coming in needs a gradient: no graph would be kept, nothing to save.
-  const bool any_input_needs_grad =
-      std::any_of(inputs.begin(), inputs.end(),
-                  [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
-  if (!any_input_needs_grad && trainable.empty()) return block(inputs);
+                                   const std::vector<at::Tensor>& trainable, BlockCalls calls) {
+  // Evaluation, or nothing inside or coming in needs a gradient: no graph would be kept, nothing
+  // to save.
+  if (!keeps_graph(inputs, trainable)) return call(block, inputs, calls);
   auto holder = c10::make_intrusive<BlockHolder>();
   holder->block = std::move(block);
+  holder->calls = std::move(calls);
   return CheckpointFunction::apply(holder, at::TensorList(inputs), at::TensorList(trainable));
+}
+
+std::vector<at::Tensor> run_block(BlockFunction block, const std::vector<at::Tensor>& inputs,
+                                  const std::vector<at::Tensor>& trainable, bool checkpointed,
+                                  BlockCalls calls) {
+  if (checkpointed) return checkpoint(std::move(block), inputs, trainable, std::move(calls));
+  if ((calls.enter || calls.leave) && keeps_graph(inputs, trainable)) {
+    throw Error("a swapped block run for training without gradient checkpointing: its backward "
+                "would read weights that have left the device (block swap trains with "
+                "--gradient_checkpointing)");
+  }
+  return call(block, inputs, calls);
 }
 
 std::vector<at::Tensor> trainable_adapter_tensors(const torch::nn::Module& module) {

@@ -26,12 +26,28 @@ namespace lorapipe::models {
 
 using BlockFunction = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 
+// Called around each run of a block: `enter` before, `leave` after, with `backward` true for the
+// recompute in backward, whose `leave` comes once the gradients through the block are computed:
+// block swap (models/block_swap.h) keeps the block's weights on the device in between. Empty:
+// nothing is called.
+struct BlockCalls {
+  std::function<void(bool backward)> enter, leave;
+};
+
 // Runs `block(inputs)` under no-grad and returns its outputs with a backward that recomputes
 // them. `trainable`: the tensors inside the block that need gradients (LoRA down/up); inputs
 // that require grad get theirs too. Outputs that backward passes no gradient for are treated as
 // zero-gradient. Without grad mode (evaluation), calls `block` directly.
 std::vector<at::Tensor> checkpoint(BlockFunction block, const std::vector<at::Tensor>& inputs,
-                                   const std::vector<at::Tensor>& trainable);
+                                   const std::vector<at::Tensor>& trainable,
+                                   BlockCalls calls = {});
+
+// `block` checkpointed (as checkpoint) or run directly, with `calls` around each run. Run
+// directly with `calls` and a graph to keep (grad mode, and an input or `trainable` needing
+// grad), throws Error: its backward would read the block's weights after `leave`.
+std::vector<at::Tensor> run_block(BlockFunction block, const std::vector<at::Tensor>& inputs,
+                                  const std::vector<at::Tensor>& trainable, bool checkpointed,
+                                  BlockCalls calls = {});
 
 // The adapter tensors under `module` (every models::Linear / models::Conv2d with a LoRA slot
 // filled) that require grad, in module order.

@@ -11,6 +11,7 @@
 // (model_family()): the DDPM schedule of models/ddpm.h for the DDPM families.
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <optional>
 #include <string>
@@ -144,6 +145,17 @@ class DiffusionModel {
   virtual std::vector<LoraTarget> lora_targets(bool text_encoder, bool conv_kxk) const = 0;
   // Recompute the denoiser's blocks in backward (see models/checkpoint.h).
   virtual void set_gradient_checkpointing(bool enabled) = 0;
+  // Block swap (kohya's --blocks_to_swap, models/block_swap.h): the frozen weights of `blocks` of
+  // the denoiser's blocks (the family says which) go to host memory now, to travel to `device`
+  // through a ring of `slots` slots. Called on the CPU, before the denoiser moves to `device`
+  // (models/placement.h does). Returns what it set up, for the log. The default: InputError
+  // naming the family, which has no block swap yet.
+  struct BlockSwapReport {
+    std::string blocks;  // "the last 8 of 19 double blocks and 16 of 38 single blocks"
+    int64_t host_bytes = 0, slot_bytes = 0;
+    int slots = 0;
+  };
+  virtual BlockSwapReport enable_block_swap(int blocks, c10::Device device, int slots);
 
   // The model's parts, for placement (models/placement.h), freezing and fingerprints. A part
   // that was not loaded or was released is absent.

@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/block_swap.h"
 #include "models/checkpoint.h"
 #include "models/empty_linear.h"
 #include "models/loading.h"
@@ -358,6 +359,13 @@ FluxTransformerImpl::FluxTransformerImpl(const FluxConfig& config_,
   final_layer = register_module("final_layer", FluxLastLayer(hidden, config.in_channels, options));
 }
 
+std::vector<torch::nn::Module*> FluxTransformerImpl::blocks() {
+  std::vector<torch::nn::Module*> out;
+  for (const auto& b : *double_blocks) out.push_back(b.get());
+  for (const auto& b : *single_blocks) out.push_back(b.get());
+  return out;
+}
+
 at::Tensor FluxTransformerImpl::forward(const FluxInput& in) {
   const at::ScalarType dtype = in.img.scalar_type();
   at::Tensor img = img_in(in.img);
@@ -390,15 +398,23 @@ at::Tensor FluxTransformerImpl::forward(const FluxInput& in) {
   }
 
   const bool recompute = gradient_checkpointing;
-  for (size_t i = 0; i < double_blocks->size(); ++i) {
+  const size_t doubles = double_blocks->size();
+  BlockSwap* swap = block_swap.get();
+  auto calls = [swap](size_t k) {
+    BlockCalls c;
+    if (swap == nullptr || !swap->swaps(k)) return c;
+    c.enter = [swap, k](bool backward) { swap->enter(k, backward); };
+    c.leave = [swap, k](bool backward) { swap->leave(k, backward); };
+    return c;
+  };
+  for (size_t i = 0; i < doubles; ++i) {
     auto* raw = double_blocks[i]->as<FluxDoubleBlockImpl>();
     auto run = [raw, pe, key_mask](const std::vector<at::Tensor>& x) {
       auto [i_out, t_out] = raw->forward(x[0], x[1], x[2], pe, key_mask);
       return std::vector<at::Tensor>{i_out, t_out};
     };
     const std::vector<at::Tensor> out =
-        recompute ? checkpoint(run, {img, txt, vec}, trainable_adapter_tensors(*raw))
-                  : run({img, txt, vec});
+        run_block(run, {img, txt, vec}, trainable_adapter_tensors(*raw), recompute, calls(i));
     img = out[0];
     txt = out[1];
   }
@@ -408,7 +424,8 @@ at::Tensor FluxTransformerImpl::forward(const FluxInput& in) {
     auto run = [raw, pe, key_mask](const std::vector<at::Tensor>& in) {
       return std::vector<at::Tensor>{raw->forward(in[0], in[1], pe, key_mask)};
     };
-    x = (recompute ? checkpoint(run, {x, vec}, trainable_adapter_tensors(*raw)) : run({x, vec}))[0];
+    x = run_block(run, {x, vec}, trainable_adapter_tensors(*raw), recompute,
+                  calls(doubles + i))[0];
   }
   return final_layer(x.slice(1, t), vec);
 }

@@ -32,6 +32,7 @@
 namespace lorapipe::models {
 
 class SafetensorsFile;
+class BlockSwap;
 
 // The original FluxParams. Defaults: FLUX.1 [dev]; schnell differs only in having no guidance
 // embedding.
@@ -213,6 +214,11 @@ struct FluxTransformerImpl : torch::nn::Module {
   // Each double and single block recomputed in backward (models/checkpoint.h), as kohya's
   // enable_gradient_checkpointing does per block.
   bool gradient_checkpointing = false;
+  // Block swap (--blocks_to_swap, models/block_swap.h): the blocks numbered double 0.., then
+  // single 0.. after them, entered and left around each run. Empty: every block stays.
+  std::shared_ptr<BlockSwap> block_swap;
+  // The double then the single blocks, in forward order (block swap's numbering).
+  std::vector<torch::nn::Module*> blocks();
 };
 TORCH_MODULE(FluxTransformer);
 

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "common/error.h"
+#include "models/block_swap.h"
 #include "models/fingerprint.h"
 #include "models/flux_lora.h"
 #include "models/loading.h"
@@ -103,6 +104,25 @@ std::vector<LoraTarget> FluxModel::lora_targets(bool text_encoder, bool /*conv_k
     }
   }
   return targets;
+}
+
+DiffusionModel::BlockSwapReport FluxModel::enable_block_swap(int blocks, c10::Device device,
+                                                            int slots) {
+  if (!transformer) throw Error("block swap: the transformer was released");
+  const size_t doubles = transformer->double_blocks->size();
+  const size_t singles = transformer->single_blocks->size();
+  const std::vector<size_t> swapped = flux_swapped_blocks(blocks, doubles, singles);
+  transformer->block_swap = std::make_shared<BlockSwap>(transformer->blocks(), swapped,
+                                                        make_swap_device(device), slots);
+  const size_t d = static_cast<size_t>(blocks / 2);
+  BlockSwapReport report;
+  report.blocks = "the last " + std::to_string(d) + " of " + std::to_string(doubles) +
+                  " double blocks and " + std::to_string(swapped.size() - d) + " of " +
+                  std::to_string(singles) + " single blocks";
+  report.host_bytes = transformer->block_swap->host_bytes();
+  report.slot_bytes = transformer->block_swap->slot_bytes();
+  report.slots = transformer->block_swap->slots();
+  return report;
 }
 
 void FluxModel::set_gradient_checkpointing(bool enabled) {

@@ -24,12 +24,14 @@ c10::ScalarType parse_precision(std::string_view name, std::string_view flag) {
                    ", fp16 or bf16");
 }
 
+DiffusionModel::BlockSwapReport DiffusionModel::enable_block_swap(int blocks, c10::Device,
+                                                                 int) {
+  throw InputError("--blocks_to_swap=" + std::to_string(blocks) + ": " + model_family().display_name +
+                   " has no block swap yet (FLUX.1 has); fit it with --fp8_base and "
+                   "--gradient_checkpointing");
+}
+
 PlacementReport place(DiffusionModel& model, const Placement& placement) {
-  if (placement.blocks_to_swap > 0) {
-    throw InputError("--blocks_to_swap=" + std::to_string(placement.blocks_to_swap) +
-                     ": block swap is not built yet; fit the model with --fp8_base and "
-                     "--gradient_checkpointing instead");
-  }
   torch::NoGradGuard no_grad;
   PlacementReport report;
   for (const DiffusionModel::Component& c : model.components()) {
@@ -65,6 +67,17 @@ PlacementReport place(DiffusionModel& model, const Placement& placement) {
         LP_LOG(kWarning, kLog) << "float8 (--fp8_base): " << s.saturated << " of the " << owner
                                << " weights hold values beyond float8's +-448, clamped to it";
       }
+    }
+    if (c.role == Role::kDenoiser && placement.blocks_to_swap > 0) {
+      // After the dtype and float8, before the move: the swapped weights never reach the device.
+      const DiffusionModel::BlockSwapReport swap =
+          model.enable_block_swap(placement.blocks_to_swap, device, placement.swap_slots);
+      report.swap_host_bytes = swap.host_bytes;
+      report.swap_slot_bytes = swap.slot_bytes * swap.slots;
+      LP_LOG(kInfo, kLog) << "block swap (--blocks_to_swap=" << placement.blocks_to_swap
+                          << "): " << swap.blocks << ", " << swap.host_bytes / (1 << 20)
+                          << " MiB in host memory, " << swap.slots << " slots of "
+                          << swap.slot_bytes / (1 << 20) << " MiB on " << device.str();
     }
     module.to(device);  // device only: a dtype would widen the float8 weights again
     if (placement.freeze) {

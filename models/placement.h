@@ -32,22 +32,26 @@ struct Placement {
   bool text_encoders_on_device = true;
   // Base weights take no gradient (a LoRA trains through its own tensors).
   bool freeze = true;
-  // Block swap (kohya's --blocks_to_swap): the frozen weights of this many of the denoiser's
-  // blocks in pinned host memory, streamed to the device one block ahead of compute. The hook
-  // for the block-swap work to fill; refused above 0 until then.
+  // Block swap (kohya's --blocks_to_swap, models/block_swap.h): the frozen weights of this many
+  // of the denoiser's blocks (the family's reading of the count) in host memory (pinned for
+  // CUDA), copied into a ring of `swap_slots` device slots one block ahead of compute. A family
+  // without block swap refuses it (InputError).
   int blocks_to_swap = 0;
+  int swap_slots = 2;
 };
 
 struct PlacementReport {
   int64_t float8_tensors = 0;      // weights converted to float8
   int64_t float8_bytes_before = 0, float8_bytes_after = 0;
   int64_t float8_saturated = 0;    // of them, those with values beyond +-448 (clamped)
+  int64_t swap_host_bytes = 0;     // block swap: the swapped weights, in host memory
+  int64_t swap_slot_bytes = 0;     // and the device slots they travel through
 };
 
 // Converts and moves every component of `model` as `placement` says, in this order: dtype on the
 // CPU, float8 on the CPU, then a device-only move (a dtype move would widen float8 weights
 // again), so the device never holds a wider copy than the one it keeps. Logs what it did.
-// Throws InputError for a placement that cannot be done (block swap, for now).
+// Throws InputError for a placement that cannot be done (block swap for a family without it).
 PlacementReport place(DiffusionModel& model, const Placement& placement);
 
 // The dtype a stage computing in `dtype` runs its VAE in: fp32 with `no_half_vae` (kohya's

@@ -1533,6 +1533,8 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--vae=/m/vae.safetensors"}, "/m/vae.safetensors (--vae): no such file"},
       {{"--cpu_offload_checkpointing"}, "--cpu_offload_checkpointing=true"},
       {{"--fp8_scaled"}, "--fp8_scaled scales the float8 weights of --fp8_base"},
+      {{"--blocks_to_swap=2"}, "Stable Diffusion 1.5 has no block swap yet"},
+      {{"--blocks_to_swap=-1"}, "--blocks_to_swap=-1: must be 0 or more"},
       {{"--lr_scheduler_args", "T_max=100", "--seed=1"}, "--lr_scheduler_args 'T_max=100'"},
       {{"--lr_scheduler=cosine_with_min_lr"}, "needs --lr_scheduler_min_lr_ratio"},
       {{"--lr_scheduler=cosine", "--lr_warmup_steps=lots"}, "--lr_warmup_steps=lots: not a number"},
@@ -1558,7 +1560,8 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
   // What --check_flags (lorapipe run's check before any stage starts) cannot know: these need the
   // cache, the model's groups or a file the check does not read.
   const std::set<std::string> beyond_the_flags = {"--dataset_id=nope", "--dataset_id=dmeo",
-                                                  "--optimizer_type=Prodigy"};
+                                                  "--optimizer_type=Prodigy",
+                                                  "--blocks_to_swap=2"};
   // Its own message for a file that is not there (the run's comes from the loader).
   const std::map<std::string, std::string> check_says = {
       {"--vae=/m/vae.safetensors", "/m/vae.safetensors (--vae): no such file or folder"},

@@ -87,6 +87,10 @@ DEFINE_bool(fp8_base, false,
             "--mixed_precision's dtype");
 DEFINE_bool(fp8_base_unet, false, "--fp8_base for the U-Net alone (the text encoder stays in "
                                   "--mixed_precision's dtype)");
+DEFINE_int32(blocks_to_swap, 0,
+             "Keep the frozen weights of this many of the denoiser's blocks in host memory, "
+             "copied to the device one block ahead of compute (FLUX.1: n/2 double and "
+             "(n - n/2)*2 single blocks, as kohya's); turns --gradient_checkpointing on");
 DEFINE_bool(fp8_scaled, false,
             "With --fp8_base(_unet): float8 with a scale per 64 input features of each output "
             "row (musubi-tuner's), closer to the weights than the plain cast");
@@ -403,6 +407,7 @@ int main(int argc, char** argv) {
     o.fp8_base = FLAGS_fp8_base;
     o.fp8_base_unet = FLAGS_fp8_base_unet;
     o.fp8_scaled = FLAGS_fp8_scaled;
+    o.blocks_to_swap = FLAGS_blocks_to_swap;
     o.output_dir = FLAGS_output_dir;
     o.output_name = FLAGS_output_name;
     o.save_precision = FLAGS_save_precision;
@@ -602,6 +607,12 @@ int main(int argc, char** argv) {
     s.max_grad_norm = FLAGS_max_grad_norm;
     s.gradient_accumulation_steps = FLAGS_gradient_accumulation_steps;
     s.gradient_checkpointing = FLAGS_gradient_checkpointing;
+    if (FLAGS_blocks_to_swap > 0 && !s.gradient_checkpointing) {
+      // The recompute in backward is when a swapped block's weights are back on the device.
+      LP_LOG(kInfo, "trainer") << "--blocks_to_swap=" << FLAGS_blocks_to_swap
+                               << ": gradient checkpointing on, as block swap trains with it";
+      s.gradient_checkpointing = true;
+    }
     s.objective.v_prediction = FLAGS_v_parameterization;
     s.objective.min_snr_gamma = FLAGS_min_snr_gamma;
     s.objective.scale_v_pred_loss_like_noise_pred = FLAGS_scale_v_pred_loss_like_noise_pred;

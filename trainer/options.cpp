@@ -144,6 +144,8 @@ void validate(const Options& o) {
   need(!o.dataset_id.empty(),
        "--dataset_id is required (the manifest preprocess and the cacher wrote)");
   need(!o.output_dir.empty(), "--output_dir is required");
+  need(o.blocks_to_swap >= 0,
+       "--blocks_to_swap=" + std::to_string(o.blocks_to_swap) + ": must be 0 or more");
   need(!o.fp8_scaled || o.fp8_base || o.fp8_base_unet,
        "--fp8_scaled scales the float8 weights of --fp8_base or --fp8_base_unet: give one of them");
   need(o.output_name.find('/') == std::string::npos,

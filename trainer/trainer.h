@@ -41,6 +41,9 @@ struct Options {
   // --fp8_scaled (musubi-tuner's, with --fp8_base or --fp8_base_unet): those float8 weights with a
   // scale per 64 input features of each output row (models/float8.h).
   bool fp8_scaled = false;
+  // kohya's --blocks_to_swap (models/block_swap.h): this many of the denoiser's blocks keep their
+  // frozen weights in host memory; the step then recomputes every block in backward.
+  int blocks_to_swap = 0;
   int threads = 0;                     // CPU compute threads (0: LibTorch's default, one per core)
   // Data-parallel ranks (trainer/ranks.h), from the environment torchrun sets. train_batch_size
   // is per rank, as kohya's: a step trains train_batch_size x world_size samples.

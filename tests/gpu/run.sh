@@ -59,7 +59,10 @@
 #     DAdaptAdam, Lion, Adafactor). And over float8 base weights (--fp8_base): batch 1 with and
 #     without checkpointing, batch 8 with it.
 #   - the same `solo` step for FLUX.1 [dev] at full size: 512^2 and 1024^2, bf16 and --fp8_base,
-#     batch 1, gradient checkpointing, rank 16 on kohya's Flux targets (s/it, peak, MFU).
+#     batch 1, gradient checkpointing, rank 16 on kohya's Flux targets (s/it, peak, MFU); then
+#     --fp8_scaled, and block swap 8, 16 and 28 over float8 (peak and s/it against no swap).
+#     models_test's BlockSwap.OnCudaStepsAreBitIdentical checks the swap's copy stream and events
+#     give the unswapped results bit for bit.
 #   - the same `solo` step at SDXL size: 1024^2, bf16, batch 1, gradient checkpointing, rank 16
 #     on kohya's SDXL targets, with and without --fp8_base (s/it, peak allocated memory, MFU).
 #   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps, also
@@ -301,10 +304,15 @@ step "bench: one LoRA training step of FLUX.1 [dev] at full size on CUDA, rank 1
 # The full transformer (11.9 B parameters) on random weights, built in bf16 on the host and
 # placed, 512 T5 tokens, guidance 3.5, kohya's 304 Flux LoRA layers, gradient checkpointing:
 # s/it, peak allocated memory and MFU at 512^2 and 1024^2, bf16 and over float8 (--fp8_base).
+# Then the small cards' options (issue 33): scaled float8, and block swap (kohya's split of N,
+# the frozen weights of the swapped blocks in pinned host memory, two device slots): the peak
+# and s/it against the unswapped run; goals 512^2 <= 12 GB at >= 0.7x the no-swap speed,
+# 1024^2 <= 8 GB with swap 28 (kohya's 8 GB tier).
 for res in 512 1024; do
-  for fp8 in "" --fp8_base; do
+  for fp8 in "" --fp8_base "--fp8_base --fp8_scaled" "--fp8_base --blocks_to_swap 8" \
+    "--fp8_base --blocks_to_swap 16" "--fp8_base --blocks_to_swap 28"; do
     # shellcheck disable=SC2086  # an empty flag is no word
-    bench "trainer_bench flux ${res}${fp8}" 300 "${BUILD}/bin/trainer_bench" solo flux \
+    bench "trainer_bench flux ${res} ${fp8}" 300 "${BUILD}/bin/trainer_bench" solo flux \
       --device cuda --dtype bf16 --batch 1 --resolution "${res}" --steps 3 \
       --gradient_checkpointing ${fp8}
   done

@@ -1,0 +1,303 @@
+// Block swap (models/block_swap.h) on a FLUX.1 transformer of four double and six single blocks,
+// small enough for the CPU and deep enough for kohya's split to swap some of each: with the CPU
+// as both device and host, training steps (forward, and backward through gradient
+// checkpointing's recompute) and evaluation give exactly what the model without swap gives, no
+// more than the ring's two blocks are ever resident, and the copies and waits come in the order
+// the design says. The same on CUDA where there is one (tests/gpu/run.sh runs it there).
+#include "models/block_swap.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "models/flux.h"
+#include "models/lora.h"
+
+namespace lorapipe::models {
+namespace {
+
+// A device for sizing alone: weights on the meta device stay there, slots take no memory.
+class MetaSwapDevice : public SwapDevice {
+ public:
+  std::string name() const override { return "meta"; }
+  at::Tensor host(const at::Tensor& weight) override { return weight.detach(); }
+  at::Tensor slot(int64_t bytes) override {
+    return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kMeta));
+  }
+  void copy(const at::Tensor&, const at::Tensor&) override {}
+  void record_copied(int) override {}
+  void wait_copied(int) override {}
+  void record_used(int) override {}
+  void wait_used(int) override {}
+};
+
+FluxConfig small_flux() {
+  FluxConfig c;
+  c.in_channels = 16, c.vec_in_dim = 8, c.context_in_dim = 12, c.hidden_size = 32;
+  c.num_heads = 2, c.axes_dim = {4, 6, 6}, c.depth = 4, c.depth_single_blocks = 6;
+  return c;
+}
+
+// The same weights every call (the constructor leaves them uninitialised), and a LoRA adapter on
+// every Linear with a non-zero up, so every block trains and its input gradient is not zero.
+FluxTransformer make_model(c10::Device device) {
+  torch::manual_seed(3);
+  FluxTransformer model(small_flux(), at::TensorOptions().dtype(at::kFloat));
+  torch::NoGradGuard no_grad;
+  for (auto& p : model->parameters()) {
+    p.normal_(0, 0.2);
+    p.requires_grad_(false);
+  }
+  for (const auto& m : model->modules()) {
+    auto linear = std::dynamic_pointer_cast<LinearImpl>(m);
+    if (!linear) continue;
+    auto adapter = std::make_shared<LoraAdapter>();
+    const int64_t in = linear->options.in_features(), out = linear->options.out_features();
+    adapter->down = torch::randn({2, in}) * 0.1;
+    adapter->up = torch::randn({out, 2}) * 0.1;
+    adapter->scale = 0.5;
+    linear->lora = adapter;
+  }
+  return model;
+}
+
+// Adapters to the device and trainable, after the model moved (as the trainer places them).
+void place_adapters(FluxTransformer& model, c10::Device device) {
+  for (const auto& m : model->modules()) {
+    if (auto linear = std::dynamic_pointer_cast<LinearImpl>(m)) {
+      linear->lora->down = linear->lora->down.to(device).requires_grad_(true);
+      linear->lora->up = linear->lora->up.to(device).requires_grad_(true);
+    }
+  }
+}
+
+FluxInput make_input(c10::Device device, int seed) {
+  torch::manual_seed(seed);
+  const auto f = at::TensorOptions().device(device);
+  FluxInput in;
+  in.img = torch::randn({2, 16, 16}, f);  // 4x4 packed tokens
+  in.img_ids = torch::zeros({16, 3}, f);
+  for (int64_t i = 0; i < 16; ++i) {
+    in.img_ids[i][1] = static_cast<double>(i / 4);
+    in.img_ids[i][2] = static_cast<double>(i % 4);
+  }
+  in.txt = torch::randn({2, 5, 12}, f);
+  in.txt_ids = torch::zeros({5, 3}, f);
+  in.timesteps = torch::tensor({0.3, 0.8}, f);
+  in.y = torch::randn({2, 8}, f);
+  in.guidance = torch::tensor({3.5, 3.5}, f);
+  return in;
+}
+
+struct StepResult {
+  std::vector<at::Tensor> outputs, grads;
+};
+
+// Two training steps (forward, loss, backward; the adapters' gradients kept), then an evaluation
+// forward under no-grad.
+StepResult steps(FluxTransformer& model) {
+  const c10::Device device = model->img_in->weight.device();
+  StepResult r;
+  std::vector<at::Tensor> adapters;
+  for (const auto& m : model->modules()) {
+    if (auto linear = std::dynamic_pointer_cast<LinearImpl>(m)) {
+      adapters.push_back(linear->lora->down);
+      adapters.push_back(linear->lora->up);
+    }
+  }
+  for (int step = 0; step < 2; ++step) {
+    const at::Tensor out = model(make_input(device, 10 + step));
+    r.outputs.push_back(out.detach().cpu());
+    out.square().mean().backward();
+    for (at::Tensor& a : adapters) {
+      r.grads.push_back(a.grad().detach().cpu().clone());
+      a.mutable_grad().zero_();
+    }
+  }
+  torch::NoGradGuard no_grad;
+  r.outputs.push_back(model(make_input(device, 20)).cpu());
+  return r;
+}
+
+void expect_identical(const StepResult& a, const StepResult& b) {
+  ASSERT_EQ(a.outputs.size(), b.outputs.size());
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (size_t i = 0; i < a.outputs.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a.outputs[i], b.outputs[i])) << "output " << i;
+  }
+  size_t nonzero = 0;
+  for (size_t i = 0; i < a.grads.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a.grads[i], b.grads[i])) << "gradient " << i;
+    nonzero += a.grads[i].abs().sum().item<double>() > 0;
+  }
+  EXPECT_EQ(nonzero, a.grads.size()) << "every adapter learns: the comparison is not of zeros";
+}
+
+// The run without swap against the one with `n` swapped, on `device`; returns the swap.
+std::shared_ptr<BlockSwap> compare(c10::Device device, int n) {
+  FluxTransformer plain = make_model(device);
+  plain->to(device);
+  place_adapters(plain, device);
+  plain->gradient_checkpointing = true;
+  FluxTransformer swapped = make_model(device);
+  const auto blocks = flux_swapped_blocks(n, 4, 6);
+  swapped->block_swap =
+      std::make_shared<BlockSwap>(swapped->blocks(), blocks, make_swap_device(device));
+  swapped->to(device);
+  place_adapters(swapped, device);
+  swapped->gradient_checkpointing = true;
+  swapped->block_swap->set_trace(true);
+  expect_identical(steps(plain), steps(swapped));
+  return swapped->block_swap;
+}
+
+// kohya's split: n / 2 double blocks and (n - n / 2) * 2 single blocks, the last of each list;
+// two of each stay. FLUX.1's 19 and 38 blocks take at most 35.
+TEST(BlockSwap, FluxSplitIsKohyas) {
+  const std::vector<size_t> eight = flux_swapped_blocks(8, 19, 38);
+  ASSERT_EQ(eight.size(), 4u + 8u);
+  EXPECT_EQ(eight.front(), 15u);   // double 15..18
+  EXPECT_EQ(eight[4], 19u + 30u);  // single 30..37
+  EXPECT_EQ(eight.back(), 19u + 37u);
+  EXPECT_EQ(flux_swapped_blocks(35, 19, 38).size(), 17u + 36u);
+  EXPECT_TRUE(flux_swapped_blocks(0, 19, 38).empty());
+  try {
+    (void)flux_swapped_blocks(36, 19, 38);
+    ADD_FAILURE() << "36 blocks were taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("at most 35"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)flux_swapped_blocks(1, 1, 2), InputError);  // the tiny model swaps none
+}
+
+// The CPU as device and host: bit-identical training steps and evaluation, at most the ring's
+// two blocks resident, and every block not in a slot holding no weights.
+TEST(BlockSwap, OnTheCpuStepsAreBitIdenticalAndTheRingBoundsResidency) {
+  const auto swap = compare(c10::Device(c10::kCPU), 4);  // doubles 2, 3; singles 2..5 (6..9)
+  EXPECT_EQ(swap->swapped_count(), 6u);
+  EXPECT_EQ(swap->max_resident(), 2);
+  EXPECT_GT(swap->host_bytes(), 0);
+  EXPECT_LE(swap->slot_bytes() * 2, swap->host_bytes()) << "two slots hold less than six blocks";
+}
+
+// The protocol on one training step of four double and six single blocks (swapped: 2, 3 and
+// 6..9), two slots: a demand load for the first, then each block waits for its copy and starts
+// the next one's into the other slot once the block last there is done with it; backward
+// (the recompute) walks the same ring the other way, starting from the two blocks forward left.
+TEST(BlockSwap, CopiesAndWaitsComeInTheDesignsOrder) {
+  FluxTransformer model = make_model(c10::Device(c10::kCPU));
+  model->block_swap = std::make_shared<BlockSwap>(model->blocks(), flux_swapped_blocks(4, 4, 6),
+                                                  make_swap_device(c10::Device(c10::kCPU)));
+  place_adapters(model, c10::Device(c10::kCPU));
+  model->gradient_checkpointing = true;
+  BlockSwap& swap = *model->block_swap;
+  swap.set_trace(true);
+  const at::Tensor out = model(make_input(c10::Device(c10::kCPU), 1));
+  std::vector<std::string> forward;
+  for (const SwapEvent& e : swap.trace()) forward.push_back(e.str());
+  const std::vector<std::string> expected_forward{
+      "load 2 -> slot 0",        "wait copied 2 in slot 0", "prefetch 3 -> slot 1",
+      "used 2 in slot 0",        "wait copied 3 in slot 1", "wait used slot 0 by 2",
+      "evict 2 from slot 0",     "prefetch 6 -> slot 0",    "used 3 in slot 1",
+      "wait copied 6 in slot 0", "wait used slot 1 by 3",   "evict 3 from slot 1",
+      "prefetch 7 -> slot 1",    "used 6 in slot 0",        "wait copied 7 in slot 1",
+      "wait used slot 0 by 6",   "evict 6 from slot 0",     "prefetch 8 -> slot 0",
+      "used 7 in slot 1",        "wait copied 8 in slot 0", "wait used slot 1 by 7",
+      "evict 7 from slot 1",     "prefetch 9 -> slot 1",    "used 8 in slot 0",
+      "wait copied 9 in slot 1", "used 9 in slot 1"};
+  EXPECT_EQ(forward, expected_forward);
+  swap.clear_trace();
+  out.square().mean().backward();
+  std::vector<std::string> backward;
+  for (const SwapEvent& e : swap.trace()) backward.push_back(e.str());
+  const std::vector<std::string> expected_backward{
+      "wait copied 9 in slot 1", "used 9 in slot 1",        "wait copied 8 in slot 0",
+      "wait used slot 1 by 9",   "evict 9 from slot 1",     "prefetch 7 -> slot 1",
+      "used 8 in slot 0",        "wait copied 7 in slot 1", "wait used slot 0 by 8",
+      "evict 8 from slot 0",     "prefetch 6 -> slot 0",    "used 7 in slot 1",
+      "wait copied 6 in slot 0", "wait used slot 1 by 7",   "evict 7 from slot 1",
+      "prefetch 3 -> slot 1",    "used 6 in slot 0",        "wait copied 3 in slot 1",
+      "wait used slot 0 by 6",   "evict 6 from slot 0",     "prefetch 2 -> slot 0",
+      "used 3 in slot 1",        "wait copied 2 in slot 0", "used 2 in slot 0"};
+  EXPECT_EQ(backward, expected_backward);
+  // After backward, blocks 2 and 3 are in the slots (the next step's first); a block in none
+  // holds nothing a layer could compute with.
+  EXPECT_GT(model->double_blocks[3]->as<FluxDoubleBlockImpl>()->img_attn->qkv->weight.numel(), 0);
+  EXPECT_EQ(model->single_blocks[5]->as<FluxSingleBlockImpl>()->linear1->weight.numel(), 0);
+}
+
+// Training without gradient checkpointing would read a swapped block's weights in backward after
+// they left: refused by name rather than computed wrong.
+TEST(BlockSwap, TrainingWithoutCheckpointingIsRefused) {
+  FluxTransformer model = make_model(c10::Device(c10::kCPU));
+  model->block_swap = std::make_shared<BlockSwap>(model->blocks(), flux_swapped_blocks(2, 4, 6),
+                                                  make_swap_device(c10::Device(c10::kCPU)));
+  place_adapters(model, c10::Device(c10::kCPU));
+  try {
+    (void)model(make_input(c10::Device(c10::kCPU), 1));
+    ADD_FAILURE() << "a swapped block ran for training without checkpointing";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--gradient_checkpointing"), std::string::npos)
+        << e.what();
+  }
+}
+
+// What swap keeps off the device for the full-size FLUX.1 [dev] transformer in bf16, built on
+// the meta device (no weights): the swapped blocks' bytes, against kohya's split counted from the
+// config (a double block 339.7 M parameters, a single block 141.6 M), and what the device then
+// holds of the weights: the rest, plus two slots of the largest swapped block. float8 halves
+// every figure. Printed for kohya's tiers.
+TEST(BlockSwap, FullSizeFluxBytesAreTheSplitsAnalyticFigures) {
+  const FluxConfig config = FluxConfig::dev();
+  FluxTransformer model(config, at::TensorOptions().dtype(at::kBFloat16).device(at::kMeta));
+  int64_t total = 0;
+  for (const auto& p : model->parameters()) total += static_cast<int64_t>(p.nbytes());
+  auto linear_bytes = [](torch::nn::Module& block) {
+    int64_t bytes = 0;
+    for (const auto& m : block.modules()) {
+      if (auto l = std::dynamic_pointer_cast<LinearImpl>(m)) bytes += l->weight.numel() * 2;
+    }
+    return bytes;
+  };
+  const int64_t h = config.hidden_size, mlp = config.mlp_hidden();
+  // Per stream: modulation (6h), qkv (3h), proj, MLP up and down; single: linear1 (3h + mlp),
+  // linear2 (h + mlp -> h), modulation (3h). Weights only, 2 bytes each.
+  const int64_t double_bytes = 2 * 2 * (h * 6 * h + h * 3 * h + h * h + 2 * h * mlp);
+  const int64_t single_bytes = 2 * (h * (3 * h + mlp) + (h + mlp) * h + h * 3 * h);
+  ASSERT_EQ(linear_bytes(*model->double_blocks[0]), double_bytes);
+  ASSERT_EQ(linear_bytes(*model->single_blocks[0]), single_bytes);
+  for (const int n : {8, 16, 28, 35}) {
+    FluxTransformer tier(config, at::TensorOptions().dtype(at::kBFloat16).device(at::kMeta));
+    for (auto& p : tier->parameters()) p.requires_grad_(false);  // frozen, as placed
+    BlockSwap swap(tier->blocks(), flux_swapped_blocks(n, 19, 38),
+                   std::make_unique<MetaSwapDevice>());
+    const int64_t doubles = n / 2, singles = (n - n / 2) * 2;
+    EXPECT_EQ(swap.host_bytes(), doubles * double_bytes + singles * single_bytes) << n;
+    // A slot holds the largest swapped block, each weight aligned to 256 bytes (a few KiB more).
+    EXPECT_GE(swap.slot_bytes(), double_bytes);
+    EXPECT_LT(swap.slot_bytes(), double_bytes + 64 * 256);
+    const int64_t device = total - swap.host_bytes() + 2 * swap.slot_bytes();
+    std::printf(
+        "[block swap] FLUX.1 [dev] bf16, --blocks_to_swap=%d (%lld double, %lld single): "
+        "%.2f GiB to host memory, %.2f GiB of weights on the device (of %.2f GiB)\n",
+        n, static_cast<long long>(doubles), static_cast<long long>(singles),
+        static_cast<double>(swap.host_bytes()) / (1 << 30), static_cast<double>(device) / (1 << 30),
+        static_cast<double>(total) / (1 << 30));
+  }
+}
+
+// On CUDA: pinned host copies, a copy stream and events, the same bit-identical results.
+TEST(BlockSwap, OnCudaStepsAreBitIdentical) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device here; tests/gpu/run.sh runs this on one";
+  }
+  const auto swap = compare(c10::Device(c10::kCUDA, 0), 4);
+  EXPECT_EQ(swap->max_resident(), 2);
+}
+
+}  // namespace
+}  // namespace lorapipe::models
