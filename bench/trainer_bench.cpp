@@ -25,6 +25,7 @@
 //       [--dtype fp32|bf16|fp16]
 //       [--batch N] [--resolution PX] [--steps N] [--gradient_checkpointing] [--fp8_base]
 //       [--fp8_scaled] [--blocks_to_swap N (FLUX.1; kohya's split, the trainer's placement)]
+//       [--cpu_offload_checkpointing (FLUX.1)]
 //       [--threads N]
 //       [--peak_tflops T] [--optimizer_type NAME [--optimizer_args K=V ...] [--learning_rate LR]]
 //       the same step alone, on the UNet's own random initialisation and random inputs (no files,
@@ -259,7 +260,7 @@ int solo(const std::string& size, int argc, char** argv) {
   std::string device_spec = "cpu", dtype_name = "fp32";
   int64_t batch = 1, steps = 5;
   int64_t resolution = size == "tiny" || size == "flux_tiny" ? 128 : size == "sdxl" ? 1024 : 512;
-  bool checkpointing = false, fp8_base = false, fp8_scaled = false;
+  bool checkpointing = false, fp8_base = false, fp8_scaled = false, offload = false;
   int blocks_to_swap = 0;
   double peak_tflops = -1;
   t::OptimizerOptions optimizer;
@@ -287,6 +288,8 @@ int solo(const std::string& size, int argc, char** argv) {
       fp8_base = true;
     } else if (flag == "--fp8_scaled") {
       fp8_scaled = true;
+    } else if (flag == "--cpu_offload_checkpointing") {
+      offload = checkpointing = true;
     } else if (flag == "--blocks_to_swap") {
       blocks_to_swap = std::stoi(value());
     } else if (flag == "--threads") {
@@ -385,6 +388,7 @@ int solo(const std::string& size, int argc, char** argv) {
   t::StepOptions options;
   options.base_dtype = dtype;
   options.gradient_checkpointing = checkpointing;
+  options.cpu_offload_checkpointing = offload;
   t::apply_optimizer_args(optimizer, optimizer_args);
   options.optimizer = optimizer;
   if (learning_rate > 0) options.optimizer_groups.learning_rate = learning_rate;
@@ -405,7 +409,8 @@ int solo(const std::string& size, int argc, char** argv) {
   synchronize(device);
   const double seconds = ms_since(start) / 1e3 / static_cast<double>(steps);
   const std::string swap =
-      blocks_to_swap > 0 ? " blocks_to_swap " + std::to_string(blocks_to_swap) : "";
+      (blocks_to_swap > 0 ? " blocks_to_swap " + std::to_string(blocks_to_swap) : "") +
+      (offload ? " cpu_offload_checkpointing" : "");
   std::printf("%s %s %s%s%s%s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, "
               "peak allocated %.0f MiB",
               size.c_str(), m::describe_device(device).c_str(), dtype_name.c_str(),

@@ -27,7 +27,6 @@ constexpr std::string_view kOnlyWithHub = "acts only with --huggingface_repo_id"
 constexpr std::string_view kCachedLatents =
     "augments the pixels, which latents encoded once into the cache cannot (kohya refuses it "
     "with cached latents too)";
-constexpr std::string_view kNotYet = "not in lorapipe yet";
 
 const std::vector<ForeignFlag> kFlags = {
     // Distributed and compiled training.
@@ -76,7 +75,6 @@ const std::vector<ForeignFlag> kFlags = {
     {"full_bf16", K::kBoolean, "", T::kAnyValue,
      "the LoRA's own weights and their optimizer state stay fp32 (a few MB), over a base in "
      "--mixed_precision: what full_bf16 saves is that little, at a cost in precision"},
-    {"cpu_offload_checkpointing", K::kBoolean, "", T::kDefaultOnly, kNotYet},
     {"fused_backward_pass", K::kBoolean, "", T::kAnyValue,
      "kohya fuses the backward with the optimizer for SDXL, SD3 and Flux only, not SD 1.x"},
     // Schedules and steps.

@@ -126,6 +126,7 @@ std::vector<FlagInfo> make_table() {
   // Previews render as the run trains: in its precision, over its float8 weights.
   value("mixed_precision", {S::kTrainer, S::kSampler});
   value("blocks_to_swap", {S::kTrainer});
+  boolean("cpu_offload_checkpointing", {S::kTrainer});
   for (const char* name : {"fp8_base", "fp8_base_unet", "fp8_scaled"}) {
     boolean(name, {S::kTrainer, S::kSampler});
   }

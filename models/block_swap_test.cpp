@@ -290,6 +290,32 @@ TEST(BlockSwap, FullSizeFluxBytesAreTheSplitsAnalyticFigures) {
   }
 }
 
+// kohya's --cpu_offload_checkpointing on CUDA: each checkpointed block's inputs wait for
+// backward in pinned host memory; the steps are those without it, bit for bit, with block swap
+// as without.
+TEST(CheckpointOffload, OnCudaStepsAreBitIdentical) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device here; tests/gpu/run.sh runs this on one";
+  }
+  const c10::Device cuda(c10::kCUDA, 0);
+  for (const int swap : {0, 4}) {
+    StepResult runs[2];
+    for (const bool offload : {false, true}) {
+      FluxTransformer model = make_model(cuda);
+      if (swap > 0) {
+        model->block_swap = std::make_shared<BlockSwap>(
+            model->blocks(), flux_swapped_blocks(swap, 4, 6), make_swap_device(cuda));
+      }
+      model->to(cuda);
+      place_adapters(model, cuda);
+      model->gradient_checkpointing = true;
+      model->cpu_offload_checkpointing = offload;
+      runs[offload] = steps(model);
+    }
+    expect_identical(runs[0], runs[1]);
+  }
+}
+
 // On CUDA: pinned host copies, a copy stream and events, the same bit-identical results.
 TEST(BlockSwap, OnCudaStepsAreBitIdentical) {
   if (!torch::cuda::is_available()) {

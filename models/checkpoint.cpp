@@ -24,7 +24,18 @@ struct BlockHolder : torch::CustomClassHolder {
   size_t input_count = 0;
   std::vector<at::Generator> generators;  // CPU, and the inputs' CUDA device when there is one
   std::vector<at::Tensor> rng_states;
+  // --cpu_offload_checkpointing: the inputs' host copies, their devices and which needed grad.
+  std::vector<at::Tensor> host_inputs;
+  std::vector<c10::Device> devices;
+  std::vector<bool> requires_grad;
 };
+
+// A device tensor's copy in pinned host memory, issued on the current stream.
+at::Tensor to_pinned_host(const at::Tensor& x) {
+  at::Tensor host = at::empty(x.sizes(), x.options().device(at::kCPU).pinned_memory(true));
+  host.copy_(x.detach(), /*non_blocking=*/true);
+  return host;
+}
 
 std::vector<at::Generator> generators_for(at::TensorList inputs) {
   std::vector<at::Generator> out{at::detail::getDefaultCPUGenerator()};
@@ -44,7 +55,22 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     holder->generators = generators_for(inputs);
     for (auto& g : holder->generators) holder->rng_states.push_back(g.get_state());
     ctx->saved_data["block"] = c10::IValue::make_capsule(holder);
-    std::vector<at::Tensor> saved(inputs.begin(), inputs.end());
+    const bool offload = holder->calls.offload_inputs &&
+                         std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& x) {
+                           return x.defined() && x.is_cuda();
+                         });
+    std::vector<at::Tensor> saved;
+    if (offload) {
+      // Held here instead of in the graph: the device copies are free once forward moves on.
+      for (const at::Tensor& x : inputs) {
+        holder->devices.push_back(x.defined() ? x.device() : c10::Device(c10::kCPU));
+        holder->requires_grad.push_back(x.defined() && x.requires_grad());
+        holder->host_inputs.push_back(!x.defined() || !x.is_cuda() ? x.detach() : to_pinned_host(x));
+        saved.push_back(at::Tensor());
+      }
+    } else {
+      saved.assign(inputs.begin(), inputs.end());
+    }
     saved.insert(saved.end(), trainable.begin(), trainable.end());
     ctx->save_for_backward(saved);
     at::NoGradGuard no_grad;
@@ -62,9 +88,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> inputs;
     std::vector<at::Tensor> targets;
     std::vector<size_t> target_slot;  // index into the gradients returned below
+    const bool offloaded = !holder->host_inputs.empty();
     for (size_t i = 0; i < n_inputs; ++i) {
-      at::Tensor x = saved[i].detach();
-      if (saved[i].requires_grad()) {
+      at::Tensor x = offloaded ? holder->host_inputs[i].to(holder->devices[i], /*non_blocking=*/true)
+                               : saved[i].detach();
+      if (offloaded ? holder->requires_grad[i] : saved[i].requires_grad()) {
         x.requires_grad_(true);
         targets.push_back(x);
         target_slot.push_back(i);

@@ -32,6 +32,10 @@ using BlockFunction = std::function<std::vector<at::Tensor>(const std::vector<at
 // nothing is called.
 struct BlockCalls {
   std::function<void(bool backward)> enter, leave;
+  // kohya's --cpu_offload_checkpointing: the inputs a checkpointed block keeps for its recompute
+  // wait for backward in host memory (pinned) rather than on its CUDA device, and come back just
+  // before the recompute. Inputs on the CPU stay where they are.
+  bool offload_inputs = false;
 };
 
 // Runs `block(inputs)` under no-grad and returns its outputs with a backward that recomputes

@@ -145,6 +145,10 @@ class DiffusionModel {
   virtual std::vector<LoraTarget> lora_targets(bool text_encoder, bool conv_kxk) const = 0;
   // Recompute the denoiser's blocks in backward (see models/checkpoint.h).
   virtual void set_gradient_checkpointing(bool enabled) = 0;
+  // kohya's --cpu_offload_checkpointing: the checkpointed blocks' inputs wait for backward in
+  // host memory. The default refuses it (InputError naming the family), as kohya offers it for
+  // its transformers (FLUX.1, SD3) alone.
+  virtual void set_cpu_offload_checkpointing(bool enabled);
   // Block swap (kohya's --blocks_to_swap, models/block_swap.h): the frozen weights of `blocks` of
   // the denoiser's blocks (the family says which) go to host memory now, to travel to `device`
   // through a ring of `slots` slots. Called on the CPU, before the denoiser moves to `device`

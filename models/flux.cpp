@@ -400,8 +400,10 @@ at::Tensor FluxTransformerImpl::forward(const FluxInput& in) {
   const bool recompute = gradient_checkpointing;
   const size_t doubles = double_blocks->size();
   BlockSwap* swap = block_swap.get();
-  auto calls = [swap](size_t k) {
+  const bool offload = cpu_offload_checkpointing;
+  auto calls = [swap, offload](size_t k) {
     BlockCalls c;
+    c.offload_inputs = offload;
     if (swap == nullptr || !swap->swaps(k)) return c;
     c.enter = [swap, k](bool backward) { swap->enter(k, backward); };
     c.leave = [swap, k](bool backward) { swap->leave(k, backward); };

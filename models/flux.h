@@ -214,6 +214,9 @@ struct FluxTransformerImpl : torch::nn::Module {
   // Each double and single block recomputed in backward (models/checkpoint.h), as kohya's
   // enable_gradient_checkpointing does per block.
   bool gradient_checkpointing = false;
+  // kohya's --cpu_offload_checkpointing: each checkpointed block's inputs wait for backward in
+  // pinned host memory (models/checkpoint.h).
+  bool cpu_offload_checkpointing = false;
   // Block swap (--blocks_to_swap, models/block_swap.h): the blocks numbered double 0.., then
   // single 0.. after them, entered and left around each run. Empty: every block stays.
   std::shared_ptr<BlockSwap> block_swap;

@@ -125,6 +125,10 @@ DiffusionModel::BlockSwapReport FluxModel::enable_block_swap(int blocks, c10::De
   return report;
 }
 
+void FluxModel::set_cpu_offload_checkpointing(bool enabled) {
+  if (transformer) transformer->cpu_offload_checkpointing = enabled;
+}
+
 void FluxModel::set_gradient_checkpointing(bool enabled) {
   if (transformer) transformer->gradient_checkpointing = enabled;
 }

@@ -69,6 +69,7 @@ struct FluxModel : DiffusionModel {
   at::Tensor denoise(const DenoiseInput& input) override;
   std::vector<LoraTarget> lora_targets(bool text_encoder, bool conv_kxk) const override;
   void set_gradient_checkpointing(bool enabled) override;
+  void set_cpu_offload_checkpointing(bool enabled) override;
   // kohya's split: n / 2 double blocks and (n - n / 2) * 2 single blocks, the last of each list.
   BlockSwapReport enable_block_swap(int blocks, c10::Device device, int slots) override;
   std::vector<Component> components() override;

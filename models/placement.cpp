@@ -31,6 +31,13 @@ DiffusionModel::BlockSwapReport DiffusionModel::enable_block_swap(int blocks, c1
                    "--gradient_checkpointing");
 }
 
+void DiffusionModel::set_cpu_offload_checkpointing(bool enabled) {
+  if (!enabled) return;
+  throw InputError("--cpu_offload_checkpointing: " + model_family().display_name +
+                   " has no offloaded checkpoints (kohya offers them for FLUX.1 and SD3 alone); "
+                   "--gradient_checkpointing and --fp8_base fit it");
+}
+
 PlacementReport place(DiffusionModel& model, const Placement& placement) {
   torch::NoGradGuard no_grad;
   PlacementReport report;

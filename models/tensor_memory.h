@@ -18,6 +18,8 @@ class TensorMemoryCounter final : public c10::Allocator {
   // Storage allocated before is neither counted nor harmed: each block is freed by the deleter
   // it was made with.
   static TensorMemoryCounter& install();
+  // The counter where install() ran, else null.
+  static TensorMemoryCounter* installed() { return instance_; }
 
   c10::DataPtr allocate(size_t bytes) override;
   c10::DeleterFnPtr raw_deleter() const override { return &TensorMemoryCounter::release; }

@@ -27,6 +27,7 @@
 #include "trainer/trainer.h"
 #include "runtime/exit_code.h"
 #include "runtime/flags.h"
+#include "models/tensor_memory.h"
 
 // Model, data and output.
 DEFINE_string(pretrained_model_name_or_path, "",
@@ -87,6 +88,9 @@ DEFINE_bool(fp8_base, false,
             "--mixed_precision's dtype");
 DEFINE_bool(fp8_base_unet, false, "--fp8_base for the U-Net alone (the text encoder stays in "
                                   "--mixed_precision's dtype)");
+DEFINE_bool(cpu_offload_checkpointing, false,
+            "FLUX.1: the checkpointed blocks' inputs wait for backward in pinned host memory "
+            "(turns --gradient_checkpointing on)");
 DEFINE_int32(blocks_to_swap, 0,
              "Keep the frozen weights of this many of the denoiser's blocks in host memory, "
              "copied to the device one block ahead of compute (FLUX.1: n/2 double and "
@@ -343,6 +347,9 @@ std::vector<std::string> words(const std::string& text) { return lorapipe::split
 
 int main(int argc, char** argv) {
   lorapipe::keep_freed_memory_for_reuse();
+  // The CPU's tensor memory counted from the start, so a CPU run reports the peak of allocated
+  // tensors as a CUDA run does (memory/peak_allocated_bytes), not the process's resident set.
+  (void)lorapipe::models::TensorMemoryCounter::install();
   gflags::SetUsageMessage(
       "lorapipe-trainer --pretrained_model_name_or_path=MODEL --dataset_id=ID --output_dir=OUT "
       "[kohya flags]");
@@ -607,6 +614,12 @@ int main(int argc, char** argv) {
     s.max_grad_norm = FLAGS_max_grad_norm;
     s.gradient_accumulation_steps = FLAGS_gradient_accumulation_steps;
     s.gradient_checkpointing = FLAGS_gradient_checkpointing;
+    s.cpu_offload_checkpointing = FLAGS_cpu_offload_checkpointing;
+    if (s.cpu_offload_checkpointing && !s.gradient_checkpointing) {
+      // kohya's: what it offloads is what checkpointing keeps.
+      LP_LOG(kInfo, "trainer") << "--cpu_offload_checkpointing: gradient checkpointing on";
+      s.gradient_checkpointing = true;
+    }
     if (FLAGS_blocks_to_swap > 0 && !s.gradient_checkpointing) {
       // The recompute in backward is when a swapped block's weights are back on the device.
       LP_LOG(kInfo, "trainer") << "--blocks_to_swap=" << FLAGS_blocks_to_swap

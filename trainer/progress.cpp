@@ -12,11 +12,21 @@
 #endif
 
 #include "common/log.h"
+#include "models/tensor_memory.h"
 
 namespace lorapipe::trainer::detail {
 
 namespace {
 
+uint64_t peak_rss() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<uint64_t>(usage.ru_maxrss) * 1024;
+}
+
+// The peak of the tensors allocated on the device: CUDA's allocator's count, or on the CPU the
+// counter trainer/main.cpp installs first thing (the same tensors, less the kernels' own
+// workspaces). Without it (a test's own step), the process's peak resident set.
 uint64_t peak_memory(const at::Device& device) {
 #ifdef LORAPIPE_HAVE_CUDA_ALLOCATOR
   if (device.is_cuda()) {
@@ -24,9 +34,10 @@ uint64_t peak_memory(const at::Device& device) {
     return static_cast<uint64_t>(stats.allocated_bytes[0].peak);
   }
 #endif
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<uint64_t>(usage.ru_maxrss) * 1024;
+  if (models::TensorMemoryCounter* counter = models::TensorMemoryCounter::installed()) {
+    return static_cast<uint64_t>(counter->peak_bytes());
+  }
+  return peak_rss();
 }
 
 }  // namespace
@@ -54,7 +65,12 @@ void Run::publish_progress(double loss, double seconds_per_step, double wait_ms)
     }
     tensorboard_->add_scalar("time/s_per_it", seconds_per_step, global_step_);
     tensorboard_->add_scalar("time/data_wait_ms", wait_ms, global_step_);
-    tensorboard_->add_scalar("memory/peak_bytes", static_cast<double>(peak), global_step_);
+    tensorboard_->add_scalar("memory/peak_allocated_bytes", static_cast<double>(peak),
+                             global_step_);
+    if (device_.is_cpu()) {
+      tensorboard_->add_scalar("memory/peak_rss_bytes", static_cast<double>(peak_rss()),
+                               global_step_);
+    }
     if (max_norm_) {  // --scale_weight_norms, under kohya's tags
       tensorboard_->add_scalar("max_norm/keys_scaled", static_cast<double>(max_norm_->keys_scaled),
                                global_step_);

@@ -98,6 +98,7 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
   for (const ParamGroup& g : groups) group_names_.push_back(g.name);
   optimizer_ = make_optimizer(options.optimizer, std::move(groups));
   model_.set_gradient_checkpointing(options.gradient_checkpointing);
+  model_.set_cpu_offload_checkpointing(options.cpu_offload_checkpointing);
 }
 
 TrainingStep::~TrainingStep() = default;

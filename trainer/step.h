@@ -42,6 +42,9 @@ struct StepOptions {
   double max_grad_norm = 1.0;     // 0: no clipping
   c10::ScalarType base_dtype = c10::kFloat;  // --mixed_precision: the frozen base's dtype
   bool gradient_checkpointing = false;
+  // kohya's --cpu_offload_checkpointing (with gradient_checkpointing): the checkpointed blocks'
+  // inputs in pinned host memory until backward (models/checkpoint.h). FLUX.1 only.
+  bool cpu_offload_checkpointing = false;
   OptimizerOptions optimizer;
   struct LearningRates {
     double learning_rate = 1e-4;  // --learning_rate

@@ -62,7 +62,8 @@
 #     batch 1, gradient checkpointing, rank 16 on kohya's Flux targets (s/it, peak, MFU); then
 #     --fp8_scaled, and block swap 8, 16 and 28 over float8 (peak and s/it against no swap).
 #     models_test's BlockSwap.OnCudaStepsAreBitIdentical checks the swap's copy stream and events
-#     give the unswapped results bit for bit.
+#     give the unswapped results bit for bit, and CheckpointOffload.OnCudaStepsAreBitIdentical
+#     the same of --cpu_offload_checkpointing (also measured with swap 28).
 #   - the same `solo` step at SDXL size: 1024^2, bf16, batch 1, gradient checkpointing, rank 16
 #     on kohya's SDXL targets, with and without --fp8_base (s/it, peak allocated memory, MFU).
 #   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps, also
@@ -310,7 +311,8 @@ step "bench: one LoRA training step of FLUX.1 [dev] at full size on CUDA, rank 1
 # 1024^2 <= 8 GB with swap 28 (kohya's 8 GB tier).
 for res in 512 1024; do
   for fp8 in "" --fp8_base "--fp8_base --fp8_scaled" "--fp8_base --blocks_to_swap 8" \
-    "--fp8_base --blocks_to_swap 16" "--fp8_base --blocks_to_swap 28"; do
+    "--fp8_base --blocks_to_swap 16" "--fp8_base --blocks_to_swap 28" \
+    "--fp8_base --blocks_to_swap 28 --cpu_offload_checkpointing"; do
     # shellcheck disable=SC2086  # an empty flag is no word
     bench "trainer_bench flux ${res} ${fp8}" 300 "${BUILD}/bin/trainer_bench" solo flux \
       --device cuda --dtype bf16 --batch 1 --resolution "${res}" --steps 3 \
