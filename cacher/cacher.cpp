@@ -80,6 +80,8 @@ class Cacher {
     placement.device = models::resolve_device(options.device);
     placement.dtype = load.dtype;
     placement.vae_dtype = load.vae_dtype;
+    placement.fp8_text_encoders = options.fp8_base && !options.fp8_base_unet;
+    placement.fp8_scaled = options.fp8_scaled;
     models::place(*model_, placement);
     // Fingerprints of what is loaded, in the compute dtype, with the settings that shape the
     // output: another VAE, dtype, clip skip or tokenizer gives other keys. Everything below goes

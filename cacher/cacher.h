@@ -24,6 +24,12 @@ struct Options {
   std::string dtype = "fp32";       // compute dtype: fp32, fp16, bf16 (records are fp16)
   int vae_batch_size = 4;
   bool no_half_vae = false;  // kohya's --no_half_vae: the VAE in fp32 whatever dtype says
+  // kohya's --fp8_base: the text encoders (FLUX.1's T5 XXL among them) encode from float8
+  // weights, as kohya's 10 and 8 GB tiers cache with them; --fp8_base_unet leaves them as they
+  // are; --fp8_scaled scales them (models/float8.h). The text key follows the weights as stored.
+  bool fp8_base = false;
+  bool fp8_base_unet = false;
+  bool fp8_scaled = false;
   int text_batch_size = 32;
   int clip_skip = 1;
   int max_token_length = 75;  // kohya's: 75 (one chunk), 150 or 225 (chunks of 75)

@@ -128,7 +128,7 @@ std::vector<FlagInfo> make_table() {
   value("blocks_to_swap", {S::kTrainer});
   boolean("cpu_offload_checkpointing", {S::kTrainer});
   for (const char* name : {"fp8_base", "fp8_base_unet", "fp8_scaled"}) {
-    boolean(name, {S::kTrainer, S::kSampler});
+    boolean(name, {S::kCacher, S::kTrainer, S::kSampler});  // the cacher's text encoders too
   }
   // sampler
   value("sample_prompts", {S::kSampler});

@@ -165,7 +165,15 @@ Float8Storage store_weights_in_float8(torch::nn::Module& module, bool scaled) {
       // The scale takes each block's largest magnitude to 448: nothing saturates.
       const at::Tensor scale = float8_scales(weight);
       weight.set_data(quantize_float8(weight, scale));
-      weight_scale = layer.register_buffer("scale_weight", scale);
+      // A layer stored before and widened again (the trainer's tries at the cache's fingerprint)
+      // keeps its buffer: it takes the new scales.
+      auto buffers = layer.named_buffers(/*recurse=*/false);
+      if (at::Tensor* existing = buffers.find("scale_weight")) {
+        existing->set_data(scale);
+        weight_scale = *existing;
+      } else {
+        weight_scale = layer.register_buffer("scale_weight", scale);
+      }
       out.bytes_after += static_cast<int64_t>(scale.nbytes());
     } else {
       at::Tensor w = weight.detach();

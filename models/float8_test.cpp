@@ -336,6 +336,17 @@ TEST(Float8Weights, ScaledLayersComputeWhatALayerHoldingTheDequantisedWeightComp
       // Moving the layer moves its scales; the member and the buffer stay one tensor.
       linear->to(torch::Device(torch::kCPU));
       EXPECT_TRUE(linear->weight_scale.is_same(linear->named_buffers()["scale_weight"]));
+      // Widened and stored again (the trainer's tries at a cache's fingerprint), the layer keeps
+      // one buffer, which takes the new scales.
+      {
+        torch::NoGradGuard no_grad;
+        linear->to(torch::kFloat);
+        linear->weight.copy_(w * 2);
+      }
+      store_weights_in_float8(*linear, /*scaled=*/true);
+      EXPECT_EQ(linear->named_buffers().size(), 1u);
+      EXPECT_TRUE(linear->weight_scale.is_same(linear->named_buffers()["scale_weight"]));
+      EXPECT_TRUE(torch::equal(linear->weight_scale, float8_scales(w * 2)));
     }
     Conv2d conv(torch::nn::Conv2dOptions(8, 6, 3).stride(2).padding(1));
     const at::Tensor cw = conv->weight.detach().clone();

@@ -1176,6 +1176,59 @@ TEST_F(TrainRunTest, TextEncodedOnlineAfterAFingerprintMismatchUsesTheLoadedWeig
   expect_identical(other, online);
 }
 
+// kohya's fp8 tiers cache text from float8 encoders: the cacher under --fp8_base (plain and
+// scaled) keys its text by the float8 weights (another fingerprint than the fp32 cache's), and
+// the trainer under the same flags finds that text rather than encoding online; without them it
+// does not take it.
+TEST_F(TrainRunTest, TextCachedFromFloat8EncodersIsTakenUnderTheSameFlags) {
+  auto manifest_fingerprint = [](const fs::path& cache) {
+    cacher::StoreOptions o;
+    o.dir = cache;
+    cacher::Store store = cacher::Store::open(o);
+    wire::Manifest m;
+    EXPECT_TRUE(m.ParseFromString(*store.get(cacher::Table::kManifests, kDataset)));
+    return m.text_encoder_fingerprint();
+  };
+  const std::string plain = manifest_fingerprint(dir_ / "cache");
+  std::set<std::string> seen{plain};
+  for (const std::vector<std::string>& flags :
+       std::vector<std::vector<std::string>>{{"--fp8_base"}, {"--fp8_base", "--fp8_scaled"}}) {
+    const std::string tag = flags.size() == 1 ? "fp8" : "fp8-scaled";
+    const fs::path cache = work_ / ("cache-" + tag);
+    std::vector<std::string> c{LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
+                               "--cache_dir=" + cache.string(),
+                               "--pull=ipc://" + (work_ / (tag + "-pull.sock")).string(),
+                               "--rep=ipc://" + (work_ / (tag + "-rep.sock")).string(),
+                               "--idle_timeout_s=120"};
+    c.insert(c.end(), flags.begin(), flags.end());
+    const pid_t cacher = spawn(c, work_ / (tag + "-cacher.out"), work_ / (tag + "-cacher.err"));
+    const pid_t pre = spawn(
+        {LORAPIPE_PREPROCESS_BIN, "--data_dir=" + (dir_ / "data").string(),
+         std::string("--dataset_id=") + kDataset, "--resolution=128", "--min_bucket_reso=64",
+         "--max_bucket_reso=256", "--push=ipc://" + (work_ / (tag + "-pull.sock")).string(),
+         "--request=ipc://" + (work_ / (tag + "-rep.sock")).string(), "--timeout_ms=20000"},
+        work_ / (tag + "-pre.out"), work_ / (tag + "-pre.err"));
+    ASSERT_EQ(wait_exit(pre), 0) << read_text(work_ / (tag + "-pre.err"));
+    ASSERT_EQ(wait_exit(cacher), 0) << read_text(work_ / (tag + "-cacher.err"));
+    EXPECT_NE(read_text(work_ / (tag + "-cacher.err")).find("float8_e4m3fn"), std::string::npos)
+        << read_text(work_ / (tag + "-cacher.err"));
+    EXPECT_TRUE(seen.insert(manifest_fingerprint(cache)).second) << tag << ": the same text key";
+    for (const bool same : {true, false}) {
+      std::vector<std::string> extra{"--max_train_steps=2", "--network_train_unet_only"};
+      if (same) extra.insert(extra.end(), flags.begin(), flags.end());
+      std::vector<std::string> a = args(work_ / (tag + (same ? "-same" : "-other")), extra);
+      a[2] = "--cache_dir=" + cache.string();
+      const fs::path out = work_ / (tag + (same ? "-same" : "-other"));
+      fs::create_directories(out);
+      ASSERT_EQ(wait_exit(spawn(a, out / "out", out / "err")), 0) << read_text(out / "err");
+      const bool online = read_text(out / "err").find("captions are encoded online") !=
+                          std::string::npos;
+      EXPECT_EQ(online, !same) << tag << (same ? " with" : " without") << " its flags: "
+                               << read_text(out / "err");
+    }
+  }
+}
+
 // kohya's alpha_mask masks the loss with the cache's masks (the cacher's LatentRecord.mask; the
 // values are checked against kohya's interpolation in TrainParity.AlphaMasksWeighTheLossAsKohyas).
 // Three copies of the demo cache: masks of ones train the unmasked run's LoRA bit for bit;

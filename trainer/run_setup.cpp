@@ -11,6 +11,7 @@
 #include "common/log.h"
 #include "common/sha256.h"
 #include "models/fingerprint.h"
+#include "models/float8.h"
 #include "models/lora_merge.h"
 #include "models/placement.h"
 #include "models/prompt_attention.h"
@@ -210,6 +211,22 @@ void Run::load_model() {
     for (auto text_dtype : {torch::kHalf, torch::kBFloat16}) {
       if (cached_text_) break;
       text_encoder.to(text_dtype);
+      if (models::weights_fingerprint(text_encoder, settings) ==
+          manifest_.text_encoder_fingerprint()) {
+        cached_text_ = true;
+      }
+    }
+    // A cacher under --fp8_base encoded from float8 weights (kohya's 10 and 8 GB tiers): the
+    // same storage in each dtype, from the weights as loaded.
+    const bool fp8_text = o_.fp8_base && !o_.fp8_base_unet;
+    for (auto text_dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+      if (cached_text_ || !fp8_text) break;
+      torch::NoGradGuard no_grad;
+      text_encoder.to(torch::kFloat);
+      const auto params = text_encoder.parameters();
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(loaded[i]);
+      text_encoder.to(text_dtype);
+      models::store_weights_in_float8(text_encoder, o_.fp8_scaled);
       if (models::weights_fingerprint(text_encoder, settings) ==
           manifest_.text_encoder_fingerprint()) {
         cached_text_ = true;
