@@ -16,6 +16,9 @@
 #include "common/error.h"
 #include "models/flux.h"
 #include "models/lora.h"
+#include "models/pipeline.h"
+#include "models/tiny.h"
+#include "models/unet.h"
 
 namespace lorapipe::models {
 namespace {
@@ -288,6 +291,71 @@ TEST(BlockSwap, FullSizeFluxBytesAreTheSplitsAnalyticFigures) {
         static_cast<double>(swap.host_bytes()) / (1 << 30), static_cast<double>(device) / (1 << 30),
         static_cast<double>(total) / (1 << 30));
   }
+}
+
+// The U-Net families' reading: the transformer blocks of the last N kohya blocks that have any.
+// The tiny SD1.5 U-Net has six (IN01, IN02, MID, OUT03-OUT05 at its size); N = 4 swaps those of
+// MID and the three OUT blocks. Two checkpointed training steps and an evaluation equal the
+// unswapped U-Net's bit for bit, and at most two transformer blocks are ever resident.
+TEST(BlockSwap, UNetStepsAreBitIdenticalOnTheCpu) {
+  auto make = [](int swap) {
+    torch::manual_seed(5);
+    auto sd = std::make_unique<StableDiffusion>();
+    sd->family = model_family("sd15");
+    sd->unet = UNet(tiny_unet_config());
+    torch::NoGradGuard no_grad;
+    for (auto& p : sd->unet->parameters()) {
+      p.normal_(0, 0.1);
+      p.requires_grad_(false);
+    }
+    for (const auto& m : sd->unet->modules()) {
+      auto linear = std::dynamic_pointer_cast<LinearImpl>(m);
+      if (!linear) continue;
+      auto adapter = std::make_shared<LoraAdapter>();
+      adapter->down = (torch::randn({2, linear->options.in_features()}) * 0.1).requires_grad_(true);
+      adapter->up = (torch::randn({linear->options.out_features(), 2}) * 0.1).requires_grad_(true);
+      adapter->scale = 0.5;
+      linear->lora = adapter;
+    }
+    if (swap > 0) sd->enable_block_swap(swap, c10::Device(c10::kCPU), 2);
+    sd->unet->gradient_checkpointing = true;
+    return sd;
+  };
+  auto run = [](StableDiffusion& sd) {
+    StepResult r;
+    std::vector<at::Tensor> adapters;
+    for (const auto& m : sd.unet->modules()) {
+      if (auto linear = std::dynamic_pointer_cast<LinearImpl>(m)) {
+        adapters.push_back(linear->lora->down);
+        adapters.push_back(linear->lora->up);
+      }
+    }
+    const int64_t context = sd.unet->config().cross_attention_dim;
+    for (int step = 0; step < 3; ++step) {
+      torch::manual_seed(30 + step);
+      const at::Tensor sample = torch::randn({2, 4, 16, 16});
+      const at::Tensor text = torch::randn({2, 7, context});
+      if (step == 2) {
+        torch::NoGradGuard no_grad;
+        r.outputs.push_back(sd.unet(sample, torch::tensor({10, 500}), text));
+        break;
+      }
+      const at::Tensor out = sd.unet(sample, torch::tensor({10, 500}), text);
+      r.outputs.push_back(out.detach().clone());
+      out.square().mean().backward();
+      for (at::Tensor& a : adapters) {
+        r.grads.push_back(a.grad().detach().clone());
+        a.mutable_grad().zero_();
+      }
+    }
+    return r;
+  };
+  auto plain = make(0), swapped = make(4);
+  expect_identical(run(*plain), run(*swapped));
+  ASSERT_TRUE(swapped->unet->block_swap);
+  EXPECT_EQ(swapped->unet->block_swap->swapped_count(), 4u);  // one transformer block each
+  EXPECT_EQ(swapped->unet->block_swap->max_resident(), 2);
+  EXPECT_THROW(make(7), InputError);
 }
 
 // kohya's --cpu_offload_checkpointing on CUDA: each checkpointed block's inputs wait for

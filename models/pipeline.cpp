@@ -10,6 +10,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "models/block_swap.h"
 #include "models/fingerprint.h"
 #include "models/long_prompt.h"
 #include "models/prompt_attention.h"
@@ -610,6 +611,39 @@ std::vector<LoraTarget> StableDiffusion::lora_targets(bool with_text_encoder, bo
     for (LoraTarget& t : text_encoder_lora_targets(text_encoder)) targets.push_back(std::move(t));
   }
   return targets;
+}
+
+DiffusionModel::BlockSwapReport StableDiffusion::enable_block_swap(int blocks, c10::Device device,
+                                                                  int slots) {
+  if (!unet) throw Error("block swap: the U-Net was released");
+  std::vector<unet_blocks::Transformer2D> transformers = unet->transformers();
+  const auto n = static_cast<size_t>(std::max(blocks, 0));
+  if (blocks < 0 || n > transformers.size()) {
+    throw InputError("--blocks_to_swap=" + std::to_string(blocks) + ": " + family.display_name +
+                     " has " + std::to_string(transformers.size()) +
+                     " of kohya's blocks with transformer blocks; it swaps the last N of them, "
+                     "at most " + std::to_string(transformers.size()));
+  }
+  std::vector<torch::nn::Module*> list;
+  std::vector<size_t> swapped;
+  for (size_t t = 0; t < transformers.size(); ++t) {
+    transformers[t]->swap_first = list.size();
+    for (auto& block : transformers[t]->blocks) {
+      if (t + n >= transformers.size()) swapped.push_back(list.size());
+      list.push_back(block.get());
+    }
+  }
+  unet->block_swap =
+      std::make_shared<BlockSwap>(list, swapped, make_swap_device(device), slots);
+  for (auto& t : transformers) t->swap = unet->block_swap;
+  BlockSwapReport report;
+  report.blocks = "the transformer blocks of the last " + std::to_string(n) + " of " +
+                  std::to_string(transformers.size()) + " kohya blocks with any (" +
+                  std::to_string(swapped.size()) + " of " + std::to_string(list.size()) + ")";
+  report.host_bytes = unet->block_swap->host_bytes();
+  report.slot_bytes = unet->block_swap->slot_bytes();
+  report.slots = unet->block_swap->slots();
+  return report;
 }
 
 void StableDiffusion::set_gradient_checkpointing(bool enabled) {

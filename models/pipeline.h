@@ -51,6 +51,11 @@ struct StableDiffusion : DiffusionModel {
   at::Tensor denoise(const DenoiseInput& input) override;
   std::vector<LoraTarget> lora_targets(bool text_encoder, bool conv_kxk) const override;
   void set_gradient_checkpointing(bool enabled) override;
+  // The U-Net families' reading of --blocks_to_swap N: the transformer blocks of the last N of
+  // kohya's blocks that have any (each a Transformer2D: SD1.5's IN01-IN08, MID, OUT03-OUT11, 16
+  // in all; SDXL's IN04-IN08, MID, OUT00-OUT05, 11), counted from the end as kohya counts FLUX.1's.
+  // Their BasicTransformerBlocks' Linear weights swap; proj_in and proj_out stay.
+  BlockSwapReport enable_block_swap(int blocks, c10::Device device, int slots) override;
   std::vector<Component> components() override;
   void release(Role role) override;
   torch::nn::Module& denoiser_module() override;

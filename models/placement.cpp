@@ -26,9 +26,9 @@ c10::ScalarType parse_precision(std::string_view name, std::string_view flag) {
 
 DiffusionModel::BlockSwapReport DiffusionModel::enable_block_swap(int blocks, c10::Device,
                                                                  int) {
-  throw InputError("--blocks_to_swap=" + std::to_string(blocks) + ": " + model_family().display_name +
-                   " has no block swap yet (FLUX.1 has); fit it with --fp8_base and "
-                   "--gradient_checkpointing");
+  throw InputError("--blocks_to_swap=" + std::to_string(blocks) + ": " +
+                   model_family().display_name + " has no block swap yet; fit it with "
+                   "--fp8_base and --gradient_checkpointing");
 }
 
 void DiffusionModel::set_cpu_offload_checkpointing(bool enabled) {
@@ -75,6 +75,9 @@ PlacementReport place(DiffusionModel& model, const Placement& placement) {
                                << " weights hold values beyond float8's +-448, clamped to it";
       }
     }
+    if (placement.freeze) {  // before the swap: only frozen weights leave the device
+      for (auto& p : module.parameters()) p.requires_grad_(false);
+    }
     if (c.role == Role::kDenoiser && placement.blocks_to_swap > 0) {
       // After the dtype and float8, before the move: the swapped weights never reach the device.
       const DiffusionModel::BlockSwapReport swap =
@@ -87,9 +90,6 @@ PlacementReport place(DiffusionModel& model, const Placement& placement) {
                           << swap.slot_bytes / (1 << 20) << " MiB on " << device.str();
     }
     module.to(device);  // device only: a dtype would widen the float8 weights again
-    if (placement.freeze) {
-      for (auto& p : module.parameters()) p.requires_grad_(false);
-    }
     module.eval();
     if (text && !placement.text_encoders_on_device && placement.device != device) {
       LP_LOG(kInfo, kLog) << "the " << c.label << " stays on the CPU: its outputs come from the "

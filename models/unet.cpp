@@ -7,6 +7,7 @@
 
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/block_swap.h"
 #include "models/checkpoint.h"
 #include "models/weights.h"
 
@@ -389,9 +390,32 @@ torch::Tensor Transformer2DImpl::forward(const torch::Tensor& x, const torch::Te
   auto tail = [this, to_image](const torch::Tensor& h, const torch::Tensor& residual) {
     return (proj_out_linear ? to_image(proj_out_linear(h)) : proj_out_conv(to_image(h))) + residual;
   };
+  // Block swap's calls around block i (none where the block does not swap).
+  auto calls = [this](size_t i) {
+    BlockCalls c;
+    BlockSwap* s = swap.get();
+    const size_t k = swap_first + i;
+    if (s == nullptr || !s->swaps(k)) return c;
+    c.enter = [s, k](bool backward) { s->enter(k, backward); };
+    c.leave = [s, k](bool backward) { s->leave(k, backward); };
+    return c;
+  };
   if (!checkpointed) {
     torch::Tensor h = head(x);
-    for (auto& block : blocks) h = block(h, context);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      BlockCalls c = calls(i);
+      if (!c.enter) {
+        h = blocks[i](h, context);
+        continue;
+      }
+      BasicTransformerBlock block = blocks[i];
+      h = run_block(
+          [block](const std::vector<torch::Tensor>& in) mutable {
+            return std::vector<torch::Tensor>{block(in[0], in[1])};
+          },
+          {h, context}, trainable_adapter_tensors(*block), /*checkpointed=*/false,
+          std::move(c))[0];
+    }
     return tail(h, x);
   }
   // One checkpoint per transformer block, the first holding the norm and proj_in too and the last
@@ -416,7 +440,7 @@ torch::Tensor Transformer2DImpl::forward(const torch::Tensor& x, const torch::Te
           if (last) t = tail(t, first ? in[0] : in[2]);
           return std::vector<torch::Tensor>{t};
         },
-        inputs, trainable)[0];
+        inputs, trainable, calls(i))[0];
   }
   return h;
 }
@@ -711,6 +735,20 @@ torch::Tensor UNetImpl::time_embed(const torch::Tensor& timesteps, int64_t batch
               " values, the config's projection_class_embeddings_input_dim is ",
               config_.projection_class_embeddings_input_dim);
   return emb + add_embedding(add_embeds.to(emb.scalar_type()));
+}
+
+std::vector<unet_blocks::Transformer2D> UNetImpl::transformers() const {
+  std::vector<unet_blocks::Transformer2D> out;
+  for (const auto& down : down_list) {
+    for (const auto& t : down->attention_list) out.push_back(t);
+  }
+  if (mid_block) {
+    for (const auto& t : mid_block->attention_list) out.push_back(t);
+  }
+  for (const auto& up : up_list) {
+    for (const auto& t : up->attention_list) out.push_back(t);
+  }
+  return out;
 }
 
 torch::Tensor UNetImpl::forward(const torch::Tensor& sample, const torch::Tensor& timesteps,

@@ -23,6 +23,8 @@
 
 namespace lorapipe::models {
 
+class BlockSwap;
+
 // The fields of diffusers' unet/config.json that decide the network. Members default to
 // diffusers' own defaults (UNet2DConditionModel.__init__), so a config.json that leaves a field
 // out means what it means to diffusers. Per-block lists hold one entry per down block; a single
@@ -139,6 +141,10 @@ struct Transformer2DImpl : torch::nn::Module {
   Linear proj_in_linear{nullptr}, proj_out_linear{nullptr};
   torch::nn::ModuleList transformer_blocks;
   std::vector<BasicTransformerBlock> blocks;
+  // Block swap (models/block_swap.h): the U-Net's swap, and the number its first
+  // BasicTransformerBlock has in the swap's list; each block is entered and left around its run.
+  std::shared_ptr<BlockSwap> swap;
+  size_t swap_first = 0;
 };
 TORCH_MODULE(Transformer2D);
 
@@ -267,6 +273,11 @@ struct UNetImpl : torch::nn::Module {
   // in fp32; SDXL's ten-deep Transformer2D at 1024x1024 holds 0.7 GiB in bf16 where one
   // transformer block holds a tenth of it).
   bool gradient_checkpointing = false;
+  // Block swap (--blocks_to_swap; models/pipeline.h says which blocks): set on each Transformer2D.
+  std::shared_ptr<BlockSwap> block_swap;
+  // The Transformer2D modules in forward order (down, mid, up): one per kohya block that has
+  // transformer blocks (IN04, IN05, IN07, IN08, MID, OUT00-OUT05 in SDXL).
+  std::vector<unet_blocks::Transformer2D> transformers() const;
 
   Conv2d conv_in{nullptr};
   unet_blocks::TimestepEmbedding time_embedding{nullptr};

@@ -1598,7 +1598,7 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--cpu_offload_checkpointing"},
        "--cpu_offload_checkpointing: Stable Diffusion 1.5 has no offloaded checkpoints"},
       {{"--fp8_scaled"}, "--fp8_scaled scales the float8 weights of --fp8_base"},
-      {{"--blocks_to_swap=2"}, "Stable Diffusion 1.5 has no block swap yet"},
+      {{"--blocks_to_swap=99"}, "it swaps the last N of them, at most 6"},
       {{"--blocks_to_swap=-1"}, "--blocks_to_swap=-1: must be 0 or more"},
       {{"--lr_scheduler_args", "T_max=100", "--seed=1"}, "--lr_scheduler_args 'T_max=100'"},
       {{"--lr_scheduler=cosine_with_min_lr"}, "needs --lr_scheduler_min_lr_ratio"},
@@ -1626,7 +1626,7 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
   // cache, the model's groups or a file the check does not read.
   const std::set<std::string> beyond_the_flags = {"--dataset_id=nope", "--dataset_id=dmeo",
                                                   "--optimizer_type=Prodigy",
-                                                  "--blocks_to_swap=2",
+                                                  "--blocks_to_swap=99",
                                                   "--cpu_offload_checkpointing"};
   // Its own message for a file that is not there (the run's comes from the loader).
   const std::map<std::string, std::string> check_says = {
@@ -2264,6 +2264,35 @@ TEST_F(TrainRunTest, MixedPrecisionLearnsLikeFp32) {
       EXPECT_EQ(meta.at("ss_fp8_scaled"), scaled ? "True" : "False");
     }
   }
+}
+
+// --blocks_to_swap through the trainer on the CPU, where the CPU is both "device" and "host" of
+// the same ring the GPU uses: the run says what it swapped, turns checkpointing on (a swapped
+// block's weights come back for its recompute), and trains bit-identically to checkpointing
+// without the swap, with the validation pass (no gradients) through the ring too.
+TEST_F(TrainRunTest, BlockSwapTrainsBitIdenticallyToNoSwap) {
+  const std::vector<std::string> common{"--max_train_steps=4", "--train_batch_size=2",
+                                        "--validation_split=0.25", "--validation_seed=5"};
+  auto plain = common;
+  plain.push_back("--gradient_checkpointing");
+  const TrainRun a = run(work_ / "plain", plain);
+  ASSERT_EQ(a.exit, 0) << a.err;
+  auto swapped = common;
+  swapped.push_back("--blocks_to_swap=4");
+  const TrainRun b = run(work_ / "swap", swapped);
+  ASSERT_EQ(b.exit, 0) << b.err;
+  EXPECT_NE(b.err.find("block swap (--blocks_to_swap=4): the transformer blocks of the last 4 of 6"),
+            std::string::npos)
+      << b.err;
+  EXPECT_NE(b.err.find("--blocks_to_swap=4: gradient checkpointing on"), std::string::npos) << b.err;
+  EXPECT_EQ(losses(a.err), losses(b.err));
+  ASSERT_EQ(losses(b.err).size(), 4u) << b.err;
+  expect_identical(work_ / "plain" / "lora" / "tiny.safetensors",
+                   work_ / "swap" / "lora" / "tiny.safetensors");
+  EXPECT_EQ(models::SafetensorsFile::open(work_ / "swap" / "lora" / "tiny.safetensors")
+                .metadata()
+                .at("ss_blocks_to_swap"),
+            "4");
 }
 
 #ifdef LORAPIPE_SAMPLER_BIN
