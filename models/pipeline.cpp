@@ -12,13 +12,13 @@
 #include "common/log.h"
 #include "models/block_swap.h"
 #include "models/fingerprint.h"
+#include "models/loading.h"
 #include "models/long_prompt.h"
 #include "models/prompt_attention.h"
 #include "models/safetensors.h"
 #include "models/sd15_keys.h"
 #include "models/sd15_lora.h"
 #include "models/weights.h"
-#include "models/loading.h"
 
 namespace lorapipe::models {
 namespace fs = std::filesystem;
@@ -614,7 +614,7 @@ std::vector<LoraTarget> StableDiffusion::lora_targets(bool with_text_encoder, bo
 }
 
 DiffusionModel::BlockSwapReport StableDiffusion::enable_block_swap(int blocks, c10::Device device,
-                                                                  int slots) {
+                                                                   int slots) {
   if (!unet) throw Error("block swap: the U-Net was released");
   std::vector<unet_blocks::Transformer2D> transformers = unet->transformers();
   const auto n = static_cast<size_t>(std::max(blocks, 0));
@@ -622,7 +622,8 @@ DiffusionModel::BlockSwapReport StableDiffusion::enable_block_swap(int blocks, c
     throw InputError("--blocks_to_swap=" + std::to_string(blocks) + ": " + family.display_name +
                      " has " + std::to_string(transformers.size()) +
                      " of kohya's blocks with transformer blocks; it swaps the last N of them, "
-                     "at most " + std::to_string(transformers.size()));
+                     "at most " +
+                     std::to_string(transformers.size()));
   }
   std::vector<torch::nn::Module*> list;
   std::vector<size_t> swapped;
@@ -633,8 +634,7 @@ DiffusionModel::BlockSwapReport StableDiffusion::enable_block_swap(int blocks, c
       list.push_back(block.get());
     }
   }
-  unet->block_swap =
-      std::make_shared<BlockSwap>(list, swapped, make_swap_device(device), slots);
+  unet->block_swap = std::make_shared<BlockSwap>(list, swapped, make_swap_device(device), slots);
   for (auto& t : transformers) t->swap = unet->block_swap;
   BlockSwapReport report;
   report.blocks = "the transformer blocks of the last " + std::to_string(n) + " of " +

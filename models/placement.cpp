@@ -27,7 +27,8 @@ c10::ScalarType parse_precision(std::string_view name, std::string_view flag) {
 DiffusionModel::BlockSwapReport DiffusionModel::enable_block_swap(int blocks, c10::Device,
                                                                  int) {
   throw InputError("--blocks_to_swap=" + std::to_string(blocks) + ": " +
-                   model_family().display_name + " has no block swap yet; fit it with "
+                   model_family().display_name +
+                   " has no block swap yet; fit it with "
                    "--fp8_base and --gradient_checkpointing");
 }
 

@@ -413,8 +413,7 @@ torch::Tensor Transformer2DImpl::forward(const torch::Tensor& x, const torch::Te
           [block](const std::vector<torch::Tensor>& in) mutable {
             return std::vector<torch::Tensor>{block(in[0], in[1])};
           },
-          {h, context}, trainable_adapter_tensors(*block), /*checkpointed=*/false,
-          std::move(c))[0];
+          {h, context}, trainable_adapter_tensors(*block), /*checkpointed=*/false, std::move(c))[0];
     }
     return tail(h, x);
   }

@@ -1581,8 +1581,8 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--lr_scheduler=polynomial", "--learning_rate=0"}, "--lr_scheduler=polynomial"},
       {{"--adaptive_noise_scale=0.01"}, "--adaptive_noise_scale needs --noise_offset"},
       {{"--dataset_id=nope"}, "no manifest 'nope'"},
-      {{"--dataset_id=dmeo"}, "no manifest 'dmeo' in cache " + (dir_ / "cache").string() +
-                                  " (did you mean demo?)"},
+      {{"--dataset_id=dmeo"},
+       "no manifest 'dmeo' in cache " + (dir_ / "cache").string() + " (did you mean demo?)"},
       {{"--network_module=lycoris.kohya"}, "--network_module=lycoris.kohya"},
       {{"--save_model_as=ckpt"}, "--save_model_as=ckpt"},
       {{"--log_with=comet"}, "--log_with=comet"},
@@ -1625,8 +1625,7 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
   // What --check_flags (lorapipe run's check before any stage starts) cannot know: these need the
   // cache, the model's groups or a file the check does not read.
   const std::set<std::string> beyond_the_flags = {"--dataset_id=nope", "--dataset_id=dmeo",
-                                                  "--optimizer_type=Prodigy",
-                                                  "--blocks_to_swap=99",
+                                                  "--optimizer_type=Prodigy", "--blocks_to_swap=99",
                                                   "--cpu_offload_checkpointing"};
   // Its own message for a file that is not there (the run's comes from the loader).
   const std::map<std::string, std::string> check_says = {
@@ -2281,10 +2280,12 @@ TEST_F(TrainRunTest, BlockSwapTrainsBitIdenticallyToNoSwap) {
   swapped.push_back("--blocks_to_swap=4");
   const TrainRun b = run(work_ / "swap", swapped);
   ASSERT_EQ(b.exit, 0) << b.err;
-  EXPECT_NE(b.err.find("block swap (--blocks_to_swap=4): the transformer blocks of the last 4 of 6"),
-            std::string::npos)
+  EXPECT_NE(
+      b.err.find("block swap (--blocks_to_swap=4): the transformer blocks of the last 4 of 6"),
+      std::string::npos)
       << b.err;
-  EXPECT_NE(b.err.find("--blocks_to_swap=4: gradient checkpointing on"), std::string::npos) << b.err;
+  EXPECT_NE(b.err.find("--blocks_to_swap=4: gradient checkpointing on"), std::string::npos)
+      << b.err;
   EXPECT_EQ(losses(a.err), losses(b.err));
   ASSERT_EQ(losses(b.err).size(), 4u) << b.err;
   expect_identical(work_ / "plain" / "lora" / "tiny.safetensors",
