@@ -47,6 +47,7 @@ std::vector<FlagInfo> make_table() {
   value("pretrained_model_name_or_path", {S::kCacher, S::kTrainer, S::kSampler});
   value("model_family", {S::kCacher, S::kTrainer, S::kSampler});  // detection's override
   boolean("merge_lora", {S::kSampler});
+  boolean("map_weights", {S::kTrainer, S::kSampler});
   value("tokenizer", {S::kCacher, S::kTrainer, S::kSampler});
   value("vae", {S::kCacher, S::kTrainer, S::kSampler});  // kohya's: the one VAE of the run
   // FLUX.1's separate parts and T5 settings (models/model_parts.h): every stage that loads it.

@@ -621,6 +621,13 @@ int Supervisor::run() {
                 "(--sampler_device=another device renders them as it trains)\n";
   }
   if (previews_wanted && !sample_after_training) {
+    // Both on the CPU: the sampler takes no second copy of the model; both map the weights the
+    // file holds as they use them (models/mapped_weights.h).
+    if (device == sampler_device && !s_.has("map_weights")) {
+      s_.set("map_weights", "true");
+      display_ << "lorapipe: the sampler shares the trainer's CPU: both map the model file's "
+                  "weights (--map_weights), so previews hold no second copy of the model\n";
+    }
     args = stage_args(s_, Stage::kSampler);
     args.insert(args.end(), {"--output_dir=" + dir_.string(), "--sub=" + endpoint("trainer-pub"),
                              "--pub=" + endpoint("sampler-pub")});

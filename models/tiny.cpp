@@ -186,7 +186,7 @@ TinyCheckpoint write_tiny_sdxl_checkpoint(const fs::path& dir, uint64_t seed) {
   return out;
 }
 
-TinyCheckpoint write_tiny_checkpoint(const fs::path& dir, uint64_t seed) {
+TinyCheckpoint write_tiny_checkpoint(const fs::path& dir, uint64_t seed, int unet_width) {
   fs::create_directories(dir);
   TinyCheckpoint out{dir / "tiny-sd15-diffusers", dir / "tiny-sd15.safetensors",
                      dir / "tiny-sd15-tokenizer"};
@@ -198,6 +198,12 @@ TinyCheckpoint write_tiny_checkpoint(const fs::path& dir, uint64_t seed) {
   model.vae = AutoencoderKL(tiny_vae_config());
   model.text_encoder = ClipTextModel(tiny_text_config());
   draw_weights({model.unet.ptr().get(), model.vae.ptr().get(), model.text_encoder.ptr().get()});
+  if (unet_width > 0) {
+    UNetConfig wide = tiny_unet_config();
+    wide.block_out_channels = {unet_width, 2 * unet_width};
+    model.unet = UNet(wide);
+    draw_weights({model.unet.ptr().get()});
+  }
   save_diffusers(model, out.diffusers, out.tokenizer);
   save_single_file(model, out.single_file);
   return out;

@@ -25,7 +25,11 @@ struct TinyCheckpoint {
 
 // Writes the tiny checkpoint under `dir` with weights drawn from `seed`. The tokenizer is CLIP's
 // byte-level BPE with the 256 byte symbols and a few merges (no download needed).
-TinyCheckpoint write_tiny_checkpoint(const std::filesystem::path& dir, uint64_t seed = 0);
+// `unet_width` > 0 widens the U-Net's two levels to that width and twice it (512: about 260 M
+// parameters, for tests of memory), keeping the VAE and text encoder the tiny one of `seed` has,
+// so that latents and text cached with either model serve both.
+TinyCheckpoint write_tiny_checkpoint(const std::filesystem::path& dir, uint64_t seed = 0,
+                                     int unet_width = 0);
 
 // Tiny SDXL (the real architectures at diffusers' SDXL test sizes): a U-Net with text_time added
 // conditions (no attention in its first level, depth 1 and 2, linear projections, 8-wide time-id

@@ -1,5 +1,6 @@
-// lorapipe-make-tiny-model DIR [SEED] [--sdxl]: writes the tiny SD1.5 checkpoint, or with --sdxl
-// the tiny SDXL one (see models/tiny.h).
+// lorapipe-make-tiny-model DIR [SEED] [--sdxl] [--unet_width=N]: writes the tiny SD1.5
+// checkpoint (its U-Net widened to N and 2N with --unet_width), or with --sdxl the tiny SDXL one
+// (see models/tiny.h).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -10,22 +11,25 @@
 
 int main(int argc, char** argv) {
   bool sdxl = false;
+  int unet_width = 0;
   std::vector<const char*> args;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--sdxl") == 0) {
       sdxl = true;
+    } else if (std::strncmp(argv[i], "--unet_width=", 13) == 0) {
+      unet_width = std::atoi(argv[i] + 13);
     } else {
       args.push_back(argv[i]);
     }
   }
   if (args.empty() || args.size() > 2) {
-    std::fprintf(stderr, "usage: lorapipe-make-tiny-model DIR [SEED] [--sdxl]\n");
+    std::fprintf(stderr, "usage: lorapipe-make-tiny-model DIR [SEED] [--sdxl] [--unet_width=N]\n");
     return 2;
   }
   try {
     const uint64_t seed = args.size() > 1 ? std::strtoull(args[1], nullptr, 10) : 0;
     const auto out = sdxl ? lorapipe::models::write_tiny_sdxl_checkpoint(args[0], seed)
-                          : lorapipe::models::write_tiny_checkpoint(args[0], seed);
+                          : lorapipe::models::write_tiny_checkpoint(args[0], seed, unet_width);
     std::printf("diffusers folder: %s\nsingle file:      %s\ntokenizer:        %s\n"
                 "(the single file carries no tokenizer, and its small text encoder does not fit "
                 "CLIP's built-in one: give it with --tokenizer=%s)\n",

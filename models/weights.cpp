@@ -9,6 +9,7 @@
 
 #include "common/error.h"
 #include "models/loading.h"
+#include "models/mapped_weights.h"
 
 namespace lorapipe::models {
 namespace {
@@ -91,10 +92,19 @@ std::map<std::string, torch::Tensor> read_tensors(const SafetensorsFile& file,
   return out;
 }
 
-void load_into(torch::nn::Module& module, const std::set<std::string>& names,
-               const std::function<torch::Tensor(const std::string&)>& fetch,
-               const std::function<void(const std::string&)>& done, const std::string& source,
-               const std::set<std::string>& optional) {
+namespace {
+
+// A parameter's own tensor in place of the copy, or undefined (models/mapped_weights.h).
+using ShareTensor = std::function<torch::Tensor(const torch::Tensor& fetched,
+                                                const torch::Tensor& target)>;
+
+// The general load_into, with `share` (from a file's loader under a MappedWeights) offering the
+// file's pages themselves for each tensor that needs no conversion.
+void load_into_sharing(torch::nn::Module& module, const std::set<std::string>& names,
+                       const std::function<torch::Tensor(const std::string&)>& fetch,
+                       const std::function<void(const std::string&)>& done,
+                       const std::string& source, const std::set<std::string>& optional,
+                       const ShareTensor& share) {
   std::vector<std::string> missing;
   std::vector<std::string> misshaped;
   std::set<std::string> used;
@@ -111,6 +121,13 @@ void load_into(torch::nn::Module& module, const std::set<std::string>& names,
       why << name << " " << tensor.sizes() << " (model wants " << target.sizes() << ")";
       misshaped.push_back(why.str());
       return;
+    }
+    if (share) {
+      const torch::Tensor mapped = share(tensor, target);
+      if (mapped.defined()) {
+        target.set_data(mapped);  // its pages are the parameter's now: not released
+        return;
+      }
     }
     target.copy_(tensor);  // converts to the parameter's dtype as it copies
     done(name);
@@ -130,6 +147,23 @@ void load_into(torch::nn::Module& module, const std::set<std::string>& names,
   throw InputError(why.str());
 }
 
+ShareTensor share_from(const SafetensorsFile& file) {
+  MappedWeights* mapped = MappedWeights::current();
+  if (mapped == nullptr) return nullptr;
+  return [mapped, &file](const torch::Tensor& fetched, const torch::Tensor& target) {
+    return mapped->share(file, fetched, target);
+  };
+}
+
+}  // namespace
+
+void load_into(torch::nn::Module& module, const std::set<std::string>& names,
+               const std::function<torch::Tensor(const std::string&)>& fetch,
+               const std::function<void(const std::string&)>& done, const std::string& source,
+               const std::set<std::string>& optional) {
+  load_into_sharing(module, names, fetch, done, source, optional, nullptr);
+}
+
 void load_into(torch::nn::Module& module, const std::map<std::string, torch::Tensor>& tensors,
                const std::string& source, const std::set<std::string>& optional) {
   std::set<std::string> names;
@@ -143,9 +177,10 @@ void load_into(torch::nn::Module& module, const SafetensorsFile& file, const std
                const std::set<std::string>& optional) {
   std::set<std::string> names;
   for (const TensorInfo& info : file.tensors()) names.insert(info.name);
-  load_into(
+  load_into_sharing(
       module, names, [&](const std::string& name) { return view_tensor(file, *file.find(name)); },
-      [&](const std::string& name) { file.release(*file.find(name)); }, source, optional);
+      [&](const std::string& name) { file.release(*file.find(name)); }, source, optional,
+      share_from(file));
 }
 
 void load_into(torch::nn::Module& module, const SafetensorsFile& file,
@@ -153,14 +188,15 @@ void load_into(torch::nn::Module& module, const SafetensorsFile& file,
                const AdaptTensor& adapt, const std::set<std::string>& optional) {
   std::set<std::string> keys;
   for (const auto& item : names) keys.insert(item.first);
-  load_into(
+  load_into_sharing(
       module, keys,
       [&](const std::string& name) {
         const TensorInfo& info = *names.at(name);
         torch::Tensor tensor = view_tensor(file, info);
         return adapt ? adapt(info, std::move(tensor)) : tensor;
       },
-      [&](const std::string& name) { file.release(*names.at(name)); }, source, optional);
+      [&](const std::string& name) { file.release(*names.at(name)); }, source, optional,
+      share_from(file));
 }
 
 std::vector<TensorToWrite> module_tensors(const torch::nn::Module& module,

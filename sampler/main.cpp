@@ -51,6 +51,10 @@ DEFINE_bool(fp8_scaled, false,
 DEFINE_bool(merge_lora, false,
             "Merge each checkpoint's LoRA into the weights, keeping a copy of those it changes "
             "(faster renders, more memory); by default it is computed beside them, copying none");
+DEFINE_bool(map_weights, false,
+            "On the CPU: base weights the model file holds in their dtype are the file's mapped "
+            "pages, shared with a trainer that maps them too (lorapipe run sets it when both "
+            "share the CPU)");
 DEFINE_string(sample_sampler, "ddim", "Sampler for prompts without --ss (kohya's names)");
 DEFINE_bool(v_parameterization, false, "The model predicts v (SD2.x 768-v)");
 DEFINE_int32(clip_skip, 1, "Text-encoder layers to skip from the end (1: the last)");
@@ -89,6 +93,7 @@ int main(int argc, char** argv) {
     o.fp8_base_unet = FLAGS_fp8_base_unet;
     o.fp8_scaled = FLAGS_fp8_scaled;
     o.merge_lora = FLAGS_merge_lora;
+    o.map_weights = FLAGS_map_weights;
     o.sampler = FLAGS_sample_sampler;
     o.v_prediction = FLAGS_v_parameterization;
     o.clip_skip = FLAGS_clip_skip;

@@ -21,6 +21,7 @@
 #include "common/log.h"
 #include "models/device.h"
 #include "models/float8.h"
+#include "models/mapped_weights.h"
 #include "models/placement.h"
 #include "models/registry.h"
 #include "models/safetensors.h"
@@ -233,7 +234,12 @@ class Sampler {
     load.dtype = o_.base_weights.empty() ? dtype : c10::kFloat;
     // fp16 keeps the VAE in fp32 (SD's VAE overflows in fp16), as loaded.
     load.vae_dtype = dtype == c10::kHalf || !o_.base_weights.empty() ? c10::kFloat : dtype;
-    model_ = models::load_model(o_.model, load);
+    {
+      std::optional<models::MappedWeights> mapped;
+      if (o_.map_weights) mapped.emplace();
+      model_ = models::load_model(o_.model, load);
+      if (mapped) models::log_mapped_weights(*mapped, "sampler");
+    }
     models::merge_base_weights(*model_, o_.base_weights);
     models::Placement placement;
     placement.device = device;

@@ -46,6 +46,9 @@ struct SamplerOptions {
   // into them and keeps a copy of each weight it changes to put back (renders compute no extra
   // matmuls: measured 1.27x faster on the CPU at rank 16, for 1.39x the peak memory).
   bool merge_lora = false;
+  // --map_weights: base weights the file holds in their dtype are its mapped pages, shared with
+  // the trainer beside it (models/mapped_weights.h); lorapipe run sets it when they share the CPU.
+  bool map_weights = false;
   std::string sampler = "ddim";  // for prompts without --ss
   bool v_prediction = false;
   int clip_skip = 1;

@@ -153,6 +153,15 @@ TEST_F(LauncherRun, DemoRunCompletesWithLoraSamplesGalleryAndEvents) {
   for (const char* stage : {"preprocess", "cacher", "trainer", "sampler"}) {
     EXPECT_GT(fs::file_size(run / "logs" / (std::string(stage) + ".log")), 0u) << stage;
   }
+  // Sampler and trainer share the CPU: the launcher has both map the model file's weights, and
+  // says so; each stage's log says what it shared (the tiny model's file holds all of it in fp32).
+  EXPECT_NE(out_.find("the sampler shares the trainer's CPU"), std::string::npos) << out_;
+  for (const char* stage : {"trainer", "sampler"}) {
+    const std::string log = read_text(run / "logs" / (std::string(stage) + ".log"));
+    EXPECT_TRUE(std::regex_search(log, std::regex(R"(--map_weights: \d+ weights \(\d+ MiB\) are )"
+                                                  R"(the model file's pages.*; 0 \(0 MiB\) copied)")))
+        << stage << ": " << log;
+  }
 
   const json s = status(run);
   EXPECT_EQ(s["state"], "done");

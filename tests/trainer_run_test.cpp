@@ -4,7 +4,11 @@
 // clear message before any compute.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
+#ifdef LORAPIPE_SAMPLER_BIN
+#include <vips/vips8>  // the sampler's PNGs
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -2404,6 +2408,132 @@ TEST_F(SamplerWithTrainer, AShortRunsFinalCheckpointReachesASamplerStillStarting
       << "the sampler never heard of the final checkpoint: " << err;
   EXPECT_TRUE(fs::exists(out / "samples" / "000001_00.png")) << err;
   EXPECT_TRUE(fs::exists(out / "samples" / "000001_sheet.png")) << err;
+}
+
+// A process's private memory (USS): the pages no other process maps, from
+// /proc/PID/smaps_rollup (Private_Clean + Private_Dirty), in bytes; -1 once it is gone.
+int64_t private_bytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/smaps_rollup");
+  if (!in) return -1;
+  int64_t kib = 0;
+  std::string line;
+  bool any = false;
+  while (std::getline(in, line)) {
+    if (line.rfind("Private_Clean:", 0) == 0 || line.rfind("Private_Dirty:", 0) == 0) {
+      kib += std::stoll(line.substr(line.find(':') + 1));
+      any = true;
+    }
+  }
+  return any ? kib * 1024 : -1;
+}
+
+// Previews beside the training on one machine's CPU hold no second copy of the model: with
+// --map_weights (which lorapipe run sets when both share the CPU) the trainer and a sampler
+// following it both take the base weights as the checkpoint file's mapped pages. Here the U-Net is
+// widened to 2.4 GB (the VAE and text encoder are the suite's, so its cache serves): while the
+// trainer trains and the sampler renders its checkpoints, the sampler's private memory stays
+// under a quarter of the U-Net's bytes (a copy of it would be all of them; what is private is
+// LibTorch's own heap, about 200 MB in any process, the tiny VAE and text encoder and the
+// render's activations). And its image of the final LoRA, applied beside the shared weights,
+// equals the render with that LoRA merged into a private copy of the weights (the sampler's
+// --merge_lora, one shot, no mapping) within 2 of 255 per channel: the two orders of the same
+// fp32 sums differ in their last bits, which may cross a rounding boundary of the 8-bit image
+// (measured: the largest difference is printed).
+TEST_F(SamplerWithTrainer, SharedWeightsKeepTheSamplersOwnMemoryUnderAQuarterOfTheModel) {
+  const models::TinyCheckpoint wide =
+      models::write_tiny_checkpoint(work_ / "wide", /*seed=*/3, /*unet_width=*/768);
+  const int64_t unet_bytes = static_cast<int64_t>(
+      fs::file_size(wide.diffusers / "unet" / "diffusion_pytorch_model.safetensors"));
+  std::ofstream(work_ / "prompts.txt") << "a red circle --w 64 --h 64 --s 3 --l 1\n";
+  const fs::path out = work_ / "run";
+  fs::create_directories(out);
+  const std::string endpoint = "ipc://" + (out / "pub.sock").string();
+  const std::string model = "--pretrained_model_name_or_path=" + wide.diffusers.string();
+  const pid_t sampler =
+      spawn({LORAPIPE_SAMPLER_BIN, model, "--sample_prompts=" + (work_ / "prompts.txt").string(),
+             "--output_dir=" + out.string(), "--sub=" + endpoint, "--device=cpu", "--threads=1",
+             "--idle_timeout_s=120", "--map_weights"},
+            out / "sampler.out", out / "sampler.err");
+  for (int wait = 0; wait < 1200; ++wait) {
+    if (read_text(out / "sampler.err").find("following") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  std::vector<std::string> a =
+      args(out, {"--max_train_steps=6", "--save_every_n_steps=2", "--pub=" + endpoint,
+                 "--map_weights"});
+  *std::find(a.begin(), a.end(), "--pretrained_model_name_or_path=" + tiny_.diffusers.string()) =
+      model;
+  const pid_t trainer = spawn(a, out / "trainer.out", out / "trainer.err");
+  // The sampler's private memory, sampled from the trainer's first step (its forward has touched
+  // the pages it maps: from then on they are the sampler's and the trainer's) until its last
+  // (a trainer on its way out unmaps them, and the pages only the sampler maps then are its own:
+  // a sample counts only when the trainer had not reached its last step once it was taken), and
+  // whether a render finished meanwhile.
+  int64_t most = 0;
+  int samples = 0;
+  bool rendered_beside_the_trainer = false;
+  for (;;) {
+    int status = 0;
+    if (waitpid(trainer, &status, WNOHANG) == trainer) {
+      ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(out / "trainer.err");
+      break;
+    }
+    const bool stepped =
+        std::regex_search(read_text(out / "trainer.err"), std::regex(R"(step [0-9]+/6 )"));
+    const int64_t uss = stepped ? private_bytes(sampler) : -1;
+    const bool training = read_text(out / "trainer.err").find("step 6/6") == std::string::npos;
+    if (uss > 0 && training) {
+      most = std::max(most, uss);
+      ++samples;
+    }
+    rendered_beside_the_trainer |=
+        training && read_text(out / "sampler.err").find(" images in ") != std::string::npos;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const int sampler_exit = wait_exit(sampler);  // it renders the final checkpoint, then idles out
+  const std::string sampler_err = read_text(out / "sampler.err");
+  ASSERT_EQ(sampler_exit, 0) << sampler_err;
+  const std::string trainer_err = read_text(out / "trainer.err");
+  EXPECT_NE(trainer_err.find("--map_weights: "), std::string::npos) << trainer_err;
+  EXPECT_NE(sampler_err.find("are the model file's pages"), std::string::npos) << sampler_err;
+  EXPECT_TRUE(rendered_beside_the_trainer)
+      << "no render finished while the trainer ran: " << sampler_err;
+  std::printf("[shared weights] U-Net %.0f MiB; the sampler's private memory at most %.0f MiB "
+              "(%.2f of it) over %d samples while the trainer ran\n",
+              unet_bytes / 1048576.0, most / 1048576.0, static_cast<double>(most) / unet_bytes,
+              samples);
+  EXPECT_GT(samples, 0);
+  EXPECT_LT(most, unet_bytes / 4);
+
+  // The final LoRA's image, beside the shared weights, against the merged render.
+  const fs::path merged = work_ / "merged";
+  const pid_t one_shot =
+      spawn({LORAPIPE_SAMPLER_BIN, model, "--sample_prompts=" + (work_ / "prompts.txt").string(),
+             "--output_dir=" + merged.string(), "--device=cpu", "--threads=1", "--merge_lora",
+             "--lora=" + (out / "lora" / "tiny.safetensors").string()},
+            work_ / "merged.out", work_ / "merged.err");
+  ASSERT_EQ(wait_exit(one_shot), 0) << read_text(work_ / "merged.err");
+  std::vector<fs::path> shared_images, merged_images;
+  for (const auto& e : fs::directory_iterator(out / "samples")) {
+    if (e.path().filename().string().find("000006_00.png") != std::string::npos) {
+      shared_images.push_back(e.path());
+    }
+  }
+  for (const auto& e : fs::directory_iterator(merged / "samples")) {
+    if (e.path().filename().string().ends_with("_00.png")) merged_images.push_back(e.path());
+  }
+  ASSERT_EQ(shared_images.size(), 1u) << sampler_err;
+  ASSERT_EQ(merged_images.size(), 1u) << read_text(work_ / "merged.err");
+  ASSERT_EQ(VIPS_INIT("trainer_run_test"), 0);
+  const vips::VImage x = vips::VImage::new_from_file(shared_images[0].c_str());
+  const vips::VImage y = vips::VImage::new_from_file(merged_images[0].c_str());
+  ASSERT_EQ(x.width(), y.width());
+  ASSERT_EQ(x.height(), y.height());
+  const int worst = static_cast<int>((x.cast(VIPS_FORMAT_INT) - y.cast(VIPS_FORMAT_INT)).abs().max());
+  std::printf("[shared weights] the final LoRA beside the shared weights against merged: largest "
+              "difference %d of 255\n", worst);
+  EXPECT_LE(worst, 2);
+  EXPECT_GT(x.deviate(), 1.0) << "a flat image compares trivially";
 }
 #endif
 

@@ -95,6 +95,10 @@ DEFINE_int32(blocks_to_swap, 0,
              "Keep the frozen weights of this many of the denoiser's blocks in host memory, "
              "copied to the device one block ahead of compute (FLUX.1: n/2 double and "
              "(n - n/2)*2 single blocks, as kohya's); turns --gradient_checkpointing on");
+DEFINE_bool(map_weights, false,
+            "On the CPU: base weights the model file holds in their dtype are the file's mapped "
+            "pages, not a copy; a sampler with --map_weights on the same machine shares them "
+            "(lorapipe run sets it on both when they share the CPU)");
 DEFINE_bool(fp8_scaled, false,
             "With --fp8_base(_unet): float8 with a scale per 64 input features of each output "
             "row (musubi-tuner's), closer to the weights than the plain cast");
@@ -415,6 +419,7 @@ int main(int argc, char** argv) {
     o.fp8_base_unet = FLAGS_fp8_base_unet;
     o.fp8_scaled = FLAGS_fp8_scaled;
     o.blocks_to_swap = FLAGS_blocks_to_swap;
+    o.map_weights = FLAGS_map_weights;
     o.output_dir = FLAGS_output_dir;
     o.output_name = FLAGS_output_name;
     o.save_precision = FLAGS_save_precision;

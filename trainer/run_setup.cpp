@@ -13,6 +13,7 @@
 #include "models/fingerprint.h"
 #include "models/float8.h"
 #include "models/lora_merge.h"
+#include "models/mapped_weights.h"
 #include "models/placement.h"
 #include "models/prompt_attention.h"
 #include "models/registry.h"
@@ -142,7 +143,12 @@ void Run::load_model() {
   load.vae_dtype = torch::kFloat;
   load.vae = o_.vae;
   load.parts = o_.model_parts;
-  model_ = models::load_model(o_.model, load);
+  {
+    std::optional<models::MappedWeights> mapped;
+    if (o_.map_weights) mapped.emplace();
+    model_ = models::load_model(o_.model, load);
+    if (mapped) models::log_mapped_weights(*mapped, "trainer");
+  }
   models::DiffusionModel& model = *model_;
   if (!model.has_tokenizer()) {
     throw InputError(o_.model.string() + " carries no tokenizer: pass --tokenizer");

@@ -44,6 +44,9 @@ struct Options {
   // kohya's --blocks_to_swap (models/block_swap.h): this many of the denoiser's blocks keep their
   // frozen weights in host memory; the step then recomputes every block in backward.
   int blocks_to_swap = 0;
+  // --map_weights: base weights the file holds as the model does are its mapped pages, shared
+  // with a sampler that maps them too (models/mapped_weights.h).
+  bool map_weights = false;
   int threads = 0;                     // CPU compute threads (0: LibTorch's default, one per core)
   // Data-parallel ranks (trainer/ranks.h), from the environment torchrun sets. train_batch_size
   // is per rank, as kohya's: a step trains train_batch_size x world_size samples.
