@@ -35,6 +35,7 @@
 #include <thread>
 
 #include "common/error.h"
+#include "deploy/curves.h"
 #include "deploy/launcher.h"
 #include "models/family.h"
 #include "proto/lorapipe.pb.h"
@@ -150,6 +151,7 @@ class Supervisor {
   Supervisor(Settings settings, RunOptions options, std::ostream& display)
       : s_(std::move(settings)), o_(std::move(options)), display_(display) {}
   ~Supervisor() {
+    if (!dir_.empty()) curves_.write(dir_ / "samples", std::chrono::seconds(0));
     if (lock_fd_ >= 0) ::close(lock_fd_);  // the folder's lock goes with it
   }
   Supervisor(const Supervisor&) = delete;
@@ -190,6 +192,7 @@ class Supervisor {
   // What the display shows.
   wire::CacheReport cache_;
   wire::TrainProgress progress_;
+  RunCurves curves_;  // samples/curves.js, for the gallery's plots
   std::string newest_sample_;
   std::set<std::string> announced_;
   std::string manifest_;  // the name the cacher gave this run's manifest
@@ -390,6 +393,8 @@ Child* Supervisor::child(Stage stage) {
 void Supervisor::event(nlohmann::json e) {
   e["time"] = iso_now();
   events_ << e.dump() << "\n" << std::flush;
+  curves_.add(e);
+  curves_.write(dir_ / "samples");  // at most once a second; the last in the destructor
 }
 
 void Supervisor::on_message(const google::protobuf::Message& m) {
@@ -577,6 +582,7 @@ int Supervisor::run() {
                      "own");
   }
   write_config(s_, dir_ / "run.toml");
+  curves_.add_events_file(dir_ / "events.jsonl");  // a resumed run's earlier steps
   events_.open(dir_ / "events.jsonl", std::ios::app);
   event({{"event", "Run"}, {"result", "started"}, {"output", dir_.string()},
          {"resume", o_.resume.string()}});

@@ -155,17 +155,70 @@ void write_text(const fs::path& path, const std::string& text) {
 // (file://), where a browser refuses fetch() and XHR: so the index also comes as samples.js, a
 // script that calls lorapipeSamples(index), loaded again by a fresh <script> element each time.
 // samples.json holds the same for tools. Each image marks itself loaded (data-loaded), and the
-// status line counts them: what the headless-Chromium test reads.
+// status line counts them: what the headless-Chromium test reads. Above the grid, the run's
+// curves (loss, average and validation loss; learning rate; peak memory) where the launcher
+// writes samples/curves.js (deploy/curves.h), loaded the same way; a sampler run by hand has none.
 constexpr const char* kGallery = R"html(<!doctype html>
 <html><head><meta charset="utf-8"><title>lorapipe samples</title>
 <style>
 body{font-family:sans-serif;background:#111;color:#ddd;margin:1em}
 table{border-collapse:collapse}td,th{padding:4px;vertical-align:top}
 img{max-width:256px;display:block}.prompt{font-size:12px;max-width:256px}
+.curve{background:#1b1b1b;margin:0 8px 8px 0}.curve text{fill:#aaa;font-size:11px}
 </style></head><body>
-<h1>lorapipe samples</h1><p id="status">waiting for samples</p><table id="grid"></table>
+<h1>lorapipe samples</h1><div id="curves"></div><p id="status">waiting for samples</p>
+<table id="grid"></table>
 <script>
-let shown='';
+let shown='',shownCurves='';
+const NS='http://www.w3.org/2000/svg';
+function chart(title,series,format){
+  const W=380,H=160,L=58,R=10,T=22,B=24;
+  const xs=[],ys=[];
+  for(const s of series)s.x.forEach((x,i)=>{if(Number.isFinite(s.y[i])){xs.push(x);ys.push(s.y[i]);}});
+  if(!xs.length)return null;
+  let x0=Math.min(...xs),x1=Math.max(...xs),y0=Math.min(...ys),y1=Math.max(...ys);
+  if(x1===x0)x1=x0+1;
+  if(y1===y0)y1=y0+(Math.abs(y0)||1)*0.01;
+  const sx=x=>L+(x-x0)/(x1-x0)*(W-L-R),sy=y=>T+(1-(y-y0)/(y1-y0))*(H-T-B);
+  const svg=document.createElementNS(NS,'svg');
+  svg.setAttribute('width',W);svg.setAttribute('height',H);svg.setAttribute('class','curve');
+  svg.dataset.title=title;
+  const text=(x,y,s,anchor,color)=>{const t=document.createElementNS(NS,'text');
+    t.setAttribute('x',x);t.setAttribute('y',y);t.setAttribute('text-anchor',anchor);
+    if(color)t.style.fill=color;t.textContent=s;svg.appendChild(t);};
+  let at=L;
+  for(const s of series){text(at,14,s.name,'start',s.color);at+=s.name.length*6+12;}
+  text(L-4,T+8,format(y1),'end');text(L-4,H-B,format(y0),'end');
+  text(L,H-6,'step '+x0,'start');text(W-R,H-6,'step '+x1,'end');
+  const frame=document.createElementNS(NS,'rect');
+  frame.setAttribute('x',L);frame.setAttribute('y',T);frame.setAttribute('width',W-L-R);
+  frame.setAttribute('height',H-T-B);frame.setAttribute('fill','none');frame.setAttribute('stroke','#444');
+  svg.appendChild(frame);
+  for(const s of series){
+    const points=s.x.map((x,i)=>[x,s.y[i]]).filter(p=>Number.isFinite(p[1]));
+    if(!points.length)continue;
+    const line=document.createElementNS(NS,'polyline');
+    line.setAttribute('points',points.map(p=>sx(p[0]).toFixed(1)+','+sy(p[1]).toFixed(1)).join(' '));
+    line.setAttribute('fill','none');line.setAttribute('stroke',s.color);
+    line.setAttribute('stroke-width',s.width);line.dataset.series=s.name;svg.appendChild(line);
+  }
+  return svg;
+}
+function lorapipeCurves(d){
+  const text=JSON.stringify(d);
+  if(text===shownCurves)return;
+  shownCurves=text;
+  const box=document.getElementById('curves');box.innerHTML='';
+  const v=d.validation||[],g=n=>Math.abs(n)>=0.01||n===0?n.toPrecision(3):n.toExponential(2);
+  const loss=[{name:'loss',x:d.steps,y:d.loss,color:'#4a90d9',width:1},
+    {name:'average loss',x:d.steps,y:d.average_loss,color:'#f5a623',width:2}];
+  if(v.length)loss.push({name:'validation loss',x:v.map(p=>p[0]),y:v.map(p=>p[1]),color:'#7ed321',width:2});
+  const charts=[chart('loss',loss,g),
+    chart('learning rate',[{name:'learning rate',x:d.steps,y:d.learning_rate,color:'#bd10e0',width:2}],g),
+    chart('peak memory',[{name:'peak memory, GiB',x:d.steps,y:d.peak_memory_bytes.map(b=>b/1073741824),
+      color:'#50e3c2',width:2}],g)];
+  for(const c of charts)if(c)box.appendChild(c);
+}
 function status(){
   const all=document.querySelectorAll('#grid img').length;
   const loaded=document.querySelectorAll('#grid img[data-loaded]').length;
@@ -187,10 +240,12 @@ function lorapipeSamples(data){
   status();
 }
 function refresh(){
-  const s=document.createElement('script');
-  s.src='samples.js?'+Date.now();
-  s.onload=s.onerror=()=>s.remove();
-  document.head.appendChild(s);
+  for(const name of ['samples.js','curves.js']){
+    const s=document.createElement('script');
+    s.src=name+'?'+Date.now();
+    s.onload=s.onerror=()=>s.remove();
+    document.head.appendChild(s);
+  }
 }
 refresh();setInterval(refresh,2000);
 </script></body></html>

@@ -9,7 +9,8 @@ messages on fds 3 and 4, each ended by a NUL byte). Standard library only.
 1. Loads the page and waits until it shows checkpoint --first with every image loaded.
 2. Creates --ready (the test then makes the sampler render checkpoint --then).
 3. Waits, without reloading, until the same page shows --then with every image loaded too.
-4. Saves a screenshot to --screenshot and prints what the page says.
+4. Saves a screenshot to --screenshot and prints what the page says, and the run's curves it
+   plots (each chart's lines and their points).
 Exits 0 when all of that holds, 1 with the reason otherwise.
 """
 import argparse
@@ -86,7 +87,11 @@ STATE = """(() => {
     const loaded = [...imgs].filter(i => i.dataset.loaded && i.naturalWidth > 0).length;
     rows[tr.id.slice(5)] = [imgs.length, loaded];
   }
-  return {rows, status: document.getElementById('status').textContent,
+  const curves = [...document.querySelectorAll('#curves svg')].map(svg => ({
+    title: svg.dataset.title,
+    lines: Object.fromEntries([...svg.querySelectorAll('polyline')].map(
+        p => [p.dataset.series, p.getAttribute('points').split(' ').length]))}));
+  return {rows, curves, status: document.getElementById('status').textContent,
           marker: window.__loadMarker};
 })()"""
 
@@ -127,6 +132,12 @@ def main():
         if str(args.first) not in then["rows"]:
             raise RuntimeError(f"step {args.first} went missing: {then['rows']}")
         print(f"without a reload: {then['status']}; rows {then['rows']}")
+        # The run's curves, where the run folder has them: each chart, and how many points each
+        # of its lines has.
+        curves = "; ".join(
+            f"{c['title']}: " + ", ".join(f"{k} {n}" for k, n in sorted(c["lines"].items()))
+            for c in then["curves"])
+        print(f"curves: {curves or 'none'}")
         shot = chrome.call("Page.captureScreenshot", {"format": "png"})["data"]
         os.makedirs(os.path.dirname(os.path.abspath(args.screenshot)), exist_ok=True)
         with open(args.screenshot, "wb") as f:

@@ -147,6 +147,20 @@ TEST_F(LauncherRun, DemoRunCompletesWithLoraSamplesGalleryAndEvents) {
 
   EXPECT_TRUE(fs::exists(run / "lora" / "demo.safetensors"));
   EXPECT_TRUE(fs::exists(run / "samples" / "index.html"));
+  // The gallery's curves, from the run's events: every step the trainer trained, its loss, the
+  // cosine schedule's learning rate falling to its end, and the peak memory.
+  EXPECT_TRUE(read_text(run / "samples" / "curves.js").starts_with("lorapipeCurves({"));
+  const json curves = json::parse(read_text(run / "samples" / "curves.json"));
+  ASSERT_EQ(curves["steps"].size(), 100u) << curves.dump();
+  EXPECT_EQ(curves["steps"].front(), 1);
+  EXPECT_EQ(curves["steps"].back(), 100);
+  for (const char* series : {"loss", "average_loss", "learning_rate", "peak_memory_bytes"}) {
+    ASSERT_EQ(curves[series].size(), 100u) << series;
+    EXPECT_GT(curves[series].front().get<double>(), 0) << series;
+  }
+  EXPECT_LT(curves["learning_rate"].back().get<double>(),
+            0.01 * curves["learning_rate"].front().get<double>());
+  EXPECT_TRUE(curves["validation"].empty()) << "the demo holds nothing out";
   EXPECT_TRUE(fs::exists(run / "run.toml"));
   EXPECT_TRUE(fs::exists(run / "state" / "demo-state" / "trainer.json"));
   EXPECT_FALSE(fs::is_empty(run / "tensorboard"));

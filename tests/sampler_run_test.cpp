@@ -21,6 +21,10 @@
 #include <vector>
 #include <vips/vips8>
 
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "deploy/curves.h"
 #include "models/pipeline.h"
 #include "models/safetensors.h"
 #include "models/tiny.h"
@@ -469,8 +473,11 @@ TEST_F(SamplerRun, RestartedAfterKillNineRendersTheNewest) {
 // The gallery as a user sees it: samples/index.html opened from disk in headless Chromium
 // (Debian's chromium, which test.sh installs), driven by tests/gallery_check.py over the DevTools
 // protocol. The page must show step 10 with every image loaded, then, while it stays open, pick
-// up step 20 once the sampler renders it, without a reload. The screenshot is kept in
-// build/test-artifacts/gallery.png.
+// up step 20 once the sampler renders it, without a reload. Above them it plots the run's curves
+// that the launcher writes beside the samples (deploy/curves.h, from the trainer's events: here
+// 20 steps and three validations, written by the launcher's own writer): loss with its average
+// and validation, learning rate, and peak memory, each line with every point. The screenshot is
+// kept in build/test-artifacts/gallery.png.
 TEST_F(SamplerRun, GalleryInChromiumShowsEachStepAndTheNextWithoutAReload) {
   const fs::path chromium = "/usr/bin/chromium";
   ASSERT_TRUE(fs::exists(chromium)) << "no " << chromium << ": scripts/deps.sh installs it for tests";
@@ -494,6 +501,21 @@ TEST_F(SamplerRun, GalleryInChromiumShowsEachStepAndTheNextWithoutAReload) {
   ASSERT_TRUE(announce_until_indexed(10, sampler, [&] { announce(10, false); }, &why))
       << why << read_text(work_ / "err");
 
+  launcher::RunCurves curves;
+  for (int step = 1; step <= 20; ++step) {
+    // As events.jsonl has them: protobuf's JSON, 64-bit integers as strings.
+    curves.add({{"event", "TrainProgress"},
+                {"step", std::to_string(step)},
+                {"loss", 0.2 + 0.1 * std::sin(step) + 0.5 / step},
+                {"average_loss", 0.2 + 0.5 / step},
+                {"learning_rate", 1e-4 * (0.5 + 0.5 * std::cos(3.14159 * step / 20))},
+                {"peak_memory_bytes", std::to_string((900 + 5 * step) << 20)}});
+  }
+  for (int step : {0, 10, 20}) {
+    curves.add({{"event", "ValidationLoss"}, {"step", std::to_string(step)},
+                {"loss", 0.6 - 0.01 * step}});
+  }
+  curves.write(work_ / "samples", std::chrono::seconds(0));
   const fs::path screenshot = fs::path(LORAPIPE_ARTIFACT_DIR) / "gallery.png";
   fs::remove(screenshot);
   const fs::path ready = work_ / "page-shows-10";
@@ -518,6 +540,10 @@ TEST_F(SamplerRun, GalleryInChromiumShowsEachStepAndTheNextWithoutAReload) {
   const std::string said = read_text(work_ / "check.out");
   std::printf("[gallery] %s", said.c_str());
   EXPECT_NE(said.find("without a reload: 2 checkpoints, 4 of 4 images shown"), std::string::npos)
+      << said;
+  EXPECT_NE(said.find("curves: loss: average loss 20, loss 20, validation loss 3; learning rate: "
+                      "learning rate 20; peak memory: peak memory, GiB 20"),
+            std::string::npos)
       << said;
   ASSERT_TRUE(fs::exists(screenshot));
   vips::VImage shot = vips::VImage::new_from_file(screenshot.c_str());

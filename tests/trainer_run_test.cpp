@@ -1929,14 +1929,24 @@ TEST_F(TrainRunTest, PublishesProgressAndCheckpoints) {
   zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub);
   sub.set(zmq::sockopt::subscribe, "");
   sub.connect(endpoint);
-  const pid_t pid =
-      spawn(args(work_, {"--max_train_steps=30", "--save_every_n_steps=10", "--pub=" + endpoint}),
-            work_ / "trainer.out", work_ / "trainer.err");
+  const pid_t pid = spawn(
+      args(work_, {"--max_train_steps=30", "--save_every_n_steps=10", "--pub=" + endpoint,
+                   "--validation_split=0.25", "--validate_every_n_steps=10"}),
+      work_ / "trainer.out", work_ / "trainer.err");
   std::set<uint64_t> steps;
   std::vector<wire::CheckpointReady> checkpoints;
+  std::map<uint64_t, double> validations;  // step: loss (the gallery's validation curve)
   bool done = false;
+  const auto take_validation = [&](const wire::Received& r) {
+    if (const auto* v = r.as<wire::ValidationLoss>()) {
+      EXPECT_FALSE(v->run_id().empty());
+      EXPECT_TRUE(std::isfinite(v->loss()) && v->loss() > 0) << v->loss();
+      validations[v->step()] = v->loss();
+    }
+  };
   for (int i = 0; i < 600 && !done; ++i) {
     const wire::Received r = wire::receive(sub, std::chrono::milliseconds(100));
+    take_validation(r);
     if (const auto* p = r.as<wire::TrainProgress>()) {
       steps.insert(p->step());
       EXPECT_FALSE(p->run_id().empty());
@@ -1962,6 +1972,20 @@ TEST_F(TrainRunTest, PublishesProgressAndCheckpoints) {
     }
   }
   EXPECT_EQ(wait_exit(pid), 0) << read_text(work_ / "trainer.err");
+  for (wire::Received r = wire::receive(sub, std::chrono::milliseconds(500)); r.ok();
+       r = wire::receive(sub, std::chrono::milliseconds(500))) {
+    take_validation(r);  // the end of the run's, sent after the final checkpoint
+  }
+  // Every validation the log reports is published, with its loss as logged (to its digits).
+  const std::string log = read_text(work_ / "trainer.err");
+  for (uint64_t step : {10u, 20u, 30u}) {
+    ASSERT_TRUE(validations.count(step)) << "no validation at step " << step;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(
+        log, m, std::regex("validation loss at step " + std::to_string(step) + ": ([0-9.e-]+)")))
+        << log;
+    EXPECT_NEAR(validations[step], std::stod(m[1]), 1e-5 * std::stod(m[1])) << step;
+  }
   // A subscriber can miss what was sent before it joined; the rest arrives in order.
   ASSERT_FALSE(steps.empty());
   EXPECT_EQ(*steps.rbegin(), 30u);

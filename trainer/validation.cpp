@@ -76,7 +76,15 @@ double Run::validation_loss() {
     }
   }
   network_->set_training(true);
-  return sum / static_cast<double>(n);
+  const double mean = sum / static_cast<double>(n);
+  if (pub_) {  // for the run's curves (the launcher's gallery plots them)
+    wire::ValidationLoss v;
+    v.set_run_id(run_id_);
+    v.set_step(static_cast<uint64_t>(global_step_));
+    v.set_loss(mean);
+    (void)wire::send(*pub_, v);
+  }
+  return mean;
 }
 
 }  // namespace lorapipe::trainer::detail
