@@ -24,8 +24,10 @@
 //   trainer_bench solo tiny|full|sdxl|flux|flux_tiny [--device cpu|cuda|cuda:N]
 //       [--dtype fp32|bf16|fp16]
 //       [--batch N] [--resolution PX] [--steps N] [--gradient_checkpointing] [--fp8_base]
-//       [--fp8_scaled] [--blocks_to_swap N (FLUX.1; kohya's split, the trainer's placement)]
-//       [--cpu_offload_checkpointing (FLUX.1)]
+//       [--fp8_scaled] [--blocks_to_swap N (FLUX.1: kohya's split; the U-Nets: the transformer
+//       blocks of the last N of kohya's blocks with any; the trainer's placement)]
+//       [--cpu_offload_checkpointing (FLUX.1)] [--depth D (FLUX.1 at full width, D double and
+//       2D single blocks)]
 //       [--threads N]
 //       [--peak_tflops T] [--optimizer_type NAME [--optimizer_args K=V ...] [--learning_rate LR]]
 //       the same step alone, on the UNet's own random initialisation and random inputs (no files,
@@ -262,6 +264,7 @@ int solo(const std::string& size, int argc, char** argv) {
   int64_t resolution = size == "tiny" || size == "flux_tiny" ? 128 : size == "sdxl" ? 1024 : 512;
   bool checkpointing = false, fp8_base = false, fp8_scaled = false, offload = false;
   int blocks_to_swap = 0;
+  int depth = 0;  // FLUX.1 at full width with this many double blocks and twice as many single
   double peak_tflops = -1;
   t::OptimizerOptions optimizer;
   std::vector<std::string> optimizer_args;
@@ -292,6 +295,8 @@ int solo(const std::string& size, int argc, char** argv) {
       offload = checkpointing = true;
     } else if (flag == "--blocks_to_swap") {
       blocks_to_swap = std::stoi(value());
+    } else if (flag == "--depth") {
+      depth = std::stoi(value());
     } else if (flag == "--threads") {
       at::set_num_threads(std::stoi(value()));
     } else if (flag == "--peak_tflops") {
@@ -317,6 +322,8 @@ int solo(const std::string& size, int argc, char** argv) {
 
   torch::manual_seed(0);
   std::unique_ptr<m::DiffusionModel> owned;
+  m::Float8Storage float8;                      // what --fp8_base stored
+  m::DiffusionModel::BlockSwapReport swap;     // what --blocks_to_swap moved to the host
   t::MicroBatch micro;
   double flops = 0;
   const int64_t side = resolution / 8;
@@ -333,16 +340,18 @@ int solo(const std::string& size, int argc, char** argv) {
     } else if (size != "flux") {
       throw std::invalid_argument("size must be tiny, full, sdxl, flux or flux_tiny");
     }
+    if (depth > 0) config.depth = depth, config.depth_single_blocks = 2 * depth;
     {
       torch::NoGradGuard no_grad;
       flux->transformer = m::FluxTransformer(config, torch::TensorOptions().dtype(dtype));
       for (auto& p : flux->transformer->parameters()) p.normal_(0, 0.02);  // built uninitialised
     }
-    if (fp8_base) m::store_weights_in_float8(*flux->transformer, fp8_scaled);
-    // As the trainer's placement: the swapped weights go to host memory before the move.
-    if (blocks_to_swap > 0) (void)flux->enable_block_swap(blocks_to_swap, device, 2);
-    flux->transformer->to(device);
+    if (fp8_base) float8 = m::store_weights_in_float8(*flux->transformer, fp8_scaled);
+    // As the trainer's placement: frozen, then the swapped weights go to host memory before the
+    // move.
     for (auto& p : flux->transformer->parameters()) p.requires_grad_(false);
+    if (blocks_to_swap > 0) swap = flux->enable_block_swap(blocks_to_swap, device, 2);
+    flux->transformer->to(device);
     flux->transformer->train();
     const int64_t text = size == "flux_tiny" ? 16 : 512;
     micro.latents = torch::randn({batch, 16, side, side});
@@ -363,11 +372,11 @@ int solo(const std::string& size, int argc, char** argv) {
       model.unet = m::UNet(config_for(size));
     }
     model.unet->to(dtype);
-    if (blocks_to_swap > 0) throw std::invalid_argument("--blocks_to_swap: FLUX.1 only");
-    // On the CPU, then moved, as the trainer.
-    if (fp8_base) m::store_weights_in_float8(*model.unet, fp8_scaled);
-    model.unet->to(device);
+    // On the CPU, then moved, as the trainer's placement: float8, frozen, the swap, the move.
+    if (fp8_base) float8 = m::store_weights_in_float8(*model.unet, fp8_scaled);
     for (auto& p : model.unet->parameters()) p.requires_grad_(false);
+    if (blocks_to_swap > 0) swap = model.enable_block_swap(blocks_to_swap, device, 2);
+    model.unet->to(device);
     model.unet->train();
     const m::UNetConfig& config = model.unet->config();
     micro.latents = torch::randn({batch, config.in_channels, side, side});
@@ -408,17 +417,32 @@ int solo(const std::string& size, int argc, char** argv) {
   for (int64_t i = 0; i < steps; ++i) one_step();
   synchronize(device);
   const double seconds = ms_since(start) / 1e3 / static_cast<double>(steps);
-  const std::string swap =
+  const std::string swapped =
       (blocks_to_swap > 0 ? " blocks_to_swap " + std::to_string(blocks_to_swap) : "") +
-      (offload ? " cpu_offload_checkpointing" : "");
+      (offload ? " cpu_offload_checkpointing" : "") +
+      (depth > 0 ? " depth " + std::to_string(depth) : "");
   std::printf("%s %s %s%s%s%s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, "
               "peak allocated %.0f MiB",
               size.c_str(), m::describe_device(device).c_str(), dtype_name.c_str(),
-              fp8_base ? " fp8_base" : "", fp8_scaled ? " scaled" : "", swap.c_str(),
+              fp8_base ? " fp8_base" : "", fp8_scaled ? " scaled" : "", swapped.c_str(),
               optimizer.type.c_str(),
               static_cast<long long>(batch), static_cast<long long>(resolution),
               static_cast<long long>(resolution), checkpointing ? ", checkpointing" : "", seconds,
               static_cast<double>(batch) / seconds, peak_allocated_mib(device));
+  // The bytes each option takes off the device by its own account (bench/small_card_bench.sh sets
+  // them against the measured peaks): float8's weights before less after (scales included), and
+  // the swapped weights less the ring's slots.
+  const double mib = 1 << 20;
+  if (fp8_base) {
+    std::printf(", float8 analytic saving %.0f MiB",
+                static_cast<double>(float8.bytes_before - float8.bytes_after) / mib);
+  }
+  if (blocks_to_swap > 0) {
+    std::printf(", swap analytic saving %.0f MiB (%.0f MiB to the host, %d slots of %.0f MiB)",
+                static_cast<double>(swap.host_bytes - swap.slots * swap.slot_bytes) / mib,
+                static_cast<double>(swap.host_bytes) / mib, swap.slots,
+                static_cast<double>(swap.slot_bytes) / mib);
+  }
   std::printf(", %.3g TFLOPS", flops / seconds / 1e12);
   if (peak_tflops > 0) {
     std::printf(", MFU %.1f%% of %.4g TFLOPS", 100 * flops / seconds / 1e12 / peak_tflops,

@@ -4,6 +4,8 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #if __has_include(<c10/cuda/CUDAStream.h>) && __has_include(<ATen/cuda/CUDAEvent.h>)
 #include <ATen/cuda/CUDAEvent.h>
@@ -26,7 +28,17 @@ constexpr int64_t kAlign = 256;
 class CpuSwapDevice : public SwapDevice {
  public:
   std::string name() const override { return "cpu"; }
-  at::Tensor host(const at::Tensor& weight) override { return weight.detach(); }
+  // The host copy lives outside LibTorch's allocator (the process's heap, as a GPU's host memory
+  // is outside its device allocator), so that on the CPU the allocated-tensor counter
+  // (models/tensor_memory.h) sees what CUDA's would: the slots and the resident weights, not the
+  // host copies.
+  at::Tensor host(const at::Tensor& weight) override {
+    const at::Tensor w = weight.detach().contiguous();
+    void* bytes = std::malloc(std::max<size_t>(w.nbytes(), 1));
+    if (bytes == nullptr) throw Error("block swap: no host memory for a weight");
+    std::memcpy(bytes, w.data_ptr(), w.nbytes());
+    return at::from_blob(bytes, w.sizes(), [](void* p) { std::free(p); }, w.options());
+  }
   at::Tensor slot(int64_t bytes) override { return at::empty({bytes}, at::kByte); }
   void copy(const at::Tensor& dst, const at::Tensor& src) override {
     at::Tensor out = dst;

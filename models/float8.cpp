@@ -123,12 +123,15 @@ at::Tensor quantize_float8(const at::Tensor& weight, const at::Tensor& scale) {
 at::Tensor dequantize_float8(const at::Tensor& weight, const at::Tensor& scale,
                              c10::ScalarType dtype) {
   if (!scale.defined()) return weight.to(dtype);
-  const at::Tensor w = weight.to(at::kFloat);
-  const at::Tensor wide =
-      scale.dim() == 3
-          ? (w.view({scale.size(0), scale.size(1), kFloat8ScaleBlock}) * scale).view(weight.sizes())
-          : w * scale;
-  return wide.to(dtype);
+  // Scaled in place in fp32: one fp32 copy of the weight at a time, not two (the largest SD1.5
+  // convolution, 29.5 M weights, would hold 236 MB more at the step's peak).
+  at::Tensor w = weight.to(at::kFloat);
+  if (scale.dim() == 3) {
+    w.view({scale.size(0), scale.size(1), kFloat8ScaleBlock}).mul_(scale);
+  } else {
+    w.mul_(scale);
+  }
+  return w.to(dtype);
 }
 
 at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
