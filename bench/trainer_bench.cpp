@@ -28,7 +28,8 @@
 //       blocks of the last N of kohya's blocks with any; the trainer's placement)]
 //       [--cpu_offload_checkpointing (FLUX.1)] [--depth D (FLUX.1 at full width, D double and
 //       2D single blocks)]
-//       [--threads N]
+//       [--threads N] [--write_structure DIR (the denoiser's header for `lorapipe plan --model`;
+//       with --steps 0 it stops there, after printing the LoRA's module and parameter counts)]
 //       [--peak_tflops T] [--optimizer_type NAME [--optimizer_args K=V ...] [--learning_rate LR]]
 //       the same step alone, on the UNet's own random initialisation and random inputs (no files,
 //       no Python); `sdxl` is SDXL's full-size U-Net (1024x1024 by default, the pooled embedding
@@ -258,12 +259,61 @@ void synchronize(const c10::Device& device) {
   (void)device;
 }
 
+int64_t lora_parameters(const t::LoraNetwork& network) {
+  int64_t n = 0;
+  for (const at::Tensor& p : network.unet_parameters()) n += p.numel();
+  return n;
+}
+
+// --write_structure: the denoiser's parameters as a checkpoint header the plan reads
+// (`lorapipe plan --model`), over a sparse data section: names, dtypes and shapes as the model
+// holds them, no weights written. U-Nets: a diffusers folder (model_index.json and
+// unet/diffusion_pytorch_model.safetensors, diffusers' names); FLUX.1: one transformer file in
+// the original layout. Returns what --model takes.
+fs::path write_structure(const fs::path& dir, torch::nn::Module& denoiser, const std::string& size) {
+  const bool flux = size.rfind("flux", 0) == 0;
+  fs::create_directories(flux ? dir : dir / "unet");
+  if (!flux) {
+    std::ofstream(dir / "model_index.json")
+        << "{\"_class_name\": \"" << (size == "sdxl" ? "StableDiffusionXLPipeline" : "StableDiffusionPipeline")
+        << "\"}\n";
+  }
+  const fs::path file = flux ? dir / "flux-transformer.safetensors"
+                             : dir / "unet" / "diffusion_pytorch_model.safetensors";
+  std::string header = "{";
+  uint64_t offset = 0;
+  for (const auto& item : denoiser.named_parameters()) {
+    const at::Tensor& p = item.value();
+    const char* dtype = p.scalar_type() == c10::kBFloat16 ? "BF16"
+                        : p.scalar_type() == c10::kHalf   ? "F16"
+                                                          : "F32";
+    const uint64_t bytes = static_cast<uint64_t>(p.numel()) * (dtype[0] == 'F' && dtype[1] == '3' ? 4 : 2);
+    std::string shape;
+    for (int64_t d : p.sizes()) shape += (shape.empty() ? "" : ",") + std::to_string(d);
+    header += (offset == 0 && header.size() == 1 ? "\"" : ",\"") + item.key() + "\":{\"dtype\":\"" +
+              dtype + "\",\"shape\":[" + shape + "],\"data_offsets\":[" + std::to_string(offset) +
+              "," + std::to_string(offset + bytes) + "]}";
+    offset += bytes;
+  }
+  header += "}";
+  while (header.size() % 8 != 0) header += ' ';
+  {
+    std::ofstream out(file, std::ios::binary | std::ios::trunc);
+    const uint64_t length = header.size();
+    out.write(reinterpret_cast<const char*>(&length), 8);
+    out << header;
+  }
+  fs::resize_file(file, 8 + header.size() + offset);  // sparse: the data section takes no disk
+  return flux ? file : dir;
+}
+
 int solo(const std::string& size, int argc, char** argv) {
   std::string device_spec = "cpu", dtype_name = "fp32";
   int64_t batch = 1, steps = 5;
   int64_t resolution = size == "tiny" || size == "flux_tiny" ? 128 : size == "sdxl" ? 1024 : 512;
   bool checkpointing = false, fp8_base = false, fp8_scaled = false, offload = false;
   int blocks_to_swap = 0;
+  fs::path structure;  // --write_structure DIR
   int depth = 0;  // FLUX.1 at full width with this many double blocks and twice as many single
   double peak_tflops = -1;
   t::OptimizerOptions optimizer;
@@ -295,6 +345,8 @@ int solo(const std::string& size, int argc, char** argv) {
       offload = checkpointing = true;
     } else if (flag == "--blocks_to_swap") {
       blocks_to_swap = std::stoi(value());
+    } else if (flag == "--write_structure") {
+      structure = value();
     } else if (flag == "--depth") {
       depth = std::stoi(value());
     } else if (flag == "--threads") {
@@ -341,11 +393,22 @@ int solo(const std::string& size, int argc, char** argv) {
       throw std::invalid_argument("size must be tiny, full, sdxl, flux or flux_tiny");
     }
     if (depth > 0) config.depth = depth, config.depth_single_blocks = 2 * depth;
+    // The full-size transformer's structure alone (`--steps 0 --write_structure`, no --depth) is
+    // built on the meta device: its 11.9 B parameters need no memory to have names and shapes.
+    const bool structure_only = steps == 0 && !structure.empty() && size == "flux" && depth == 0;
     {
       torch::NoGradGuard no_grad;
-      flux->transformer = m::FluxTransformer(config, torch::TensorOptions().dtype(dtype));
-      for (auto& p : flux->transformer->parameters()) p.normal_(0, 0.02);  // built uninitialised
+      auto options = torch::TensorOptions().dtype(dtype);
+      if (structure_only) options = options.device(torch::kMeta);
+      flux->transformer = m::FluxTransformer(config, options);
+      if (!structure_only) {
+        for (auto& p : flux->transformer->parameters()) p.normal_(0, 0.02);  // built uninitialised
+      }
     }
+    if (!structure.empty()) {
+      std::printf("structure %s\n", write_structure(structure, *flux->transformer, size).c_str());
+    }
+    if (structure_only) return 0;
     if (fp8_base) float8 = m::store_weights_in_float8(*flux->transformer, fp8_scaled);
     // As the trainer's placement: frozen, then the swapped weights go to host memory before the
     // move.
@@ -372,6 +435,9 @@ int solo(const std::string& size, int argc, char** argv) {
       model.unet = m::UNet(config_for(size));
     }
     model.unet->to(dtype);
+    if (!structure.empty()) {
+      std::printf("structure %s\n", write_structure(structure, *model.unet, size).c_str());
+    }
     // On the CPU, then moved, as the trainer's placement: float8, frozen, the swap, the move.
     if (fp8_base) float8 = m::store_weights_in_float8(*model.unet, fp8_scaled);
     for (auto& p : model.unet->parameters()) p.requires_grad_(false);
@@ -394,6 +460,11 @@ int solo(const std::string& size, int argc, char** argv) {
   net.alpha = 16;
   net.train_text_encoder = false;
   t::LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/7));
+  if (steps == 0) {  // the model and its LoRA only (with --write_structure: what the plan reads)
+    std::printf("LoRA modules %zu, LoRA parameters %lld\n", network.unet_module_count(),
+                static_cast<long long>(lora_parameters(network)));
+    return 0;
+  }
   t::StepOptions options;
   options.base_dtype = dtype;
   options.gradient_checkpointing = checkpointing;
@@ -443,7 +514,8 @@ int solo(const std::string& size, int argc, char** argv) {
                 static_cast<double>(swap.host_bytes) / mib, swap.slots,
                 static_cast<double>(swap.slot_bytes) / mib);
   }
-  std::printf(", %.3g TFLOPS", flops / seconds / 1e12);
+  std::printf(", %.3g TFLOPS, step flops %.6g, LoRA parameters %lld", flops / seconds / 1e12, flops,
+              static_cast<long long>(lora_parameters(network)));
   if (peak_tflops > 0) {
     std::printf(", MFU %.1f%% of %.4g TFLOPS", 100 * flops / seconds / 1e12 / peak_tflops,
                 peak_tflops);
