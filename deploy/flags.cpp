@@ -140,6 +140,8 @@ std::vector<FlagInfo> make_table() {
   // The launcher's own: the sampler waits for the training's end (auto: when it shares the
   // trainer's device, and that is not the CPU).
   add("sample_after_training", {}, /*boolean=*/true);
+  // `lorapipe plan`'s recommendation for this budget, taken without asking (deploy/plan.h).
+  add("plan_budget", {}, /*boolean=*/false);
   return t;
 }
 

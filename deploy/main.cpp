@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "deploy/launcher.h"
+#include "deploy/plan.h"
 
 namespace {
 
@@ -24,7 +25,11 @@ constexpr const char* kUsage =
     "      --sample_every_n_steps, ...). With no model: the built-in tiny model and demo data.\n"
     "  lorapipe resume DIR [flags]   continues a stopped run from its newest state (or starts\n"
     "                                it over when it stopped before its first save)\n"
-    "  lorapipe status DIR [--json]  the run's stages, cache, training, checkpoints, samples\n";
+    "  lorapipe status DIR [--json]  the run's stages, cache, training, checkpoints, samples\n"
+    "  lorapipe plan --model=M [--vram_budget=12GB] [--gpu=\"RTX 3060\"] [--output=DIR]\n"
+    "      [--resolutions=256,512,...] [--batch_sizes=1,2,4,8] [flags of a run]\n"
+    "      Predicts each setting's peak device memory and time per step before training, and\n"
+    "      recommends the fastest that fits; writes DIR/plan.json and a plot (plan.png).\n";
 
 std::filesystem::path own_folder() {
   return std::filesystem::read_symlink("/proc/self/exe").parent_path();
@@ -59,6 +64,7 @@ int main(int argc, char** argv) {
       }
       return l::run(settings, {own_folder(), state, /*start_over=*/state.empty()}, std::cout);
     }
+    if (command == "plan") return l::plan_command(args, std::cout);
     if (command == "status") {
       // `lorapipe status DIR [--json]`, the flag before or after the folder.
       bool json = false;

@@ -37,6 +37,7 @@
 #include "common/error.h"
 #include "deploy/curves.h"
 #include "deploy/launcher.h"
+#include "deploy/plan.h"
 #include "models/family.h"
 #include "proto/lorapipe.pb.h"
 #include "proto/wire.h"
@@ -772,6 +773,7 @@ int run(Settings settings, const RunOptions& options, std::ostream& display) {
   sigaddset(&action.sa_mask, SIGTERM);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+  if (settings.has("plan_budget")) display << apply_plan_budget(settings) << "\n";
   Supervisor supervisor(std::move(settings), options, display);
   try {
     return supervisor.run();

@@ -1,0 +1,1052 @@
+#include "deploy/plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include <unistd.h>
+
+#include "common/error.h"
+#include "common/file.h"
+#include "models/family.h"
+#include "models/safetensors.h"
+#include "runtime/process.h"
+
+#if LORAPIPE_PLAN_PNG
+#include <vips/vips.h>
+#endif
+
+namespace lorapipe::launcher {
+
+// The calibration bench/plan_calibrate.py wrote (deploy/plan_calibration.json, embedded at build).
+extern const char* const kPlanCalibration;
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace m = lorapipe::models;
+using nlohmann::json;
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+// The share of a card's peak bf16 tensor throughput a LoRA step is assumed to reach. A LoRA step
+// of these models reaches 30-45% on the data-centre GPUs we have measured (tests/gpu/run.sh,
+// bench/results); a consumer card's measured share can replace it through --gpu_mfu.
+constexpr double kAssumedMfu = 0.35;
+// What a card holds beyond the allocated tensors: the CUDA context and the caching allocator's
+// slack (PyTorch's reserved less allocated). A candidate fits when its prediction, raised by the
+// model's accuracy goal (10%), stays within the budget less this.
+constexpr double kReserveBytes = 0.6e9;
+constexpr double kAccuracyMargin = 1.10;
+// CUDA's caching allocator rounds every block up to 512 bytes: 256 more per tensor on average.
+constexpr double kRoundingPerTensor = 256;
+
+bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
+bool contains(const std::string& s, const std::string& p) { return s.find(p) != std::string::npos; }
+bool is_flux(const std::string& family) { return starts_with(family, "flux"); }
+// The calibration's name of a family: FLUX.1 [schnell] has [dev]'s transformer less its
+// guidance embedding.
+std::string calibration_key(const std::string& family) { return is_flux(family) ? "flux" : family; }
+
+struct Tensor {
+  std::string name;  // without the single file's denoiser prefix
+  std::vector<int64_t> shape;
+};
+
+std::vector<fs::path> safetensors_in(const fs::path& folder) {
+  std::vector<fs::path> files;
+  if (fs::is_directory(folder)) {
+    for (const auto& entry : fs::directory_iterator(folder)) {
+      if (entry.path().extension() == ".safetensors") files.push_back(entry.path());
+    }
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+// The denoiser's tensors: a diffusers folder's unet/ or transformer/, or the single file's keys
+// under model.diffusion_model. (all of them where a Flux transformer file has no prefix).
+std::vector<Tensor> denoiser_tensors(const fs::path& model, const std::string& family) {
+  std::vector<fs::path> files;
+  std::string prefix;
+  if (fs::is_directory(model)) {
+    files = safetensors_in(model / (is_flux(family) ? "transformer" : "unet"));
+    if (files.empty()) {
+      throw InputError(model.string() + ": no " + (is_flux(family) ? "transformer" : "unet") +
+                       "/*.safetensors (the plan reads the denoiser's shapes from it)");
+    }
+  } else {
+    files = {model};
+    prefix = "model.diffusion_model.";
+  }
+  std::vector<Tensor> tensors;
+  for (const fs::path& file : files) {
+    const m::SafetensorsFile f = m::SafetensorsFile::open(file);
+    bool prefixed = false;
+    for (const m::TensorInfo& t : f.tensors()) prefixed = prefixed || starts_with(t.name, prefix);
+    for (const m::TensorInfo& t : f.tensors()) {
+      if (prefix.empty() || !prefixed) {
+        tensors.push_back({t.name, t.shape});
+      } else if (starts_with(t.name, prefix)) {
+        tensors.push_back({t.name.substr(prefix.size()), t.shape});
+      }
+    }
+  }
+  if (tensors.empty()) throw InputError(model.string() + ": no denoiser tensors found");
+  return tensors;
+}
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+// The float32 scales --fp8_scaled keeps for a weight (models/float8.h).
+uint64_t scale_count(const std::vector<int64_t>& shape) {
+  if (shape.size() != 2) return 1;
+  return static_cast<uint64_t>(shape[1] % 64 == 0 ? shape[0] * (shape[1] / 64) : shape[0]);
+}
+
+// kohya's LoRA targets by key: every Linear and 1x1 Conv2d inside the U-Nets' transformers
+// (networks/lora.py's Transformer2DModel), inside Flux's double and single blocks
+// (networks/lora_flux.py). Diffusers' split Flux projections are one module in the original
+// layout the trainer loads them into: q, k, v (and single blocks' proj_mlp) share the input.
+struct LoraGroup {
+  int64_t in = 0, out = 0;
+};
+
+std::string fused_flux_group(const std::string& name) {
+  static const std::regex split(
+      R"(^(single_transformer_blocks\.\d+\.)(attn\.to_[qkv]|proj_mlp)\.weight$|)"
+      R"(^(transformer_blocks\.\d+\.attn\.)(to_[qkv]|add_[qkv]_proj)\.weight$)");
+  std::smatch match;
+  if (!std::regex_match(name, match, split)) return "";
+  if (match[1].matched) return match[1].str() + "linear1";
+  return match[3].str() + (starts_with(match[4].str(), "add") ? "txt_qkv" : "qkv");
+}
+
+bool is_lora_target(const std::string& family, const Tensor& t) {
+  if (!(t.shape.size() == 2 || (t.shape.size() == 4 && t.shape[2] == 1 && t.shape[3] == 1))) {
+    return false;
+  }
+  if (!t.name.ends_with(".weight")) return false;
+  if (is_flux(family)) {
+    return starts_with(t.name, "double_blocks.") || starts_with(t.name, "single_blocks.") ||
+           starts_with(t.name, "transformer_blocks.") ||
+           starts_with(t.name, "single_transformer_blocks.");
+  }
+  return contains(t.name, "transformer_blocks.") || contains(t.name, ".proj_in.") ||
+         contains(t.name, ".proj_out.");
+}
+
+// Flux's block of a key in kohya's swap lists: (double?, index), or index -1.
+std::pair<bool, int> flux_block(const std::string& name) {
+  static const std::regex block(
+      R"(^(double_blocks|single_blocks|transformer_blocks|single_transformer_blocks)\.(\d+)\.)");
+  std::smatch match;
+  if (!std::regex_search(name, match, block)) return {false, -1};
+  const std::string list = match[1].str();
+  return {list == "double_blocks" || list == "transformer_blocks", std::stoi(match[2].str())};
+}
+
+const json& calibration() {
+  static const json parsed = json::parse(kPlanCalibration);
+  return parsed;
+}
+
+const json& calibration_for(const std::string& family, bool checkpointing) {
+  const json& families = calibration().at("families");
+  const std::string key = calibration_key(family);
+  const char* mode = checkpointing ? "checkpointing" : "no_checkpointing";
+  if (!families.contains(key) || !families.at(key).contains(mode)) {
+    throw InputError("lorapipe plan: no calibration for " + family + " " +
+                     (checkpointing ? "with" : "without") +
+                     " gradient checkpointing (bench/plan_calibrate.py makes one)");
+  }
+  return families.at(key).at(mode);
+}
+
+bool calibrated(const std::string& family, bool checkpointing) {
+  const json& families = calibration().at("families");
+  const std::string key = calibration_key(family);
+  return families.contains(key) &&
+         families.at(key).contains(checkpointing ? "checkpointing" : "no_checkpointing");
+}
+
+double dot(const json& coefficients, const std::vector<double>& features) {
+  double sum = 0;
+  for (size_t i = 0; i < features.size() && i < coefficients.size(); ++i) {
+    sum += coefficients[i].get<double>() * features[i];
+  }
+  return sum;
+}
+
+// The optimizer state per LoRA parameter, bytes (trainer/optimizer.cpp's optimizers).
+double optimizer_bytes_per_param(const std::string& optimizer) {
+  std::string o = optimizer;
+  std::transform(o.begin(), o.end(), o.begin(), ::tolower);
+  if (o == "adamw" || o == "adam" || o == "prodigy" || o == "dadaptadam") return 8;
+  // two uint8 moments and a float32 absmax per 256 of them (bitsandbytes' blockwise layout)
+  if (o == "adamw8bit" || o == "pagedadamw8bit") return 2 + 2 * 4.0 / 256;
+  if (o == "lion") return 4;
+  if (o == "lion8bit") return 1 + 4.0 / 256;
+  if (o == "adafactor") return 0.1;  // factored second moments: rows + columns, no first
+  if (o == "sgdnesterov" || o == "sgd") return 4;
+  throw InputError("lorapipe plan: --optimizer_type=" + optimizer +
+                   ": the plan knows AdamW, AdamW8bit, PagedAdamW8bit, Lion, Lion8bit, Adafactor, "
+                   "Prodigy, DAdaptAdam and SGDNesterov");
+}
+
+std::string gib(double bytes, int digits = 2) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(digits) << bytes / kGiB;
+  return s.str();
+}
+
+double parse_bytes(const std::string& text) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    throw InputError("--vram_budget=" + text + ": expected a size such as 12GB, 6GiB or 8000MB");
+  }
+  std::string unit = text.substr(used);
+  std::transform(unit.begin(), unit.end(), unit.begin(), ::tolower);
+  // A card's "12 GB" is its GiB count (a 12 GB RTX 3060 holds 12 GiB): GB and GiB alike.
+  if (unit.empty() || unit == "gb" || unit == "gib" || unit == "g") return value * kGiB;
+  if (unit == "mb" || unit == "mib" || unit == "m") return value * 1024 * 1024;
+  throw InputError("--vram_budget=" + text + ": expected a size such as 12GB, 6GiB or 8000MB");
+}
+
+std::vector<int> parse_ints(const std::string& flag, const std::string& text) {
+  std::vector<int> values;
+  std::stringstream s(text);
+  std::string item;
+  while (std::getline(s, item, ',')) {
+    try {
+      values.push_back(std::stoi(item));
+    } catch (const std::exception&) {
+      throw InputError(flag + "=" + text + ": expected comma-separated whole numbers");
+    }
+    if (values.back() <= 0) throw InputError(flag + "=" + text + ": values must be positive");
+  }
+  if (values.empty()) throw InputError(flag + " wants at least one value");
+  return values;
+}
+
+}  // namespace
+
+ModelStructure read_structure(const fs::path& model, const std::string& family_override) {
+  const m::FamilyDetection detected = m::detect_family(model, family_override);
+  const m::ModelFamily& family = m::model_family(detected.family);
+  ModelStructure s;
+  s.family = family.name;
+  s.display_name = family.display_name;
+  const bool flux = is_flux(s.family);
+  s.pixels_per_token = family.vae_downsample * (flux ? 2 : 1);
+  s.text_tokens = flux ? (s.family == "flux-dev" ? 512 : 256) : 77;
+  std::map<std::string, LoraGroup> fused;
+  std::map<int, uint64_t> doubles, singles, double_scales, single_scales;
+  std::set<std::string> transformer_blocks;
+  for (const Tensor& t : denoiser_tensors(model, s.family)) {
+    const auto n = static_cast<uint64_t>(numel(t.shape));
+    s.params += n;
+    ++s.weight_tensors;
+    const bool float8 = t.name.ends_with(".weight") && t.shape.size() >= 2;
+    if (float8) {
+      s.float8_params += n;
+      s.float8_scales += scale_count(t.shape);
+      s.largest_weight = std::max(s.largest_weight, n);
+    }
+    if (is_lora_target(s.family, t)) {
+      const std::string group = flux ? fused_flux_group(t.name) : "";
+      if (group.empty()) {
+        s.lora_in_out += static_cast<uint64_t>(t.shape[0] + t.shape[1]);
+        ++s.lora_modules;
+      } else {
+        LoraGroup& g = fused[group];
+        g.in = t.shape[1];
+        g.out += t.shape[0];
+      }
+    }
+    if (flux) {
+      const auto [is_double, index] = flux_block(t.name);
+      if (index >= 0 && float8) {
+        (is_double ? doubles : singles)[index] += n;
+        (is_double ? double_scales : single_scales)[index] += scale_count(t.shape);
+      }
+    } else {
+      static const std::regex block(R"(^(.*transformer_blocks\.\d+)\.)");
+      std::smatch match;
+      if (std::regex_search(t.name, match, block)) transformer_blocks.insert(match[1].str());
+    }
+  }
+  for (const auto& [name, g] : fused) {
+    s.lora_in_out += static_cast<uint64_t>(g.in + g.out);
+    ++s.lora_modules;
+  }
+  for (const auto& [i, n] : doubles) s.double_blocks.push_back(n), s.double_scales.push_back(double_scales[i]);
+  for (const auto& [i, n] : singles) s.single_blocks.push_back(n), s.single_scales.push_back(single_scales[i]);
+  s.blocks = flux ? static_cast<int>(s.double_blocks.size() + s.single_blocks.size())
+                  : static_cast<int>(transformer_blocks.size());
+  if (s.lora_modules == 0) {
+    throw InputError(model.string() + ": none of kohya's LoRA targets found in its denoiser");
+  }
+  return s;
+}
+
+Card find_card(const std::string& name) {
+  // Dense bf16 tensor throughput with fp32 accumulation (what PyTorch's bf16 matmuls use; half
+  // the fp16-accumulate figure on GeForce cards), memory bandwidth, and the host bus's practical
+  // pinned-copy rate (PCIe 3 x16 ~12 GB/s, 4 x16 ~24, 5 x16 ~50), from the vendors' sheets.
+  static const std::vector<Card> cards = {
+      {"RTX 3060", 25.6, 360, 24},  {"RTX 3070", 40.6, 448, 24},  {"RTX 3080", 59.5, 760, 24},
+      {"RTX 3090", 71.0, 936, 24},  {"RTX 4060", 30.0, 272, 24},  {"RTX 4070", 58.0, 504, 24},
+      {"RTX 4080", 97.5, 717, 24},  {"RTX 4090", 165.2, 1008, 24}, {"T4", 65.0, 320, 12},
+      {"L4", 121.0, 300, 24},       {"A100", 312.0, 2039, 24},    {"H100", 989.4, 3350, 50},
+      {"H200", 989.4, 4800, 50}};
+  std::string wanted = name;
+  std::transform(wanted.begin(), wanted.end(), wanted.begin(), ::toupper);
+  for (const Card& card : cards) {
+    std::string upper = card.name;
+    std::transform(upper.begin(), upper.end(), upper.begin(), ::toupper);
+    if (contains(upper, wanted) || contains(wanted, upper)) return card;
+  }
+  std::string known;
+  for (const Card& card : cards) known += (known.empty() ? "" : ", ") + card.name;
+  throw InputError("--gpu=" + name + ": not a card the plan knows (" + known +
+                   "); give its throughput with --gpu_tflops instead");
+}
+
+Prediction predict(const ModelStructure& model, const Candidate& c, const PlanOptions& o) {
+  Prediction p;
+  const double store = o.storage_bytes;
+  const bool float8 = !c.float8.empty();
+  const bool scaled = c.float8 == "fp8_scaled";
+  const double weight_byte = float8 ? 1 : store;
+  p.weights = static_cast<double>(model.params - model.float8_params) * store +
+              static_cast<double>(model.float8_params) * weight_byte +
+              (scaled ? 4.0 * static_cast<double>(model.float8_scales) : 0);
+  // Block swap (Flux, kohya's split): the last N // 2 double blocks' and (N - N // 2) x 2 single
+  // blocks' frozen weights leave for the host; two device slots of the largest swapped block
+  // receive them.
+  if (c.blocks_to_swap > 0 && is_flux(model.family)) {
+    const int swap_double = std::min<int>(c.blocks_to_swap / 2, model.double_blocks.size());
+    const int swap_single =
+        std::min<int>((c.blocks_to_swap - c.blocks_to_swap / 2) * 2, model.single_blocks.size());
+    double moved = 0, largest = 0;
+    auto take = [&](const std::vector<uint64_t>& blocks, const std::vector<uint64_t>& scales,
+                    int count) {
+      for (size_t i = blocks.size() - count; i < blocks.size(); ++i) {
+        const double bytes = static_cast<double>(blocks[i]) * weight_byte +
+                             (scaled ? 4.0 * static_cast<double>(scales[i]) : 0);
+        moved += bytes;
+        largest = std::max(largest, bytes);
+      }
+    };
+    take(model.double_blocks, model.double_scales, swap_double);
+    take(model.single_blocks, model.single_scales, swap_single);
+    p.weights -= moved - 2 * largest;
+  }
+  const double lora_params = static_cast<double>(o.rank) * static_cast<double>(model.lora_in_out);
+  p.lora = lora_params * 4 * 2;  // fp32 parameters and their gradients
+  p.optimizer = lora_params * optimizer_bytes_per_param(c.optimizer);
+  // One float8 weight upcast at a time, to the compute dtype, alive through its layer's compute
+  // (scaled float8's float32 intermediate lives only inside the upcast: measured, it adds nothing
+  // at the peak). Whether the largest copy is alive at the activations' peak depends on where
+  // each family's peak falls (SD1.5's falls in its small early layers); the calibration fits the
+  // share per family from float8 steps, and a family without one counts the whole copy.
+  if (float8) {
+    p.float8_copy = static_cast<double>(model.largest_weight) * store;
+    const json& families = calibration().at("families");
+    const std::string key = calibration_key(model.family);
+    const double share = families.contains(key) ? families.at(key).value("float8_share", 1.0) : 1.0;
+    p.transient = share * p.float8_copy;
+  }
+  p.rounding = kRoundingPerTensor * static_cast<double>(model.weight_tensors + 6 * model.lora_modules);
+
+  const double tokens = std::ceil(static_cast<double>(c.width) / model.pixels_per_token) *
+                            std::ceil(static_cast<double>(c.height) / model.pixels_per_token) +
+                        (is_flux(model.family) ? model.text_tokens : 0);
+  const double b = c.batch;
+  const double n = model.blocks;
+  p.features = {1, b * tokens, b * tokens * tokens, b * tokens * n, b * tokens * tokens * n};
+  const json& cal = calibration_for(model.family, c.checkpointing);
+  // The activations are in the compute dtype: the calibration's measured at dtype_bytes (fp32 on
+  // a CPU without bf16 matrix units), scaled to the run's.
+  const double dtype_scale = store / calibration().value("dtype_bytes", 4.0);
+  p.activations = std::max(0.0, dot(cal.at("activations"), p.features)) * dtype_scale;
+  p.flops = std::max(0.0, dot(cal.at("flops"), p.features));
+
+  // Time on the card: the FLOPs (checkpointing recomputes the forward: a third more) at the
+  // assumed share of its peak; float8's upcasts read the weights and write and read their
+  // widened copy on every pass (forward, the recompute, backward); block swap's copies go over
+  // the bus in forward and backward, overlapped with compute.
+  const double rate = o.card.tflops * 1e12 * kAssumedMfu;
+  double compute = p.flops * (c.checkpointing ? 4.0 / 3 : 1.0) / rate;
+  const double passes = c.checkpointing ? 3 : 2;
+  if (float8) {
+    compute += passes * static_cast<double>(model.float8_params) * (1 + 2 * store + (scaled ? 8 : 0)) /
+               (o.card.memory_gbps * 1e9);
+  }
+  double transfer = 0;
+  if (c.blocks_to_swap > 0) {
+    Candidate none = c;
+    none.blocks_to_swap = 0;
+    const double moved = predict(model, none, o).weights - p.weights;
+    transfer = 2 * std::max(0.0, moved) / (o.card.bus_gbps * 1e9);
+  }
+  p.s_per_it = std::max(compute, transfer);
+  return p;
+}
+
+namespace {
+
+std::vector<std::string> candidate_flags(const ModelStructure& model, const Candidate& c,
+                                         const PlanOptions& o) {
+  std::vector<std::string> flags = {"--pretrained_model_name_or_path=" + o.model.string(),
+                                    "--resolution=" + std::to_string(c.width) + "," +
+                                        std::to_string(c.height),
+                                    "--train_batch_size=" + std::to_string(c.batch),
+                                    "--network_dim=" + std::to_string(o.rank),
+                                    "--mixed_precision=" +
+                                        std::string(o.storage_bytes == 4 ? "no" : "bf16"),
+                                    "--optimizer_type=" + c.optimizer};
+  if (c.checkpointing) flags.push_back("--gradient_checkpointing");
+  if (!c.float8.empty()) flags.push_back("--fp8_base");
+  if (c.float8 == "fp8_scaled") flags.push_back("--fp8_scaled");
+  if (c.blocks_to_swap > 0) flags.push_back("--blocks_to_swap=" + std::to_string(c.blocks_to_swap));
+  (void)model;
+  for (const std::string& f : o.run_flags) flags.push_back(f);
+  return flags;
+}
+
+std::string describe(const Candidate& c) {
+  std::string s = c.checkpointing ? "ckpt" : "no ckpt";
+  if (!c.float8.empty()) s += c.float8 == "fp8" ? ", fp8" : ", fp8 scaled";
+  if (c.blocks_to_swap > 0) s += ", swap " + std::to_string(c.blocks_to_swap);
+  s += ", " + c.optimizer;
+  return s;
+}
+
+// How much a candidate asks of its user, for ties in speed: fewer memory options first, scaled
+// float8 before plain (it is the more accurate).
+int burden(const Candidate& c) {
+  return (c.checkpointing ? 1 : 0) + (c.float8 == "fp8_scaled" ? 2 : c.float8 == "fp8" ? 3 : 0) +
+         (c.blocks_to_swap > 0 ? 4 : 0) + (c.optimizer == "AdamW" ? 0 : 1);
+}
+
+}  // namespace
+
+PlanOptions parse_plan_args(const std::vector<std::string>& args) {
+  PlanOptions o;
+  o.card = find_card("RTX 3060");
+  std::vector<std::string> run_args;
+  double tflops = 0;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string arg = args[i];
+    std::string name = arg, value;
+    const size_t eq = arg.find('=');
+    if (eq != std::string::npos) name = arg.substr(0, eq), value = arg.substr(eq + 1);
+    static const std::set<std::string> valued = {
+        "--model", "--pretrained_model_name_or_path", "--model_family", "--vram_budget", "--gpu",
+        "--gpu_tflops", "--resolutions", "--batch_sizes"};
+    if (valued.count(name)) {
+      if (eq == std::string::npos) {
+        if (i + 1 >= args.size()) throw InputError(name + " wants a value");
+        value = args[++i];
+      }
+      if (name == "--model" || name == "--pretrained_model_name_or_path") {
+        o.model = value;
+      } else if (name == "--model_family") {
+        o.family = value;
+      } else if (name == "--vram_budget") {
+        o.budget_bytes = parse_bytes(value);
+      } else if (name == "--gpu") {
+        o.card = find_card(value);
+      } else if (name == "--gpu_tflops") {
+        tflops = std::stod(value);
+      } else if (name == "--resolutions") {
+        o.resolutions = parse_ints(name, value);
+      } else if (name == "--batch_sizes") {
+        o.batches = parse_ints(name, value);
+      }
+      continue;
+    }
+    run_args.push_back(arg);
+  }
+  if (tflops > 0) o.card.name = "a card of " + std::to_string(tflops) + " TFLOPS", o.card.tflops = tflops;
+  if (o.model.empty()) throw InputError("lorapipe plan: --model=FILE_OR_FOLDER is needed");
+  // The run's own flags, checked as `lorapipe run` checks them.
+  o.run = parse_run_args(run_args);
+  const Settings& run = o.run;
+  for (const auto& [name, value] : run.flags) {
+    if (name == "pretrained_model_name_or_path" || name == "model") {
+      o.model = value;
+    } else if (name == "data_dir" || name == "dataset_config" || name == "train_data_dir" ||
+               name == "in_json") {
+      o.dataset = true;
+    }
+  }
+  if (run.has("network_dim")) o.rank = std::stoi(run.get("network_dim"));
+  if (run.has("mixed_precision")) o.storage_bytes = run.get("mixed_precision") == "no" ? 4 : 2;
+  if (run.has("learning_rate")) o.learning_rate = std::stod(run.get("learning_rate"));
+  if (run.has("optimizer_type")) o.optimizer = run.get("optimizer_type");
+  const int batch = std::stoi(run.get("train_batch_size", "0"));
+  const int accumulation = std::stoi(run.get("gradient_accumulation_steps", "1"));
+  if (batch > 0) o.effective_batch = batch * accumulation;
+  for (const auto& [name, value] : run.flags) {
+    if (name == "network_dim" || name == "mixed_precision" || name == "learning_rate" ||
+        name == "optimizer_type" || name == "train_batch_size" || name == "resolution" ||
+        name == "gradient_accumulation_steps" || name == "pretrained_model_name_or_path" ||
+        name == "model" || name == "gradient_checkpointing" || name == "fp8_base" ||
+        name == "fp8_base_unet" || name == "fp8_scaled" || name == "blocks_to_swap" ||
+        name == "plan_budget" || name == "output") {
+      continue;
+    }
+    o.run_flags.push_back("--" + name + (value == "true" ? "" : "=" + value));
+  }
+  return o;
+}
+
+namespace {
+
+std::string read_all(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// The dataset's buckets at width x height, as the run's preprocess stage picks them: its report
+// (`lorapipe-preprocess --report_only`, which reads and decodes every image as the run will, so
+// a broken image is left out here as there) over the run's dataset and bucket flags.
+std::vector<DatasetBucket> dataset_buckets(const Settings& run, int width, int height) {
+  Settings settings = run;
+  settings.set("resolution", std::to_string(width) + "," + std::to_string(height));
+  const fs::path bin = fs::read_symlink("/proc/self/exe").parent_path();
+  const fs::path dir = fs::temp_directory_path() /
+                       ("lorapipe-plan-" + std::to_string(::getpid()) + "-" + std::to_string(width) +
+                        "x" + std::to_string(height));
+  fs::create_directories(dir);
+  std::vector<std::string> argv = {(bin / "lorapipe-preprocess").string(), "--report_only",
+                                   "--report_json=" + (dir / "report.json").string()};
+  for (const std::string& a : stage_args(settings, Stage::kPreprocess)) argv.push_back(a);
+  const int code = runtime::wait_exit(runtime::spawn(argv, dir / "out.txt", dir / "err.txt"));
+  std::string report, err;
+  if (code == 0) report = read_all(dir / "report.json");
+  if (code != 0) err = read_all(dir / "err.txt");
+  std::error_code ignored;
+  fs::remove_all(dir, ignored);
+  if (code != 0) {
+    while (!err.empty() && err.back() == '\n') err.pop_back();
+    throw InputError("lorapipe plan: the dataset's buckets at " + std::to_string(width) + "x" +
+                     std::to_string(height) + ": lorapipe-preprocess exited " +
+                     std::to_string(code) + ": " + err);
+  }
+  std::vector<DatasetBucket> buckets;
+  const json parsed = json::parse(report);
+  for (const json& b : parsed.at("buckets")) {
+    buckets.push_back({b.at("bucket")[0].get<int>(), b.at("bucket")[1].get<int>(),
+                       b.at("count_with_repeats").get<int64_t>()});
+  }
+  if (buckets.empty()) {
+    throw InputError("lorapipe plan: the dataset has no image to train on at " +
+                     std::to_string(width) + "x" + std::to_string(height) +
+                     " (lorapipe-preprocess --report_only says why)");
+  }
+  return buckets;
+}
+
+// A candidate over the dataset's buckets: each bucket trains in batches of the candidate's size,
+// its last one short (kohya's bucket batching); the peak is the largest of any bucket's largest
+// batch, the step time the epoch's average.
+void predict_over_buckets(const ModelStructure& model, const std::vector<DatasetBucket>& buckets,
+                          const PlanOptions& options, PlanRow& row) {
+  double seconds = 0, steps = 0, samples = 0, peak = -1;
+  for (const DatasetBucket& b : buckets) {
+    Candidate c = row.candidate;
+    c.width = b.width, c.height = b.height;
+    c.batch = static_cast<int>(std::min<int64_t>(row.candidate.batch, b.count));
+    const Prediction p = predict(model, c, options);
+    const int64_t full = b.count / c.batch, rest = b.count % c.batch;
+    seconds += static_cast<double>(full) * p.s_per_it;
+    steps += static_cast<double>(full);
+    if (rest > 0) {
+      c.batch = static_cast<int>(rest);
+      seconds += predict(model, c, options).s_per_it;
+      steps += 1;
+    }
+    samples += static_cast<double>(b.count);
+    if (p.peak() > peak) peak = p.peak(), row.prediction = p;
+  }
+  row.prediction.s_per_it = seconds / steps;
+  row.samples_per_step = samples / steps;
+}
+
+// The resolution each family's models are trained and sampled at.
+int native_resolution(const std::string& family) { return family == "sd15" ? 512 : 1024; }
+
+}  // namespace
+
+Plan make_plan(const PlanOptions& options) {
+  Plan plan;
+  plan.options = options;
+  plan.model = read_structure(options.model, options.family);
+  const ModelStructure& model = plan.model;
+  std::vector<int> resolutions = options.resolutions;
+  if (resolutions.empty()) resolutions = {256, 384, 512, 640, 768, 896, 1024};
+  std::vector<int> batches = options.batches;
+  if (batches.empty()) batches = {1, 2, 4, 8};
+  std::vector<std::string> optimizers = {"AdamW", "AdamW8bit"};
+  if (!options.optimizer.empty()) optimizers = {options.optimizer};
+  std::vector<int> swaps = {0};
+  if (is_flux(model.family)) swaps = {0, 8, 16, 28};  // kohya's tiers for 24, 12, 8 GB
+  // What the run's flags fix, the plan keeps.
+  const Settings& run = options.run;
+  if (run.has("blocks_to_swap")) swaps = {std::stoi(run.get("blocks_to_swap"))};
+  std::vector<bool> checkpointing = {false, true};
+  if (run.has("gradient_checkpointing") && run.get("gradient_checkpointing") != "false") {
+    checkpointing = {true};
+  }
+  std::vector<std::string> float8 = {"", "fp8", "fp8_scaled"};
+  if (run.has("fp8_base") || run.has("fp8_base_unet")) {
+    float8 = {run.has("fp8_scaled") ? "fp8_scaled" : "fp8"};
+  }
+  // --resolution=W,H: that size alone (kohya's spelling; one number is a square).
+  std::vector<std::pair<int, int>> sizes;
+  if (!options.resolutions.empty()) {
+    for (int r : options.resolutions) sizes.emplace_back(r, r);
+  }
+  if (run.has("resolution") && options.resolutions.empty()) {
+    const std::vector<int> wh = parse_ints("--resolution", run.get("resolution"));
+    sizes = {{wh[0], wh.size() > 1 ? wh[1] : wh[0]}};
+  }
+  const bool sizes_given = !sizes.empty();
+  if (sizes.empty()) {
+    for (int r : resolutions) sizes.emplace_back(r, r);
+  }
+  if (options.dataset) {
+    for (const auto& [width, height] : sizes) {
+      plan.buckets[width] = dataset_buckets(run, width, height);
+    }
+  }
+  for (const auto& [width, height] : sizes) {
+    for (int b : batches) {
+      for (bool ckpt : checkpointing) {
+        if (!calibrated(model.family, ckpt)) continue;  // said under the table
+        for (const std::string& f8 : float8) {
+          for (int swap : swaps) {
+            for (const std::string& opt : optimizers) {
+              PlanRow row;
+              row.candidate = {width, height, b, ckpt, f8, swap, opt};
+              row.prediction = predict(model, row.candidate, options);
+              row.samples_per_step = b;
+              if (options.dataset) predict_over_buckets(model, plan.buckets[width], options, row);
+              row.fits = row.prediction.peak() * kAccuracyMargin <=
+                         options.budget_bytes - kReserveBytes;
+              row.flags = candidate_flags(model, row.candidate, options);
+              plan.rows.push_back(std::move(row));
+            }
+          }
+        }
+      }
+    }
+  }
+  if (plan.rows.empty()) {
+    throw InputError("lorapipe plan: no setting to weigh for " + model.family +
+                     " with these flags (the family is calibrated with gradient checkpointing)");
+  }
+  // The fastest in samples per second among those that fit, at the largest resolution that has
+  // one (what a user trains at is the detail the card can afford; speed decides within it). The
+  // default sweep recommends no more than the family's training resolution (SD1.5 512, SDXL and
+  // FLUX.1 1024): SD1.5 at 1024 fits many cards and is not what its users train at.
+  const int cap = sizes_given ? std::numeric_limits<int>::max()
+                              : native_resolution(model.family) * native_resolution(model.family);
+  plan.resolution_cap = sizes_given ? 0 : native_resolution(model.family);
+  int best_resolution = 0;
+  for (const PlanRow& row : plan.rows) {
+    const int area = row.candidate.width * row.candidate.height;
+    if (row.fits && area <= cap) best_resolution = std::max(best_resolution, area);
+  }
+  for (size_t i = 0; i < plan.rows.size(); ++i) {
+    const PlanRow& row = plan.rows[i];
+    if (!row.fits || row.candidate.width * row.candidate.height != best_resolution) continue;
+    if (plan.recommended < 0) {
+      plan.recommended = static_cast<int>(i);
+      continue;
+    }
+    const PlanRow& best = plan.rows[plan.recommended];
+    const double speed = row.samples_per_s();
+    const double best_speed = best.samples_per_s();
+    if (speed > best_speed * 1.02 ||
+        (speed > best_speed / 1.02 && burden(row.candidate) < burden(best.candidate))) {
+      plan.recommended = static_cast<int>(i);
+    }
+  }
+  if (plan.recommended >= 0) {
+    // Gradient accumulation keeps the samples per optimizer step the user asked for (kohya's
+    // train_batch_size x gradient_accumulation_steps); a batch past it raises them, and the
+    // learning rate follows by the square-root rule, the one that keeps Adam's update noise the
+    // same as the batch grows (Malladi et al. 2022, "On the SDEs and scaling rules for adaptive
+    // gradient algorithms"); kohya scales nothing by itself.
+    const int batch = plan.rows[plan.recommended].candidate.batch;
+    const int target = options.effective_batch > 0 ? options.effective_batch : batch;
+    plan.accumulation = std::max(1, (target + batch - 1) / batch);
+    const double effective = static_cast<double>(batch * plan.accumulation);
+    plan.learning_rate = options.learning_rate * std::sqrt(effective / target);
+    plan.learning_rate_rule =
+        effective == target
+            ? "unchanged: " + std::to_string(batch) + " x " + std::to_string(plan.accumulation) +
+                  " samples per step, as asked"
+            : "x sqrt(" + std::to_string(static_cast<int>(effective)) + "/" +
+                  std::to_string(target) +
+                  ") for the larger samples per step (square-root rule for Adam-type optimizers)";
+    PlanRow& best = plan.rows[plan.recommended];
+    best.flags.push_back("--gradient_accumulation_steps=" + std::to_string(plan.accumulation));
+    std::ostringstream lr;
+    lr << plan.learning_rate;
+    best.flags.push_back("--learning_rate=" + lr.str());
+  }
+  return plan;
+}
+
+void print_plan(const Plan& plan, std::ostream& out) {
+  const PlanOptions& o = plan.options;
+  const ModelStructure& m = plan.model;
+  out << "lorapipe plan: " << m.display_name << " (" << o.model.string() << "), "
+      << std::fixed << std::setprecision(2) << static_cast<double>(m.params) / 1e9
+      << " B parameters; LoRA rank " << o.rank << " on " << m.lora_modules << " modules\n"
+      << "budget " << gib(o.budget_bytes) << " GiB on " << o.card.name << ": a setting fits when "
+      << "its predicted peak +10% stays under the budget less " << gib(kReserveBytes)
+      << " GiB (CUDA context and allocator slack)\n"
+      << std::defaultfloat << std::setprecision(4)
+      << "times: the step's FLOPs at " << static_cast<int>(kAssumedMfu * 100) << "% of "
+      << o.card.tflops << " TFLOPS, float8 upcasts at " << o.card.memory_gbps
+      << " GB/s, swap copies at " << o.card.bus_gbps << " GB/s (estimates)\n";
+  if (plan.resolution_cap > 0) {
+    out << "recommends up to " << plan.resolution_cap << "x" << plan.resolution_cap
+        << ", the family's training resolution (--resolution or --resolutions to weigh others)\n";
+  }
+  for (const auto& [side, buckets] : plan.buckets) {
+    int64_t samples = 0;
+    const DatasetBucket* largest = &buckets.front();
+    for (const DatasetBucket& b : buckets) {
+      samples += b.count;
+      if (b.width * b.height > largest->width * largest->height) largest = &b;
+    }
+    out << "dataset at " << side << ": " << samples << " samples per epoch in " << buckets.size()
+        << " buckets, the largest " << largest->width << "x" << largest->height << " ("
+        << largest->count << "); a batch is a bucket's, its last one short\n";
+  }
+  if (!calibrated(m.family, false)) {
+    out << "without gradient checkpointing: not calibrated for this family yet, not shown\n";
+  }
+  out << "\n";
+  // Each resolution x batch: its fastest setting that fits, else its lightest one.
+  out << "  res  batch  setting                                  peak GiB  fits   s/it  samples/s\n";
+  std::map<std::pair<int, int>, int> shown;
+  for (size_t i = 0; i < plan.rows.size(); ++i) {
+    const PlanRow& row = plan.rows[i];
+    const auto key = std::make_pair(row.candidate.width, row.candidate.batch);
+    auto it = shown.find(key);
+    if (it == shown.end()) {
+      shown[key] = static_cast<int>(i);
+      continue;
+    }
+    const PlanRow& held = plan.rows[it->second];
+    const bool better =
+        row.fits ? (!held.fits || row.samples_per_s() > 1.02 * held.samples_per_s())
+                 : (!held.fits && row.prediction.peak() < held.prediction.peak());
+    if (better) it->second = static_cast<int>(i);
+  }
+  for (const auto& [key, index] : shown) {
+    const PlanRow& row = plan.rows[index];
+    char line[256];
+    std::snprintf(line, sizeof line, "%5d  %5d  %-40s %8s  %-4s %6.2f  %9.2f%s\n", key.first,
+                  key.second, describe(row.candidate).c_str(), gib(row.prediction.peak()).c_str(),
+                  row.fits ? "yes" : "no", row.prediction.s_per_it,
+                  row.samples_per_s(),
+                  index == plan.recommended ? "  <- recommended" : "");
+    out << line;
+  }
+  out << "\n";
+  if (plan.recommended < 0) {
+    out << "nothing fits " << gib(o.budget_bytes) << " GiB; the lightest setting above is the "
+        << "closest\n";
+    return;
+  }
+  const PlanRow& best = plan.rows[plan.recommended];
+  out << "recommended: " << best.candidate.width << "x" << best.candidate.height << ", batch "
+      << best.candidate.batch << " x " << plan.accumulation << " accumulation, "
+      << describe(best.candidate) << ": " << gib(best.prediction.peak()) << " GiB, "
+      << std::fixed << std::setprecision(2) << best.prediction.s_per_it << " s/it\n"
+      << std::defaultfloat << std::setprecision(6) << "learning rate " << plan.learning_rate << " (" << plan.learning_rate_rule << ")\n"
+      << "  lorapipe run";
+  for (const std::string& f : best.flags) out << " " << f;
+  out << "\n";
+}
+
+std::string explain_json(const ModelStructure& model, const Candidate& c, const PlanOptions& o) {
+  const Prediction p = predict(model, c, o);
+  json j = {{"family", model.family},
+            {"params", model.params},
+            {"lora_modules", model.lora_modules},
+            {"lora_params", static_cast<double>(o.rank) * static_cast<double>(model.lora_in_out)},
+            {"weights", p.weights},
+            {"lora", p.lora},
+            {"optimizer", p.optimizer},
+            {"transient", p.transient},
+            {"float8_copy", p.float8_copy},
+            {"rounding", p.rounding},
+            {"activations", p.activations},
+            {"predicted_peak_bytes", p.peak()},
+            {"flops", p.flops},
+            {"features", p.features}};
+  return j.dump();
+}
+
+namespace {
+
+// The plot: predicted peak against resolution, one line per batch size, for the recommended
+// setting's options (and dashed, for the lightest ones), the budget line and the recommended
+// point.
+std::string plot_svg(const Plan& plan) {
+  const int w = 760, h = 460, left = 70, right = 170, top = 40, bottom = 60;
+  const PlanOptions& o = plan.options;
+  Candidate shape = plan.recommended >= 0 ? plan.rows[plan.recommended].candidate
+                                          : plan.rows.front().candidate;
+  std::set<int> resolutions, batches;
+  double ymax = o.budget_bytes;
+  for (const PlanRow& row : plan.rows) {
+    resolutions.insert(row.candidate.width);
+    batches.insert(row.candidate.batch);
+  }
+  auto same_options = [&](const Candidate& a) {
+    return a.checkpointing == shape.checkpointing && a.float8 == shape.float8 &&
+           a.blocks_to_swap == shape.blocks_to_swap && a.optimizer == shape.optimizer;
+  };
+  for (const PlanRow& row : plan.rows) {
+    if (same_options(row.candidate)) ymax = std::max(ymax, row.prediction.peak());
+  }
+  ymax = std::min(ymax * 1.08, o.budget_bytes * 3);
+  // Grid lines at a round step of GiB (1, 2 or 5 times a power of ten), about five of them.
+  const double gib_max = ymax / (1024.0 * 1024 * 1024);
+  double tick = std::pow(10.0, std::floor(std::log10(gib_max / 5)));
+  for (double m : {1.0, 2.0, 5.0, 10.0}) {
+    if (gib_max / (tick * m) <= 6) {
+      tick *= m;
+      break;
+    }
+  }
+  const int ticks = static_cast<int>(std::ceil(gib_max / tick - 1e-9));
+  ymax = ticks * tick * 1024.0 * 1024 * 1024;
+  const double xmin = *resolutions.begin(), xmax = std::max(*resolutions.rbegin(), *resolutions.begin() + 1);
+  auto X = [&](double r) { return left + (r - xmin) / (xmax - xmin) * (w - left - right); };
+  auto Y = [&](double bytes) {
+    return top + (1 - std::min(bytes, ymax) / ymax) * (h - top - bottom);
+  };
+  static const char* colours[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+                                  "#8c564b"};
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(1);
+  s << "<svg xmlns='http://www.w3.org/2000/svg' width='" << w << "' height='" << h
+    << "' font-family='DejaVu Sans, sans-serif' font-size='13'>\n"
+    << "<rect width='100%' height='100%' fill='white'/>\n"
+    << "<text x='" << left << "' y='24' font-size='15'>" << plan.model.display_name
+    << ": predicted peak memory, " << describe(shape) << ", rank " << o.rank << "</text>\n";
+  // axes and grid
+  for (int i = 0; i <= ticks; ++i) {
+    const double bytes = ymax * i / ticks;
+    s << "<line x1='" << left << "' x2='" << w - right << "' y1='" << Y(bytes) << "' y2='"
+      << Y(bytes) << "' stroke='#ddd'/>\n<text x='" << left - 8 << "' y='" << Y(bytes) + 4
+      << "' text-anchor='end'>" << gib(bytes, tick < 1 ? 1 : 0) << "</text>\n";
+  }
+  for (int r : resolutions) {
+    s << "<text x='" << X(r) << "' y='" << h - bottom + 20 << "' text-anchor='middle'>" << r
+      << "</text>\n";
+  }
+  s << "<text x='" << (left + w - right) / 2 << "' y='" << h - 15
+    << "' text-anchor='middle'>resolution (square, pixels)</text>\n"
+    << "<text transform='translate(18," << (top + h - bottom) / 2
+    << ") rotate(-90)' text-anchor='middle'>peak allocated, GiB</text>\n";
+  // the budget
+  const double usable = (o.budget_bytes - kReserveBytes) / kAccuracyMargin;
+  s << "<line x1='" << left << "' x2='" << w - right << "' y1='" << Y(o.budget_bytes) << "' y2='"
+    << Y(o.budget_bytes) << "' stroke='black' stroke-width='2'/>\n<text x='" << w - right + 6
+    << "' y='" << Y(o.budget_bytes) + 4 << "'>budget " << gib(o.budget_bytes, 0) << " GiB</text>\n"
+    << "<line x1='" << left << "' x2='" << w - right << "' y1='" << Y(usable) << "' y2='"
+    << Y(usable) << "' stroke='black' stroke-dasharray='4 4'/>\n<text x='" << w - right + 6
+    << "' y='" << Y(usable) + 4 << "'>fits below</text>\n";
+  int colour = 0;
+  for (int b : batches) {
+    s << "<polyline fill='none' stroke-width='2' stroke='" << colours[colour % 6] << "' points='";
+    for (const PlanRow& row : plan.rows) {
+      if (row.candidate.batch == b && same_options(row.candidate)) {
+        s << X(row.candidate.width) << "," << Y(row.prediction.peak()) << " ";
+      }
+    }
+    s << "'/>\n<text x='" << w - right + 6 << "' y='" << top + 40 + 18 * colour << "' fill='"
+      << colours[colour % 6] << "'>batch " << b << "</text>\n";
+    ++colour;
+  }
+  if (plan.recommended >= 0) {
+    const PlanRow& best = plan.rows[plan.recommended];
+    s << "<circle cx='" << X(best.candidate.width) << "' cy='" << Y(best.prediction.peak())
+      << "' r='7' fill='none' stroke='black' stroke-width='2.5'/>\n<text x='"
+      << X(best.candidate.width) - 10 << "' y='" << Y(best.prediction.peak()) - 12
+      << "' text-anchor='end'>recommended: batch " << best.candidate.batch << "</text>\n";
+  }
+  s << "</svg>\n";
+  return s.str();
+}
+
+}  // namespace
+
+std::vector<fs::path> write_plan(const Plan& plan, const fs::path& dir) {
+  fs::create_directories(dir);
+  json candidates = json::array();
+  for (const PlanRow& row : plan.rows) {
+    const Candidate& c = row.candidate;
+    candidates.push_back({{"resolution", {c.width, c.height}},
+                          {"batch_size", c.batch},
+                          {"gradient_checkpointing", c.checkpointing},
+                          {"fp8", c.float8.empty() ? "none" : c.float8},
+                          {"blocks_to_swap", c.blocks_to_swap},
+                          {"optimizer_type", c.optimizer},
+                          {"flags", row.flags},
+                          {"predicted_peak_bytes", std::llround(row.prediction.peak())},
+                          {"fits", row.fits},
+                          {"predicted_s_per_it", row.prediction.s_per_it},
+                          {"predicted_samples_per_s", row.samples_per_s()}});
+  }
+  json dataset = json::object();
+  for (const auto& [side, buckets] : plan.buckets) {
+    json list = json::array();
+    for (const DatasetBucket& b : buckets) {
+      list.push_back({{"resolution", {b.width, b.height}}, {"count", b.count}});
+    }
+    dataset[std::to_string(side)] = std::move(list);
+  }
+  json j = {{"model", plan.options.model.string()},
+            {"dataset_buckets", std::move(dataset)},
+            {"family", plan.model.family},
+            {"budget_bytes", std::llround(plan.options.budget_bytes)},
+            {"card", plan.options.card.name},
+            {"candidates", candidates},
+            {"recommended", plan.recommended >= 0 ? json(plan.recommended) : json(nullptr)},
+            {"recommended_resolution_cap", plan.resolution_cap > 0 ? json(plan.resolution_cap) : json(nullptr)},
+            {"gradient_accumulation_steps", plan.accumulation},
+            {"learning_rate", plan.learning_rate},
+            {"learning_rate_rule", plan.learning_rate_rule}};
+  std::vector<fs::path> written = {dir / "plan.json", dir / "plan.svg"};
+  write_file(written[0], j.dump(1) + "\n", false);
+  const std::string svg = plot_svg(plan);
+  write_file(written[1], svg, false);
+#if LORAPIPE_PLAN_PNG
+  if (VIPS_INIT("lorapipe")) throw Error("libvips would not start: " + std::string(vips_error_buffer()));
+  VipsImage* image = nullptr;
+  if (vips_svgload_buffer(const_cast<char*>(svg.data()), svg.size(), &image, "dpi", 144.0,
+                          nullptr) != 0 ||
+      vips_pngsave(image, (dir / "plan.png").c_str(), nullptr) != 0) {
+    const std::string why = vips_error_buffer();
+    vips_error_clear();
+    if (image != nullptr) g_object_unref(image);
+    throw Error("lorapipe plan: the plot would not render to PNG: " + why);
+  }
+  g_object_unref(image);
+  written.push_back(dir / "plan.png");
+#endif
+  return written;
+}
+
+std::string apply_plan_budget(Settings& settings) {
+  std::vector<std::string> args = {"--vram_budget=" + settings.get("plan_budget")};
+  for (const auto& [name, value] : settings.flags) {
+    if (name == "plan_budget") continue;
+    args.push_back("--" + name + (value == "true" ? "" : "=" + value));
+  }
+  if (!settings.has("pretrained_model_name_or_path")) {
+    throw InputError("--plan_budget needs the model (--pretrained_model_name_or_path or --model)");
+  }
+  const Plan plan = make_plan(parse_plan_args(args));
+  if (plan.recommended < 0) {
+    throw InputError("--plan_budget=" + settings.get("plan_budget") +
+                     ": no setting of this model is predicted to fit (lorapipe plan shows the "
+                     "closest)");
+  }
+  const PlanRow& best = plan.rows[plan.recommended];
+  const Candidate& c = best.candidate;
+  settings.set("resolution", std::to_string(c.width) + "," + std::to_string(c.height));
+  settings.set("train_batch_size", std::to_string(c.batch));
+  settings.set("gradient_accumulation_steps", std::to_string(plan.accumulation));
+  std::ostringstream lr;
+  lr << plan.learning_rate;
+  settings.set("learning_rate", lr.str());
+  settings.set("optimizer_type", c.optimizer);
+  // The plan weighs a bf16 base unless the run names its precision (kohya's default is fp32,
+  // which no small card wants): the run trains as planned.
+  if (!settings.has("mixed_precision")) settings.set("mixed_precision", "bf16");
+  if (c.checkpointing) settings.set("gradient_checkpointing", "true");
+  if (!c.float8.empty()) settings.set("fp8_base", "true");
+  if (c.float8 == "fp8_scaled") settings.set("fp8_scaled", "true");
+  if (c.blocks_to_swap > 0) settings.set("blocks_to_swap", std::to_string(c.blocks_to_swap));
+  std::ostringstream line;
+  line << "lorapipe: --plan_budget " << gib(plan.options.budget_bytes) << " GiB: " << c.width
+       << "x" << c.height << ", batch " << c.batch << " x " << plan.accumulation << ", "
+       << describe(c) << ", learning rate " << lr.str() << " (predicted peak "
+       << gib(best.prediction.peak()) << " GiB)";
+  return line.str();
+}
+
+int plan_command(const std::vector<std::string>& args, std::ostream& out) {
+  std::vector<std::string> rest;
+  fs::path output = ".";
+  bool explain = false;
+  Candidate explained;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (starts_with(a, "--output=") || starts_with(a, "--output_dir=")) {
+      output = a.substr(a.find('=') + 1);
+    } else if (a == "--output" || a == "--output_dir") {
+      if (i + 1 >= args.size()) throw InputError(a + " wants a folder");
+      output = args[++i];
+    } else if (a == "--explain") {
+      explain = true;  // one candidate's breakdown as JSON: the run flags say which
+    } else {
+      rest.push_back(a);
+    }
+  }
+  PlanOptions options = parse_plan_args(rest);
+  if (explain) {
+    const ModelStructure model = read_structure(options.model, options.family);
+    const Settings& run = options.run;
+    if (!options.resolutions.empty()) explained.width = explained.height = options.resolutions[0];
+    if (run.has("resolution")) {
+      const std::vector<int> wh = parse_ints("--resolution", run.get("resolution"));
+      explained.width = wh[0], explained.height = wh.size() > 1 ? wh[1] : wh[0];
+    }
+    explained.batch = std::stoi(run.get("train_batch_size", "1"));
+    explained.checkpointing = run.has("gradient_checkpointing");
+    explained.float8 = run.has("fp8_base") ? (run.has("fp8_scaled") ? "fp8_scaled" : "fp8") : "";
+    explained.blocks_to_swap = std::stoi(run.get("blocks_to_swap", "0"));
+    explained.optimizer = options.optimizer.empty() ? "AdamW" : options.optimizer;
+    out << explain_json(model, explained, options) << "\n";
+    return kExitOk;
+  }
+  const Plan plan = make_plan(options);
+  print_plan(plan, out);
+  out << "\n";
+  for (const fs::path& p : write_plan(plan, output)) out << "wrote " << p.string() << "\n";
+  return kExitOk;
+}
+
+}  // namespace lorapipe::launcher

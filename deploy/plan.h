@@ -1,0 +1,154 @@
+#pragma once
+// `lorapipe plan`: what fits a card, answered before training. For each resolution x batch size
+// x memory option it predicts the trainer's peak allocated device memory and its time per step,
+// says which fit a budget, and recommends the fastest that fits.
+//
+// The prediction is analytic where the bytes are known from the checkpoint's header alone -- the
+// denoiser's weights by storage dtype (float8 and its scales included), the LoRA, its gradients
+// and optimizer state by optimizer, the blocks block swap moves to the host and its device slots,
+// the allocator's rounding -- and calibrated where they are not: the activations, a per-family
+// function of the batch and the token count (linear and quadratic terms, and a per-block term for
+// the transformer families), fitted by bench/plan_calibrate.py to the measured peaks of real
+// steps (trainer_bench) and kept in deploy/plan_calibration.json. The time is the step's FLOPs
+// (fitted the same way to the analytic counts) at an assumed share of the card's peak, plus
+// what float8's upcasts and block swap's copies cost on its memory and bus.
+//
+// No LibTorch: it reads headers (models/safetensors.h) and names families as lorapipe-inspect
+// does.
+
+#include <cstdint>
+#include <filesystem>
+#include <iosfwd>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "deploy/launcher.h"
+
+namespace lorapipe::launcher {
+
+// What the memory model needs of a checkpoint's denoiser, from its header.
+struct ModelStructure {
+  std::string family;          // models::ModelFamily::name: sd15, sdxl, flux-dev, flux-schnell
+  std::string display_name;
+  int pixels_per_token = 8;    // latent downsampling, times the transformer's 2x2 packing
+  int text_tokens = 77;        // the sequence the denoiser attends to (Flux: T5's length)
+  int blocks = 0;              // transformer blocks (Flux: double + single), for activations
+  uint64_t params = 0;         // every denoiser parameter
+  uint64_t float8_params = 0;  // those --fp8_base stores in float8 (Linear/Conv weights)
+  uint64_t float8_scales = 0;  // --fp8_scaled's float32 scales over them
+  uint64_t largest_weight = 0; // the largest float8 weight: one upcast copy lives at a time
+  uint64_t weight_tensors = 0;
+  uint64_t lora_in_out = 0;    // sum of (in + out) over kohya's LoRA targets: rank r adds r x it
+  int lora_modules = 0;
+  // Flux's blocks in kohya's swap order: their frozen Linear weights (params) and scales.
+  std::vector<uint64_t> double_blocks, single_blocks;
+  std::vector<uint64_t> double_scales, single_scales;
+};
+
+// Reads `model` (a single file, a diffusers folder or a plan's structure folder) and `family`
+// (empty: detect it). Throws InputError naming the file for anything it cannot read.
+ModelStructure read_structure(const std::filesystem::path& model, const std::string& family = "");
+
+// One setting the plan weighs.
+struct Candidate {
+  int width = 512, height = 512;
+  int batch = 1;
+  bool checkpointing = true;
+  std::string float8;  // "", "fp8" or "fp8_scaled"
+  int blocks_to_swap = 0;
+  std::string optimizer = "AdamW";
+};
+
+// A candidate's predicted peak, part by part (bytes).
+struct Prediction {
+  double weights = 0, lora = 0, optimizer = 0, activations = 0, transient = 0, rounding = 0;
+  // The largest float8 weight's widened copy (transient is the share of it alive at the peak).
+  double float8_copy = 0;
+  double peak() const { return weights + lora + optimizer + activations + transient + rounding; }
+  double flops = 0;      // one step's
+  double s_per_it = 0;   // on the plan's card
+  // The calibration's features: 1, B T, B T^2, B T n, B T^2 n (batch, tokens, blocks).
+  std::vector<double> features;
+};
+
+// The card the times are for: bf16 dense tensor TFLOPS, memory and host-bus bandwidth (GB/s).
+struct Card {
+  std::string name;
+  double tflops = 0, memory_gbps = 0, bus_gbps = 0;
+};
+// A card by (part of) its name ("RTX 3060", "4090", "H100"); throws InputError listing them.
+Card find_card(const std::string& name);
+
+struct PlanOptions {
+  std::filesystem::path model;
+  std::string family;           // --model_family
+  double budget_bytes = 12.0 * (1 << 30);  // --vram_budget (12GB: GiB, as cards are sold)
+  Card card;                    // --gpu
+  std::vector<int> resolutions; // squares; empty: 256..1024 by 128 (Flux and SDXL: to 1024)
+  std::vector<int> batches;     // empty: 1, 2, 4, 8
+  int rank = 16;                // --network_dim
+  int storage_bytes = 2;        // --mixed_precision: bf16/fp16 2, fp32 (no) 4
+  int effective_batch = 0;      // train_batch_size x gradient_accumulation_steps (0: 4)
+  double learning_rate = 1e-4;
+  std::string optimizer;        // --optimizer_type given: only it
+  std::vector<std::string> run_flags;  // passed through to the recommendation's flags
+  Settings run;                        // the run flags as given
+  // The run names a dataset (--data_dir, --dataset_config, ...): the plan weighs its buckets.
+  bool dataset = false;
+};
+
+Prediction predict(const ModelStructure& model, const Candidate& candidate, const PlanOptions& o);
+
+// One aspect bucket of the run's dataset at a resolution, as its preprocess stage picks it.
+struct DatasetBucket {
+  int width = 0, height = 0;
+  int64_t count = 0;  // images in it per epoch, repeats included
+};
+
+struct PlanRow {
+  Candidate candidate;
+  // With a dataset: the prediction of its peak bucket (the largest batch of the largest bucket
+  // decides), and the step time averaged over the epoch's steps, each bucket's last batch short.
+  Prediction prediction;
+  double samples_per_step = 0;  // the batch; with a dataset, the epoch's samples per step
+  double samples_per_s() const { return samples_per_step / prediction.s_per_it; }
+  bool fits = false;
+  std::vector<std::string> flags;  // the `lorapipe run` flags that reproduce it (kohya's names)
+};
+
+struct Plan {
+  ModelStructure model;
+  PlanOptions options;
+  std::vector<PlanRow> rows;
+  int recommended = -1;  // index into rows; -1: nothing fits
+  int accumulation = 1;  // with the recommended batch, for options.effective_batch
+  int resolution_cap = 0;  // the default sweep recommends no larger side than this (0: no cap)
+  // With a dataset: its buckets at each resolution weighed (square side).
+  std::map<int, std::vector<DatasetBucket>> buckets;
+  double learning_rate = 0;
+  std::string learning_rate_rule;
+};
+
+// Parses `lorapipe plan` arguments (see kUsage in main.cpp), or a run's (--plan_budget). A
+// dataset among them (--data_dir, --dataset_config, ...) makes the plan weigh its buckets.
+PlanOptions parse_plan_args(const std::vector<std::string>& args);
+Plan make_plan(const PlanOptions& options);
+// The table and the recommendation, for a terminal.
+void print_plan(const Plan& plan, std::ostream& out);
+// DIR/plan.json and DIR/plan.svg (and DIR/plan.png where libvips is built in). Returns the
+// paths written.
+std::vector<std::filesystem::path> write_plan(const Plan& plan, const std::filesystem::path& dir);
+// One candidate's breakdown as JSON (bench/plan_calibrate.py reads it).
+std::string explain_json(const ModelStructure& model, const Candidate& candidate,
+                         const PlanOptions& options);
+
+// `lorapipe run --plan_budget=12GB`: the plan's recommendation for the run's model and flags,
+// set into `settings` (resolution, batch, accumulation, learning rate, memory options); returns
+// the line that tells the user. Throws InputError when nothing fits.
+std::string apply_plan_budget(Settings& settings);
+
+// `lorapipe plan [flags]`: the exit code.
+int plan_command(const std::vector<std::string>& args, std::ostream& out);
+
+}  // namespace lorapipe::launcher
