@@ -1,0 +1,361 @@
+// `lorapipe plan` (deploy/plan.h) against the real thing: its reading of a model's structure
+// against the trainer's own LoRA on the same model, its predicted peaks against the peaks real
+// training steps allocate on this CPU (trainer_bench solo, every tensor's storage counted), and
+// the plan it writes.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "common/error.h"
+#include "deploy/plan.h"
+#include "tests/process_util.h"
+
+namespace lorapipe::launcher {
+namespace {
+
+namespace fs = std::filesystem;
+using lorapipe::testing::read_text;
+using lorapipe::testing::spawn;
+using lorapipe::testing::wait_exit;
+using nlohmann::json;
+
+const fs::path kBin = LORAPIPE_BIN_DIR;
+
+class PlanTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    work_ = fs::temp_directory_path() /
+            (std::string("lorapipe-plan-") + info->name() + "-" + std::to_string(getpid()));
+    fs::remove_all(work_);
+    fs::create_directories(work_);
+  }
+  void TearDown() override {
+    if (!HasFailure()) fs::remove_all(work_);
+  }
+
+  // Runs bin/NAME ARGS... to the end; its stdout, and the exit code in code_.
+  std::string run(const std::string& name, const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {(kBin / name).string()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    code_ = wait_exit(spawn(argv, work_ / "out.txt", work_ / "err.txt"));
+    err_ = read_text(work_ / "err.txt");
+    return read_text(work_ / "out.txt");
+  }
+
+  struct Bench {
+    std::string structure;     // what `lorapipe plan --model` takes
+    double lora_parameters = 0;
+    double lora_modules = 0;
+    double peak_bytes = 0;     // over the timed step (0 with --steps 0)
+  };
+
+  // trainer_bench solo SIZE ARGS... --write_structure: the model's structure and, with steps, the
+  // peak of one training step on the CPU.
+  Bench bench(const std::string& size, std::vector<std::string> args, const std::string& tag) {
+    std::vector<std::string> argv = {"solo", size, "--device", "cpu", "--dtype", "fp32", "--write_structure",
+                                     (work_ / tag).string()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const std::string out = run("trainer_bench", argv);
+    EXPECT_EQ(code_, 0) << err_;
+    Bench b;
+    std::smatch m;
+    if (std::regex_search(out, m, std::regex("structure (\\S+)"))) b.structure = m[1];
+    if (std::regex_search(out, m, std::regex("LoRA modules (\\d+)"))) b.lora_modules = std::stod(m[1]);
+    if (std::regex_search(out, m, std::regex("LoRA parameters (\\d+)"))) {
+      b.lora_parameters = std::stod(m[1]);
+    }
+    if (std::regex_search(out, m, std::regex("peak allocated ([0-9.]+) MiB"))) {
+      b.peak_bytes = std::stod(m[1]) * (1 << 20);
+    }
+
+    EXPECT_FALSE(b.structure.empty()) << out;
+    return b;
+  }
+
+  fs::path work_;
+  int code_ = -1;
+  std::string err_;
+};
+
+// The plan counts kohya's LoRA targets from the checkpoint's keys; the trainer builds its LoRA on
+// the model. Both must agree to the parameter, on each family's full-size structure (FLUX.1 at
+// full width, two double and four single blocks): the LoRA, its gradients and its optimizer
+// state are the analytic part of every prediction.
+TEST_F(PlanTest, PlanStructureCountsTheTrainersLoraOnEveryFamily) {
+  struct Case {
+    std::string size;
+    std::vector<std::string> args;
+    std::string family;
+  };
+  for (const Case& c : std::vector<Case>{{"full", {}, "sd15"},
+                                        {"sdxl", {}, "sdxl"},
+                                        {"flux", {"--depth", "2"}, "flux-dev"},
+                                        {"tiny", {}, "sd15"},
+                                        {"flux_tiny", {}, "flux-dev"}}) {
+    std::vector<std::string> args = c.args;
+    args.insert(args.end(), {"--steps", "0"});
+    const Bench b = bench(c.size, args, c.size);
+    // The structure folder holds the denoiser alone, without the SDXL text encoders that tell
+    // SDXL from its refiner: the family is named.
+    const ModelStructure s = read_structure(b.structure, c.size == "sdxl" ? "sdxl" : "");
+    EXPECT_EQ(s.family, c.family) << c.size;
+    EXPECT_EQ(s.lora_modules, b.lora_modules) << c.size;
+    EXPECT_EQ(16.0 * static_cast<double>(s.lora_in_out), b.lora_parameters) << c.size;
+    if (c.size == "sdxl") {
+      EXPECT_EQ(s.lora_modules, 722);  // kohya's count at full size
+    }
+  }
+  // The full-size FLUX.1 [dev] transformer's structure (built on the meta device): kohya's 304
+  // LoRA modules and its 11.9 B parameters.
+  const Bench b = bench("flux", {"--steps", "0"}, "flux_full");
+  const ModelStructure s = read_structure(b.structure, "");
+  EXPECT_EQ(s.family, "flux-dev");
+  EXPECT_EQ(s.lora_modules, 304);
+  EXPECT_NEAR(static_cast<double>(s.params) / 1e9, 11.90, 0.005);
+}
+
+// The prediction against the measured peak of real steps on this CPU, for each family at full
+// size (FLUX.1 at full width and reduced depth), at resolutions and batches the calibration
+// (bench/plan_calibrate.py) never ran, with and without checkpointing, float8 and block swap.
+// fp32 base: this CPU has no bf16 matrix units, and its bf16 steps take minutes. Goal, and
+// tolerance: 10% (the issue's; bench/plan_calibrate.py reports the whole grid's worst case).
+TEST_F(PlanTest, PlanAccuracyPredictsMeasuredCpuPeaksWithinTenPercent) {
+  struct Case {
+    std::string size;
+    int resolution, batch;
+    std::vector<std::string> options;
+  };
+  const std::vector<Case> cases = {
+      {"full", 288, 1, {"--gradient_checkpointing"}},
+      {"full", 256, 2, {"--fp8_base"}},
+      {"sdxl", 288, 1, {"--gradient_checkpointing", "--fp8_base", "--fp8_scaled"}},
+      {"flux", 288, 1, {"--depth", "1", "--gradient_checkpointing"}},
+      {"flux", 256, 1, {"--depth", "3", "--gradient_checkpointing", "--blocks_to_swap", "2"}}};
+  double worst = 0;
+  for (const Case& c : cases) {
+    std::vector<std::string> args = {"--steps", "1", "--batch", std::to_string(c.batch),
+                                     "--resolution", std::to_string(c.resolution)};
+    std::vector<std::string> plan_args = {"plan", "--explain", "--network_dim=16",
+                                          "--mixed_precision=no",
+                                          "--resolution=" + std::to_string(c.resolution),
+                                          "--train_batch_size=" + std::to_string(c.batch)};
+    for (size_t i = 0; i < c.options.size(); ++i) {
+      args.push_back(c.options[i]);
+      if (c.options[i] == "--depth") {
+        args.push_back(c.options[++i]);
+      } else if (c.options[i] == "--blocks_to_swap") {
+        args.push_back(c.options[++i]);
+        plan_args.push_back("--blocks_to_swap=" + c.options[i]);
+      } else {
+        plan_args.push_back(c.options[i]);
+      }
+    }
+    const Bench b = bench(c.size, args, c.size);
+    plan_args.push_back("--model=" + b.structure);
+    if (c.size == "sdxl") plan_args.push_back("--model_family=sdxl");
+    const std::string out = run("lorapipe", plan_args);
+    ASSERT_EQ(code_, 0) << err_;
+    const double predicted = json::parse(out).at("predicted_peak_bytes").get<double>();
+    const double error = predicted / b.peak_bytes - 1;
+    worst = std::max(worst, std::abs(error));
+    std::printf("[plan] %s %dpx batch %d", c.size.c_str(), c.resolution, c.batch);
+    for (const std::string& o : c.options) std::printf(" %s", o.c_str());
+    std::printf(": measured %.3f GiB, predicted %.3f GiB (%+.1f%%)\n", b.peak_bytes / (1 << 30),
+                predicted / (1 << 30), 100 * error);
+    EXPECT_LT(std::abs(error), 0.10) << c.size << " " << c.resolution << " " << c.batch;
+  }
+  std::printf("[plan] worst error %.1f%%\n", 100 * worst);
+}
+
+// `lorapipe plan` for a 6 GB and a 12 GB card: the table, plan.json as the issue lays it out,
+// and the plot; the recommendation fits, a larger card never gets a smaller setting, and more
+// batch or resolution never predicts less memory.
+TEST_F(PlanTest, PlanCommandWritesTheTableJsonAndPlot) {
+  const Bench b = bench("full", {"--steps", "0"}, "sd15");
+  json plans[2];
+  int index = 0;
+  for (const std::string budget : {"6GB", "12GB"}) {
+    const fs::path dir = work_ / budget;
+    const std::string out = run("lorapipe", {"plan", "--model=" + b.structure,
+                                             "--vram_budget=" + budget, "--output=" + dir.string()});
+    ASSERT_EQ(code_, 0) << err_;
+    EXPECT_NE(out.find("recommended:"), std::string::npos) << out;
+    EXPECT_NE(out.find("lorapipe run --pretrained_model_name_or_path="), std::string::npos);
+    const json plan = json::parse(read_text(dir / "plan.json"));
+    const json& candidates = plan.at("candidates");
+    ASSERT_GT(candidates.size(), 100u);
+    const int r = plan.at("recommended").get<int>();
+    const json& best = candidates.at(r);
+    EXPECT_TRUE(best.at("fits").get<bool>());
+    EXPECT_LT(best.at("predicted_peak_bytes").get<double>(), plan.at("budget_bytes").get<double>());
+    EXPECT_GT(best.at("predicted_s_per_it").get<double>(), 0);
+    bool has_resolution = false;
+    for (const auto& f : best.at("flags")) has_resolution |= f.get<std::string>().starts_with("--resolution=");
+    EXPECT_TRUE(has_resolution);
+    for (const auto& a : candidates) {
+      for (const auto& c : candidates) {
+        const bool same_options =
+            a.at("gradient_checkpointing") == c.at("gradient_checkpointing") &&
+            a.at("fp8") == c.at("fp8") && a.at("optimizer_type") == c.at("optimizer_type") &&
+            a.at("blocks_to_swap") == c.at("blocks_to_swap");
+        if (same_options && a.at("batch_size").get<int>() <= c.at("batch_size").get<int>() &&
+            a.at("resolution")[0].get<int>() <= c.at("resolution")[0].get<int>()) {
+          EXPECT_LE(a.at("predicted_peak_bytes").get<double>(),
+                    c.at("predicted_peak_bytes").get<double>());
+        }
+      }
+    }
+    // The plot is a PNG a user can open.
+    const std::string png = read_text(dir / "plan.png");
+    ASSERT_GT(png.size(), 1000u);
+    EXPECT_EQ(png.substr(1, 3), "PNG");
+    plans[index++] = plan;
+  }
+  const json& small = plans[0].at("candidates").at(plans[0].at("recommended").get<int>());
+  const json& large = plans[1].at("candidates").at(plans[1].at("recommended").get<int>());
+  EXPECT_GE(large.at("resolution")[0].get<int>() * large.at("batch_size").get<int>(),
+            small.at("resolution")[0].get<int>() * small.at("batch_size").get<int>());
+}
+
+TEST_F(PlanTest, PlanCommandNamesBadValues) {
+  const Bench b = bench("tiny", {"--steps", "0"}, "tiny");
+  run("lorapipe", {"plan", "--model=" + b.structure, "--vram_budget=lots"});
+  EXPECT_NE(code_, 0);
+  EXPECT_NE(err_.find("--vram_budget=lots"), std::string::npos) << err_;
+  run("lorapipe", {"plan", "--model=" + b.structure, "--gpu=Voodoo2"});
+  EXPECT_NE(code_, 0);
+  EXPECT_NE(err_.find("RTX 3060"), std::string::npos) << err_;
+  run("lorapipe", {"plan", "--model=" + (work_ / "missing.safetensors").string()});
+  EXPECT_NE(code_, 0);
+  EXPECT_NE(err_.find("missing.safetensors"), std::string::npos) << err_;
+}
+
+
+// `lorapipe run --plan_budget=6GB`: the run's flags become the plan's recommendation for the
+// same model and flags (what `lorapipe plan` writes as the recommended candidate's flags), and a
+// budget nothing fits is refused by name instead of training into an out-of-memory.
+TEST_F(PlanTest, PlanBudgetGivesTheRunTheRecommendation) {
+  const Bench b = bench("full", {"--steps", "0"}, "sd15");
+  Settings settings = parse_run_args({"--pretrained_model_name_or_path=" + b.structure,
+                                      "--plan_budget=6GB", "--network_dim=16",
+                                      "--optimizer_type=AdamW8bit"});
+  const std::string said = apply_plan_budget(settings);
+  EXPECT_NE(said.find("--plan_budget 6.00 GiB"), std::string::npos) << said;
+
+  run("lorapipe", {"plan", "--model=" + b.structure, "--vram_budget=6GB", "--network_dim=16",
+                   "--optimizer_type=AdamW8bit", "--output=" + (work_ / "plan").string()});
+  ASSERT_EQ(code_, 0) << err_;
+  const json plan = json::parse(read_text(work_ / "plan" / "plan.json"));
+  const json& best = plan.at("candidates").at(plan.at("recommended").get<int>());
+  EXPECT_EQ(best.at("optimizer_type"), "AdamW8bit");  // the run's flag narrowed the plan
+  for (const auto& flag : best.at("flags")) {
+    const std::string f = flag.get<std::string>();
+    const size_t eq = f.find('=');
+    const std::string name = f.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    const std::string value = eq == std::string::npos ? "true" : f.substr(eq + 1);
+    if (name == "pretrained_model_name_or_path") continue;
+    EXPECT_EQ(settings.get(name), value) << name;
+  }
+
+  Settings tiny = parse_run_args({"--pretrained_model_name_or_path=" + b.structure,
+                                  "--plan_budget=1GB"});
+  try {
+    apply_plan_budget(tiny);
+    ADD_FAILURE() << "a 1 GB budget for SD1.5 in fp32 was accepted";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--plan_budget=1GB"), std::string::npos) << e.what();
+  }
+}
+
+// With a dataset, the plan weighs its own buckets, as the run's preprocess stage picks them (the
+// demo dataset: drawn shapes of varied sizes and aspect ratios, 10 repeats): the buckets are the
+// stage's report's, each candidate's peak is its largest bucket's largest batch (the explained
+// prediction of that bucket alone), which is less than the square's at the same pixel budget.
+TEST_F(PlanTest, PlanWeighsTheDatasetsOwnBuckets) {
+  const Bench b = bench("tiny", {"--steps", "0"}, "tiny");
+  const fs::path data = work_ / "data";
+  run("lorapipe-demo-dataset", {data.string()});
+  ASSERT_EQ(code_, 0) << err_;
+  auto report_of = [&] {
+    run("lorapipe-preprocess", {"--data_dir=" + data.string(), "--resolution=512,512",
+                                "--report_only",
+                                "--report_json=" + (work_ / "report.json").string()});
+    EXPECT_EQ(code_, 0) << err_;
+    return json::parse(read_text(work_ / "report.json"));
+  };
+  // Without its square images, every bucket is smaller than the square the plan would weigh
+  // without the dataset.
+  for (const json& image : report_of().at("images")) {
+    if (image.at("bucket") != json::array({512, 512})) continue;
+    fs::path path = image.at("path").get<std::string>();
+    if (path.is_relative()) path = data / path;
+    ASSERT_TRUE(fs::remove(path)) << path;
+    fs::remove(fs::path(path).replace_extension(".txt"));
+  }
+  const json report = report_of();
+  ASSERT_GT(report.at("buckets").size(), 2u) << "the demo dataset should span several buckets";
+
+  const std::vector<std::string> common = {"--model=" + b.structure, "--vram_budget=6GB",
+                                           "--network_dim=16", "--gradient_checkpointing",
+                                           "--optimizer_type=AdamW"};
+  std::vector<std::string> args = {"plan", "--data_dir=" + data.string(), "--resolutions=512",
+                                   "--output=" + (work_ / "plan").string()};
+  args.insert(args.end(), common.begin(), common.end());
+  const std::string out = run("lorapipe", args);
+  ASSERT_EQ(code_, 0) << err_;
+  int64_t samples = 0;
+  for (const json& bucket : report.at("buckets")) samples += bucket.at("count_with_repeats").get<int64_t>();
+  EXPECT_NE(out.find("dataset at 512: " + std::to_string(samples) + " samples per epoch"),
+            std::string::npos) << out;
+  const json plan = json::parse(read_text(work_ / "plan" / "plan.json"));
+  const json& buckets = plan.at("dataset_buckets").at("512");
+  ASSERT_EQ(buckets.size(), report.at("buckets").size());
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    EXPECT_EQ(buckets[i].at("resolution"), report.at("buckets")[i].at("bucket"));
+    EXPECT_EQ(buckets[i].at("count"), report.at("buckets")[i].at("count_with_repeats"));
+  }
+
+  // Batch 4, no float8: its peak is the largest of each bucket's prediction at its largest batch.
+  double largest = 0;
+  for (const json& bucket : buckets) {
+    std::vector<std::string> explain = {
+        "plan", "--explain", "--mixed_precision=bf16",
+        "--resolution=" + std::to_string(bucket.at("resolution")[0].get<int>()) + "," +
+            std::to_string(bucket.at("resolution")[1].get<int>()),
+        "--train_batch_size=" + std::to_string(std::min<int>(4, bucket.at("count").get<int>()))};
+    explain.insert(explain.end(), common.begin(), common.end());
+    const std::string e = run("lorapipe", explain);
+    ASSERT_EQ(code_, 0) << err_;
+    largest = std::max(largest, json::parse(e).at("predicted_peak_bytes").get<double>());
+  }
+  std::vector<std::string> square = {"plan", "--explain", "--mixed_precision=bf16",
+                                     "--resolution=512,512", "--train_batch_size=4"};
+  square.insert(square.end(), common.begin(), common.end());
+  const double square_peak = json::parse(run("lorapipe", square)).at("predicted_peak_bytes").get<double>();
+  bool found = false;
+  for (const json& c : plan.at("candidates")) {
+    if (c.at("batch_size") != 4 || c.at("fp8") != "none") continue;
+    found = true;
+    // Both round to whole bytes (plan.json's llround).
+    EXPECT_NEAR(c.at("predicted_peak_bytes").get<double>(), largest, 1.0);
+    EXPECT_LT(c.at("predicted_peak_bytes").get<double>(), square_peak);
+    EXPECT_GT(c.at("predicted_samples_per_s").get<double>(), 0);
+  }
+  EXPECT_TRUE(found);
+
+  // A dataset the stage cannot read is named.
+  run("lorapipe", {"plan", "--model=" + b.structure, "--data_dir=" + (work_ / "none").string()});
+  EXPECT_NE(code_, 0);
+  EXPECT_NE(err_.find((work_ / "none").string()), std::string::npos) << err_;
+}
+
+}  // namespace
+}  // namespace lorapipe::launcher
