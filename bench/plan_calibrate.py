@@ -55,17 +55,19 @@ FAMILIES = {
               (256, 1, 0, False, ["--fp8_base", "--fp8_scaled"])],
              [(288, 3, 0, True, ["--fp8_base", "--fp8_scaled"]),
               (288, 3, 0, True, ["--fp8_base"])]),
-    "sdxl": ("sdxl", (True,),
+    "sdxl": ("sdxl", (True, False),
              [(256, 1, 0), (256, 2, 0), (320, 1, 0)],
              [(320, 2, 0, True, ["--fp8_base"])],
-             [(256, 1, 0, True, ["--fp8_base", "--fp8_scaled"])]),
-    "flux": ("flux", (True,),
+             [(256, 1, 0, True, ["--fp8_base", "--fp8_scaled"]), (288, 1, 0, False, [])]),
+    "flux": ("flux", (True, False),
              [(r, b, d) for d in (1, 2) for r, b in ((256, 1), (256, 2), (320, 1))],
              [(256, 1, 1, True, ["--fp8_base"])],
-             [(384, 1, 1, True, []), (320, 1, 1, True, ["--fp8_base", "--fp8_scaled"])]),
+             [(384, 1, 1, True, []), (320, 1, 1, True, ["--fp8_base", "--fp8_scaled"]),
+              (288, 1, 1, False, [])]),
 }
 # Without checkpointing, fewer points: the fit is the same form.
-NO_CHECKPOINTING_GRID = {"sd15": [(256, 1, 0), (256, 2, 0), (320, 1, 0), (384, 1, 0)]}
+NO_CHECKPOINTING_GRID = {"sd15": [(256, 1, 0), (256, 2, 0), (320, 1, 0), (384, 1, 0)],
+                         "sdxl": [(256, 1, 0), (256, 2, 0), (320, 1, 0), (384, 1, 0)]}
 FEATURES = {"sd15": 3, "sdxl": 3, "flux": 5}
 
 LINE = re.compile(r"peak allocated ([0-9.]+) MiB")

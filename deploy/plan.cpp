@@ -381,12 +381,16 @@ Prediction predict(const ModelStructure& model, const Candidate& c, const PlanOp
   const double b = c.batch;
   const double n = model.blocks;
   p.features = {1, b * tokens, b * tokens * tokens, b * tokens * n, b * tokens * tokens * n};
-  const json& cal = calibration_for(model.family, c.checkpointing);
   // The activations are in the compute dtype: the calibration's measured at dtype_bytes (fp32 on
-  // a CPU without bf16 matrix units), scaled to the run's.
-  const double dtype_scale = store / calibration().value("dtype_bytes", 4.0);
-  p.activations = std::max(0.0, dot(cal.at("activations"), p.features)) * dtype_scale;
-  p.flops = std::max(0.0, dot(cal.at("flops"), p.features));
+  // a CPU without bf16 matrix units), scaled to the run's. A mode not calibrated yet predicts the
+  // analytic parts alone (what `--explain` gives bench/plan_calibrate.py to fit it); the plan
+  // never weighs one.
+  if (calibrated(model.family, c.checkpointing)) {
+    const json& cal = calibration_for(model.family, c.checkpointing);
+    const double dtype_scale = store / calibration().value("dtype_bytes", 4.0);
+    p.activations = std::max(0.0, dot(cal.at("activations"), p.features)) * dtype_scale;
+    p.flops = std::max(0.0, dot(cal.at("flops"), p.features));
+  }
 
   // Time on the card: the FLOPs (checkpointing recomputes the forward: a third more) at the
   // assumed share of its peak; float8's upcasts read the weights and write and read their
