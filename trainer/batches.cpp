@@ -53,6 +53,9 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
   PreparedBatch out;
   out.epoch = epoch;
   out.index = index;
+  out.step = plan.step;
+  out.ends_step = plan.ends_step;
+  out.share = plan.share;
   std::vector<std::string> latent_keys, text_keys;
   for (int i : plan.entries) {
     latent_keys.push_back(manifest_.entries(i).latent_key());
@@ -65,11 +68,8 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
   std::mt19937_64 rng = stream(o_.seed, epoch, index, "flip+caption");
   // The step this micro-batch belongs to (steps done before it), from where it sits in the run:
   // epochs count from 1 and end on steps.
-  const int64_t accumulation = o_.step.gradient_accumulation_steps;
-  const auto batches = static_cast<int64_t>(scheduler_->batches_per_epoch());
-  const CaptionClock clock{
-      epoch, (epoch - 1) * ((batches + accumulation - 1) / accumulation) + index / accumulation,
-      max_steps_};
+  const auto steps_per_epoch = static_cast<int64_t>(scheduler_->steps_per_epoch());
+  const CaptionClock clock{epoch, (epoch - 1) * steps_per_epoch + plan.step, max_steps_};
   std::vector<torch::Tensor> latent_list, hidden_list, pooled_list, text_mask_list, mask_list;
   std::vector<float> weights;
   bool any_mask = false;
@@ -157,6 +157,8 @@ MicroBatch Run::to_micro_batch(const PreparedBatch& p) {
   batch.loss_weights = p.loss_weights;
   batch.masks = p.masks;
   batch.geometry = p.geometry;
+  batch.share = p.share;
+  batch.ends_step = p.ends_step;
   if (p.hidden_states.defined()) {
     batch.encoder_hidden_states = p.hidden_states;
     batch.pooled = p.pooled;
@@ -177,15 +179,13 @@ MicroBatch Run::to_micro_batch(const PreparedBatch& p) {
 // plan, flips and captions, drawn from the same streams), printed; nothing is trained or saved.
 Summary Run::show_dataset() {
   cached_text_ = false;  // captions through process_caption, as online text is; fixed ones stay
-  const int64_t accumulation = o_.step.gradient_accumulation_steps;
-  const auto batches = static_cast<int64_t>(scheduler_->batches_per_epoch());
-  const int64_t steps_per_epoch = (batches + accumulation - 1) / accumulation;
+  const auto steps_per_epoch = static_cast<int64_t>(scheduler_->steps_per_epoch());
   Summary summary;
   summary.dataset_only = true;
   for (int64_t epoch = epoch_;; ++epoch) {
     const std::vector<PlannedBatch> plan = scheduler_->epoch(epoch);
     for (int64_t index = 0; index < static_cast<int64_t>(plan.size()); ++index) {
-      const int64_t step = (epoch - 1) * steps_per_epoch + index / accumulation + 1;
+      const int64_t step = (epoch - 1) * steps_per_epoch + plan[index].step + 1;
       if (step > max_steps_) return summary;
       const PreparedBatch batch = prepare(epoch, index, plan[index]);
       std::printf("step %lld/%lld  epoch %lld  batch %lld\n", static_cast<long long>(step),

@@ -63,9 +63,49 @@ std::mt19937_64 stream(uint64_t seed, int64_t epoch, int64_t batch, std::string_
   return std::mt19937_64(h.digest().low);
 }
 
+BucketBatchSizes parse_bucket_batch_sizes(const std::string& text) {
+  BucketBatchSizes out;
+  std::stringstream pieces(text);
+  for (std::string piece; std::getline(pieces, piece, ',');) {
+    if (piece.empty()) continue;
+    unsigned width = 0, height = 0;
+    int batch = 0;
+    char x = 0, colon = 0, extra = 0;
+    std::istringstream in(piece);
+    if (!(in >> width >> x >> height >> colon >> batch) || x != 'x' || colon != ':' ||
+        (in >> extra) || width == 0 || height == 0 || batch < 1) {
+      throw InputError("--bucket_batch_sizes: '" + piece +
+                       "' is not WIDTHxHEIGHT:BATCH (a bucket in pixels and its batch size, "
+                       "at least 1)");
+    }
+    out[{width, height}] = batch;
+  }
+  if (out.empty()) throw InputError("--bucket_batch_sizes='" + text + "' sizes no bucket");
+  return out;
+}
+
+std::string format_bucket_batch_sizes(const BucketBatchSizes& sizes) {
+  std::string out;
+  for (const auto& [bucket, batch] : sizes) {
+    if (!out.empty()) out += ",";
+    out += std::to_string(bucket.first) + "x" + std::to_string(bucket.second) + ":" +
+           std::to_string(batch);
+  }
+  return out;
+}
+
 BatchScheduler::BatchScheduler(const wire::Manifest& manifest, int batch_size, uint64_t seed,
-                               bool fill_last_batch, int ranks)
-    : default_batch_size_(batch_size), seed_(seed), fill_last_batch_(fill_last_batch) {
+                               bool fill_last_batch, int ranks, int accumulation,
+                               const BucketBatchSizes& bucket_batches)
+    : default_batch_size_(batch_size),
+      seed_(seed),
+      fill_last_batch_(fill_last_batch),
+      accumulation_(accumulation),
+      bucket_batches_(bucket_batches) {
+  if (accumulation < 1) {
+    throw InputError("--gradient_accumulation_steps=" + std::to_string(accumulation) +
+                     ": must be at least 1");
+  }
   if (manifest.entries_size() == 0) {
     throw InputError("manifest '" + manifest.dataset_id() + "' has no entries: nothing to train on");
   }
@@ -135,8 +175,34 @@ BatchScheduler::BatchScheduler(const wire::Manifest& manifest, int batch_size, u
       info.buckets.push_back({key.first, key.second, count});
     }
     dataset_info_.push_back(std::move(info));
-    for (const std::vector<int>& bucket : group.buckets) {
-      batches_per_epoch_ += (bucket.size() + group.batch_size - 1) / group.batch_size;
+    if (bucket_batches.empty()) {
+      for (const std::vector<int>& bucket : group.buckets) {
+        batches_per_epoch_ += (bucket.size() + group.batch_size - 1) / group.batch_size;
+      }
+    } else {
+      const size_t step = static_cast<size_t>(group.batch_size) * accumulation;
+      for (const auto& [key, at] : bucket_of) {
+        const auto sized = bucket_batches.find(key);
+        if (sized == bucket_batches.end()) {
+          throw InputError("--bucket_batch_sizes=" + format_bucket_batch_sizes(bucket_batches) +
+                           " gives no batch size for the bucket " + std::to_string(key.first) +
+                           "x" + std::to_string(key.second) + " of dataset " +
+                           std::to_string(dataset) + " (lorapipe run --auto_batch sizes every "
+                           "bucket the dataset has)");
+        }
+        if (group.bucket_batch.size() <= at) group.bucket_batch.resize(at + 1);
+        group.bucket_batch[at] = static_cast<int>(
+            std::min<size_t>(step, static_cast<size_t>(sized->second) * std::max(1, ranks)));
+      }
+      for (size_t b = 0; b < group.buckets.size(); ++b) {
+        const size_t n = group.buckets[b].size();
+        const size_t size = static_cast<size_t>(group.bucket_batch[b]);
+        for (size_t start = 0; start < n; start += step) {
+          const size_t samples = fill_last_batch ? step : std::min(step, n - start);
+          batches_per_epoch_ += (samples + size - 1) / size;
+          ++steps_per_epoch_;
+        }
+      }
     }
     batch_size_ = std::max(batch_size_, group.batch_size);
     groups_.push_back(std::move(group));
@@ -146,28 +212,61 @@ BatchScheduler::BatchScheduler(const wire::Manifest& manifest, int batch_size, u
                      "' holds only regularization images: nothing to train on");
   }
   for (const auto& [key, count] : bucket_counts) bucket_info_.push_back({key.first, key.second, count});
+  if (bucket_batches.empty()) {
+    steps_per_epoch_ = (batches_per_epoch_ + accumulation - 1) / accumulation;
+  }
 }
 
 std::vector<PlannedBatch> BatchScheduler::epoch(int64_t epoch) const {
   std::mt19937_64 rng = stream(seed_, epoch, -1, "shuffle");
-  std::vector<PlannedBatch> out;
+  const bool sized = !bucket_batches_.empty();
+  // Shuffled as units: a batch each with kohya's accumulation, a step each with bucket sizes.
+  std::vector<std::vector<PlannedBatch>> units;
   for (const Group& group : groups_) {
-    const size_t size = static_cast<size_t>(group.batch_size);
-    for (const std::vector<int>& bucket : group.buckets) {
-      std::vector<int> samples = bucket;
+    const size_t size = static_cast<size_t>(group.batch_size) * (sized ? accumulation_ : 1);
+    for (size_t b = 0; b < group.buckets.size(); ++b) {
+      std::vector<int> samples = group.buckets[b];
       lorapipe::shuffle(samples.begin(), samples.end(), rng);
       for (size_t start = 0; start < samples.size(); start += size) {
-        PlannedBatch batch;
         const size_t end = std::min(samples.size(), start + size);
-        batch.entries.assign(samples.begin() + start, samples.begin() + end);
-        while (fill_last_batch_ && batch.entries.size() < size) {
-          batch.entries.push_back(samples[uniform_below(samples.size(), rng)]);
+        std::vector<int> entries(samples.begin() + start, samples.begin() + end);
+        while (fill_last_batch_ && entries.size() < size) {
+          entries.push_back(samples[uniform_below(samples.size(), rng)]);
         }
-        out.push_back(std::move(batch));
+        std::vector<PlannedBatch> unit;
+        if (!sized) {
+          unit.push_back({std::move(entries)});
+        } else {  // the step in as few micro-batches as the bucket's size allows, even in size
+          const size_t n = entries.size();
+          const size_t micro = (n + group.bucket_batch[b] - 1) / group.bucket_batch[b];
+          for (size_t k = 0, at = 0; k < micro; ++k) {
+            const size_t take = n / micro + (k < n % micro ? 1 : 0);
+            PlannedBatch batch;
+            batch.entries.assign(entries.begin() + at, entries.begin() + at + take);
+            batch.share = static_cast<double>(take) / static_cast<double>(n);
+            at += take;
+            unit.push_back(std::move(batch));
+          }
+        }
+        units.push_back(std::move(unit));
       }
     }
   }
-  lorapipe::shuffle(out.begin(), out.end(), rng);
+  lorapipe::shuffle(units.begin(), units.end(), rng);
+  std::vector<PlannedBatch> out;
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (PlannedBatch& batch : units[u]) {
+      const auto index = static_cast<int64_t>(out.size());
+      batch.step = sized ? static_cast<int64_t>(u) : index / accumulation_;
+      out.push_back(std::move(batch));
+    }
+    if (sized) out.back().ends_step = true;
+  }
+  if (!sized) {
+    for (size_t i = 0; i < out.size(); ++i) {
+      out[i].ends_step = (i + 1) % static_cast<size_t>(accumulation_) == 0 || i + 1 == out.size();
+    }
+  }
   return out;
 }
 

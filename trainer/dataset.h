@@ -18,7 +18,18 @@ namespace lorapipe::trainer {
 
 struct PlannedBatch {
   std::vector<int> entries;  // indices into the manifest's entries, all of one bucket
+  int64_t step = 0;          // the optimizer step it belongs to, counted within the epoch
+  bool ends_step = false;    // the step's last micro-batch: the update follows it
+  // Bucket batch sizes: its samples over its step's, the weight of its mean loss in the step's.
+  // 0: kohya's fixed accumulation (every micro-batch 1 / gradient_accumulation_steps).
+  double share = 0;
 };
+
+// A batch size per rank for each bucket (width, height): --bucket_batch_sizes.
+using BucketBatchSizes = std::map<std::pair<uint32_t, uint32_t>, int>;
+// "WxH:B,WxH:B": throws InputError naming the piece it cannot read.
+BucketBatchSizes parse_bucket_batch_sizes(const std::string& text);
+std::string format_bucket_batch_sizes(const BucketBatchSizes& sizes);
 
 class BatchScheduler {
  public:
@@ -31,11 +42,32 @@ class BatchScheduler {
   // carried by the manifest, wins over it, and is per rank too, as kohya's is per process), times
   // `ranks` in all: each step's batch is split over the ranks. The last batch of a bucket holds
   // fewer unless `fill_last_batch` tops it up with samples drawn again from the same bucket.
-  // Throws InputError for a manifest without training images or a batch size < 1.
+  //
+  // Steps: kohya's, `accumulation` micro-batches each, in the order the batches are shuffled;
+  // an epoch's last batch ends its step (accelerate's end of the dataloader).
+  //
+  // `bucket_batches` (--bucket_batch_sizes, lorapipe run --auto_batch) gives each bucket its own
+  // micro-batch size per rank, and keeps the samples per optimizer step those of the dataset's
+  // batch size times `accumulation` (S): a bucket's samples go in steps of S (its last step
+  // holds what is left, as kohya's last batch), each step split into as few micro-batches as
+  // its bucket's size allows, of sizes that differ by one at most, each weighing its share of
+  // the step's samples -- the step's loss is the mean over its samples, as one batch of S would
+  // give. A bucket whose size is S or more trains in single batches of S. Steps, not
+  // micro-batches, are shuffled, so a step's micro-batches are of one bucket. With sizes of S
+  // for every bucket the plan is kohya's at a batch size of S without accumulation.
+  //
+  // Throws InputError for a manifest without training images, a batch size < 1, or a bucket
+  // `bucket_batches` does not size.
   BatchScheduler(const wire::Manifest& manifest, int batch_size, uint64_t seed,
-                 bool fill_last_batch, int ranks = 1);
+                 bool fill_last_batch, int ranks = 1, int accumulation = 1,
+                 const BucketBatchSizes& bucket_batches = {});
 
   size_t batches_per_epoch() const { return batches_per_epoch_; }
+  size_t steps_per_epoch() const { return steps_per_epoch_; }
+  // Samples an optimizer step takes (all ranks), the largest dataset's: batch_size() times the
+  // accumulation.
+  int samples_per_step() const { return batch_size_ * accumulation_; }
+  bool bucket_batches() const { return !bucket_batches_.empty(); }
   uint64_t train_images() const { return train_images_; }  // training samples per epoch
   // Regularization images times their repeats, as the datasets declare them (kohya's
   // num_reg_images): before they are balanced against the training images.
@@ -72,6 +104,7 @@ class BatchScheduler {
   struct Group {  // one dataset
     int batch_size = 1;
     std::vector<std::vector<int>> buckets;  // per bucket: entry index per sample
+    std::vector<int> bucket_batch;  // per bucket, all ranks (bucket batch sizes only)
   };
   std::vector<Group> groups_;  // by dataset_index
   std::vector<BucketInfo> bucket_info_;
@@ -81,6 +114,9 @@ class BatchScheduler {
   uint64_t seed_ = 0;
   bool fill_last_batch_ = false;
   size_t batches_per_epoch_ = 0;
+  size_t steps_per_epoch_ = 0;
+  int accumulation_ = 1;
+  BucketBatchSizes bucket_batches_;
   uint64_t train_images_ = 0;
   uint64_t reg_images_ = 0;
 };

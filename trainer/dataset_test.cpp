@@ -139,6 +139,133 @@ TEST(TrainBatches, RegularizationImagesAreBalancedAsKohya) {
   EXPECT_THROW(BatchScheduler(only_reg, 1, 0, false), InputError);
 }
 
+// kohya's accumulation as the scheduler now states it: every `accumulation` batches end a step,
+// and an epoch's last batch ends its step early; the plan is the one without accumulation.
+TEST(TrainBatches, AccumulationEndsAStepEveryNBatchesAndAtTheEpochsEnd) {
+  const wire::Manifest m = manifest_of(join({times(5, {64, 64}), times(3, {64, 96})}));
+  const BatchScheduler plain(m, 2, 7, false), accumulated(m, 2, 7, false, 1, 3);
+  EXPECT_EQ(accumulated.batches_per_epoch(), 5u);
+  EXPECT_EQ(accumulated.steps_per_epoch(), 2u) << "ceil(5 batches / 3)";
+  EXPECT_EQ(plain.steps_per_epoch(), 5u);
+  EXPECT_EQ(accumulated.samples_per_step(), 6);
+  const auto epoch = accumulated.epoch(1);
+  EXPECT_EQ(order(epoch), order(plain.epoch(1))) << "accumulation changes no batch";
+  ASSERT_EQ(epoch.size(), 5u);
+  const std::vector<int64_t> steps = {0, 0, 0, 1, 1};
+  const std::vector<bool> ends = {false, false, true, false, true};
+  for (size_t i = 0; i < epoch.size(); ++i) {
+    EXPECT_EQ(epoch[i].step, steps[i]) << "batch " << i;
+    EXPECT_EQ(epoch[i].ends_step, ends[i]) << "batch " << i;
+    EXPECT_EQ(epoch[i].share, 0.0) << "kohya's 1 / accumulation, applied by the step";
+  }
+}
+
+// Bucket batch sizes: a step holds the dataset's batch x accumulation samples (S = 6 here) of one
+// bucket, in as few micro-batches as the bucket's size allows, of sizes within one of each
+// other, weighing their shares of the step; every sample still comes its repeats times an epoch.
+TEST(TrainBatches, BucketBatchSizesKeepTheSamplesPerStepAndSplitEachStepByItsBucketsSize) {
+  // 13 square samples (batch 4 fits), 7 tall ones (batch 2 fits), 4 wide ones (batch 8 fits).
+  const wire::Manifest m =
+      manifest_of(join({times(13, {64, 64}), times(7, {64, 128}), times(4, {128, 64})}));
+  const BucketBatchSizes sizes = parse_bucket_batch_sizes("64x64:4,64x128:2,128x64:8");
+  const BatchScheduler s(m, /*batch_size=*/2, 5, false, /*ranks=*/1, /*accumulation=*/3, sizes);
+  EXPECT_TRUE(s.bucket_batches());
+  EXPECT_EQ(s.samples_per_step(), 6);
+  // Steps: squares 6 + 6 + 1, tall 6 + 1, wide 4: 6 steps. Micro-batches: squares 2 + 2 + 1
+  // (6 in 4s: 3 + 3), tall 3 + 1 (6 in 2s), wide 1.
+  EXPECT_EQ(s.steps_per_epoch(), 6u);
+  EXPECT_EQ(s.batches_per_epoch(), 10u);
+  for (int64_t epoch : {1, 2}) {
+    const auto plan = s.epoch(epoch);
+    ASSERT_EQ(plan.size(), 10u);
+    EXPECT_EQ(draws(plan).size(), 24u) << "every sample, once";
+    for (const auto& [entry, n] : draws(plan)) EXPECT_EQ(n, 1) << "entry " << entry;
+    std::map<int64_t, std::vector<const PlannedBatch*>> steps;
+    for (const PlannedBatch& b : plan) steps[b.step].push_back(&b);
+    ASSERT_EQ(steps.size(), 6u);
+    std::multiset<std::string> shapes;
+    for (const auto& [step, batches] : steps) {
+      std::set<std::pair<uint32_t, uint32_t>> buckets;
+      size_t samples = 0, smallest = 1000, largest = 0;
+      double shares = 0;
+      for (const PlannedBatch* b : batches) {
+        for (int i : b->entries) {
+          buckets.insert({m.entries(i).bucket().width(), m.entries(i).bucket().height()});
+        }
+        samples += b->entries.size();
+        smallest = std::min(smallest, b->entries.size());
+        largest = std::max(largest, b->entries.size());
+        shares += b->share;
+        EXPECT_EQ(b->ends_step, b == batches.back()) << "step " << step;
+      }
+      ASSERT_EQ(buckets.size(), 1u) << "a step mixes buckets";
+      const auto [width, height] = *buckets.begin();
+      EXPECT_LE(largest, static_cast<size_t>(sizes.at({width, height}))) << width << "x" << height;
+      EXPECT_LE(largest - smallest, 1u) << "even micro-batches";
+      EXPECT_NEAR(shares, 1.0, 1e-12) << "shares of one step sum to one";
+      for (const PlannedBatch* b : batches) {
+        EXPECT_DOUBLE_EQ(b->share, static_cast<double>(b->entries.size()) / samples);
+      }
+      shapes.insert(std::to_string(width) + "x" + std::to_string(height) + ":" +
+                    std::to_string(samples) + "/" + std::to_string(batches.size()));
+    }
+    EXPECT_EQ(shapes, (std::multiset<std::string>{"64x64:6/2", "64x64:6/2", "64x64:1/1",
+                                                   "64x128:6/3", "64x128:1/1", "128x64:4/1"}))
+        << "epoch " << epoch;
+  }
+  EXPECT_NE(order(s.epoch(2)), order(s.epoch(1))) << "reshuffled every epoch";
+}
+
+// Where every bucket's size is S the plan is kohya's at a batch of S without accumulation, draw
+// for draw: --auto_batch on a card that fits the whole step changes nothing but the speed.
+TEST(TrainBatches, BucketBatchSizesOfTheWholeStepPlanKohyasBatchOfThatSize) {
+  const wire::Manifest m = manifest_of(join({times(9, {64, 64}), times(5, {64, 96, 2})}));
+  const BatchScheduler kohya(m, 4, 11, /*fill_last_batch=*/true);
+  const BatchScheduler sized(m, 2, 11, true, 1, 2, parse_bucket_batch_sizes("64x64:9,64x96:4"));
+  EXPECT_EQ(sized.steps_per_epoch(), kohya.steps_per_epoch());
+  EXPECT_EQ(sized.batches_per_epoch(), kohya.batches_per_epoch());
+  for (int64_t epoch : {1, 3}) {
+    const auto a = kohya.epoch(epoch), b = sized.epoch(epoch);
+    EXPECT_EQ(order(b), order(a)) << "epoch " << epoch;
+    for (const PlannedBatch& batch : b) {
+      EXPECT_TRUE(batch.ends_step);
+      EXPECT_EQ(batch.share, 1.0);
+    }
+  }
+}
+
+// Ranks: a bucket's size is per rank, as --train_batch_size is; a missing bucket or a bad
+// piece is named.
+TEST(TrainBatches, BucketBatchSizesArePerRankAndNameWhatTheyLack) {
+  const wire::Manifest m = manifest_of(join({times(8, {64, 64}), times(3, {64, 96})}));
+  const BatchScheduler s(m, 2, 3, false, /*ranks=*/2, /*accumulation=*/2,
+                         parse_bucket_batch_sizes("64x64:1,64x96:2"));
+  EXPECT_EQ(s.samples_per_step(), 8) << "2 per rank x 2 ranks x 2 micro-batches";
+  for (const PlannedBatch& b : s.epoch(1)) {
+    const bool square = m.entries(b.entries[0]).bucket().height() == 64;
+    EXPECT_LE(b.entries.size(), square ? 2u : 4u) << "1 and 2 per rank, over 2 ranks";
+  }
+  EXPECT_EQ(s.steps_per_epoch(), 2u);
+  EXPECT_EQ(s.batches_per_epoch(), 4u + 1u) << "8 squares in 4 batches of 2; 3 tall in one";
+
+  try {
+    BatchScheduler(m, 2, 3, false, 1, 1, parse_bucket_batch_sizes("64x64:2"));
+    ADD_FAILURE() << "a bucket without a size trained";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("64x96"), std::string::npos) << e.what();
+  }
+  for (const char* bad : {"64x64", "64x64:0", "64:2", "64x64:2x", "axb:1", ""}) {
+    try {
+      parse_bucket_batch_sizes(bad);
+      ADD_FAILURE() << "'" << bad << "' parsed";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("--bucket_batch_sizes"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(format_bucket_batch_sizes(parse_bucket_batch_sizes("64x96:2,64x64:3")),
+            "64x64:3,64x96:2");
+}
+
 // Several [[datasets]] of a dataset TOML are batched apart, as kohya's DatasetGroup holds them:
 // a batch never mixes datasets (not even in a bucket of the same size), each takes its own
 // batch_size (its TOML's, else --train_batch_size; per rank) and balances its own reg images;

@@ -77,9 +77,10 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   }
   m["ss_num_validation_images"] = std::to_string(validation_images);
   m["ss_num_batches_per_epoch"] = std::to_string(batches);
-  // Epochs end on steps (an epoch's last batch ends its step): ceil(batches / accumulation) each.
-  const int64_t steps_per_epoch = std::max<int64_t>(
-      1, (batches + s.gradient_accumulation_steps - 1) / s.gradient_accumulation_steps);
+  // Epochs end on steps (an epoch's last batch ends its step): ceil(batches / accumulation) each,
+  // or with bucket batch sizes a step per bucket's batch of samples (BatchScheduler).
+  const int64_t steps_per_epoch =
+      std::max<int64_t>(1, static_cast<int64_t>(scheduler_->steps_per_epoch()));
   m["ss_num_epochs"] = std::to_string((max_steps_ + steps_per_epoch - 1) / steps_per_epoch);
   if (!dataset_metadata_.dataset_config) {  // kohya's, for a dataset without a TOML
     m["ss_batch_size_per_device"] =

@@ -24,6 +24,7 @@
 #include "common/numbers.h"
 #include "common/log.h"
 #include "common/text.h"
+#include "trainer/dataset.h"
 #include "trainer/trainer.h"
 #include "runtime/exit_code.h"
 #include "runtime/flags.h"
@@ -107,6 +108,10 @@ DEFINE_int32(threads, 0, "CPU threads for compute (0: one per core)");
 DEFINE_int64(max_train_steps, 1600, "Optimizer steps");
 DEFINE_int64(max_train_epochs, 0, "Epochs (wins over --max_train_steps when set)");
 DEFINE_int32(train_batch_size, 1, "Samples per batch (a dataset TOML's batch_size wins)");
+DEFINE_string(bucket_batch_sizes, "",
+              "WxH:B,... a batch size per rank for each bucket, the samples per optimizer step "
+              "kept at --train_batch_size x --gradient_accumulation_steps (lorapipe run "
+              "--auto_batch writes it)");
 DEFINE_bool(fill_last_batch, false, "Top up each bucket's short last batch from the same bucket");
 DEFINE_uint64(seed, 42, "Seed of every random choice");
 DEFINE_double(prior_loss_weight, 1.0, "Loss weight of regularization images");
@@ -515,6 +520,9 @@ int main(int argc, char** argv) {
     o.max_train_epochs = FLAGS_max_train_epochs;
     o.train_batch_size = FLAGS_train_batch_size;
     o.fill_last_batch = FLAGS_fill_last_batch;
+    if (!FLAGS_bucket_batch_sizes.empty()) {
+      o.bucket_batch_sizes = trainer::parse_bucket_batch_sizes(FLAGS_bucket_batch_sizes);
+    }
     o.seed = FLAGS_seed;
     o.prior_loss_weight = FLAGS_prior_loss_weight;
     o.max_bad_steps = FLAGS_max_bad_steps;

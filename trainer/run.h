@@ -76,6 +76,9 @@ std::string last_stem(const std::string& output_name);
 struct PreparedBatch {
   int64_t epoch = 0;
   int64_t index = 0;  // micro-batch index within the epoch
+  int64_t step = 0;   // the optimizer step within the epoch (PlannedBatch)
+  bool ends_step = false;
+  double share = 0;
   torch::Tensor latents;
   torch::Tensor hidden_states;  // cached text, or undefined
   torch::Tensor pooled;

@@ -68,8 +68,9 @@ void Run::load_data() {
     }
     manifest_ = std::move(train);
   }
-  scheduler_ = std::make_unique<BatchScheduler>(manifest_, o_.train_batch_size, o_.seed,
-                                                o_.fill_last_batch, o_.ranks.world_size);
+  scheduler_ = std::make_unique<BatchScheduler>(
+      manifest_, o_.train_batch_size, o_.seed, o_.fill_last_batch, o_.ranks.world_size,
+      o_.step.gradient_accumulation_steps, o_.bucket_batch_sizes);
   dataset_metadata_ = kohya_dataset_metadata(manifest_, *scheduler_);  // the training images
 }
 

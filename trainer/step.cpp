@@ -149,7 +149,10 @@ at::Tensor TrainingStep::per_sample_loss(const at::Tensor& latents, const at::Te
 
 double TrainingStep::accumulate(const MicroBatch& batch, at::Generator generator) {
   const double loss = accumulate_micro_batch(batch, generator);
-  if (options_.scale_weight_norms > 0 && accumulated_ % options_.gradient_accumulation_steps != 0) {
+  const bool step_goes_on = batch.share > 0
+                               ? !batch.ends_step
+                               : accumulated_ % options_.gradient_accumulation_steps != 0;
+  if (options_.scale_weight_norms > 0 && step_goes_on) {
     network_.apply_max_norm(options_.scale_weight_norms);
   }
   return loss;
@@ -210,20 +213,20 @@ double TrainingStep::accumulate_micro_batch(const MicroBatch& batch, at::Generat
       loss = loss * rows(batch.loss_weights).to(device, torch::kFloat32);
     }
     loss = weighted(loss, my_times);
-    return backward(loss.sum() / static_cast<double>(global));
+    return backward(loss.sum() / static_cast<double>(global), batch.share);
   }
   at::Tensor loss =
       per_sample_loss(latents, noise, times, conditioning(batch), input_noise, batch.masks,
                       batch.geometry);
   if (batch.loss_weights.defined()) loss = loss * batch.loss_weights.to(device, torch::kFloat32);
   loss = weighted(loss, times);
-  return backward(loss.mean());
+  return backward(loss.mean(), batch.share);
 }
 
-double TrainingStep::backward(const at::Tensor& loss) {
+double TrainingStep::backward(const at::Tensor& loss, double share) {
   const double value = loss.item<double>();
   if (!std::isfinite(value)) return value;
-  at::Tensor scaled = loss / options_.gradient_accumulation_steps;
+  at::Tensor scaled = share > 0 ? loss * share : loss / options_.gradient_accumulation_steps;
   if (options_.base_dtype == torch::kHalf) scaled = scaled * loss_scale_;
   scaled.backward();
   ++accumulated_;

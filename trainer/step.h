@@ -88,6 +88,11 @@ struct MicroBatch {
   // rows < 0: every row, the loss their mean.
   int64_t rows_begin = 0;
   int64_t rows = -1;
+  // Bucket batch sizes (BatchScheduler): the micro-batch's share of its step's samples, which
+  // scales its backward in place of 1 / gradient_accumulation_steps, and whether it ends its
+  // step. share 0: kohya's fixed accumulation.
+  double share = 0;
+  bool ends_step = false;
 };
 
 struct UpdateResult {
@@ -159,7 +164,8 @@ class TrainingStep {
  private:
   std::vector<at::Tensor> trainable() const;
   // The loss's value; unless it is non-finite, its backward (scaled for accumulation and fp16).
-  double backward(const at::Tensor& loss);
+  // `share`: MicroBatch::share.
+  double backward(const at::Tensor& loss, double share);
   double accumulate_micro_batch(const MicroBatch& batch, at::Generator generator);
   UpdateResult update_weights();
 

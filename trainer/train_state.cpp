@@ -95,6 +95,9 @@ json Run::data_plan() const {
   json plan = {{"train_batch_size", o_.train_batch_size},
                {"gradient_accumulation_steps", o_.step.gradient_accumulation_steps},
                {"fill_last_batch", o_.fill_last_batch},
+               {"bucket_batch_sizes", o_.bucket_batch_sizes.empty()
+                                          ? std::string()
+                                          : format_bucket_batch_sizes(o_.bucket_batch_sizes)},
                {"validation_split", o_.validation_split}};
   // Its seed decides the split only when there is one (--seed, checked on its own, the rest).
   if (o_.validation_split > 0) plan["validation_seed"] = o_.validation_seed;

@@ -62,8 +62,7 @@ Summary Run::train_steps() {
                                            at::make_generator<at::CPUGeneratorImpl>(o_.seed));
   if (!o_.network_weights.empty()) network_->load(o_.network_weights);
   const int64_t batches = static_cast<int64_t>(scheduler_->batches_per_epoch());
-  const int64_t accumulation = o_.step.gradient_accumulation_steps;
-  const int64_t steps_per_epoch = (batches + accumulation - 1) / accumulation;
+  const int64_t steps_per_epoch = static_cast<int64_t>(scheduler_->steps_per_epoch());
   max_steps_ = o_.max_train_epochs > 0 ? o_.max_train_epochs * steps_per_epoch : o_.max_train_steps;
   if (o_.save_n_epoch_ratio > 0) {  // kohya: floor(num_train_epochs / ratio) or 1
     const int64_t epochs = (max_steps_ + steps_per_epoch - 1) / steps_per_epoch;
@@ -98,7 +97,14 @@ Summary Run::train_steps() {
                                     " datasets, each batched on its own)"
                               : std::string())
                       << ", " << batches << " batches and " << steps_per_epoch
-                      << " steps per epoch; " << max_steps_ << " steps in all on "
+                      << " steps per epoch"
+                      << (scheduler_->bucket_batches()
+                              ? " (batch per bucket: " +
+                                    format_bucket_batch_sizes(o_.bucket_batch_sizes) + ", " +
+                                    std::to_string(scheduler_->samples_per_step()) +
+                                    " samples per step)"
+                              : std::string())
+                      << "; " << max_steps_ << " steps in all on "
                       << models::describe_device(device_)
                       << (cached_text_ ? "; text from the cache" : "; text encoded online")
                       << "; optimizer " << step_->optimizer().describe()
@@ -178,8 +184,7 @@ Summary Run::train_steps() {
       const auto step_started = Clock::now();
       start_epoch = epoch_, start_index = next_index_;
       double wait_ms = 0;
-      double loss_sum = 0;
-      int64_t micro_batches = 0;
+      double loss_sum = 0, share_sum = 0;
       struct MicroLoss {
         int64_t epoch, index;
         double loss;
@@ -190,7 +195,10 @@ Summary Run::train_steps() {
       // where this step started, instead of after --timeout_s. Ranks stop together at a step's
       // start only, so with ranks the wait goes on.
       bool stopped_waiting = false;
-      for (int64_t micro = 0; micro < accumulation; ++micro) {
+      // The scheduler ends each step: after gradient_accumulation_steps micro-batches (an epoch's
+      // last batch ends its step early, as accelerate syncs at the end of kohya's dataloader),
+      // or after its bucket's micro-batches with bucket batch sizes.
+      for (bool step_done = false; !step_done;) {
         const auto wait_started = Clock::now();
         PreparedBatch prepared;
         {
@@ -231,13 +239,14 @@ Summary Run::train_steps() {
             step_->accumulate(to_micro_batch(prepared),
                               generator_for(o_.seed, prepared.epoch, prepared.index, "noise"));
         if (!std::isfinite(loss)) bad = true;
-        loss_sum += loss;
-        ++micro_batches;
+        // The step's loss: the micro-batches' mean (kohya's), weighed by their shares of the
+        // step's samples with bucket batch sizes. A short step's gradients keep their
+        // 1/accumulation scale, as kohya's.
+        const double share = prepared.share > 0 ? prepared.share : 1.0;
+        loss_sum += loss * share;
+        share_sum += share;
         micro_losses.push_back({prepared.epoch, prepared.index, loss});
-        // An epoch's last batch ends the step, as accelerate syncs at the end of kohya's
-        // dataloader: a short step's gradients keep their 1/accumulation scale, and epochs end
-        // on steps (steps_per_epoch above).
-        if (next_index_ >= batches) break;
+        step_done = prepared.ends_step;
       }
       if (stopped_waiting) {  // back to where the step started, and out through the stop above
         step_->zero_grad();
@@ -246,12 +255,12 @@ Summary Run::train_steps() {
       }
       // Ranks: each loss is its rows' share, so the sum is the global batch's; a non-finite loss
       // on any rank makes every rank skip the step.
-      if (ranks_) {
+      if (ranks_) {  // every rank's share_sum is the same: the plan is
         loss_sum = ranks_->sum(loss_sum);
         for (MicroLoss& m : micro_losses) m.loss = ranks_->sum(m.loss);
       }
       if (!std::isfinite(loss_sum)) bad = true;
-      const double loss = loss_sum / static_cast<double>(micro_batches);
+      const double loss = loss_sum / share_sum;
       UpdateResult update;
       if (bad) {
         step_->zero_grad();

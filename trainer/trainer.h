@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "models/model_parts.h"
@@ -110,6 +111,9 @@ struct Options {
   int64_t max_train_steps = 1600;
   int64_t max_train_epochs = 0;  // wins over max_train_steps when set, as kohya
   int train_batch_size = 1;
+  // --bucket_batch_sizes (lorapipe run --auto_batch): a batch size per rank for each bucket,
+  // the samples per step kept at train_batch_size x gradient_accumulation_steps (BatchScheduler).
+  std::map<std::pair<uint32_t, uint32_t>, int> bucket_batch_sizes;  // BucketBatchSizes
   bool fill_last_batch = false;
   uint64_t seed = 42;
   double prior_loss_weight = 1.0;
