@@ -681,6 +681,78 @@ TEST_F(TrainRunTest, ResumeRefusesAnotherDataPlanNamingTheFlag) {
   EXPECT_EQ(losses(longer.err).size(), 2u) << longer.err;
 }
 
+// --bucket_batch_sizes (lorapipe run --auto_batch): where every bucket takes the whole step, a
+// batch of 1 with 2 accumulated trains the LoRA of a batch of 2 bit for bit (the same samples,
+// draws and step count: accumulation became batch); where buckets take 1, each step runs 2
+// micro-batches of 1 and keeps 2 samples per step. A state remembers the sizes; the log names
+// them.
+TEST_F(TrainRunTest, BucketBatchSizesTurnAccumulationIntoBatchWhereTheCardAllows) {
+  std::set<std::string> buckets;
+  const fs::path cache = work_ / "cache";
+  add_manifest(cache, "auto", [&](wire::Manifest& m) {
+    keep_images(m, 9);
+    for (const auto& e : m.entries()) {
+      buckets.insert(std::to_string(e.bucket().width()) + "x" +
+                     std::to_string(e.bucket().height()));
+    }
+  });
+  ASSERT_GE(buckets.size(), 2u) << "the demo set's first images span buckets";
+  auto sized = [&](int batch) {
+    std::string flag = "--bucket_batch_sizes=";
+    for (const std::string& b : buckets) flag += b + ":" + std::to_string(batch) + ",";
+    return flag;
+  };
+  auto train = [&](const std::string& tag, std::vector<std::string> extra) {
+    extra.push_back("--max_train_epochs=2");
+    std::vector<std::string> a = args(work_ / tag, extra);
+    a[2] = "--cache_dir=" + cache.string();
+    a[3] = "--dataset_id=auto";
+    fs::create_directories(work_ / tag);
+    const pid_t pid = spawn(a, work_ / tag / "out", work_ / tag / "err");
+    EXPECT_EQ(wait_exit(pid), 0) << read_text(work_ / tag / "err");
+    return read_text(work_ / tag / "err") + read_text(work_ / tag / "out");
+  };
+  const std::string batch2 = train("batch2", {"--train_batch_size=2"});
+  const std::string whole =
+      train("whole", {"--train_batch_size=1", "--gradient_accumulation_steps=2", sized(2),
+                      "--save_state"});
+  const std::string ones =
+      train("ones", {"--train_batch_size=1", "--gradient_accumulation_steps=2", sized(1)});
+  expect_identical(work_ / "batch2" / "lora" / "tiny.safetensors",
+                   work_ / "whole" / "lora" / "tiny.safetensors");
+  // The epoch's steps: one per bucket's pair of samples, the same in all three runs.
+  const std::regex per_epoch(R"((\d+) batches and (\d+) steps per epoch)");
+  std::smatch a, b, c;
+  ASSERT_TRUE(std::regex_search(batch2, a, per_epoch)) << batch2;
+  ASSERT_TRUE(std::regex_search(whole, b, per_epoch)) << whole;
+  ASSERT_TRUE(std::regex_search(ones, c, per_epoch)) << ones;
+  EXPECT_EQ(b[2], a[2]);
+  EXPECT_EQ(c[2], a[2]);
+  EXPECT_EQ(b[1], a[1]) << "batches of 2 where the bucket takes 2";
+  EXPECT_EQ(std::stoi(c[1]), 9) << "each of the 9 samples its own micro-batch";
+  EXPECT_NE(ones.find("batch per bucket: "), std::string::npos) << ones;
+  EXPECT_NE(ones.find("2 samples per step)"), std::string::npos) << ones;
+  EXPECT_EQ(losses(ones).size(), losses(batch2).size()) << "the same step count";
+  for (const std::string& tag : {"batch2", "whole", "ones"}) {
+    EXPECT_EQ(models::SafetensorsFile::open(work_ / tag / "lora" / "tiny.safetensors")
+                  .metadata()
+                  .at("ss_total_batch_size"),
+              "2")
+        << tag;
+  }
+  // The sizes are part of the data plan a state resumes in.
+  std::vector<std::string> resumed = args(work_ / "resumed", {"--max_train_epochs=3",
+      "--train_batch_size=1", "--gradient_accumulation_steps=2",
+      "--resume=" + (work_ / "whole" / "state" / "tiny-state").string()});
+  resumed[2] = "--cache_dir=" + cache.string();
+  resumed[3] = "--dataset_id=auto";
+  fs::create_directories(work_ / "resumed");
+  const pid_t pid = spawn(resumed, work_ / "resumed" / "out", work_ / "resumed" / "err");
+  EXPECT_NE(wait_exit(pid), 0);
+  EXPECT_NE(read_text(work_ / "resumed" / "err").find("--bucket_batch_sizes="), std::string::npos)
+      << read_text(work_ / "resumed" / "err");
+}
+
 // A kohya command line carries over as it is (network_module, save_model_as, no_half_vae,
 // xformers, cache_latents, logging_dir, log_prefix, and the noise and loss options drawn in a
 // real run: ip_noise_gamma with random strength): saves are named as kohya names them and

@@ -521,7 +521,7 @@ int main(int argc, char** argv) {
     o.train_batch_size = FLAGS_train_batch_size;
     o.fill_last_batch = FLAGS_fill_last_batch;
     if (!FLAGS_bucket_batch_sizes.empty()) {
-      o.bucket_batch_sizes = trainer::parse_bucket_batch_sizes(FLAGS_bucket_batch_sizes);
+      o.bucket_batch_sizes = lorapipe::trainer::parse_bucket_batch_sizes(FLAGS_bucket_batch_sizes);
     }
     o.seed = FLAGS_seed;
     o.prior_loss_weight = FLAGS_prior_loss_weight;
