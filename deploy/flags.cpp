@@ -142,6 +142,11 @@ std::vector<FlagInfo> make_table() {
   add("sample_after_training", {}, /*boolean=*/true);
   // `lorapipe plan`'s recommendation for this budget, taken without asking (deploy/plan.h).
   add("plan_budget", {}, /*boolean=*/false);
+  // A batch per bucket for the card's memory (deploy/plan.h apply_auto_batch), which the
+  // trainer takes as --bucket_batch_sizes.
+  add("auto_batch", {}, /*boolean=*/true);
+  add("vram_budget", {}, /*boolean=*/false);
+  value("bucket_batch_sizes", {S::kTrainer});
   return t;
 }
 

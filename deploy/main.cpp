@@ -29,7 +29,9 @@ constexpr const char* kUsage =
     "  lorapipe plan --model=M [--vram_budget=12GB] [--gpu=\"RTX 3060\"] [--output=DIR]\n"
     "      [--resolutions=256,512,...] [--batch_sizes=1,2,4,8] [flags of a run]\n"
     "      Predicts each setting's peak device memory and time per step before training, and\n"
-    "      recommends the fastest that fits; writes DIR/plan.json and a plot (plan.png).\n";
+    "      recommends the fastest that fits; writes DIR/plan.json and a plot (plan.png).\n"
+    "      With --auto_batch and a dataset: the batch each bucket gets in a run with --auto_batch\n"
+    "      (the largest that fits --vram_budget, the samples per step kept).\n";
 
 std::filesystem::path own_folder() {
   return std::filesystem::read_symlink("/proc/self/exe").parent_path();

@@ -328,6 +328,8 @@ Card find_card(const std::string& name) {
                    "); give its throughput with --gpu_tflops instead");
 }
 
+double budget_needed(const Prediction& p) { return p.peak() * kAccuracyMargin + kReserveBytes; }
+
 Prediction predict(const ModelStructure& model, const Candidate& c, const PlanOptions& o) {
   Prediction p;
   const double store = o.storage_bytes;
@@ -433,6 +435,25 @@ std::vector<std::string> candidate_flags(const ModelStructure& model, const Cand
   (void)model;
   for (const std::string& f : o.run_flags) flags.push_back(f);
   return flags;
+}
+
+// The setting a run's own flags ask for (the plan's defaults where they are silent).
+Candidate run_candidate(const PlanOptions& options) {
+  Candidate c;
+  const Settings& run = options.run;
+  if (!options.resolutions.empty()) c.width = c.height = options.resolutions[0];
+  if (run.has("resolution")) {
+    const std::vector<int> wh = parse_ints("--resolution", run.get("resolution"));
+    c.width = wh[0], c.height = wh.size() > 1 ? wh[1] : wh[0];
+  }
+  c.batch = std::stoi(run.get("train_batch_size", "1"));
+  c.checkpointing = run.has("gradient_checkpointing") && run.get("gradient_checkpointing") != "false";
+  c.float8 = run.has("fp8_base") || run.has("fp8_base_unet")
+                 ? (run.has("fp8_scaled") ? "fp8_scaled" : "fp8")
+                 : "";
+  c.blocks_to_swap = std::stoi(run.get("blocks_to_swap", "0"));
+  c.optimizer = options.optimizer.empty() ? "AdamW" : options.optimizer;
+  return c;
 }
 
 std::string describe(const Candidate& c) {
@@ -655,8 +676,7 @@ Plan make_plan(const PlanOptions& options) {
               row.prediction = predict(model, row.candidate, options);
               row.samples_per_step = b;
               if (options.dataset) predict_over_buckets(model, plan.buckets[width], options, row);
-              row.fits = row.prediction.peak() * kAccuracyMargin <=
-                         options.budget_bytes - kReserveBytes;
+              row.fits = budget_needed(row.prediction) <= options.budget_bytes;
               row.flags = candidate_flags(model, row.candidate, options);
               plan.rows.push_back(std::move(row));
             }
@@ -1011,11 +1031,104 @@ std::string apply_plan_budget(Settings& settings) {
   return line.str();
 }
 
+std::string apply_auto_batch(Settings& settings, const std::vector<std::string>& plan_args) {
+  const std::string budget = settings.has("plan_budget") ? settings.get("plan_budget")
+                                                         : settings.get("vram_budget");
+  if (budget.empty()) {
+    throw InputError("--auto_batch sizes each bucket's batch to the card's memory: give it with "
+                     "--vram_budget=12GB (or take the plan's whole setting with "
+                     "--plan_budget=12GB)");
+  }
+  if (!settings.has("pretrained_model_name_or_path")) {
+    throw InputError("--auto_batch needs the model (--pretrained_model_name_or_path or --model): "
+                     "the batches are sized from its weights");
+  }
+  std::vector<std::string> args = {"--vram_budget=" + budget};
+  for (const auto& [name, value] : settings.flags) {
+    if (name == "plan_budget" || name == "vram_budget" || name == "auto_batch" ||
+        name == "bucket_batch_sizes") {
+      continue;
+    }
+    args.push_back("--" + name + (value == "true" ? "" : "=" + value));
+  }
+  args.insert(args.end(), plan_args.begin(), plan_args.end());
+  const PlanOptions options = parse_plan_args(args);
+  if (!options.dataset) {
+    throw InputError("--auto_batch sizes the batches of a dataset's buckets: give --data_dir or "
+                     "--dataset_config");
+  }
+  const ModelStructure model = read_structure(options.model, options.family);
+  Candidate run = run_candidate(options);
+  if (!options.run.has("resolution")) {  // lorapipe plan: the family's, as a run defaults to
+    run.width = run.height = native_resolution(model.family);
+  }
+  const int accumulation = std::stoi(settings.get("gradient_accumulation_steps", "1"));
+  const int step = run.batch * accumulation;  // samples per step and rank, as the run asks
+  const std::vector<DatasetBucket> buckets = dataset_buckets(options.run, run.width, run.height);
+  auto fits = [&](const Prediction& p) { return budget_needed(p) <= options.budget_bytes; };
+  auto predicted = [&](const DatasetBucket& b, int batch) {
+    Candidate c = run;
+    c.width = b.width, c.height = b.height, c.batch = batch;
+    return predict(model, c, options);
+  };
+  // The epoch as the trainer's scheduler cuts it (trainer/dataset.h): fixed batches of the
+  // run's size, or steps of `step` samples in as few even micro-batches as the bucket's size
+  // allows. Its predicted time compares the two.
+  auto epoch_seconds = [&](const DatasetBucket& b, int size, int samples_per_unit) {
+    double seconds = 0;
+    for (int64_t start = 0; start < b.count; start += samples_per_unit) {
+      const auto n = static_cast<int>(std::min<int64_t>(samples_per_unit, b.count - start));
+      const int micro = (n + size - 1) / size;
+      for (int k = 0; k < micro; ++k) {
+        seconds += predicted(b, n / micro + (k < n % micro ? 1 : 0)).s_per_it;
+      }
+    }
+    return seconds;
+  };
+  std::ostringstream line, sizes;
+  double fixed_s = 0, sized_s = 0;
+  int tight = 0;
+  line << "lorapipe: --auto_batch for " << gib(options.budget_bytes) << " GiB: " << step
+       << " samples per optimizer step (--train_batch_size " << run.batch
+       << " x --gradient_accumulation_steps " << accumulation
+       << "), each bucket in the largest batch predicted to fit:";
+  for (const DatasetBucket& b : buckets) {
+    int batch = 0;
+    for (int n = 1; n <= step; ++n) {
+      if (!fits(predicted(b, n))) break;  // peaks grow with the batch
+      batch = n;
+    }
+    if (batch == 0) ++tight;
+    batch = std::max(batch, 1);
+    if (!sizes.str().empty()) sizes << ",";
+    sizes << b.width << "x" << b.height << ":" << batch;
+    fixed_s += epoch_seconds(b, run.batch, run.batch);
+    sized_s += epoch_seconds(b, batch, step);
+    // A full step of `step` samples runs in `micro` even micro-batches of at most `batch`.
+    const int micro = (step + batch - 1) / batch, even = (step + micro - 1) / micro;
+    line << "\n  " << b.width << "x" << b.height << " (" << b.count << " samples): batch up to "
+         << batch << ", a step in " << micro << " x " << even << ", predicted peak "
+         << gib(predicted(b, batch).peak()) << " GiB"
+         << (fits(predicted(b, 1)) ? "" : " -- over the budget even at batch 1");
+  }
+  settings.set("bucket_batch_sizes", sizes.str());
+  line << "\n  the learning rate is unchanged: every step still averages " << step
+       << " samples, and an epoch has one step per " << step
+       << " samples of a bucket (each bucket's last step holds the rest); predicted epoch "
+       << std::fixed << std::setprecision(0) << sized_s << " s against " << fixed_s
+       << " s in fixed batches of " << run.batch << std::setprecision(2) << " (x"
+       << (sized_s > 0 ? fixed_s / sized_s : 1.0) << ")";
+  if (tight > 0) {
+    line << "\n  " << tight << " bucket(s) are predicted over the budget even at batch 1: lower "
+         << "--max_bucket_reso or add memory options (lorapipe plan shows which fit)";
+  }
+  return line.str();
+}
+
 int plan_command(const std::vector<std::string>& args, std::ostream& out) {
   std::vector<std::string> rest;
   fs::path output = ".";
   bool explain = false;
-  Candidate explained;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (starts_with(a, "--output=") || starts_with(a, "--output_dir=")) {
@@ -1029,21 +1142,29 @@ int plan_command(const std::vector<std::string>& args, std::ostream& out) {
       rest.push_back(a);
     }
   }
+  // --auto_batch: the batch each of the dataset's buckets would get in `lorapipe run` with these
+  // flags (its other plan flag, --gpu, only times it).
+  if (std::find(rest.begin(), rest.end(), "--auto_batch") != rest.end()) {
+    std::vector<std::string> run_args, plan_args;
+    for (size_t i = 0; i < rest.size(); ++i) {
+      if (starts_with(rest[i], "--gpu")) {
+        plan_args.push_back(rest[i]);
+        if (rest[i].find('=') == std::string::npos && i + 1 < rest.size()) {
+          plan_args.push_back(rest[++i]);
+        }
+      } else {
+        run_args.push_back(rest[i]);
+      }
+    }
+    Settings settings = parse_run_args(run_args);
+    out << apply_auto_batch(settings, plan_args) << "\n--bucket_batch_sizes="
+        << settings.get("bucket_batch_sizes") << "\n";
+    return kExitOk;
+  }
   PlanOptions options = parse_plan_args(rest);
   if (explain) {
     const ModelStructure model = read_structure(options.model, options.family);
-    const Settings& run = options.run;
-    if (!options.resolutions.empty()) explained.width = explained.height = options.resolutions[0];
-    if (run.has("resolution")) {
-      const std::vector<int> wh = parse_ints("--resolution", run.get("resolution"));
-      explained.width = wh[0], explained.height = wh.size() > 1 ? wh[1] : wh[0];
-    }
-    explained.batch = std::stoi(run.get("train_batch_size", "1"));
-    explained.checkpointing = run.has("gradient_checkpointing");
-    explained.float8 = run.has("fp8_base") ? (run.has("fp8_scaled") ? "fp8_scaled" : "fp8") : "";
-    explained.blocks_to_swap = std::stoi(run.get("blocks_to_swap", "0"));
-    explained.optimizer = options.optimizer.empty() ? "AdamW" : options.optimizer;
-    out << explain_json(model, explained, options) << "\n";
+    out << explain_json(model, run_candidate(options), options) << "\n";
     return kExitOk;
   }
   const Plan plan = make_plan(options);

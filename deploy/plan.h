@@ -99,6 +99,9 @@ struct PlanOptions {
 };
 
 Prediction predict(const ModelStructure& model, const Candidate& candidate, const PlanOptions& o);
+// The smallest budget a prediction fits in: its peak and 10% for the prediction's error (the
+// calibration's goal), plus what the CUDA context and the kernels' workspaces take (0.6 GB).
+double budget_needed(const Prediction& prediction);
 
 // One aspect bucket of the run's dataset at a resolution, as its preprocess stage picks it.
 struct DatasetBucket {
@@ -147,6 +150,16 @@ std::string explain_json(const ModelStructure& model, const Candidate& candidate
 // set into `settings` (resolution, batch, accumulation, learning rate, memory options); returns
 // the line that tells the user. Throws InputError when nothing fits.
 std::string apply_plan_budget(Settings& settings);
+
+// `lorapipe run --auto_batch` (with --vram_budget, or --plan_budget applied first): each of the
+// dataset's buckets (its preprocess report at the run's resolution) gets the largest batch per
+// rank, up to the run's samples per step (train_batch_size x gradient_accumulation_steps),
+// whose predicted peak fits the budget as the plan's fit rule has it, set into `settings` as the
+// trainer's --bucket_batch_sizes; the trainer keeps the samples per step (trainer/dataset.h),
+// so the learning rate stays. Returns the lines that tell the user. A bucket that fits at no
+// batch gets 1 and a warning: the run tries it.
+// `plan_args`: the plan's own flags (--gpu) where `lorapipe plan --auto_batch` previews it.
+std::string apply_auto_batch(Settings& settings, const std::vector<std::string>& plan_args = {});
 
 // `lorapipe plan [flags]`: the exit code.
 int plan_command(const std::vector<std::string>& args, std::ostream& out);

@@ -582,6 +582,8 @@ int Supervisor::run() {
     throw InputError("--data_dir, --dataset_config or --in_json is needed with a model of your "
                      "own");
   }
+  // After the family's defaults: the batches are sized at the resolution the run trains at.
+  if (s_.has("auto_batch")) display_ << apply_auto_batch(s_) << "\n";
   write_config(s_, dir_ / "run.toml");
   curves_.add_events_file(dir_ / "events.jsonl");  // a resumed run's earlier steps
   events_.open(dir_ / "events.jsonl", std::ios::app);

@@ -8,6 +8,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <iomanip>
+#include <map>
+#include <sstream>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <string>
@@ -355,6 +358,112 @@ TEST_F(PlanTest, PlanWeighsTheDatasetsOwnBuckets) {
   run("lorapipe", {"plan", "--model=" + b.structure, "--data_dir=" + (work_ / "none").string()});
   EXPECT_NE(code_, 0);
   EXPECT_NE(err_.find((work_ / "none").string()), std::string::npos) << err_;
+}
+
+// --auto_batch: each of the dataset's buckets (the preprocess stage's report) gets the largest
+// batch per rank whose prediction fits the budget, at most the run's samples per step
+// (train_batch_size x gradient_accumulation_steps, 2 x 8 here). The budget is the one at which
+// the largest bucket (512x512) just fits a batch of 8: it gets 8, the smaller buckets more, and
+// each bucket's batch fits while one more would not.
+TEST_F(PlanTest, PlanAutoBatchGivesEachBucketTheLargestBatchThatFits) {
+  const Bench b = bench("tiny", {"--steps", "0"}, "tiny");
+  const fs::path data = work_ / "data";
+  run("lorapipe-demo-dataset", {data.string()});
+  ASSERT_EQ(code_, 0) << err_;
+  run("lorapipe-preprocess", {"--data_dir=" + data.string(), "--resolution=512", "--report_only",
+                              "--report_json=" + (work_ / "report.json").string()});
+  ASSERT_EQ(code_, 0) << err_;
+  const json report = json::parse(read_text(work_ / "report.json"));
+  ASSERT_GT(report.at("buckets").size(), 2u);
+
+  const std::vector<std::string> memory = {"--gradient_checkpointing", "--mixed_precision=bf16",
+                                           "--network_dim=16", "--optimizer_type=AdamW"};
+  std::vector<std::string> plan_args = {"--model=" + b.structure};
+  plan_args.insert(plan_args.end(), memory.begin(), memory.end());
+  const PlanOptions options = parse_plan_args(plan_args);
+  const ModelStructure model = read_structure(b.structure);
+  auto needed = [&](int width, int height, int batch) {
+    return budget_needed(predict(model, {width, height, batch, true, "", 0, "AdamW"}, options));
+  };
+  const double budget = needed(512, 512, 8) + (1 << 20);
+  std::ostringstream budget_flag;
+  budget_flag << std::setprecision(12) << "--vram_budget=" << budget / (1 << 20) << "MB";
+  std::vector<std::string> run_args = {"--pretrained_model_name_or_path=" + b.structure,
+                                       "--data_dir=" + data.string(), "--resolution=512",
+                                       "--train_batch_size=2", "--gradient_accumulation_steps=8",
+                                       "--auto_batch", budget_flag.str()};
+  run_args.insert(run_args.end(), memory.begin(), memory.end());
+  Settings settings = parse_run_args(run_args);
+  const std::string said = apply_auto_batch(settings);
+  std::printf("%s\n", said.c_str());
+  EXPECT_NE(said.find("16 samples per optimizer step"), std::string::npos) << said;
+  EXPECT_NE(said.find("the learning rate is unchanged"), std::string::npos) << said;
+  std::map<std::string, int> sizes;
+  std::stringstream pieces(settings.get("bucket_batch_sizes"));
+  for (std::string piece; std::getline(pieces, piece, ',');) {
+    sizes[piece.substr(0, piece.find(':'))] = std::stoi(piece.substr(piece.find(':') + 1));
+  }
+  ASSERT_EQ(sizes.size(), report.at("buckets").size()) << settings.get("bucket_batch_sizes");
+  int largest_batch = 0;
+  for (const json& bucket : report.at("buckets")) {
+    const int w = bucket.at("bucket")[0], h = bucket.at("bucket")[1];
+    const std::string name = std::to_string(w) + "x" + std::to_string(h);
+    ASSERT_TRUE(sizes.count(name)) << name;
+    const int batch = sizes.at(name);
+    EXPECT_GE(batch, 1);
+    EXPECT_LE(batch, 16) << name << ": more than a step's samples";
+    EXPECT_LE(needed(w, h, batch), budget) << name << " at " << batch << " does not fit";
+    if (batch < 16) {
+      EXPECT_GT(needed(w, h, batch + 1), budget) << name << ": one more fits";
+    }
+    largest_batch = std::max(largest_batch, batch);
+  }
+  EXPECT_EQ(sizes.at("512x512"), 8);
+  EXPECT_GT(largest_batch, 8) << "the smaller buckets take larger batches";
+
+  // Without a budget it asks for one; without a dataset it says what it sizes.
+  Settings unbudgeted = parse_run_args({"--pretrained_model_name_or_path=" + b.structure,
+                                        "--data_dir=" + data.string(), "--auto_batch"});
+  try {
+    apply_auto_batch(unbudgeted);
+    ADD_FAILURE() << "--auto_batch without a budget was taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--vram_budget"), std::string::npos) << e.what();
+  }
+
+  // `lorapipe plan --auto_batch` previews the same sizes.
+  std::vector<std::string> preview = {"plan"};
+  preview.insert(preview.end(), run_args.begin(), run_args.end());
+  const std::string out = run("lorapipe", preview);
+  ASSERT_EQ(code_, 0) << err_;
+  EXPECT_NE(out.find("--bucket_batch_sizes=" + settings.get("bucket_batch_sizes")),
+            std::string::npos)
+      << out;
+}
+
+// `lorapipe run --auto_batch` hands the trainer the sizes: the demo run (built-in tiny model),
+// 1 x 4 samples per step on a budget that fits every bucket's whole step, trains in batches of 4
+// per bucket, and run.toml keeps the sizes for a resume.
+TEST_F(PlanTest, PlanAutoBatchReachesTheTrainerInARun) {
+  const fs::path dir = work_ / "run";
+  run("lorapipe", {"run", "--output=" + dir.string(), "--auto_batch", "--vram_budget=24GB",
+                   "--max_train_steps=2", "--train_batch_size=1",
+                   "--gradient_accumulation_steps=4", "--sample_every_n_steps=0",
+                   "--device=cpu", "--sampler_device=cpu"});
+  ASSERT_EQ(code_, 0) << err_;
+  const std::string trainer_log = read_text(dir / "logs" / "trainer.log");
+  EXPECT_NE(trainer_log.find("4 samples per step)"), std::string::npos) << trainer_log;
+  const std::string toml = read_text(dir / "run.toml");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(toml, m, std::regex(R"re(bucket_batch_sizes = "([^"]+)")re"))) << toml;
+  std::stringstream pieces(m[1].str());
+  int buckets = 0;
+  for (std::string piece; std::getline(pieces, piece, ',');) {
+    ++buckets;
+    EXPECT_EQ(piece.substr(piece.find(':')), ":4") << piece;
+    EXPECT_NE(trainer_log.find(piece), std::string::npos) << piece << " not in " << trainer_log;
+  }
+  EXPECT_GT(buckets, 1);
 }
 
 }  // namespace
