@@ -62,6 +62,8 @@
 #include <ATen/core/Generator.h>
 #if __has_include(<c10/cuda/CUDACachingAllocator.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime_api.h>
 #include <torch/cuda.h>
 #define LORAPIPE_BENCH_CUDA 1
 #endif
@@ -314,6 +316,8 @@ int solo(const std::string& size, int argc, char** argv) {
   bool checkpointing = false, fp8_base = false, fp8_scaled = false, offload = false;
   int blocks_to_swap = 0;
   fs::path structure;  // --write_structure DIR
+  std::string settings_list;  // --settings WxH:B,...
+  double memory_limit = 0;    // --memory_limit BYTES
   int depth = 0;  // FLUX.1 at full width with this many double blocks and twice as many single
   double peak_tflops = -1;
   t::OptimizerOptions optimizer;
@@ -347,6 +351,10 @@ int solo(const std::string& size, int argc, char** argv) {
       blocks_to_swap = std::stoi(value());
     } else if (flag == "--write_structure") {
       structure = value();
+    } else if (flag == "--settings") {
+      settings_list = value();
+    } else if (flag == "--memory_limit") {
+      memory_limit = std::stod(value());
     } else if (flag == "--depth") {
       depth = std::stoi(value());
     } else if (flag == "--threads") {
@@ -376,9 +384,8 @@ int solo(const std::string& size, int argc, char** argv) {
   std::unique_ptr<m::DiffusionModel> owned;
   m::Float8Storage float8;                      // what --fp8_base stored
   m::DiffusionModel::BlockSwapReport swap;     // what --blocks_to_swap moved to the host
-  t::MicroBatch micro;
-  double flops = 0;
-  const int64_t side = resolution / 8;
+  // A step's inputs and model FLOPs at a batch and size in pixels.
+  std::function<std::pair<t::MicroBatch, double>(int64_t, int64_t, int64_t)> inputs;
   if (size.rfind("flux", 0) == 0) {
     // FLUX.1 [dev] (`flux`, full size, or `flux_tiny`), built in --dtype and drawn at random on
     // the CPU, then placed; kohya's Flux LoRA targets; T5 states of kohya's dev length (512).
@@ -417,10 +424,14 @@ int solo(const std::string& size, int argc, char** argv) {
     flux->transformer->to(device);
     flux->transformer->train();
     const int64_t text = size == "flux_tiny" ? 16 : 512;
-    micro.latents = torch::randn({batch, 16, side, side});
-    micro.encoder_hidden_states = torch::randn({batch, text, config.context_in_dim});
-    micro.pooled = torch::randn({batch, config.vec_in_dim});
-    flops = 2 * m::flux_forward_flops(config, batch, (side / 2) * (side / 2), text);
+    inputs = [config, text](int64_t batch, int64_t width, int64_t height) {
+      t::MicroBatch micro;
+      micro.latents = torch::randn({batch, 16, height / 8, width / 8});
+      micro.encoder_hidden_states = torch::randn({batch, text, config.context_in_dim});
+      micro.pooled = torch::randn({batch, config.vec_in_dim});
+      return std::make_pair(
+          micro, 2 * m::flux_forward_flops(config, batch, (height / 16) * (width / 16), text));
+    };
     owned = std::move(flux);
   } else {
     // SDXL through its own model (its LoRA targets, names and added conditions); the others SD1.x.
@@ -444,14 +455,17 @@ int solo(const std::string& size, int argc, char** argv) {
     if (blocks_to_swap > 0) swap = model.enable_block_swap(blocks_to_swap, device, 2);
     model.unet->to(device);
     model.unet->train();
-    const m::UNetConfig& config = model.unet->config();
-    micro.latents = torch::randn({batch, config.in_channels, side, side});
-    micro.encoder_hidden_states = torch::randn({batch, 77, config.cross_attention_dim});
-    if (!config.addition_embed_type.empty()) {  // SDXL: the pooled embedding; time ids by default
-      micro.pooled = torch::randn(
-          {batch, config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim});
-    }
-    flops = 2 * m::unet_forward_flops(config, batch, side, side, 77);
+    inputs = [config = model.unet->config()](int64_t batch, int64_t width, int64_t height) {
+      t::MicroBatch micro;
+      micro.latents = torch::randn({batch, config.in_channels, height / 8, width / 8});
+      micro.encoder_hidden_states = torch::randn({batch, 77, config.cross_attention_dim});
+      if (!config.addition_embed_type.empty()) {  // SDXL: the pooled embedding; default time ids
+        micro.pooled = torch::randn({batch, config.projection_class_embeddings_input_dim -
+                                                6 * config.addition_time_embed_dim});
+      }
+      return std::make_pair(micro,
+                            2 * m::unet_forward_flops(config, batch, height / 8, width / 8, 77));
+    };
     owned = std::move(sd);
   }
   m::DiffusionModel& model = *owned;
@@ -472,55 +486,109 @@ int solo(const std::string& size, int argc, char** argv) {
   t::apply_optimizer_args(optimizer, optimizer_args);
   options.optimizer = optimizer;
   if (learning_rate > 0) options.optimizer_groups.learning_rate = learning_rate;
-  t::TrainingStep step(model, network, options);
 
-  micro.loss_weights = torch::ones({batch});
-  int64_t seed = 0;
-  auto one_step = [&] {
-    const double loss = step.accumulate(micro, at::make_generator<at::CPUGeneratorImpl>(seed++));
-    if (!step.update().applied) throw std::runtime_error("the update was skipped (loss " +
-                                                         std::to_string(loss) + ")");
+  // --settings: several sizes and batches on the one model, in the order given (the probe gives
+  // them by resolution, batches rising); a setting that runs out of memory is said so, and the
+  // larger batches of its size are skipped. --memory_limit caps the device as a smaller card
+  // would: CUDA's allocator a fraction of the device, the CPU's counted tensors at the bytes.
+  struct Setting {
+    int64_t width, height, batch;
   };
-  for (int i = 0; i < 2; ++i) one_step();  // warm-up: kernels chosen, optimizer state made
-  synchronize(device);
-  reset_peak_allocated(device);
-  const auto start = Clock::now();
-  for (int64_t i = 0; i < steps; ++i) one_step();
-  synchronize(device);
-  const double seconds = ms_since(start) / 1e3 / static_cast<double>(steps);
-  const std::string swapped =
-      (blocks_to_swap > 0 ? " blocks_to_swap " + std::to_string(blocks_to_swap) : "") +
-      (offload ? " cpu_offload_checkpointing" : "") +
-      (depth > 0 ? " depth " + std::to_string(depth) : "");
-  std::printf("%s %s %s%s%s%s %s batch %lld %lldx%lld%s: %.3f s/it, %.2f samples/s, "
-              "peak allocated %.0f MiB",
-              size.c_str(), m::describe_device(device).c_str(), dtype_name.c_str(),
-              fp8_base ? " fp8_base" : "", fp8_scaled ? " scaled" : "", swapped.c_str(),
-              optimizer.type.c_str(),
-              static_cast<long long>(batch), static_cast<long long>(resolution),
-              static_cast<long long>(resolution), checkpointing ? ", checkpointing" : "", seconds,
-              static_cast<double>(batch) / seconds, peak_allocated_mib(device));
-  // The bytes each option takes off the device by its own account (bench/small_card_bench.sh sets
-  // them against the measured peaks): float8's weights before less after (scales included), and
-  // the swapped weights less the ring's slots.
-  const double mib = 1 << 20;
-  if (fp8_base) {
-    std::printf(", float8 analytic saving %.0f MiB",
-                static_cast<double>(float8.bytes_before - float8.bytes_after) / mib);
+  std::vector<Setting> settings;
+  if (settings_list.empty()) settings.push_back({resolution, resolution, batch});
+  for (size_t begin = 0; begin < settings_list.size();) {
+    size_t end = settings_list.find(',', begin);
+    if (end == std::string::npos) end = settings_list.size();
+    const std::string piece = settings_list.substr(begin, end - begin);
+    const size_t x = piece.find('x'), colon = piece.find(':');
+    if (x == std::string::npos || colon == std::string::npos || colon < x) {
+      throw std::invalid_argument("--settings: '" + piece + "' is not WIDTHxHEIGHT:BATCH");
+    }
+    settings.push_back({std::stoll(piece.substr(0, x)), std::stoll(piece.substr(x + 1, colon - x - 1)),
+                        std::stoll(piece.substr(colon + 1))});
+    begin = end + 1;
   }
-  if (blocks_to_swap > 0) {
-    std::printf(", swap analytic saving %.0f MiB (%.0f MiB to the host, %d slots of %.0f MiB)",
-                static_cast<double>(swap.host_bytes - swap.slots * swap.slot_bytes) / mib,
-                static_cast<double>(swap.host_bytes) / mib, swap.slots,
-                static_cast<double>(swap.slot_bytes) / mib);
+  if (memory_limit > 0) {
+#ifdef LORAPIPE_BENCH_CUDA
+    if (device.is_cuda()) {
+      size_t free_bytes = 0, total_bytes = 0;
+      C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+      c10::cuda::CUDACachingAllocator::setMemoryFraction(
+          std::min(1.0, memory_limit / static_cast<double>(total_bytes)), device.index());
+    }
+#endif
+    if (!device.is_cuda()) tensor_memory->set_limit(static_cast<size_t>(memory_limit));
   }
-  std::printf(", %.3g TFLOPS, step flops %.6g, LoRA parameters %lld", flops / seconds / 1e12, flops,
-              static_cast<long long>(lora_parameters(network)));
-  if (peak_tflops > 0) {
-    std::printf(", MFU %.1f%% of %.4g TFLOPS", 100 * flops / seconds / 1e12 / peak_tflops,
-                peak_tflops);
+  int64_t out_of_memory_at = -1;  // the width x height whose batches stopped fitting
+  for (const Setting& s : settings) {
+    const std::string label =
+        size + " " + m::describe_device(device) + " " + dtype_name + (fp8_base ? " fp8_base" : "") +
+        (fp8_scaled ? " scaled" : "") +
+        (blocks_to_swap > 0 ? " blocks_to_swap " + std::to_string(blocks_to_swap) : "") +
+        (offload ? " cpu_offload_checkpointing" : "") +
+        (depth > 0 ? " depth " + std::to_string(depth) : "") + " " + optimizer.type + " batch " +
+        std::to_string(s.batch) + " " + std::to_string(s.width) + "x" + std::to_string(s.height) +
+        (checkpointing ? ", checkpointing" : "");
+    if (out_of_memory_at == s.width * 100000 + s.height) {
+      std::printf("%s: skipped (a smaller batch ran out of memory)\n", label.c_str());
+      std::fflush(stdout);
+      continue;
+    }
+    try {
+      auto [micro, flops] = inputs(s.batch, s.width, s.height);
+      micro.loss_weights = torch::ones({s.batch});
+      t::TrainingStep step(model, network, options);
+      int64_t seed = 0;
+      auto one_step = [&] {
+        const double loss =
+            step.accumulate(micro, at::make_generator<at::CPUGeneratorImpl>(seed++));
+        if (!step.update().applied) {
+          throw std::runtime_error("the update was skipped (loss " + std::to_string(loss) + ")");
+        }
+      };
+      for (int i = 0; i < 2; ++i) one_step();  // warm-up: kernels chosen, optimizer state made
+      synchronize(device);
+      reset_peak_allocated(device);
+      const auto start = Clock::now();
+      for (int64_t i = 0; i < steps; ++i) one_step();
+      synchronize(device);
+      const double seconds = ms_since(start) / 1e3 / static_cast<double>(steps);
+      std::printf("%s: %.3f s/it, %.2f samples/s, peak allocated %.0f MiB", label.c_str(), seconds,
+                  static_cast<double>(s.batch) / seconds, peak_allocated_mib(device));
+      // The bytes each option takes off the device by its own account (bench/small_card_bench.sh
+      // sets them against the measured peaks): float8's weights before less after (scales
+      // included), and the swapped weights less the ring's slots.
+      const double mib = 1 << 20;
+      if (fp8_base) {
+        std::printf(", float8 analytic saving %.0f MiB",
+                    static_cast<double>(float8.bytes_before - float8.bytes_after) / mib);
+      }
+      if (blocks_to_swap > 0) {
+        std::printf(", swap analytic saving %.0f MiB (%.0f MiB to the host, %d slots of %.0f MiB)",
+                    static_cast<double>(swap.host_bytes - swap.slots * swap.slot_bytes) / mib,
+                    static_cast<double>(swap.host_bytes) / mib, swap.slots,
+                    static_cast<double>(swap.slot_bytes) / mib);
+      }
+      std::printf(", %.3g TFLOPS, step flops %.6g, LoRA parameters %lld", flops / seconds / 1e12,
+                  flops, static_cast<long long>(lora_parameters(network)));
+      if (peak_tflops > 0) {
+        std::printf(", MFU %.1f%% of %.4g TFLOPS", 100 * flops / seconds / 1e12 / peak_tflops,
+                    peak_tflops);
+      }
+      std::printf("\n");
+    } catch (const c10::OutOfMemoryError& e) {
+      out_of_memory_at = s.width * 100000 + s.height;
+      std::string what = e.what();
+      what = what.substr(0, what.find('\n'));
+      std::printf("%s: out of memory (%s)\n", label.c_str(), what.c_str());
+    }
+    std::fflush(stdout);
+    // What the step held goes back before the next setting (its gradients with it).
+    for (at::Tensor& p : network.unet_parameters()) p.mutable_grad() = at::Tensor();
+#ifdef LORAPIPE_BENCH_CUDA
+    if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
   }
-  std::printf("\n");
   return 0;
 }
 

@@ -1,6 +1,7 @@
 #include "models/tensor_memory.h"
 
 #include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <stdexcept>
@@ -25,6 +26,12 @@ TensorMemoryCounter::TensorMemoryCounter() : base_(c10::GetDefaultCPUAllocator()
 }
 
 c10::DataPtr TensorMemoryCounter::allocate(size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK_WITH(OutOfMemoryError, limit_ == 0 || alive_ + bytes <= limit_,
+                     "CPU tensor memory limit: tried to allocate ", bytes, " bytes with ", alive_,
+                     " of ", limit_, " allocated (TensorMemoryCounter::set_limit)");
+  }
   c10::DataPtr inner = base_->allocate(bytes);
   const c10::Device device = inner.device();
   void* data = inner.release_context();  // ours to free now, through release()
@@ -45,6 +52,11 @@ size_t TensorMemoryCounter::alive_bytes() {
 size_t TensorMemoryCounter::peak_bytes() {
   std::lock_guard<std::mutex> lock(mutex_);
   return peak_;
+}
+
+void TensorMemoryCounter::set_limit(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  limit_ = bytes;
 }
 
 void TensorMemoryCounter::reset_peak() {

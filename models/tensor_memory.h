@@ -32,6 +32,10 @@ class TensorMemoryCounter final : public c10::Allocator {
   double alive_mib() { return static_cast<double>(alive_bytes()) / (1 << 20); }
   double peak_mib() { return static_cast<double>(peak_bytes()) / (1 << 20); }
   void reset_peak();  // the peak restarts from what is alive now
+  // A card's capacity on the CPU: an allocation that would take the counted bytes past `bytes`
+  // throws c10::OutOfMemoryError, as CUDA's allocator does when the device is full (0: none).
+  // `lorapipe plan --probe` on the CPU stops a setting there as it would on the card.
+  void set_limit(size_t bytes);
 
  private:
   TensorMemoryCounter();
@@ -42,7 +46,7 @@ class TensorMemoryCounter final : public c10::Allocator {
   c10::DeleterFnPtr base_deleter_ = nullptr;
   std::mutex mutex_;
   std::unordered_map<void*, size_t> sizes_;
-  size_t alive_ = 0, peak_ = 0;
+  size_t alive_ = 0, peak_ = 0, limit_ = 0;
 };
 
 }  // namespace lorapipe::models
