@@ -31,6 +31,10 @@
 //       [--threads N] [--write_structure DIR (the denoiser's header for `lorapipe plan --model`;
 //       with --steps 0 it stops there, after printing the LoRA's module and parameter counts)]
 //       [--peak_tflops T] [--optimizer_type NAME [--optimizer_args K=V ...] [--learning_rate LR]]
+//       [--network_dim R (16)] [--settings WxH:B,... (several sizes and batches on the one model,
+//       a line each; one that runs out of memory says so and skips its size's larger batches)]
+//       [--memory_limit BYTES (a smaller card: CUDA's allocator held to that share of the
+//       device, the CPU's counted tensors to the bytes)]: `lorapipe plan --probe` runs these
 //       the same step alone, on the UNet's own random initialisation and random inputs (no files,
 //       no Python); `sdxl` is SDXL's full-size U-Net (1024x1024 by default, the pooled embedding
 //       and the default time ids as added conditions, kohya's SDXL LoRA targets); `flux` is
@@ -318,6 +322,7 @@ int solo(const std::string& size, int argc, char** argv) {
   fs::path structure;  // --write_structure DIR
   std::string settings_list;  // --settings WxH:B,...
   double memory_limit = 0;    // --memory_limit BYTES
+  int network_dim = 16;       // --network_dim
   int depth = 0;  // FLUX.1 at full width with this many double blocks and twice as many single
   double peak_tflops = -1;
   t::OptimizerOptions optimizer;
@@ -355,6 +360,8 @@ int solo(const std::string& size, int argc, char** argv) {
       settings_list = value();
     } else if (flag == "--memory_limit") {
       memory_limit = std::stod(value());
+    } else if (flag == "--network_dim") {
+      network_dim = std::stoi(value());
     } else if (flag == "--depth") {
       depth = std::stoi(value());
     } else if (flag == "--threads") {
@@ -470,8 +477,8 @@ int solo(const std::string& size, int argc, char** argv) {
   }
   m::DiffusionModel& model = *owned;
   t::NetworkOptions net;
-  net.dim = 16;
-  net.alpha = 16;
+  net.dim = network_dim;
+  net.alpha = static_cast<double>(network_dim);
   net.train_text_encoder = false;
   t::LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(/*seed_in=*/7));
   if (steps == 0) {  // the model and its LoRA only (with --write_structure: what the plan reads)

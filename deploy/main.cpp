@@ -30,6 +30,9 @@ constexpr const char* kUsage =
     "      [--resolutions=256,512,...] [--batch_sizes=1,2,4,8] [flags of a run]\n"
     "      Predicts each setting's peak device memory and time per step before training, and\n"
     "      recommends the fastest that fits; writes DIR/plan.json and a plot (plan.png).\n"
+    "      --probe [--probe_device=cuda|cpu] [--probe_size=full|sdxl|flux|tiny] [--probe_steps=3]:\n"
+    "      runs each shown setting as real steps on the device within the budget, and prints\n"
+    "      measured peak, s/it, samples/s and MFU next to the prediction (out of memory: said).\n"
     "      With --auto_batch and a dataset: the batch each bucket gets in a run with --auto_batch\n"
     "      (the largest that fits --vram_budget, the samples per step kept).\n";
 

@@ -12,6 +12,7 @@
 #include <regex>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include <unistd.h>
 
@@ -743,6 +744,30 @@ Plan make_plan(const PlanOptions& options) {
   return plan;
 }
 
+namespace {
+
+// Each resolution x batch: its fastest setting that fits, else its lightest one (the table's).
+std::map<std::pair<int, int>, int> shown_rows(const Plan& plan) {
+  std::map<std::pair<int, int>, int> shown;
+  for (size_t i = 0; i < plan.rows.size(); ++i) {
+    const PlanRow& row = plan.rows[i];
+    const auto key = std::make_pair(row.candidate.width, row.candidate.batch);
+    auto it = shown.find(key);
+    if (it == shown.end()) {
+      shown[key] = static_cast<int>(i);
+      continue;
+    }
+    const PlanRow& held = plan.rows[it->second];
+    const bool better =
+        row.fits ? (!held.fits || row.samples_per_s() > 1.02 * held.samples_per_s())
+                 : (!held.fits && row.prediction.peak() < held.prediction.peak());
+    if (better) it->second = static_cast<int>(i);
+  }
+  return shown;
+}
+
+}  // namespace
+
 void print_plan(const Plan& plan, std::ostream& out) {
   const PlanOptions& o = plan.options;
   const ModelStructure& m = plan.model;
@@ -777,22 +802,7 @@ void print_plan(const Plan& plan, std::ostream& out) {
   out << "\n";
   // Each resolution x batch: its fastest setting that fits, else its lightest one.
   out << "  res  batch  setting                                  peak GiB  fits   s/it  samples/s\n";
-  std::map<std::pair<int, int>, int> shown;
-  for (size_t i = 0; i < plan.rows.size(); ++i) {
-    const PlanRow& row = plan.rows[i];
-    const auto key = std::make_pair(row.candidate.width, row.candidate.batch);
-    auto it = shown.find(key);
-    if (it == shown.end()) {
-      shown[key] = static_cast<int>(i);
-      continue;
-    }
-    const PlanRow& held = plan.rows[it->second];
-    const bool better =
-        row.fits ? (!held.fits || row.samples_per_s() > 1.02 * held.samples_per_s())
-                 : (!held.fits && row.prediction.peak() < held.prediction.peak());
-    if (better) it->second = static_cast<int>(i);
-  }
-  for (const auto& [key, index] : shown) {
+  for (const auto& [key, index] : shown_rows(plan)) {
     const PlanRow& row = plan.rows[index];
     char line[256];
     std::snprintf(line, sizeof line, "%5d  %5d  %-40s %8s  %-4s %6.2f  %9.2f%s\n", key.first,
@@ -951,6 +961,18 @@ std::vector<fs::path> write_plan(const Plan& plan, const fs::path& dir) {
                           {"fits", row.fits},
                           {"predicted_s_per_it", row.prediction.s_per_it},
                           {"predicted_samples_per_s", row.samples_per_s()}});
+    if (row.probe) {
+      const ProbeResult& p = *row.probe;
+      json probe = {{"out_of_memory", p.out_of_memory}, {"skipped", p.skipped},
+                    {"predicted_peak_bytes", std::llround(p.predicted_peak)}};
+      if (!p.out_of_memory && !p.skipped) {
+        probe["measured_peak_bytes"] = std::llround(p.peak_bytes);
+        probe["s_per_it"] = p.s_per_it;
+        probe["samples_per_s"] = p.samples_per_s;
+        if (p.mfu >= 0) probe["mfu"] = p.mfu;
+      }
+      candidates.back()["probe"] = std::move(probe);
+    }
   }
   json dataset = json::object();
   for (const auto& [side, buckets] : plan.buckets) {
@@ -990,6 +1012,127 @@ std::vector<fs::path> write_plan(const Plan& plan, const fs::path& dir) {
   written.push_back(dir / "plan.png");
 #endif
   return written;
+}
+
+void probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
+  const fs::path bench = fs::read_symlink("/proc/self/exe").parent_path() / "trainer_bench";
+  if (!fs::exists(bench)) {
+    throw InputError("lorapipe plan --probe runs its steps with " + bench.string() +
+                     ", which is not there (it is built with lorapipe's benches)");
+  }
+  std::string size = probe.size;
+  if (size.empty()) {
+    size = plan.model.family == "sd15" ? "full" : plan.model.family == "sdxl" ? "sdxl" : "flux";
+  }
+  const PlanOptions& o = plan.options;
+  // One process per memory option, its settings by size and rising batch.
+  std::map<std::string, std::vector<int>> groups;
+  for (const auto& [key, index] : shown_rows(plan)) {
+    const Candidate& c = plan.rows[index].candidate;
+    groups[describe(c)].push_back(index);
+  }
+  const fs::path dir = fs::temp_directory_path() / ("lorapipe-probe-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const double limit = std::max(0.0, o.budget_bytes - kReserveBytes);
+  for (auto& [name, rows] : groups) {
+    std::sort(rows.begin(), rows.end(), [&](int a, int b) {
+      const Candidate &x = plan.rows[a].candidate, &y = plan.rows[b].candidate;
+      return std::make_tuple(x.width, x.height, x.batch) < std::make_tuple(y.width, y.height, y.batch);
+    });
+    const Candidate& c = plan.rows[rows.front()].candidate;
+    std::string settings;
+    for (int r : rows) {
+      const Candidate& x = plan.rows[r].candidate;
+      settings += (settings.empty() ? "" : ",") + std::to_string(x.width) + "x" +
+                  std::to_string(x.height) + ":" + std::to_string(x.batch);
+    }
+    std::vector<std::string> argv = {bench.string(), "solo", size, "--device", probe.device,
+                                     "--dtype", o.storage_bytes == 4 ? "fp32" : "bf16",
+                                     "--steps", std::to_string(probe.steps), "--settings", settings,
+                                     "--memory_limit", std::to_string(std::llround(limit)),
+                                     "--network_dim", std::to_string(o.rank),
+                                     "--optimizer_type", c.optimizer};
+    if (c.checkpointing) argv.push_back("--gradient_checkpointing");
+    if (!c.float8.empty()) argv.push_back("--fp8_base");
+    if (c.float8 == "fp8_scaled") argv.push_back("--fp8_scaled");
+    if (c.blocks_to_swap > 0) {
+      argv.push_back("--blocks_to_swap");
+      argv.push_back(std::to_string(c.blocks_to_swap));
+    }
+    progress << "probing " << rows.size() << " setting(s) of " << name << " on " << probe.device
+             << " (" << size << ", " << argv[6] << ")\n"
+             << std::flush;
+    const int code = runtime::wait_exit(runtime::spawn(argv, dir / "out.txt", dir / "err.txt"));
+    const std::string out = read_all(dir / "out.txt");
+    if (code != 0) {
+      std::string err = read_all(dir / "err.txt");
+      while (!err.empty() && err.back() == '\n') err.pop_back();
+      std::error_code ignored;
+      fs::remove_all(dir, ignored);
+      throw InputError("lorapipe plan --probe: trainer_bench exited " + std::to_string(code) +
+                       " on " + name + ": " + err.substr(err.size() > 2000 ? err.size() - 2000 : 0));
+    }
+    const std::regex line(R"re(batch (\d+) (\d+)x(\d+)(, checkpointing)?: (.*))re");
+    for (auto it = std::sregex_iterator(out.begin(), out.end(), line); it != std::sregex_iterator();
+         ++it) {
+      const int batch = std::stoi((*it)[1]), width = std::stoi((*it)[2]),
+                height = std::stoi((*it)[3]);
+      const std::string rest = (*it)[5];
+      for (int r : rows) {
+        PlanRow& row = plan.rows[r];
+        const Candidate& x = row.candidate;
+        if (x.batch != batch || x.width != width || x.height != height) continue;
+        ProbeResult result;
+        result.predicted_peak = predict(plan.model, x, o).peak();
+        result.out_of_memory = rest.rfind("out of memory", 0) == 0;
+        result.skipped = rest.rfind("skipped", 0) == 0;
+        std::smatch m;
+        if (std::regex_search(rest, m, std::regex(R"(([0-9.]+) s/it, ([0-9.]+) samples/s, peak allocated ([0-9.]+) MiB)"))) {
+          result.s_per_it = std::stod(m[1]);
+          result.samples_per_s = std::stod(m[2]);
+          result.peak_bytes = std::stod(m[3]) * (1 << 20);
+        }
+        if (std::regex_search(rest, m, std::regex(R"(MFU ([0-9.]+)%)"))) {
+          result.mfu = std::stod(m[1]) / 100;
+        }
+        row.probe = result;
+      }
+    }
+  }
+  std::error_code ignored;
+  fs::remove_all(dir, ignored);
+}
+
+void print_probe(const Plan& plan, std::ostream& out) {
+  out << "probe: real steps (peak allocated over the timed steps; predicted: the plan's model of "
+         "the same setting)\n"
+      << "  res  batch  setting                                  predicted  measured    error"
+         "   s/it  samples/s    MFU\n";
+  double worst = 0;
+  for (const auto& [key, index] : shown_rows(plan)) {
+    const PlanRow& row = plan.rows[index];
+    if (!row.probe) continue;
+    const ProbeResult& p = *row.probe;
+    char line[320];
+    if (p.out_of_memory || p.skipped) {
+      std::snprintf(line, sizeof line, "%5d  %5d  %-40s %9s  %s\n", key.first, key.second,
+                    describe(row.candidate).c_str(), gib(p.predicted_peak).c_str(),
+                    p.out_of_memory ? "out of memory" : "skipped (a smaller batch ran out)");
+    } else {
+      const double error = (p.predicted_peak - p.peak_bytes) / p.peak_bytes;
+      worst = std::max(worst, std::abs(error));
+      std::snprintf(line, sizeof line, "%5d  %5d  %-40s %9s  %8s  %+6.1f%%  %5.2f  %9.2f  %5s\n",
+                    key.first, key.second, describe(row.candidate).c_str(),
+                    gib(p.predicted_peak).c_str(), gib(p.peak_bytes).c_str(), 100 * error,
+                    p.s_per_it, p.samples_per_s,
+                    p.mfu >= 0 ? (std::to_string(static_cast<int>(std::lround(p.mfu * 100))) + "%").c_str()
+                               : "-");
+    }
+    out << line;
+  }
+  char summary[96];
+  std::snprintf(summary, sizeof summary, "worst peak error %.1f%%\n", 100 * worst);
+  out << summary;
 }
 
 std::string apply_plan_budget(Settings& settings) {
@@ -1129,6 +1272,8 @@ int plan_command(const std::vector<std::string>& args, std::ostream& out) {
   std::vector<std::string> rest;
   fs::path output = ".";
   bool explain = false;
+  bool probing = false;  // --probe: the table's settings as real steps
+  ProbeOptions probe;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     if (starts_with(a, "--output=") || starts_with(a, "--output_dir=")) {
@@ -1138,6 +1283,14 @@ int plan_command(const std::vector<std::string>& args, std::ostream& out) {
       output = args[++i];
     } else if (a == "--explain") {
       explain = true;  // one candidate's breakdown as JSON: the run flags say which
+    } else if (a == "--probe") {
+      probing = true;
+    } else if (starts_with(a, "--probe_device=") || starts_with(a, "--probe_size=") ||
+               starts_with(a, "--probe_steps=")) {
+      const std::string name = a.substr(2, a.find('=') - 2), value = a.substr(a.find('=') + 1);
+      if (name == "probe_device") probe.device = value;
+      if (name == "probe_size") probe.size = value;
+      if (name == "probe_steps") probe.steps = std::max(1, std::stoi(value));
     } else {
       rest.push_back(a);
     }
@@ -1167,9 +1320,14 @@ int plan_command(const std::vector<std::string>& args, std::ostream& out) {
     out << explain_json(model, run_candidate(options), options) << "\n";
     return kExitOk;
   }
-  const Plan plan = make_plan(options);
+  Plan plan = make_plan(options);
   print_plan(plan, out);
   out << "\n";
+  if (probing) {
+    probe_plan(plan, probe, out);
+    print_probe(plan, out);
+    out << "\n";
+  }
   for (const fs::path& p : write_plan(plan, output)) out << "wrote " << p.string() << "\n";
   return kExitOk;
 }

@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <iosfwd>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -109,8 +110,19 @@ struct DatasetBucket {
   int64_t count = 0;  // images in it per epoch, repeats included
 };
 
+// What `lorapipe plan --probe` measured of a setting: real steps on the device.
+struct ProbeResult {
+  bool out_of_memory = false;  // it ran out of the budget's memory
+  bool skipped = false;        // a smaller batch of its size did: not run
+  double predicted_peak = 0;   // the plan's prediction of the very setting probed
+  double peak_bytes = 0;       // peak allocated over the timed steps
+  double s_per_it = 0, samples_per_s = 0;
+  double mfu = -1;             // model FLOPs utilisation where the device's peak is known
+};
+
 struct PlanRow {
   Candidate candidate;
+  std::optional<ProbeResult> probe;
   // With a dataset: the prediction of its peak bucket (the largest batch of the largest bucket
   // decides), and the step time averaged over the epoch's steps, each bucket's last batch short.
   Prediction prediction;
@@ -160,6 +172,22 @@ std::string apply_plan_budget(Settings& settings);
 // batch gets 1 and a warning: the run tries it.
 // `plan_args`: the plan's own flags (--gpu) where `lorapipe plan --auto_batch` previews it.
 std::string apply_auto_batch(Settings& settings, const std::vector<std::string>& plan_args = {});
+
+// `lorapipe plan --probe`: the table's settings (each resolution x batch's shown one) run as
+// short real steps on `device` (trainer_bench solo on the family's full-size architecture with
+// random weights, the same shapes as the user's file; `size` overrides it, e.g. tiny), held to
+// the budget's memory (less the CUDA context's reserve): one process per memory option, its
+// sizes in order of batch, a size's larger batches skipped after an out-of-memory. The results
+// go into the rows' `probe`. Throws InputError where trainer_bench is not beside lorapipe or a
+// probe fails for another reason than memory.
+struct ProbeOptions {
+  std::string device = "cuda";
+  std::string size;  // trainer_bench's: empty: the family's full size
+  int steps = 3;
+};
+void probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress);
+// Measured next to predicted, for the probed rows.
+void print_probe(const Plan& plan, std::ostream& out);
 
 // `lorapipe plan [flags]`: the exit code.
 int plan_command(const std::vector<std::string>& args, std::ostream& out);

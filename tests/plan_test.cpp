@@ -466,5 +466,75 @@ TEST_F(PlanTest, PlanAutoBatchReachesTheTrainerInARun) {
   EXPECT_GT(buckets, 1);
 }
 
+// `lorapipe plan --probe`: each shown setting runs as real steps (trainer_bench, here the tiny
+// SD1.5 on the CPU, the budget's memory less the CUDA reserve enforced by the tensor counter as a
+// card's capacity): measured next to predicted in the output and plan.json, a setting that runs
+// out of memory said so without stopping the probe, its size's larger batches skipped, and each
+// measured peak the one trainer_bench measures of that setting alone.
+TEST_F(PlanTest, PlanProbeRunsTheSettingsAndStopsEachSizeAtItsFirstOutOfMemory) {
+  const Bench b = bench("tiny", {"--steps", "0"}, "tiny");
+  // 26 MiB for tensors: the tiny model at 256x256 takes 18 MiB at batch 2 and 33 at batch 4
+  // (128x128: 18 at batch 8).
+  const double limit = 26.0 * (1 << 20);
+  std::ostringstream budget;
+  budget << std::setprecision(12) << "--vram_budget=" << (0.6e9 + limit) / (1 << 20) << "MB";
+  const std::string out =
+      run("lorapipe", {"plan", "--model=" + b.structure, "--probe", "--probe_device=cpu",
+                       "--probe_size=tiny", "--probe_steps=1", "--mixed_precision=no",
+                       "--resolutions=128,256", "--batch_sizes=1,2,4,8",
+                       "--gradient_checkpointing", "--optimizer_type=AdamW", "--fp8_base",
+                       budget.str(), "--output=" + (work_ / "plan").string()});
+  ASSERT_EQ(code_, 0) << err_ << out;
+  std::printf("%s", out.substr(out.find("probe:")).c_str());
+  const json plan = json::parse(read_text(work_ / "plan" / "plan.json"));
+  std::map<std::pair<int, int>, json> probed;  // (side, batch)
+  for (const json& c : plan.at("candidates")) {
+    if (c.contains("probe")) probed[{c.at("resolution")[0], c.at("batch_size")}] = c.at("probe");
+  }
+  ASSERT_EQ(probed.size(), 8u) << "every shown setting: 2 sizes x 4 batches";
+  int out_of_memory = 0, skipped = 0;
+  for (const auto& [key, p] : probed) {
+    const auto [side, batch] = key;
+    if (p.at("out_of_memory").get<bool>()) {
+      ++out_of_memory;
+      EXPECT_EQ(side, 256) << "128x128 fits 26 MiB at every batch";
+      EXPECT_EQ(batch, 4);
+      continue;
+    }
+    if (p.at("skipped").get<bool>()) {
+      ++skipped;
+      EXPECT_TRUE(probed.at({side, batch / 2}).at("out_of_memory").get<bool>() ||
+                  probed.at({side, batch / 2}).at("skipped").get<bool>())
+          << side << " batch " << batch << " skipped after no out-of-memory";
+      continue;
+    }
+    const double peak = p.at("measured_peak_bytes").get<double>();
+    EXPECT_GT(peak, 0);
+    EXPECT_LE(peak, limit) << side << " batch " << batch;
+    EXPECT_GT(p.at("s_per_it").get<double>(), 0);
+  }
+  EXPECT_EQ(out_of_memory, 1) << out;
+  EXPECT_EQ(skipped, 1) << "256x256 at batch 8 skipped, not run: " << out;
+  EXPECT_NE(out.find("out of memory"), std::string::npos) << out;
+  EXPECT_NE(out.find("worst peak error"), std::string::npos) << out;
+  // The probe's measurement is the bench's own of the setting alone (the tensor counter's peak,
+  // to the MiB it prints).
+  const std::string alone = run("trainer_bench", {"solo", "tiny", "--device", "cpu", "--dtype",
+                                                  "fp32", "--steps", "1", "--batch", "2",
+                                                  "--resolution", "256", "--fp8_base",
+                                                  "--gradient_checkpointing"});
+  ASSERT_EQ(code_, 0) << err_;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(alone, m, std::regex("peak allocated ([0-9]+) MiB"))) << alone;
+  EXPECT_NEAR(probed.at({256, 2}).at("measured_peak_bytes").get<double>() / (1 << 20),
+              std::stod(m[1]), 1.0);
+
+  // A probe that cannot start says why.
+  run("lorapipe", {"plan", "--model=" + b.structure, "--probe", "--probe_device=cpu",
+                   "--probe_size=enormous", "--output=" + (work_ / "plan2").string()});
+  EXPECT_NE(code_, 0);
+  EXPECT_NE(err_.find("trainer_bench exited"), std::string::npos) << err_;
+}
+
 }  // namespace
 }  // namespace lorapipe::launcher
