@@ -69,6 +69,8 @@
 #   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps, also
 #     over float8 weights (--fp8_base);
 #     s/image and peak allocated memory.
+#   - `lorapipe plan --probe` for a 12 GB budget (SD1.5 and SDXL): every shown setting as real
+#     steps held to the budget, measured peak allocated against the plan's prediction.
 #   - Last, the calibration sweep: the `solo` step with checkpointing at more resolutions and
 #     batches (SD1.5 and SDXL), peaks for the memory planner to be checked against.
 # Order: tests, then SDXL, FLUX.1, SD1.5, the sampler, the optimizers, the 8-bit kernel, the sweep, so a
@@ -98,7 +100,8 @@ PACKAGES=(
 
 # The binaries the GPU run executes.
 TARGETS=(kernels_test adamw8bit_test models_test trainer_ranks_test train_parity_test
-  stages_on_device_test lorapipe-cacher lorapipe-trainer adamw8bit_bench trainer_bench sampler_bench)
+  stages_on_device_test lorapipe-cacher lorapipe-trainer adamw8bit_bench trainer_bench sampler_bench
+  lorapipe)
 PREBUILT="${ROOT}/.gpu-prebuilt"
 
 # One hash of every file the build reads (sources, headers, kernels, CMake files, the Python
@@ -364,6 +367,22 @@ step "bench: AdamW8bit on CUDA, bf16 parameters"
 bench adamw8bit_bench 240 python3 "${ROOT}/bench/adamw8bit_bench.py" \
   --build "${BUILD}" --device cuda --dtype bf16 --sizes "${LORAPIPE_GPU_SIZES:-10M,100M,1B}" \
   --rounds 3 --steps 20
+
+step "plan: predicted against measured peaks on the device (lorapipe plan --probe)"
+# Issue 34's GPU accuracy grid: the plan for a 12 GB card (SD1.5 over 512-1024 and batches 1-4,
+# SDXL at 1024 and batches 1-2), each shown setting probed as real steps with CUDA's allocator
+# held to the budget less the plan's reserve; measured max allocated next to predicted, and the
+# worst error (goal: within 10%).
+PLAN_DIR="$(mktemp -d /tmp/lorapipe-plan-XXXXXX)"
+for spec in "full sd15 512,768,1024 1,2,4" "sdxl sdxl 1024 1,2"; do
+  read -r size family resolutions batches <<<"${spec}"
+  "${BUILD}/bin/trainer_bench" solo "${size}" --device cpu --dtype bf16 --steps 0 \
+    --write_structure "${PLAN_DIR}/${size}" >/dev/null || { FAILED+=("plan structure ${size}"); continue; }
+  bench "plan probe ${size}" 300 "${BUILD}/bin/lorapipe" plan --model="${PLAN_DIR}/${size}" \
+    --model_family="${family}" --vram_budget=12GB --gpu=H200 --probe --probe_device=cuda \
+    --resolutions="${resolutions}" --batch_sizes="${batches}" --mixed_precision=bf16 \
+    --gradient_checkpointing --optimizer_type=AdamW8bit --output="${PLAN_DIR}/out-${size}"
+done
 
 step "calibration: peak allocated memory over resolution and batch (SD1.5, SDXL; checkpointing)"
 # Measured peaks for the memory planner to be checked against (issue 34): the same solo step at
