@@ -582,8 +582,14 @@ int Supervisor::run() {
     throw InputError("--data_dir, --dataset_config or --in_json is needed with a model of your "
                      "own");
   }
-  // After the family's defaults: the batches are sized at the resolution the run trains at.
-  if (s_.has("auto_batch")) display_ << apply_auto_batch(s_) << "\n";
+  // After the family's defaults: the batches are sized at the resolution the run trains at. Sizes
+  // the run already holds (a resumed run's, from its run.toml) stay: its state was trained in them.
+  if (s_.has("auto_batch") && !s_.has("bucket_batch_sizes")) {
+    display_ << apply_auto_batch(s_) << "\n";
+  } else if (s_.has("auto_batch")) {
+    display_ << "lorapipe: --auto_batch: the run's batch sizes per bucket, "
+             << s_.get("bucket_batch_sizes") << "\n";
+  }
   write_config(s_, dir_ / "run.toml");
   curves_.add_events_file(dir_ / "events.jsonl");  // a resumed run's earlier steps
   events_.open(dir_ / "events.jsonl", std::ios::app);

@@ -464,6 +464,12 @@ TEST_F(PlanTest, PlanAutoBatchReachesTheTrainerInARun) {
     EXPECT_NE(trainer_log.find(piece), std::string::npos) << piece << " not in " << trainer_log;
   }
   EXPECT_GT(buckets, 1);
+  // Resumed, the run keeps its sizes (its state was trained in them) rather than sizing again.
+  const std::string resumed = run("lorapipe", {"resume", dir.string(), "--max_train_steps=3"});
+  ASSERT_EQ(code_, 0) << err_ << resumed;
+  EXPECT_NE(resumed.find("--auto_batch: the run's batch sizes per bucket, " + m[1].str()),
+            std::string::npos)
+      << resumed;
 }
 
 // `lorapipe plan --probe`: each shown setting runs as real steps (trainer_bench, here the tiny
