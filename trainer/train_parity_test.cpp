@@ -349,6 +349,29 @@ class TrainParity : public ::testing::Test {
     return diff / std::max(reference.abs().max().item<double>(), 0.01 * step_scale);
   }
 
+  // Two of our runs that must train the same LoRA (the same update computed another way): every
+  // first-step gradient (gradient_error, against `expected`'s step scale) and every final weight
+  // within the parity tolerance. Returns the worst error.
+  static double expect_same_training(const Result& got, const Result& expected) {
+    double scale = 0;
+    for (const auto& [name, g] : expected.first_grads) {
+      scale = std::max(scale, g.abs().max().item<double>());
+    }
+    EXPECT_GT(scale, 0) << "no gradient to compare";
+    double worst = 0;
+    for (const auto& [name, g] : expected.first_grads) {
+      const double e = gradient_error(got.first_grads.at(name), g, scale);
+      worst = std::max(worst, e);
+      EXPECT_LE(e, kTolerance) << name;
+    }
+    for (const auto& [name, w] : expected.weights) {
+      const double e = models::testing::relative_error(got.weights.at(name), w);
+      worst = std::max(worst, e);
+      EXPECT_LE(e, kTolerance) << name;
+    }
+    return worst;
+  }
+
   static void compare(const Result& ours, const std::map<std::string, torch::Tensor>& reference,
                       bool final_weights) {
     ASSERT_FALSE(reference.empty());
@@ -901,19 +924,7 @@ TEST_F(TrainParity, GradientAccumulationEqualsTheLargerBatch) {
   big.batch = 4;
   big.accumulation = 1;
   const Result batched = run_ours(big, merged, init);
-  double scale = 0;
-  for (const auto& [name, g] : batched.first_grads) scale = std::max(scale, g.abs().max().item<double>());
-  double worst = 0;
-  for (const auto& [name, g] : batched.first_grads) {
-    const double e = gradient_error(accumulated.first_grads.at(name), g, scale);
-    worst = std::max(worst, e);
-    EXPECT_LE(e, kTolerance) << name;
-  }
-  for (const auto& [name, w] : batched.weights) {
-    const double e = models::testing::relative_error(accumulated.weights.at(name), w);
-    worst = std::max(worst, e);
-    EXPECT_LE(e, kTolerance) << name;
-  }
+  const double worst = expect_same_training(accumulated, batched);
   std::printf("[parity] accumulation 2 x B against one batch of 2B: max relative error %.3g\n",
               worst);
 }
@@ -934,20 +945,7 @@ TEST_F(TrainParity, BucketBatchSharesOfAStepEqualItsWholeBatch) {
   const Result whole = run_ours(s, inputs, init);
   s.micro_rows = {3, 1};
   const Result split = run_ours(s, inputs, init);
-  double scale = 0;
-  for (const auto& [name, g] : whole.first_grads) scale = std::max(scale, g.abs().max().item<double>());
-  ASSERT_GT(scale, 0);
-  double worst = 0;
-  for (const auto& [name, g] : whole.first_grads) {
-    const double e = gradient_error(split.first_grads.at(name), g, scale);
-    worst = std::max(worst, e);
-    EXPECT_LE(e, kTolerance) << name;
-  }
-  for (const auto& [name, w] : whole.weights) {
-    const double e = models::testing::relative_error(split.weights.at(name), w);
-    worst = std::max(worst, e);
-    EXPECT_LE(e, kTolerance) << name;
-  }
+  const double worst = expect_same_training(split, whole);
   // A wrong weighing (each micro-batch's mean at full weight) doubles the gradient: not close.
   std::printf("[parity] a step of 4 as micro-batches of 3 + 1 against the whole batch: max "
               "relative error %.3g\n",
@@ -975,19 +973,7 @@ TEST_F(TrainParity, GradientCheckpointingChangesNothing) {
   s.checkpointing = false;
   const Result plain = run_ours(s, inputs, init);
   s.checkpointing = true;
-  double scale = 0;
-  for (const auto& [name, g] : plain.first_grads) scale = std::max(scale, g.abs().max().item<double>());
-  double worst = 0;
-  for (const auto& [name, grad] : plain.first_grads) {
-    const double e = gradient_error(checkpointed.first_grads.at(name), grad, scale);
-    worst = std::max(worst, e);
-    EXPECT_LE(e, kTolerance) << name;
-  }
-  for (const auto& [name, w] : plain.weights) {
-    const double e = models::testing::relative_error(checkpointed.weights.at(name), w);
-    worst = std::max(worst, e);
-    EXPECT_LE(e, kTolerance) << name;
-  }
+  const double worst = expect_same_training(checkpointed, plain);
   std::printf("[parity] checkpointed against plain: max relative error %.3g\n", worst);
   compare(checkpointed, run_reference(s, inputs, init, "ckpt"), /*final_weights=*/true);
   // And it did checkpoint: the steps held less at once than with every activation kept.
