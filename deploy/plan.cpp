@@ -229,6 +229,26 @@ double parse_bytes(const std::string& text) {
   throw InputError("--vram_budget=" + text + ": expected a size such as 12GB, 6GiB or 8000MB");
 }
 
+// A run flag's number, or an InputError naming the flag and its value.
+double flag_number(const std::string& flag, const std::string& text) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size() || value < 0) {
+    throw InputError(flag + "=" + text + ": expected a number of at least 0");
+  }
+  return value;
+}
+int flag_int(const std::string& flag, const std::string& text) {
+  const double value = flag_number(flag, text);
+  if (value != std::floor(value)) throw InputError(flag + "=" + text + ": expected a whole number");
+  return static_cast<int>(value);
+}
+
 std::vector<int> parse_ints(const std::string& flag, const std::string& text) {
   std::vector<int> values;
   std::stringstream s(text);
@@ -447,12 +467,12 @@ Candidate run_candidate(const PlanOptions& options) {
     const std::vector<int> wh = parse_ints("--resolution", run.get("resolution"));
     c.width = wh[0], c.height = wh.size() > 1 ? wh[1] : wh[0];
   }
-  c.batch = std::stoi(run.get("train_batch_size", "1"));
+  c.batch = parse_ints("--train_batch_size", run.get("train_batch_size", "1"))[0];
   c.checkpointing = run.has("gradient_checkpointing") && run.get("gradient_checkpointing") != "false";
   c.float8 = run.has("fp8_base") || run.has("fp8_base_unet")
                  ? (run.has("fp8_scaled") ? "fp8_scaled" : "fp8")
                  : "";
-  c.blocks_to_swap = std::stoi(run.get("blocks_to_swap", "0"));
+  c.blocks_to_swap = flag_int("--blocks_to_swap", run.get("blocks_to_swap", "0"));
   c.optimizer = options.optimizer.empty() ? "AdamW" : options.optimizer;
   return c;
 }
@@ -501,7 +521,7 @@ PlanOptions parse_plan_args(const std::vector<std::string>& args) {
       } else if (name == "--gpu") {
         o.card = find_card(value);
       } else if (name == "--gpu_tflops") {
-        tflops = std::stod(value);
+        tflops = flag_number("--gpu_tflops", value);
       } else if (name == "--resolutions") {
         o.resolutions = parse_ints(name, value);
       } else if (name == "--batch_sizes") {
@@ -524,12 +544,13 @@ PlanOptions parse_plan_args(const std::vector<std::string>& args) {
       o.dataset = true;
     }
   }
-  if (run.has("network_dim")) o.rank = std::stoi(run.get("network_dim"));
+  if (run.has("network_dim")) o.rank = flag_int("--network_dim", run.get("network_dim"));
   if (run.has("mixed_precision")) o.storage_bytes = run.get("mixed_precision") == "no" ? 4 : 2;
-  if (run.has("learning_rate")) o.learning_rate = std::stod(run.get("learning_rate"));
+  if (run.has("learning_rate")) o.learning_rate = flag_number("--learning_rate", run.get("learning_rate"));
   if (run.has("optimizer_type")) o.optimizer = run.get("optimizer_type");
-  const int batch = std::stoi(run.get("train_batch_size", "0"));
-  const int accumulation = std::stoi(run.get("gradient_accumulation_steps", "1"));
+  const int batch = flag_int("--train_batch_size", run.get("train_batch_size", "0"));
+  const int accumulation =
+      flag_int("--gradient_accumulation_steps", run.get("gradient_accumulation_steps", "1"));
   if (batch > 0) o.effective_batch = batch * accumulation;
   for (const auto& [name, value] : run.flags) {
     if (name == "network_dim" || name == "mixed_precision" || name == "learning_rate" ||
@@ -638,7 +659,7 @@ Plan make_plan(const PlanOptions& options) {
   if (is_flux(model.family)) swaps = {0, 8, 16, 28};  // kohya's tiers for 24, 12, 8 GB
   // What the run's flags fix, the plan keeps.
   const Settings& run = options.run;
-  if (run.has("blocks_to_swap")) swaps = {std::stoi(run.get("blocks_to_swap"))};
+  if (run.has("blocks_to_swap")) swaps = {flag_int("--blocks_to_swap", run.get("blocks_to_swap"))};
   std::vector<bool> checkpointing = {false, true};
   if (run.has("gradient_checkpointing") && run.get("gradient_checkpointing") != "false") {
     checkpointing = {true};
@@ -1205,7 +1226,8 @@ std::string apply_auto_batch(Settings& settings, const std::vector<std::string>&
   if (!options.run.has("resolution")) {  // lorapipe plan: the family's, as a run defaults to
     run.width = run.height = native_resolution(model.family);
   }
-  const int accumulation = std::stoi(settings.get("gradient_accumulation_steps", "1"));
+  const int accumulation =
+      parse_ints("--gradient_accumulation_steps", settings.get("gradient_accumulation_steps", "1"))[0];
   const int step = run.batch * accumulation;  // samples per step and rank, as the run asks
   const std::vector<DatasetBucket> buckets = dataset_buckets(options.run, run.width, run.height);
   auto fits = [&](const Prediction& p) { return budget_needed(p) <= options.budget_bytes; };
@@ -1290,7 +1312,7 @@ int plan_command(const std::vector<std::string>& args, std::ostream& out) {
       const std::string name = a.substr(2, a.find('=') - 2), value = a.substr(a.find('=') + 1);
       if (name == "probe_device") probe.device = value;
       if (name == "probe_size") probe.size = value;
-      if (name == "probe_steps") probe.steps = std::max(1, std::stoi(value));
+      if (name == "probe_steps") probe.steps = parse_ints("--probe_steps", value)[0];
     } else {
       rest.push_back(a);
     }

@@ -239,6 +239,15 @@ TEST_F(PlanTest, PlanCommandNamesBadValues) {
   run("lorapipe", {"plan", "--model=" + (work_ / "missing.safetensors").string()});
   EXPECT_NE(code_, 0);
   EXPECT_NE(err_.find("missing.safetensors"), std::string::npos) << err_;
+  // A run flag's number and the probe's, by name.
+  for (const std::string bad : {"--gradient_accumulation_steps=x", "--network_dim=16.5",
+                                "--learning_rate=fast", "--probe_steps=abc"}) {
+    std::vector<std::string> args = {"plan", "--model=" + b.structure, bad};
+    if (bad.rfind("--probe", 0) == 0) args.push_back("--probe");
+    run("lorapipe", args);
+    EXPECT_NE(code_, 0) << bad;
+    EXPECT_NE(err_.find(bad), std::string::npos) << bad << ": " << err_;
+  }
 }
 
 
