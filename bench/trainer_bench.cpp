@@ -24,7 +24,7 @@
 //   trainer_bench solo tiny|full|sdxl|flux|flux_tiny [--device cpu|cuda|cuda:N]
 //       [--dtype fp32|bf16|fp16]
 //       [--batch N] [--resolution PX] [--steps N] [--gradient_checkpointing] [--fp8_base]
-//       [--fp8_scaled] [--blocks_to_swap N (FLUX.1: kohya's split; the U-Nets: the transformer
+//       [--fp8_scaled] [--fp8_fast] [--blocks_to_swap N (FLUX.1: kohya's split; the U-Nets: the transformer
 //       blocks of the last N of kohya's blocks with any; the trainer's placement)]
 //       [--cpu_offload_checkpointing (FLUX.1)] [--depth D (FLUX.1 at full width, D double and
 //       2D single blocks)]
@@ -318,6 +318,7 @@ int solo(const std::string& size, int argc, char** argv) {
   int64_t batch = 1, steps = 5;
   int64_t resolution = size == "tiny" || size == "flux_tiny" ? 128 : size == "sdxl" ? 1024 : 512;
   bool checkpointing = false, fp8_base = false, fp8_scaled = false, offload = false;
+  bool fp8_fast = false;
   int blocks_to_swap = 0;
   fs::path structure;  // --write_structure DIR
   std::string settings_list;  // --settings WxH:B,...
@@ -350,6 +351,8 @@ int solo(const std::string& size, int argc, char** argv) {
       fp8_base = true;
     } else if (flag == "--fp8_scaled") {
       fp8_scaled = true;
+    } else if (flag == "--fp8_fast") {
+      fp8_fast = fp8_scaled = true;
     } else if (flag == "--cpu_offload_checkpointing") {
       offload = checkpointing = true;
     } else if (flag == "--blocks_to_swap") {
@@ -423,7 +426,7 @@ int solo(const std::string& size, int argc, char** argv) {
       std::printf("structure %s\n", write_structure(structure, *flux->transformer, size).c_str());
     }
     if (structure_only) return 0;
-    if (fp8_base) float8 = m::store_weights_in_float8(*flux->transformer, fp8_scaled);
+    if (fp8_base) float8 = m::store_weights_in_float8(*flux->transformer, fp8_scaled, fp8_fast);
     // As the trainer's placement: frozen, then the swapped weights go to host memory before the
     // move.
     for (auto& p : flux->transformer->parameters()) p.requires_grad_(false);
@@ -457,7 +460,7 @@ int solo(const std::string& size, int argc, char** argv) {
       std::printf("structure %s\n", write_structure(structure, *model.unet, size).c_str());
     }
     // On the CPU, then moved, as the trainer's placement: float8, frozen, the swap, the move.
-    if (fp8_base) float8 = m::store_weights_in_float8(*model.unet, fp8_scaled);
+    if (fp8_base) float8 = m::store_weights_in_float8(*model.unet, fp8_scaled, fp8_fast);
     for (auto& p : model.unet->parameters()) p.requires_grad_(false);
     if (blocks_to_swap > 0) swap = model.enable_block_swap(blocks_to_swap, device, 2);
     model.unet->to(device);
@@ -530,7 +533,7 @@ int solo(const std::string& size, int argc, char** argv) {
   for (const Setting& s : settings) {
     const std::string label =
         size + " " + m::describe_device(device) + " " + dtype_name + (fp8_base ? " fp8_base" : "") +
-        (fp8_scaled ? " scaled" : "") +
+        (fp8_scaled ? " scaled" : "") + (fp8_fast ? " fp8_fast" : "") +
         (blocks_to_swap > 0 ? " blocks_to_swap " + std::to_string(blocks_to_swap) : "") +
         (offload ? " cpu_offload_checkpointing" : "") +
         (depth > 0 ? " depth " + std::to_string(depth) : "") + " " + optimizer.type + " batch " +

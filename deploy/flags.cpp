@@ -131,6 +131,7 @@ std::vector<FlagInfo> make_table() {
   for (const char* name : {"fp8_base", "fp8_base_unet", "fp8_scaled"}) {
     boolean(name, {S::kCacher, S::kTrainer, S::kSampler});  // the cacher's text encoders too
   }
+  boolean("fp8_fast", {S::kTrainer, S::kSampler});  // the denoiser's: the cacher has none
   // sampler
   value("sample_prompts", {S::kSampler});
   value("sample_sampler", {S::kSampler});

@@ -469,8 +469,9 @@ Candidate run_candidate(const PlanOptions& options) {
   }
   c.batch = parse_ints("--train_batch_size", run.get("train_batch_size", "1"))[0];
   c.checkpointing = run.has("gradient_checkpointing") && run.get("gradient_checkpointing") != "false";
-  c.float8 = run.has("fp8_base") || run.has("fp8_base_unet")
-                 ? (run.has("fp8_scaled") ? "fp8_scaled" : "fp8")
+  // --fp8_fast (float8 matmuls) is scaled float8's, whose memory it keeps.
+  c.float8 = run.has("fp8_base") || run.has("fp8_base_unet") || run.has("fp8_fast")
+                 ? (run.has("fp8_scaled") || run.has("fp8_fast") ? "fp8_scaled" : "fp8")
                  : "";
   c.blocks_to_swap = flag_int("--blocks_to_swap", run.get("blocks_to_swap", "0"));
   c.optimizer = options.optimizer.empty() ? "AdamW" : options.optimizer;
@@ -665,8 +666,8 @@ Plan make_plan(const PlanOptions& options) {
     checkpointing = {true};
   }
   std::vector<std::string> float8 = {"", "fp8", "fp8_scaled"};
-  if (run.has("fp8_base") || run.has("fp8_base_unet")) {
-    float8 = {run.has("fp8_scaled") ? "fp8_scaled" : "fp8"};
+  if (run.has("fp8_base") || run.has("fp8_base_unet") || run.has("fp8_fast")) {
+    float8 = {run.has("fp8_scaled") || run.has("fp8_fast") ? "fp8_scaled" : "fp8"};
   }
   // --resolution=W,H: that size alone (kohya's spelling; one number is a square).
   std::vector<std::pair<int, int>> sizes;
@@ -1076,6 +1077,9 @@ void probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
     if (c.checkpointing) argv.push_back("--gradient_checkpointing");
     if (!c.float8.empty()) argv.push_back("--fp8_base");
     if (c.float8 == "fp8_scaled") argv.push_back("--fp8_scaled");
+    if (std::find(o.run_flags.begin(), o.run_flags.end(), "--fp8_fast") != o.run_flags.end()) {
+      argv.push_back("--fp8_fast");  // its float8 matmuls: the time the run will see
+    }
     if (c.blocks_to_swap > 0) {
       argv.push_back("--blocks_to_swap");
       argv.push_back(std::to_string(c.blocks_to_swap));

@@ -30,4 +30,13 @@ std::string cuda_device_name(int index) {
   return line;
 }
 
+int cuda_compute_capability(int index) {
+  cudaDeviceProp prop{};
+  if (index < 0 || index >= cuda_device_count() ||
+      cudaGetDeviceProperties(&prop, index) != cudaSuccess) {
+    return 0;
+  }
+  return prop.major * 10 + prop.minor;
+}
+
 }  // namespace lorapipe::kernels

@@ -15,4 +15,8 @@ int cuda_device_count();
 // "NVIDIA H200 (sm_90, 139.8 GiB)" for device `index`; empty when there is no such device.
 std::string cuda_device_name(int index);
 
+// Device `index`'s compute capability as major * 10 + minor (90 for an H100 or H200, 89 for an
+// RTX 4090); 0 when there is no such device.
+int cuda_compute_capability(int index);
+
 }  // namespace lorapipe::kernels

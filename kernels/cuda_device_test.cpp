@@ -22,8 +22,13 @@ TEST(KernelsCudaDevice, DescribesEachDevice) {
   for (int i = 0; i < cuda_device_count(); ++i) {
     const std::string name = cuda_device_name(i);
     EXPECT_NE(name.find("sm_"), std::string::npos) << name;
+    // The capability the name shows, as a number (sm_90 is 90).
+    const int capability = cuda_compute_capability(i);
+    EXPECT_GE(capability, 50) << name;
+    EXPECT_NE(name.find("sm_" + std::to_string(capability)), std::string::npos) << name;
   }
   EXPECT_TRUE(cuda_device_name(cuda_device_count()).empty());
+  EXPECT_EQ(cuda_compute_capability(cuda_device_count()), 0);
 }
 
 }  // namespace

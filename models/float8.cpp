@@ -7,6 +7,7 @@
 
 #include <variant>
 
+#include "kernels/cuda_device.h"
 #include "models/linear.h"
 
 namespace lorapipe::models {
@@ -32,9 +33,10 @@ struct FrozenBias {
 struct Float8Linear : torch::autograd::Function<Float8Linear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& weight, const FrozenBias& bias,
-                            const FrozenBias& scale) {
+                            const FrozenBias& scale, bool matmul_in_float8) {
     ctx->save_for_backward({weight});  // the float8 tensor itself: no copy is kept
     ctx->saved_data["scale"] = scale.tensor.defined() ? c10::IValue(scale.tensor) : c10::IValue();
+    if (matmul_in_float8) return float8_matmul(input, weight, scale.tensor, bias.tensor);
     return at::linear(input, dequantize_float8(weight, scale.tensor, input.scalar_type()),
                       bias.tensor);
   }
@@ -45,7 +47,7 @@ struct Float8Linear : torch::autograd::Function<Float8Linear> {
     const at::Tensor& grad = grads[0];
     // y = x W^T + b, so dL/dx = dL/dy W: what linear's own backward computes for its input.
     return {at::matmul(grad, dequantize_float8(weight, scale, grad.scalar_type())), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -91,7 +93,63 @@ struct Float8Conv2d : torch::autograd::Function<Float8Conv2d> {
   }
 };
 
+// The scales that take each row's largest magnitude to 448 (1 for an all-zero row), [rows, 1].
+at::Tensor row_scales(const at::Tensor& rows) {
+  const at::Tensor scale = rows.detach().to(at::kFloat).abs().amax(/*dim=*/1, /*keepdim=*/true) /
+                           kFloat8E4m3Max;
+  return at::where(scale > 0, scale, at::ones_like(scale));
+}
+
 }  // namespace
+
+at::Tensor float8_row_scales(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "row scales are for a 2-d weight, not ", weight.sizes());
+  torch::NoGradGuard no_grad;
+  return row_scales(weight);
+}
+
+bool float8_matmul_supported(const c10::Device& device) {
+  if (device.is_cpu()) return true;
+  return device.is_cuda() &&
+         kernels::cuda_compute_capability(device.has_index() ? device.index() : 0) >= 89;
+}
+
+at::Tensor float8_matmul(const at::Tensor& input, const at::Tensor& weight,
+                         const at::Tensor& row_scale, const at::Tensor& bias) {
+  TORCH_CHECK(weight.dim() == 2 && row_scale.dim() == 2 && row_scale.size(0) == weight.size(0) &&
+                  row_scale.size(1) == 1,
+              "a float8 matmul takes one scale per output row: weight ", weight.sizes(),
+              ", scales ", row_scale.sizes());
+  const int64_t in = weight.size(1), out = weight.size(0);
+  const c10::ScalarType dtype = input.scalar_type();
+  // _scaled_mm's rule: both widths multiples of 16. Elsewhere the dequantised weight, as
+  // --fp8_scaled computes.
+  if (in % 16 != 0 || out % 16 != 0) {
+    return at::linear(input, dequantize_float8(weight, row_scale, dtype), bias);
+  }
+  torch::NoGradGuard no_grad;
+  const at::Tensor x = input.reshape({-1, in});
+  const at::Tensor x_scale = row_scales(x);  // [tokens, 1]
+  const at::Tensor xq =
+      (x.to(at::kFloat) / x_scale).clamp_(-kFloat8E4m3Max, kFloat8E4m3Max).to(at::kFloat8_e4m3fn);
+  const at::Tensor w_scale = row_scale.to(at::kFloat).t().contiguous();  // [1, out]
+  at::Tensor y;
+  if (input.is_cuda() && dtype == at::kBFloat16) {
+    // Row-wise scaling in the kernel's epilogue: (xq * x_scale) (wq * w_scale)^T, fp32 sums.
+    y = at::_scaled_mm(xq, weight.t(), x_scale, w_scale, /*bias=*/std::nullopt,
+                       /*scale_result=*/std::nullopt, at::kBFloat16);
+  } else {
+    // The same product in two steps: unit scales into fp32, then the row and column scales.
+    const at::Tensor one = at::ones({}, x_scale.options());
+    y = at::_scaled_mm(xq, weight.t(), one, one, std::nullopt, std::nullopt, at::kFloat);
+    y.mul_(x_scale).mul_(w_scale);
+    y = y.to(dtype);
+  }
+  if (bias.defined()) y.add_(bias);
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape.back() = out;
+  return y.view(shape);
+}
 
 at::Tensor float8_scales(const at::Tensor& weight) {
   torch::NoGradGuard no_grad;
@@ -135,9 +193,9 @@ at::Tensor dequantize_float8(const at::Tensor& weight, const at::Tensor& scale,
 }
 
 at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
-                         const at::Tensor& scale) {
+                         const at::Tensor& scale, bool matmul_in_float8) {
   require_frozen(weight, bias);
-  return Float8Linear::apply(input, weight, FrozenBias{bias}, FrozenBias{scale});
+  return Float8Linear::apply(input, weight, FrozenBias{bias}, FrozenBias{scale}, matmul_in_float8);
 }
 
 at::Tensor float8_conv2d(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
@@ -154,19 +212,25 @@ at::Tensor float8_conv2d(const at::Tensor& input, const at::Tensor& weight, cons
                              options.groups());
 }
 
-Float8Storage store_weights_in_float8(torch::nn::Module& module, bool scaled) {
+Float8Storage store_weights_in_float8(torch::nn::Module& module, bool scaled,
+                                      bool matmul_in_float8) {
+  TORCH_CHECK(scaled || !matmul_in_float8, "float8 matmuls take scaled float8 weights");
   torch::NoGradGuard no_grad;
   Float8Storage out;
+  // `float8_matmul`: a Linear's flag (null for a convolution, which always widens its weight).
   auto store = [&](torch::nn::Module& layer, at::Tensor& weight, at::Tensor& bias,
-                   at::Tensor& weight_scale) {
+                   at::Tensor& weight_scale, bool* float8_matmul) {
     if (!weight.defined() || is_float8(weight)) return;
     weight.requires_grad_(false);
     if (bias.defined()) bias.requires_grad_(false);
     ++out.tensors;
     out.bytes_before += static_cast<int64_t>(weight.nbytes());
     if (scaled) {
-      // The scale takes each block's largest magnitude to 448: nothing saturates.
-      const at::Tensor scale = float8_scales(weight);
+      // The scale takes each block's (or row's) largest magnitude to 448: nothing saturates.
+      const bool rows = matmul_in_float8 && float8_matmul != nullptr && weight.dim() == 2;
+      if (float8_matmul != nullptr) *float8_matmul = rows;
+      if (rows) ++out.float8_matmuls;
+      const at::Tensor scale = rows ? float8_row_scales(weight) : float8_scales(weight);
       weight.set_data(quantize_float8(weight, scale));
       // A layer stored before and widened again (the trainer's tries at the cache's fingerprint)
       // keeps its buffer: it takes the new scales.
@@ -190,10 +254,10 @@ Float8Storage store_weights_in_float8(torch::nn::Module& module, bool scaled) {
   };
   for (const auto& m : module.modules(/*include_self=*/true)) {
     if (auto linear = std::dynamic_pointer_cast<LinearImpl>(m)) {
-      store(*linear, linear->weight, linear->bias, linear->weight_scale);
+      store(*linear, linear->weight, linear->bias, linear->weight_scale, &linear->float8_matmul);
     }
     if (auto conv = std::dynamic_pointer_cast<Conv2dImpl>(m)) {
-      store(*conv, conv->weight, conv->bias, conv->weight_scale);
+      store(*conv, conv->weight, conv->bias, conv->weight_scale, nullptr);
     }
   }
   return out;

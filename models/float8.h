@@ -22,6 +22,20 @@
 // rounds a weight of 0.002 to a multiple of 0.002), and nothing saturates. The layer computes
 // with (float8 widened to fp32, times its scale) rounded to the input's dtype: exactly what a
 // layer holding that dequantised weight computes. The scales cost 1/16 of the float8 bytes.
+//
+// Float8 matmuls (--fp8_fast with --fp8_scaled, musubi-tuner's name; the denoiser's Linear layers
+// only): the layer multiplies float8 by float8 (at::_scaled_mm) instead of widening its weight.
+// Its weight takes one scale per output row, the layout _scaled_mm's row-wise scaling reads (a
+// 64-wide block is not one of its layouts); each call quantises its input the same way, one scale
+// per row (token) taking the row's largest magnitude to 448. The product is then
+// (float8 input times its row scale) by (float8 weight times its row scale), summed in fp32: on
+// CUDA in one row-wise scaled _scaled_mm when the compute dtype is bf16 (the only output dtype
+// that scaling takes), else, and on the CPU (whose _scaled_mm takes one scale per tensor), as a
+// unit-scale float8 _scaled_mm into fp32 followed by the two scales. The input's rounding to
+// float8 is an error the dequantising path does not make: float8_test measures both per family.
+// Backward is the dequantising path's (the input gradient in the compute dtype): gradients are
+// not rounded to float8. A layer whose widths are not multiples of 16 (_scaled_mm's rule) widens
+// its weight as before. On CUDA the matrix units exist from compute capability 8.9.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -41,8 +55,9 @@ inline bool is_float8(const at::Tensor& t) {
 
 // at::linear(input, weight upcast to input's dtype, bias), for a float8 weight; with `scale`
 // (scaled float8), the dequantised weight (dequantize_float8).
+// With `matmul_in_float8` (a --fp8_fast layer, its scale one per row), float8_matmul's forward.
 at::Tensor float8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
-                         const at::Tensor& scale = {});
+                         const at::Tensor& scale = {}, bool matmul_in_float8 = false);
 
 // torch::nn::Conv2d's forward (zero padding) with the float8 weight upcast to input's dtype (or
 // dequantised with `scale`).
@@ -64,6 +79,19 @@ at::Tensor quantize_float8(const at::Tensor& weight, const at::Tensor& scale);
 at::Tensor dequantize_float8(const at::Tensor& weight, const at::Tensor& scale,
                              c10::ScalarType dtype);
 
+// --fp8_fast's weight scales: one per output row of a 2-d weight, [out, 1].
+at::Tensor float8_row_scales(const at::Tensor& weight);
+
+// Whether `device` multiplies float8 matrices: the CPU (through _scaled_mm's CPU kernel: for
+// trying the option, not for speed) and CUDA devices of compute capability 8.9 and above.
+bool float8_matmul_supported(const c10::Device& device);
+
+// y = x W^T + b over a float8 weight with row scales [out, 1], multiplied in float8 as
+// --fp8_fast does (above); `input` [..., in] in the compute dtype, the result in the same dtype.
+// No autograd: float8_linear wraps it.
+at::Tensor float8_matmul(const at::Tensor& input, const at::Tensor& weight,
+                         const at::Tensor& row_scale, const at::Tensor& bias);
+
 // The largest magnitude float8_e4m3fn holds; store_weights_in_float8 saturates beyond it (a plain
 // conversion would make such a value NaN).
 inline constexpr double kFloat8E4m3Max = 448.0;
@@ -73,13 +101,16 @@ struct Float8Storage {
   int64_t bytes_before = 0;   // their storage before
   int64_t bytes_after = 0;    // and after
   int64_t saturated = 0;      // weights with values beyond +-448, clamped to it
+  int64_t float8_matmuls = 0; // of them, Linear weights that multiply in float8 (--fp8_fast)
 };
 
 // Stores the weight of every models::Linear and models::Conv2d under `module` (on its device) as
 // float8_e4m3fn, rounded to nearest, and freezes those layers (weight and bias). `scaled`: scaled
 // float8, the scales a buffer of the layer ("scale_weight", musubi-tuner's name) that moves with
 // it. Move the module to its device afterwards with a device-only .to(device): a .to(dtype)
-// converts the float8 weights back (and the scales to that dtype).
-Float8Storage store_weights_in_float8(torch::nn::Module& module, bool scaled = false);
+// converts the float8 weights back (and the scales to that dtype). `matmul_in_float8` (with
+// `scaled`; --fp8_fast): every Linear's weight takes row scales and multiplies in float8.
+Float8Storage store_weights_in_float8(torch::nn::Module& module, bool scaled = false,
+                                      bool matmul_in_float8 = false);
 
 }  // namespace lorapipe::models

@@ -6,8 +6,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+
+#include "kernels/cuda_device.h"
 
 #include "models/clip_text.h"
 #include "models/flux.h"
@@ -369,6 +372,139 @@ TEST(Float8Weights, ScaledLayersComputeWhatALayerHoldingTheDequantisedWeightComp
   }
 }
 
+// --fp8_fast: a Linear stored with float8 matmuls holds float8(weight / row scale) with one scale
+// per output row, and computes (float8 input times its row scale) by (float8 weight times its
+// row scale): checked against that product written out here in float64 from torch's own float8
+// rounding. In fp32 the only difference is the order of the fp32 sums over at most 128 terms
+// (held to 1e-5 of the output's largest magnitude); in bf16 the output's one rounding to 8 bits
+// as well (held to 1e-2). Its input gradient is the dequantising layer's (the same matmul on the
+// same dequantised weight), so equal to at::linear's backward within the float8 tests' tolerances.
+// A layer whose widths are not multiples of 16 (_scaled_mm's rule) widens its weight: bit for bit
+// the --fp8_scaled layer. A convolution under the option keeps its one scale and its widening.
+TEST(Float8Weights, FastLayersMultiplyTheirInputsAndWeightsInFloat8) {
+  torch::manual_seed(34);
+  for (const c10::ScalarType dtype : {torch::kFloat, torch::kBFloat16}) {
+    const double tolerance = dtype == torch::kFloat ? 1e-5 : 1e-2;
+    for (const auto& [in, out] : std::vector<std::pair<int64_t, int64_t>>{{128, 48}, {24, 40}}) {
+      Linear linear(torch::nn::LinearOptions(in, out));
+      {
+        torch::NoGradGuard no_grad;
+        linear->weight.mul_(torch::rand({out, 1}) * 4);
+        linear->weight[3].zero_();
+      }
+      const at::Tensor w = linear->weight.detach().clone();
+      const Float8Storage stored = store_weights_in_float8(*linear, /*scaled=*/true, /*fast=*/true);
+      EXPECT_TRUE(linear->float8_matmul);
+      EXPECT_EQ(stored.float8_matmuls, 1);
+      const at::Tensor scale = linear->weight_scale;
+      ASSERT_EQ(scale.sizes(), (std::vector<int64_t>{out, 1})) << "one scale per row";
+      EXPECT_TRUE(torch::equal(scale, float8_row_scales(w)));
+      EXPECT_TRUE(torch::equal(linear->weight, (w / scale).to(at::kFloat8_e4m3fn)));
+      EXPECT_EQ(scale[3].item<float>(), 1.0f) << "an all-zero row keeps scale 1";
+      linear->bias.set_data(linear->bias.detach().to(dtype));
+      at::Tensor x = torch::randn({2, 5, in});
+      x[1][2].zero_();  // an all-zero input row: scale 1, zeros
+      x = x.mul(torch::rand({2, 5, 1}) * 8).to(dtype).requires_grad_(true);
+      const at::Tensor y = linear(x);
+      ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, 5, out}));
+      ASSERT_EQ(y.scalar_type(), dtype);
+      const at::Tensor dequantised = (linear->weight.to(torch::kFloat) * scale).to(dtype);
+      const at::Tensor bias = linear->bias.detach();
+      if (in % 16 == 0 && out % 16 == 0) {
+        // The product written out: each input row scaled to 448 at its largest magnitude,
+        // rounded to float8 by torch's own cast, then widened.
+        const at::Tensor x64 = x.detach().to(torch::kDouble).reshape({-1, in});
+        at::Tensor xs = x64.abs().amax(1, true) / kFloat8E4m3Max;
+        xs = torch::where(xs > 0, xs, torch::ones_like(xs));
+        const at::Tensor xq = (x64 / xs).to(torch::kFloat).to(at::kFloat8_e4m3fn).to(torch::kDouble);
+        const at::Tensor wq = linear->weight.to(torch::kDouble) * scale.to(torch::kDouble);
+        const at::Tensor expected =
+            (at::matmul(xq * xs, wq.t()) + bias.to(torch::kDouble)).reshape({2, 5, out});
+        const double error = ((y.to(torch::kDouble) - expected).abs().max() /
+                              expected.abs().max()).item<double>();
+        EXPECT_LE(error, tolerance) << in << "x" << out << ", " << dtype;
+        // And it is not the widening path: the inputs were rounded to float8.
+        EXPECT_FALSE(torch::equal(y, at::linear(x.detach(), dequantised, bias)));
+        EXPECT_TRUE(torch::all(y[1][2] == bias.to(y.scalar_type())).item<bool>())
+            << "a zero input row gives the bias";
+      } else {
+        EXPECT_TRUE(torch::equal(y, at::linear(x.detach(), dequantised, bias)))
+            << in << "x" << out << ": widths _scaled_mm does not take widen the weight";
+      }
+      const at::Tensor g = torch::randn_like(y);
+      y.backward(g);
+      const at::Tensor x_ref = x.detach().clone().requires_grad_(true);
+      at::linear(x_ref, dequantised, bias).backward(g);
+      EXPECT_TRUE(torch::allclose(x.grad(), x_ref.grad(), tolerance, 0)) << "input grad " << in;
+    }
+  }
+  Conv2d conv(torch::nn::Conv2dOptions(8, 16, 3).padding(1));
+  const Float8Storage stored = store_weights_in_float8(*conv, true, true);
+  EXPECT_EQ(stored.float8_matmuls, 0);
+  EXPECT_EQ(conv->weight_scale.dim(), 0) << "a convolution keeps one scale";
+  EXPECT_THROW(store_weights_in_float8(*Linear(torch::nn::LinearOptions(16, 16)), false, true),
+               c10::Error)
+      << "float8 matmuls without scales";
+}
+
+// On a CUDA device with float8 matrix units (tests/gpu/run.sh): the row-wise scaled _scaled_mm in
+// bf16 computes the CPU's product (the same float8 operands and scales, summed in fp32, rounded
+// once to bf16: held to 1e-2 of the output's largest magnitude, bf16's rounding plus the sums'
+// order), and its time against the widening path on FLUX.1's widest projections at 1024^2 (4096
+// image and 512 text tokens) is printed.
+TEST(Float8Weights, FastOnCudaComputesTheCpusProductAndIsTimed) {
+  if (kernels::cuda_device_count() == 0) {
+    GTEST_SKIP() << "no CUDA device here; tests/gpu/run.sh runs this on one";
+  }
+  const c10::Device cuda(c10::kCUDA, 0);
+  if (!float8_matmul_supported(cuda)) {
+    GTEST_SKIP() << kernels::cuda_device_name(0) << " has no float8 matrix units";
+  }
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(35);
+  for (const auto& [tokens, in, out] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {4608, 3072, 9216}, {4608, 3072, 21504}, {4608, 15360, 3072}}) {
+    const at::Tensor w = (torch::rand({out, in}) * 2 - 1) / std::sqrt(static_cast<double>(in));
+    const at::Tensor scale = float8_row_scales(w);
+    const at::Tensor wq = quantize_float8(w, scale);
+    const at::Tensor bias = torch::randn({out}).to(torch::kBFloat16);
+    const at::Tensor x = torch::randn({1, tokens, in}).to(torch::kBFloat16);
+    const at::Tensor on_cpu = float8_matmul(x, wq, scale, bias);
+    const at::Tensor wq_d = wq.to(cuda), scale_d = scale.to(cuda), bias_d = bias.to(cuda);
+    const at::Tensor x_d = x.to(cuda);
+    const at::Tensor on_cuda = float8_matmul(x_d, wq_d, scale_d, bias_d);
+    const double error = ((on_cuda.cpu().to(torch::kFloat) - on_cpu.to(torch::kFloat)).abs().max() /
+                          on_cpu.to(torch::kFloat).abs().max()).item<double>();
+    EXPECT_LE(error, 1e-2) << in << "x" << out;
+    // Against bf16 weights and inputs (the error both float8 paths make):
+    const at::Tensor ref =
+        at::linear(x_d, w.to(cuda).to(torch::kBFloat16), bias_d).to(torch::kFloat);
+    const at::Tensor widened = float8_linear(x_d, wq_d, bias_d, scale_d, false);
+    auto relative = [&](const at::Tensor& y) {
+      return ((y.to(torch::kFloat) - ref).norm() / ref.norm()).item<double>();
+    };
+    auto time = [&](auto&& f) {
+      for (int i = 0; i < 3; ++i) f();
+      torch::cuda::synchronize();
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < 20; ++i) f();
+      torch::cuda::synchronize();
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                 .count() / 20;
+    };
+    const double fast_ms = time([&] { return float8_matmul(x_d, wq_d, scale_d, bias_d); });
+    const double widen_ms = time([&] { return float8_linear(x_d, wq_d, bias_d, scale_d, false); });
+    const at::Tensor w_bf16 = w.to(cuda).to(torch::kBFloat16);
+    const double bf16_ms = time([&] { return at::linear(x_d, w_bf16, bias_d); });
+    std::printf("[float8] %s %lldx%lld by %lld tokens: float8 matmul %.3f ms, widened scaled float8 "
+                "%.3f ms (%.2fx), bf16 weights %.3f ms; error against bf16: float8 matmul %.4f, "
+                "widened %.4f; CUDA against the CPU's product %.2g\n",
+                kernels::cuda_device_name(0).c_str(), static_cast<long long>(out),
+                static_cast<long long>(in), static_cast<long long>(tokens), fast_ms, widen_ms,
+                widen_ms / fast_ms, bf16_ms, relative(on_cuda), relative(widened), error);
+  }
+}
+
 // The error of plain and scaled float8 against the bf16 weights, over every Linear and Conv2d
 // shape of each family's tiny model and over its full-width layers (at their widths, with torch's
 // default initialisation U(+-1/sqrt(fan_in)): no trained weights here). Each layer gets a random
@@ -379,7 +515,8 @@ TEST(Float8Weights, ScaledLayersComputeWhatALayerHoldingTheDequantisedWeightComp
 // A tiny layer's weights (+-1/sqrt(32) and wider) sit in float8's normal range, where both keep
 // its 3 mantissa bits and their average errors agree up to the draw: there scaled must be the
 // smaller at the worst layer (each row's peak lands on 448 exactly, no row loses a binade) and
-// within 5% of plain on average.
+// within 5% of plain on average. The same for --fp8_fast's float8 matmuls on every Linear whose
+// widths _scaled_mm takes (multiples of 16), printed beside them.
 TEST(Float8Weights, ScaledErrorIsBelowPlainOnEveryFamilysLayers) {
   torch::NoGradGuard no_grad;
   torch::manual_seed(5);
@@ -401,6 +538,8 @@ TEST(Float8Weights, ScaledErrorIsBelowPlainOnEveryFamilysLayers) {
   auto measure = [](const std::string& family, const std::vector<Shape>& shapes,
                     bool full_width) {
     double plain_sum = 0, scaled_sum = 0, plain_worst = 0, scaled_worst = 0;
+    double fast_sum = 0, fast_worst = 0;
+    int64_t fast_layers = 0;
     for (const Shape& s : shapes) {
       const double bound = 1.0 / std::sqrt(static_cast<double>(s.in * std::max<int64_t>(s.kernel * s.kernel, 1)));
       const std::vector<int64_t> wshape =
@@ -420,13 +559,28 @@ TEST(Float8Weights, ScaledErrorIsBelowPlainOnEveryFamilysLayers) {
       const double scaled = error(dequantize_float8(quantize_float8(w, scale), scale, torch::kFloat));
       plain_sum += plain, scaled_sum += scaled;
       plain_worst = std::max(plain_worst, plain), scaled_worst = std::max(scaled_worst, scaled);
+      if (s.kernel == 0 && s.in % 16 == 0 && s.out % 16 == 0) {
+        // --fp8_fast: row-scaled weights, and the input rounded to float8 too.
+        const at::Tensor rows = float8_row_scales(w);
+        const at::Tensor y = float8_matmul(x, quantize_float8(w, rows), rows, {});
+        const double fast = ((y - ref).norm() / ref.norm()).item<double>();
+        fast_sum += fast, fast_worst = std::max(fast_worst, fast), ++fast_layers;
+      }
     }
     const double n = static_cast<double>(shapes.size());
     std::printf("[float8] %-22s %3zu layers: plain float8 error mean %.4f worst %.4f; scaled "
-                "mean %.4f worst %.4f\n",
+                "mean %.4f worst %.4f; %lld Linear layers in float8 matmuls (--fp8_fast) mean "
+                "%.4f worst %.4f\n",
                 family.c_str(), shapes.size(), plain_sum / n, plain_worst, scaled_sum / n,
-                scaled_worst);
+                scaled_worst, static_cast<long long>(fast_layers),
+                fast_sum / std::max<double>(fast_layers, 1), fast_worst);
     EXPECT_LT(scaled_worst, plain_worst) << family;
+    // --fp8_fast rounds the input to float8 as well as the (row-scaled) weight: two independent
+    // roundings of the size scaled float8's one, so about sqrt(2) = 1.41 times its error
+    // (measured 1.40 to 1.47 per family); held to 1.6 of it, which a scale applied wrongly or
+    // an input rounded per tensor instead of per row would exceed.
+    ASSERT_GT(fast_layers, 0) << family;
+    EXPECT_LT(fast_sum / fast_layers, 1.6 * scaled_sum / n) << family;
     if (full_width) {
       EXPECT_LT(scaled_sum, plain_sum) << family;
     } else {

@@ -28,12 +28,14 @@ namespace lorapipe::models {
 struct LinearImpl : torch::nn::LinearImpl {
   using torch::nn::LinearImpl::LinearImpl;
   at::Tensor forward(const at::Tensor& input) {
-    at::Tensor out = is_float8(weight) ? float8_linear(input, weight, bias, weight_scale)
-                                       : at::linear(input, weight, bias);
+    at::Tensor out = is_float8(weight)
+                         ? float8_linear(input, weight, bias, weight_scale, float8_matmul)
+                         : at::linear(input, weight, bias);
     return lora ? lora->add_to(input, out) : out;
   }
   std::shared_ptr<LoraAdapter> lora;  // filled by a LoRA network, empty otherwise
   at::Tensor weight_scale;  // scaled float8's scales (the buffer "scale_weight"); else undefined
+  bool float8_matmul = false;  // --fp8_fast: multiplies in float8 (models/float8.h)
 };
 TORCH_MODULE(Linear);
 

@@ -42,6 +42,15 @@ void DiffusionModel::set_cpu_offload_checkpointing(bool enabled) {
 PlacementReport place(DiffusionModel& model, const Placement& placement) {
   torch::NoGradGuard no_grad;
   PlacementReport report;
+  if (placement.fp8_fast && (!placement.fp8_scaled || !placement.fp8_denoiser)) {
+    throw InputError("--fp8_fast multiplies the denoiser's scaled float8 weights in float8: "
+                     "give --fp8_scaled with --fp8_base or --fp8_base_unet");
+  }
+  if (placement.fp8_fast && !float8_matmul_supported(placement.device)) {
+    throw InputError("--fp8_fast: " + describe_device(placement.device) +
+                     " has no float8 matrix units (CUDA compute capability 8.9 and above: RTX "
+                     "40xx, L4, H100 and later); --fp8_scaled alone keeps the memory saving");
+  }
   for (const DiffusionModel::Component& c : model.components()) {
     torch::nn::Module& module = *c.module;
     const bool text = c.role == Role::kTextEncoder;
@@ -61,7 +70,8 @@ PlacementReport place(DiffusionModel& model, const Placement& placement) {
     if (fp8) {
       // "the U-Net's", "the text encoders'"
       const std::string owner = c.label + (c.label.back() == 's' ? "'" : "'s");
-      const Float8Storage s = store_weights_in_float8(module, placement.fp8_scaled);
+      const bool fast = placement.fp8_fast && c.role == Role::kDenoiser;
+      const Float8Storage s = store_weights_in_float8(module, placement.fp8_scaled, fast);
       report.float8_tensors += s.tensors;
       report.float8_bytes_before += s.bytes_before;
       report.float8_bytes_after += s.bytes_after;
@@ -71,6 +81,11 @@ PlacementReport place(DiffusionModel& model, const Placement& placement) {
                           << (placement.fp8_scaled ? "scaled " : "") << "float8_e4m3fn, "
                           << s.bytes_before / (1 << 20) << " MiB -> " << s.bytes_after / (1 << 20)
                           << " MiB";
+      if (fast) {
+        LP_LOG(kInfo, kLog) << "float8 matmuls (--fp8_fast): " << s.float8_matmuls
+                            << " of the " << owner << " Linear weights scaled per row and "
+                            << "multiplied in float8 on " << describe_device(placement.device);
+      }
       if (s.saturated > 0) {
         LP_LOG(kWarning, kLog) << "float8 (--fp8_base): " << s.saturated << " of the " << owner
                                << " weights hold values beyond float8's +-448, clamped to it";

@@ -27,6 +27,9 @@ struct Placement {
   bool fp8_text_encoders = false;
   // --fp8_scaled: those float8 weights with a scale per block of 64 inputs (models/float8.h).
   bool fp8_scaled = false;
+  // --fp8_fast (with fp8_scaled and a float8 denoiser): the denoiser's Linear layers multiply in
+  // float8 (models/float8.h). place() refuses it on a device without float8 matrix units.
+  bool fp8_fast = false;
   // False keeps the text encoders on the CPU, as kohya does when their outputs come from the
   // cache and they are not trained: they are then used only to check cached text against.
   bool text_encoders_on_device = true;

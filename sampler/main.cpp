@@ -48,6 +48,9 @@ DEFINE_bool(fp8_base_unet, false, "--fp8_base for the U-Net alone");
 DEFINE_bool(fp8_scaled, false,
             "With --fp8_base(_unet): float8 with a scale per 64 input features of each output "
             "row (musubi-tuner's)");
+DEFINE_bool(fp8_fast, false,
+            "With --fp8_scaled: the denoiser's Linear layers multiply in float8 (at::_scaled_mm), "
+            "on CUDA devices of compute capability 8.9 and above");
 DEFINE_bool(merge_lora, false,
             "Merge each checkpoint's LoRA into the weights, keeping a copy of those it changes "
             "(faster renders, more memory); by default it is computed beside them, copying none");
@@ -92,6 +95,7 @@ int main(int argc, char** argv) {
     o.fp8_base = FLAGS_fp8_base;
     o.fp8_base_unet = FLAGS_fp8_base_unet;
     o.fp8_scaled = FLAGS_fp8_scaled;
+    o.fp8_fast = FLAGS_fp8_fast;
     o.merge_lora = FLAGS_merge_lora;
     o.map_weights = FLAGS_map_weights;
     o.sampler = FLAGS_sample_sampler;

@@ -302,6 +302,7 @@ class Sampler {
     placement.fp8_denoiser = o_.fp8_base || o_.fp8_base_unet;
     placement.fp8_text_encoders = o_.fp8_base && !o_.fp8_base_unet;
     placement.fp8_scaled = o_.fp8_scaled;
+    placement.fp8_fast = o_.fp8_fast;
     models::place(*model_, placement);
     PromptDefaults defaults;
     defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
@@ -640,6 +641,10 @@ SamplerSummary run_sampler(const SamplerOptions& options) {
   if (options.fp8_scaled && !options.fp8_base && !options.fp8_base_unet) {
     throw InputError("--fp8_scaled scales the float8 weights of --fp8_base or --fp8_base_unet: "
                      "give one of them");
+  }
+  if (options.fp8_fast && !options.fp8_scaled) {
+    throw InputError("--fp8_fast multiplies scaled float8 weights in float8: give --fp8_scaled "
+                     "(and --fp8_base)");
   }
   if (options.sub_endpoint.empty() && options.loras.empty()) {
     LP_LOG(kInfo, kLog) << "no --sub and no --lora: rendering the base model";

@@ -41,6 +41,7 @@ struct SamplerOptions {
   bool fp8_base = false;
   bool fp8_base_unet = false;
   bool fp8_scaled = false;  // --fp8_scaled: the float8 weights scaled per 64 inputs
+  bool fp8_fast = false;    // --fp8_fast: the denoiser's Linear layers multiply in float8
   // How a checkpoint's LoRA is applied (models/lora_merge.h): false (the default) computes it
   // beside the frozen weights, in the layers' slots, with no copy of any weight; true merges it
   // into them and keeps a copy of each weight it changes to put back (renders compute no extra

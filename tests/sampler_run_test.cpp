@@ -338,6 +338,20 @@ TEST_F(SamplerRun, MixedPrecisionAndFloat8WeightsRender) {
   vips::VImage fine = vips::VImage::new_from_file((work_ / "fp8s" / "samples" / "one_000040_00.png").c_str());
   EXPECT_GT(plain.relational(fine, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
       << "--fp8_scaled rendered plain float8's pixels";
+  // --fp8_fast: float8 matmuls (the inputs rounded too), so other pixels again.
+  const auto fast = render_one(
+      "fp8f", {"--mixed_precision=bf16", "--fp8_base", "--fp8_scaled", "--fp8_fast"});
+  ASSERT_EQ(fast.first, 0) << fast.second;
+  EXPECT_NE(fast.second.find("float8 matmuls (--fp8_fast)"), std::string::npos) << fast.second;
+  vips::VImage faster =
+      vips::VImage::new_from_file((work_ / "fp8f" / "samples" / "one_000040_00.png").c_str());
+  EXPECT_GT(fine.relational(faster, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
+      << "--fp8_fast rendered --fp8_scaled's pixels";
+  const auto fast_alone = render_one("fp8f-alone", {"--fp8_base", "--fp8_fast"});
+  EXPECT_NE(fast_alone.first, 0);
+  EXPECT_NE(fast_alone.second.find("--fp8_fast multiplies scaled float8 weights"),
+            std::string::npos)
+      << fast_alone.second;
   const auto alone = render_one("fp8s-alone", {"--fp8_scaled"});
   EXPECT_NE(alone.first, 0);
   EXPECT_NE(alone.second.find("--fp8_scaled scales the float8 weights"), std::string::npos)

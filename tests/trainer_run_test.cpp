@@ -1674,6 +1674,7 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--cpu_offload_checkpointing"},
        "--cpu_offload_checkpointing: Stable Diffusion 1.5 has no offloaded checkpoints"},
       {{"--fp8_scaled"}, "--fp8_scaled scales the float8 weights of --fp8_base"},
+      {{"--fp8_base", "--fp8_fast"}, "--fp8_fast multiplies scaled float8 weights in float8"},
       {{"--blocks_to_swap=99"}, "it swaps the last N of them, at most 6"},
       {{"--blocks_to_swap=-1"}, "--blocks_to_swap=-1: must be 0 or more"},
       {{"--lr_scheduler_args", "T_max=100", "--seed=1"}, "--lr_scheduler_args 'T_max=100'"},
@@ -2322,7 +2323,9 @@ TEST_F(TrainRunTest, InterruptWhileTheCacherDoesNotAnswerStopsAtOnce) {
 // held to 8%, which a weight read wrong (its bits, or unscaled) is far beyond; the parity of
 // float8 storage itself is TrainParity.Float8BaseLoConCheckpointedTwoSteps'. --fp8_scaled the
 // same (its layers are Float8Weights.ScaledLayersComputeWhatALayerHoldingTheDequantisedWeight-
-// Computes'), and the LoRA's metadata says which float8 it trained over.
+// Computes'), and --fp8_fast, whose float8 matmuls round the inputs too (about 1.4 times scaled
+// float8's error per layer, Float8Weights.ScaledErrorIsBelowPlainOnEveryFamilysLayers); the
+// LoRA's metadata says which float8 it trained over.
 TEST_F(TrainRunTest, MixedPrecisionLearnsLikeFp32) {
   const std::vector<std::string> common{"--max_train_steps=6", "--train_batch_size=2",
                                         "--gradient_checkpointing"};
@@ -2332,12 +2335,14 @@ TEST_F(TrainRunTest, MixedPrecisionLearnsLikeFp32) {
        std::vector<std::tuple<std::string, std::string, double>>{{"bf16", "", 0.03},
                                                                  {"fp16", "", 0.03},
                                                                  {"bf16", "fp8", 0.08},
-                                                                 {"bf16", "fp8-scaled", 0.08}}) {
+                                                                 {"bf16", "fp8-scaled", 0.08},
+                                                                 {"bf16", "fp8-fast", 0.08}}) {
     const bool fp8 = !float8.empty();
     auto extra = common;
     extra.push_back("--mixed_precision=" + precision);
     if (fp8) extra.push_back("--fp8_base");
-    if (float8 == "fp8-scaled") extra.push_back("--fp8_scaled");
+    if (float8 != "fp8" && fp8) extra.push_back("--fp8_scaled");
+    if (float8 == "fp8-fast") extra.push_back("--fp8_fast");
     const std::string tag = precision + (fp8 ? "-" + float8 : "");
     const TrainRun r = run(work_ / tag, extra);
     ASSERT_EQ(r.exit, 0) << tag << ": " << r.err;
@@ -2356,11 +2361,13 @@ TEST_F(TrainRunTest, MixedPrecisionLearnsLikeFp32) {
         << tag << " trained exactly as fp32 did";
     if (fp8) {
       EXPECT_NE(r.err.find("the U-Net's"), std::string::npos) << r.err;
-      const bool scaled = float8 == "fp8-scaled";
+      const bool scaled = float8 != "fp8", fast = float8 == "fp8-fast";
       EXPECT_EQ(r.err.find("scaled float8_e4m3fn") != std::string::npos, scaled) << r.err;
+      EXPECT_EQ(r.err.find("float8 matmuls (--fp8_fast)") != std::string::npos, fast) << r.err;
       const auto meta = models::SafetensorsFile::open(work_ / tag / "lora" / "tiny.safetensors")
                             .metadata();
       EXPECT_EQ(meta.at("ss_fp8_scaled"), scaled ? "True" : "False");
+      EXPECT_EQ(meta.at("ss_fp8_fast"), fast ? "True" : "False");
     }
   }
 }

@@ -152,6 +152,7 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_fp8_base"] = o_.fp8_base ? "True" : "False";
   m["ss_fp8_base_unet"] = o_.fp8_base_unet ? "True" : "False";
   m["ss_fp8_scaled"] = o_.fp8_scaled ? "True" : "False";
+  m["ss_fp8_fast"] = o_.fp8_fast ? "True" : "False";
   m["ss_blocks_to_swap"] = std::to_string(o_.blocks_to_swap);
   m["ss_cpu_offload_checkpointing"] = s.cpu_offload_checkpointing ? "True" : "False";
   m["ss_optimizer"] = step_->optimizer().describe();

@@ -148,6 +148,8 @@ void validate(const Options& o) {
        "--blocks_to_swap=" + std::to_string(o.blocks_to_swap) + ": must be 0 or more");
   need(!o.fp8_scaled || o.fp8_base || o.fp8_base_unet,
        "--fp8_scaled scales the float8 weights of --fp8_base or --fp8_base_unet: give one of them");
+  need(!o.fp8_fast || o.fp8_scaled,
+       "--fp8_fast multiplies scaled float8 weights in float8: give --fp8_scaled (and --fp8_base)");
   need(o.output_name.find('/') == std::string::npos,
        "--output_name='" + o.output_name + "' must be a plain file name");
   need(!o.dim_from_weights || !o.network_weights.empty(),

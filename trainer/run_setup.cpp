@@ -254,6 +254,7 @@ void Run::load_model() {
   placement.fp8_denoiser = o_.fp8_base || o_.fp8_base_unet;
   placement.fp8_text_encoders = o_.fp8_base && !o_.fp8_base_unet;  // kohya: _unet wins
   placement.fp8_scaled = o_.fp8_scaled;
+  placement.fp8_fast = o_.fp8_fast;
   placement.blocks_to_swap = o_.blocks_to_swap;
   // kohya keeps the text encoder off the device when its outputs come from the cache and it is
   // not trained.

@@ -42,6 +42,9 @@ struct Options {
   // --fp8_scaled (musubi-tuner's, with --fp8_base or --fp8_base_unet): those float8 weights with a
   // scale per 64 input features of each output row (models/float8.h).
   bool fp8_scaled = false;
+  // --fp8_fast (musubi-tuner's, with --fp8_scaled): the denoiser's Linear layers multiply in
+  // float8 (models/float8.h).
+  bool fp8_fast = false;
   // kohya's --blocks_to_swap (models/block_swap.h): this many of the denoiser's blocks keep their
   // frozen weights in host memory; the step then recomputes every block in backward.
   int blocks_to_swap = 0;

@@ -60,7 +60,10 @@
 #     without checkpointing, batch 8 with it.
 #   - the same `solo` step for FLUX.1 [dev] at full size: 512^2 and 1024^2, bf16 and --fp8_base,
 #     batch 1, gradient checkpointing, rank 16 on kohya's Flux targets (s/it, peak, MFU); then
-#     --fp8_scaled, and block swap 8, 16 and 28 over float8 (peak and s/it against no swap).
+#     --fp8_scaled, --fp8_fast (float8 matmuls; also at SDXL size), and block swap 8, 16 and 28
+#     over float8 (peak and s/it against no swap). models_test's
+#     Float8Weights.FastOnCudaComputesTheCpusProductAndIsTimed holds the row-wise _scaled_mm to
+#     the CPU's product and times it against the widening path on FLUX.1's widest layers.
 #     models_test's BlockSwap.OnCudaStepsAreBitIdentical checks the swap's copy stream and events
 #     give the unswapped results bit for bit, and CheckpointOffload.OnCudaStepsAreBitIdentical
 #     the same of --cpu_offload_checkpointing (also measured with swap 28).
@@ -298,7 +301,7 @@ step "bench: one LoRA training step at SDXL size on CUDA, bf16, 1024x1024, rank 
 # SDXL's full-size U-Net on random weights, batch 1, gradient checkpointing, kohya's 722 SDXL
 # LoRA layers of rank 16: s/it, peak allocated memory and MFU; then over float8 base weights.
 # The goals (issue 31): peak <= 6 GB with the bf16 base, <= 4.5 GB with --fp8_base.
-for fp8 in "" --fp8_base; do
+for fp8 in "" --fp8_base "--fp8_base --fp8_scaled --fp8_fast"; do
   # shellcheck disable=SC2086  # an empty flag is no word
   bench "trainer_bench sdxl${fp8}" 180 "${BUILD}/bin/trainer_bench" solo sdxl --device cuda \
     --dtype bf16 --batch 1 --resolution 1024 --steps 5 --gradient_checkpointing ${fp8}
@@ -308,12 +311,14 @@ step "bench: one LoRA training step of FLUX.1 [dev] at full size on CUDA, rank 1
 # The full transformer (11.9 B parameters) on random weights, built in bf16 on the host and
 # placed, 512 T5 tokens, guidance 3.5, kohya's 304 Flux LoRA layers, gradient checkpointing:
 # s/it, peak allocated memory and MFU at 512^2 and 1024^2, bf16 and over float8 (--fp8_base).
-# Then the small cards' options (issue 33): scaled float8, and block swap (kohya's split of N,
+# Then the small cards' options (issue 33): scaled float8, its float8 matmuls (--fp8_fast: s/it
+# against --fp8_scaled alone), and block swap (kohya's split of N,
 # the frozen weights of the swapped blocks in pinned host memory, two device slots): the peak
 # and s/it against the unswapped run; goals 512^2 <= 12 GB at >= 0.7x the no-swap speed,
 # 1024^2 <= 8 GB with swap 28 (kohya's 8 GB tier).
 for res in 512 1024; do
-  for fp8 in "" --fp8_base "--fp8_base --fp8_scaled" "--fp8_base --blocks_to_swap 8" \
+  for fp8 in "" --fp8_base "--fp8_base --fp8_scaled" "--fp8_base --fp8_scaled --fp8_fast" \
+    "--fp8_base --blocks_to_swap 8" \
     "--fp8_base --blocks_to_swap 16" "--fp8_base --blocks_to_swap 28" \
     "--fp8_base --blocks_to_swap 28 --cpu_offload_checkpointing"; do
     # shellcheck disable=SC2086  # an empty flag is no word
