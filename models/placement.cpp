@@ -94,6 +94,16 @@ PlacementReport place(DiffusionModel& model, const Placement& placement) {
     if (placement.freeze) {  // before the swap: only frozen weights leave the device
       for (auto& p : module.parameters()) p.requires_grad_(false);
     }
+    if (c.role == Role::kDenoiser && placement.attach_denoiser) {
+      if (placement.blocks_to_swap > 0) {
+        throw InputError("--blocks_to_swap: a denoiser attached to another process's weights "
+                         "swaps none of them");
+      }
+      if (placement.attach_denoiser(module)) {
+        module.eval();
+        continue;
+      }
+    }
     if (c.role == Role::kDenoiser && placement.blocks_to_swap > 0) {
       // After the dtype and float8, before the move: the swapped weights never reach the device.
       const DiffusionModel::BlockSwapReport swap =

@@ -7,6 +7,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
+#include <functional>
 #include <optional>
 #include <string_view>
 
@@ -41,6 +42,10 @@ struct Placement {
   // without block swap refuses it (InputError).
   int blocks_to_swap = 0;
   int swap_slots = 2;
+  // Set: called with the denoiser once its dtype and float8 are done, instead of moving it to
+  // the device; true when it made the module's tensors another process's placed weights on the
+  // device (models/shared_weights.h, the sampler beside a trainer), false to move it as usual.
+  std::function<bool(torch::nn::Module& denoiser)> attach_denoiser;
 };
 
 struct PlacementReport {

@@ -58,6 +58,10 @@ DEFINE_bool(map_weights, false,
             "On the CPU: base weights the model file holds in their dtype are the file's mapped "
             "pages, shared with a trainer that maps them too (lorapipe run sets it when both "
             "share the CPU)");
+DEFINE_string(shared_weights, "",
+              "A trainer's shared-weights manifest (its --share_weights): render over the "
+              "trainer's placed denoiser on the same device instead of a copy of it (CUDA IPC on "
+              "a GPU, shared memory on the CPU); waits for the trainer to publish it");
 DEFINE_string(sample_sampler, "ddim", "Sampler for prompts without --ss (kohya's names)");
 DEFINE_bool(v_parameterization, false, "The model predicts v (SD2.x 768-v)");
 DEFINE_int32(clip_skip, 1, "Text-encoder layers to skip from the end (1: the last)");
@@ -98,6 +102,7 @@ int main(int argc, char** argv) {
     o.fp8_fast = FLAGS_fp8_fast;
     o.merge_lora = FLAGS_merge_lora;
     o.map_weights = FLAGS_map_weights;
+    o.shared_weights = FLAGS_shared_weights;
     o.sampler = FLAGS_sample_sampler;
     o.v_prediction = FLAGS_v_parameterization;
     o.clip_skip = FLAGS_clip_skip;

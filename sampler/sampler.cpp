@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <malloc.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 #include "models/device.h"
 #include "models/float8.h"
 #include "models/mapped_weights.h"
+#include "models/shared_weights.h"
 #include "models/placement.h"
 #include "models/registry.h"
 #include "models/safetensors.h"
@@ -291,7 +293,9 @@ class Sampler {
     load.vae_dtype = dtype == c10::kHalf || !o_.base_weights.empty() ? c10::kFloat : dtype;
     {
       std::optional<models::MappedWeights> mapped;
-      if (o_.map_weights) mapped.emplace();
+      // Shared weights replace the denoiser's as soon as it is placed: its load maps the file
+      // rather than copy what it can.
+      if (o_.map_weights || !o_.shared_weights.empty()) mapped.emplace();
       model_ = models::load_model(o_.model, load);
       if (mapped) models::log_mapped_weights(*mapped, "sampler");
     }
@@ -303,7 +307,22 @@ class Sampler {
     placement.fp8_text_encoders = o_.fp8_base && !o_.fp8_base_unet;
     placement.fp8_scaled = o_.fp8_scaled;
     placement.fp8_fast = o_.fp8_fast;
+    if (!o_.shared_weights.empty()) {
+      const std::string key = models::shared_weights_key(o_.model, placement);
+      placement.attach_denoiser = [&](torch::nn::Module& denoiser) {
+        shared_ = models::attach_shared_weights(denoiser, device, o_.shared_weights, key);
+        if (!shared_) {
+          LP_LOG(kInfo, kLog) << "the trainer's weights are not shared (any more): this sampler "
+                                 "places its own copy";
+        }
+        return shared_ != nullptr;
+      };
+    }
     models::place(*model_, placement);
+#ifdef __GLIBC__
+    // The denoiser's own copy, converted on the CPU before the trainer's replaced it, goes back.
+    if (shared_) malloc_trim(0);
+#endif
     PromptDefaults defaults;
     defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
     for (char c : o_.sampler) {
@@ -617,6 +636,9 @@ class Sampler {
   SamplerOptions o_;
   zmq::context_t context_;
   std::optional<zmq::socket_t> sub_;  // following a run: CheckpointReady
+  // The trainer's weights the denoiser is attached to: released after model_ (declared before
+  // it), so the trainer frees nothing this process still maps.
+  std::unique_ptr<models::SharedWeightsAttachment> shared_;
   std::unique_ptr<models::DiffusionModel> model_;
   PromptSet prompts_;
   SamplerSummary summary_;
@@ -641,6 +663,11 @@ SamplerSummary run_sampler(const SamplerOptions& options) {
   if (options.fp8_scaled && !options.fp8_base && !options.fp8_base_unet) {
     throw InputError("--fp8_scaled scales the float8 weights of --fp8_base or --fp8_base_unet: "
                      "give one of them");
+  }
+  if (!options.shared_weights.empty() && options.merge_lora) {
+    throw InputError("--merge_lora writes the base weights, which --shared_weights="
+                     + options.shared_weights.string() + " shares read-only with the trainer: "
+                     "leave --merge_lora out (LoRAs are then applied beside the weights)");
   }
   if (options.fp8_fast && !options.fp8_scaled) {
     throw InputError("--fp8_fast multiplies scaled float8 weights in float8: give --fp8_scaled "

@@ -50,6 +50,9 @@ struct SamplerOptions {
   // --map_weights: base weights the file holds in their dtype are its mapped pages, shared with
   // the trainer beside it (models/mapped_weights.h); lorapipe run sets it when they share the CPU.
   bool map_weights = false;
+  // --shared_weights=MANIFEST: the denoiser is the trainer's, published with its --share_weights
+  // on the same device (models/shared_weights.h); LoRAs are applied beside it, never merged.
+  std::filesystem::path shared_weights;
   std::string sampler = "ddim";  // for prompts without --ss
   bool v_prediction = false;
   int clip_skip = 1;

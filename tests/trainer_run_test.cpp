@@ -2405,7 +2405,14 @@ TEST_F(TrainRunTest, BlockSwapTrainsBitIdenticallyToNoSwap) {
 
 #ifdef LORAPIPE_SAMPLER_BIN
 // The trainer with a sampler following it (suite named for the sampler's promise).
-class SamplerWithTrainer : public TrainRunTest {};
+class SamplerWithTrainer : public TrainRunTest {
+ protected:
+  void preview_beside_the_trainer(const std::string& mode,
+                                  const std::function<std::string(const fs::path&)>& trainer_flag,
+                                  const std::function<std::string(const fs::path&)>& sampler_flag,
+                                  const std::string& sampler_ready, const std::string& trainer_says,
+                                  const std::string& sampler_says);
+};
 
 // A sampler that takes 10 s per image leaves the trainer's time unchanged: the trainer publishes
 // and never waits. Measured as the trainer's wall time with such a sampler subscribed, against
@@ -2530,19 +2537,14 @@ int64_t private_bytes(pid_t pid) {
   return any ? kib * 1024 : -1;
 }
 
-// Previews beside the training on one machine's CPU hold no second copy of the model: with
-// --map_weights (which lorapipe run sets when both share the CPU) the trainer and a sampler
-// following it both take the base weights as the checkpoint file's mapped pages. Here the U-Net is
-// widened to 2.4 GB (the VAE and text encoder are the suite's, so its cache serves): while the
-// trainer trains and the sampler renders its checkpoints, the sampler's private memory stays
-// under a quarter of the U-Net's bytes (a copy of it would be all of them; what is private is
-// LibTorch's own heap, about 200 MB in any process, the tiny VAE and text encoder and the
-// render's activations). And its image of the final LoRA, applied beside the shared weights,
-// equals the render with that LoRA merged into a private copy of the weights (the sampler's
-// --merge_lora, one shot, no mapping) within 2 of 255 per channel: the two orders of the same
-// fp32 sums differ in their last bits, which may cross a rounding boundary of the 8-bit image
-// (measured: the largest difference is printed).
-TEST_F(SamplerWithTrainer, SharedWeightsKeepTheSamplersOwnMemoryUnderAQuarterOfTheModel) {
+// A trainer and a sampler following it on this CPU, the U-Net widened to 2.4 GB, each given its
+// flag of the mode under test; what each must log, and what the sampler logs once it waits or
+// follows (before the trainer starts).
+void SamplerWithTrainer::preview_beside_the_trainer(
+    const std::string& mode, const std::function<std::string(const fs::path&)>& trainer_flag,
+    const std::function<std::string(const fs::path&)>& sampler_flag,
+    const std::string& sampler_ready, const std::string& trainer_says,
+    const std::string& sampler_says) {
   const models::TinyCheckpoint wide =
       models::write_tiny_checkpoint(work_ / "wide", /*seed=*/3, /*unet_width=*/768);
   const int64_t unet_bytes = static_cast<int64_t>(
@@ -2555,15 +2557,17 @@ TEST_F(SamplerWithTrainer, SharedWeightsKeepTheSamplersOwnMemoryUnderAQuarterOfT
   const pid_t sampler =
       spawn({LORAPIPE_SAMPLER_BIN, model, "--sample_prompts=" + (work_ / "prompts.txt").string(),
              "--output_dir=" + out.string(), "--sub=" + endpoint, "--device=cpu", "--threads=1",
-             "--idle_timeout_s=120", "--map_weights"},
+             "--idle_timeout_s=120", sampler_flag(out)},
             out / "sampler.out", out / "sampler.err");
+  // The sampler follows once loaded; over shared weights it loads once the trainer has published
+  // them, and says it waits for them first.
   for (int wait = 0; wait < 1200; ++wait) {
-    if (read_text(out / "sampler.err").find("following") != std::string::npos) break;
+    if (read_text(out / "sampler.err").find(sampler_ready) != std::string::npos) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   std::vector<std::string> a =
       args(out, {"--max_train_steps=6", "--save_every_n_steps=2", "--pub=" + endpoint,
-                 "--map_weights"});
+                 trainer_flag(out)});
   *std::find(a.begin(), a.end(), "--pretrained_model_name_or_path=" + tiny_.diffusers.string()) =
       model;
   const pid_t trainer = spawn(a, out / "trainer.out", out / "trainer.err");
@@ -2597,13 +2601,13 @@ TEST_F(SamplerWithTrainer, SharedWeightsKeepTheSamplersOwnMemoryUnderAQuarterOfT
   const std::string sampler_err = read_text(out / "sampler.err");
   ASSERT_EQ(sampler_exit, 0) << sampler_err;
   const std::string trainer_err = read_text(out / "trainer.err");
-  EXPECT_NE(trainer_err.find("--map_weights: "), std::string::npos) << trainer_err;
-  EXPECT_NE(sampler_err.find("are the model file's pages"), std::string::npos) << sampler_err;
+  EXPECT_NE(trainer_err.find(trainer_says), std::string::npos) << trainer_err;
+  EXPECT_NE(sampler_err.find(sampler_says), std::string::npos) << sampler_err;
   EXPECT_TRUE(rendered_beside_the_trainer)
       << "no render finished while the trainer ran: " << sampler_err;
-  std::printf("[shared weights] U-Net %.0f MiB; the sampler's private memory at most %.0f MiB "
+  std::printf("[shared weights, %s] U-Net %.0f MiB; the sampler's private memory at most %.0f MiB "
               "(%.2f of it) over %d samples while the trainer ran\n",
-              unet_bytes / 1048576.0, most / 1048576.0, static_cast<double>(most) / unet_bytes,
+              mode.c_str(), unet_bytes / 1048576.0, most / 1048576.0, static_cast<double>(most) / unet_bytes,
               samples);
   EXPECT_GT(samples, 0);
   EXPECT_LT(most, unet_bytes / 4);
@@ -2633,10 +2637,43 @@ TEST_F(SamplerWithTrainer, SharedWeightsKeepTheSamplersOwnMemoryUnderAQuarterOfT
   ASSERT_EQ(x.width(), y.width());
   ASSERT_EQ(x.height(), y.height());
   const int worst = static_cast<int>((x.cast(VIPS_FORMAT_INT) - y.cast(VIPS_FORMAT_INT)).abs().max());
-  std::printf("[shared weights] the final LoRA beside the shared weights against merged: largest "
-              "difference %d of 255\n", worst);
+  std::printf("[shared weights, %s] the final LoRA beside the shared weights against merged: "
+              "largest difference %d of 255\n", mode.c_str(), worst);
   EXPECT_LE(worst, 2);
-  EXPECT_GT(x.deviate(), 1.0) << "a flat image compares trivially";
+  EXPECT_GT(x.deviate(), 1.0) << "a flat image compares trivially";}
+
+// Previews beside the training on one machine's CPU hold no second copy of the model: with
+// --map_weights (which lorapipe run sets when both share the CPU) the trainer and a sampler
+// following it both take the base weights as the checkpoint file's mapped pages. Here the U-Net is
+// widened to 2.4 GB (the VAE and text encoder are the suite's, so its cache serves): while the
+// trainer trains and the sampler renders its checkpoints, the sampler's private memory stays
+// under a quarter of the U-Net's bytes (a copy of it would be all of them; what is private is
+// LibTorch's own heap, about 200 MB in any process, the tiny VAE and text encoder and the
+// render's activations). And its image of the final LoRA, applied beside the shared weights,
+// equals the render with that LoRA merged into a private copy of the weights (the sampler's
+// --merge_lora, one shot, no mapping) within 2 of 255 per channel: the two orders of the same
+// fp32 sums differ in their last bits, which may cross a rounding boundary of the 8-bit image
+// (measured: the largest difference is printed).
+TEST_F(SamplerWithTrainer, SharedWeightsKeepTheSamplersOwnMemoryUnderAQuarterOfTheModel) {
+  preview_beside_the_trainer(
+      "mapped file", [](const fs::path&) { return std::string("--map_weights"); },
+      [](const fs::path&) { return std::string("--map_weights"); }, "following",
+      "--map_weights: ", "are the model file's pages");
+}
+
+// The same over the trainer's placed weights (--share_weights / --shared_weights, the machinery
+// of previews on the training GPU, here with the CPU's shared memory in place of CUDA IPC): the
+// trainer publishes its U-Net, the sampler attaches it read-only and holds no copy of it, and its
+// render of the final LoRA equals the merged render as above.
+TEST_F(SamplerWithTrainer, SamplerOverTheTrainersPublishedWeightsHoldsNoCopyOfThem) {
+  preview_beside_the_trainer(
+      "published", [](const fs::path& out) {
+        return "--share_weights=" + (out / "shared_weights.json").string();
+      },
+      [](const fs::path& out) {
+        return "--shared_weights=" + (out / "shared_weights.json").string();
+      },
+      "waiting for the trainer's shared weights", "published ", "attached ");
 }
 #endif
 

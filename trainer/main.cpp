@@ -100,6 +100,11 @@ DEFINE_bool(map_weights, false,
             "On the CPU: base weights the model file holds in their dtype are the file's mapped "
             "pages, not a copy; a sampler with --map_weights on the same machine shares them "
             "(lorapipe run sets it on both when they share the CPU)");
+DEFINE_string(share_weights, "",
+              "Publish the placed denoiser's frozen weights in this manifest file for a sampler "
+              "on the same device (its --shared_weights), which then holds no copy of them: CUDA "
+              "IPC on a GPU, shared memory on the CPU (lorapipe run sets both when the sampler "
+              "shares the trainer's GPU); at its end the trainer waits for that sampler to finish");
 DEFINE_bool(fp8_scaled, false,
             "With --fp8_base(_unet): float8 with a scale per 64 input features of each output "
             "row (musubi-tuner's), closer to the weights than the plain cast");
@@ -430,6 +435,7 @@ int main(int argc, char** argv) {
     o.fp8_fast = FLAGS_fp8_fast;
     o.blocks_to_swap = FLAGS_blocks_to_swap;
     o.map_weights = FLAGS_map_weights;
+    o.share_weights = FLAGS_share_weights;
     o.output_dir = FLAGS_output_dir;
     o.output_name = FLAGS_output_name;
     o.save_precision = FLAGS_save_precision;

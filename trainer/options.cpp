@@ -148,6 +148,12 @@ void validate(const Options& o) {
        "--blocks_to_swap=" + std::to_string(o.blocks_to_swap) + ": must be 0 or more");
   need(!o.fp8_scaled || o.fp8_base || o.fp8_base_unet,
        "--fp8_scaled scales the float8 weights of --fp8_base or --fp8_base_unet: give one of them");
+  need(o.share_weights.empty() || o.ranks.world_size <= 1,
+       "--share_weights: one trainer process shares its device with one sampler; ranks have a "
+       "device each");
+  need(o.share_weights.empty() || o.blocks_to_swap == 0,
+       "--share_weights: --blocks_to_swap keeps weights in host memory, where a sampler on the "
+       "device cannot share them");
   need(!o.fp8_fast || o.fp8_scaled,
        "--fp8_fast multiplies scaled float8 weights in float8: give --fp8_scaled (and --fp8_base)");
   need(o.output_name.find('/') == std::string::npos,

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "models/diffusion_model.h"
+#include "models/shared_weights.h"
 #include "proto/wire.h"
 #include "runtime/stage.h"
 #include "trainer/dataset.h"
@@ -126,6 +127,9 @@ class Run {
   wire::Manifest validation_manifest_;
   DatasetMetadata dataset_metadata_;  // kohya's ss_tag_frequency and dirs: once, for every save
   std::unique_ptr<models::DiffusionModel> model_;
+  // --share_weights: declared after model_, so released (waiting for the sampler) before the
+  // weights it publishes are freed.
+  std::unique_ptr<models::SharedWeightsPublisher> shared_weights_;
   at::Device device_{torch::kCPU};
   bool cached_text_ = false;
   std::unique_ptr<LoraNetwork> network_;

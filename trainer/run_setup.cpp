@@ -14,6 +14,7 @@
 #include "models/float8.h"
 #include "models/lora_merge.h"
 #include "models/mapped_weights.h"
+#include "models/shared_weights.h"
 #include "models/placement.h"
 #include "models/prompt_attention.h"
 #include "models/registry.h"
@@ -260,6 +261,13 @@ void Run::load_model() {
   // not trained.
   placement.text_encoders_on_device = !cached_text_ || train_te;
   models::place(model, placement);
+  if (!o_.share_weights.empty() && main_) {
+    for (const models::DiffusionModel::Component& c : model.components()) {
+      if (c.role != models::DiffusionModel::Role::kDenoiser) continue;
+      shared_weights_ = std::make_unique<models::SharedWeightsPublisher>(
+          *c.module, device_, o_.share_weights, models::shared_weights_key(o_.model, placement));
+    }
+  }
   if (fs::is_regular_file(o_.model)) {
     model_hash_ = legacy_model_hash(o_.model);
     model_sha256_ = sha256_file(o_.model);

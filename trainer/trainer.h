@@ -51,6 +51,9 @@ struct Options {
   // --map_weights: base weights the file holds as the model does are its mapped pages, shared
   // with a sampler that maps them too (models/mapped_weights.h).
   bool map_weights = false;
+  // --share_weights=MANIFEST: the placed denoiser's frozen weights published for a sampler on the
+  // same device (models/shared_weights.h); the trainer's end waits for that sampler to let go.
+  std::filesystem::path share_weights;
   int threads = 0;                     // CPU compute threads (0: LibTorch's default, one per core)
   // Data-parallel ranks (trainer/ranks.h), from the environment torchrun sets. train_batch_size
   // is per rank, as kohya's: a step trains train_batch_size x world_size samples.
