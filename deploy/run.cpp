@@ -197,6 +197,10 @@ class Supervisor {
   std::string newest_sample_;
   std::set<std::string> announced_;
   std::string manifest_;  // the name the cacher gave this run's manifest
+  // The family's rule for previews on the trainer's device (models/family.h), and its name.
+  bool previews_beside_training_ = true;
+  std::string family_name_;
+  fs::path shared_weights_;  // the trainer's --share_weights manifest, when the sampler shares it
   std::map<std::string, std::string> errors_;  // stage -> the message of its StageStatus ERROR
   std::map<std::string, wire::StageStatus> reported_;  // stage -> the newest StageStatus
   std::set<std::string> shown_;  // the stages' status lines already on the screen
@@ -335,6 +339,8 @@ void Supervisor::apply_family_defaults() {
   const models::FamilyDetection detected = models::detect_family(
       s_.get("pretrained_model_name_or_path"), s_.has("model_family") ? s_.get("model_family") : "");
   const models::ModelFamily& family = models::model_family(detected.family);
+  previews_beside_training_ = family.previews_beside_training;
+  family_name_ = family.display_name;
   const bool own_dataset = s_.has("dataset_config") || s_.has("in_json");
   if (!own_dataset && !s_.has("resolution")) {
     s_.set("resolution", std::to_string(family.default_resolution));
@@ -617,28 +623,50 @@ int Supervisor::run() {
   start(Stage::kCacher, args);
   // --debug_dataset: the trainer prints its batches and trains nothing; nothing to render.
   const bool debug_dataset = s_.has("debug_dataset") && s_.get("debug_dataset") == "true";
-  // A sampler on the trainer's GPU would hold a second copy of the model beside the training
-  // (FLUX.1's 24 GB in bf16): there it starts once the training is over and renders what the run
-  // saved, in step order. --sample_after_training (true or false) decides otherwise.
+  // A sampler on the trainer's GPU renders over the trainer's own placed denoiser as it trains
+  // (--share_weights / --shared_weights, models/shared_weights.h): no second copy of the model.
+  // Where that cannot be (block swap keeps weights off the device; FLUX.1's sampler would add its
+  // T5 XXL; --merge_lora writes the weights) it starts once the training is over and renders what
+  // the run saved, in step order. --sample_after_training (true or false) decides otherwise.
   const std::string device = s_.has("device") ? s_.get("device") : "auto";
   const std::string sampler_device = s_.has("sampler_device") ? s_.get("sampler_device") : "auto";
   const std::string after = s_.has("sample_after_training") ? s_.get("sample_after_training")
                                                             : "auto";
   const bool previews_wanted = s_.has("sample_prompts") && !debug_dataset;
+  const bool one_device = device == sampler_device && device != "cpu";
+  std::string why_not_shared;
+  if (s_.has("blocks_to_swap") && s_.get("blocks_to_swap") != "0") {
+    why_not_shared = "--blocks_to_swap keeps weights off the device";
+  } else if (!previews_beside_training_) {
+    why_not_shared = family_name_ + "'s sampler would load its own text encoders beside the "
+                     "training";
+  } else if (s_.has("merge_lora") && s_.get("merge_lora") != "false") {
+    why_not_shared = "--merge_lora writes the weights";
+  }
+  const bool share_weights =
+      previews_wanted && after == "auto" && one_device && why_not_shared.empty();
   const bool sample_after_training =
-      previews_wanted &&
-      (after == "true" || (after == "auto" && device == sampler_device && device != "cpu"));
+      previews_wanted && (after == "true" || (after == "auto" && one_device && !share_weights));
+  if (share_weights) {
+    shared_weights_ = dir_ / "shared_weights.json";
+    std::error_code ec;
+    fs::remove(shared_weights_, ec);  // an earlier run's, released: not this trainer's
+    display_ << "lorapipe: the sampler shares the trainer's device (" << device
+             << "): it renders over the trainer's own weights as it trains, with no second copy "
+                "of the model (--sample_after_training renders after the training instead)\n";
+  }
   if (sample_after_training) {
     display_ << "lorapipe: the sampler "
              << (after == "true" ? std::string("waits (--sample_after_training)")
-                                 : "shares the trainer's device (" + device + ")")
+                                 : "shares the trainer's device (" + device + ") and " +
+                                       why_not_shared)
              << ": previews render after the training, from the LoRAs it saved "
                 "(--sampler_device=another device renders them as it trains)\n";
   }
   if (previews_wanted && !sample_after_training) {
     // Both on the CPU: the sampler takes no second copy of the model; both map the weights the
     // file holds as they use them (models/mapped_weights.h).
-    if (device == sampler_device && !s_.has("map_weights")) {
+    if (device == sampler_device && !share_weights && !s_.has("map_weights")) {
       s_.set("map_weights", "true");
       display_ << "lorapipe: the sampler shares the trainer's CPU: both map the model file's "
                   "weights (--map_weights), so previews hold no second copy of the model\n";
@@ -646,6 +674,7 @@ int Supervisor::run() {
     args = stage_args(s_, Stage::kSampler);
     args.insert(args.end(), {"--output_dir=" + dir_.string(), "--sub=" + endpoint("trainer-pub"),
                              "--pub=" + endpoint("sampler-pub")});
+    if (share_weights) args.push_back("--shared_weights=" + shared_weights_.string());
     start(Stage::kSampler, args);
   }
 
@@ -733,6 +762,7 @@ int Supervisor::run() {
       args.insert(args.end(), {"--output_dir=" + dir_.string(), "--pub=" + endpoint("trainer-pub"),
                                "--save_state"});
       if (!o_.resume.empty()) args.push_back("--resume=" + o_.resume.string());
+      if (!shared_weights_.empty()) args.push_back("--share_weights=" + shared_weights_.string());
       start(Stage::kTrainer, args);
     }
     const Child* trainer = child(Stage::kTrainer);

@@ -98,6 +98,11 @@ struct ModelFamily {
   // what every bucket side must be a multiple of (SDXL: 32, kohya's check on bucket_reso_steps).
   int default_max_bucket_reso = 0;
   int bucket_reso_multiple = 8;
+  // Whether lorapipe run renders previews during the training on the trainer's own device, the
+  // sampler over the trainer's published denoiser (models/shared_weights.h): its other parts (text
+  // encoders, VAE) are its own there. FLUX.1's T5 XXL (9.5 GB in bf16) would be a second large
+  // model beside the training, so there the sampler renders after the training instead.
+  bool previews_beside_training = true;
   TextConditioning text;
   ObjectiveKind objective = ObjectiveKind::kDdpm;
   DdpmSchedule schedule;  // the DDPM families' table (trainer and sampler alike)

@@ -522,6 +522,38 @@ TEST_F(LauncherRun, SamplerAfterTrainingStartsWhenTheTrainerIsDoneAndRendersEver
   expect_no_stage_alive(run);
 }
 
+// The sampler on the trainer's device (both "auto": here the CPU, on a GPU machine its first
+// GPU) renders as the training goes, over the trainer's own placed weights: the launcher says so,
+// the trainer publishes its denoiser, the sampler attaches it (CUDA IPC on a GPU, shared memory
+// here: the same manifest, lock and attach) and renders checkpoints before the training is over.
+TEST_F(LauncherRun, SamplerOnTheTrainersDeviceRendersOverItsWeightsAsItTrains) {
+  const fs::path run = work_ / "run";
+  // The demo's 100 steps, a preview every 10: the first is due long before the end (measured
+  // 3 s before it at 40 steps on this machine, about 10 s here).
+  ASSERT_EQ(lorapipe({"run", "--output=" + run.string(), "--sample_every_n_steps=10",
+                      "--device=auto", "--sampler_device=auto"}),
+            0)
+      << out_ << err_;
+  EXPECT_NE(out_.find("renders over the trainer's own weights as it trains"), std::string::npos)
+      << out_;
+  const std::string trainer_log = read_text(run / "logs" / "trainer.log");
+  const std::string sampler_log = read_text(run / "logs" / "sampler.log");
+  EXPECT_NE(trainer_log.find("published "), std::string::npos) << trainer_log;
+  EXPECT_NE(sampler_log.find("attached "), std::string::npos) << sampler_log;
+  EXPECT_EQ(sampler_log.find("places its own copy"), std::string::npos) << sampler_log;
+  const std::string trained = stamp_of(trainer_log, " at step 100");
+  const std::string first_render = stamp_of(sampler_log, " images in ");
+  ASSERT_FALSE(trained.empty()) << trainer_log;
+  ASSERT_FALSE(first_render.empty()) << sampler_log;
+  std::printf("[launcher] shared weights: first preview at %s, training over at %s\n",
+              first_render.c_str(), trained.c_str());
+  EXPECT_LT(first_render, trained) << "no preview was rendered while the trainer trained";
+  EXPECT_TRUE(fs::exists(run / "samples" / "demo_000100_00.png"));
+  EXPECT_NE(read_text(run / "shared_weights.json").find("\"released\""), std::string::npos)
+      << "the trainer's end released its weights";
+  expect_no_stage_alive(run);
+}
+
 // Ctrl-C mid-training: the trainer saves a state, every stage stops, exit 130; `lorapipe
 // resume` continues from that state to the end.
 TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
