@@ -68,6 +68,10 @@ DEFINE_int32(clip_skip, 1, "Text-encoder layers to skip from the end (1: the las
 DEFINE_int64(seed, 1234, "Seed of the first prompt without --d (the next gets seed+1, ...)");
 DEFINE_double(idle_timeout_s, 0, "Following: stop after this long without a checkpoint (0: never)");
 DEFINE_double(delay_per_image_s, 0, "Testing: sleep this long after each image");
+DEFINE_double(device_share, -1,
+              "The share of the device's time renders take (0 < share <= 1): after each model "
+              "call the sampler waits (1/share - 1) times that call's time, so a trainer on the "
+              "same GPU keeps the rest; -1: 0.1 over a trainer's shared weights on CUDA, else 1");
 DEFINE_int32(threads, 0, "CPU threads for compute (0: one per core)");
 
 int main(int argc, char** argv) {
@@ -111,6 +115,7 @@ int main(int argc, char** argv) {
     o.pub_endpoint = FLAGS_pub;
     o.idle_timeout_s = FLAGS_idle_timeout_s;
     o.delay_per_image_s = FLAGS_delay_per_image_s;
+    o.device_share = FLAGS_device_share;
     o.threads = FLAGS_threads;
     o.replay_dir = FLAGS_replay_dir;
     for (const auto& [file, multiplier] :

@@ -5,6 +5,12 @@
 #include <malloc.h>
 #include <zlib.h>
 
+#if __has_include(<c10/cuda/CUDAGuard.h>) && __has_include(<c10/cuda/CUDAStream.h>)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#define LORAPIPE_SAMPLER_CUDA_STREAMS 1
+#endif
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -323,6 +329,12 @@ class Sampler {
     // The denoiser's own copy, converted on the CPU before the trainer's replaced it, goes back.
     if (shared_) malloc_trim(0);
 #endif
+    device_share_ = o_.device_share > 0 ? o_.device_share : (shared_ && device.is_cuda() ? 0.1 : 1);
+    if (device_share_ < 1) {
+      LP_LOG(kInfo, kLog) << "renders take " << device_share_ * 100 << "% of "
+                          << models::describe_device(device) << "'s time (--device_share): the "
+                          << "trainer beside it keeps the rest";
+    }
     PromptDefaults defaults;
     defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
     for (char c : o_.sampler) {
@@ -378,6 +390,7 @@ class Sampler {
     std::vector<std::string> images;
     std::vector<VImage> tiles;
     const auto start = std::chrono::steady_clock::now();
+    std::chrono::steady_clock::duration yielded{};  // --device_share's waits
     try {
       std::string lora_names;
       for (const auto& [file, multiplier] : loras) {
@@ -391,6 +404,29 @@ class Sampler {
       RenderOptions render_options;
       render_options.v_prediction = o_.v_prediction;
       render_options.clip_skip = o_.clip_skip;
+      // --device_share: after each model call, the wait that leaves the device's time to the
+      // trainer. A GPU runs two processes' kernels in time slices (without MPS), so a render
+      // beside a training takes its share by launching less, not by a stream's priority.
+      auto mark = std::chrono::steady_clock::now();
+      if (device_share_ < 1) {
+        render_options.on_step = [&](int, const at::Tensor&) {
+          if (device_.is_cuda()) torch::cuda::synchronize(device_.has_index() ? device_.index() : 0);
+          const auto now = std::chrono::steady_clock::now();
+          const auto wait = std::chrono::duration<double>(now - mark) * (1 / device_share_ - 1);
+          std::this_thread::sleep_for(wait);
+          mark = std::chrono::steady_clock::now();
+          yielded += (mark - now);
+        };
+      }
+#ifdef LORAPIPE_SAMPLER_CUDA_STREAMS
+      // On CUDA the renders run on a stream of the lowest priority (what counts under MPS, where
+      // the trainer's and the sampler's kernels share the GPU at once).
+      std::optional<c10::cuda::CUDAStreamGuard> low_priority;
+      if (device_.is_cuda()) {
+        low_priority.emplace(c10::cuda::getStreamFromPool(/*isHighPriority=*/false,
+                                                          device_.has_index() ? device_.index() : 0));
+      }
+#endif
       // Prompts are encoded once per prompt set: the base text encoder's conditionings are kept
       // for every checkpoint whose LoRA leaves the text encoder alone. A LoRA that trains it
       // (kohya's default for SD1.5) changes them: encoded once per prompt for that checkpoint.
@@ -452,7 +488,13 @@ class Sampler {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     last_seconds_per_image_ = seconds / static_cast<double>(images.size());
     LP_LOG(kInfo, kLog) << "step " << step << ": " << images.size() << " images in " << seconds
-                        << " s (" << last_seconds_per_image_ << " s per image)";
+                        << " s (" << last_seconds_per_image_ << " s per image"
+                        << (device_share_ < 1
+                                ? ", of it " +
+                                      std::to_string(std::chrono::duration<double>(yielded).count()) +
+                                      " s left to the trainer (--device_share)"
+                                : std::string())
+                        << ")";
     summary_.images += static_cast<int>(images.size());
     summary_.steps_rendered.push_back(step);
     last_paths_.clear();
@@ -650,6 +692,7 @@ class Sampler {
   // The base text encoder's conditioning of each prompt, encoded at its first render.
   std::vector<models::Conditioning> base_prompts_;
   c10::Device device_ = c10::kCPU;
+  double device_share_ = 1;  // --device_share, resolved
   bool rendered_any_ = false;
   uint64_t last_step_ = 0;
 };
@@ -668,6 +711,12 @@ SamplerSummary run_sampler(const SamplerOptions& options) {
     throw InputError("--merge_lora writes the base weights, which --shared_weights="
                      + options.shared_weights.string() + " shares read-only with the trainer: "
                      "leave --merge_lora out (LoRAs are then applied beside the weights)");
+  }
+  if (options.device_share != -1 && !(options.device_share > 0 && options.device_share <= 1)) {
+    std::ostringstream value;
+    value << options.device_share;
+    throw InputError("--device_share=" + value.str() + ": a share of the device's time, above 0 "
+                     "and at most 1 (or -1: the default)");
   }
   if (options.fp8_fast && !options.fp8_scaled) {
     throw InputError("--fp8_fast multiplies scaled float8 weights in float8: give --fp8_scaled "

@@ -72,6 +72,9 @@ struct SamplerOptions {
   double idle_timeout_s = 0;
   // Tests: sleep this long after each image (a slow sampler).
   double delay_per_image_s = 0;
+  // --device_share: the share of the device's time renders take; -1: 0.1 when rendering over a
+  // trainer's shared weights on CUDA (the trainer keeps 90% of the GPU's time slices), else 1.
+  double device_share = -1;
   int threads = 0;  // CPU threads for compute (0: one per core)
 };
 

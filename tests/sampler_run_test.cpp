@@ -16,6 +16,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -360,6 +361,44 @@ TEST_F(SamplerRun, MixedPrecisionAndFloat8WeightsRender) {
   EXPECT_NE(bad.first, 0);
   EXPECT_NE(bad.second.find("--mixed_precision=fp8"), std::string::npos) << bad.second;
 }
+
+// --device_share=0.25: after each model call the sampler waits three times that call's time, so
+// a trainer on the same GPU keeps three quarters of it: the log says how long of the render it
+// left, which is 3/4 of the render's whole time up to the work outside the model calls' span and
+// the sleeps' overshoot (held to 0.6-0.8: the measure is of the sampler's own clock, not of the
+// machine's speed). The same images as without it. Out-of-range shares are refused by name.
+TEST_F(SamplerRun, DeviceShareLeavesTheRestOfTheDevicesTimeToTheTrainer) {
+  const auto whole = render_one("whole", {});
+  ASSERT_EQ(whole.first, 0) << whole.second;
+  const auto quarter = render_one("quarter", {"--device_share=0.25"});
+  ASSERT_EQ(quarter.first, 0) << quarter.second;
+  EXPECT_NE(quarter.second.find("renders take 25% of cpu's time"), std::string::npos)
+      << quarter.second;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(quarter.second, m,
+                                std::regex(R"(images in ([0-9.e+-]+) s \([0-9.e+-]+ s per image, of )"
+                                           R"(it ([0-9.e+-]+) s left to the trainer)")))
+      << quarter.second;
+  const double total = std::stod(m[1].str()), left = std::stod(m[2].str());
+  std::printf("[device share] 0.25: %.3f s of a %.3f s render left to the trainer (%.2f)\n", left,
+              total, left / total);
+  EXPECT_GT(left / total, 0.6);
+  EXPECT_LT(left / total, 0.8);
+  EXPECT_EQ(whole.second.find("left to the trainer"), std::string::npos) << "1 waits for nothing";
+  for (const char* name : {"one_000040_00.png", "one_000040_01.png"}) {
+    EXPECT_EQ(read_text(work_ / "whole" / "samples" / name),
+              read_text(work_ / "quarter" / "samples" / name))
+        << name;
+  }
+  for (const char* bad : {"--device_share=0", "--device_share=1.5"}) {
+    const auto refused = render_one(std::string("bad") + bad[15], {bad});
+    EXPECT_NE(refused.first, 0) << bad;
+    EXPECT_NE(refused.second.find(std::string(bad) + ": a share of the device's time"),
+              std::string::npos)
+        << refused.second;
+  }
+}
+
 
 // The trainer announces 10; while the sampler (1 s per image) renders it, 20, 30, a corrupt 40
 // and then the final 50 arrive. Newest wins: 20 and 30 are never rendered, the corrupt one is
