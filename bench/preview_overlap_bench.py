@@ -2,9 +2,11 @@
 """What previews rendered beside the training cost the training, measured on the CPU.
 
 Issue 33's goal for previews on the training card: the trainer's step time while the sampler
-renders stays within 10% of its time without. On a GPU that needs the shared weights over CUDA
-IPC and a low-priority stream (not built yet); on the CPU, `lorapipe run` already runs both on
-one device, the sampler mapping the trainer's weights (--map_weights). This measures that case:
+renders stays within 10% of its time without. On a GPU the sampler attaches the trainer's
+weights over CUDA IPC and takes a tenth of the device's time (--device_share); on the CPU
+`lorapipe run --device=cpu` runs both mapping the model file (--map_weights), and --shared runs
+the GPU's machinery here (both on "auto": the trainer's published weights in shared memory, the
+sampler's renders at its default share of 1 on the CPU). This measures those cases:
 the demo run (built-in tiny SD1.5, the demo dataset) trained with no previews during training,
 and again with a preview every 2 steps, so the sampler renders all the time the trainer trains
 (it always takes the newest checkpoint). Each stage gets one thread (--threads=1
@@ -15,7 +17,7 @@ The figure: the median of the trainer's own seconds per step (its TrainProgress 
 events.jsonl), over the steps after the first --skip, with previews over without, per pair and
 the median over pairs; and how many previews were rendered while the trainer trained.
 
-    bench/preview_overlap_bench.py [--bin build/bin] [--pairs 3] [--steps 60] [--skip 5]
+    bench/preview_overlap_bench.py [--bin build/bin] [--pairs 3] [--steps 60] [--skip 5] [--shared]
 """
 import argparse
 import json
@@ -26,10 +28,14 @@ import sys
 import tempfile
 
 
-def run(binary, out, steps, previews):
+def run(binary, out, steps, previews, shared):
     cmd = [os.path.join(binary, "lorapipe"), "run", f"--output={out}", f"--max_train_steps={steps}",
            "--threads=1", "--sampler_threads=1", "--save_every_n_steps=0",
            f"--sample_every_n_steps={2 if previews else 0}"]
+    if shared:
+        # Both on "auto" (the CPU here): the sampler attaches the trainer's published weights, the
+        # machinery of previews on the training GPU.
+        cmd += ["--device=auto", "--sampler_device=auto"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{' '.join(cmd)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
@@ -52,6 +58,9 @@ def main():
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--skip", type=int, default=5)
+    p.add_argument("--shared", action="store_true",
+                   help="the sampler over the trainer's published weights (--share_weights) "
+                        "instead of the file's mapped pages")
     a = p.parse_args()
     ratios = []
     print("| pair | s/step without previews | s/step with previews | ratio | previews rendered "
@@ -62,7 +71,7 @@ def main():
             medians = {}
             for previews in ((False, True) if pair % 2 == 0 else (True, False)):
                 out = os.path.join(tmp, f"{pair}-{'with' if previews else 'without'}")
-                steps_s, during = run(a.bin, out, a.steps, previews)
+                steps_s, during = run(a.bin, out, a.steps, previews, a.shared)
                 kept = [s for step, s in sorted(steps_s.items()) if step > a.skip]
                 if not kept:
                     sys.exit(f"no step times past step {a.skip} in {out}/events.jsonl")

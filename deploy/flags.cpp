@@ -138,6 +138,8 @@ std::vector<FlagInfo> make_table() {
   add("sample_seed", {{S::kSampler, "seed"}});
   add("sampler_device", {{S::kSampler, "device"}});
   add("sampler_threads", {{S::kSampler, "threads"}});
+  // The share of the device's time the sampler's renders take beside the training.
+  add("sampler_device_share", {{S::kSampler, "device_share"}});
   // The launcher's own: the sampler waits for the training's end (auto: when it shares the
   // trainer's device, and that is not the CPU).
   add("sample_after_training", {}, /*boolean=*/true);

@@ -323,10 +323,13 @@ std::unique_ptr<SharedWeightsAttachment> attach_shared_weights(
   } else if (backend == "cuda_ipc") {
 #ifdef LORAPIPE_SHARED_WEIGHTS_CUDA
     const c10::cuda::CUDAGuard guard(device);
+    // Tensors of one allocator segment share its handle: each handle is opened once.
+    std::map<std::string, std::shared_ptr<void>> opened;
     for (const auto& [name, t] : tensors) {
       const json& e = *by_name.at(name);
-      std::shared_ptr<void> base =
-          c10::cuda::CUDACachingAllocator::getIpcDevPtr(unhex(e.at("handle").get<std::string>()));
+      const std::string handle = unhex(e.at("handle").get<std::string>());
+      std::shared_ptr<void>& base = opened[handle];
+      if (!base) base = c10::cuda::CUDACachingAllocator::getIpcDevPtr(handle);
       char* data = static_cast<char*>(base.get()) + e.at("offset").get<int64_t>();
       const auto strides = e.at("strides").get<std::vector<int64_t>>();
       at::Tensor(t).set_data(at::from_blob(data, t.sizes(), strides, [base](void*) {},

@@ -944,9 +944,11 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
        {"output_dir", "pub", "save_state", "resume", "cacher",
         "console_log_file",  // the launcher keeps each stage's log in logs/
         "check_flags",       // the launcher's check before any stage starts
-        "train_data_dir"}},  // refused, pointing to preprocess (where the launcher routes it)
+        "train_data_dir",    // refused, pointing to preprocess (where the launcher routes it)
+        "share_weights"}},   // the launcher's choice, with the sampler's --shared_weights
       {Stage::kSampler,
-       {"output_dir", "sub", "pub", "lora", "replay_dir", "idle_timeout_s", "delay_per_image_s"}},
+       {"output_dir", "sub", "pub", "lora", "replay_dir", "idle_timeout_s", "delay_per_image_s",
+        "shared_weights"}},
   };
   // A stage's second name for a flag: the launcher takes it too, as the routed name.
   const std::map<Stage, std::map<std::string, std::string>> aliases = {

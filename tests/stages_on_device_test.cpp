@@ -18,11 +18,17 @@
 #include <random>
 #include <thread>
 
+#if __has_include(<c10/cuda/CUDACachingAllocator.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
+#define LORAPIPE_TEST_CUDA_ALLOCATOR 1
+#endif
+
 #include "models/lora_merge.h"
 #include "models/parity_util.h"
 #include "models/placement.h"
 #include "models/registry.h"
 #include "models/safetensors.h"
+#include "models/shared_weights.h"
 #include "models/tiny.h"
 #include "models/weights.h"
 #include "process_util.h"
@@ -305,6 +311,113 @@ TEST_F(StagesOnDevice, SdxlCachesTrainsAndRendersOnTheDevice) {
   EXPECT_GT(te1, 0u);
   EXPECT_GT(te2, 0u);
   expect_render_matches_cpu(model, lora, "sdxl");
+}
+
+// Previews on the training device without a second model: the trainer publishes its placed U-Net
+// (--share_weights; CUDA IPC handles on a GPU, shared memory on the CPU) and this process, as the
+// sampler does, attaches its own loaded model's U-Net to them instead of placing it. On CUDA its
+// own allocator then holds under a quarter of the U-Net's bytes (the IPC memory is the trainer's),
+// and the trainer, done, waits for this process to let go before it frees them. The render of the
+// final LoRA over the trainer's weights equals the render over an own copy on the same device
+// (bit for bit on the CPU; within 2 of 255 on CUDA, whose convolution algorithms may differ
+// between two models' first calls).
+TEST_F(StagesOnDevice, SamplerRendersOverTheTrainersPublishedWeights) {
+  const std::string device = stage_device();
+  const fs::path cache_dir = *dir_ / "shared-cache";
+  ASSERT_EQ(cache(cache_dir), 0);
+  const fs::path out = *dir_ / "shared";
+  fs::create_directories(out);
+  const fs::path manifest = out / "shared_weights.json";
+  std::vector<std::string> args{LORAPIPE_TRAINER_BIN,
+                                "--pretrained_model_name_or_path=" + tiny_->diffusers.string(),
+                                "--cache_dir=" + cache_dir.string(), "--dataset_id=device",
+                                "--output_dir=" + out.string(), "--output_name=tiny",
+                                "--device=" + device, "--threads=1", "--learning_rate=1e-3",
+                                "--network_dim=4", "--train_batch_size=2", "--max_train_steps=4",
+                                "--share_weights=" + manifest.string()};
+  const pid_t trainer = spawn(args, out / "trainer.out", out / "trainer.err");
+  const fs::path lora = out / "lora" / "tiny.safetensors";
+  {
+    // Declared before the model it holds the weights of: it goes after the model, so the trainer
+    // frees nothing this process still maps.
+    std::unique_ptr<models::SharedWeightsAttachment> attachment;
+    std::unique_ptr<models::DiffusionModel> model = models::load_model(tiny_->diffusers, {});
+    models::Placement placement;
+    placement.device = c10::Device(device);
+    int64_t unet_bytes = 0;
+    placement.attach_denoiser = [&](torch::nn::Module& unet) {
+      for (const auto& p : unet.parameters()) unet_bytes += static_cast<int64_t>(p.nbytes());
+      attachment = models::attach_shared_weights(
+          unet, placement.device, manifest, models::shared_weights_key(tiny_->diffusers, placement),
+          [&] {
+            int status = 0;
+            if (waitpid(trainer, &status, WNOHANG) != 0) {
+              throw std::runtime_error("the trainer ended before it published its weights: " +
+                                       read_text(out / "trainer.err"));
+            }
+          });
+      return attachment != nullptr;
+    };
+    models::place(*model, placement);
+    ASSERT_NE(attachment, nullptr) << read_text(out / "trainer.err");
+    EXPECT_EQ(attachment->bytes(), unet_bytes);
+#ifdef LORAPIPE_TEST_CUDA_ALLOCATOR
+    if (placement.device.is_cuda()) {
+      const int64_t own = c10::cuda::CUDACachingAllocator::getDeviceStats(0)
+                              .allocated_bytes[0].current;
+      std::printf("[stages] attached U-Net %lld bytes; this process's own allocations %lld\n",
+                  static_cast<long long>(unet_bytes), static_cast<long long>(own));
+      EXPECT_LT(own, unet_bytes / 4);
+    }
+#endif
+    for (int wait = 0; wait < 6000 && !fs::exists(lora); ++wait) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ASSERT_TRUE(fs::exists(lora)) << read_text(out / "trainer.err");
+    if (placement.device.is_cuda()) {
+      // Done training, the trainer waits for this process to let go of its weights.
+      for (int wait = 0; wait < 600; ++wait) {
+        if (read_text(out / "trainer.err").find("waiting for the sampler") != std::string::npos) {
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      EXPECT_NE(read_text(out / "trainer.err").find("waiting for the sampler"), std::string::npos);
+      int status = 0;
+      EXPECT_EQ(waitpid(trainer, &status, WNOHANG), 0) << "the trainer freed weights in use";
+    }
+    sampler::RenderRequest request;
+    request.prompt = "a photo of a cat";
+    request.width = request.height = 64;
+    request.steps = 4;
+    request.seed = 7;
+    request.sampler = "euler_a";
+    at::Tensor over_shared;
+    {
+      models::MergedLora slots(*model, lora, 1.0);
+      over_shared = sampler::render(*model, request).image;
+    }
+    std::unique_ptr<models::DiffusionModel> own = models::load_model(tiny_->diffusers, {});
+    models::Placement own_placement;
+    own_placement.device = placement.device;
+    models::place(*own, own_placement);
+    at::Tensor over_own;
+    {
+      models::MergedLora slots(*own, lora, 1.0);
+      over_own = sampler::render(*own, request).image;
+    }
+    const int64_t most =
+        (over_shared.to(torch::kInt32) - over_own.to(torch::kInt32)).abs().max().item<int64_t>();
+    std::printf("[stages] render over the trainer's weights on %s: most pixel difference from an "
+                "own copy's %lld\n", device.c_str(), static_cast<long long>(most));
+    if (device == "cpu") {
+      EXPECT_TRUE(torch::equal(over_shared, over_own));
+    } else {
+      EXPECT_LE(most, 2);
+    }
+  }  // the model, then the attachment: the trainer may free its weights now
+  EXPECT_EQ(wait_exit(trainer), 0) << read_text(out / "trainer.err");
+  EXPECT_NE(read_text(out / "trainer.err").find("published "), std::string::npos);
 }
 
 }  // namespace
