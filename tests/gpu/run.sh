@@ -48,6 +48,11 @@
 #     The same for SDXL (StagesOnDevice.SdxlCachesTrainsAndRendersOnTheDevice): both encoders'
 #     text and the latents cached on CUDA, the U-Net's LoRA trained from them with each sample's
 #     time ids, both encoders' LoRAs with the text encoded online, and the render on CUDA.
+#     And previews on the training card (StagesOnDevice.SamplerRendersOverTheTrainersPublished-
+#     Weights): the trainer on CUDA publishes its U-Net (--share_weights), the test process
+#     attaches it over CUDA IPC as the sampler does, holds under a quarter of its bytes in its own
+#     allocator, renders the final LoRA over it within 2 of 255 of an own copy's render, and the
+#     trainer waits at its end until the test lets go.
 #     And train_parity_test's TrainLora.AdaptersDrawTheSameValuesWhateverThePlacement: the LoRA's
 #     adapters over a base on CUDA equal the CPU run's (drawn on the CPU, then placed).
 #   - bench/adamw8bit_bench.py on CUDA with bf16 parameters: lorapipe's kernel against torch's
