@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -204,18 +205,22 @@ SharedWeightsPublisher::SharedWeightsPublisher(torch::nn::Module& module, const 
 
 SharedWeightsPublisher::~SharedWeightsPublisher() {
   try {
-    release();
+    release(/*wait=*/std::uncaught_exceptions() == 0);
   } catch (const std::exception& e) {
     LP_LOG(kWarning, kLog) << "releasing the shared weights: " << e.what();
   }
 }
 
-void SharedWeightsPublisher::release() {
+void SharedWeightsPublisher::release(bool wait) {
   if (released_) return;
   released_ = true;
   const int fd = open(manifest_.c_str(), O_RDWR | O_CLOEXEC);
   if (fd < 0) return;  // removed: nobody can attach
-  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+  const bool unused = flock(fd, LOCK_EX | LOCK_NB) == 0;
+  if (!unused && !wait) {
+    LP_LOG(kWarning, kLog) << "a sampler still renders over the shared weights; this failed "
+                              "run frees them now, and its renders fail";
+  } else if (!unused) {
     LP_LOG(kInfo, kLog) << "waiting for the sampler rendering from the shared weights to finish "
                            "before they are freed";
     while (flock(fd, LOCK_EX) != 0 && errno == EINTR) {

@@ -52,13 +52,15 @@ class SharedWeightsPublisher {
   // swap keeps weights in host memory: nothing else can attach them).
   SharedWeightsPublisher(torch::nn::Module& module, const c10::Device& device,
                          const std::filesystem::path& manifest, const std::string& key);
-  // release().
+  // release(), waiting for the samplers unless it runs while an exception unwinds (a failed
+  // trainer frees its weights at once rather than hang beside a sampler following nothing).
   ~SharedWeightsPublisher();
   SharedWeightsPublisher(const SharedWeightsPublisher&) = delete;
   SharedWeightsPublisher& operator=(const SharedWeightsPublisher&) = delete;
 
   // Waits until no process holds the weights (CUDA), then marks the manifest released. Once.
-  void release();
+  // Without `wait`, a process still holding them is warned about, and they are released anyway.
+  void release(bool wait = true);
 
   int64_t tensors() const { return tensors_; }
   int64_t bytes() const { return bytes_; }

@@ -7,9 +7,13 @@
 // CUDA IPC.
 #include "models/shared_weights.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <torch/torch.h>
 #include <unistd.h>
+
+#include <atomic>
 
 #include <filesystem>
 #include <fstream>
@@ -120,6 +124,36 @@ TEST_F(SharedWeights, ReleasedOrOrphanedManifestLeavesTheCallerToPlaceItsOwn) {
   // largest pid).
   std::ofstream(manifest) << R"({"version":1,"state":"shared","pid":4194305,"device":"cpu",)"
                           << R"("key":"k","backend":"memfd","fd":3,"bytes":64,"tensors":[]})";
+  EXPECT_EQ(attach_shared_weights(*late, c10::Device(c10::kCPU), manifest, "k"), nullptr);
+}
+
+// The lifetime rule CUDA needs, with the lock a CUDA attachment holds taken here by hand: the
+// publisher's release waits while a process holds the weights, then marks them released; a
+// release without waiting (a failed trainer's) does not wait.
+TEST_F(SharedWeights, ReleaseWaitsForAProcessThatHoldsTheWeights) {
+  TwoLayers trainer(32);
+  const fs::path manifest = dir_ / "shared.json";
+  SharedWeightsPublisher publisher(*trainer, c10::Device(c10::kCPU), manifest, "k");
+  const int held = open(manifest.c_str(), O_RDONLY);
+  ASSERT_EQ(flock(held, LOCK_SH), 0);
+  std::atomic<bool> released{false};
+  std::thread releasing([&] {
+    publisher.release();
+    released = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  EXPECT_FALSE(released) << "released while a process held the weights";
+  close(held);  // the lock goes with it
+  releasing.join();
+  EXPECT_TRUE(released);
+  TwoLayers late(32);
+  EXPECT_EQ(attach_shared_weights(*late, c10::Device(c10::kCPU), manifest, "k"), nullptr);
+
+  SharedWeightsPublisher failed(*trainer, c10::Device(c10::kCPU), manifest, "k");
+  const int still = open(manifest.c_str(), O_RDONLY);
+  ASSERT_EQ(flock(still, LOCK_SH), 0);
+  failed.release(/*wait=*/false);  // returns at once
+  close(still);
   EXPECT_EQ(attach_shared_weights(*late, c10::Device(c10::kCPU), manifest, "k"), nullptr);
 }
 
