@@ -180,6 +180,12 @@ SharedWeightsPublisher::SharedWeightsPublisher(torch::nn::Module& module, const 
 #ifdef LORAPIPE_SHARED_WEIGHTS_CUDA
     torch::cuda::synchronize(device.index() < 0 ? 0 : device.index());  // placed, all of it
     for (const auto& [name, t] : tensors) {
+      if (t.nbytes() == 0) {  // no memory, no block: nothing to share
+        entries.push_back({{"name", name}, {"dtype", c10::toString(t.scalar_type())},
+                           {"sizes", t.sizes().vec()}, {"strides", t.strides().vec()},
+                           {"handle", ""}, {"offset", 0}});
+        continue;
+      }
       const c10::cuda::CUDACachingAllocator::ShareableHandle handle =
           c10::cuda::CUDACachingAllocator::shareIpcHandle(t.storage().mutable_data());
       entries.push_back(
@@ -328,11 +334,18 @@ std::unique_ptr<SharedWeightsAttachment> attach_shared_weights(
   } else if (backend == "cuda_ipc") {
 #ifdef LORAPIPE_SHARED_WEIGHTS_CUDA
     const c10::cuda::CUDAGuard guard(device);
+    // getIpcDevPtr opens the handle through this device's caching allocator, which LibTorch
+    // sets up with the first tensor on the device: this process may have none yet.
+    (void)at::zeros({1}, at::TensorOptions().device(device));
     // Tensors of one allocator segment share its handle: each handle is opened once.
     std::map<std::string, std::shared_ptr<void>> opened;
     for (const auto& [name, t] : tensors) {
       const json& e = *by_name.at(name);
       const std::string handle = unhex(e.at("handle").get<std::string>());
+      if (handle.empty()) {
+        at::Tensor(t).set_data(at::empty(t.sizes(), t.options().device(device)));
+        continue;
+      }
       std::shared_ptr<void>& base = opened[handle];
       if (!base) base = c10::cuda::CUDACachingAllocator::getIpcDevPtr(handle);
       char* data = static_cast<char*>(base.get()) + e.at("offset").get<int64_t>();
