@@ -51,6 +51,12 @@ void write_config(const Settings& settings, const std::filesystem::path& file);
 // The arguments `stage` gets from `settings` (the launcher adds endpoints and folders).
 std::vector<std::string> stage_args(const Settings& settings, Stage stage);
 
+// Whether two --device values (the trainer's --device, the sampler's --sampler_device) name one
+// GPU: "cuda" is "cuda:0", and so is "auto" (a stage's auto is the first GPU where there is
+// one; where there is none, both autos are the CPU, which is one device too). Never "cpu", where
+// the trainer and the sampler have cores, not a card, to share.
+bool same_gpu(const std::string& device, const std::string& sampler_device);
+
 // Every flag the launcher routes, as (name, stages, takes a value); for the flag table's test.
 struct FlagInfo {
   std::string name;

@@ -633,7 +633,7 @@ int Supervisor::run() {
   const std::string after = s_.has("sample_after_training") ? s_.get("sample_after_training")
                                                             : "auto";
   const bool previews_wanted = s_.has("sample_prompts") && !debug_dataset;
-  const bool one_device = device == sampler_device && device != "cpu";
+  const bool one_device = same_gpu(device, sampler_device);
   std::string why_not_shared;
   if (s_.has("blocks_to_swap") && s_.get("blocks_to_swap") != "0") {
     why_not_shared = "--blocks_to_swap keeps weights off the device";
@@ -800,6 +800,11 @@ int Supervisor::run() {
 }
 
 }  // namespace
+
+bool same_gpu(const std::string& device, const std::string& sampler_device) {
+  auto gpu = [](const std::string& d) { return d == "cuda" || d == "auto" ? "cuda:0" : d; };
+  return gpu(device) == gpu(sampler_device) && gpu(device) != "cpu";
+}
 
 int run(Settings settings, const RunOptions& options, std::ostream& display) {
   if (settings.output.empty()) throw InputError("--output=DIR (the run folder) is needed");

@@ -931,6 +931,20 @@ TEST_F(LauncherFlags, EveryStageExitsTwoOnAFlagItCannotRead) {
       << read_text(work_ / "err");
 }
 
+// --device and --sampler_device name one GPU however it is spelled, so a sampler beside the
+// trainer never loads a second model there: "cuda", "cuda:0" and "auto" alike.
+TEST(LauncherDevices, OneGpuHoweverItIsNamed) {
+  EXPECT_TRUE(same_gpu("auto", "auto"));
+  EXPECT_TRUE(same_gpu("cuda", "auto"));
+  EXPECT_TRUE(same_gpu("cuda:0", "cuda"));
+  EXPECT_TRUE(same_gpu("auto", "cuda:0"));
+  EXPECT_TRUE(same_gpu("cuda:1", "cuda:1"));
+  EXPECT_FALSE(same_gpu("cuda:1", "auto"));
+  EXPECT_FALSE(same_gpu("cuda:0", "cuda:1"));
+  EXPECT_FALSE(same_gpu("cpu", "cpu"));
+  EXPECT_FALSE(same_gpu("cuda", "cpu"));
+}
+
 // The flag table against the stages themselves: every flag the launcher passes exists in the
 // stage it goes to, with the same kind (boolean or value), and every flag a stage has is either
 // routed or one the launcher sets itself (endpoints, folders, tools), listed here with why.
