@@ -405,7 +405,10 @@ TEST_F(LauncherRun, FluxModelTrainsAFluxLoraThatFluxPipelineRendersTheSame) {
   const std::vector<std::string> common = {
       "--model=" + flux.string(), "--data_dir=" + data.string(), "--resolution=128",
       "--min_bucket_reso=64", "--max_bucket_reso=256", "--train_batch_size=2",
-      "--network_dim=4", "--learning_rate=1e-3", "--device=cpu", "--sampler_device=cpu",
+      "--network_dim=4", "--learning_rate=1e-3",
+      // Both "auto" (the CPU here, the first GPU on a GPU machine): one device, where a FLUX.1
+      // sampler beside the training would hold its own T5 XXL, so it renders after the training.
+      "--device=auto", "--sampler_device=auto",
       "--output_name=fx", "--t5xxl_max_token_length=32"};
 
   std::vector<std::string> refused = {"run", "--output=" + (work_ / "refused").string(),
@@ -441,6 +444,15 @@ TEST_F(LauncherRun, FluxModelTrainsAFluxLoraThatFluxPipelineRendersTheSame) {
   ASSERT_FALSE(cached.empty()) << cacher_log;
   ASSERT_FALSE(loaded.empty()) << trainer_log;
   EXPECT_LE(cached, loaded) << "the trainer loaded before the cacher was done";
+  EXPECT_NE(out_.find("FLUX.1 [dev]'s sampler would load its own text encoders beside the "
+                      "training: previews render after the training"),
+            std::string::npos)
+      << out_;
+  const std::string sampler_started = stamp_of(read_text(run / "logs" / "sampler.log"), "[");
+  const std::string trained = stamp_of(trainer_log, " at step 4");
+  ASSERT_FALSE(sampler_started.empty());
+  ASSERT_FALSE(trained.empty()) << trainer_log;
+  EXPECT_LE(trained, sampler_started) << "a FLUX.1 sampler started beside the training";
   const fs::path lora = run / "lora" / "fx.safetensors";
   ASSERT_TRUE(fs::exists(lora));
   // The final checkpoint's preview of the one prompt (kohya's image naming).
