@@ -316,7 +316,17 @@ class Sampler {
     if (!o_.shared_weights.empty()) {
       const std::string key = models::shared_weights_key(o_.model, placement);
       placement.attach_denoiser = [&](torch::nn::Module& denoiser) {
-        shared_ = models::attach_shared_weights(denoiser, device, o_.shared_weights, key);
+        // --idle_timeout_s bounds the wait too: a manifest no trainer writes (a wrong path) is
+        // named and given up on, not waited for forever.
+        const auto since = std::chrono::steady_clock::now();
+        shared_ = models::attach_shared_weights(denoiser, device, o_.shared_weights, key, [&] {
+          if (o_.idle_timeout_s > 0 &&
+              std::chrono::steady_clock::now() - since >
+                  std::chrono::duration<double>(o_.idle_timeout_s)) {
+            throw InputError(o_.shared_weights.string() + " (--shared_weights): no trainer "
+                             "published its weights there within --idle_timeout_s");
+          }
+        });
         if (!shared_) {
           LP_LOG(kInfo, kLog) << "the trainer's weights are not shared (any more): this sampler "
                                  "places its own copy";

@@ -400,6 +400,25 @@ TEST_F(SamplerRun, DeviceShareLeavesTheRestOfTheDevicesTimeToTheTrainer) {
 }
 
 
+// --shared_weights names a manifest no trainer writes (a wrong path): the sampler waits for it,
+// saying so, and gives up once --idle_timeout_s has passed, naming the file; a render with
+// --merge_lora over shared weights is refused before anything loads.
+TEST_F(SamplerRun, SharedWeightsNobodyPublishesAreNamedNotWaitedForForever) {
+  const auto nobody = render_one(
+      "nobody", {"--shared_weights=" + (work_ / "no-trainer.json").string(), "--idle_timeout_s=1"});
+  EXPECT_NE(nobody.first, 0);
+  EXPECT_NE(nobody.second.find("waiting for the trainer's shared weights"), std::string::npos)
+      << nobody.second;
+  EXPECT_NE(nobody.second.find("no-trainer.json (--shared_weights): no trainer published"),
+            std::string::npos)
+      << nobody.second;
+  const auto merged = render_one(
+      "merged", {"--shared_weights=" + (work_ / "no-trainer.json").string(), "--merge_lora"});
+  EXPECT_NE(merged.first, 0);
+  EXPECT_NE(merged.second.find("--merge_lora writes the base weights"), std::string::npos)
+      << merged.second;
+}
+
 // The trainer announces 10; while the sampler (1 s per image) renders it, 20, 30, a corrupt 40
 // and then the final 50 arrive. Newest wins: 20 and 30 are never rendered, the corrupt one is
 // reported by name and skipped, the final one is rendered, and the sampler exits 0.
