@@ -23,7 +23,8 @@
 //       of torch.cuda.max_memory_allocated and memory_allocated, free of the heap's slack.
 //   trainer_bench solo tiny|full|sdxl|flux|flux_tiny [--device cpu|cuda|cuda:N]
 //       [--dtype fp32|bf16|fp16]
-//       [--batch N] [--resolution PX] [--steps N] [--gradient_checkpointing] [--fp8_base]
+//       [--batch N] [--resolution PX] [--steps N] [--warmup N (2)] [--gradient_checkpointing]
+//       [--fp8_base]
 //       [--fp8_scaled] [--fp8_fast] [--blocks_to_swap N (FLUX.1: kohya's split; the U-Nets: the transformer
 //       blocks of the last N of kohya's blocks with any; the trainer's placement)]
 //       [--cpu_offload_checkpointing (FLUX.1)] [--depth D (FLUX.1 at full width, D double and
@@ -42,7 +43,9 @@
 //       kohya's Flux LoRA targets; `flux_tiny` the same at a tiny width): what
 //       tests/gpu/run.sh runs on a GPU machine. The base is frozen in --dtype
 //       (the LoRA stays fp32, as --mixed_precision trains), batch 1 at 512x512 (64x64 latents)
-//       by default. After two warm-up steps it times --steps steps (default 5) and prints one
+//       by default. After --warmup steps (two by default: kernels chosen, optimizer state made;
+//       on the CPU one makes the state, and the next steps allocate alike) it times --steps steps
+//       (default 5) and prints one
 //       line: s/it, samples/s, peak allocated memory over the timed steps (CUDA's caching
 //       allocator's peak, or on the CPU every tensor's storage counted as below) with the weights,
 //       and MFU: the model FLOPs of a step over the time, against --peak_tflops (defaults for
@@ -315,7 +318,7 @@ fs::path write_structure(const fs::path& dir, torch::nn::Module& denoiser, const
 
 int solo(const std::string& size, int argc, char** argv) {
   std::string device_spec = "cpu", dtype_name = "fp32";
-  int64_t batch = 1, steps = 5;
+  int64_t batch = 1, steps = 5, warmup = 2;
   int64_t resolution = size == "tiny" || size == "flux_tiny" ? 128 : size == "sdxl" ? 1024 : 512;
   bool checkpointing = false, fp8_base = false, fp8_scaled = false, offload = false;
   bool fp8_fast = false;
@@ -345,6 +348,8 @@ int solo(const std::string& size, int argc, char** argv) {
       resolution = std::stoll(value());
     } else if (flag == "--steps") {
       steps = std::stoll(value());
+    } else if (flag == "--warmup") {
+      warmup = std::stoll(value());
     } else if (flag == "--gradient_checkpointing") {
       checkpointing = true;
     } else if (flag == "--fp8_base") {
@@ -556,7 +561,7 @@ int solo(const std::string& size, int argc, char** argv) {
           throw std::runtime_error("the update was skipped (loss " + std::to_string(loss) + ")");
         }
       };
-      for (int i = 0; i < 2; ++i) one_step();  // warm-up: kernels chosen, optimizer state made
+      for (int64_t i = 0; i < warmup; ++i) one_step();
       synchronize(device);
       reset_peak_allocated(device);
       const auto start = Clock::now();
@@ -618,7 +623,7 @@ int run(int argc, char** argv) {
                  "       trainer_bench solo tiny|full|sdxl|flux|flux_tiny [--device D] "
                  "[--dtype fp32|bf16|fp16] "
                  "[--batch N]\n"
-                 "             [--resolution PX] [--steps N] [--gradient_checkpointing] "
+                 "             [--resolution PX] [--steps N] [--warmup N] [--gradient_checkpointing] "
                  "[--threads N] [--peak_tflops T]\n");
     return 2;
   }
