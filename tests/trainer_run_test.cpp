@@ -124,8 +124,17 @@ class TrainRunTest : public ::testing::Test {
   }
 
   TrainRun run(const fs::path& out, std::vector<std::string> extra) const {
+    return run_on(dir_ / "cache", kDataset, out, std::move(extra));
+  }
+
+  // run() on manifest `id` of `cache` (a copy add_manifest made) instead of the suite's.
+  TrainRun run_on(const fs::path& cache, const std::string& id, const fs::path& out,
+                  std::vector<std::string> extra) const {
     fs::create_directories(out);
-    const pid_t pid = spawn(args(out, std::move(extra)), out / "trainer.out", out / "trainer.err");
+    std::vector<std::string> a = args(out, std::move(extra));
+    a[2] = "--cache_dir=" + cache.string();
+    a[3] = "--dataset_id=" + id;
+    const pid_t pid = spawn(a, out / "trainer.out", out / "trainer.err");
     TrainRun r;
     r.exit = wait_exit(pid);
     r.out = read_text(out / "trainer.out");
@@ -733,7 +742,7 @@ TEST_F(TrainRunTest, BucketBatchSizesTurnAccumulationIntoBatchWhereTheCardAllows
   EXPECT_NE(ones.find("batch per bucket: "), std::string::npos) << ones;
   EXPECT_NE(ones.find("2 samples per step)"), std::string::npos) << ones;
   EXPECT_EQ(losses(ones).size(), losses(batch2).size()) << "the same step count";
-  for (const std::string& tag : {"batch2", "whole", "ones"}) {
+  for (const char* tag : {"batch2", "whole", "ones"}) {
     EXPECT_EQ(models::SafetensorsFile::open(work_ / tag / "lora" / "tiny.safetensors")
                   .metadata()
                   .at("ss_total_batch_size"),
@@ -817,8 +826,14 @@ TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
 // Gradient accumulation stops at the end of each epoch (accelerate syncs at the end of kohya's
 // dataloader), so an epoch is ceil(batches / accumulation) steps and ends on a step: with an
 // accumulation that does not divide the batches, every epoch save still happens. And
-// --save_last_n_epochs keeps the last N epoch saves, spaced --save_every_n_epochs apart.
+// --save_last_n_epochs keeps the last N epoch saves, spaced --save_every_n_epochs apart. On the
+// first 25 images once each (five epochs of the whole demo set would be 1800 samples).
 TEST_F(TrainRunTest, EpochsEndOnStepsUnderAccumulationAndKeepTheLastEpochSaves) {
+  const fs::path cache = work_ / "cache";
+  add_manifest(cache, "some", [](wire::Manifest& m) { keep_images(m, 25); });
+  auto run = [&](const fs::path& out, std::vector<std::string> extra) {
+    return run_on(cache, "some", out, std::move(extra));
+  };
   const TrainRun probe = run(work_ / "probe", {"--max_train_steps=1", "--train_batch_size=2"});
   ASSERT_EQ(probe.exit, 0) << probe.err;
   const std::string probe_log = probe.out + probe.err;
@@ -878,7 +893,10 @@ TEST_F(TrainRunTest, EpochsEndOnStepsUnderAccumulationAndKeepTheLastEpochSaves) 
 // of the epoch before (never reset at an epoch's start). Rebuilt here from loss/current (one
 // micro-batch a step); TensorBoard keeps float32, hence 1e-5 relative.
 TEST_F(TrainRunTest, AverageLossMovesAsKohyas) {
-  const TrainRun r = run(work_, {"--train_batch_size=4", "--max_train_epochs=2"});
+  // The first 40 images once each: epochs of about ten steps (the whole set's are 90).
+  const fs::path cache = work_ / "cache";
+  add_manifest(cache, "some", [](wire::Manifest& m) { keep_images(m, 40); });
+  const TrainRun r = run_on(cache, "some", work_, {"--train_batch_size=4", "--max_train_epochs=2"});
   ASSERT_EQ(r.exit, 0) << r.err;
   const nlohmann::json read = tensorboard_events(work_);
   std::map<int64_t, double> current, average;
@@ -2081,15 +2099,20 @@ TEST_F(TrainRunTest, SampleScheduleAnnouncesCheckpointsBetweenSaves) {
   zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub);
   sub.set(zmq::sockopt::subscribe, wire::type_name(wire::CheckpointReady()));
   sub.connect(endpoint);
-  // Batches of 12 make epochs short enough to end inside the run; the first announcement after
-  // step 0 comes seconds after the trainer binds, when the subscriber has long joined.
+  // The first 30 images once each make epochs short enough to end inside the run (about 30
+  // steps); the first announcement after step 0 comes seconds after the trainer binds, when the
+  // subscriber has long joined.
+  const fs::path cache = work_ / "cache";
+  add_manifest(cache, "some", [](wire::Manifest& m) { keep_images(m, 30); });
   const int64_t total = 70, every = 20, save = 40;
-  const pid_t pid = spawn(
-      args(work_, {"--max_train_steps=" + std::to_string(total), "--train_batch_size=12",
+  std::vector<std::string> a =
+      args(work_, {"--max_train_steps=" + std::to_string(total), "--train_batch_size=1",
                    "--save_every_n_steps=" + std::to_string(save),
                    "--sample_every_n_steps=" + std::to_string(every), "--sample_every_n_epochs=1",
-                   "--sample_at_first", "--pub=" + endpoint}),
-      work_ / "trainer.out", work_ / "trainer.err");
+                   "--sample_at_first", "--pub=" + endpoint});
+  a[2] = "--cache_dir=" + cache.string();
+  a[3] = "--dataset_id=some";
+  const pid_t pid = spawn(a, work_ / "trainer.out", work_ / "trainer.err");
   std::set<int64_t> heard;
   std::map<int64_t, std::string> path_of;
   bool done = false;
@@ -2146,7 +2169,7 @@ TEST_F(TrainRunTest, RemoteCacherThatGoesAwayIsWaitedFor) {
   const std::string rep = "tcp://127.0.0.1:" + std::to_string(port);
   auto serve = [&](const std::string& tag) { return serve_cache(rep, tag); };
   pid_t cacher = serve("a");
-  const std::vector<std::string> extra{"--max_train_steps=150", "--timeout_s=120",
+  const std::vector<std::string> extra{"--max_train_steps=60", "--timeout_s=120",
                                        "--cacher=" + rep};
   const pid_t pid = spawn(args(work_, extra), work_ / "trainer.out", work_ / "trainer.err");
   auto wait_for = [&](const std::string& text) {
@@ -2156,7 +2179,7 @@ TEST_F(TrainRunTest, RemoteCacherThatGoesAwayIsWaitedFor) {
     }
     return false;
   };
-  ASSERT_TRUE(wait_for("step 20/150")) << read_text(work_ / "trainer.err");
+  ASSERT_TRUE(wait_for("step 20/60")) << read_text(work_ / "trainer.err");
   ::kill(cacher, SIGKILL);
   wait_exit(cacher);
   ASSERT_TRUE(wait_for("does not answer; waiting")) << read_text(work_ / "trainer.err");
@@ -2165,7 +2188,7 @@ TEST_F(TrainRunTest, RemoteCacherThatGoesAwayIsWaitedFor) {
   EXPECT_NE(read_text(work_ / "trainer.err").find("is back"), std::string::npos);
   ::kill(cacher, SIGTERM);
   wait_exit(cacher);
-  const TrainRun local = run(work_ / "local", {"--max_train_steps=150"});
+  const TrainRun local = run(work_ / "local", {"--max_train_steps=60"});
   ASSERT_EQ(local.exit, 0) << local.err;
   expect_identical(work_ / "lora" / "tiny.safetensors",
                    work_ / "local" / "lora" / "tiny.safetensors");
@@ -2234,13 +2257,13 @@ TEST_F(TrainRunTest, RemoteCacherGoneForGoodGivesUpWithAState) {
   const int port = 20000 + (getpid() + 7919) % 20000;
   const std::string rep = "tcp://127.0.0.1:" + std::to_string(port);
   const pid_t cacher = serve_cache(rep, "a");
-  const std::vector<std::string> common{"--max_train_steps=60", "--train_batch_size=2",
+  const std::vector<std::string> common{"--max_train_steps=40", "--train_batch_size=2",
                                         "--gradient_accumulation_steps=2"};
   auto remote = common;
   remote.insert(remote.end(), {"--timeout_s=2", "--cacher=" + rep});
   const pid_t pid = spawn(args(work_, remote), work_ / "trainer.out", work_ / "trainer.err");
   for (int i = 0; i < 1200; ++i) {
-    if (read_text(work_ / "trainer.err").find("step 20/60") != std::string::npos) break;
+    if (read_text(work_ / "trainer.err").find("step 20/40") != std::string::npos) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   ::kill(cacher, SIGKILL);
@@ -2260,7 +2283,7 @@ TEST_F(TrainRunTest, RemoteCacherGoneForGoodGivesUpWithAState) {
   ASSERT_TRUE(std::regex_search(r.err, at, std::regex(R"(resumed from \S+ at step (\d+), epoch)")))
       << r.err;
   EXPECT_GE(std::stoi(at[1]), 20);
-  EXPECT_EQ(losses(r.err).size(), 60u - std::stoul(at[1])) << r.err;
+  EXPECT_EQ(losses(r.err).size(), 40u - std::stoul(at[1])) << r.err;
   const TrainRun straight = run(work_ / "straight", common);
   ASSERT_EQ(straight.exit, 0) << straight.err;
   expect_identical(work_ / "lora" / "tiny.safetensors",
