@@ -85,6 +85,7 @@ class CachePipeline : public ::testing::Test {
                                       "--request=ipc://" + (work_ / "rep.sock").string(),
                                       "--threads=2", "--timeout_ms=10000",
                                       "--report_json=" + (work_ / "report.json").string()};
+    pre_args.insert(pre_args.end(), kSmallBuckets.begin(), kSmallBuckets.end());
     pre_args.insert(pre_args.end(), preprocess_extra.begin(), preprocess_extra.end());
     const pid_t pre = spawn(pre_args, work_ / "pre.out", work_ / "pre.err");
     r.preprocess_exit = wait_exit(pre);
@@ -166,6 +167,14 @@ class CachePipeline : public ::testing::Test {
   }
 
   static constexpr uint64_t kImages = 36;  // the demo dataset
+  // run()'s buckets unless a test gives its own (a later flag wins): 128 px. What these tests
+  // ask is what is encoded, cached and when, not at which size; at kohya's default 512 px each
+  // encode is sixteen times the work (a run here took 12 s against 2).
+  inline static const std::vector<std::string> kSmallBuckets = {
+      "--resolution=128", "--min_bucket_reso=64", "--max_bucket_reso=256"};
+  // preprocess's own defaults (kohya's), for the tests that need records of that size.
+  inline static const std::vector<std::string> kDefaultBuckets = {
+      "--resolution=512", "--min_bucket_reso=256", "--max_bucket_reso=1024"};
   static fs::path dir_;
   static models::TinyCheckpoint tiny_;
   fs::path work_;
@@ -305,8 +314,9 @@ TEST_F(CachePipeline, KillNineMidWriteThenRestartCompletes) {
     EXPECT_GE(store.stats(cacher::Table::kLatents).entries, committed);
     EXPECT_TRUE(cacher::verify_store(store).empty());
   }
-  // A restart completes the run and writes a complete manifest.
-  const RunResult r = run(tiny_.single_file);
+  // A restart completes the run and writes a complete manifest (in the killed run's buckets:
+  // 512 px encodes slowly enough for the kill to land mid-run).
+  const RunResult r = run(tiny_.single_file, "", kDefaultBuckets);
   expect_ok(r);
   EXPECT_EQ(r.encoded + r.cached, kImages);
   EXPECT_GE(r.cached, committed);
@@ -727,7 +737,8 @@ TEST_F(CachePipeline, CaptionThatEncodesToNaNLeavesOnlyItsImagesOut) {
 }
 
 TEST_F(CachePipeline, FullCacheIsAClearErrorAndLeavesTheCacheUsable) {
-  const RunResult r = run(tiny_.single_file, "--max_map_mb=1");
+  // 512 px: 36 latents of that size overflow a 1 MiB map; at 128 px they would fit.
+  const RunResult r = run(tiny_.single_file, "--max_map_mb=1", kDefaultBuckets);
   EXPECT_EQ(r.cacher_exit, 2);
   EXPECT_NE(r.cacher_err.find("full"), std::string::npos) << r.cacher_err;
   const cacher::Store store = open_cache();
