@@ -38,6 +38,7 @@
 #include "common/hash.h"
 #include "cacher/store_test_batches.h"
 #include "common/error.h"
+#include "tests/paths.h"
 
 namespace lorapipe::cacher {
 namespace {

@@ -26,6 +26,7 @@
 
 #include "common/error.h"
 #include "models/long_prompt.h"
+#include "tests/paths.h"
 
 namespace lorapipe::models {
 namespace {

@@ -22,6 +22,7 @@
 #include "common/sha256.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
+#include "tests/paths.h"
 
 namespace lorapipe::models::testing {
 

@@ -17,6 +17,7 @@
 #include "models/safetensors.h"
 #include "models/tiny.h"
 #include "models/weights.h"
+#include "tests/paths.h"
 
 namespace lorapipe::models {
 namespace {

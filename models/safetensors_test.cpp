@@ -14,6 +14,7 @@
 
 #include "common/error.h"
 #include "models/inspect.h"
+#include "tests/paths.h"
 
 namespace lorapipe::models {
 namespace {

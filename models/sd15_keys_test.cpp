@@ -13,6 +13,7 @@
 #include <string>
 
 #include "models/safetensors.h"
+#include "tests/paths.h"
 
 namespace lorapipe::models {
 namespace {

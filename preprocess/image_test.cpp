@@ -14,6 +14,7 @@
 #include "preprocess/image.h"
 #include "preprocess/preprocess.h"
 #include "runtime/process.h"
+#include "tests/paths.h"
 
 namespace lorapipe::preprocess {
 namespace {

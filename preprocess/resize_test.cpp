@@ -1,6 +1,7 @@
 // resize_lanczos3 against Pillow's Image.resize(..., Image.LANCZOS), the real reference (test-only
 // venv): the same pixels in, byte-identical pixels out.
 #include "preprocess/resize.h"
+#include "tests/paths.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

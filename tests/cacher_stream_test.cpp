@@ -23,6 +23,7 @@
 #include "preprocess/demo_dataset.h"
 #include "proto/lorapipe.pb.h"
 #include "proto/wire.h"
+#include "tests/paths.h"
 #include "tests/process_util.h"
 
 #include <nlohmann/json.hpp>

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/paths.h"
 #include "tests/process_util.h"
 
 namespace lorapipe {

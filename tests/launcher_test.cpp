@@ -24,6 +24,7 @@
 #include "common/text.h"
 #include "deploy/launcher.h"
 #include "preprocess/demo_dataset.h"
+#include "tests/paths.h"
 #include "tests/process_util.h"
 
 namespace lorapipe::launcher {

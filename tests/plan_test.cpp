@@ -18,6 +18,7 @@
 
 #include "common/error.h"
 #include "deploy/plan.h"
+#include "tests/paths.h"
 #include "tests/process_util.h"
 
 namespace lorapipe::launcher {

@@ -18,6 +18,7 @@
 #include "preprocess/bucket.h"
 #include "preprocess/demo_dataset.h"
 #include "proto/wire.h"
+#include "tests/paths.h"
 #include "tests/process_util.h"
 
 namespace lorapipe {

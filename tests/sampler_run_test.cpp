@@ -30,6 +30,7 @@
 #include "models/safetensors.h"
 #include "models/tiny.h"
 #include "proto/wire.h"
+#include "tests/paths.h"
 #include "tests/process_util.h"
 
 namespace lorapipe {

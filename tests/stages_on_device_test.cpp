@@ -34,6 +34,7 @@
 #include "process_util.h"
 #include "proto/wire.h"
 #include "sampler/render.h"
+#include "tests/paths.h"
 
 namespace lorapipe {
 namespace {

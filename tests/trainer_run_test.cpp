@@ -6,7 +6,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 #include <torch/torch.h>
-#ifdef LORAPIPE_SAMPLER_BIN
+#ifdef LORAPIPE_WITH_SAMPLER
 #include <vips/vips8>  // the sampler's PNGs
 #endif
 
@@ -37,6 +37,7 @@
 #include "proto/lorapipe.pb.h"
 #include "proto/wire.h"
 #include "runtime/process.h"
+#include "tests/paths.h"
 #include "tests/process_util.h"
 #include "trainer/dataset.h"
 #include "trainer/lora_file.h"
@@ -2426,7 +2427,7 @@ TEST_F(TrainRunTest, BlockSwapTrainsBitIdenticallyToNoSwap) {
             "4");
 }
 
-#ifdef LORAPIPE_SAMPLER_BIN
+#ifdef LORAPIPE_WITH_SAMPLER
 // The trainer with a sampler following it (suite named for the sampler's promise).
 class SamplerWithTrainer : public TrainRunTest {
  protected:

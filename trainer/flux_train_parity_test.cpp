@@ -28,6 +28,7 @@
 #include "models/parity_util.h"
 #include "models/registry.h"
 #include "models/tiny.h"
+#include "tests/paths.h"
 #include "trainer/lora_file.h"
 #include "trainer/lora_network.h"
 #include "trainer/step.h"

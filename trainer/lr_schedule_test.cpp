@@ -1,5 +1,6 @@
 // lorapipe's learning-rate schedules against transformers' (diffusers' for piecewise_constant),
 // built as kohya's get_scheduler_fix builds them: trainer/reference/lr_schedule_reference.py.
+#include "tests/paths.h"
 #include "trainer/lr_schedule.h"
 
 #include <gtest/gtest.h>

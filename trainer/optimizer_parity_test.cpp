@@ -16,6 +16,7 @@
 #include "models/parity_util.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
+#include "tests/paths.h"
 #include "trainer/lora_file.h"
 #include "trainer/optimizer.h"
 

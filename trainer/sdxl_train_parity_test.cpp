@@ -21,6 +21,7 @@
 #include "models/parity_util.h"
 #include "models/registry.h"
 #include "models/tiny.h"
+#include "tests/paths.h"
 #include "trainer/lora_file.h"
 #include "common/error.h"
 #include "models/family.h"

@@ -4,6 +4,7 @@
 //
 // Tolerance: none. Checksums are equal integers; every scalar read back has exactly the bits of
 // float(value) (TensorBoard stores float32), the step and the wall time we wrote.
+#include "tests/paths.h"
 #include "trainer/tensorboard.h"
 
 #include <gtest/gtest.h>

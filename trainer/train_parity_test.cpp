@@ -31,6 +31,7 @@
 #include "models/registry.h"
 #include "models/tensor_memory.h"
 #include "models/tiny.h"
+#include "tests/paths.h"
 #include "trainer/lora_file.h"
 #include "trainer/lora_network.h"
 #include "trainer/noise.h"

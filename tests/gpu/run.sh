@@ -215,6 +215,8 @@ use_prebuilt() {
     echo "prebuilt: ${root}, where they were built, is another folder here"; return 1
   fi
   mkdir -p "${ROOT}/build/bin" && cp --remove-destination "${unpacked}"/bin/* "${ROOT}/build/bin/" || return 1
+  # Where the tests find their scripts (tests/paths.h; CMake writes it in a build of this tree).
+  printf '%s\n' "${ROOT}" >"${ROOT}/build/bin/lorapipe-source-dir" || return 1
   BUILD="${root}/build"
   # Where the build's RUNPATH pointed on the packing machine: torch's libraries, and the CUDA
   # runtime (the wheel's own, else the toolkit's).
