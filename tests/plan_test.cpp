@@ -142,7 +142,8 @@ TEST_F(PlanTest, PlanStructureCountsTheTrainersLoraOnEveryFamily) {
 // (bench/plan_calibrate.py) never ran, with and without checkpointing, float8 and block swap.
 // fp32 base: this CPU has no bf16 matrix units, and its bf16 steps take minutes. Goal, and
 // tolerance: 10% (the issue's; bench/plan_calibrate.py reports the whole grid's worst case). One
-// test per family, so that ctest runs them side by side (each step takes up to a minute here).
+// test per family, each a few minutes: ctest starts them first and runs them one at a time
+// (tests/CMakeLists.txt), beside the rest of the suite.
 void PlanTest::expect_predicted_peaks(const std::vector<AccuracyCase>& cases) {
   double worst = 0;
   for (const AccuracyCase& c : cases) {
