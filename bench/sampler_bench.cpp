@@ -44,6 +44,7 @@
 #include <map>
 #include <optional>
 
+#include "bench/bench_flags.h"
 #include "common/heap.h"
 #include "models/device.h"
 #include "models/float8.h"
@@ -95,17 +96,17 @@ int solo(int argc, char** argv) {
     } else if (flag == "--dtype") {
       dtype_name = value;
     } else if (flag == "--resolution") {
-      request.width = request.height = std::stoi(value);
+      request.width = request.height = static_cast<int>(lorapipe::bench::flag_whole(flag, value));
     } else if (flag == "--steps") {
-      request.steps = std::stoi(value);
+      request.steps = static_cast<int>(lorapipe::bench::flag_whole(flag, value));
     } else if (flag == "--images") {
-      images = std::stoi(value);
+      images = static_cast<int>(lorapipe::bench::flag_whole(flag, value));
     } else if (flag == "--sampler") {
       request.sampler = value;
     } else if (flag == "--threads") {
-      torch::set_num_threads(std::stoi(value));
+      torch::set_num_threads(static_cast<int>(lorapipe::bench::flag_whole(flag, value)));
     } else if (flag == "--lora_rank") {
-      lora_rank = std::stoi(value);
+      lora_rank = static_cast<int>(lorapipe::bench::flag_whole(flag, value));
     } else if (flag == "--lora_application") {
       lora_application = value;
     } else {

@@ -87,6 +87,7 @@
 #include <map>
 #include <string>
 
+#include "bench/bench_flags.h"
 #include "common/heap.h"
 #include "models/device.h"
 #include "models/float8.h"
@@ -343,13 +344,13 @@ int solo(const std::string& size, int argc, char** argv) {
     } else if (flag == "--dtype") {
       dtype_name = value();
     } else if (flag == "--batch") {
-      batch = std::stoll(value());
+      batch = lorapipe::bench::flag_whole(flag, value());
     } else if (flag == "--resolution") {
-      resolution = std::stoll(value());
+      resolution = lorapipe::bench::flag_whole(flag, value());
     } else if (flag == "--steps") {
-      steps = std::stoll(value());
+      steps = lorapipe::bench::flag_whole(flag, value());
     } else if (flag == "--warmup") {
-      warmup = std::stoll(value());
+      warmup = lorapipe::bench::flag_whole(flag, value());
     } else if (flag == "--gradient_checkpointing") {
       checkpointing = true;
     } else if (flag == "--fp8_base") {
@@ -361,21 +362,21 @@ int solo(const std::string& size, int argc, char** argv) {
     } else if (flag == "--cpu_offload_checkpointing") {
       offload = checkpointing = true;
     } else if (flag == "--blocks_to_swap") {
-      blocks_to_swap = std::stoi(value());
+      blocks_to_swap = static_cast<int>(lorapipe::bench::flag_whole(flag, value()));
     } else if (flag == "--write_structure") {
       structure = value();
     } else if (flag == "--settings") {
       settings_list = value();
     } else if (flag == "--memory_limit") {
-      memory_limit = std::stod(value());
+      memory_limit = lorapipe::bench::flag_number(flag, value());
     } else if (flag == "--network_dim") {
-      network_dim = std::stoi(value());
+      network_dim = static_cast<int>(lorapipe::bench::flag_whole(flag, value()));
     } else if (flag == "--depth") {
-      depth = std::stoi(value());
+      depth = static_cast<int>(lorapipe::bench::flag_whole(flag, value()));
     } else if (flag == "--threads") {
-      at::set_num_threads(std::stoi(value()));
+      at::set_num_threads(static_cast<int>(lorapipe::bench::flag_whole(flag, value())));
     } else if (flag == "--peak_tflops") {
-      peak_tflops = std::stod(value());
+      peak_tflops = lorapipe::bench::flag_number(flag, value());
     } else if (flag == "--optimizer_type") {
       optimizer.type = value();
     } else if (flag == "--optimizer_args") {
@@ -383,7 +384,7 @@ int solo(const std::string& size, int argc, char** argv) {
         optimizer_args.emplace_back(argv[++i]);
       }
     } else if (flag == "--learning_rate") {
-      learning_rate = std::stod(value());
+      learning_rate = lorapipe::bench::flag_number(flag, value());
     } else {
       throw std::invalid_argument("unknown flag '" + flag + "'");
     }
@@ -519,8 +520,11 @@ int solo(const std::string& size, int argc, char** argv) {
     if (x == std::string::npos || colon == std::string::npos || colon < x) {
       throw std::invalid_argument("--settings: '" + piece + "' is not WIDTHxHEIGHT:BATCH");
     }
-    settings.push_back({std::stoll(piece.substr(0, x)), std::stoll(piece.substr(x + 1, colon - x - 1)),
-                        std::stoll(piece.substr(colon + 1))});
+    const auto whole = [&](const std::string& text) {
+      return lorapipe::bench::flag_whole("--settings " + piece, text);
+    };
+    settings.push_back({whole(piece.substr(0, x)), whole(piece.substr(x + 1, colon - x - 1)),
+                        whole(piece.substr(colon + 1))});
     begin = end + 1;
   }
   if (memory_limit > 0) {
@@ -639,7 +643,7 @@ int run(int argc, char** argv) {
       if (name != "fp32" && name != "bf16") throw std::invalid_argument("--dtype fp32 or bf16");
       dtype = name == "bf16" ? c10::kBFloat16 : c10::kFloat;
     } else if (flag == "--threads" && i + 1 < argc) {
-      at::set_num_threads(std::stoi(argv[++i]));
+      at::set_num_threads(static_cast<int>(lorapipe::bench::flag_whole(flag, argv[++i])));
     } else {
       std::fprintf(stderr, "trainer_bench: unknown flag '%s'\n", flag.c_str());
       return 2;
