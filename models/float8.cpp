@@ -1,6 +1,7 @@
 #include "models/float8.h"
 
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/autograd.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/conv.h>
@@ -110,8 +111,9 @@ at::Tensor float8_row_scales(const at::Tensor& weight) {
 
 bool float8_matmul_supported(const c10::Device& device) {
   if (device.is_cpu()) return true;
-  return device.is_cuda() &&
-         kernels::cuda_compute_capability(device.has_index() ? device.index() : 0) >= 89;
+  if (!device.is_cuda()) return false;
+  const int index = device.has_index() ? device.index() : at::detail::getCUDAHooks().current_device();
+  return kernels::cuda_compute_capability(index) >= 89;
 }
 
 at::Tensor float8_matmul(const at::Tensor& input, const at::Tensor& weight,
@@ -128,7 +130,9 @@ at::Tensor float8_matmul(const at::Tensor& input, const at::Tensor& weight,
     return at::linear(input, dequantize_float8(weight, row_scale, dtype), bias);
   }
   torch::NoGradGuard no_grad;
-  const at::Tensor x = input.reshape({-1, in});
+  // Contiguous: _scaled_mm on sm90 takes only a row-major first operand, and reshape keeps a
+  // view where it can (a batch-1 permute(0,2,3,1) of SDXL's proj_in input is column-major).
+  const at::Tensor x = input.reshape({-1, in}).contiguous();
   const at::Tensor x_scale = row_scales(x);  // [tokens, 1]
   const at::Tensor xq =
       (x.to(at::kFloat) / x_scale).clamp_(-kFloat8E4m3Max, kFloat8E4m3Max).to(at::kFloat8_e4m3fn);

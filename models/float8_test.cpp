@@ -503,6 +503,17 @@ TEST(Float8Weights, FastOnCudaComputesTheCpusProductAndIsTimed) {
                 static_cast<long long>(in), static_cast<long long>(tokens), fast_ms, widen_ms,
                 widen_ms / fast_ms, bf16_ms, relative(on_cuda), relative(widened), error);
   }
+  // SDXL's proj_in at batch 1 hands the layer a column-major view of its permuted feature map;
+  // sm90's _scaled_mm takes only a row-major first operand, so the layer must lay it out first.
+  const int64_t channels = 640;
+  const at::Tensor w = (torch::rand({channels, channels}) * 2 - 1) / std::sqrt(640.0);
+  const at::Tensor scale = float8_row_scales(w).to(cuda);
+  const at::Tensor wq = quantize_float8(w.to(cuda), scale);
+  const at::Tensor map = torch::randn({1, channels, 32, 32}).to(torch::kBFloat16).to(cuda);
+  const at::Tensor view = map.permute({0, 2, 3, 1}).reshape({1, 32 * 32, channels});
+  ASSERT_FALSE(view.reshape({-1, channels}).is_contiguous());
+  EXPECT_TRUE(at::equal(float8_matmul(view, wq, scale, {}),
+                        float8_matmul(view.contiguous(), wq, scale, {})));
 }
 
 // The error of plain and scaled float8 against the bf16 weights, over every Linear and Conv2d
