@@ -1,6 +1,7 @@
 #include "models/shared_weights.h"
 
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/file.h>
@@ -38,6 +39,13 @@ namespace {
 
 constexpr char kLog[] = "shared-weights";
 constexpr int64_t kAlign = 64;  // each tensor's place in the CPU region: cache-line aligned
+
+// "cuda" as the device it means now: the manifest names the publisher's device by its index, and
+// a tensor's device always has one.
+c10::Device with_index(const c10::Device& device) {
+  if (!device.is_cuda() || device.has_index()) return device;
+  return c10::Device(c10::kCUDA, at::detail::getCUDAHooks().current_device());
+}
 
 // Every parameter and buffer, by its dotted name (parameters first, as named_parameters lists).
 std::vector<std::pair<std::string, at::Tensor>> tensors_of(torch::nn::Module& module) {
@@ -125,9 +133,10 @@ std::string shared_weights_key(const fs::path& model, const Placement& placement
   return key.str();
 }
 
-SharedWeightsPublisher::SharedWeightsPublisher(torch::nn::Module& module, const c10::Device& device,
+SharedWeightsPublisher::SharedWeightsPublisher(torch::nn::Module& module, const c10::Device& given,
                                                const fs::path& manifest, const std::string& key)
     : manifest_(manifest) {
+  const c10::Device device = with_index(given);
   torch::NoGradGuard no_grad;
   const auto tensors = tensors_of(module);
   for (const auto& [name, t] : tensors) {
@@ -241,8 +250,9 @@ SharedWeightsAttachment::~SharedWeightsAttachment() {
 }
 
 std::unique_ptr<SharedWeightsAttachment> attach_shared_weights(
-    torch::nn::Module& module, const c10::Device& device, const fs::path& manifest,
+    torch::nn::Module& module, const c10::Device& given, const fs::path& manifest,
     const std::string& key, const std::function<void()>& waiting) {
+  const c10::Device device = with_index(given);
   int fd = -1;
   for (bool said = false;; ) {
     fd = open(manifest.c_str(), O_RDONLY | O_CLOEXEC);
