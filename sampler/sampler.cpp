@@ -395,7 +395,23 @@ class Sampler {
 
   bool render_checkpoint_or_throw(const std::vector<std::pair<fs::path, double>>& loras,
                                   uint64_t step, const std::string& name) {
-    MergedLoras merged;
+#ifdef LORAPIPE_SAMPLER_CUDA_STREAMS
+    // On CUDA a checkpoint's work (its LoRAs' merge, the renders, the restore as `merged` goes)
+    // runs on one stream of the lowest priority, which counts under MPS, where the trainer's and
+    // the sampler's kernels share the GPU at once. One stream for all of it keeps the merge
+    // ordered before the renders that read it (a pool stream does not wait on the default one),
+    // and the same stream for every checkpoint lets the allocator, which caches blocks per
+    // stream, reuse one render's memory for the next beside the trainer.
+    std::optional<c10::cuda::CUDAStreamGuard> low_priority;
+    if (device_.is_cuda()) {
+      if (!render_stream_) {
+        render_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false,
+                                                      device_.has_index() ? device_.index() : 0);
+      }
+      low_priority.emplace(*render_stream_);
+    }
+#endif
+    MergedLoras merged;  // after the guard: restored on the render stream
     const std::string prefix = name.empty() ? "" : name + "_";  // NAME_<step>_<index>.png
     std::vector<std::string> images;
     std::vector<VImage> tiles;
@@ -428,15 +444,6 @@ class Sampler {
           yielded += (mark - now);
         };
       }
-#ifdef LORAPIPE_SAMPLER_CUDA_STREAMS
-      // On CUDA the renders run on a stream of the lowest priority (what counts under MPS, where
-      // the trainer's and the sampler's kernels share the GPU at once).
-      std::optional<c10::cuda::CUDAStreamGuard> low_priority;
-      if (device_.is_cuda()) {
-        low_priority.emplace(c10::cuda::getStreamFromPool(/*isHighPriority=*/false,
-                                                          device_.has_index() ? device_.index() : 0));
-      }
-#endif
       // Prompts are encoded once per prompt set: the base text encoder's conditionings are kept
       // for every checkpoint whose LoRA leaves the text encoder alone. A LoRA that trains it
       // (kohya's default for SD1.5) changes them: encoded once per prompt for that checkpoint.
@@ -702,6 +709,9 @@ class Sampler {
   // The base text encoder's conditioning of each prompt, encoded at its first render.
   std::vector<models::Conditioning> base_prompts_;
   c10::Device device_ = c10::kCPU;
+#ifdef LORAPIPE_SAMPLER_CUDA_STREAMS
+  std::optional<c10::cuda::CUDAStream> render_stream_;  // every checkpoint's, made once
+#endif
   double device_share_ = 1;  // --device_share, resolved
   bool rendered_any_ = false;
   uint64_t last_step_ = 0;
