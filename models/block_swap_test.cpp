@@ -9,6 +9,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#if __has_include(<ATen/cuda/Sleep.h>)
+#include <ATen/cuda/Sleep.h>
+#define LORAPIPE_TEST_CUDA_SLEEP 1
+#endif
+
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -141,7 +146,9 @@ void expect_identical(const StepResult& a, const StepResult& b) {
 }
 
 // The run without swap against the one with `n` swapped, on `device`; returns the swap.
-std::shared_ptr<BlockSwap> compare(c10::Device device, int n) {
+std::shared_ptr<BlockSwap> compare(c10::Device device, int n,
+                                   std::unique_ptr<SwapDevice> swap_device = nullptr) {
+  if (!swap_device) swap_device = make_swap_device(device);
   FluxTransformer plain = make_model(device);
   plain->to(device);
   place_adapters(plain, device);
@@ -149,7 +156,7 @@ std::shared_ptr<BlockSwap> compare(c10::Device device, int n) {
   FluxTransformer swapped = make_model(device);
   const auto blocks = flux_swapped_blocks(n, 4, 6);
   swapped->block_swap =
-      std::make_shared<BlockSwap>(swapped->blocks(), blocks, make_swap_device(device));
+      std::make_shared<BlockSwap>(swapped->blocks(), blocks, std::move(swap_device));
   swapped->to(device);
   place_adapters(swapped, device);
   swapped->gradient_checkpointing = true;
@@ -392,6 +399,41 @@ TEST(BlockSwap, OnCudaStepsAreBitIdentical) {
   const auto swap = compare(c10::Device(c10::kCUDA, 0), 4);
   EXPECT_EQ(swap->max_resident(), 2);
 }
+
+#ifdef LORAPIPE_TEST_CUDA_SLEEP
+// The CUDA swap device with each block's compute held back on the GPU (a few milliseconds of
+// spinning on the compute stream once its copy has landed), so the host runs far ahead of the
+// GPU: a prefetch that did not wait for the slot's last block to be done with it (wait_used)
+// would overwrite weights still to be read, and the steps would differ. On tiny blocks without
+// the delay, every kernel is done before the next copy is issued and a missing wait goes unseen.
+class SlowComputeDevice : public SwapDevice {
+ public:
+  explicit SlowComputeDevice(std::unique_ptr<SwapDevice> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return inner_->name(); }
+  at::Tensor host(const at::Tensor& weight) override { return inner_->host(weight); }
+  at::Tensor slot(int64_t bytes) override { return inner_->slot(bytes); }
+  void copy(const at::Tensor& dst, const at::Tensor& src) override { inner_->copy(dst, src); }
+  void record_copied(int slot) override { inner_->record_copied(slot); }
+  void wait_copied(int slot) override {
+    inner_->wait_copied(slot);
+    at::cuda::sleep(10'000'000);  // about 5 ms at 2 GHz, on the current (compute) stream
+  }
+  void record_used(int slot) override { inner_->record_used(slot); }
+  void wait_used(int slot) override { inner_->wait_used(slot); }
+  void drain() override { inner_->drain(); }
+
+ private:
+  std::unique_ptr<SwapDevice> inner_;
+};
+
+TEST(BlockSwap, OnCudaAComputeFarBehindItsCopiesStepsBitIdentically) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device here; tests/gpu/run.sh runs this on one";
+  }
+  const c10::Device cuda(c10::kCUDA, 0);
+  compare(cuda, 4, std::make_unique<SlowComputeDevice>(make_swap_device(cuda)));
+}
+#endif
 
 }  // namespace
 }  // namespace lorapipe::models

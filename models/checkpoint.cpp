@@ -65,7 +65,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       for (const at::Tensor& x : inputs) {
         holder->devices.push_back(x.defined() ? x.device() : c10::Device(c10::kCPU));
         holder->requires_grad.push_back(x.defined() && x.requires_grad());
-        holder->host_inputs.push_back(!x.defined() || !x.is_cuda() ? x.detach() : to_pinned_host(x));
+        holder->host_inputs.push_back(!x.defined() ? at::Tensor()
+                                      : !x.is_cuda() ? x.detach()
+                                                     : to_pinned_host(x));
         saved.push_back(at::Tensor());
       }
     } else {
@@ -90,8 +92,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<size_t> target_slot;  // index into the gradients returned below
     const bool offloaded = !holder->host_inputs.empty();
     for (size_t i = 0; i < n_inputs; ++i) {
-      at::Tensor x = offloaded ? holder->host_inputs[i].to(holder->devices[i], /*non_blocking=*/true)
-                               : saved[i].detach();
+      const at::Tensor& host = offloaded ? holder->host_inputs[i] : at::Tensor();
+      at::Tensor x = !offloaded      ? saved[i].detach()
+                     : host.defined() ? host.to(holder->devices[i], /*non_blocking=*/true)
+                                      : at::Tensor();  // an input given undefined (no skip)
       if (offloaded ? holder->requires_grad[i] : saved[i].requires_grad()) {
         x.requires_grad_(true);
         targets.push_back(x);
