@@ -184,6 +184,7 @@ AdamW8bitCudaPlan::AdamW8bitCudaPlan(const AdamW8bitTensor* tensors, size_t coun
     groups_ = std::max(groups_, tensors[i].group + 1);
   }
   blocks_ = first[count];
+  layout_.assign(tensors, tensors + count);
   std::vector<float> maps(4 * 256);
   const auto mid1 = code_midpoints(dynamic_map_signed());
   const auto mid2 = code_midpoints(dynamic_map_unsigned());
@@ -255,6 +256,28 @@ void AdamW8bitCudaPlan::step(const AdamW8bitStep* group_steps, size_t groups, vo
       break;
   }
   check(cudaGetLastError(), "kernel launch");
+}
+
+void AdamW8bitCudaPlan::retarget(const AdamW8bitTensor* tensors, size_t count, void* stream) {
+  if (count != count_) {
+    throw std::invalid_argument("adamw8bit: retarget to " + std::to_string(count) +
+                                " tensors, the plan has " + std::to_string(count_));
+  }
+  for (size_t i = 0; i < count; ++i) {
+    const AdamW8bitTensor& was = layout_[i];
+    const AdamW8bitTensor& now = tensors[i];
+    if (now.numel != was.numel || now.group != was.group || now.quantized != was.quantized) {
+      throw std::invalid_argument("adamw8bit: retarget: tensor " + std::to_string(i) +
+                                  " is not the plan's (its size, group or state changed)");
+    }
+  }
+  if (count == 0) return;
+  use_device(device_);
+  // From pageable memory the call returns once the source is staged: `tensors` may go after it.
+  check(cudaMemcpyAsync(table_, tensors, count * sizeof(AdamW8bitTensor), cudaMemcpyHostToDevice,
+                        static_cast<cudaStream_t>(stream)),
+        "cudaMemcpyAsync");
+  layout_.assign(tensors, tensors + count);
 }
 
 void* alloc_managed(size_t bytes) {

@@ -42,6 +42,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace lorapipe::kernels {
 
@@ -134,6 +135,13 @@ class AdamW8bitCudaPlan {
   // `groups` does not reach every tensor's group (as adamw8bit_step_cpu does).
   void step(const AdamW8bitStep* group_steps, size_t groups, void* stream) const;
 
+  // The same tensors (count, sizes, groups, quantisation) at new addresses: a gradient allocated
+  // anew by the next backward. Rewrites the table on `stream`, after the launches queued there
+  // and before the next, with no allocation and no device-wide wait (building a plan anew costs
+  // both, and near a full device its cudaMalloc, outside torch's cache, can fail). Throws
+  // std::invalid_argument when the tensors are not the plan's.
+  void retarget(const AdamW8bitTensor* tensors, size_t count, void* stream);
+
  private:
   void* table_ = nullptr;    // device AdamW8bitTensor[count]
   void* offsets_ = nullptr;  // device int64[count + 1]: first thread block of each tensor
@@ -143,6 +151,7 @@ class AdamW8bitCudaPlan {
   ParamDtype dtype_;
   int device_ = 0;
   int groups_ = 0;  // the tensors' largest group + 1: what a step's group_steps must cover
+  std::vector<AdamW8bitTensor> layout_;  // the table as uploaded, for retarget's check
 };
 
 // Managed memory for paged optimizer state (cudaMallocManaged): it lives on the device while

@@ -22,6 +22,9 @@ AdamW8bitCudaPlan::~AdamW8bitCudaPlan() = default;
 void AdamW8bitCudaPlan::step(const AdamW8bitStep*, size_t, void*) const {
   no_cuda("AdamW8bit on CUDA");
 }
+void AdamW8bitCudaPlan::retarget(const AdamW8bitTensor*, size_t, void*) {
+  no_cuda("AdamW8bit on CUDA");
+}
 void* alloc_managed(size_t) { return nullptr; }
 void free_managed(void*) {}
 bool managed_memory_supported(int) { return false; }

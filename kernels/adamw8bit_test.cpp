@@ -477,6 +477,18 @@ void expect_cuda_equals_cpu(const torch::Device& gpu) {
     Case cpu = make_case(dtype, torch::kCPU, 7), cuda = make_case(dtype, gpu, 7);
     AdamW8bitCudaPlan plan(cuda.views.data(), cuda.views.size(), param_dtype, gpu.index());
     for (int64_t t = 1; t <= 6; ++t) {
+      if (t % 2 == 0) {
+        // Gradients allocated anew, as the trainer's next backward does after zero_grad: the
+        // plan's table follows them (retarget), the old ones alive until then so every address
+        // changes.
+        std::vector<torch::Tensor> old = std::move(cuda.g);
+        cuda.g.clear();
+        for (size_t i = 0; i < old.size(); ++i) {
+          cuda.g.push_back(torch::empty_like(old[i]));
+          cuda.views[i].grad = cuda.g[i].data_ptr();
+        }
+        plan.retarget(cuda.views.data(), cuda.views.size(), /*stream=*/nullptr);
+      }
       fill_gradients(cpu, t, dtype);
       fill_gradients(cuda, t, dtype);
       const AdamW8bitStep steps[2] = {adamw8bit_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, t),
@@ -529,6 +541,12 @@ TEST(AdamW8bitCuda, RefusesAStepThatLeavesATensorsGroupOut) {
   AdamW8bitCudaPlan plan(cuda.views.data(), cuda.views.size(), ParamDtype::kFloat32, 0);
   const AdamW8bitStep one = adamw8bit_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, 1);
   EXPECT_THROW(plan.step(&one, 1, /*stream=*/nullptr), std::invalid_argument);
+  // And a retarget to tensors that are not the plan's: one fewer, or one of another size.
+  EXPECT_THROW(plan.retarget(cuda.views.data(), cuda.views.size() - 1, nullptr),
+               std::invalid_argument);
+  std::vector<AdamW8bitTensor> resized = cuda.views;
+  resized[1].numel -= 1;
+  EXPECT_THROW(plan.retarget(resized.data(), resized.size(), nullptr), std::invalid_argument);
 }
 
 // Paged state (CUDA managed memory, prefetched before the step) gives the same bytes as plain

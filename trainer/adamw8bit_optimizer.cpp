@@ -215,15 +215,19 @@ class AdamW8bit final : public Optimizer {
     if (managed_ != nullptr) {
       k::prefetch_managed(managed_, static_cast<size_t>(arena_.numel()), device_.index(), stream);
     }
-    // The plan holds the tensors' addresses; it is rebuilt only when one changes (a gradient
-    // allocated anew: CUDA's caching allocator mostly hands a step the blocks of the last).
+    // The plan holds the tensors' addresses; when one changes (a gradient allocated anew: CUDA's
+    // caching allocator mostly hands a step the blocks of the last, not always) its table is
+    // rewritten in the step's stream order.
     auto& plan = plans_[static_cast<int>(dtype)];
     auto& key = plan_keys_[static_cast<int>(dtype)];
     std::vector<const void*> now;
     for (const auto& v : views) now.insert(now.end(), {v.param, v.grad});
-    if (!plan || key != now) {
+    if (!plan) {
       plan = std::make_unique<k::AdamW8bitCudaPlan>(views.data(), views.size(), dtype,
                                                     device_.has_index() ? device_.index() : -1);
+      key = std::move(now);
+    } else if (key != now) {
+      plan->retarget(views.data(), views.size(), stream);
       key = std::move(now);
     }
     plan->step(constants.data(), constants.size(), stream);
