@@ -47,8 +47,9 @@ bool is_out_of_memory(const std::exception& e) {
   if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return true;
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
     const std::string message = c10_error->what_without_backtrace();
+    // ALLOC_FAILED: cuBLAS's and cuDNN's own workspaces (CUBLAS_STATUS_ALLOC_FAILED, ...).
     for (const char* says : {"not enough memory", "out of memory", "can't allocate memory",
-                             "Cannot allocate memory"}) {
+                             "Cannot allocate memory", "ALLOC_FAILED"}) {
       if (message.find(says) != std::string::npos) return true;
     }
   }

@@ -34,6 +34,22 @@ TEST(ModelsDevice, RefusesMalformedAndMissingDevicesNamingTheValue) {
   EXPECT_THROW(resolve_device(beyond), InputError);
 }
 
+// What the sampler and the plan's probe take for the device's memory running out (a render or a
+// candidate skipped, the process goes on), and what they must not.
+TEST(ModelsDevice, KnowsOutOfMemoryByTypeAndByWhatTheLibrariesSay) {
+  auto c10_error = [](const std::string& message) {
+    return c10::Error({__func__, __FILE__, __LINE__}, message);
+  };
+  EXPECT_TRUE(is_out_of_memory(c10::OutOfMemoryError({__func__, __FILE__, __LINE__}, "CUDA")));
+  EXPECT_TRUE(is_out_of_memory(std::bad_alloc()));
+  EXPECT_TRUE(is_out_of_memory(c10_error("DefaultCPUAllocator: not enough memory: you tried")));
+  EXPECT_TRUE(is_out_of_memory(
+      c10_error("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")));
+  EXPECT_TRUE(is_out_of_memory(c10_error("cuDNN error: CUDNN_STATUS_ALLOC_FAILED")));
+  EXPECT_FALSE(is_out_of_memory(c10_error("CUDA error: an illegal memory access was encountered")));
+  EXPECT_FALSE(is_out_of_memory(std::runtime_error("out of memory")));  // not the library's
+}
+
 TEST(ModelsDevice, TensorsLandOnTheResolvedDevice) {
   const c10::Device device = resolve_device("auto");
   const torch::Tensor t = torch::ones({2, 3}, torch::TensorOptions().device(device));
