@@ -425,7 +425,17 @@ int solo(const std::string& size, int argc, char** argv) {
       if (structure_only) options = options.device(torch::kMeta);
       flux->transformer = m::FluxTransformer(config, options);
       if (!structure_only) {
-        for (auto& p : flux->transformer->parameters()) p.normal_(0, 0.02);  // built uninitialised
+        // Built uninitialised. The draws are made on the device where there is one and copied
+        // back to the host, where placement starts as the trainer's does (float8, swap, then the
+        // move): the CPU's generator draws one value at a time, minutes for 11.9 B of them, and
+        // a lent GPU's minutes are few. These are stand-ins for loaded weights, not the LoRA's.
+        for (auto& p : flux->transformer->parameters()) {
+          if (device.is_cpu()) {
+            p.normal_(0, 0.02);
+          } else {
+            p.copy_(torch::empty(p.sizes(), p.options().device(device)).normal_(0, 0.02));
+          }
+        }
       }
     }
     if (!structure.empty()) {

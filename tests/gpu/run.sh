@@ -29,8 +29,9 @@
 # every one of them loads with all its symbols bound; otherwise the script builds there, as
 # without them. Environment:
 # LORAPIPE_GPU_BUILD (default build-gpu), OUT, LORAPIPE_GPU_SIZES (optimizer bench sizes,
-# default 10M,100M,1B), LORAPIPE_GPU_TESTS (a subset of the test binaries), LORAPIPE_GPU_DEADLINE_S
-# (no benchmark starts after it; 0 runs the tests alone).
+# default 10M,100M,1B), LORAPIPE_GPU_TESTS (a subset of the test binaries; "none" for none),
+# LORAPIPE_GPU_BENCH (a pattern of the benchmarks to run), LORAPIPE_GPU_DEADLINE_S (seconds from
+# the start, default 480: no benchmark runs past it; 0 runs the tests alone).
 #
 # What runs:
 #   - GPU tests (ctest -L gpu is not used: the CUDA tests skip themselves without a device, so
@@ -70,7 +71,8 @@
 #     Float8Weights.FastOnCudaComputesTheCpusProductAndIsTimed holds the row-wise _scaled_mm to
 #     the CPU's product and times it against the widening path on FLUX.1's widest layers.
 #     models_test's BlockSwap.OnCudaStepsAreBitIdentical checks the swap's copy stream and events
-#     give the unswapped results bit for bit, and CheckpointOffload.OnCudaStepsAreBitIdentical
+#     give the unswapped results bit for bit (also with the compute held far behind its copies,
+#     where a missing wait would show), and CheckpointOffload.OnCudaStepsAreBitIdentical
 #     the same of --cpu_offload_checkpointing (also measured with swap 28).
 #   - the same `solo` step at SDXL size: 1024^2, bf16, batch 1, gradient checkpointing, rank 16
 #     on kohya's SDXL targets, with and without --fp8_base (s/it, peak allocated memory, MFU).
@@ -81,8 +83,10 @@
 #     steps held to the budget, measured peak allocated against the plan's prediction.
 #   - Last, the calibration sweep: the `solo` step with checkpointing at more resolutions and
 #     batches (SD1.5 and SDXL), peaks for the memory planner to be checked against.
-# Order: tests, then SDXL, FLUX.1, SD1.5, the sampler, the optimizers, the 8-bit kernel, the sweep, so a
-# deadline that cuts the run drops the least needed.
+# Order: tests, then SDXL, SD1.5, FLUX.1, the sampler, the optimizers, the 8-bit kernel, the plan's
+# probes, the sweep, so a deadline that cuts the run drops the least needed. The whole no longer
+# fits one 10-minute call (FLUX.1 and the probes came after the run above): the deadline cuts it,
+# and a second call names what is left (LORAPIPE_GPU_TESTS=none LORAPIPE_GPU_BENCH=...).
 # Not yet here: two-rank NCCL training (one GPU cannot hold two NCCL ranks), and the sampler stage
 # and a launcher run (they write images through libvips, whose Debian packages are more than the
 # carry allows): the sampler's render path on CUDA is the stage test's above and sampler_bench's
@@ -147,6 +151,12 @@ if [[ ${1:-} == --prepare ]]; then
   du -sh "${DEBS}"
   exit 0
 fi
+
+# LORAPIPE_GPU_DEADLINE_S: seconds from the script's start (its build included) after which no
+# further benchmark starts, and up to which each is allowed to run (a short device lease ends
+# the machine, and what ran must still come back). Default 480: the device tool's command limit
+# is 600 s. Each run also has its own limit, so a hang costs minutes, not the lease.
+DEADLINE=$((SECONDS + ${LORAPIPE_GPU_DEADLINE_S:-480}))
 
 BUILD="${LORAPIPE_GPU_BUILD:-${ROOT}/build-gpu}"
 OUT="${OUT:-${ROOT}/build-gpu/out}"
@@ -248,21 +258,23 @@ cmake -S "${ROOT}" -B "${BUILD}" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLORAPIPE_
 cmake --build "${BUILD}" --parallel "$(nproc)" --target "${TARGETS[@]}" || exit 1
 fi
 
-# LORAPIPE_GPU_DEADLINE_S: seconds from the script's start after which no further benchmark
-# starts (a short device lease ends the machine, and what ran must still come back); each run also
-# has its own time limit, so a hang costs minutes, not the lease.
-STARTED=$(date +%s)
-DEADLINE=$((STARTED + ${LORAPIPE_GPU_DEADLINE_S:-86400}))
-# bench NAME LIMIT_S COMMAND...: runs COMMAND, its output appended to bench.txt, unless the
-# deadline has passed; a failure, a time-out or a skip past the deadline is named in the summary.
+# LORAPIPE_GPU_BENCH: an extended regular expression; only the benchmarks whose names match it
+# run (a second lease's call picks up what the first one's deadline cut: "flux|plan|calibration").
+wanted() { [[ -z ${LORAPIPE_GPU_BENCH:-} || $1 =~ ${LORAPIPE_GPU_BENCH} ]]; }
+# bench NAME LIMIT_S COMMAND...: runs COMMAND, its output appended to bench.txt, for at most
+# LIMIT_S and never past the deadline; a failure, a time-out or a skip past the deadline is named
+# in the summary.
 bench() {
   local name="$1" limit="$2"
   shift 2
-  if (($(date +%s) >= DEADLINE)); then
+  wanted "${name}" || return 0
+  local left=$((DEADLINE - SECONDS))
+  if ((left < 20)); then
     echo "not run (past LORAPIPE_GPU_DEADLINE_S): ${name}"
     FAILED+=("${name} (deadline)")
     return
   fi
+  ((limit > left)) && limit=${left}
   timeout --kill-after=10 "${limit}" "$@" | tee -a "${OUT}/bench.txt" || FAILED+=("${name}")
 }
 
@@ -314,27 +326,6 @@ for fp8 in "" --fp8_base "--fp8_base --fp8_scaled --fp8_fast"; do
     --dtype bf16 --batch 1 --resolution 1024 --steps 5 --gradient_checkpointing ${fp8}
 done
 
-step "bench: one LoRA training step of FLUX.1 [dev] at full size on CUDA, rank 16"
-# The full transformer (11.9 B parameters) on random weights, built in bf16 on the host and
-# placed, 512 T5 tokens, guidance 3.5, kohya's 304 Flux LoRA layers, gradient checkpointing:
-# s/it, peak allocated memory and MFU at 512^2 and 1024^2, bf16 and over float8 (--fp8_base).
-# Then the small cards' options (issue 33): scaled float8, its float8 matmuls (--fp8_fast: s/it
-# against --fp8_scaled alone), and block swap (kohya's split of N,
-# the frozen weights of the swapped blocks in pinned host memory, two device slots): the peak
-# and s/it against the unswapped run; goals 512^2 <= 12 GB at >= 0.7x the no-swap speed,
-# 1024^2 <= 8 GB with swap 28 (kohya's 8 GB tier).
-for res in 512 1024; do
-  for fp8 in "" --fp8_base "--fp8_base --fp8_scaled" "--fp8_base --fp8_scaled --fp8_fast" \
-    "--fp8_base --blocks_to_swap 8" \
-    "--fp8_base --blocks_to_swap 16" "--fp8_base --blocks_to_swap 28" \
-    "--fp8_base --blocks_to_swap 28 --cpu_offload_checkpointing"; do
-    # shellcheck disable=SC2086  # an empty flag is no word
-    bench "trainer_bench flux ${res} ${fp8}" 300 "${BUILD}/bin/trainer_bench" solo flux \
-      --device cuda --dtype bf16 --batch 1 --resolution "${res}" --steps 3 \
-      --gradient_checkpointing ${fp8}
-  done
-done
-
 step "bench: one LoRA training step at SD1.5 size on CUDA, bf16, 512x512"
 # The trainer's own step (trainer::TrainingStep: SDPA attention, bf16 frozen base, fp32 LoRA of
 # rank 16, AdamW) on random weights: s/it, peak allocated memory and MFU (bench/trainer_bench.cpp).
@@ -354,6 +345,27 @@ for run in "1 " "1 --gradient_checkpointing" "8 --gradient_checkpointing"; do
   # shellcheck disable=SC2086  # an empty flag is no word
   bench "trainer_bench fp8 b${batch}${checkpointing}" 120 "${BUILD}/bin/trainer_bench" solo full \
     --device cuda --dtype bf16 --batch "${batch}" --steps 10 --fp8_base ${checkpointing}
+done
+
+step "bench: one LoRA training step of FLUX.1 [dev] at full size on CUDA, rank 16"
+# The full transformer (11.9 B parameters) on random weights, built in bf16 on the host and
+# placed, 512 T5 tokens, guidance 3.5, kohya's 304 Flux LoRA layers, gradient checkpointing:
+# s/it, peak allocated memory and MFU at 512^2 and 1024^2, bf16 and over float8 (--fp8_base).
+# Then the small cards' options (issue 33): scaled float8, its float8 matmuls (--fp8_fast: s/it
+# against --fp8_scaled alone), and block swap (kohya's split of N,
+# the frozen weights of the swapped blocks in pinned host memory, two device slots): the peak
+# and s/it against the unswapped run; goals 512^2 <= 12 GB at >= 0.7x the no-swap speed,
+# 1024^2 <= 8 GB with swap 28 (kohya's 8 GB tier).
+# One process per option with both sizes on its one model (--settings): each builds 11.9 B
+# parameters. The options that answer the goals, most needed first; the rest of issue 33's grid
+# (swap 8, --fp8_scaled alone, --cpu_offload_checkpointing) where a lease has the minutes.
+for fp8 in --fp8_base "" "--fp8_base --blocks_to_swap 16" "--fp8_base --blocks_to_swap 28" \
+  "--fp8_base --fp8_scaled --fp8_fast" "--fp8_base --blocks_to_swap 8" "--fp8_base --fp8_scaled" \
+  "--fp8_base --blocks_to_swap 28 --cpu_offload_checkpointing"; do
+  # shellcheck disable=SC2086  # an empty flag is no word
+  bench "trainer_bench flux ${fp8}" 240 "${BUILD}/bin/trainer_bench" solo flux \
+    --device cuda --dtype bf16 --settings 512x512:1,1024x1024:1 --steps 3 --warmup 1 \
+    --gradient_checkpointing ${fp8}
 done
 
 step "bench: one preview render at SD1.5 size on CUDA, bf16, 512x512, 20 steps"
@@ -390,6 +402,7 @@ PLAN_DIR="$(mktemp -d /tmp/lorapipe-plan-XXXXXX)"
 for spec in "full sd15 512,768,1024 1,2,4 12GB" "sdxl sdxl 1024 1,2 12GB" \
   "full sd15 1024 1,2,4,8 3GB"; do
   read -r size family resolutions batches budget <<<"${spec}"
+  wanted "plan probe ${size} ${budget}" || continue
   [[ -d "${PLAN_DIR}/${size}" ]] || "${BUILD}/bin/trainer_bench" solo "${size}" --device cpu \
     --dtype bf16 --steps 0 --write_structure "${PLAN_DIR}/${size}" >/dev/null ||
     { FAILED+=("plan structure ${size}"); continue; }
