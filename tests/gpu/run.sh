@@ -399,6 +399,9 @@ step "plan: predicted against measured peaks on the device (lorapipe plan --prob
 # worst error (goal: within 10%). Then SD1.5 on a 3 GB budget, where the larger batches at 1024
 # run out of the allocator's share: the probe's out-of-memory path on CUDA (said, the run goes on).
 PLAN_DIR="$(mktemp -d /tmp/lorapipe-plan-XXXXXX)"
+# The card the probes run on, for the plan's predicted times ("NVIDIA H100 80GB HBM3" is its H100).
+GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+GPU_NAME="${GPU_NAME:-H200}"
 for spec in "full sd15 512,768,1024 1,2,4 12GB" "sdxl sdxl 1024 1,2 12GB" \
   "full sd15 1024 1,2,4,8 3GB"; do
   read -r size family resolutions batches budget <<<"${spec}"
@@ -407,7 +410,7 @@ for spec in "full sd15 512,768,1024 1,2,4 12GB" "sdxl sdxl 1024 1,2 12GB" \
     --dtype bf16 --steps 0 --write_structure "${PLAN_DIR}/${size}" >/dev/null ||
     { FAILED+=("plan structure ${size}"); continue; }
   bench "plan probe ${size} ${budget}" 300 "${BUILD}/bin/lorapipe" plan --model="${PLAN_DIR}/${size}" \
-    --model_family="${family}" --vram_budget="${budget}" --gpu=H200 --probe --probe_device=cuda \
+    --model_family="${family}" --vram_budget="${budget}" --gpu="${GPU_NAME}" --probe --probe_device=cuda \
     --resolutions="${resolutions}" --batch_sizes="${batches}" --mixed_precision=bf16 \
     --gradient_checkpointing --optimizer_type=AdamW8bit --output="${PLAN_DIR}/out-${size}-${budget}"
 done
