@@ -371,7 +371,7 @@ void Cacher::run_job(Job& job, Done& done) {
   if (!job.samples.empty()) {
     std::vector<const wire::ImageSample*> batch;
     for (const auto& s : job.samples) batch.push_back(&s);
-    std::vector<EncodedRecord> encoded = latents_->encode(batch);
+    std::vector<EncodedRecord> encoded = encode_fitting(*latents_, batch);
     if (options_.delay_per_batch_s > 0) {
       std::this_thread::sleep_for(std::chrono::duration<double>(options_.delay_per_batch_s));
     }
@@ -393,7 +393,7 @@ void Cacher::run_job(Job& job, Done& done) {
   }
   std::vector<std::string> captions;
   for (const Caption& c : job.captions) captions.push_back(c.text);
-  std::vector<EncodedRecord> encoded = texts_->encode(captions);
+  std::vector<EncodedRecord> encoded = encode_fitting(*texts_, captions);
   for (size_t i = 0; i < encoded.size(); ++i) {
     EncodedRecord& r = encoded[i];
     if (!r.rejected.empty()) {

@@ -6,6 +6,8 @@
 
 #include "cacher/keys.h"
 #include "common/error.h"
+#include "common/log.h"
+#include "models/device.h"
 
 namespace lorapipe::cacher {
 namespace {
@@ -35,7 +37,54 @@ bool finite(const torch::Tensor& t) {
   return torch::isfinite(t.to(torch::kHalf).to(torch::kFloat)).all().item<bool>();
 }
 
+// encode_fitting's halving, for either encoder: `encode` a span of items, `key` of one item, and
+// `what` names one in the log.
+template <typename Item, typename Encode, typename Key, typename What>
+std::vector<EncodedRecord> encode_in_halves(const std::vector<Item>& items, const Encode& encode,
+                                            const Key& key, const What& what) {
+  try {
+    return encode(items);
+  } catch (const std::exception& e) {
+    if (!models::is_out_of_memory(e)) throw;
+    const std::string first_line = std::string(e.what()).substr(0, std::string(e.what()).find('\n'));
+    if (items.size() == 1) {
+      LP_LOG(kWarning, "cacher") << what(items.front()) << ": out of memory alone ("
+                                 << first_line << ")";
+      EncodedRecord rejected;
+      rejected.key = key(items.front());
+      rejected.rejected = "out of memory: it does not fit the device alone (" + first_line + ")";
+      return {std::move(rejected)};
+    }
+    LP_LOG(kWarning, "cacher") << "a batch of " << items.size() << " from " << what(items.front())
+                               << " ran out of memory; encoding it in halves (a smaller batch "
+                                  "size avoids the retry)";
+  }
+  const auto middle = items.begin() + static_cast<std::ptrdiff_t>(items.size() / 2);
+  std::vector<EncodedRecord> out =
+      encode_in_halves(std::vector<Item>(items.begin(), middle), encode, key, what);
+  std::vector<EncodedRecord> second =
+      encode_in_halves(std::vector<Item>(middle, items.end()), encode, key, what);
+  for (EncodedRecord& r : second) out.push_back(std::move(r));
+  return out;
+}
+
 }  // namespace
+
+std::vector<EncodedRecord> encode_fitting(LatentEncoder& encoder,
+                                          const std::vector<const wire::ImageSample*>& batch) {
+  return encode_in_halves(
+      batch, [&](const std::vector<const wire::ImageSample*>& b) { return encoder.encode(b); },
+      [&](const wire::ImageSample* s) { return latent_key(s->image_key(), encoder.fingerprint()); },
+      [](const wire::ImageSample* s) { return s->path(); });
+}
+
+std::vector<EncodedRecord> encode_fitting(TextEncoder& encoder,
+                                          const std::vector<std::string>& captions) {
+  return encode_in_halves(
+      captions, [&](const std::vector<std::string>& c) { return encoder.encode(c); },
+      [&](const std::string& c) { return text_key(c, encoder.fingerprint()); },
+      [](const std::string& c) { return "the caption \"" + c + "\""; });
+}
 
 at::Tensor latent_mask(const at::Tensor& alpha, int64_t height, int64_t width) {
   // kohya: alpha.astype(float32) / 255, then F.interpolate(mode="area") to the loss's size,
@@ -67,12 +116,15 @@ std::vector<EncodedRecord> LatentEncoder::encode(
     }
     std::memcpy(pixels[static_cast<int64_t>(i)].data_ptr(), s.pixels().data(), bytes);
   }
-  // uint8 HWC in [0, 255] -> float NCHW in [-1, 1], as diffusers' VaeImageProcessor does.
+  // uint8 HWC in [0, 255] -> float NCHW in [-1, 1], as diffusers' VaeImageProcessor does: in
+  // fp32, then rounded once to the VAE's dtype (in bf16 the division and subtraction would round
+  // twice more, up to twice the input error kohya's and diffusers' caches have).
   const auto parameter = model_.vae_module().parameters().front();
   torch::Tensor images = pixels.permute({0, 3, 1, 2})
-                             .to(parameter.device(), parameter.scalar_type())
+                             .to(parameter.device(), torch::kFloat)
                              .div(127.5)
-                             .sub(1.0);
+                             .sub(1.0)
+                             .to(parameter.scalar_type());
   bool any_flip = false;
   for (const auto* s : batch) any_flip |= s->flip();
   torch::NoGradGuard no_grad;

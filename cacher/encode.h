@@ -63,4 +63,13 @@ class TextEncoder {
   int max_token_length_;
 };
 
+// `encoder.encode`, and where the device runs out of memory (models::is_out_of_memory) the
+// batch's halves instead, down to single items: an item that alone does not fit is rejected
+// ("out of memory"), every other one is encoded, and the run goes on (kohya stops it). A batch
+// too large for a small card costs a slower encode, not the run. Other errors propagate.
+std::vector<EncodedRecord> encode_fitting(LatentEncoder& encoder,
+                                          const std::vector<const wire::ImageSample*>& batch);
+std::vector<EncodedRecord> encode_fitting(TextEncoder& encoder,
+                                          const std::vector<std::string>& captions);
+
 }  // namespace lorapipe::cacher
