@@ -73,8 +73,12 @@ class TorchAdamW final : public Optimizer {
   }
   void load(const std::filesystem::path& file) override {
     torch::serialize::InputArchive archive;
+    // Onto the parameters' device: the archive would bring each moment back to the device it was
+    // saved from (rank 0's cuda:0 for every rank; a CUDA device on a machine that has none).
+    const auto& params = adamw_->param_groups().front().params();
+    const c10::Device device = params.empty() ? c10::Device(c10::kCPU) : params.front().device();
     try {
-      archive.load_from(file.string());
+      archive.load_from(file.string(), device);
     } catch (const c10::Error& e) {
       throw InputError(file.string() + ": not an optimizer state: " + e.what_without_backtrace());
     }

@@ -86,6 +86,12 @@ const char* rank_backend(const c10::Device& device) {
 struct RankGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::Backend> group;
+  // NCCL's wait() only orders the current stream after the collective unless given a timeout:
+  // with one it blocks this thread and throws when the collective fails or outlasts it, so a
+  // lost rank is a RankLostError here, as with Gloo, not a hang in the next .item().
+  std::chrono::milliseconds wait_timeout{0};  // 0: c10d Work's kNoTimeout
+
+  void wait(const c10::intrusive_ptr<c10d::Work>& work) const { work->wait(wait_timeout); }
 };
 
 RankGroup::RankGroup(RankEnvironment env, std::unique_ptr<Impl> impl)
@@ -110,8 +116,13 @@ std::unique_ptr<RankGroup> RankGroup::join(const RankEnvironment& env,
     impl->store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, store_options);
 #if defined(LORAPIPE_NCCL)
     if (backend == "nccl") {
+      // On a failed collective NCCL's watchdog aborts the communicators and leaves the process
+      // to the caller (2: CleanUpOnly) rather than tearing it down (torch's default), so the
+      // failure reaches sum() as an error and rank 0 saves its state. A value the user set wins.
+      setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", /*overwrite=*/0);
       auto options = c10d::ProcessGroupNCCL::Options::create();
       options->timeout = timeout;
+      impl->wait_timeout = timeout;
       c10::cuda::CUDAGuard on(device);
       impl->group = c10::make_intrusive<c10d::ProcessGroupNCCL>(impl->store, env.rank,
                                                                 env.world_size, options);
@@ -151,7 +162,7 @@ void RankGroup::sum(const std::vector<at::Tensor>& tensors) {
     at += p.numel();
   }
   try {
-    impl_->group->allreduce(flat)->wait();
+    impl_->wait(impl_->group->allreduce(flat));
   } catch (const std::exception& e) {
     throw RankLostError("rank " + std::to_string(env_.rank) + ": another trainer rank is gone (" +
                         std::string(e.what()).substr(0, 300) + ")");
@@ -168,7 +179,7 @@ double RankGroup::sum(double value) {
   std::vector<at::Tensor> one = {
       torch::full({1}, value, torch::TensorOptions().dtype(torch::kFloat64).device(device_))};
   try {
-    impl_->group->allreduce(one)->wait();
+    impl_->wait(impl_->group->allreduce(one));
   } catch (const std::exception& e) {
     throw RankLostError("rank " + std::to_string(env_.rank) + ": another trainer rank is gone (" +
                         std::string(e.what()).substr(0, 300) + ")");

@@ -2,6 +2,7 @@
 // the model loaded, checked against the cache (family, VAE, text encoder) and placed.
 #include "trainer/run.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <malloc.h>
 
 #include <set>
@@ -132,6 +133,12 @@ void Run::preflight() {
 
 void Run::load_model() {
   device_ = rank_device(o_.device, o_.ranks);  // --device, or LOCAL_RANK's GPU with ranks
+  if (device_.is_cuda()) {
+    // The current device from here on, as torch.cuda.set_device: whatever asks CUDA for "the"
+    // device (a stream, a generator, a library handle) gets this one, and a rank on cuda:1 opens
+    // no context on GPU 0, which would cost another rank's card hundreds of MB.
+    c10::impl::VirtualGuardImpl(c10::kCUDA).setDevice(device_);
+  }
   const c10::ScalarType dtype = o_.step.base_dtype;
   // Built on the CPU, then placed (models/placement.h). The denoiser loads straight into the
   // compute dtype, or fp32 when LoRAs are merged into it (kohya merges into fp32 weights and
