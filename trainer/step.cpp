@@ -289,6 +289,8 @@ UpdateResult TrainingStep::update_weights() {
     if (options_.base_dtype == torch::kHalf) {
       loss_scale_ *= kScaleBackoff;
       growth_tracker_ = 0;
+      result.scale_lowered = true;
+      result.loss_scale = loss_scale_;
     }
     zero_grad();
     return result;

@@ -101,6 +101,12 @@ struct UpdateResult {
   double learning_rate = 0;  // the (first group's) rate this update used
   // With scale_weight_norms: what the max-norm pass after this update did.
   std::optional<MaxNormResult> max_norm;
+  // fp16: the gradients overflowed at the loss scale and it was halved to `loss_scale`, as
+  // torch's GradScaler does while it finds its scale (not a sign of a diverging run while the
+  // scale stays at 1 or more).
+  bool scale_lowered = false;
+  double loss_scale = 0;
+  bool finding_the_scale() const { return scale_lowered && loss_scale >= 1; }
 };
 
 class TrainingStep {

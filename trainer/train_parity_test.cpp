@@ -1225,6 +1225,9 @@ TEST_F(TrainMixedPrecision, Fp16LossScaleBacksOffAndGrowsAsTorchsGradScaler) {
   const UpdateResult overflowed = step.update();
   EXPECT_FALSE(overflowed.applied) << "an overflowing step was applied";
   EXPECT_EQ(step.loss_scale(), 5e37);
+  EXPECT_TRUE(overflowed.scale_lowered);
+  EXPECT_EQ(overflowed.loss_scale, 5e37);
+  EXPECT_TRUE(overflowed.finding_the_scale()) << "counted toward --max_bad_steps";
   EXPECT_EQ(step.scale_growth_tracker(), 0);
   for (const auto& [name, t] : weights()) {
     EXPECT_TRUE(torch::equal(t, before.at(name))) << name << " moved on a skipped step";

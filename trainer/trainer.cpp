@@ -270,7 +270,14 @@ Summary Run::train_steps() {
       }
       ++global_step_;
       ++steps_this_run_;
-      if (!update.applied) {
+      if (!update.applied && !bad && update.finding_the_scale()) {
+        // fp16's scaler finding its scale: skipped as kohya's (accelerate's GradScaler) skips
+        // it, and not counted toward --max_bad_steps, which would otherwise stop a run whose
+        // first steps overflow the starting scale of 2^16 ten times in a row.
+        ++skipped_;
+        LP_LOG(kInfo, kLog) << "step " << global_step_ << ": fp16 gradients overflowed, skipped; "
+                            << "the loss scale is lowered to " << update.loss_scale;
+      } else if (!update.applied) {
         ++skipped_;
         ++bad_in_a_row;
         LP_LOG(kWarning, kLog) << "step " << global_step_ << ": "
