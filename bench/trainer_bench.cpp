@@ -70,6 +70,7 @@
 #if __has_include(<c10/cuda/CUDACachingAllocator.h>)
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #include <torch/cuda.h>
 #define LORAPIPE_BENCH_CUDA 1
@@ -541,6 +542,7 @@ int solo(const std::string& size, int argc, char** argv) {
 #ifdef LORAPIPE_BENCH_CUDA
     if (device.is_cuda()) {
       size_t free_bytes = 0, total_bytes = 0;
+      const c10::cuda::CUDAGuard on(device.index());  // cudaMemGetInfo reads the current device
       C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
       c10::cuda::CUDACachingAllocator::setMemoryFraction(
           std::min(1.0, memory_limit / static_cast<double>(total_bytes)), device.index());
@@ -605,7 +607,10 @@ int solo(const std::string& size, int argc, char** argv) {
                     peak_tflops);
       }
       std::printf("\n");
-    } catch (const c10::OutOfMemoryError& e) {
+    } catch (const std::exception& e) {
+      // The allocator's typed error, and the libraries' own (cuBLAS's workspace, pinned host
+      // memory for the swap) that say so in words: each is this setting not fitting.
+      if (!m::is_out_of_memory(e)) throw;
       out_of_memory_at = s.width * 100000 + s.height;
       std::string what = e.what();
       what = what.substr(0, what.find('\n'));

@@ -987,7 +987,8 @@ std::vector<fs::path> write_plan(const Plan& plan, const fs::path& dir) {
       const ProbeResult& p = *row.probe;
       json probe = {{"out_of_memory", p.out_of_memory}, {"skipped", p.skipped},
                     {"predicted_peak_bytes", std::llround(p.predicted_peak)}};
-      if (!p.out_of_memory && !p.skipped) {
+      if (!p.failed.empty()) probe["failed"] = p.failed;
+      if (!p.out_of_memory && !p.skipped && p.failed.empty()) {
         probe["measured_peak_bytes"] = std::llround(p.peak_bytes);
         probe["s_per_it"] = p.s_per_it;
         probe["samples_per_s"] = p.samples_per_s;
@@ -1036,7 +1037,7 @@ std::vector<fs::path> write_plan(const Plan& plan, const fs::path& dir) {
   return written;
 }
 
-void probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
+int probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
   const fs::path bench = fs::read_symlink("/proc/self/exe").parent_path() / "trainer_bench";
   if (!fs::exists(bench)) {
     throw InputError("lorapipe plan --probe runs its steps with " + bench.string() +
@@ -1056,6 +1057,7 @@ void probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
   const fs::path dir = fs::temp_directory_path() / ("lorapipe-probe-" + std::to_string(::getpid()));
   fs::create_directories(dir);
   const double limit = std::max(0.0, o.budget_bytes - kReserveBytes);
+  int failed_groups = 0;
   for (auto& [name, rows] : groups) {
     std::sort(rows.begin(), rows.end(), [&](int a, int b) {
       const Candidate &x = plan.rows[a].candidate, &y = plan.rows[b].candidate;
@@ -1089,14 +1091,6 @@ void probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
              << std::flush;
     const int code = runtime::wait_exit(runtime::spawn(argv, dir / "out.txt", dir / "err.txt"));
     const std::string out = read_all(dir / "out.txt");
-    if (code != 0) {
-      std::string err = read_all(dir / "err.txt");
-      while (!err.empty() && err.back() == '\n') err.pop_back();
-      std::error_code ignored;
-      fs::remove_all(dir, ignored);
-      throw InputError("lorapipe plan --probe: trainer_bench exited " + std::to_string(code) +
-                       " on " + name + ": " + err.substr(err.size() > 2000 ? err.size() - 2000 : 0));
-    }
     const std::regex line(R"re(batch (\d+) (\d+)x(\d+)(, checkpointing)?: (.*))re");
     for (auto it = std::sregex_iterator(out.begin(), out.end(), line); it != std::sregex_iterator();
          ++it) {
@@ -1123,9 +1117,28 @@ void probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
         row.probe = result;
       }
     }
+    if (code != 0) {
+      // What it measured before it failed stays; the rest of this group is marked, and the
+      // other groups still run.
+      std::string err = read_all(dir / "err.txt");
+      while (!err.empty() && err.back() == '\n') err.pop_back();
+      const std::string last = err.substr(err.rfind('\n') == std::string::npos ? 0 : err.rfind('\n') + 1);
+      progress << "lorapipe plan --probe: trainer_bench exited " << code << " on " << name << ": "
+               << err.substr(err.size() > 2000 ? err.size() - 2000 : 0) << "\n" << std::flush;
+      ++failed_groups;
+      for (int r : rows) {
+        PlanRow& row = plan.rows[r];
+        if (row.probe) continue;
+        ProbeResult result;
+        result.predicted_peak = predict(plan.model, row.candidate, o).peak();
+        result.failed = "trainer_bench exited " + std::to_string(code) + ": " + last;
+        row.probe = result;
+      }
+    }
   }
   std::error_code ignored;
   fs::remove_all(dir, ignored);
+  return failed_groups;
 }
 
 void print_probe(const Plan& plan, std::ostream& out) {
@@ -1139,10 +1152,12 @@ void print_probe(const Plan& plan, std::ostream& out) {
     if (!row.probe) continue;
     const ProbeResult& p = *row.probe;
     char line[320];
-    if (p.out_of_memory || p.skipped) {
+    if (p.out_of_memory || p.skipped || !p.failed.empty()) {
       std::snprintf(line, sizeof line, "%5d  %5d  %-40s %9s  %s\n", key.first, key.second,
                     describe(row.candidate).c_str(), gib(p.predicted_peak).c_str(),
-                    p.out_of_memory ? "out of memory" : "skipped (a smaller batch ran out)");
+                    !p.failed.empty() ? ("failed: " + p.failed.substr(0, 200)).c_str()
+                    : p.out_of_memory ? "out of memory"
+                                      : "skipped (a smaller batch ran out)");
     } else {
       const double error = (p.predicted_peak - p.peak_bytes) / p.peak_bytes;
       worst = std::max(worst, std::abs(error));
@@ -1349,12 +1364,18 @@ int plan_command(const std::vector<std::string>& args, std::ostream& out) {
   Plan plan = make_plan(options);
   print_plan(plan, out);
   out << "\n";
+  int failed_groups = 0;
   if (probing) {
-    probe_plan(plan, probe, out);
+    failed_groups = probe_plan(plan, probe, out);
     print_probe(plan, out);
     out << "\n";
   }
   for (const fs::path& p : write_plan(plan, output)) out << "wrote " << p.string() << "\n";
+  if (failed_groups > 0) {
+    throw InputError("lorapipe plan --probe: " + std::to_string(failed_groups) +
+                     " group(s) of settings failed (above, and `failed` in plan.json); what the "
+                     "others measured is written");
+  }
   return kExitOk;
 }
 

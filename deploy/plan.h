@@ -118,6 +118,7 @@ struct ProbeResult {
   double peak_bytes = 0;       // peak allocated over the timed steps
   double s_per_it = 0, samples_per_s = 0;
   double mfu = -1;             // model FLOPs utilisation where the device's peak is known
+  std::string failed;          // the bench ended on another error than memory: its last words
 };
 
 struct PlanRow {
@@ -178,14 +179,15 @@ std::string apply_auto_batch(Settings& settings, const std::vector<std::string>&
 // random weights, the same shapes as the user's file; `size` overrides it, e.g. tiny), held to
 // the budget's memory (less the CUDA context's reserve): one process per memory option, its
 // sizes in order of batch, a size's larger batches skipped after an out-of-memory. The results
-// go into the rows' `probe`. Throws InputError where trainer_bench is not beside lorapipe or a
-// probe fails for another reason than memory.
+// go into the rows' `probe`. Throws InputError where trainer_bench is not beside lorapipe. A
+// group of settings whose bench fails for another reason than memory marks its unmeasured rows
+// `failed`, and the other groups are still probed; returns how many groups failed.
 struct ProbeOptions {
   std::string device = "cuda";
   std::string size;  // trainer_bench's: empty: the family's full size
   int steps = 3;
 };
-void probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress);
+int probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress);
 // Measured next to predicted, for the probed rows.
 void print_probe(const Plan& plan, std::ostream& out);
 

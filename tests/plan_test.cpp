@@ -567,11 +567,21 @@ TEST_F(PlanTest, PlanProbeRunsTheSettingsAndStopsEachSizeAtItsFirstOutOfMemory) 
   EXPECT_NEAR(probed.at({256, 2}).at("measured_peak_bytes").get<double>() / (1 << 20),
               std::stod(m[1]), 1.0);
 
-  // A probe that cannot start says why.
-  run("lorapipe", {"plan", "--model=" + b.structure, "--probe", "--probe_device=cpu",
-                   "--probe_size=enormous", "--output=" + (work_ / "plan2").string()});
+  // A probe that fails for another reason than memory says why, marks its settings failed in
+  // the table and plan.json, and still writes the plan; the exit code says it failed.
+  const std::string failed =
+      run("lorapipe", {"plan", "--model=" + b.structure, "--probe", "--probe_device=cpu",
+                       "--probe_size=enormous", "--output=" + (work_ / "plan2").string()});
   EXPECT_NE(code_, 0);
-  EXPECT_NE(err_.find("trainer_bench exited"), std::string::npos) << err_;
+  EXPECT_NE(failed.find("trainer_bench exited"), std::string::npos) << failed;
+  EXPECT_NE(failed.find("failed: trainer_bench exited"), std::string::npos) << failed;
+  EXPECT_NE(err_.find("group(s) of settings failed"), std::string::npos) << err_;
+  const json written = json::parse(read_text(work_ / "plan2" / "plan.json"));
+  int marked = 0;
+  for (const json& c : written.at("candidates")) {
+    marked += c.contains("probe") && c.at("probe").contains("failed");
+  }
+  EXPECT_GT(marked, 0) << written.dump(1);
 }
 
 }  // namespace
