@@ -57,6 +57,19 @@ std::vector<std::string> stage_args(const Settings& settings, Stage stage);
 // the trainer and the sampler have cores, not a card, to share.
 bool same_gpu(const std::string& device, const std::string& sampler_device);
 
+// Where and when a run's previews render. `after` is --sample_after_training (auto, true or
+// false); `why_not_shared`, empty where the trainer's weights can be shared, names what rules it
+// out (block swap, a family whose sampler loads its own large text encoders, --merge_lora).
+struct PreviewMode {
+  bool share_weights = false;  // the sampler renders over the trainer's placed denoiser
+  bool after_training = false;  // the sampler starts once the trainer has exited
+  bool own_copy_beside = false;  // it renders during training on the trainer's GPU, own model
+  bool map_weights = false;      // both on the CPU: both map the model file's weights
+};
+PreviewMode preview_mode(const std::string& device, const std::string& sampler_device,
+                         const std::string& after, bool previews_wanted,
+                         const std::string& why_not_shared);
+
 // Every flag the launcher routes, as (name, stages, takes a value); for the flag table's test.
 struct FlagInfo {
   std::string name;

@@ -170,7 +170,7 @@ class Supervisor {
   void apply_family_defaults();
   std::string endpoint(const std::string& name) const;
   void start(Stage stage, std::vector<std::string> args);
-  int check_trainer_flags();  // kExitOk, or kExitError with the trainer's reasons shown
+  int check_flags(Stage stage);  // kExitOk, or kExitError with the stage's reasons shown
   Child* child(Stage stage);
   void event(nlohmann::json e);
   void on_message(const google::protobuf::Message& m);
@@ -373,22 +373,26 @@ void Supervisor::start(Stage stage, std::vector<std::string> args) {
 }
 
 // The trainer starts only once the data is cached, which takes hours on a large dataset with a
-// real VAE: its flags are checked first (lorapipe-trainer --check_flags: everything that needs no
-// model or data), so a flag it would refuse stops the run before any stage starts.
-int Supervisor::check_trainer_flags() {
-  std::vector<std::string> args = stage_args(s_, Stage::kTrainer);
-  args.insert(args.begin(), (o_.bin_dir / "lorapipe-trainer").string());
-  if (!s_.has("dataset_id")) args.push_back("--dataset_id=the-cachers-manifest");
+// real VAE, and a sampler that renders after the training only then: their flags are checked
+// first (--check_flags: everything that needs no model or data), so a flag either would refuse
+// stops the run before any stage starts.
+int Supervisor::check_flags(Stage stage) {
+  const std::string name = stage_name(stage);
+  std::vector<std::string> args = stage_args(s_, stage);
+  args.insert(args.begin(), (o_.bin_dir / ("lorapipe-" + name)).string());
+  if (stage == Stage::kTrainer && !s_.has("dataset_id")) {
+    args.push_back("--dataset_id=the-cachers-manifest");
+  }
   args.insert(args.end(), {"--output_dir=" + dir_.string(), "--check_flags"});
-  const fs::path log = dir_ / "logs" / "trainer.log";
+  const fs::path log = dir_ / "logs" / (name + ".log");
   const int code = run_to_end(args, log);
   if (code == kExitOk) return kExitOk;
-  display_ << "lorapipe: the trainer refuses its flags (exit code " << code
+  display_ << "lorapipe: the " << name << " refuses its flags (exit code " << code
            << "), so no stage was started; the last lines of " << log.string() << ":\n";
   for (const std::string& line : last_lines(log, 15)) display_ << "  | " << line << "\n";
   display_ << "lorapipe: `lorapipe resume " << dir_.string()
            << "` with the flag corrected runs it\n" << std::flush;
-  event({{"event", "Run"}, {"result", "failed"}, {"stage", "trainer"}, {"exit_code", code}});
+  event({{"event", "Run"}, {"result", "failed"}, {"stage", name}, {"exit_code", code}});
   return kExitError;
 }
 
@@ -601,7 +605,12 @@ int Supervisor::run() {
   events_.open(dir_ / "events.jsonl", std::ios::app);
   event({{"event", "Run"}, {"result", "started"}, {"output", dir_.string()},
          {"resume", o_.resume.string()}});
-  if (const int code = check_trainer_flags(); code != kExitOk) return code;
+  if (const int code = check_flags(Stage::kTrainer); code != kExitOk) return code;
+  const bool previews_asked = s_.has("sample_prompts") &&
+                              !(s_.has("debug_dataset") && s_.get("debug_dataset") == "true");
+  if (previews_asked) {
+    if (const int code = check_flags(Stage::kSampler); code != kExitOk) return code;
+  }
 
   zmq::context_t context(1);
   wire::SocketOptions sub_options;
@@ -633,7 +642,6 @@ int Supervisor::run() {
   const std::string after = s_.has("sample_after_training") ? s_.get("sample_after_training")
                                                             : "auto";
   const bool previews_wanted = s_.has("sample_prompts") && !debug_dataset;
-  const bool one_device = same_gpu(device, sampler_device);
   std::string why_not_shared;
   if (s_.has("blocks_to_swap") && s_.get("blocks_to_swap") != "0") {
     why_not_shared = "--blocks_to_swap keeps weights off the device";
@@ -643,10 +651,10 @@ int Supervisor::run() {
   } else if (s_.has("merge_lora") && s_.get("merge_lora") != "false") {
     why_not_shared = "--merge_lora writes the weights";
   }
-  const bool share_weights =
-      previews_wanted && after == "auto" && one_device && why_not_shared.empty();
-  const bool sample_after_training =
-      previews_wanted && (after == "true" || (after == "auto" && one_device && !share_weights));
+  const PreviewMode mode =
+      preview_mode(device, sampler_device, after, previews_wanted, why_not_shared);
+  const bool share_weights = mode.share_weights;
+  const bool sample_after_training = mode.after_training;
   if (share_weights) {
     shared_weights_ = dir_ / "shared_weights.json";
     std::error_code ec;
@@ -666,10 +674,15 @@ int Supervisor::run() {
   if (previews_wanted && !sample_after_training) {
     // Both on the CPU: the sampler takes no second copy of the model; both map the weights the
     // file holds as they use them (models/mapped_weights.h).
-    if (device == sampler_device && !share_weights && !s_.has("map_weights")) {
+    if (mode.map_weights && !s_.has("map_weights")) {
       s_.set("map_weights", "true");
       display_ << "lorapipe: the sampler shares the trainer's CPU: both map the model file's "
                   "weights (--map_weights), so previews hold no second copy of the model\n";
+    }
+    if (mode.own_copy_beside) {
+      display_ << "lorapipe: the sampler renders during the training (--sample_after_training="
+                  "false) on the trainer's device (" << device << ") with its own copy of the "
+                  "model, as " << why_not_shared << ": the card must hold both\n";
     }
     args = stage_args(s_, Stage::kSampler);
     args.insert(args.end(), {"--output_dir=" + dir_.string(), "--sub=" + endpoint("trainer-pub"),
@@ -804,6 +817,21 @@ int Supervisor::run() {
 bool same_gpu(const std::string& device, const std::string& sampler_device) {
   auto gpu = [](const std::string& d) { return d == "cuda" || d == "auto" ? "cuda:0" : d; };
   return gpu(device) == gpu(sampler_device) && gpu(device) != "cpu";
+}
+
+PreviewMode preview_mode(const std::string& device, const std::string& sampler_device,
+                         const std::string& after, bool previews_wanted,
+                         const std::string& why_not_shared) {
+  PreviewMode mode;
+  if (!previews_wanted) return mode;
+  const bool one_gpu = same_gpu(device, sampler_device);
+  // Sharing is the default on one GPU, and --sample_after_training=false keeps it: only where it
+  // is ruled out does false mean a second copy of the model on the card.
+  mode.share_weights = after != "true" && one_gpu && why_not_shared.empty();
+  mode.after_training = after == "true" || (after == "auto" && one_gpu && !mode.share_weights);
+  mode.own_copy_beside = after == "false" && one_gpu && !mode.share_weights;
+  mode.map_weights = !mode.after_training && device == "cpu" && sampler_device == "cpu";
+  return mode;
 }
 
 int run(Settings settings, const RunOptions& options, std::ostream& display) {

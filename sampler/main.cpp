@@ -73,6 +73,10 @@ DEFINE_double(device_share, -1,
               "call the sampler waits (1/share - 1) times that call's time, so a trainer on the "
               "same GPU keeps the rest; -1: 0.1 over a trainer's shared weights on CUDA, else 1");
 DEFINE_int32(threads, 0, "CPU threads for compute (0: one per core)");
+DEFINE_bool(check_flags, false,
+            "Check the flags, the device, the sampler's name and the prompt file without loading "
+            "the model, and exit: 0 when they are fine, 2 naming what is not. lorapipe run does "
+            "this before it starts any stage");
 
 int main(int argc, char** argv) {
   // glibc's default heap, not the trainer's keep-freed-memory policy (common/heap.h): at SD1.5
@@ -138,6 +142,11 @@ int main(int argc, char** argv) {
         item = item.substr(0, colon);
       }
       o.loras.emplace_back(item, multiplier);
+    }
+    if (FLAGS_check_flags) {
+      s::check_sampler_options(o);
+      std::printf("sampler: the flags are fine\n");
+      return lorapipe::runtime::kExitOk;
     }
     const s::SamplerSummary summary = s::run_sampler(o);
     std::printf("sampler: %d checkpoints rendered, %d skipped, %d superseded; %d images; "

@@ -6,6 +6,7 @@
 #include <zlib.h>
 
 #if __has_include(<c10/cuda/CUDAGuard.h>) && __has_include(<c10/cuda/CUDAStream.h>)
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #define LORAPIPE_SAMPLER_CUDA_STREAMS 1
@@ -273,6 +274,23 @@ std::string run_name(const fs::path& lora) {
 }
 
 
+// The prompt file with --sample_sampler and --seed as its defaults; InputError for an unknown
+// sampler or a file with no prompt that can be read.
+PromptSet read_prompts(const SamplerOptions& o) {
+  PromptDefaults defaults;
+  defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
+  for (char c : o.sampler) {
+    defaults.sampler += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  defaults.first_seed = o.first_seed;
+  (void)scheduler_options(defaults.sampler, false);  // an unknown --sampler fails now
+  PromptSet prompts = load_prompts(o.sample_prompts, defaults);
+  if (prompts.prompts.empty()) {
+    throw InputError(o.sample_prompts.string() + ": no prompt could be read");
+  }
+  return prompts;
+}
+
 class Sampler {
  public:
   explicit Sampler(const SamplerOptions& options) : o_(options) {
@@ -345,21 +363,11 @@ class Sampler {
                           << models::describe_device(device) << "'s time (--device_share): the "
                           << "trainer beside it keeps the rest";
     }
-    PromptDefaults defaults;
-    defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
-    for (char c : o_.sampler) {
-      defaults.sampler += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    }
-    defaults.first_seed = o_.first_seed;
-    (void)scheduler_options(defaults.sampler, false);  // an unknown --sampler fails now
-    prompts_ = load_prompts(o_.sample_prompts, defaults);
+    prompts_ = read_prompts(o_);
     for (const std::string& problem : prompts_.problems) {
       LP_LOG(kWarning, kLog) << "skipped " << problem;
     }
     for (const std::string& note : prompts_.notes) LP_LOG(kWarning, kLog) << note;
-    if (prompts_.prompts.empty()) {
-      throw InputError(o_.sample_prompts.string() + ": no prompt could be read");
-    }
     fs::create_directories(o_.output_dir / "samples");
     write_text(o_.output_dir / "samples" / "index.html", kGallery);
     // A restarted sampler adds to the gallery of the one before.
@@ -385,12 +393,18 @@ class Sampler {
   // samples/) skips that checkpoint: the sampler keeps serving, and the run it follows goes on.
   bool render_checkpoint(const std::vector<std::pair<fs::path, double>>& loras, uint64_t step,
                          const std::string& name) {
+    bool rendered = false;
     try {
-      return render_checkpoint_or_throw(loras, step, name);
+      rendered = render_checkpoint_or_throw(loras, step, name);
     } catch (const std::exception& e) {
       LP_LOG(kError, kLog) << "step " << step << " not rendered: " << e.what();
-      return false;
     }
+#ifdef LORAPIPE_SAMPLER_CUDA_STREAMS
+    // Beside the trainer on its GPU, what a render's allocator cached goes back to the device
+    // for the trainer's steps; kept, it would sit idle until the next checkpoint.
+    if (shared_ && device_.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+    return rendered;
   }
 
   bool render_checkpoint_or_throw(const std::vector<std::pair<fs::path, double>>& loras,
@@ -719,7 +733,7 @@ class Sampler {
 
 }  // namespace
 
-SamplerSummary run_sampler(const SamplerOptions& options) {
+void check_sampler_options(const SamplerOptions& options) {
   if (options.model.empty()) throw InputError("--pretrained_model_name_or_path is required");
   if (options.sample_prompts.empty()) throw InputError("--sample_prompts is required");
   if (options.output_dir.empty()) throw InputError("--output_dir is required");
@@ -742,6 +756,17 @@ SamplerSummary run_sampler(const SamplerOptions& options) {
     throw InputError("--fp8_fast multiplies scaled float8 weights in float8: give --fp8_scaled "
                      "(and --fp8_base)");
   }
+  if (!fs::exists(options.model)) {
+    throw InputError("--pretrained_model_name_or_path=" + options.model.string() +
+                     ": no such file or folder");
+  }
+  (void)models::resolve_device(options.device);
+  (void)models::parse_precision(options.mixed_precision, "--mixed_precision");
+  (void)read_prompts(options);
+}
+
+SamplerSummary run_sampler(const SamplerOptions& options) {
+  check_sampler_options(options);
   if (options.sub_endpoint.empty() && options.loras.empty()) {
     LP_LOG(kInfo, kLog) << "no --sub and no --lora: rendering the base model";
   }

@@ -91,4 +91,10 @@ struct SamplerSummary {
 // Throws InputError for a bad model, prompt file or flag before anything is rendered.
 SamplerSummary run_sampler(const SamplerOptions& options);
 
+// What run_sampler checks before it loads the model (the flags, the device, the sampler's name,
+// the prompt file), without loading it: `lorapipe run` asks this of the sampler before any stage
+// starts, so a sampler that starts after hours of training does not refuse its flags then.
+// Throws InputError naming the flag or file.
+void check_sampler_options(const SamplerOptions& options);
+
 }  // namespace lorapipe::sampler

@@ -661,7 +661,7 @@ TEST_F(LauncherRun, StatusOfARunWhoseLauncherIsGoneSaysStopped) {
 // A run that fails before its first save (the trainer refuses a flag) leaves nothing to resume,
 // and no dead end: `lorapipe resume` with the flag corrected starts it over in its own folder and
 // completes it. The trainer's flags are checked before any stage starts: nothing is cached for
-// a run that cannot train.
+// a run that cannot train; and so are the sampler's.
 TEST_F(LauncherRun, RunStoppedBeforeItsFirstSaveStartsOverOnResume) {
   const fs::path run = work_ / "run";
   EXPECT_EQ(lorapipe({"run", "--output=" + run.string(), "--cache_dir=" + (work_ / "cache").string(),
@@ -677,7 +677,17 @@ TEST_F(LauncherRun, RunStoppedBeforeItsFirstSaveStartsOverOnResume) {
   EXPECT_EQ(status(run)["state"], "failed");
   // The resume renders from a prompt file with a line that has no prompt: said on the screen.
   std::ofstream(work_ / "prompts.txt") << "a red circle --w 64 --h 64 --s 2\n--w 64\n";
-  ASSERT_EQ(lorapipe({"resume", run.string(), "--lr_warmup_steps=0",
+  // So does a flag the sampler would refuse (it may start only after the training).
+  EXPECT_EQ(lorapipe({"resume", run.string(), "--lr_warmup_steps=0",
+                      "--sample_prompts=" + (work_ / "prompts.txt").string(),
+                      "--sample_sampler=lms9000"}),
+            kExitError);
+  EXPECT_NE(out_.find("the sampler refuses its flags (exit code 2), so no stage was started"),
+            std::string::npos)
+      << out_;
+  EXPECT_NE(out_.find("unknown sampler 'lms9000'"), std::string::npos) << out_;
+  EXPECT_FALSE(fs::exists(work_ / "cache")) << "the cacher was started";
+  ASSERT_EQ(lorapipe({"resume", run.string(), "--lr_warmup_steps=0", "--sample_sampler=ddim",
                       "--sample_prompts=" + (work_ / "prompts.txt").string()}),
             0)
       << out_ << err_;
@@ -958,6 +968,26 @@ TEST(LauncherDevices, OneGpuHoweverItIsNamed) {
   EXPECT_FALSE(same_gpu("cuda", "cpu"));
 }
 
+// Where previews render: over the trainer's weights on its GPU unless that is ruled out, then
+// after the training, or (--sample_after_training=false) beside it with an own copy; on the CPU
+// both map the model file; on another device as the run trains.
+TEST(LauncherDevices, PreviewsShareTheTrainersGpuUnlessRuledOut) {
+  const std::string none, swap = "--blocks_to_swap keeps weights off the device";
+  auto is = [](const PreviewMode& m, bool share, bool after, bool own, bool map) {
+    return m.share_weights == share && m.after_training == after && m.own_copy_beside == own &&
+           m.map_weights == map;
+  };
+  EXPECT_TRUE(is(preview_mode("auto", "auto", "auto", true, none), true, false, false, false));
+  EXPECT_TRUE(is(preview_mode("cuda", "cuda:0", "false", true, none), true, false, false, false));
+  EXPECT_TRUE(is(preview_mode("auto", "auto", "true", true, none), false, true, false, false));
+  EXPECT_TRUE(is(preview_mode("auto", "auto", "auto", true, swap), false, true, false, false));
+  EXPECT_TRUE(is(preview_mode("cuda:0", "auto", "false", true, swap), false, false, true, false));
+  EXPECT_TRUE(is(preview_mode("cuda:0", "cuda:1", "auto", true, none), false, false, false, false));
+  EXPECT_TRUE(is(preview_mode("cpu", "cpu", "auto", true, none), false, false, false, true));
+  EXPECT_TRUE(is(preview_mode("cpu", "cpu", "true", true, none), false, true, false, false));
+  EXPECT_TRUE(is(preview_mode("auto", "auto", "auto", false, none), false, false, false, false));
+}
+
 // The flag table against the stages themselves: every flag the launcher passes exists in the
 // stage it goes to, with the same kind (boolean or value), and every flag a stage has is either
 // routed or one the launcher sets itself (endpoints, folders, tools), listed here with why.
@@ -975,7 +1005,7 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
         "share_weights"}},   // the launcher's choice, with the sampler's --shared_weights
       {Stage::kSampler,
        {"output_dir", "sub", "pub", "lora", "replay_dir", "idle_timeout_s", "delay_per_image_s",
-        "shared_weights"}},
+        "shared_weights", "check_flags"}},
   };
   // A stage's second name for a flag: the launcher takes it too, as the routed name.
   const std::map<Stage, std::map<std::string, std::string>> aliases = {
