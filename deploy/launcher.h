@@ -57,6 +57,18 @@ std::vector<std::string> stage_args(const Settings& settings, Stage stage);
 // the trainer and the sampler have cores, not a card, to share.
 bool same_gpu(const std::string& device, const std::string& sampler_device);
 
+// The GPUs a stage on this machine sees, counted without CUDA (the launcher links none): the
+// NVIDIA driver's /proc/driver/nvidia/gpus entries, narrowed by CUDA_VISIBLE_DEVICES as CUDA
+// narrows them. visible_gpus reads this process's environment and /proc; count_visible is its
+// rule: `visible` is CUDA_VISIBLE_DEVICES (null: unset), `present` the driver's count.
+int visible_gpus();
+int count_visible(const char* visible, int present);
+
+// The sampler's device where the user named none: with two GPUs or more, one the trainer does
+// not use (previews on a spare GPU, with their own copy of the model); empty where there is no
+// such GPU (the sampler's "auto", the trainer's GPU).
+std::string spare_gpu_for_sampler(const std::string& device, int gpus);
+
 // Where and when a run's previews render. `after` is --sample_after_training (auto, true or
 // false); `why_not_shared`, empty where the trainer's weights can be shared, names what rules it
 // out (block swap, a family whose sampler loads its own large text encoders, --merge_lora).

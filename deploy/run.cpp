@@ -608,6 +608,18 @@ int Supervisor::run() {
   if (const int code = check_flags(Stage::kTrainer); code != kExitOk) return code;
   const bool previews_asked = s_.has("sample_prompts") &&
                               !(s_.has("debug_dataset") && s_.get("debug_dataset") == "true");
+  if (previews_asked && !s_.has("sampler_device")) {
+    // Decided on each start (not kept in run.toml): a resume may be on another machine.
+    const std::string trainer_device = s_.has("device") ? s_.get("device") : "auto";
+    const int gpus = visible_gpus();
+    const std::string spare = spare_gpu_for_sampler(trainer_device, gpus);
+    if (!spare.empty()) {
+      s_.set("sampler_device", spare);
+      display_ << "lorapipe: " << gpus << " GPUs: the sampler renders on " << spare
+               << " with its own copy of the model, the trainer on " << trainer_device
+               << " (--sampler_device picks another)\n";
+    }
+  }
   if (previews_asked) {
     if (const int code = check_flags(Stage::kSampler); code != kExitOk) return code;
   }
@@ -817,6 +829,45 @@ int Supervisor::run() {
 bool same_gpu(const std::string& device, const std::string& sampler_device) {
   auto gpu = [](const std::string& d) { return d == "cuda" || d == "auto" ? "cuda:0" : d; };
   return gpu(device) == gpu(sampler_device) && gpu(device) != "cpu";
+}
+
+int count_visible(const char* visible, int present) {
+  if (visible == nullptr) return present;
+  // CUDA takes the list up to its first entry that names no device ("-1", an empty one).
+  int count = 0;
+  std::stringstream list(visible);
+  std::string entry;
+  while (std::getline(list, entry, ',')) {
+    if (entry.empty() || entry[0] == '-') break;
+    ++count;
+  }
+  return std::min(count, present);
+}
+
+int visible_gpus() {
+  std::error_code ec;
+  int present = 0;
+  for (const auto& gpu : fs::directory_iterator("/proc/driver/nvidia/gpus", ec)) {
+    (void)gpu;
+    ++present;
+  }
+  return count_visible(std::getenv("CUDA_VISIBLE_DEVICES"), present);
+}
+
+std::string spare_gpu_for_sampler(const std::string& device, int gpus) {
+  if (gpus < 2 || device == "cpu") return "";
+  int trainer = 0;  // auto and cuda: the first GPU
+  if (device.rfind("cuda:", 0) == 0) {
+    try {
+      trainer = std::stoi(device.substr(5));
+    } catch (const std::exception&) {
+      return "";  // the trainer refuses it by name
+    }
+  } else if (device != "auto" && device != "cuda") {
+    return "";
+  }
+  if (trainer < 0 || trainer >= gpus) return "";
+  return "cuda:" + std::to_string(trainer == 0 ? 1 : 0);
 }
 
 PreviewMode preview_mode(const std::string& device, const std::string& sampler_device,

@@ -968,6 +968,28 @@ TEST(LauncherDevices, OneGpuHoweverItIsNamed) {
   EXPECT_FALSE(same_gpu("cuda", "cpu"));
 }
 
+// With two GPUs or more the sampler takes one the trainer does not use; the GPUs are counted as
+// CUDA sees them through CUDA_VISIBLE_DEVICES (up to its first entry naming no device).
+TEST(LauncherDevices, SamplerTakesASpareGpuWhereThereIsOne) {
+  EXPECT_EQ(spare_gpu_for_sampler("auto", 2), "cuda:1");
+  EXPECT_EQ(spare_gpu_for_sampler("cuda", 4), "cuda:1");
+  EXPECT_EQ(spare_gpu_for_sampler("cuda:0", 2), "cuda:1");
+  EXPECT_EQ(spare_gpu_for_sampler("cuda:1", 2), "cuda:0");
+  EXPECT_EQ(spare_gpu_for_sampler("auto", 1), "");
+  EXPECT_EQ(spare_gpu_for_sampler("auto", 0), "");
+  EXPECT_EQ(spare_gpu_for_sampler("cpu", 2), "");
+  EXPECT_EQ(spare_gpu_for_sampler("cuda:2", 2), "") << "the trainer refuses a GPU that is not there";
+  EXPECT_EQ(spare_gpu_for_sampler("cuda:x", 2), "");
+  EXPECT_EQ(count_visible(nullptr, 2), 2);
+  EXPECT_EQ(count_visible("0", 2), 1);
+  EXPECT_EQ(count_visible("1,0", 2), 2);
+  EXPECT_EQ(count_visible("0,1,2,3", 2), 2);
+  EXPECT_EQ(count_visible("GPU-5e1f,GPU-77aa", 2), 2);
+  EXPECT_EQ(count_visible("", 2), 0);
+  EXPECT_EQ(count_visible("-1", 2), 0);
+  EXPECT_EQ(count_visible("1,-1,0", 4), 1);
+}
+
 // Where previews render: over the trainer's weights on its GPU unless that is ruled out, then
 // after the training, or (--sample_after_training=false) beside it with an own copy; on the CPU
 // both map the model file; on another device as the run trains.
