@@ -301,6 +301,9 @@ std::pair<at::Tensor, at::Tensor> FluxDoubleBlockImpl::forward(const at::Tensor&
   img_out = img_out + im[5] * img_mlp((1 + im[4]) * plain_norm(img_out) + im[3]);
   at::Tensor txt_out = txt + tm[2] * txt_attn->proj(a.slice(1, 0, t));
   txt_out = txt_out + tm[5] * txt_mlp((1 + tm[4]) * plain_norm(txt_out) + tm[3]);
+  // fp16: FLUX.1's text stream outgrows half's range; clipped as diffusers clips it (an inf
+  // would be NaN after the next block's norm).
+  if (txt_out.scalar_type() == at::kHalf) txt_out = txt_out.clamp(-65504, 65504);
   return {img_out, txt_out};
 }
 
@@ -321,7 +324,9 @@ at::Tensor FluxSingleBlockImpl::forward(const at::Tensor& x, const at::Tensor& v
   const at::Tensor q = norm->query_norm(qkv[0]).to(dtype);
   const at::Tensor k = norm->key_norm(qkv[1]).to(dtype);
   const at::Tensor a = attend(q, k, qkv[2], pe, key_mask);
-  return x + m[2] * linear2(at::cat({a, at::gelu(h.slice(-1, 3 * hidden), "tanh")}, 2));
+  at::Tensor out = x + m[2] * linear2(at::cat({a, at::gelu(h.slice(-1, 3 * hidden), "tanh")}, 2));
+  if (out.scalar_type() == at::kHalf) out = out.clamp(-65504, 65504);  // as the double block's
+  return out;
 }
 
 FluxLastLayerImpl::FluxLastLayerImpl(int64_t hidden, int64_t out_channels,

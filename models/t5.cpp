@@ -36,11 +36,15 @@ double lowest(at::ScalarType t) {
 }
 
 // transformers' fp16 guard after each layer: an overflow to inf is clamped just inside the range.
+// The limit is chosen on the device (torch.where, as transformers does): no copy to the host and
+// wait in each layer.
 at::Tensor clamp_fp16(const at::Tensor& x) {
   if (x.scalar_type() != at::kHalf) return x;
   const double max = 65504.0;
-  const double limit = x.isinf().any().item<bool>() ? max - 1000 : max;
-  return x.clamp(-limit, limit);
+  const at::TensorOptions fp32 = x.options().dtype(at::kFloat);
+  const at::Tensor limit = at::where(x.isinf().any(), at::scalar_tensor(max - 1000, fp32),
+                                     at::scalar_tensor(max, fp32));
+  return at::clamp(x, -limit, limit);
 }
 
 // NewGELUActivation, op for op (the tanh approximation as transformers writes it).

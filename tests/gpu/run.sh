@@ -38,8 +38,9 @@
 #     the script runs the test binaries that hold them, whole): kernels_test (the devices),
 #     adamw8bit_test (the CUDA kernel bit for bit against the CPU reference, paged against plain
 #     state; its parity tests against bitsandbytes run where bitsandbytes is installed),
-#     models_test (device selection, the model seam's placement) and trainer_ranks_test (each
-#     rank's GPU). A test that skips itself here counts as a failure, and so does a machine where
+#     models_test (device selection, the model seam's placement, and SDPA's masked kernel on the
+#     device against the math path at a FLUX.1 length, forward and backward) and
+#     trainer_ranks_test (each rank's GPU). A test that skips itself here counts as a failure, and so does a machine where
 #     torch sees no CUDA device.
 #   - The stages on CUDA (tests/stages_on_device_test.cpp): lorapipe-cacher encoding samples sent
 #     to it over ZeroMQ on the device, lorapipe-trainer training from that cache with
