@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <iterator>
 
 #if __has_include(<c10/cuda/CUDAStream.h>) && __has_include(<ATen/cuda/CUDAEvent.h>)
@@ -60,23 +61,28 @@ class CudaSwapDevice : public SwapDevice {
       : index_(device.has_index() ? device.index() : c10::cuda::current_device()),
         copy_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index_)) {}
   std::string name() const override { return "cuda:" + std::to_string(index_); }
-  // Pinned, so the copy stream's copies are asynchronous. Packed into arenas of kArena bytes
-  // rather than pinned one by one: LibTorch's pinned allocator rounds every allocation up to a
-  // power of two, which would page-lock a third more host memory than FLUX.1's blocks hold
-  // (a 132 MB weight takes 256 MiB). An arena is a power of two itself, so it loses nothing to
-  // the rounding; each weight is a view at an aligned offset of the first arena with room.
+  // Pinned, so the copy stream's copies are asynchronous. Packed into arenas rather than pinned
+  // one by one: LibTorch's pinned allocator rounds every allocation up to a power of two, which
+  // would page-lock a third more host memory than FLUX.1's blocks hold (a 132 MB weight takes
+  // 256 MiB). An arena is a power of two itself (pinned_arena_bytes); each weight is a view at
+  // an aligned offset of the first arena with room.
+  void expect_host_bytes(int64_t bytes) override { to_come_ = bytes; }
   at::Tensor host(const at::Tensor& weight) override {
     const at::Tensor w = weight.detach().contiguous();
     const int64_t bytes = static_cast<int64_t>(w.nbytes());
-    if (bytes > kArena / 4) return w.to(at::kCPU).pin_memory();  // a weight this large: alone
-    auto arena = std::find_if(arenas_.begin(), arenas_.end(),
-                              [&](const Arena& a) { return a.used + bytes <= kArena; });
+    const int64_t aligned = (bytes + kAlign - 1) / kAlign * kAlign;
+    to_come_ = std::max<int64_t>(to_come_ - aligned, 0);
+    if (bytes > kPinnedArenaMax / 4) return w.to(at::kCPU).pin_memory();  // this large: alone
+    auto arena = std::find_if(arenas_.begin(), arenas_.end(), [&](const Arena& a) {
+      return a.used + bytes <= a.memory.numel();
+    });
     if (arena == arenas_.end()) {
-      arenas_.push_back({at::empty({kArena}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)), 0});
+      const int64_t size = pinned_arena_bytes(aligned, to_come_);
+      arenas_.push_back({at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(true)), 0});
       arena = std::prev(arenas_.end());
     }
     at::Tensor view = arena->memory.narrow(0, arena->used, bytes).view(w.scalar_type()).view(w.sizes());
-    arena->used += (bytes + kAlign - 1) / kAlign * kAlign;
+    arena->used += aligned;
     view.copy_(w);
     return view;
   }
@@ -98,13 +104,13 @@ class CudaSwapDevice : public SwapDevice {
   void drain() override { copy_.synchronize(); }
 
  private:
-  static constexpr int64_t kArena = int64_t{1} << 30;
   struct Arena {
-    at::Tensor memory;  // kArena pinned bytes
+    at::Tensor memory;  // pinned_arena_bytes() pinned bytes
     int64_t used;
   };
   c10::cuda::CUDAStream compute() const { return c10::cuda::getCurrentCUDAStream(index_); }
   std::vector<Arena> arenas_;
+  int64_t to_come_ = 0;  // host bytes still to be asked for (expect_host_bytes)
   c10::DeviceIndex index_;
   c10::cuda::CUDAStream copy_;
   std::vector<std::unique_ptr<at::cuda::CUDAEvent>> copied_, used_;
@@ -112,6 +118,13 @@ class CudaSwapDevice : public SwapDevice {
 #endif
 
 }  // namespace
+
+int64_t pinned_arena_bytes(int64_t weight, int64_t to_come) {
+  int64_t size = int64_t{1} << 20;
+  while (size < weight) size *= 2;
+  while (size < kPinnedArenaMax && size < weight + to_come) size *= 2;
+  return size;
+}
 
 std::unique_ptr<SwapDevice> make_swap_device(c10::Device device) {
   if (device.is_cpu()) return std::make_unique<CpuSwapDevice>();
@@ -171,8 +184,25 @@ BlockSwap::BlockSwap(std::vector<torch::nn::Module*> blocks, std::vector<size_t>
   std::sort(swapped.begin(), swapped.end());
   swapped.erase(std::unique(swapped.begin(), swapped.end()), swapped.end());
   torch::NoGradGuard no_grad;
+  // The frozen weights that swap: every Linear's and Conv2d's of the swapped blocks.
+  auto for_each_weight = [&](size_t b, const std::function<void(at::Tensor&, const std::string&)>& f) {
+    for (const auto& item : blocks[b]->named_modules()) {
+      if (auto linear = std::dynamic_pointer_cast<LinearImpl>(item.value())) {
+        f(linear->weight, item.key() + ".weight");
+      } else if (auto conv = std::dynamic_pointer_cast<Conv2dImpl>(item.value())) {
+        f(conv->weight, item.key() + ".weight");
+      }
+    }
+  };
+  int64_t expected = 0;
   for (const size_t b : swapped) {
     if (b >= blocks.size()) throw Error("block swap: no block " + std::to_string(b));
+    for_each_weight(b, [&](at::Tensor& weight, const std::string&) {
+      if (weight.defined()) expected += (static_cast<int64_t>(weight.nbytes()) + kAlign - 1) / kAlign * kAlign;
+    });
+  }
+  device_->expect_host_bytes(expected);
+  for (const size_t b : swapped) {
     position_[b] = static_cast<int>(order_.size());
     order_.push_back(static_cast<int>(b));
     Block& block = blocks_[b];
@@ -191,13 +221,7 @@ BlockSwap::BlockSwap(std::vector<torch::nn::Module*> blocks, std::vector<size_t>
       weight.set_data(at::empty({0}, weight.options()));
       block.weights.push_back(std::move(w));
     };
-    for (const auto& item : blocks[b]->named_modules()) {
-      if (auto linear = std::dynamic_pointer_cast<LinearImpl>(item.value())) {
-        take(linear->weight, item.key() + ".weight");
-      } else if (auto conv = std::dynamic_pointer_cast<Conv2dImpl>(item.value())) {
-        take(conv->weight, item.key() + ".weight");
-      }
-    }
+    for_each_weight(b, take);
     slot_bytes_ = std::max(slot_bytes_, block.bytes);
   }
   if (order_.empty()) return;

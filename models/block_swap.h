@@ -46,6 +46,9 @@ class SwapDevice {
   // The host copy of a weight (on the CPU when called): the tensor itself for the CPU, a pinned
   // copy for CUDA.
   virtual at::Tensor host(const at::Tensor& weight) = 0;
+  // Said once before the host() calls: the bytes they will ask for in all (each weight rounded up
+  // to 256), so pinned memory can be laid out for them and not much more.
+  virtual void expect_host_bytes(int64_t /*bytes*/) {}
   // A device slot of `bytes` bytes (uint8).
   virtual at::Tensor slot(int64_t bytes) = 0;
   // dst (a view into a slot) = src (a host copy), issued on the copy stream.
@@ -62,6 +65,13 @@ class SwapDevice {
 // The CPU's (synchronous copies) or a CUDA device's (a copy stream from torch's pool, events).
 // Throws InputError for CUDA where this torch was built without it.
 std::unique_ptr<SwapDevice> make_swap_device(c10::Device device);
+
+// The pinned host arena CUDA's swap device opens for a weight of `weight` bytes when `to_come`
+// more bytes are still to be placed: a power of two (LibTorch's pinned allocator rounds to one,
+// so nothing is lost to it) of at least 1 MiB and the weight, grown toward what remains up to
+// kPinnedArenaMax. Weights over a quarter of that are pinned alone.
+inline constexpr int64_t kPinnedArenaMax = int64_t{1} << 30;
+int64_t pinned_arena_bytes(int64_t weight, int64_t to_come);
 
 // One step of the protocol, as trace() keeps it.
 struct SwapEvent {

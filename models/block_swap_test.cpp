@@ -165,6 +165,17 @@ std::shared_ptr<BlockSwap> compare(c10::Device device, int n,
   return swapped->block_swap;
 }
 
+// CUDA's pinned host copies go into arenas of a power of two (what LibTorch's pinned allocator
+// rounds to): as small as what remains to place, 1 MiB at least, 1 GiB at most.
+TEST(BlockSwap, PinnedArenasFitWhatRemainsInPowersOfTwo) {
+  const int64_t mib = int64_t{1} << 20;
+  EXPECT_EQ(pinned_arena_bytes(100 * mib, 0), 128 * mib);
+  EXPECT_EQ(pinned_arena_bytes(100 * mib, 60 * mib), 256 * mib);
+  EXPECT_EQ(pinned_arena_bytes(132 * mib, 20000 * mib), 1024 * mib) << "capped";
+  EXPECT_EQ(pinned_arena_bytes(mib / 4, 0), mib) << "at least 1 MiB";
+  EXPECT_EQ(pinned_arena_bytes(3 * mib, mib), 4 * mib);
+}
+
 // kohya's split: n / 2 double blocks and (n - n / 2) * 2 single blocks, the last of each list;
 // two of each stay. FLUX.1's 19 and 38 blocks take at most 35.
 TEST(BlockSwap, FluxSplitIsKohyas) {
