@@ -72,67 +72,58 @@ std::vector<wire::ImageSample> samples(int count) {
   return out;
 }
 
+// The test of either encoder over four items: the caps sit between what one and two of them
+// take, then under what one takes. `key` is the key of a rejected item.
+template <typename Encoder, typename Item>
+void expect_halving_then_rejection(Encoder& encoder, const std::vector<Item>& items,
+                                   const std::function<std::string(const Item&)>& key,
+                                   const std::function<size_t(const std::function<void()>&)>& peak_of,
+                                   const std::function<void(size_t)>& cap) {
+  (void)encoder.encode({items[0]});  // what a first call sets up once stays out of the peaks
+  std::vector<EncodedRecord> alone;
+  const size_t one = peak_of([&] { alone.push_back(encoder.encode({items[0]}).front()); });
+  for (size_t i = 1; i < items.size(); ++i) alone.push_back(encoder.encode({items[i]}).front());
+  const size_t two = peak_of([&] { (void)encoder.encode({items[0], items[1]}); });
+  ASSERT_GT(two, one) << "two items take no more than one: no cap between them";
+
+  cap((one + two) / 2);
+  EXPECT_THROW((void)encoder.encode(items), c10::OutOfMemoryError) << "the cap let four through";
+  const std::vector<EncodedRecord> fitted = encode_fitting(encoder, items);
+  ASSERT_EQ(fitted.size(), items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    EXPECT_TRUE(fitted[i].rejected.empty()) << i << ": " << fitted[i].rejected;
+    EXPECT_EQ(fitted[i].key, alone[i].key) << i;
+    EXPECT_EQ(fitted[i].record, alone[i].record) << i;
+  }
+
+  cap(one / 2);
+  const std::vector<EncodedRecord> none = encode_fitting(encoder, items);
+  ASSERT_EQ(none.size(), items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    EXPECT_EQ(none[i].key, key(items[i])) << i;
+    EXPECT_NE(none[i].rejected.find("out of memory"), std::string::npos) << none[i].rejected;
+    EXPECT_TRUE(none[i].record.empty());
+  }
+}
+
 TEST_F(CacheEncode, LatentBatchThatDoesNotFitIsEncodedInHalvesAndAnImageThatCannotIsRejected) {
   LatentEncoder encoder(*model_, "test-vae");
   const std::vector<wire::ImageSample> four = samples(4);
   std::vector<const wire::ImageSample*> batch;
   for (const auto& s : four) batch.push_back(&s);
-  (void)encoder.encode({batch[0]});  // what a first call sets up once stays out of the peaks
-  std::vector<EncodedRecord> alone;
-  const size_t one = peak_of([&] { alone.push_back(encoder.encode({batch[0]}).front()); });
-  for (size_t i = 1; i < batch.size(); ++i) alone.push_back(encoder.encode({batch[i]}).front());
-  const size_t two = peak_of([&] { (void)encoder.encode({batch[0], batch[1]}); });
-  ASSERT_GT(two, one) << "two images take no more than one: no cap between them";
-
-  cap((one + two) / 2);
-  const std::vector<EncodedRecord> fitted = encode_fitting(encoder, batch);
-  ASSERT_EQ(fitted.size(), batch.size());
-  for (size_t i = 0; i < batch.size(); ++i) {
-    EXPECT_TRUE(fitted[i].rejected.empty()) << i << ": " << fitted[i].rejected;
-    EXPECT_EQ(fitted[i].key, alone[i].key) << i;
-    EXPECT_EQ(fitted[i].record, alone[i].record) << i;
-  }
-  EXPECT_THROW((void)encoder.encode(batch), c10::OutOfMemoryError) << "the cap let four through";
-
-  cap(one / 2);
-  const std::vector<EncodedRecord> none = encode_fitting(encoder, batch);
-  ASSERT_EQ(none.size(), batch.size());
-  for (size_t i = 0; i < batch.size(); ++i) {
-    EXPECT_EQ(none[i].key, latent_key(batch[i]->image_key(), "test-vae")) << i;
-    EXPECT_NE(none[i].rejected.find("out of memory"), std::string::npos) << none[i].rejected;
-    EXPECT_TRUE(none[i].record.empty());
-  }
+  expect_halving_then_rejection<LatentEncoder, const wire::ImageSample*>(
+      encoder, batch,
+      [](const wire::ImageSample* const& s) { return latent_key(s->image_key(), "test-vae"); },
+      peak_of, cap);
 }
 
 TEST_F(CacheEncode, CaptionBatchThatDoesNotFitIsEncodedInHalvesAndACaptionThatCannotIsRejected) {
   TextEncoder encoder(*model_, "test-text", /*clip_skip=*/1);
   const std::vector<std::string> captions = {"a red circle", "a blue square on grass",
                                              "two cats", "a photo of a dog at night"};
-  (void)encoder.encode({captions[0]});  // what a first call sets up once stays out of the peaks
-  std::vector<EncodedRecord> alone;
-  const size_t one = peak_of([&] { alone.push_back(encoder.encode({captions[0]}).front()); });
-  for (size_t i = 1; i < captions.size(); ++i) {
-    alone.push_back(encoder.encode({captions[i]}).front());
-  }
-  const size_t two = peak_of([&] { (void)encoder.encode({captions[0], captions[1]}); });
-  ASSERT_GT(two, one) << "two captions take no more than one: no cap between them";
-
-  cap((one + two) / 2);
-  const std::vector<EncodedRecord> fitted = encode_fitting(encoder, captions);
-  ASSERT_EQ(fitted.size(), captions.size());
-  for (size_t i = 0; i < captions.size(); ++i) {
-    EXPECT_TRUE(fitted[i].rejected.empty()) << i << ": " << fitted[i].rejected;
-    EXPECT_EQ(fitted[i].key, alone[i].key) << i;
-    EXPECT_EQ(fitted[i].record, alone[i].record) << i;
-  }
-
-  cap(one / 2);
-  const std::vector<EncodedRecord> none = encode_fitting(encoder, captions);
-  ASSERT_EQ(none.size(), captions.size());
-  for (size_t i = 0; i < captions.size(); ++i) {
-    EXPECT_EQ(none[i].key, text_key(captions[i], "test-text")) << i;
-    EXPECT_NE(none[i].rejected.find("out of memory"), std::string::npos) << none[i].rejected;
-  }
+  expect_halving_then_rejection<TextEncoder, std::string>(
+      encoder, captions, [](const std::string& c) { return text_key(c, "test-text"); }, peak_of,
+      cap);
 }
 
 }  // namespace
