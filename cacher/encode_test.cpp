@@ -74,11 +74,11 @@ std::vector<wire::ImageSample> samples(int count) {
 
 // The test of either encoder over four items: the caps sit between what one and two of them
 // take, then under what one takes. `key` is the key of a rejected item.
+using PeakOf = std::function<size_t(const std::function<void()>&)>;
 template <typename Encoder, typename Item>
 void expect_halving_then_rejection(Encoder& encoder, const std::vector<Item>& items,
                                    const std::function<std::string(const Item&)>& key,
-                                   const std::function<size_t(const std::function<void()>&)>& peak_of,
-                                   const std::function<void(size_t)>& cap) {
+                                   const PeakOf& peak_of, const std::function<void(size_t)>& cap) {
   (void)encoder.encode({items[0]});  // what a first call sets up once stays out of the peaks
   std::vector<EncodedRecord> alone;
   const size_t one = peak_of([&] { alone.push_back(encoder.encode({items[0]}).front()); });
