@@ -8,17 +8,21 @@
 // pixel>"; at end of input prints "peak_rss <MiB>", the renders' peak (VmHWM restarted after
 // loading).
 //
-//   sampler_bench solo [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16] [--fp8_base]
-//       [--resolution PX] [--steps N] [--images N] [--sampler NAME] [--threads N]
+//   sampler_bench solo [--family sd15|sdxl] [--device cpu|cuda|cuda:N] [--dtype fp32|bf16|fp16]
+//       [--fp8_base] [--resolution PX] [--steps N] [--images N] [--sampler NAME] [--threads N]
 //       [--lora_rank R [--lora_application slots|merged]]
 //
 // The same render alone, without files or Python (what tests/gpu/run.sh runs on a GPU machine):
-// SD1.5's real UNet, VAE and text encoder at full size on their own random initialisation, in
-// --dtype on --device, with the tiny checkpoint's tokenizer (models/tiny.h; the text encoder keeps
-// CLIP's full vocabulary); with --fp8_base, the U-Net's and text encoder's Linear and Conv2d
-// weights stored in float8 as the sampler's --fp8_base stores them. After one warm-up render it
-// renders --images images (default 3) and prints s/image, images/s and the peak allocated memory
-// (CUDA's caching allocator on a GPU, the peak RSS on the CPU). With --lora_rank, a random LoRA
+// the family's real U-Net, VAE and text encoders at full size (SD1.5 by default; sdxl: SDXL's,
+// both text encoders) on their own random initialisation, in --dtype on --device, with the tiny
+// checkpoint's tokenizer (models/tiny.h; the text encoders keep CLIP's full vocabulary); with
+// --fp8_base, the U-Net's and text encoders' Linear and Conv2d weights stored in float8 as the
+// sampler's --fp8_base stores them. After one warm-up render it renders --images images (default
+// 3) and prints s/image, images/s and the peak allocated memory (CUDA's caching allocator on a
+// GPU; on the CPU every tensor's storage counted, models/tensor_memory.h), and the preview's own
+// share of the device: what a sampler rendering over the trainer's shared U-Net holds beside it
+// (its text encoders, its VAE, the LoRA and the render's peak working memory; `lorapipe plan`'s
+// preview share is fitted to it, bench/plan_calibrate.py). With --lora_rank, a random LoRA
 // of that rank on every linear target is applied as the sampler applies a checkpoint's: in the
 // layers' slots (the sampler's way), or merged into the weights with copies kept to restore
 // (the way before it): the two lines side by side give what a LoRA costs in memory and time.
@@ -48,9 +52,12 @@
 #include "common/heap.h"
 #include "models/device.h"
 #include "models/float8.h"
+#include "models/loading.h"
 #include "models/lora_merge.h"
 #include "models/pipeline.h"
 #include "models/safetensors.h"
+#include "models/sdxl.h"
+#include "models/tensor_memory.h"
 #include "models/tiny.h"
 #include "sampler/render.h"
 
@@ -83,6 +90,7 @@ int solo(int argc, char** argv) {
   bool fp8_base = false;
   int lora_rank = 0;  // --lora_rank: render with a random LoRA of this rank on every target
   std::string lora_application = "slots";  // the sampler's; "merged" keeps copies instead
+  std::string family = "sd15";
   for (int i = 2; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--fp8_base") {
@@ -91,7 +99,10 @@ int solo(int argc, char** argv) {
     }
     if (i + 1 >= argc) throw std::invalid_argument(flag + " wants a value");
     const std::string value = argv[++i];
-    if (flag == "--device") {
+    if (flag == "--family") {
+      if (value != "sd15" && value != "sdxl") throw std::invalid_argument("--family sd15 or sdxl");
+      family = value;
+    } else if (flag == "--device") {
       device_spec = value;
     } else if (flag == "--dtype") {
       dtype_name = value;
@@ -118,31 +129,71 @@ int solo(int argc, char** argv) {
   if (!dtypes.count(dtype_name)) throw std::invalid_argument("--dtype fp32, bf16 or fp16");
   const c10::Device device = m::resolve_device(device_spec);
 
+  // Every CPU tensor counted from here (the CPU's max_memory_allocated).
+  m::TensorMemoryCounter& counter = m::TensorMemoryCounter::install();
   torch::NoGradGuard no_grad;
   torch::manual_seed(0);
   const std::filesystem::path tiny =
       std::filesystem::temp_directory_path() / ("lorapipe-sampler-bench-" + std::to_string(getpid()));
   const m::TinyCheckpoint checkpoint = m::write_tiny_checkpoint(tiny);
-  m::StableDiffusion model;
-  model.family = m::model_family("sd15");
+  const c10::ScalarType dtype = dtypes.at(dtype_name);
+  std::unique_ptr<m::StableDiffusion> owned;
+  {
+    // Built in --dtype from the start (a full SDXL in fp32 first would take 14 GiB), on the CPU,
+    // then moved, as the sampler does.
+    m::DefaultDtype built_in(dtype == c10::kHalf ? c10::kFloat : dtype);
+    if (family == "sdxl") {
+      auto xl = std::make_unique<m::StableDiffusionXL>();
+      xl->unet = m::UNet(m::UNetConfig::sdxl());
+      xl->text_encoder_2 = m::ClipTextModel(m::ClipTextConfig::sdxl_clip_g());
+      xl->tokenizer_2 = m::ClipTokenizer::from_file(checkpoint.tokenizer);
+      xl->tokenizer_2->set_pad_token(xl->pad_token_2);
+      owned = std::move(xl);
+    } else {
+      owned = std::make_unique<m::StableDiffusion>();
+      owned->unet = m::UNet(m::UNetConfig::sd15());
+    }
+    owned->vae = m::AutoencoderKL(m::VaeConfig::sd15());  // SDXL's is SD's architecture
+    owned->text_encoder = m::ClipTextModel(m::ClipTextConfig::sd15());
+  }
+  m::StableDiffusion& model = *owned;
+  model.family = m::model_family(family);
   model.tokenizer = m::ClipTokenizer::from_file(checkpoint.tokenizer);
   model.tokenizer_path = checkpoint.tokenizer;
   std::filesystem::remove_all(tiny);
-  model.unet = m::UNet(m::UNetConfig::sd15());
-  model.vae = m::AutoencoderKL(m::VaeConfig::sd15());
-  model.text_encoder = m::ClipTextModel(m::ClipTextConfig::sd15());
-  for (torch::nn::Module* module : std::initializer_list<torch::nn::Module*>{
-           model.unet.ptr().get(), model.vae.ptr().get(), model.text_encoder.ptr().get()}) {
-    module->to(dtypes.at(dtype_name));  // on the CPU, then moved, as the sampler does
-    module->eval();
+  if (auto* xl = dynamic_cast<m::StableDiffusionXL*>(&model)) {
+    // text_encoder_module(): both encoders under their diffusers names, as the loader holds them.
+    xl->text_encoders = std::make_shared<torch::nn::Module>("SdxlTextEncoders");
+    xl->text_encoders->register_module("text_encoder", xl->text_encoder.ptr());
+    xl->text_encoders->register_module("text_encoder_2", xl->text_encoder_2.ptr());
+  }
+  for (const auto& component : model.components()) {
+    component.module->to(dtype);
+    component.module->eval();
   }
   if (fp8_base) {
-    m::store_weights_in_float8(*model.unet);
-    m::store_weights_in_float8(*model.text_encoder);
+    for (const auto& component : model.components()) {
+      if (component.role != m::DiffusionModel::Role::kVae) {
+        m::store_weights_in_float8(*component.module);
+      }
+    }
   }
-  for (torch::nn::Module* module : std::initializer_list<torch::nn::Module*>{
-           model.unet.ptr().get(), model.vae.ptr().get(), model.text_encoder.ptr().get()}) {
-    module->to(device);
+  for (const auto& component : model.components()) component.module->to(device);
+  // The U-Net's own bytes: over shared weights, the trainer's, not the preview's.
+  auto module_bytes = [](torch::nn::Module& module) {
+    int64_t bytes = 0;
+    for (const auto& p : module.parameters()) bytes += p.nbytes();
+    for (const auto& b : module.buffers()) bytes += b.nbytes();
+    return bytes;
+  };
+  int64_t unet_bytes = 0, text_bytes = 0, vae_bytes = 0;
+  for (const auto& component : model.components()) {
+    const int64_t bytes = module_bytes(*component.module);
+    switch (component.role) {
+      case m::DiffusionModel::Role::kDenoiser: unet_bytes += bytes; break;
+      case m::DiffusionModel::Role::kVae: vae_bytes += bytes; break;
+      default: text_bytes += bytes;
+    }
   }
   // A random kohya LoRA over every linear target (kohya's default targets, both models), applied
   // as the sampler applies a checkpoint's: in the layers' slots, or merged with copies kept.
@@ -179,9 +230,21 @@ int solo(int argc, char** argv) {
   };
   (void)lorapipe::sampler::render(model, request);  // warm-up: kernels chosen, memory cached
   synchronize();
+  // What is allocated between renders (the weights, the LoRA), and the peak over the renders.
+  auto allocated = [&](bool peak) -> int64_t {
+#ifdef LORAPIPE_BENCH_CUDA
+    if (device.is_cuda()) {
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+      return peak ? stats.allocated_bytes[0].peak : stats.allocated_bytes[0].current;
+    }
+#endif
+    return static_cast<int64_t>(peak ? counter.peak_bytes() : counter.alive_bytes());
+  };
 #ifdef LORAPIPE_BENCH_CUDA
   if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
 #endif
+  counter.reset_peak();
+  const int64_t resident = allocated(false);
   std::ofstream("/proc/self/clear_refs") << "5";
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < images; ++i) {
@@ -191,27 +254,26 @@ int solo(int argc, char** argv) {
   synchronize();
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / images;
-  double peak_mib = status_mib("VmHWM:");
-  const char* what = "peak RSS";
-#ifdef LORAPIPE_BENCH_CUDA
-  if (device.is_cuda()) {
-    peak_mib = static_cast<double>(c10::cuda::CUDACachingAllocator::getDeviceStats(device.index())
-                                       .allocated_bytes[0]
-                                       .peak) /
-               (1 << 20);
-    what = "peak allocated";
-  }
-#endif
+  const int64_t peak = allocated(true);
+  const double mib = 1 << 20;
   const std::string with_lora =
       lora ? " LoRA rank " + std::to_string(lora_rank) + " " + lora_application + " (" +
                  std::to_string(lora->copied_bytes() >> 20) + " MiB of weights copied)"
            : std::string();
-  std::printf("sampler SD1.5 %s %s%s%s %dx%d, %d steps %s, CFG %.1f: %.3f s/image, %.3f images/s, "
-              "%s %.0f MiB\n",
-              m::describe_device(device).c_str(), dtype_name.c_str(), fp8_base ? " fp8_base" : "",
-              with_lora.c_str(), request.width,
+  std::printf("sampler %s %s %s%s%s %dx%d, %d steps %s, CFG %.1f: %.3f s/image, %.3f images/s, "
+              "peak allocated %.0f MiB, peak RSS %.0f MiB\n",
+              model.family.display_name.c_str(), m::describe_device(device).c_str(),
+              dtype_name.c_str(), fp8_base ? " fp8_base" : "", with_lora.c_str(), request.width,
               request.height, request.steps, request.sampler.c_str(), request.cfg_scale, seconds,
-              1 / seconds, what, peak_mib);
+              1 / seconds, peak / mib, status_mib("VmHWM:"));
+  // Over the trainer's shared U-Net the preview holds all but the U-Net's own bytes: its text
+  // encoders, its VAE, the LoRA (what is resident beyond the three) and the render's working
+  // memory above what is resident.
+  std::printf("preview share %.0f MiB: text encoders %.0f MiB, VAE %.0f MiB, LoRA and the rest "
+              "%.0f MiB, render %.0f MiB (U-Net %.0f MiB not counted)\n",
+              (peak - unet_bytes) / mib, text_bytes / mib, vae_bytes / mib,
+              (resident - unet_bytes - text_bytes - vae_bytes) / mib, (peak - resident) / mib,
+              unet_bytes / mib);
   return 0;
 }
 

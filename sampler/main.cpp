@@ -144,8 +144,14 @@ int main(int argc, char** argv) {
       o.loras.emplace_back(item, multiplier);
     }
     if (FLAGS_check_flags) {
-      s::check_sampler_options(o);
-      std::printf("sampler: the flags are fine\n");
+      // The largest preview by pixels, for `lorapipe plan` (its share of a card it shares).
+      const s::PromptSet prompts = s::check_sampler_options(o);
+      const s::RenderRequest* largest = &prompts.prompts.front();
+      for (const s::RenderRequest& r : prompts.prompts) {
+        if (int64_t{r.width} * r.height > int64_t{largest->width} * largest->height) largest = &r;
+      }
+      std::printf("sampler: the flags are fine; previews up to %dx%d\n", largest->width,
+                  largest->height);
       return lorapipe::runtime::kExitOk;
     }
     const s::SamplerSummary summary = s::run_sampler(o);

@@ -733,7 +733,7 @@ class Sampler {
 
 }  // namespace
 
-void check_sampler_options(const SamplerOptions& options) {
+PromptSet check_sampler_options(const SamplerOptions& options) {
   if (options.model.empty()) throw InputError("--pretrained_model_name_or_path is required");
   if (options.sample_prompts.empty()) throw InputError("--sample_prompts is required");
   if (options.output_dir.empty()) throw InputError("--output_dir is required");
@@ -762,7 +762,7 @@ void check_sampler_options(const SamplerOptions& options) {
   }
   (void)models::resolve_device(options.device);
   (void)models::parse_precision(options.mixed_precision, "--mixed_precision");
-  (void)read_prompts(options);
+  return read_prompts(options);
 }
 
 SamplerSummary run_sampler(const SamplerOptions& options) {

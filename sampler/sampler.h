@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "models/model_parts.h"
+#include "sampler/prompts.h"
 
 namespace lorapipe::sampler {
 
@@ -94,7 +95,8 @@ SamplerSummary run_sampler(const SamplerOptions& options);
 // What run_sampler checks before it loads the model (the flags, the device, the sampler's name,
 // the prompt file), without loading it: `lorapipe run` asks this of the sampler before any stage
 // starts, so a sampler that starts after hours of training does not refuse its flags then.
-// Throws InputError naming the flag or file.
-void check_sampler_options(const SamplerOptions& options);
+// Throws InputError naming the flag or file. Returns the prompts it read (`lorapipe plan` weighs
+// the largest preview beside the training).
+PromptSet check_sampler_options(const SamplerOptions& options);
 
 }  // namespace lorapipe::sampler

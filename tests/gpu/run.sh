@@ -377,6 +377,11 @@ bench sampler_bench 120 "${BUILD}/bin/sampler_bench" solo --device cuda --dtype 
 # And over float8 weights (--fp8_base): what the sampler takes beside a trainer on a small card.
 bench "sampler_bench fp8" 120 "${BUILD}/bin/sampler_bench" solo --device cuda --dtype bf16 \
   --fp8_base --resolution 512 --steps 20 --images 5
+# SDXL's preview at 1024x1024: its "preview share" line is what `lorapipe plan` predicts a
+# sampler beside the training holds (README, "Previews on the training card"), here measured by
+# CUDA's allocator against the CPU's calibration.
+bench "sampler_bench sdxl" 180 "${BUILD}/bin/sampler_bench" solo --family sdxl --device cuda \
+  --dtype bf16 --resolution 1024 --steps 4 --images 2 --lora_rank 16
 
 step "bench: the same step with each of the trainer's other optimizers (batch 1, bf16)"
 # Each optimizer's update runs on the device the LoRA lives on; the CPU tests check them bit for
