@@ -13,8 +13,8 @@ checkpointing, of
 (B the batch, T the tokens the denoiser attends over -- latent pixels for the U-Nets, packed image
 plus text tokens for FLUX.1 -- and n its transformer blocks; the U-Nets' n is fixed, so their
 fit uses a0..a2) to the measured peak less the analytic parts. The FLOPs of a step are fitted
-the same way (no constant) to trainer_bench's analytic counts (models::unet_forward_flops,
-flux_forward_flops). Under float8 one layer's weight is widened at a time; the share of the
+the same way (with the batch B in place of the constant) to trainer_bench's analytic counts
+(models::unet_forward_flops, flux_forward_flops). Under float8 one layer's weight is widened at a time; the share of the
 largest widened copy that is alive at the peak depends on where each family's peak falls, and is
 fitted per family from float8 steps.
 
@@ -30,6 +30,16 @@ model's header.
 
 It writes the calibration (rebuild the launcher to embed it) and prints the accuracy table: every
 point, fitted and held out, predicted against measured, and the worst error.
+
+    bench/plan_calibrate.py --preview [--sampler_bench build/bin/sampler_bench]
+
+calibrates the previews' share of a training card instead (the calibration's "preview", the rest
+kept): `sampler_bench solo` renders one image (one step, CFG) on each family's full-size model on
+the CPU in fp32 and prints what a sampler over the trainer's shared U-Net holds beside it -- its
+text encoders, VAE and the render's peak working memory, every tensor counted. The encoders and
+VAE are kept as measured; the render is fitted as r0 + r1 P + r2 P^2 over the preview's pixels P
+(measured: linear, the VAE decode's full-resolution convolutions), and the held-out sizes are
+printed predicted against measured.
 """
 import argparse
 import datetime
@@ -186,6 +196,40 @@ def step(a, tmp, family, res, batch, depth, ckpt, extra):
             "e": explain(a, structure, res, batch, ckpt, extra), "peak": peak, "flops": flops}
 
 
+# The FLOPs of a step, counted (trainer_bench solo --steps 0 prints them without a step) over
+# sizes from the smallest to the largest the plan weighs, and for FLUX.1 depths: the counts are
+# exactly of the form B, B T, B T^2 (B T n, B T^2 n), so the fit reproduces them wherever the
+# plan looks (fitted to the memory grid's few small sizes instead, with batch scaling out of it,
+# SDXL's T^2 term went negative and its predicted FLOPs to nothing past 900 px).
+FLOPS_GRID = {"sd15": [(r, 0) for r in (256, 512, 768, 1024)],
+              "sdxl": [(r, 0) for r in (256, 512, 768, 1024)],
+              "flux": [(r, d) for r in (256, 512, 1024) for d in (1, 2, 3)]}
+FLOPS_FITTED = {}
+
+
+def flops_fit(a, tmp, family):
+    if family in FLOPS_FITTED:
+        return FLOPS_FITTED[family]
+    k = FEATURES[family]
+    X, y = [], []
+    for res, depth in FLOPS_GRID[family]:
+        cmd = [a.bench, "solo", FAMILIES[family][0], "--dtype", "bf16", "--steps", "0",
+               "--resolution", str(res)] + (["--depth", str(depth)] if depth else [])
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        m = FLOPS.search(out.stdout)
+        if out.returncode != 0 or not m:
+            sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr}{out.stdout}")
+        structure = write_structure(a, family, depth, os.path.join(tmp, f"{family}-{depth}"))
+        X.append(explain(a, structure, res, 1, True, [])["flops_features"][:k])
+        y.append(float(m.group(1)))
+    coefficients = fit(np.array(X), np.array(y))
+    worst = max(abs(float(np.dot(coefficients, x)) / v - 1) for x, v in zip(X, y))
+    print(f"  {family} FLOPs fitted over {len(y)} counts: worst {100 * worst:.3f}%",
+          file=sys.stderr, flush=True)
+    FLOPS_FITTED[family] = [float(v) for v in coefficients] + [0.0] * (5 - k)
+    return FLOPS_FITTED[family]
+
+
 def point_of(family, r, which, fitted):
     predicted = (static_bytes(r["e"]) + activations(fitted, r) +
                  fitted["float8_share"] * r["e"].get("float8_copy", 0.0))
@@ -194,8 +238,57 @@ def point_of(family, r, which, fitted):
             "measured_bytes": r["peak"], "predicted_bytes": predicted}
 
 
+# family: preview sizes fitted, held out (sampler_bench solo at 1 step, 1 image). SDXL's U-Net
+# is built for each (3.3 B parameters in fp32 on the CPU): fewer points.
+PREVIEWS = {"sd15": ([256, 384, 512], [448]), "sdxl": ([256, 384], [320])}
+SHARE = re.compile(r"preview share ([0-9.]+) MiB: text encoders ([0-9.]+) MiB, VAE ([0-9.]+) MiB, "
+                   r"LoRA and the rest ([0-9.]+) MiB, render ([0-9.]+) MiB")
+
+
+def measure_preview(a, family, res, extra=()):
+    cmd = [a.sampler_bench, "solo", "--family", family, "--device", "cpu", "--dtype", "fp32",
+           "--resolution", str(res), "--steps", "1", "--images", "1", *extra]
+    started = time.time()
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    m = SHARE.search(out.stdout)
+    if out.returncode != 0 or not m:
+        sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr}{out.stdout}")
+    share, text, vae, _, render = (float(v) * 2**20 for v in m.groups())
+    print(f"  preview {family} {res}x{res}: share {share / 2**30:.3f} GiB, render "
+          f"{render / 2**30:.3f} GiB ({time.time() - started:.0f} s)", file=sys.stderr, flush=True)
+    return {"share": share, "text": text, "vae": vae, "render": render}
+
+
+def calibrate_previews(a, calibration):
+    previews, table = {}, []
+    for family, (fit_sizes, held_out) in PREVIEWS.items():
+        fitted = {r: measure_preview(a, family, r) for r in fit_sizes}
+        X = np.array([[1, r * r, (r * r) ** 2] for r in fit_sizes], dtype=float)
+        render = fit(X, np.array([fitted[r]["render"] for r in fit_sizes]))
+        first = fitted[fit_sizes[0]]
+        # --fp8_base: the encoders' Linear weights in float8 (1 byte), the rest in fp32 (4): the
+        # count of the float8 ones from the two totals.
+        float8 = measure_preview(a, family, fit_sizes[0], ["--fp8_base"])
+        previews[family] = {"text_encoder_bytes": first["text"], "vae_bytes": first["vae"],
+                            "text_encoder_float8_params": (first["text"] - float8["text"]) / 3,
+                            "render": [float(v) for v in render], "dtype_bytes": 4}
+        for r, which in [(r, "fit") for r in fit_sizes] + [(r, "held out") for r in held_out]:
+            m = fitted.get(r) or measure_preview(a, family, r)
+            predicted = first["text"] + first["vae"] + float(np.dot(render, [1, r * r, (r * r) ** 2]))
+            table.append((family, r, which, m["share"], predicted))
+    calibration["preview"] = previews
+    print("| family | preview | set | measured GiB | predicted GiB | error |")
+    print("|---|---|---|---|---|---|")
+    for family, r, which, measured, predicted in table:
+        print(f"| {family} | {r}x{r} | {which} | {measured / 2**30:.3f} | {predicted / 2**30:.3f} | "
+              f"{100 * (predicted / measured - 1):+.1f}% |")
+
+
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--preview", action="store_true",
+                   help="calibrate the previews' share of the card (sampler_bench) instead")
+    p.add_argument("--sampler_bench", default="build/bin/sampler_bench")
     p.add_argument("--bench", default="build/bin/trainer_bench")
     p.add_argument("--lorapipe", default="build/bin/lorapipe")
     p.add_argument("--families", default="sd15,sdxl,flux")
@@ -210,6 +303,12 @@ def main():
                 MEASURED[m["key"]] = {"peak": m["peak"], "flops": m["flops"], "structure": None}
     with open(a.write) as f:
         calibration = json.load(f)
+    if a.preview:
+        calibrate_previews(a, calibration)
+        with open(a.write, "w") as f:
+            json.dump(calibration, f, indent=1)
+            f.write("\n")
+        return
     calibration.setdefault("families", {})
     points = [pt for pt in calibration.get("points", [])
               if pt["family"] not in a.families.split(",")]
@@ -225,10 +324,8 @@ def main():
                 X = np.array([r["e"]["features"][:k] for r in mode_rows])
                 y = np.array([r["peak"] - static_bytes(r["e"]) for r in mode_rows])
                 act = fit(X, y)
-                fl, *_ = np.linalg.lstsq(X[:, 1:], np.array([r["flops"] for r in mode_rows]),
-                                         rcond=None)
                 fitted[mode_key(ckpt)] = {"activations": [float(v) for v in act] + [0.0] * (5 - k),
-                                          "flops": [0.0] + [float(v) for v in fl] + [0.0] * (5 - k)}
+                                          "flops": flops_fit(a, tmp, family)}
                 rows += mode_rows
             # The float8 share: what the float8 steps hold beyond their weights and activations,
             # as a share of the largest widened copy (least squares, within [0, 1]).

@@ -504,6 +504,11 @@ int solo(const std::string& size, int argc, char** argv) {
   if (steps == 0) {  // the model and its LoRA only (with --write_structure: what the plan reads)
     std::printf("LoRA modules %zu, LoRA parameters %lld\n", network.unet_module_count(),
                 static_cast<long long>(lora_parameters(network)));
+    // And the analytic FLOPs of a step at --resolution and --batch (what a timed step prints),
+    // which `lorapipe plan`'s fitted count is checked against at sizes no step ran.
+    std::printf("step flops %.9g at %lldx%lld batch %lld\n", inputs(batch, resolution, resolution).second,
+                static_cast<long long>(resolution), static_cast<long long>(resolution),
+                static_cast<long long>(batch));
     return 0;
   }
   t::StepOptions options;

@@ -81,6 +81,10 @@ struct PreviewMode {
 PreviewMode preview_mode(const std::string& device, const std::string& sampler_device,
                          const std::string& after, bool previews_wanted,
                          const std::string& why_not_shared);
+// What rules out previews over the trainer's weights for a run's settings and its family
+// (models::ModelFamily::previews_beside_training), as `why_not_shared` above; empty: nothing.
+std::string why_previews_not_shared(const Settings& settings, bool family_previews_beside_training,
+                                    const std::string& family_name);
 
 // Every flag the launcher routes, as (name, stages, takes a value); for the flag table's test.
 struct FlagInfo {

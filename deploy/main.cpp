@@ -30,6 +30,8 @@ constexpr const char* kUsage =
     "      [--resolutions=256,512,...] [--batch_sizes=1,2,4,8] [flags of a run]\n"
     "      Predicts each setting's peak device memory and time per step before training, and\n"
     "      recommends the fastest that fits; writes DIR/plan.json and a plot (plan.png).\n"
+    "      With --sample_prompts: previews rendered on the training card beside the training\n"
+    "      (one GPU) take their predicted share of the budget first.\n"
     "      --probe [--probe_device=cuda|cpu] [--probe_size=full|sdxl|flux|tiny] [--probe_steps=3]:\n"
     "      runs each shown setting as real steps on the device within the budget, and prints\n"
     "      measured peak, s/it, samples/s and MFU next to the prediction (out of memory: said).\n"

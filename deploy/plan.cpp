@@ -351,6 +351,43 @@ Card find_card(const std::string& name) {
 
 double budget_needed(const Prediction& p) { return p.peak() * kAccuracyMargin + kReserveBytes; }
 
+double PreviewShare::budget_needed() const {
+  return width > 0 ? bytes() * kAccuracyMargin + kReserveBytes : 0;
+}
+
+PreviewShare predict_preview_share(const ModelStructure& model, int width, int height,
+                                   const PlanOptions& o, const std::string& float8) {
+  const json& previews = calibration().value("preview", json::object());
+  const std::string key = calibration_key(model.family);
+  if (!previews.contains(key)) {
+    throw InputError("lorapipe plan: no preview calibration for " + model.family +
+                     " (bench/plan_calibrate.py --preview makes one)");
+  }
+  const json& cal = previews.at(key);
+  // Measured in fp32 (dtype_bytes); the sampler holds its encoders and renders in the run's
+  // dtype, and its VAE too except in fp16 (SD's VAE overflows in it: kept in fp32). Under
+  // --fp8_base the encoders' Linear weights (the calibration's text_encoder_float8_params,
+  // measured) are float8, with a float32 scale per 64 of them under --fp8_scaled.
+  const double dtype_bytes = cal.value("dtype_bytes", 4.0);
+  const double scale = o.storage_bytes / dtype_bytes;
+  const double pixels = static_cast<double>(width) * height;
+  PreviewShare p;
+  p.width = width, p.height = height;
+  p.text_encoders = cal.at("text_encoder_bytes").get<double>() * scale;
+  if (!float8.empty() && !o.run.has("fp8_base_unet")) {
+    const double f8 = cal.at("text_encoder_float8_params").get<double>();
+    p.text_encoders -= f8 * o.storage_bytes;
+    p.text_encoders += f8 * (float8 == "fp8_scaled" ? 1 + 4.0 / 64 : 1);
+  }
+  const double vae_bytes = o.storage_bytes == 2 && o.run.get("mixed_precision", "") == "fp16"
+                               ? dtype_bytes : o.storage_bytes;
+  p.vae = cal.at("vae_bytes").get<double>() * vae_bytes / dtype_bytes;
+  p.render = std::max(0.0, dot(cal.at("render"), {1, pixels, pixels * pixels})) * scale;
+  // The LoRA beside the weights in fp32 (models/lora_merge.h), the denoiser's modules.
+  p.lora = 4.0 * o.rank * static_cast<double>(model.lora_in_out);
+  return p;
+}
+
 Prediction predict(const ModelStructure& model, const Candidate& c, const PlanOptions& o) {
   Prediction p;
   const double store = o.storage_bytes;
@@ -404,6 +441,8 @@ Prediction predict(const ModelStructure& model, const Candidate& c, const PlanOp
   const double b = c.batch;
   const double n = model.blocks;
   p.features = {1, b * tokens, b * tokens * tokens, b * tokens * n, b * tokens * tokens * n};
+  p.flops_features = p.features;
+  p.flops_features[0] = b;
   // The activations are in the compute dtype: the calibration's measured at dtype_bytes (fp32 on
   // a CPU without bf16 matrix units), scaled to the run's. A mode not calibrated yet predicts the
   // analytic parts alone (what `--explain` gives bench/plan_calibrate.py to fit it); the plan
@@ -412,7 +451,7 @@ Prediction predict(const ModelStructure& model, const Candidate& c, const PlanOp
     const json& cal = calibration_for(model.family, c.checkpointing);
     const double dtype_scale = store / calibration().value("dtype_bytes", 4.0);
     p.activations = std::max(0.0, dot(cal.at("activations"), p.features)) * dtype_scale;
-    p.flops = std::max(0.0, dot(cal.at("flops"), p.features));
+    p.flops = std::max(0.0, dot(cal.at("flops"), p.flops_features));
   }
 
   // Time on the card: the FLOPs (checkpointing recomputes the forward: a third more) at the
@@ -640,6 +679,60 @@ void predict_over_buckets(const ModelStructure& model, const std::vector<Dataset
   row.samples_per_step = samples / steps;
 }
 
+// Whether the run's previews render on the training card beside the training, as `lorapipe run`
+// decides it (deploy/run.cpp), and at what largest size: the prompt file's, as the sampler reads
+// it (`lorapipe-sampler --check_flags`, beside lorapipe, which refuses a bad file as the run
+// would). A plan for a card assumes the run has that card alone (a second GPU would take the
+// previews: the launcher's spare-GPU rule, on the machine that plans).
+PreviewShare previews_on_the_card(const ModelStructure& model, const PlanOptions& o) {
+  PreviewShare none;
+  const Settings& run = o.run;
+  if (!run.has("sample_prompts") || (run.has("debug_dataset") && run.get("debug_dataset") == "true")) {
+    return none;
+  }
+  const m::ModelFamily& family = m::model_family(model.family);
+  const std::string device = run.get("device", "auto");
+  std::string sampler_device = run.get("sampler_device", "");
+  if (sampler_device.empty()) {
+    sampler_device = spare_gpu_for_sampler(device, visible_gpus());
+    if (sampler_device.empty()) sampler_device = "auto";
+  }
+  const std::string why_not =
+      why_previews_not_shared(run, family.previews_beside_training, family.display_name);
+  const PreviewMode mode = preview_mode(device, sampler_device,
+                                        run.get("sample_after_training", "auto"), true, why_not);
+  if (!mode.share_weights) {
+    none.why_none = mode.after_training ? "previews render after the training"
+                    : mode.own_copy_beside ? "the sampler's own copy of the model beside the "
+                                             "training is not weighed"
+                                           : "previews render on " + sampler_device;
+    if (!why_not.empty() && mode.after_training) none.why_none += " (" + why_not + ")";
+    return none;
+  }
+  const fs::path bin = fs::read_symlink("/proc/self/exe").parent_path();
+  const fs::path dir = fs::temp_directory_path() /
+                       ("lorapipe-plan-previews-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::vector<std::string> argv = {(bin / "lorapipe-sampler").string()};
+  for (const std::string& a : stage_args(run, Stage::kSampler)) argv.push_back(a);
+  // The plan's --model is the run's; the check reads no weights, on the CPU.
+  argv.insert(argv.end(), {"--pretrained_model_name_or_path=" + o.model.string(),
+                           "--output_dir=" + dir.string(), "--device=cpu", "--check_flags"});
+  const int code = runtime::wait_exit(runtime::spawn(argv, dir / "out.txt", dir / "err.txt"));
+  const std::string out = read_all(dir / "out.txt"), err = read_all(dir / "err.txt");
+  std::error_code ignored;
+  fs::remove_all(dir, ignored);
+  std::smatch size;
+  if (code != 0 || !std::regex_search(out, size, std::regex(R"(previews up to (\d+)x(\d+))"))) {
+    std::string last = err.empty() ? out : err;
+    while (!last.empty() && last.back() == '\n') last.pop_back();
+    throw InputError("lorapipe plan: the previews' sizes (--sample_prompts=" +
+                     run.get("sample_prompts") + "): lorapipe-sampler --check_flags exited " +
+                     std::to_string(code) + ": " + last);
+  }
+  return predict_preview_share(model, std::stoi(size[1].str()), std::stoi(size[2].str()), o);
+}
+
 // The resolution each family's models are trained and sampled at.
 int native_resolution(const std::string& family) { return family == "sd15" ? 512 : 1024; }
 
@@ -650,6 +743,21 @@ Plan make_plan(const PlanOptions& options) {
   plan.options = options;
   plan.model = read_structure(options.model, options.family);
   const ModelStructure& model = plan.model;
+  plan.preview = previews_on_the_card(model, options);
+  plan.training_budget = options.budget_bytes - plan.preview.budget_needed();
+  // The budget beside the previews for each float8 option (the sampler's encoders follow it).
+  std::map<std::string, double> training_budget;
+  auto budget_beside_previews = [&](const std::string& f8) {
+    if (!training_budget.count(f8)) {
+      training_budget[f8] =
+          plan.preview.width > 0
+              ? options.budget_bytes -
+                    predict_preview_share(model, plan.preview.width, plan.preview.height, options, f8)
+                        .budget_needed()
+              : options.budget_bytes;
+    }
+    return training_budget[f8];
+  };
   std::vector<int> resolutions = options.resolutions;
   if (resolutions.empty()) resolutions = {256, 384, 512, 640, 768, 896, 1024};
   std::vector<int> batches = options.batches;
@@ -699,7 +807,8 @@ Plan make_plan(const PlanOptions& options) {
               row.prediction = predict(model, row.candidate, options);
               row.samples_per_step = b;
               if (options.dataset) predict_over_buckets(model, plan.buckets[width], options, row);
-              row.fits = budget_needed(row.prediction) <= options.budget_bytes;
+              row.training_budget = budget_beside_previews(f8);
+              row.fits = budget_needed(row.prediction) <= row.training_budget;
               row.flags = candidate_flags(model, row.candidate, options);
               plan.rows.push_back(std::move(row));
             }
@@ -798,7 +907,20 @@ void print_plan(const Plan& plan, std::ostream& out) {
       << " B parameters; LoRA rank " << o.rank << " on " << m.lora_modules << " modules\n"
       << "budget " << gib(o.budget_bytes) << " GiB on " << o.card.name << ": a setting fits when "
       << "its predicted peak +10% stays under the budget less " << gib(kReserveBytes)
-      << " GiB (CUDA context and allocator slack)\n"
+      << " GiB (CUDA context and allocator slack)\n";
+  const PreviewShare& p = plan.preview;
+  if (p.width > 0) {
+    out << "previews on this card, up to " << p.width << "x" << p.height << ", over the "
+        << "trainer's weights: " << gib(p.bytes()) << " GiB predicted (text encoders "
+        << gib(p.text_encoders) << ", VAE " << gib(p.vae) << ", LoRA " << gib(p.lora)
+        << ", one render " << gib(p.render) << "); with 10% and the sampler's own "
+        << gib(kReserveBytes) << " GiB, the training has " << gib(plan.training_budget)
+        << " GiB of the budget (more with float8: the sampler's text encoders follow "
+        << "--fp8_base; --sampler_device or --sample_after_training keeps it whole)\n";
+  } else if (!p.why_none.empty()) {
+    out << "previews: " << p.why_none << ", not beside it: the training has the whole budget\n";
+  }
+  out
       << std::defaultfloat << std::setprecision(4)
       << "times: the step's FLOPs at " << static_cast<int>(kAssumedMfu * 100) << "% of "
       << o.card.tflops << " TFLOPS, float8 upcasts at " << o.card.memory_gbps
@@ -838,6 +960,11 @@ void print_plan(const Plan& plan, std::ostream& out) {
   if (plan.recommended < 0) {
     out << "nothing fits " << gib(o.budget_bytes) << " GiB; the lightest setting above is the "
         << "closest\n";
+    if (plan.preview.width > 0) {
+      out << "(beside previews up to " << plan.preview.width << "x" << plan.preview.height
+          << " on the card: smaller previews (--w, --h), --sample_after_training or "
+          << "--sampler_device=another device leave the training more)\n";
+    }
     return;
   }
   const PlanRow& best = plan.rows[plan.recommended];
@@ -866,7 +993,8 @@ std::string explain_json(const ModelStructure& model, const Candidate& c, const 
             {"activations", p.activations},
             {"predicted_peak_bytes", p.peak()},
             {"flops", p.flops},
-            {"features", p.features}};
+            {"features", p.features},
+            {"flops_features", p.flops_features}};
   return j.dump();
 }
 
@@ -935,13 +1063,14 @@ std::string plot_svg(const Plan& plan) {
     << "<text transform='translate(18," << (top + h - bottom) / 2
     << ") rotate(-90)' text-anchor='middle'>peak allocated, GiB</text>\n";
   // the budget
-  const double usable = (o.budget_bytes - kReserveBytes) / kAccuracyMargin;
+  const double usable = (plan.training_budget - kReserveBytes) / kAccuracyMargin;
   s << "<line x1='" << left << "' x2='" << w - right << "' y1='" << Y(o.budget_bytes) << "' y2='"
     << Y(o.budget_bytes) << "' stroke='black' stroke-width='2'/>\n<text x='" << w - right + 6
     << "' y='" << Y(o.budget_bytes) + 4 << "'>budget " << gib(o.budget_bytes, 0) << " GiB</text>\n"
     << "<line x1='" << left << "' x2='" << w - right << "' y1='" << Y(usable) << "' y2='"
     << Y(usable) << "' stroke='black' stroke-dasharray='4 4'/>\n<text x='" << w - right + 6
-    << "' y='" << Y(usable) + 4 << "'>fits below</text>\n";
+    << "' y='" << Y(usable) + 4 << "'>fits below"
+    << (plan.preview.width > 0 ? " (previews beside)" : "") << "</text>\n";
   int colour = 0;
   for (int b : batches) {
     s << "<polyline fill='none' stroke-width='2' stroke='" << colours[colour % 6] << "' points='";
@@ -981,6 +1110,7 @@ std::vector<fs::path> write_plan(const Plan& plan, const fs::path& dir) {
                           {"flags", row.flags},
                           {"predicted_peak_bytes", std::llround(row.prediction.peak())},
                           {"fits", row.fits},
+                          {"training_budget_bytes", std::llround(row.training_budget)},
                           {"predicted_s_per_it", row.prediction.s_per_it},
                           {"predicted_samples_per_s", row.samples_per_s()}});
     if (row.probe) {
@@ -1009,6 +1139,16 @@ std::vector<fs::path> write_plan(const Plan& plan, const fs::path& dir) {
             {"dataset_buckets", std::move(dataset)},
             {"family", plan.model.family},
             {"budget_bytes", std::llround(plan.options.budget_bytes)},
+            {"training_budget_bytes", std::llround(plan.training_budget)},
+            {"preview", plan.preview.width > 0
+                            ? json{{"width", plan.preview.width},
+                                   {"height", plan.preview.height},
+                                   {"predicted_bytes", std::llround(plan.preview.bytes())},
+                                   {"text_encoder_bytes", std::llround(plan.preview.text_encoders)},
+                                   {"vae_bytes", std::llround(plan.preview.vae)},
+                                   {"lora_bytes", std::llround(plan.preview.lora)},
+                                   {"render_bytes", std::llround(plan.preview.render)}}
+                            : json(nullptr)},
             {"card", plan.options.card.name},
             {"candidates", candidates},
             {"recommended", plan.recommended >= 0 ? json(plan.recommended) : json(nullptr)},
@@ -1056,7 +1196,6 @@ int probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
   }
   const fs::path dir = fs::temp_directory_path() / ("lorapipe-probe-" + std::to_string(::getpid()));
   fs::create_directories(dir);
-  const double limit = std::max(0.0, o.budget_bytes - kReserveBytes);
   int failed_groups = 0;
   for (auto& [name, rows] : groups) {
     std::sort(rows.begin(), rows.end(), [&](int a, int b) {
@@ -1064,6 +1203,8 @@ int probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
       return std::make_tuple(x.width, x.height, x.batch) < std::make_tuple(y.width, y.height, y.batch);
     });
     const Candidate& c = plan.rows[rows.front()].candidate;
+    // Held to what the training has beside previews on the card (their share by its float8).
+    const double limit = std::max(0.0, plan.rows[rows.front()].training_budget - kReserveBytes);
     std::string settings;
     for (int r : rows) {
       const Candidate& x = plan.rows[r].candidate;
@@ -1188,7 +1329,14 @@ std::string apply_plan_budget(Settings& settings) {
   if (plan.recommended < 0) {
     throw InputError("--plan_budget=" + settings.get("plan_budget") +
                      ": no setting of this model is predicted to fit (lorapipe plan shows the "
-                     "closest)");
+                     "closest)" +
+                     (plan.preview.width > 0
+                          ? std::string(" beside previews up to ") +
+                                std::to_string(plan.preview.width) + "x" +
+                                std::to_string(plan.preview.height) +
+                                " on the card: smaller previews, --sample_after_training or "
+                                "--sampler_device=another device leave the training more"
+                          : std::string()));
   }
   const PlanRow& best = plan.rows[plan.recommended];
   const Candidate& c = best.candidate;
@@ -1207,6 +1355,12 @@ std::string apply_plan_budget(Settings& settings) {
   if (c.float8 == "fp8_scaled") settings.set("fp8_scaled", "true");
   if (c.blocks_to_swap > 0) settings.set("blocks_to_swap", std::to_string(c.blocks_to_swap));
   std::ostringstream line;
+  if (plan.preview.width > 0) {
+    line << "lorapipe: --plan_budget: previews up to " << plan.preview.width << "x"
+         << plan.preview.height << " render on the training card beside the training, which has "
+         << gib(best.training_budget) << " GiB of " << gib(plan.options.budget_bytes)
+         << " (--sample_after_training leaves it all)\n";
+  }
   line << "lorapipe: --plan_budget " << gib(plan.options.budget_bytes) << " GiB: " << c.width
        << "x" << c.height << ", batch " << c.batch << " x " << plan.accumulation << ", "
        << describe(c) << ", learning rate " << lr.str() << " (predicted peak "
@@ -1249,7 +1403,12 @@ std::string apply_auto_batch(Settings& settings, const std::vector<std::string>&
       parse_ints("--gradient_accumulation_steps", settings.get("gradient_accumulation_steps", "1"))[0];
   const int step = run.batch * accumulation;  // samples per step and rank, as the run asks
   const std::vector<DatasetBucket> buckets = dataset_buckets(options.run, run.width, run.height);
-  auto fits = [&](const Prediction& p) { return budget_needed(p) <= options.budget_bytes; };
+  PreviewShare preview = previews_on_the_card(model, options);
+  if (preview.width > 0) {  // the sampler's encoders follow the run's float8
+    preview = predict_preview_share(model, preview.width, preview.height, options, run.float8);
+  }
+  const double training_budget = options.budget_bytes - preview.budget_needed();
+  auto fits = [&](const Prediction& p) { return budget_needed(p) <= training_budget; };
   auto predicted = [&](const DatasetBucket& b, int batch) {
     Candidate c = run;
     c.width = b.width, c.height = b.height, c.batch = batch;
@@ -1272,7 +1431,12 @@ std::string apply_auto_batch(Settings& settings, const std::vector<std::string>&
   std::ostringstream line, sizes;
   double fixed_s = 0, sized_s = 0;
   int tight = 0;
-  line << "lorapipe: --auto_batch for " << gib(options.budget_bytes) << " GiB: " << step
+  line << "lorapipe: --auto_batch for " << gib(options.budget_bytes) << " GiB";
+  if (preview.width > 0) {
+    line << " (" << gib(training_budget) << " GiB beside previews up to " << preview.width << "x"
+         << preview.height << ", predicted " << gib(preview.bytes()) << " GiB)";
+  }
+  line << ": " << step
        << " samples per optimizer step (--train_batch_size " << run.batch
        << " x --gradient_accumulation_steps " << accumulation
        << "), each bucket in the largest batch predicted to fit:";

@@ -69,8 +69,10 @@ struct Prediction {
   double peak() const { return weights + lora + optimizer + activations + transient + rounding; }
   double flops = 0;      // one step's
   double s_per_it = 0;   // on the plan's card
-  // The calibration's features: 1, B T, B T^2, B T n, B T^2 n (batch, tokens, blocks).
-  std::vector<double> features;
+  // The calibration's features: 1, B T, B T^2, B T n, B T^2 n (batch, tokens, blocks). The
+  // FLOPs' are the same with B in place of 1 (what a step computes once per sample whatever its
+  // size: the time and text embeddings, the text's keys and values).
+  std::vector<double> features, flops_features;
 };
 
 // The card the times are for: bf16 dense tensor TFLOPS, memory and host-bus bandwidth (GB/s).
@@ -104,6 +106,29 @@ Prediction predict(const ModelStructure& model, const Candidate& candidate, cons
 // calibration's goal), plus what the CUDA context and the kernels' workspaces take (0.6 GB).
 double budget_needed(const Prediction& prediction);
 
+// Previews on the training card: where `lorapipe run` has its sampler share the trainer's GPU
+// (deploy/launcher.h, preview_mode), the sampler renders over the trainer's own weights and
+// holds only the rest beside the training -- its text encoders and VAE in the run's dtype, the
+// LoRA it applies, one render's working memory at the prompt file's largest preview (its VAE
+// decode dominates: linear in the pixels, about 3.4 KiB a pixel in fp32), and its own process's
+// CUDA context. The encoders', VAE's and render's bytes are the family's measured on the CPU
+// (bench/sampler_bench.cpp solo prints the share; bench/plan_calibrate.py --preview fits the
+// calibration's "preview"); the training's budget is the card's less this share.
+struct PreviewShare {
+  int width = 0, height = 0;  // the largest preview; 0: previews take nothing of the card
+  double text_encoders = 0, vae = 0, lora = 0, render = 0;
+  double bytes() const { return text_encoders + vae + lora + render; }
+  // What the card must hold for it: the share, 10% for the prediction's error, and the
+  // sampler's own CUDA context and allocator slack (the trainer's reserve again); 0 without one.
+  double budget_needed() const;
+  std::string why_none;  // previews asked for but not on the card: where they render instead
+};
+// The share of `width` x `height` previews beside the training of `model` as `o` trains it;
+// `float8` ("", "fp8" or "fp8_scaled") is the run's float8 base, which the sampler's text
+// encoders take too (unless --fp8_base_unet).
+PreviewShare predict_preview_share(const ModelStructure& model, int width, int height,
+                                   const PlanOptions& o, const std::string& float8 = "");
+
 // One aspect bucket of the run's dataset at a resolution, as its preprocess stage picks it.
 struct DatasetBucket {
   int width = 0, height = 0;
@@ -130,6 +155,9 @@ struct PlanRow {
   double samples_per_step = 0;  // the batch; with a dataset, the epoch's samples per step
   double samples_per_s() const { return samples_per_step / prediction.s_per_it; }
   bool fits = false;
+  // The budget its fit was weighed against: the card's less the previews' share beside it (which
+  // depends on its float8: the sampler's text encoders follow the run's --fp8_base).
+  double training_budget = 0;
   std::vector<std::string> flags;  // the `lorapipe run` flags that reproduce it (kohya's names)
 };
 
@@ -144,6 +172,11 @@ struct Plan {
   std::map<int, std::vector<DatasetBucket>> buckets;
   double learning_rate = 0;
   std::string learning_rate_rule;
+  // Previews rendered on the training card take their share of it: the training's budget is
+  // what is left (options.budget_bytes without previews there). Without float8; each row has its
+  // own (PlanRow::training_budget).
+  PreviewShare preview;
+  double training_budget = 0;
 };
 
 // Parses `lorapipe plan` arguments (see kUsage in main.cpp), or a run's (--plan_budget). A

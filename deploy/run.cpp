@@ -654,15 +654,8 @@ int Supervisor::run() {
   const std::string after = s_.has("sample_after_training") ? s_.get("sample_after_training")
                                                             : "auto";
   const bool previews_wanted = s_.has("sample_prompts") && !debug_dataset;
-  std::string why_not_shared;
-  if (s_.has("blocks_to_swap") && s_.get("blocks_to_swap") != "0") {
-    why_not_shared = "--blocks_to_swap keeps weights off the device";
-  } else if (!previews_beside_training_) {
-    why_not_shared = family_name_ + "'s sampler would load its own text encoders beside the "
-                     "training";
-  } else if (s_.has("merge_lora") && s_.get("merge_lora") != "false") {
-    why_not_shared = "--merge_lora writes the weights";
-  }
+  const std::string why_not_shared =
+      why_previews_not_shared(s_, previews_beside_training_, family_name_);
   const PreviewMode mode =
       preview_mode(device, sampler_device, after, previews_wanted, why_not_shared);
   const bool share_weights = mode.share_weights;
@@ -868,6 +861,18 @@ std::string spare_gpu_for_sampler(const std::string& device, int gpus) {
   }
   if (trainer < 0 || trainer >= gpus) return "";
   return "cuda:" + std::to_string(trainer == 0 ? 1 : 0);
+}
+
+std::string why_previews_not_shared(const Settings& s, bool family_previews_beside_training,
+                                    const std::string& family_name) {
+  if (s.has("blocks_to_swap") && s.get("blocks_to_swap") != "0") {
+    return "--blocks_to_swap keeps weights off the device";
+  }
+  if (!family_previews_beside_training) {
+    return family_name + "'s sampler would load its own text encoders beside the training";
+  }
+  if (s.has("merge_lora") && s.get("merge_lora") != "false") return "--merge_lora writes the weights";
+  return "";
 }
 
 PreviewMode preview_mode(const std::string& device, const std::string& sampler_device,

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <iomanip>
 #include <map>
 #include <sstream>
@@ -67,6 +68,7 @@ class PlanTest : public ::testing::Test {
     double lora_parameters = 0;
     double lora_modules = 0;
     double peak_bytes = 0;     // over the timed step (0 with --steps 0)
+    double step_flops = 0;     // a step's analytic FLOPs at its --resolution and --batch
   };
 
   // trainer_bench solo SIZE ARGS... --write_structure: the model's structure and, with steps, the
@@ -87,6 +89,9 @@ class PlanTest : public ::testing::Test {
     if (std::regex_search(out, m, std::regex("peak allocated ([0-9.]+) MiB"))) {
       b.peak_bytes = std::stod(m[1]) * (1 << 20);
     }
+    if (std::regex_search(out, m, std::regex("step flops ([0-9.e+]+)"))) {
+      b.step_flops = std::stod(m[1]);
+    }
 
     EXPECT_FALSE(b.structure.empty()) << out;
     return b;
@@ -103,20 +108,28 @@ class PlanTest : public ::testing::Test {
 // The plan counts kohya's LoRA targets from the checkpoint's keys; the trainer builds its LoRA on
 // the model. Both must agree to the parameter, on each family's full-size structure (FLUX.1 at
 // full width, two double and four single blocks): the LoRA, its gradients and its optimizer
-// state are the analytic part of every prediction.
-TEST_F(PlanTest, PlanStructureCountsTheTrainersLoraOnEveryFamily) {
+// state are the analytic part of every prediction. And the plan's FLOPs of a step, which time
+// it, equal the trainer's analytic count (models::unet_forward_flops, flux_forward_flops) at a
+// size and batch the calibration never counted: within 1%, the fit's form being the count's
+// own but for FLUX.1's per-block modulation, a thousandth of it.
+TEST_F(PlanTest, PlanStructureCountsTheTrainersLoraAndFlopsOnEveryFamily) {
   struct Case {
     std::string size;
     std::vector<std::string> args;
     std::string family;
+    int resolution = 0, batch = 0;  // the FLOPs compared there (full-size families)
   };
-  for (const Case& c : std::vector<Case>{{"full", {}, "sd15"},
-                                        {"sdxl", {}, "sdxl"},
-                                        {"flux", {"--depth", "2"}, "flux-dev"},
+  for (const Case& c : std::vector<Case>{{"full", {}, "sd15", 896, 3},
+                                        {"sdxl", {}, "sdxl", 896, 3},
+                                        {"flux", {"--depth", "2"}, "flux-dev", 768, 2},
                                         {"tiny", {}, "sd15"},
                                         {"flux_tiny", {}, "flux-dev"}}) {
     std::vector<std::string> args = c.args;
     args.insert(args.end(), {"--steps", "0"});
+    if (c.resolution > 0) {
+      args.insert(args.end(), {"--resolution", std::to_string(c.resolution), "--batch",
+                               std::to_string(c.batch)});
+    }
     const Bench b = bench(c.size, args, c.size);
     // The structure folder holds the denoiser alone, without the SDXL text encoders that tell
     // SDXL from its refiner: the family is named.
@@ -127,6 +140,20 @@ TEST_F(PlanTest, PlanStructureCountsTheTrainersLoraOnEveryFamily) {
     if (c.size == "sdxl") {
       EXPECT_EQ(s.lora_modules, 722);  // kohya's count at full size
     }
+    if (c.resolution == 0) continue;
+    ASSERT_GT(b.step_flops, 0) << c.size;
+    std::vector<std::string> plan = {"plan", "--explain", "--model=" + b.structure,
+                                     "--resolution=" + std::to_string(c.resolution),
+                                     "--train_batch_size=" + std::to_string(c.batch),
+                                     "--gradient_checkpointing"};
+    if (c.size == "sdxl") plan.push_back("--model_family=sdxl");
+    const std::string out = run("lorapipe", plan);
+    ASSERT_EQ(code_, 0) << err_;
+    const double flops = json::parse(out).at("flops").get<double>();
+    std::printf("[plan] %s %dpx batch %d: step FLOPs counted %.4g, the plan's %.4g (%+.3f%%)\n",
+                c.size.c_str(), c.resolution, c.batch, b.step_flops, flops,
+                100 * (flops / b.step_flops - 1));
+    EXPECT_NEAR(flops / b.step_flops, 1, 0.01) << c.size;
   }
   // The full-size FLUX.1 [dev] transformer's structure (built on the meta device): kohya's 304
   // LoRA modules and its 11.9 B parameters.
@@ -308,6 +335,109 @@ TEST_F(PlanTest, PlanBudgetGivesTheRunTheRecommendation) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("--plan_budget=1GB"), std::string::npos) << e.what();
   }
+}
+
+// Previews on the training card: the share the plan predicts for a sampler rendering over the
+// trainer's weights against what that sampler's render holds on this CPU, every tensor counted
+// (sampler_bench solo: SD1.5's full-size text encoder and VAE, a random rank-16 LoRA in the
+// sampler's slots, one render of one step with CFG, at a size bench/plan_calibrate.py --preview
+// never ran). The encoders' and VAE's bytes are the same modules'; the render's working memory is
+// the fitted part. Goal and tolerance: 10%, the plan's own.
+TEST_F(PlanTest, PlanPreviewShareSd15PredictsTheSamplersMeasuredShareWithinTenPercent) {
+  const Bench b = bench("full", {"--steps", "0"}, "sd15");
+  const std::string out = run("sampler_bench", {"solo", "--family", "sd15", "--resolution", "320",
+                                                "--steps", "1", "--images", "1", "--lora_rank",
+                                                "16"});
+  ASSERT_EQ(code_, 0) << err_;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(preview share ([0-9]+) MiB)"))) << out;
+  const double measured = std::stod(m[1]) * (1 << 20);
+  PlanOptions options;
+  options.storage_bytes = 4;  // the bench's fp32
+  options.rank = 16;
+  const PreviewShare predicted = predict_preview_share(read_structure(b.structure), 320, 320,
+                                                       options);
+  const double error = predicted.bytes() / measured - 1;
+  std::printf("[plan] SD1.5 preview 320x320 beside the training: measured %.3f GiB, predicted "
+              "%.3f GiB (%+.1f%%)\n", measured / (1 << 30), predicted.bytes() / (1 << 30),
+              100 * error);
+  EXPECT_LT(std::abs(error), 0.10) << out;
+}
+
+// Previews rendered on the training card (the launcher's default on one GPU) take their share of
+// the budget: the plan reads the prompt file's largest preview as the sampler does, weighs the
+// settings against what is left, and says so; previews rendered after the training or on another
+// device leave the budget whole. `lorapipe run --plan_budget` plans the same way.
+TEST_F(PlanTest, PlanPreviewsOnTheTrainingCardTakeTheirShareOfTheBudget) {
+  const Bench b = bench("full", {"--steps", "0"}, "sd15");
+  const fs::path prompts = work_ / "prompts.txt";
+  std::ofstream(prompts) << "a red circle --w 512 --h 512\na blue square --w 768 --h 640\n";
+  // Both stages named on one GPU: no spare GPU of the machine running the test takes previews.
+  const std::vector<std::string> flags = {"plan", "--model=" + b.structure, "--vram_budget=8GB",
+                                          "--device=cuda:0", "--sampler_device=cuda:0"};
+  auto plan_with = [&](const std::string& tag, std::vector<std::string> extra) {
+    std::vector<std::string> args = flags;
+    args.insert(args.end(), extra.begin(), extra.end());
+    args.push_back("--output=" + (work_ / tag).string());
+    const std::string out = run("lorapipe", args);
+    EXPECT_EQ(code_, 0) << err_;
+    return std::make_pair(out, json::parse(read_text(work_ / tag / "plan.json")));
+  };
+  const auto [alone_out, alone] = plan_with("alone", {});
+  const auto [beside_out, beside] =
+      plan_with("beside", {"--sample_prompts=" + prompts.string()});
+  const auto [after_out, after] = plan_with(
+      "after", {"--sample_prompts=" + prompts.string(), "--sample_after_training"});
+
+  EXPECT_TRUE(alone.at("preview").is_null());
+  EXPECT_EQ(alone.at("training_budget_bytes"), alone.at("budget_bytes"));
+  EXPECT_TRUE(after.at("preview").is_null());
+  EXPECT_EQ(after.at("training_budget_bytes"), after.at("budget_bytes"));
+  EXPECT_NE(after_out.find("previews: previews render after the training"), std::string::npos)
+      << after_out;
+
+  const json& preview = beside.at("preview");
+  ASSERT_TRUE(preview.is_object()) << beside_out;
+  EXPECT_EQ(preview.at("width"), 768);  // the largest by pixels
+  EXPECT_EQ(preview.at("height"), 640);
+  EXPECT_NE(beside_out.find("previews on this card, up to 768x640"), std::string::npos)
+      << beside_out;
+  // Its share in the run's bf16 (the plan's default): SD1.5's text encoder and VAE alone are
+  // 0.39 GiB there.
+  const double share = preview.at("predicted_bytes").get<double>();
+  EXPECT_GT(share, 0.39 * (1 << 30));
+  const double training = beside.at("training_budget_bytes").get<double>();
+  EXPECT_NEAR(beside.at("budget_bytes").get<double>() - training, share * 1.1 + 0.6e9, 4);
+  // Each candidate fits the training's share by the plan's own rule, and fewer fit than alone.
+  // With a float8 base the sampler's text encoder is float8 too: its share is smaller, and the
+  // training's larger.
+  int fit_alone = 0, fit_beside = 0;
+  for (const json& c : alone.at("candidates")) fit_alone += c.at("fits").get<bool>();
+  for (const json& c : beside.at("candidates")) {
+    const double own = c.at("training_budget_bytes").get<double>();
+    if (c.at("fp8") == "none") {
+      EXPECT_EQ(own, training);
+    } else {
+      // CLIP-L's 85 M Linear weights from 2 bytes to 1 (1.06 with --fp8_scaled's scales), +10%:
+      // 84 to 89 MiB more for the training.
+      EXPECT_GT(own, training + 80.0 * (1 << 20)) << c.dump();
+      EXPECT_LT(own, beside.at("budget_bytes").get<double>());
+    }
+    const double needed = c.at("predicted_peak_bytes").get<double>() * 1.1 + 0.6e9;
+    if (std::abs(needed - own) > 1e3) {
+      EXPECT_EQ(c.at("fits").get<bool>(), needed <= own) << c.dump();
+    }
+    fit_beside += c.at("fits").get<bool>();
+  }
+  EXPECT_LT(fit_beside, fit_alone);
+  EXPECT_GT(fit_beside, 0);
+
+  Settings settings = parse_run_args({"--pretrained_model_name_or_path=" + b.structure,
+                                      "--plan_budget=8GB", "--sample_prompts=" + prompts.string(),
+                                      "--device=cuda:0", "--sampler_device=cuda:0"});
+  const std::string said = apply_plan_budget(settings);
+  EXPECT_NE(said.find("previews up to 768x640 render on the training card"), std::string::npos)
+      << said;
 }
 
 // With a dataset, the plan weighs its own buckets, as the run's preprocess stage picks them (the
