@@ -702,10 +702,11 @@ PreviewShare previews_on_the_card(const ModelStructure& model, const PlanOptions
   const PreviewMode mode = preview_mode(device, sampler_device,
                                         run.get("sample_after_training", "auto"), true, why_not);
   if (!mode.share_weights) {
-    none.why_none = mode.after_training ? "previews render after the training"
-                    : mode.own_copy_beside ? "the sampler's own copy of the model beside the "
-                                             "training is not weighed"
-                                           : "previews render on " + sampler_device;
+    none.why_none = mode.after_training ? "render after the training"
+                    : mode.own_copy_beside ? "render beside the training with the sampler's own "
+                                             "copy of the model, which the plan does not weigh "
+                                             "(the card must hold both)"
+                                           : "render on " + sampler_device;
     if (!why_not.empty() && mode.after_training) none.why_none += " (" + why_not + ")";
     return none;
   }
@@ -918,7 +919,8 @@ void print_plan(const Plan& plan, std::ostream& out) {
         << " GiB of the budget (more with float8: the sampler's text encoders follow "
         << "--fp8_base; --sampler_device or --sample_after_training keeps it whole)\n";
   } else if (!p.why_none.empty()) {
-    out << "previews: " << p.why_none << ", not beside it: the training has the whole budget\n";
+    out << "previews " << p.why_none
+        << (contains(p.why_none, "must hold both") ? "\n" : ": the training has the whole budget\n");
   }
   out
       << std::defaultfloat << std::setprecision(4)

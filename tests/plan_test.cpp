@@ -393,7 +393,8 @@ TEST_F(PlanTest, PlanPreviewsOnTheTrainingCardTakeTheirShareOfTheBudget) {
   EXPECT_EQ(alone.at("training_budget_bytes"), alone.at("budget_bytes"));
   EXPECT_TRUE(after.at("preview").is_null());
   EXPECT_EQ(after.at("training_budget_bytes"), after.at("budget_bytes"));
-  EXPECT_NE(after_out.find("previews: previews render after the training"), std::string::npos)
+  EXPECT_NE(after_out.find("previews render after the training: the training has the whole "
+                           "budget"), std::string::npos)
       << after_out;
 
   const json& preview = beside.at("preview");
