@@ -1065,7 +1065,11 @@ std::string plot_svg(const Plan& plan) {
     << "<text transform='translate(18," << (top + h - bottom) / 2
     << ") rotate(-90)' text-anchor='middle'>peak allocated, GiB</text>\n";
   // the budget
-  const double usable = (plan.training_budget - kReserveBytes) / kAccuracyMargin;
+  // What the training has beside previews on the card: the recommended setting's (its float8
+  // decides the sampler's encoders).
+  const double training = plan.recommended >= 0 ? plan.rows[plan.recommended].training_budget
+                                                : plan.training_budget;
+  const double usable = (training - kReserveBytes) / kAccuracyMargin;
   s << "<line x1='" << left << "' x2='" << w - right << "' y1='" << Y(o.budget_bytes) << "' y2='"
     << Y(o.budget_bytes) << "' stroke='black' stroke-width='2'/>\n<text x='" << w - right + 6
     << "' y='" << Y(o.budget_bytes) + 4 << "'>budget " << gib(o.budget_bytes, 0) << " GiB</text>\n"

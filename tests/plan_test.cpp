@@ -584,6 +584,24 @@ TEST_F(PlanTest, PlanAutoBatchGivesEachBucketTheLargestBatchThatFits) {
   EXPECT_EQ(sizes.at("512x512"), 8);
   EXPECT_GT(largest_batch, 8) << "the smaller buckets take larger batches";
 
+  // Previews rendered on the same GPU take their share first: a budget larger by exactly that
+  // share gives the same batches.
+  const fs::path prompts = work_ / "prompts.txt";
+  std::ofstream(prompts) << "a red circle --w 512 --h 512\n";
+  std::vector<std::string> beside_args = {"--sample_prompts=" + prompts.string(),
+                                          "--device=cuda:0", "--sampler_device=cuda:0"};
+  beside_args.insert(beside_args.begin(), run_args.begin(), run_args.end());
+  const PreviewShare share = predict_preview_share(model, 512, 512, parse_plan_args(beside_args));
+  ASSERT_GT(share.bytes(), 0);
+  std::ostringstream beside_budget;
+  beside_budget << std::setprecision(12) << "--vram_budget="
+                << (budget + share.budget_needed()) / (1 << 20) << "MB";
+  *std::find(beside_args.begin(), beside_args.end(), budget_flag.str()) = beside_budget.str();
+  Settings beside = parse_run_args(beside_args);
+  const std::string beside_said = apply_auto_batch(beside);
+  EXPECT_NE(beside_said.find("beside previews up to 512x512"), std::string::npos) << beside_said;
+  EXPECT_EQ(beside.get("bucket_batch_sizes"), settings.get("bucket_batch_sizes")) << beside_said;
+
   // Without a budget it asks for one; without a dataset it says what it sizes.
   Settings unbudgeted = parse_run_args({"--pretrained_model_name_or_path=" + b.structure,
                                         "--data_dir=" + data.string(), "--auto_batch"});
