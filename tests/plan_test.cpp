@@ -289,6 +289,11 @@ TEST_F(PlanTest, PlanCommandNamesBadValues) {
   run("lorapipe", {"plan", "--model=" + (work_ / "missing.safetensors").string()});
   EXPECT_NE(code_, 0);
   EXPECT_NE(err_.find("missing.safetensors"), std::string::npos) << err_;
+  // A prompt file the sampler cannot read, where previews would share the card: named.
+  run("lorapipe", {"plan", "--model=" + b.structure, "--device=cuda:0", "--sampler_device=cuda:0",
+                   "--sample_prompts=" + (work_ / "no_prompts.txt").string()});
+  EXPECT_NE(code_, 0);
+  EXPECT_NE(err_.find("no_prompts.txt"), std::string::npos) << err_;
   // A run flag's number and the probe's, by name.
   for (const std::string bad : {"--gradient_accumulation_steps=x", "--network_dim=16.5",
                                 "--learning_rate=fast", "--probe_steps=abc"}) {
