@@ -89,7 +89,13 @@ class CudaSwapDevice : public SwapDevice {
   at::Tensor slot(int64_t bytes) override {
     copied_.push_back(std::make_unique<at::cuda::CUDAEvent>());
     used_.push_back(std::make_unique<at::cuda::CUDAEvent>());
-    return at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, index_));
+    at::Tensor memory =
+        at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, index_));
+    // The allocator may hand back a block the compute stream freed and still uses: safe for that
+    // stream alone. Recorded as "used" now, the slot's first copy waits for that work too (an
+    // event never recorded is not waited for).
+    used_.back()->record(compute());
+    return memory;
   }
   void copy(const at::Tensor& dst, const at::Tensor& src) override {
     // The slots live as long as the swap: memory the copy stream writes is never freed under it.
@@ -101,7 +107,11 @@ class CudaSwapDevice : public SwapDevice {
   void wait_copied(int slot) override { copied_.at(slot)->block(compute()); }
   void record_used(int slot) override { used_.at(slot)->record(compute()); }
   void wait_used(int slot) override { used_.at(slot)->block(copy_); }
-  void drain() override { copy_.synchronize(); }
+  std::optional<c10::Stream> copy_stream() const override { return copy_.unwrap(); }
+  void drain() override {  // the copies, and the compute that may still read the slots
+    copy_.synchronize();
+    compute().synchronize();
+  }
 
  private:
   struct Arena {

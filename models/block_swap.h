@@ -26,9 +26,11 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/Stream.h>
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,6 +62,8 @@ class SwapDevice {
   // Returns once every copy issued has landed: before the slots go back to the allocator (a
   // swap torn down by an exception may leave a prefetch in flight).
   virtual void drain() {}
+  // The stream the copies are issued on, where there is one (CUDA's): tests hold it back.
+  virtual std::optional<c10::Stream> copy_stream() const { return std::nullopt; }
 };
 
 // The CPU's (synchronous copies) or a CUDA device's (a copy stream from torch's pool, events).

@@ -7,6 +7,7 @@
 #include "models/block_swap.h"
 
 #include <gtest/gtest.h>
+#include <c10/core/StreamGuard.h>
 #include <torch/torch.h>
 
 #if __has_include(<ATen/cuda/Sleep.h>)
@@ -122,6 +123,10 @@ StepResult steps(FluxTransformer& model) {
     r.outputs.push_back(out.detach().cpu());
     out.square().mean().backward();
     for (at::Tensor& a : adapters) {
+      if (!a.grad().defined()) {  // its module dropped for the step (module_dropout)
+        r.grads.push_back(torch::zeros(a.sizes()));
+        continue;
+      }
       r.grads.push_back(a.grad().detach().cpu().clone());
       a.mutable_grad().zero_();
     }
@@ -376,6 +381,53 @@ TEST(BlockSwap, UNetStepsAreBitIdenticalOnTheCpu) {
   EXPECT_THROW(make(7), InputError);
 }
 
+// Gradient checkpointing's recompute draws the adapters' dropout masks the forward drew
+// (models/checkpoint.h): the CPU generator (module dropout's draw) and the inputs' CUDA device's
+// (dropout and rank dropout there) are put back around it. A checkpointed model with kohya's
+// three dropouts trains as the same model without checkpointing: the same outputs bit for bit
+// (the same kernels on the same masks) and the same gradients, to 1e-5 relative: autograd adds
+// a weight's terms in its own order through the recompute, float rounding apart; masks drawn
+// anew there would change them by their own size. On the CPU here, on CUDA in tests/gpu/run.sh.
+TEST(CheckpointDropout, TheRecomputeDrawsTheForwardsMasks) {
+  std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+  if (torch::cuda::is_available()) devices.emplace_back(c10::kCUDA, 0);
+  for (const c10::Device& device : devices) {
+    SCOPED_TRACE(device.str());
+    StepResult runs[2];
+    for (const bool checkpointed : {false, true}) {
+      FluxTransformer model = make_model(device);
+      model->to(device);
+      place_adapters(model, device);
+      for (const auto& m : model->modules()) {
+        if (auto linear = std::dynamic_pointer_cast<LinearImpl>(m)) {
+          linear->lora->dropout = 0.3;
+          linear->lora->rank_dropout = 0.3;
+          linear->lora->module_dropout = 0.2;
+          linear->lora->training = true;
+        }
+      }
+      model->gradient_checkpointing = checkpointed;
+      runs[checkpointed] = steps(model);
+    }
+    const StepResult& plain = runs[0];
+    const StepResult& checkpointed = runs[1];
+    ASSERT_EQ(plain.outputs.size(), checkpointed.outputs.size());
+    for (size_t i = 0; i < plain.outputs.size(); ++i) {
+      EXPECT_TRUE(torch::equal(plain.outputs[i], checkpointed.outputs[i])) << "output " << i;
+    }
+    ASSERT_EQ(plain.grads.size(), checkpointed.grads.size());
+    size_t nonzero = 0;
+    for (size_t i = 0; i < plain.grads.size(); ++i) {
+      const at::Tensor& a = plain.grads[i];
+      const at::Tensor& b = checkpointed.grads[i];
+      const double scale = a.abs().max().item<double>();
+      if (scale > 0) ++nonzero;
+      EXPECT_LE((a - b).abs().max().item<double>(), 1e-5 * scale + 1e-12) << "gradient " << i;
+    }
+    EXPECT_GT(nonzero, plain.grads.size() / 2);  // dropout leaves most adapters training
+  }
+}
+
 // kohya's --cpu_offload_checkpointing on CUDA: each checkpointed block's inputs wait for
 // backward in pinned host memory; the steps are those without it, bit for bit, with block swap
 // as without.
@@ -443,6 +495,42 @@ TEST(BlockSwap, OnCudaAComputeFarBehindItsCopiesStepsBitIdentically) {
   }
   const c10::Device cuda(c10::kCUDA, 0);
   compare(cuda, 4, std::make_unique<SlowComputeDevice>(make_swap_device(cuda)));
+}
+
+// The other way round: each copy held back on the copy stream, so a block's weights land long
+// after the host has queued its compute. Compute that did not wait for its slot's copies
+// (wait_copied) would read the block before, and the steps would differ.
+class SlowCopyDevice : public SwapDevice {
+ public:
+  explicit SlowCopyDevice(std::unique_ptr<SwapDevice> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return inner_->name(); }
+  at::Tensor host(const at::Tensor& weight) override { return inner_->host(weight); }
+  at::Tensor slot(int64_t bytes) override { return inner_->slot(bytes); }
+  void copy(const at::Tensor& dst, const at::Tensor& src) override {
+    {
+      const c10::StreamGuard on_copies(inner_->copy_stream().value());
+      at::cuda::sleep(2'000'000);  // about 1 ms at 2 GHz, before each weight's copy
+    }
+    inner_->copy(dst, src);
+  }
+  void record_copied(int slot) override { inner_->record_copied(slot); }
+  void wait_copied(int slot) override { inner_->wait_copied(slot); }
+  void record_used(int slot) override { inner_->record_used(slot); }
+  void wait_used(int slot) override { inner_->wait_used(slot); }
+  void drain() override { inner_->drain(); }
+  std::optional<c10::Stream> copy_stream() const override { return inner_->copy_stream(); }
+
+ private:
+  std::unique_ptr<SwapDevice> inner_;
+};
+
+TEST(BlockSwap, OnCudaCopiesFarBehindTheComputeStepBitIdentically) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA device here; tests/gpu/run.sh runs this on one";
+  }
+  const c10::Device cuda(c10::kCUDA, 0);
+  ASSERT_TRUE(make_swap_device(cuda)->copy_stream().has_value());
+  compare(cuda, 4, std::make_unique<SlowCopyDevice>(make_swap_device(cuda)));
 }
 #endif
 

@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <exception>
 #include <optional>
 
 #include "common/error.h"
@@ -28,6 +29,25 @@ struct BlockHolder : torch::CustomClassHolder {
   std::vector<at::Tensor> host_inputs;
   std::vector<c10::Device> devices;
   std::vector<bool> requires_grad;
+};
+
+// Calls `leave` as its scope ends, however it ends: a block that throws between `enter` and
+// `leave` still records its use of a swap slot, so no later copy overwrites weights its queued
+// kernels read. While an exception unwinds, one `leave` may throw is dropped for it.
+struct LeaveOnExit {
+  const BlockCalls& calls;
+  bool backward;
+  ~LeaveOnExit() noexcept(false) {
+    if (!calls.leave) return;
+    if (std::uncaught_exceptions() == 0) {
+      calls.leave(backward);
+      return;
+    }
+    try {
+      calls.leave(backward);
+    } catch (...) {
+    }
+  }
 };
 
 // A device tensor's copy in pinned host memory, issued on the current stream.
@@ -77,9 +97,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     ctx->save_for_backward(saved);
     at::NoGradGuard no_grad;
     if (holder->calls.enter) holder->calls.enter(false);
-    variable_list out = holder->block(std::vector<at::Tensor>(inputs.begin(), inputs.end()));
-    if (holder->calls.leave) holder->calls.leave(false);
-    return out;
+    const LeaveOnExit leave{holder->calls, /*backward=*/false};
+    return holder->block(std::vector<at::Tensor>(inputs.begin(), inputs.end()));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -110,12 +129,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
     if (holder->calls.enter) holder->calls.enter(true);
     // `leave` once the gradients through the block are computed, whichever way this returns.
-    struct Leave {
-      const BlockCalls& calls;
-      ~Leave() {
-        if (calls.leave) calls.leave(true);
-      }
-    } leave{holder->calls};
+    const LeaveOnExit leave{holder->calls, /*backward=*/true};
     std::vector<at::Tensor> outputs;
     {
       // Same random numbers as the first run, then the stream continues where it was.
@@ -161,9 +175,8 @@ bool keeps_graph(const std::vector<at::Tensor>& inputs, const std::vector<at::Te
 std::vector<at::Tensor> call(const BlockFunction& block, const std::vector<at::Tensor>& inputs,
                              const BlockCalls& calls) {
   if (calls.enter) calls.enter(false);
-  std::vector<at::Tensor> out = block(inputs);
-  if (calls.leave) calls.leave(false);
-  return out;
+  const LeaveOnExit leave{calls, /*backward=*/false};
+  return block(inputs);
 }
 
 }  // namespace

@@ -73,8 +73,10 @@
 #     the CPU's product and times it against the widening path on FLUX.1's widest layers.
 #     models_test's BlockSwap.OnCudaStepsAreBitIdentical checks the swap's copy stream and events
 #     give the unswapped results bit for bit (also with the compute held far behind its copies,
-#     where a missing wait would show), and CheckpointOffload.OnCudaStepsAreBitIdentical
-#     the same of --cpu_offload_checkpointing (also measured with swap 28).
+#     and the copies far behind the compute, where a missing wait either way would show),
+#     CheckpointOffload.OnCudaStepsAreBitIdentical the same of --cpu_offload_checkpointing (also
+#     measured with swap 28), and CheckpointDropout.TheRecomputeDrawsTheForwardsMasks that the
+#     recompute puts the CUDA generator back for the adapters' dropout.
 #   - the same `solo` step at SDXL size: 1024^2, bf16, batch 1, gradient checkpointing, rank 16
 #     on kohya's SDXL targets, with and without --fp8_base (s/it, peak allocated memory, MFU).
 #   - bench/sampler_bench.cpp's `solo` render at SD1.5 size on CUDA: bf16, 512^2, 20 steps, also
