@@ -34,6 +34,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/cuda_alloc_conf.h"
 #include "common/error.h"
 #include "deploy/curves.h"
 #include "deploy/launcher.h"
@@ -872,6 +873,8 @@ std::string why_previews_not_shared(const Settings& s, bool family_previews_besi
     return family_name + "'s sampler would load its own text encoders beside the training";
   }
   if (s.has("merge_lora") && s.get("merge_lora") != "false") return "--merge_lora writes the weights";
+  // The stages inherit the launcher's CUDA allocator settings (common/cuda_alloc_conf.h).
+  if (const std::string why = cuda_alloc_conf_blocks_ipc(); !why.empty()) return why;
   return "";
 }
 

@@ -187,6 +187,22 @@ SharedWeightsPublisher::SharedWeightsPublisher(torch::nn::Module& module, const 
     doc["bytes"] = total;
   } else {
 #ifdef LORAPIPE_SHARED_WEIGHTS_CUDA
+    // CUDA IPC shares what cudaMalloc allocated. Expandable segments map memory through the
+    // driver's virtual-memory API instead (their handles travel as file descriptors, which
+    // sibling processes may not take from each other), and cudaMallocAsync has no IPC handles in
+    // LibTorch: refused by name rather than failing in the sampler.
+    if (c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::expandable_segments() ||
+        c10::cuda::CUDACachingAllocator::name() != "native") {
+      throw InputError(
+          "shared weights on " + device.str() + ": PYTORCH_ALLOC_CONF (or "
+          "PYTORCH_CUDA_ALLOC_CONF) sets " +
+          std::string(c10::cuda::CUDACachingAllocator::name() != "native"
+                          ? "backend:" + c10::cuda::CUDACachingAllocator::name()
+                          : "expandable_segments:True") +
+          ", whose memory CUDA IPC cannot hand to the sampler: unset it, or render the previews "
+          "after the training (--sample_after_training)");
+    }
+    const c10::cuda::CUDAGuard guard(device);  // the handles are taken on the weights' device
     torch::cuda::synchronize(device.index() < 0 ? 0 : device.index());  // placed, all of it
     for (const auto& [name, t] : tensors) {
       if (t.nbytes() == 0) {  // no memory, no block: nothing to share
@@ -347,8 +363,22 @@ std::unique_ptr<SharedWeightsAttachment> attach_shared_weights(
     // getIpcDevPtr opens the handle through this device's caching allocator, which LibTorch
     // sets up with the first tensor on the device: this process may have none yet.
     (void)at::zeros({1}, at::TensorOptions().device(device));
-    // Tensors of one allocator segment share its handle: each handle is opened once.
+    // Tensors of one allocator segment share its handle: each handle is opened once. Every
+    // handle is opened before any tensor is replaced, so a handle this process cannot open
+    // (another user's process, a container without the host's IPC namespace) leaves the module
+    // whole and is named.
     std::map<std::string, std::shared_ptr<void>> opened;
+    for (const auto& [name, t] : tensors) {
+      const std::string handle = unhex(by_name.at(name)->at("handle").get<std::string>());
+      if (handle.empty() || opened.count(handle)) continue;
+      try {
+        opened[handle] = c10::cuda::CUDACachingAllocator::getIpcDevPtr(handle);
+      } catch (const c10::Error& e) {
+        throw InputError(manifest.string() + ": cannot open the trainer's CUDA memory (" + name +
+                         "): " + e.what_without_backtrace() +
+                         "; render the previews after the training (--sample_after_training)");
+      }
+    }
     for (const auto& [name, t] : tensors) {
       const json& e = *by_name.at(name);
       const std::string handle = unhex(e.at("handle").get<std::string>());
@@ -356,8 +386,7 @@ std::unique_ptr<SharedWeightsAttachment> attach_shared_weights(
         at::Tensor(t).set_data(at::empty(t.sizes(), t.options().device(device)));
         continue;
       }
-      std::shared_ptr<void>& base = opened[handle];
-      if (!base) base = c10::cuda::CUDACachingAllocator::getIpcDevPtr(handle);
+      const std::shared_ptr<void>& base = opened.at(handle);
       char* data = static_cast<char*>(base.get()) + e.at("offset").get<int64_t>();
       const auto strides = e.at("strides").get<std::vector<int64_t>>();
       at::Tensor(t).set_data(at::from_blob(data, t.sizes(), strides, [base](void*) {},

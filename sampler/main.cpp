@@ -71,7 +71,8 @@ DEFINE_double(delay_per_image_s, 0, "Testing: sleep this long after each image")
 DEFINE_double(device_share, -1,
               "The share of the device's time renders take (0 < share <= 1): after each model "
               "call the sampler waits (1/share - 1) times that call's time, so a trainer on the "
-              "same GPU keeps the rest; -1: 0.1 over a trainer's shared weights on CUDA, else 1");
+              "same GPU keeps the rest (not for the final checkpoint: the training is over); -1: 0.1 "
+              "over a trainer's shared weights on CUDA, else 1");
 DEFINE_int32(threads, 0, "CPU threads for compute (0: one per core)");
 DEFINE_bool(check_flags, false,
             "Check the flags, the device, the sampler's name and the prompt file without loading "

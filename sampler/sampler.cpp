@@ -411,8 +411,10 @@ class Sampler {
                                   uint64_t step, const std::string& name) {
 #ifdef LORAPIPE_SAMPLER_CUDA_STREAMS
     // On CUDA a checkpoint's work (its LoRAs' merge, the renders, the restore as `merged` goes)
-    // runs on one stream of the lowest priority, which counts under MPS, where the trainer's and
-    // the sampler's kernels share the GPU at once. One stream for all of it keeps the merge
+    // runs on one pool stream of the lowest priority. That is also the default streams'
+    // priority, and priorities order kernels within a process only: beside a trainer in another
+    // process it is --device_share that leaves the GPU's time to the training, not the stream.
+    // One stream for all of it keeps the merge
     // ordered before the renders that read it (a pool stream does not wait on the default one),
     // and the same stream for every checkpoint lets the allocator, which caches blocks per
     // stream, reuse one render's memory for the next beside the trainer.
@@ -448,7 +450,7 @@ class Sampler {
       // trainer. A GPU runs two processes' kernels in time slices (without MPS), so a render
       // beside a training takes its share by launching less, not by a stream's priority.
       auto mark = std::chrono::steady_clock::now();
-      if (device_share_ < 1) {
+      if (device_share_ < 1 && !trainer_done_) {
         render_options.on_step = [&](int, const at::Tensor&) {
           if (device_.is_cuda()) torch::cuda::synchronize(device_.has_index() ? device_.index() : 0);
           const auto now = std::chrono::steady_clock::now();
@@ -679,6 +681,9 @@ class Sampler {
       // Named after the run's --output_name, as the trainer announces it; a run without one
       // (kohya's at-step..., epoch-..., last files) has its samples named by step alone, as
       // kohya names them.
+      // The final checkpoint comes once the training is over: a trainer sharing its weights
+      // only waits for this render to let them go, so it takes the whole device.
+      trainer_done_ = newest->final();
       if (render_checkpoint({{path, 1.0}}, newest->step(), newest->output_name())) {
         ++summary_.checkpoints_rendered;
         publish_ready(pub, newest->run_id(), newest->step());
@@ -727,6 +732,7 @@ class Sampler {
   std::optional<c10::cuda::CUDAStream> render_stream_;  // every checkpoint's, made once
 #endif
   double device_share_ = 1;  // --device_share, resolved
+  bool trainer_done_ = false;  // rendering the final checkpoint: --device_share no longer holds
   bool rendered_any_ = false;
   uint64_t last_step_ = 0;
 };

@@ -75,6 +75,7 @@ struct SamplerOptions {
   double delay_per_image_s = 0;
   // --device_share: the share of the device's time renders take; -1: 0.1 when rendering over a
   // trainer's shared weights on CUDA (the trainer keeps 90% of the GPU's time slices), else 1.
+  // The final checkpoint's render takes the whole device: the training is over.
   double device_share = -1;
   int threads = 0;  // CPU threads for compute (0: one per core)
 };

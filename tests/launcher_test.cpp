@@ -1010,6 +1010,42 @@ TEST(LauncherDevices, PreviewsShareTheTrainersGpuUnlessRuledOut) {
   EXPECT_TRUE(is(preview_mode("auto", "auto", "auto", false, none), false, false, false, false));
 }
 
+// CUDA allocator settings whose memory CUDA IPC cannot share (expandable segments,
+// cudaMallocAsync), in the environment the stages inherit, rule out previews over the trainer's
+// weights by name: they render after the training. Other settings, or those turned off, do not.
+TEST(LauncherDevices, AnAllocatorCudaIpcCannotShareRendersPreviewsAfterTheTraining) {
+  struct Restore {
+    std::map<std::string, std::string> saved;
+    Restore() {
+      for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
+        if (const char* v = std::getenv(name)) saved[name] = v;
+        unsetenv(name);
+      }
+    }
+    ~Restore() {
+      for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) unsetenv(name);
+      for (const auto& [name, value] : saved) setenv(name.c_str(), value.c_str(), 1);
+    }
+  } restore;
+  const Settings plain;
+  EXPECT_EQ(why_previews_not_shared(plain, true, "SDXL"), "");
+  setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True", 1);
+  const std::string why = why_previews_not_shared(plain, true, "SDXL");
+  EXPECT_NE(why.find("PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128, expandable_segments:True"),
+            std::string::npos) << why;
+  const PreviewMode mode = preview_mode("auto", "auto", "auto", true, why);
+  EXPECT_FALSE(mode.share_weights);
+  EXPECT_TRUE(mode.after_training);
+  setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False,max_split_size_mb:128", 1);
+  EXPECT_EQ(why_previews_not_shared(plain, true, "SDXL"), "");
+  unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync", 1);
+  EXPECT_NE(why_previews_not_shared(plain, true, "SDXL").find("PYTORCH_ALLOC_CONF"),
+            std::string::npos);
+  unsetenv("PYTORCH_ALLOC_CONF");
+  EXPECT_EQ(why_previews_not_shared(plain, true, "SDXL"), "");
+}
+
 // The flag table against the stages themselves: every flag the launcher passes exists in the
 // stage it goes to, with the same kind (boolean or value), and every flag a stage has is either
 // routed or one the launcher sets itself (endpoints, folders, tools), listed here with why.

@@ -1746,6 +1746,19 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
   EXPECT_EQ(fine.exit, 0) << fine.err;
   EXPECT_NE(fine.out.find("trainer: the flags are fine"), std::string::npos) << fine.out;
   EXPECT_FALSE(fs::exists(work_ / "check" / "lora")) << "--check_flags wrote something";
+  // Weights shared on a GPU under an allocator whose memory CUDA IPC cannot open
+  // (common/cuda_alloc_conf.h): refused before the model loads, naming the setting. On the CPU
+  // (shared memory, not IPC) the setting does not matter.
+  setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True", 1);
+  const std::vector<std::string> share = {"--share_weights=" + (work_ / "shared.json").string(),
+                                          "--device=cuda", "--check_flags"};
+  const TrainRun on_gpu = run(work_ / "check", share);
+  const TrainRun on_cpu = run(work_ / "check", {share[0], "--check_flags"});
+  unsetenv("PYTORCH_ALLOC_CONF");
+  EXPECT_EQ(on_gpu.exit, 2) << on_gpu.out << on_gpu.err;
+  EXPECT_NE(on_gpu.err.find("--share_weights: PYTORCH_ALLOC_CONF=expandable_segments:True"),
+            std::string::npos) << on_gpu.err;
+  EXPECT_EQ(on_cpu.exit, 0) << on_cpu.err;
 }
 
 TEST_F(TrainRunTest, ManifestFromAnotherVaeIsRefused) {

@@ -5,6 +5,7 @@
 #include <cctype>
 #include <sstream>
 
+#include "common/cuda_alloc_conf.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "models/family.h"
@@ -154,6 +155,11 @@ void validate(const Options& o) {
   need(o.share_weights.empty() || o.blocks_to_swap == 0,
        "--share_weights: --blocks_to_swap keeps weights in host memory, where a sampler on the "
        "device cannot share them");
+  if (!o.share_weights.empty() && o.device != "cpu") {
+    const std::string why = cuda_alloc_conf_blocks_ipc();
+    need(why.empty(), "--share_weights: " + why + " (unset it, or render the previews after the "
+                      "training)");
+  }
   need(!o.fp8_fast || o.fp8_scaled,
        "--fp8_fast multiplies scaled float8 weights in float8: give --fp8_scaled (and --fp8_base)");
   need(o.output_name.find('/') == std::string::npos,
