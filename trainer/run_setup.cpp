@@ -245,6 +245,11 @@ void Run::load_model() {
       if (models::weights_fingerprint(text_encoder, settings) ==
           manifest_.text_encoder_fingerprint()) {
         cached_text_ = true;
+        // Placement converts and stores the weights itself, from the loaded ones: widened
+        // again, float8 values lose their scales.
+        text_encoder.to(torch::kFloat);
+        const auto placed = text_encoder.parameters();
+        for (size_t i = 0; i < placed.size(); ++i) placed[i].copy_(loaded[i]);
       }
     }
     if (!cached_text_) {
