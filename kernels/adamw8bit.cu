@@ -125,6 +125,9 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   const AdamW8bitTensor t = table[tensor_index];
+  // No gradient this step: left alone. The same for the whole thread block (one tensor per
+  // block), and no barrier is passed before it, so the early return is safe.
+  if (t.grad == nullptr) return;
   const AdamW8bitStep& s = steps.step[t.group];
   const int64_t block = static_cast<int64_t>(blockIdx.x) - first_block[tensor_index];
   const int64_t i = block * kAdamW8bitBlock + tid;
@@ -206,6 +209,9 @@ AdamW8bitCudaPlan::AdamW8bitCudaPlan(const AdamW8bitTensor* tensors, size_t coun
           "cudaMemcpy");
     check(cudaMemcpy(maps_, maps.data(), maps.size() * sizeof(float), cudaMemcpyHostToDevice),
           "cudaMemcpy");
+    // From pageable memory cudaMemcpy may return before the copy lands, and the step's kernel
+    // runs on torch's stream, which need not wait for the legacy default one: landed first.
+    check(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
   } catch (...) {
     // The destructor does not run for a constructor that throws: free what was allocated.
     cudaFree(table_);

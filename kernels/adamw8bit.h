@@ -66,7 +66,10 @@ inline int64_t adamw8bit_blocks(int64_t numel) {
 // One parameter tensor. `param` and `grad` hold `numel` elements of the step's ParamDtype
 // (contiguous). With `quantized` (numel >= kAdamW8bitMinNumel): state1/state2 are uint8[numel],
 // absmax1/absmax2 float[adamw8bit_blocks(numel)]. Without: state1/state2 are float[numel] and
-// the absmax pointers are unused.
+// the absmax pointers are unused. `grad` null: the tensor has no gradient this step (its LoRA
+// module dropped by module_dropout), and it and its state are left alone, as torch's optimizers
+// leave a parameter without one; a step's table keeps its place, so the CUDA plan's table keeps
+// its size from step to step.
 struct AdamW8bitTensor {
   void* param = nullptr;
   const void* grad = nullptr;

@@ -254,6 +254,7 @@ void adamw8bit_step_cpu(const AdamW8bitTensor* tensors, size_t count, ParamDtype
   for (int64_t item = 0; item < items; ++item) {
     const size_t i =
         static_cast<size_t>(std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1);
+    if (tensors[i].grad == nullptr) continue;  // no gradient this step: left alone
     const AdamW8bitStep& step = group_steps[tensors[i].group];
     switch (dtype) {
       case ParamDtype::kFloat32:

@@ -469,6 +469,28 @@ void fill_gradients(Case& c, int64_t t, torch::ScalarType dtype) {
   }
 }
 
+// A tensor without a gradient this step (null in the table: its LoRA module dropped by
+// module_dropout) is left alone, its parameter and state bytes as they were; the others step.
+TEST(AdamW8bitCpu, ATensorWithoutAGradientIsLeftAlone) {
+  Case c = make_case(torch::kFloat32, torch::kCPU, 7);
+  const AdamW8bitStep steps[2] = {adamw8bit_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, 1),
+                                  adamw8bit_step_constants(3e-4, 0.9, 0.99, 1e-6, 0.0, 1)};
+  fill_gradients(c, 1, torch::kFloat32);
+  c.views[2].grad = nullptr;
+  std::vector<torch::Tensor> p, s1, s2;
+  for (size_t i = 0; i < c.p.size(); ++i) {
+    p.push_back(c.p[i].clone());
+    s1.push_back(c.s1[i].clone());
+    s2.push_back(c.s2[i].clone());
+  }
+  adamw8bit_step_cpu(c.views.data(), c.views.size(), ParamDtype::kFloat32, steps, 2);
+  for (size_t i = 0; i < c.p.size(); ++i) {
+    const bool left = i == 2;
+    EXPECT_EQ(torch::equal(c.p[i], p[i]), left) << "tensor " << i;
+    EXPECT_EQ(torch::equal(c.s1[i], s1[i]) && torch::equal(c.s2[i], s2[i]), left) << "tensor " << i;
+  }
+}
+
 // Six steps of every parameter dtype on `gpu` against the CPU reference, bit for bit.
 void expect_cuda_equals_cpu(const torch::Device& gpu) {
   for (auto [dtype, param_dtype] : {std::pair{torch::kFloat32, ParamDtype::kFloat32},
@@ -491,11 +513,29 @@ void expect_cuda_equals_cpu(const torch::Device& gpu) {
       }
       fill_gradients(cpu, t, dtype);
       fill_gradients(cuda, t, dtype);
+      // Step 5: tensors 0 and 2 (fp32 and 8-bit state) have no gradient (their modules dropped
+      // by module_dropout): null in the table, which keeps its size, and left alone on both
+      // sides. Step 6's retarget above gives them theirs again.
+      const std::vector<size_t> dropped = t == 5 ? std::vector<size_t>{0, 2} : std::vector<size_t>{};
+      std::vector<torch::Tensor> before;
+      for (size_t i : dropped) {
+        cpu.views[i].grad = nullptr;
+        cuda.views[i].grad = nullptr;
+        before.insert(before.end(), {cpu.p[i].clone(), cpu.s1[i].clone(), cpu.a1[i].clone()});
+      }
+      if (!dropped.empty()) plan.retarget(cuda.views.data(), cuda.views.size(), nullptr);
       const AdamW8bitStep steps[2] = {adamw8bit_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, t),
                                       adamw8bit_step_constants(3e-4, 0.9, 0.99, 1e-6, 0.0, t)};
       adamw8bit_step_cpu(cpu.views.data(), cpu.views.size(), param_dtype, steps, 2);
       plan.step(steps, 2, /*stream=*/nullptr);
       torch::cuda::synchronize();
+      for (size_t k = 0; k < dropped.size(); ++k) {
+        const size_t i = dropped[k];
+        EXPECT_TRUE(torch::equal(cpu.p[i], before[3 * k])) << "tensor " << i << " moved";
+        EXPECT_TRUE(torch::equal(cpu.s1[i], before[3 * k + 1])) << "tensor " << i << "'s state";
+        EXPECT_TRUE(torch::equal(cpu.a1[i], before[3 * k + 2])) << "tensor " << i << "'s absmax";
+        cpu.views[i].grad = cpu.g[i].data_ptr();
+      }
       for (size_t i = 0; i < cpu.p.size(); ++i) {
         const std::string what = std::string(c10::toString(dtype)) + " tensor " +
                                  std::to_string(i) + " step " + std::to_string(t);

@@ -89,8 +89,10 @@ class AdamW8bit final : public Optimizer {
          {k::ParamDtype::kFloat32, k::ParamDtype::kBFloat16, k::ParamDtype::kFloat16}) {
       std::vector<k::AdamW8bitTensor> views;
       for (Slot& slot : slots_) {
-        // As torch's optimizers do: a parameter without a gradient this step is left alone.
-        if (!slot.param.grad().defined() || param_dtype(slot.param) != dtype) continue;
+        // As torch's optimizers do, a parameter without a gradient this step is left alone: its
+        // view goes in with a null gradient (the kernels skip it), so the set of tensors a CUDA
+        // plan was made for stays the same when module_dropout drops a module for a step.
+        if (param_dtype(slot.param) != dtype) continue;
         views.push_back(view(slot));
       }
       if (views.empty()) continue;
@@ -192,7 +194,7 @@ class AdamW8bit final : public Optimizer {
     uint8_t* base = arena_.data_ptr<uint8_t>();
     k::AdamW8bitTensor t;
     t.param = slot.param.data_ptr();
-    t.grad = slot.param.grad().data_ptr();
+    t.grad = slot.param.grad().defined() ? slot.param.grad().data_ptr() : nullptr;
     t.state1 = base + slot.offsets[0];
     t.state2 = base + slot.offsets[1];
     t.absmax1 = reinterpret_cast<float*>(base + slot.offsets[2]);
@@ -200,8 +202,9 @@ class AdamW8bit final : public Optimizer {
     t.numel = slot.param.numel();
     t.quantized = slot.quantized;
     t.group = slot.group;
-    TORCH_CHECK(slot.param.grad().is_contiguous() &&
-                    slot.param.grad().scalar_type() == slot.param.scalar_type(),
+    TORCH_CHECK(!slot.param.grad().defined() ||
+                    (slot.param.grad().is_contiguous() &&
+                     slot.param.grad().scalar_type() == slot.param.scalar_type()),
                 "AdamW8bit: a gradient must be contiguous and of its parameter's dtype");
     return t;
   }

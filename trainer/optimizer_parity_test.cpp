@@ -272,6 +272,39 @@ TEST(OptimizerState, ZeroGradFreesTheGradientsOfEveryOptimizer) {
   }
 }
 
+// A LoRA module that module_dropout drops for a step leaves its tensors without gradients: every
+// optimizer leaves them alone that step, as torch's do, and steps them again after. On CUDA too
+// (tests/gpu/run.sh): AdamW8bit's kernel plan keeps its table through it (it once refused the
+// step, a table of another size).
+TEST(OptimizerState, AParameterWithoutAGradientForAStepIsLeftAlone) {
+  std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+  if (torch::cuda::is_available()) devices.emplace_back(c10::kCUDA, 0);
+  for (const c10::Device& device : devices) {
+    for (const std::string type : {"AdamW", "AdamW8bit", "PagedAdamW8bit", "Prodigy",
+                                   "DAdaptAdam", "Lion", "Adafactor"}) {
+      const std::string what = type + " on " + device.str();
+      OptimizerOptions options;
+      options.type = type;
+      torch::manual_seed(6);
+      std::vector<ParamGroup> groups{{{torch::randn({64, 128}).to(device).requires_grad_(true),
+                                       torch::randn({16, 8}).to(device).requires_grad_(true)},
+                                      1e-2, "unet"}};
+      at::Tensor& a = groups[0].params[0];
+      at::Tensor& b = groups[0].params[1];
+      std::unique_ptr<Optimizer> o = make_optimizer(options, groups);
+      for (int step = 0; step < 3; ++step) {
+        const at::Tensor a_before = a.detach().clone(), b_before = b.detach().clone();
+        a.mutable_grad() = torch::randn({64, 128}).to(device);
+        if (step != 1) b.mutable_grad() = torch::randn({16, 8}).to(device);
+        ASSERT_NO_THROW(o->step()) << what << ", step " << step + 1;
+        EXPECT_FALSE(torch::equal(a.detach(), a_before)) << what << ", step " << step + 1;
+        EXPECT_EQ(torch::equal(b.detach(), b_before), step == 1) << what << ", step " << step + 1;
+        o->zero_grad();
+      }
+    }
+  }
+}
+
 TEST(ProdigyParity, RefusesWhatProdigyoptRefuses) {
   auto make = [](std::vector<std::string> args, double lr0, double lr1) {
     OptimizerOptions options;

@@ -67,7 +67,9 @@ class RankGroup {
   const char* backend() const;
 
   // Sums the tensors over every rank, in place, as one flat fp32 buffer: on the device with
-  // NCCL, through host memory with Gloo. Undefined tensors count as zeros and stay undefined.
+  // NCCL, through host memory with Gloo. Undefined tensors are left out of the buffer: every
+  // rank must give the same tensors defined, or the ranks' buffers differ in length (the step
+  // gives each missing gradient as zeros first, trainer/step.cpp).
   void sum(const std::vector<at::Tensor>& tensors);
   double sum(double value);
 

@@ -254,8 +254,8 @@ UpdateResult TrainingStep::update_weights() {
     // Every rank must hold every gradient to sum (one without rows this step has none). The last
     // tensor summed counts the ranks that reached each parameter: one that no rank reached (a
     // dropped module, a text-encoder layer past --clip_skip) is left without a gradient, as one
-    // rank leaves it, so torch's AdamW skips it instead of decaying it (AdamW8bit zeroes
-    // gradients in place, so there the two agree once a parameter has had one).
+    // rank leaves it, so the optimizer skips it instead of decaying it (torch's AdamW and
+    // AdamW8bit alike).
     std::vector<at::Tensor> grads;
     at::Tensor reached = torch::zeros({static_cast<int64_t>(params.size())}, torch::kFloat32);
     for (size_t i = 0; i < params.size(); ++i) {
