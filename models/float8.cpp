@@ -133,9 +133,13 @@ at::Tensor float8_matmul(const at::Tensor& input, const at::Tensor& weight,
   // Contiguous: _scaled_mm on sm90 takes only a row-major first operand, and reshape keeps a
   // view where it can (a batch-1 permute(0,2,3,1) of SDXL's proj_in input is column-major).
   const at::Tensor x = input.reshape({-1, in}).contiguous();
-  const at::Tensor x_scale = row_scales(x);  // [tokens, 1]
+  // The activation's row maxima in its own dtype (exact: a magnitude's maximum rounds nothing),
+  // then one widened quotient: row_scales' fp32 copies of a whole activation (several per
+  // matmul, the largest tensors the step moves) are not made. The same values as row_scales.
+  at::Tensor x_scale = x.abs().amax(/*dim=*/1, /*keepdim=*/true).to(at::kFloat) / kFloat8E4m3Max;
+  x_scale = at::where(x_scale > 0, x_scale, at::ones_like(x_scale));  // [tokens, 1]
   const at::Tensor xq =
-      (x.to(at::kFloat) / x_scale).clamp_(-kFloat8E4m3Max, kFloat8E4m3Max).to(at::kFloat8_e4m3fn);
+      at::div(x, x_scale).clamp_(-kFloat8E4m3Max, kFloat8E4m3Max).to(at::kFloat8_e4m3fn);
   const at::Tensor w_scale = row_scale.to(at::kFloat).t().contiguous();  // [1, out]
   at::Tensor y;
   if (input.is_cuda() && dtype == at::kBFloat16) {
