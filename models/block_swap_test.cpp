@@ -464,29 +464,37 @@ TEST(BlockSwap, OnCudaStepsAreBitIdentical) {
 }
 
 #ifdef LORAPIPE_TEST_CUDA_SLEEP
-// The CUDA swap device with each block's compute held back on the GPU (a few milliseconds of
-// spinning on the compute stream once its copy has landed), so the host runs far ahead of the
-// GPU: a prefetch that did not wait for the slot's last block to be done with it (wait_used)
-// would overwrite weights still to be read, and the steps would differ. On tiny blocks without
-// the delay, every kernel is done before the next copy is issued and a missing wait goes unseen.
-class SlowComputeDevice : public SwapDevice {
+// Every call passed to the CUDA swap device it wraps; the two below hold one side back.
+class DelegatingDevice : public SwapDevice {
  public:
-  explicit SlowComputeDevice(std::unique_ptr<SwapDevice> inner) : inner_(std::move(inner)) {}
+  explicit DelegatingDevice(std::unique_ptr<SwapDevice> inner) : inner_(std::move(inner)) {}
   std::string name() const override { return inner_->name(); }
   at::Tensor host(const at::Tensor& weight) override { return inner_->host(weight); }
   at::Tensor slot(int64_t bytes) override { return inner_->slot(bytes); }
   void copy(const at::Tensor& dst, const at::Tensor& src) override { inner_->copy(dst, src); }
   void record_copied(int slot) override { inner_->record_copied(slot); }
+  void wait_copied(int slot) override { inner_->wait_copied(slot); }
+  void record_used(int slot) override { inner_->record_used(slot); }
+  void wait_used(int slot) override { inner_->wait_used(slot); }
+  void drain() override { inner_->drain(); }
+  std::optional<c10::Stream> copy_stream() const override { return inner_->copy_stream(); }
+
+ protected:
+  std::unique_ptr<SwapDevice> inner_;
+};
+
+// The CUDA swap device with each block's compute held back on the GPU (a few milliseconds of
+// spinning on the compute stream once its copy has landed), so the host runs far ahead of the
+// GPU: a prefetch that did not wait for the slot's last block to be done with it (wait_used)
+// would overwrite weights still to be read, and the steps would differ. On tiny blocks without
+// the delay, every kernel is done before the next copy is issued and a missing wait goes unseen.
+class SlowComputeDevice : public DelegatingDevice {
+ public:
+  using DelegatingDevice::DelegatingDevice;
   void wait_copied(int slot) override {
     inner_->wait_copied(slot);
     at::cuda::sleep(10'000'000);  // about 5 ms at 2 GHz, on the current (compute) stream
   }
-  void record_used(int slot) override { inner_->record_used(slot); }
-  void wait_used(int slot) override { inner_->wait_used(slot); }
-  void drain() override { inner_->drain(); }
-
- private:
-  std::unique_ptr<SwapDevice> inner_;
 };
 
 TEST(BlockSwap, OnCudaAComputeFarBehindItsCopiesStepsBitIdentically) {
@@ -500,12 +508,9 @@ TEST(BlockSwap, OnCudaAComputeFarBehindItsCopiesStepsBitIdentically) {
 // The other way round: each copy held back on the copy stream, so a block's weights land long
 // after the host has queued its compute. Compute that did not wait for its slot's copies
 // (wait_copied) would read the block before, and the steps would differ.
-class SlowCopyDevice : public SwapDevice {
+class SlowCopyDevice : public DelegatingDevice {
  public:
-  explicit SlowCopyDevice(std::unique_ptr<SwapDevice> inner) : inner_(std::move(inner)) {}
-  std::string name() const override { return inner_->name(); }
-  at::Tensor host(const at::Tensor& weight) override { return inner_->host(weight); }
-  at::Tensor slot(int64_t bytes) override { return inner_->slot(bytes); }
+  using DelegatingDevice::DelegatingDevice;
   void copy(const at::Tensor& dst, const at::Tensor& src) override {
     {
       const c10::StreamGuard on_copies(inner_->copy_stream().value());
@@ -513,15 +518,6 @@ class SlowCopyDevice : public SwapDevice {
     }
     inner_->copy(dst, src);
   }
-  void record_copied(int slot) override { inner_->record_copied(slot); }
-  void wait_copied(int slot) override { inner_->wait_copied(slot); }
-  void record_used(int slot) override { inner_->record_used(slot); }
-  void wait_used(int slot) override { inner_->wait_used(slot); }
-  void drain() override { inner_->drain(); }
-  std::optional<c10::Stream> copy_stream() const override { return inner_->copy_stream(); }
-
- private:
-  std::unique_ptr<SwapDevice> inner_;
 };
 
 TEST(BlockSwap, OnCudaCopiesFarBehindTheComputeStepBitIdentically) {
