@@ -125,8 +125,8 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   const AdamW8bitTensor t = table[tensor_index];
-  // No gradient this step: left alone. The same for the whole thread block (one tensor per
-  // block), and no barrier is passed before it, so the early return is safe.
+  // No gradient this step: left alone. The condition is the same for every thread of the block
+  // (one tensor per block), so the whole block returns and no thread waits at a barrier after.
   if (t.grad == nullptr) return;
   const AdamW8bitStep& s = steps.step[t.group];
   const int64_t block = static_cast<int64_t>(blockIdx.x) - first_block[tensor_index];

@@ -92,9 +92,10 @@ class CudaSwapDevice : public SwapDevice {
     at::Tensor memory =
         at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, index_));
     // The allocator may hand back a block the compute stream freed and still uses: safe for that
-    // stream alone. Recorded as "used" now, the slot's first copy waits for that work too (an
-    // event never recorded is not waited for).
+    // stream alone. The copy stream waits for the compute queued so far before its first copy
+    // into the slot (load() waits on a slot's "used" event only once a block has occupied it).
     used_.back()->record(compute());
+    used_.back()->block(copy_);
     return memory;
   }
   void copy(const at::Tensor& dst, const at::Tensor& src) override {

@@ -59,8 +59,9 @@ class SwapDevice {
   virtual void wait_copied(int slot) = 0;    // the compute stream waits for that record
   virtual void record_used(int slot) = 0;    // on the compute stream, after a block's work
   virtual void wait_used(int slot) = 0;      // the copy stream waits for that record
-  // Returns once every copy issued has landed: before the slots go back to the allocator (a
-  // swap torn down by an exception may leave a prefetch in flight).
+  // Returns once every copy issued has landed and the compute that reads the slots is done:
+  // before the slots go back to the allocator (a swap torn down by an exception may leave a
+  // prefetch in flight).
   virtual void drain() {}
   // The stream the copies are issued on, where there is one (CUDA's): tests hold it back.
   virtual std::optional<c10::Stream> copy_stream() const { return std::nullopt; }

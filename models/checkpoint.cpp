@@ -33,13 +33,15 @@ struct BlockHolder : torch::CustomClassHolder {
 
 // Calls `leave` as its scope ends, however it ends: a block that throws between `enter` and
 // `leave` still records its use of a swap slot, so no later copy overwrites weights its queued
-// kernels read. While an exception unwinds, one `leave` may throw is dropped for it.
+// kernels read. While the block's exception unwinds, an exception from `leave` is dropped (the
+// block's own is the one that says what went wrong).
 struct LeaveOnExit {
   const BlockCalls& calls;
   bool backward;
+  int unwinding = std::uncaught_exceptions();  // at construction: only a newer one counts
   ~LeaveOnExit() noexcept(false) {
     if (!calls.leave) return;
-    if (std::uncaught_exceptions() == 0) {
+    if (std::uncaught_exceptions() <= unwinding) {
       calls.leave(backward);
       return;
     }

@@ -134,8 +134,8 @@ at::Tensor float8_matmul(const at::Tensor& input, const at::Tensor& weight,
   // view where it can (a batch-1 permute(0,2,3,1) of SDXL's proj_in input is column-major).
   const at::Tensor x = input.reshape({-1, in}).contiguous();
   // The activation's row maxima in its own dtype (exact: a magnitude's maximum rounds nothing),
-  // then one widened quotient: row_scales' fp32 copies of a whole activation (several per
-  // matmul, the largest tensors the step moves) are not made. The same values as row_scales.
+  // then one widened quotient (on CUDA widened as it is read): two fp32 copies of a whole
+  // activation fewer than row_scales and a separate widening made. The same float8 values.
   at::Tensor x_scale = x.abs().amax(/*dim=*/1, /*keepdim=*/true).to(at::kFloat) / kFloat8E4m3Max;
   x_scale = at::where(x_scale > 0, x_scale, at::ones_like(x_scale));  // [tokens, 1]
   const at::Tensor xq =

@@ -150,7 +150,7 @@ if [[ ${1:-} == --pack ]]; then
     [[ ${target} == lorapipe && ${#nopng[@]} -gt 0 ]] && from=lorapipe-nopng
     strip --strip-debug -o "${stage}/bin/${target}" "${build}/bin/${from}" || exit 1
   done
-  if ldd "${stage}/bin/lorapipe" | grep -q libvips; then
+  if ldd "${stage}/bin/lorapipe" | grep libvips >/dev/null; then  # not -q: ldd's SIGPIPE
     echo "${build}/bin/lorapipe links libvips, which the GPU machine lacks"; exit 1
   fi
   printf 'root=%s\ntorch=%s\nsources=%s\n' "${ROOT}" "${torch_version}" "$(sources_hash)" \
@@ -341,7 +341,7 @@ step "bench: one LoRA training step at SDXL size on CUDA, bf16, 1024x1024, rank 
 # The goals (issue 31): peak <= 6 GB with the bf16 base, <= 4.5 GB with --fp8_base.
 for fp8 in "" --fp8_base "--fp8_base --fp8_scaled --fp8_fast"; do
   # shellcheck disable=SC2086  # an empty flag is no word
-  bench "trainer_bench sdxl ${fp8}" 180 "${BUILD}/bin/trainer_bench" solo sdxl --device cuda \
+  bench "trainer_bench sdxl${fp8:+ ${fp8}}" 180 "${BUILD}/bin/trainer_bench" solo sdxl --device cuda \
     --dtype bf16 --batch 1 --resolution 1024 --steps 5 --gradient_checkpointing ${fp8}
 done
 
@@ -431,7 +431,7 @@ for spec in "full sd15 512,768,1024 1,2,4 12GB" "sdxl sdxl 1024 1,2 12GB" \
   read -r size family resolutions batches budget <<<"${spec}"
   wanted "plan probe ${size} ${budget}" || continue
   if ((DEADLINE - SECONDS < 100)); then  # the structure takes a U-Net's build on the CPU
-    echo "not run (past LORAPIPE_GPU_DEADLINE_S): plan probe ${size} ${budget}"
+    echo "not run (under 100 s left before LORAPIPE_GPU_DEADLINE_S): plan probe ${size} ${budget}"
     NOT_RUN+=("plan probe ${size} ${budget}")
     continue
   fi
