@@ -108,6 +108,28 @@ class TrainRunTest : public ::testing::Test {
                  work_ / ("cacher-" + tag + ".out"), work_ / ("cacher-" + tag + ".err"));
   }
 
+  // The demo dataset cached afresh by a cacher given `flags`, into work_/cache-TAG (its output in
+  // work_/TAG-cacher.err); returns the cache's folder.
+  fs::path cache_with(const std::string& tag, const std::vector<std::string>& flags) const {
+    const fs::path cache = work_ / ("cache-" + tag);
+    std::vector<std::string> c{LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
+                               "--cache_dir=" + cache.string(),
+                               "--pull=ipc://" + (work_ / (tag + "-pull.sock")).string(),
+                               "--rep=ipc://" + (work_ / (tag + "-rep.sock")).string(),
+                               "--idle_timeout_s=120"};
+    c.insert(c.end(), flags.begin(), flags.end());
+    const pid_t cacher = spawn(c, work_ / (tag + "-cacher.out"), work_ / (tag + "-cacher.err"));
+    const pid_t pre = spawn(
+        {LORAPIPE_PREPROCESS_BIN, "--data_dir=" + (dir_ / "data").string(),
+         std::string("--dataset_id=") + kDataset, "--resolution=128", "--min_bucket_reso=64",
+         "--max_bucket_reso=256", "--push=ipc://" + (work_ / (tag + "-pull.sock")).string(),
+         "--request=ipc://" + (work_ / (tag + "-rep.sock")).string(), "--timeout_ms=20000"},
+        work_ / (tag + "-pre.out"), work_ / (tag + "-pre.err"));
+    EXPECT_EQ(wait_exit(pre), 0) << read_text(work_ / (tag + "-pre.err"));
+    EXPECT_EQ(wait_exit(cacher), 0) << read_text(work_ / (tag + "-cacher.err"));
+    return cache;
+  }
+
   std::vector<std::string> args(const fs::path& out, std::vector<std::string> extra) const {
     std::vector<std::string> a{LORAPIPE_TRAINER_BIN,
                                "--pretrained_model_name_or_path=" + tiny_.diffusers.string(),
@@ -1289,22 +1311,7 @@ TEST_F(TrainRunTest, TextCachedFromFloat8EncodersIsTakenUnderTheSameFlags) {
   for (const std::vector<std::string>& flags :
        std::vector<std::vector<std::string>>{{"--fp8_base"}, {"--fp8_base", "--fp8_scaled"}}) {
     const std::string tag = flags.size() == 1 ? "fp8" : "fp8-scaled";
-    const fs::path cache = work_ / ("cache-" + tag);
-    std::vector<std::string> c{LORAPIPE_CACHER_BIN, "--model=" + tiny_.diffusers.string(),
-                               "--cache_dir=" + cache.string(),
-                               "--pull=ipc://" + (work_ / (tag + "-pull.sock")).string(),
-                               "--rep=ipc://" + (work_ / (tag + "-rep.sock")).string(),
-                               "--idle_timeout_s=120"};
-    c.insert(c.end(), flags.begin(), flags.end());
-    const pid_t cacher = spawn(c, work_ / (tag + "-cacher.out"), work_ / (tag + "-cacher.err"));
-    const pid_t pre = spawn(
-        {LORAPIPE_PREPROCESS_BIN, "--data_dir=" + (dir_ / "data").string(),
-         std::string("--dataset_id=") + kDataset, "--resolution=128", "--min_bucket_reso=64",
-         "--max_bucket_reso=256", "--push=ipc://" + (work_ / (tag + "-pull.sock")).string(),
-         "--request=ipc://" + (work_ / (tag + "-rep.sock")).string(), "--timeout_ms=20000"},
-        work_ / (tag + "-pre.out"), work_ / (tag + "-pre.err"));
-    ASSERT_EQ(wait_exit(pre), 0) << read_text(work_ / (tag + "-pre.err"));
-    ASSERT_EQ(wait_exit(cacher), 0) << read_text(work_ / (tag + "-cacher.err"));
+    const fs::path cache = cache_with(tag, flags);
     EXPECT_NE(read_text(work_ / (tag + "-cacher.err")).find("float8_e4m3fn"), std::string::npos)
         << read_text(work_ / (tag + "-cacher.err"));
     EXPECT_TRUE(seen.insert(manifest_fingerprint(cache)).second) << tag << ": the same text key";
@@ -1321,6 +1328,20 @@ TEST_F(TrainRunTest, TextCachedFromFloat8EncodersIsTakenUnderTheSameFlags) {
       EXPECT_EQ(online, !same) << tag << (same ? " with" : " without") << " its flags: "
                                << read_text(out / "err");
     }
+  }
+}
+
+// A cache made in half precision (the cacher's --dtype fp16 or bf16, from the tiny model's fp32
+// files) is the trainer's in fp32: it finds the VAE and the text encoder the cacher used, each
+// converted once from the weights as loaded, as the cacher converted them. Converting bf16's try
+// from fp16's (fp32 -> fp16 -> bf16 rounds twice) refused the VAE and ignored the text.
+TEST_F(TrainRunTest, CacheMadeInHalfPrecisionIsTakenByTheTrainer) {
+  for (const std::string dtype : {"fp16", "bf16"}) {
+    const fs::path cache = cache_with(dtype, {"--dtype=" + dtype});
+    const TrainRun r = run_on(cache, kDataset, work_ / ("train-" + dtype),
+                              {"--max_train_steps=2", "--network_train_unet_only"});
+    EXPECT_EQ(r.exit, 0) << dtype << ": " << r.err;
+    EXPECT_EQ(r.err.find("captions are encoded online"), std::string::npos) << dtype << ": " << r.err;
   }
 }
 

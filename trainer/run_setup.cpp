@@ -5,7 +5,10 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <malloc.h>
 
+#include <optional>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "cacher/records.h"
 #include "common/error.h"
@@ -21,6 +24,37 @@
 #include "models/registry.h"
 
 namespace lorapipe::trainer::detail {
+
+namespace {
+
+// A module's floating-point parameters and buffers as loaded, to put back before each dtype a
+// cache may have been made in is tried: the cacher converted its weights once, from the file,
+// and a conversion from an earlier conversion rounds twice (fp32 -> fp16 -> bf16 is not
+// fp32 -> bf16 for 6% of normally distributed weights), so its fingerprint would never match.
+// Held tensors are the module's own (set_data keeps them its own through conversions).
+class LoadedWeights {
+ public:
+  explicit LoadedWeights(torch::nn::Module& module) {
+    torch::NoGradGuard no_grad;
+    auto keep = [&](const at::Tensor& t) {
+      if (t.defined() && t.is_floating_point()) held_.emplace_back(t, t.detach().clone());
+    };
+    for (const at::Tensor& p : module.parameters()) keep(p);
+    for (const at::Tensor& b : module.buffers()) keep(b);
+  }
+  void restore() const {
+    torch::NoGradGuard no_grad;
+    for (const auto& [tensor, loaded] : held_) {
+      at::Tensor t = tensor;
+      t.set_data(loaded);  // the module's tensor, its loaded dtype and values (no copy)
+    }
+  }
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> held_;
+};
+
+}  // namespace
 
 void Run::load_data() {
   records_ = o_.cacher_endpoint.empty()
@@ -189,11 +223,15 @@ void Run::load_model() {
   // Latents from another VAE would train the LoRA on the wrong images. The cacher fingerprints
   // the VAE in its compute dtype, so each dtype it may have used is tried.
   bool vae_matches = false;
-  for (auto vae_dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
-    model.vae_module().to(vae_dtype);
-    if (models::weights_fingerprint(model.vae_module(), "vae") == manifest_.vae_fingerprint()) {
-      vae_matches = true;
-      break;
+  {
+    const LoadedWeights loaded(model.vae_module());
+    for (auto vae_dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+      loaded.restore();
+      model.vae_module().to(vae_dtype);
+      if (models::weights_fingerprint(model.vae_module(), "vae") == manifest_.vae_fingerprint()) {
+        vae_matches = true;
+        break;
+      }
     }
   }
   model.release(models::DiffusionModel::Role::kVae);  // training needs no VAE
@@ -211,20 +249,19 @@ void Run::load_model() {
   } else if (manifest_.text_cached() && !train_te) {
     const std::string settings =
         model.text_encoder_settings(o_.step.clip_skip, o_.max_token_length);
-    // Each dtype the cacher may have used is tried on the weights as loaded. A conversion rounds
-    // them, so when none matches and the text is to be encoded online, the loaded fp32 weights
-    // are put back (else it would encode through weights rounded to bf16).
+    // Each dtype the cacher may have used is tried on the weights as loaded, each converted from
+    // them (LoadedWeights). When none matches and the text is to be encoded online, the loaded
+    // fp32 weights are put back (else it would encode through weights rounded to bf16).
     torch::nn::Module& text_encoder = model.text_encoder_module();
     // As loaded (fp32) first: the copy to restore from is made only when a conversion is tried
     // (T5 XXL alone is 19 GB in fp32).
     cached_text_ = models::weights_fingerprint(text_encoder, settings) ==
                    manifest_.text_encoder_fingerprint();
-    std::vector<torch::Tensor> loaded;
-    if (!cached_text_) {
-      for (const torch::Tensor& p : text_encoder.parameters()) loaded.push_back(p.detach().clone());
-    }
+    std::optional<LoadedWeights> loaded;
+    if (!cached_text_) loaded.emplace(text_encoder);
     for (auto text_dtype : {torch::kHalf, torch::kBFloat16}) {
       if (cached_text_) break;
+      loaded->restore();
       text_encoder.to(text_dtype);
       if (models::weights_fingerprint(text_encoder, settings) ==
           manifest_.text_encoder_fingerprint()) {
@@ -236,10 +273,7 @@ void Run::load_model() {
     const bool fp8_text = o_.fp8_base && !o_.fp8_base_unet;
     for (auto text_dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
       if (cached_text_ || !fp8_text) break;
-      torch::NoGradGuard no_grad;
-      text_encoder.to(torch::kFloat);
-      const auto params = text_encoder.parameters();
-      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(loaded[i]);
+      loaded->restore();
       text_encoder.to(text_dtype);
       models::store_weights_in_float8(text_encoder, o_.fp8_scaled);
       if (models::weights_fingerprint(text_encoder, settings) ==
@@ -247,16 +281,11 @@ void Run::load_model() {
         cached_text_ = true;
         // Placement converts and stores the weights itself, from the loaded ones: widened
         // again, float8 values lose their scales.
-        text_encoder.to(torch::kFloat);
-        const auto placed = text_encoder.parameters();
-        for (size_t i = 0; i < placed.size(); ++i) placed[i].copy_(loaded[i]);
+        loaded->restore();
       }
     }
     if (!cached_text_) {
-      torch::NoGradGuard no_grad;
-      text_encoder.to(torch::kFloat);
-      const auto params = text_encoder.parameters();
-      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(loaded[i]);
+      loaded->restore();
       LP_LOG(kInfo, kLog) << "cached text was made by another text encoder, clip skip or "
                              "max_token_length: captions are encoded online";
     }
