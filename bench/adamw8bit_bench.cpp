@@ -59,6 +59,7 @@ int main(int argc, char** argv) {
     const std::string flag = argv[i];
     if (flag == "--device" && i + 1 < argc) {
       device = torch::Device(argv[++i]);
+      if (device.is_cuda() && !device.has_index()) device = torch::Device(torch::kCUDA, 0);
     } else if (flag == "--dtype" && i + 1 < argc) {
       dtype = std::string(argv[++i]) == "bf16" ? torch::kBFloat16 : torch::kFloat32;
     } else if (flag == "--threads" && i + 1 < argc) {
@@ -88,7 +89,7 @@ int main(int argc, char** argv) {
   if (device.is_cuda()) cudaMemGetInfo(&free_before, &total);
 #endif
   if (paged && device.is_cuda()) {
-    managed = k::alloc_managed(static_cast<size_t>(state_bytes));
+    managed = k::alloc_managed(static_cast<size_t>(state_bytes), device.index());
     auto* base = static_cast<uint8_t*>(managed);
     s1 = torch::from_blob(base, {n}, bytes_options);
     s2 = torch::from_blob(base + n, {n}, bytes_options);

@@ -286,7 +286,8 @@ void AdamW8bitCudaPlan::retarget(const AdamW8bitTensor* tensors, size_t count, v
   layout_.assign(tensors, tensors + count);
 }
 
-void* alloc_managed(size_t bytes) {
+void* alloc_managed(size_t bytes, int device) {
+  use_device(device);
   void* ptr = nullptr;
   check(cudaMallocManaged(&ptr, bytes, cudaMemAttachGlobal), "cudaMallocManaged");
   return ptr;

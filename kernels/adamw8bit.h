@@ -82,8 +82,11 @@ struct AdamW8bitTensor {
   int group = 0;  // which AdamW8bitStep (learning rate) applies: an index into the step's array
 };
 
-// Parameter groups one step can carry (kohya uses up to three: UNet, text encoder, LoRA+).
-inline constexpr int kAdamW8bitMaxGroups = 8;
+// Parameter groups one step can carry: kohya's block-wise learning rates make one per block (25
+// on SD1.5's U-Net, 23 on SDXL's) beside the text encoders' (two on SDXL), and LoRA+ doubles
+// each. The CUDA kernel takes their constants as one launch argument: 64 of them are 2 KiB, under
+// the 4 KiB every CUDA version allows a kernel's arguments.
+inline constexpr int kAdamW8bitMaxGroups = 64;
 
 // The step's scalars, computed once on the host so both implementations use the same floats.
 struct AdamW8bitStep {
@@ -162,7 +165,8 @@ class AdamW8bitCudaPlan {
 // CUDA. `prefetch_managed` moves it to `device` on `stream` before a step; it is a no-op where
 // the device cannot access managed memory concurrently (then use plain device memory: see
 // managed_memory_supported).
-void* alloc_managed(size_t bytes);
+// Allocated with `device` current, so the pointer reports that device (from_blob checks it).
+void* alloc_managed(size_t bytes, int device);
 void free_managed(void* ptr);
 bool managed_memory_supported(int device);
 void prefetch_managed(const void* ptr, size_t bytes, int device, void* stream);

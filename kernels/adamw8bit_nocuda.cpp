@@ -25,7 +25,7 @@ void AdamW8bitCudaPlan::step(const AdamW8bitStep*, size_t, void*) const {
 void AdamW8bitCudaPlan::retarget(const AdamW8bitTensor*, size_t, void*) {
   no_cuda("AdamW8bit on CUDA");
 }
-void* alloc_managed(size_t) { return nullptr; }
+void* alloc_managed(size_t, int) { return nullptr; }
 void free_managed(void*) {}
 bool managed_memory_supported(int) { return false; }
 void prefetch_managed(const void*, size_t, int, void*) {}

@@ -452,9 +452,21 @@ Case make_case(torch::ScalarType dtype, const torch::Device& device, uint64_t se
     c.a2.push_back(torch::zeros({adamw8bit_blocks(n)}).to(device));
     c.views.push_back({c.p[i].data_ptr(), c.g[i].data_ptr(), c.s1[i].data_ptr(), c.s2[i].data_ptr(),
                        c.a1[i].data_ptr<float>(), c.a2[i].data_ptr<float>(), n, quantized,
-                       static_cast<int>(i % 2)});
+                       i + 1 == sizes.size() ? kAdamW8bitMaxGroups - 1 : static_cast<int>(i % 2)});
   }
   return c;
+}
+
+// The constants of step t for every group a step can carry (block-wise learning rates make one
+// group per block): groups 0 and 1 with other betas and decay, the rest at their own rates. The
+// cases put their last tensor in the last group.
+std::vector<AdamW8bitStep> group_steps(int64_t t) {
+  std::vector<AdamW8bitStep> steps{adamw8bit_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, t),
+                                   adamw8bit_step_constants(3e-4, 0.9, 0.99, 1e-6, 0.0, t)};
+  for (int g = 2; g < kAdamW8bitMaxGroups; ++g) {
+    steps.push_back(adamw8bit_step_constants(1e-4 * g, 0.9, 0.999, 1e-8, 0.01, t));
+  }
+  return steps;
 }
 
 // The gradients of step t, the same on both sides (drawn on the CPU, copied).
@@ -473,8 +485,7 @@ void fill_gradients(Case& c, int64_t t, torch::ScalarType dtype) {
 // module_dropout) is left alone, its parameter and state bytes as they were; the others step.
 TEST(AdamW8bitCpu, ATensorWithoutAGradientIsLeftAlone) {
   Case c = make_case(torch::kFloat32, torch::kCPU, 7);
-  const AdamW8bitStep steps[2] = {adamw8bit_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, 1),
-                                  adamw8bit_step_constants(3e-4, 0.9, 0.99, 1e-6, 0.0, 1)};
+  const std::vector<AdamW8bitStep> steps = group_steps(1);
   fill_gradients(c, 1, torch::kFloat32);
   c.views[2].grad = nullptr;
   std::vector<torch::Tensor> p, s1, s2;
@@ -483,7 +494,8 @@ TEST(AdamW8bitCpu, ATensorWithoutAGradientIsLeftAlone) {
     s1.push_back(c.s1[i].clone());
     s2.push_back(c.s2[i].clone());
   }
-  adamw8bit_step_cpu(c.views.data(), c.views.size(), ParamDtype::kFloat32, steps, 2);
+  adamw8bit_step_cpu(c.views.data(), c.views.size(), ParamDtype::kFloat32, steps.data(),
+                     steps.size());
   for (size_t i = 0; i < c.p.size(); ++i) {
     const bool left = i == 2;
     EXPECT_EQ(torch::equal(c.p[i], p[i]), left) << "tensor " << i;
@@ -524,10 +536,10 @@ void expect_cuda_equals_cpu(const torch::Device& gpu) {
         before.insert(before.end(), {cpu.p[i].clone(), cpu.s1[i].clone(), cpu.a1[i].clone()});
       }
       if (!dropped.empty()) plan.retarget(cuda.views.data(), cuda.views.size(), nullptr);
-      const AdamW8bitStep steps[2] = {adamw8bit_step_constants(1e-3, 0.9, 0.999, 1e-8, 0.01, t),
-                                      adamw8bit_step_constants(3e-4, 0.9, 0.99, 1e-6, 0.0, t)};
-      adamw8bit_step_cpu(cpu.views.data(), cpu.views.size(), param_dtype, steps, 2);
-      plan.step(steps, 2, /*stream=*/nullptr);
+      const std::vector<AdamW8bitStep> steps = group_steps(t);
+      adamw8bit_step_cpu(cpu.views.data(), cpu.views.size(), param_dtype, steps.data(),
+                         steps.size());
+      plan.step(steps.data(), steps.size(), /*stream=*/nullptr);
       torch::cuda::synchronize();
       for (size_t k = 0; k < dropped.size(); ++k) {
         const size_t i = dropped[k];
@@ -606,7 +618,7 @@ TEST(AdamW8bitCuda, PagedStateEqualsPlainDeviceState) {
   const size_t bytes = static_cast<size_t>(2 * n + 8 * blocks);
   torch::Tensor plain = torch::zeros({static_cast<int64_t>(bytes)},
                                      torch::TensorOptions().dtype(torch::kUInt8).device(gpu));
-  void* managed = alloc_managed(bytes);
+  void* managed = alloc_managed(bytes, 0);
   ASSERT_NE(managed, nullptr);
   torch::Tensor paged = torch::from_blob(managed, {static_cast<int64_t>(bytes)},
                                          torch::TensorOptions().dtype(torch::kUInt8).device(gpu));

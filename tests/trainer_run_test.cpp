@@ -414,6 +414,24 @@ TEST_F(AdamW8bitTrainRun, ResumeAfterKillNineIsBitExact) {
 // kernels/adamw8bit_test.cpp), which over 60 steps changes the curve by a few percent of the
 // drop (measured and printed), while a broken update (wrong sign, lost decay of the moments, a
 // stale absmax) stalls or diverges the loss.
+// kohya's block-wise learning rates give a group per block, and LoRA+ doubles them: more groups
+// than AdamW8bit once took (8). Every block's group trains at its own rate, as with AdamW.
+TEST_F(AdamW8bitTrainRun, BlockWiseLearningRatesWithLoraPlusTrainEveryGroup) {
+  const std::vector<std::string> flags{"--max_train_steps=2", "--optimizer_type=AdamW8bit",
+                                       "--network_args", "mid_lr_weight=0.5",
+                                       "up_lr_weight=linear", "loraplus_lr_ratio=4"};
+  const TrainRun r = run(work_, flags);
+  ASSERT_EQ(r.exit, 0) << r.err;
+  std::set<std::string> groups;
+  const nlohmann::json events = tensorboard_events(work_);
+  for (const auto& scalar : events["scalars"]) {
+    const std::string tag = scalar["tag"].get<std::string>();
+    if (tag.starts_with("lr/")) groups.insert(tag);
+  }
+  EXPECT_GT(groups.size(), 8u) << r.err;
+  EXPECT_TRUE(groups.count("lr/unet_block1 plus")) << r.err;
+}
+
 TEST_F(AdamW8bitTrainRun, LearnsLikeAdamW) {
   double first[2], last[2];
   std::tie(first[0], last[0]) = learn(work_ / "adamw", {"--lr_scheduler=constant"});

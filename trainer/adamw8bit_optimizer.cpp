@@ -65,7 +65,13 @@ class AdamW8bit final : public Optimizer {
           slot.offsets.push_back(bytes);
           bytes += align16(size);
         }
-        if (device_.is_cpu() && !p.is_cpu()) device_ = p.device();
+        if (slots_.empty()) device_ = p.device();
+        // One arena and one launch serve every tensor: a tensor elsewhere would hand the kernel
+        // a pointer it cannot read.
+        if (p.device() != device_) {
+          throw InputError("AdamW8bit: parameters on " + device_.str() + " and " +
+                           p.device().str() + ": one optimizer steps the tensors of one device");
+        }
         slots_.push_back(std::move(slot));
       }
     }
@@ -167,7 +173,7 @@ class AdamW8bit final : public Optimizer {
     auto options = torch::TensorOptions().dtype(torch::kUInt8).device(device_);
     if (paged_ && device_.is_cuda()) {
       if (k::managed_memory_supported(device_.index())) {
-        managed_ = k::alloc_managed(static_cast<size_t>(bytes));
+        managed_ = k::alloc_managed(static_cast<size_t>(bytes), device_.index());
         arena_ = torch::from_blob(managed_, {bytes}, options);
       } else {
         std::fprintf(stderr,
