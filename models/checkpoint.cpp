@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <mutex>
 #include <optional>
 
 #include "common/error.h"
@@ -70,12 +71,23 @@ std::vector<at::Generator> generators_for(at::TensorList inputs) {
   return out;
 }
 
+// A generator's state is read and set under its lock, as torch's own get_rng_state does: another
+// thread may draw from the same generator meanwhile (a DataLoader-like producer).
+at::Tensor generator_state(at::Generator& g) {
+  std::lock_guard<std::mutex> lock(g.mutex());
+  return g.get_state();
+}
+void set_generator_state(at::Generator& g, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(g.mutex());
+  g.set_state(state);
+}
+
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<BlockHolder> holder,
                                at::TensorList inputs, at::TensorList trainable) {
     holder->input_count = inputs.size();
     holder->generators = generators_for(inputs);
-    for (auto& g : holder->generators) holder->rng_states.push_back(g.get_state());
+    for (auto& g : holder->generators) holder->rng_states.push_back(generator_state(g));
     ctx->saved_data["block"] = c10::IValue::make_capsule(holder);
     const bool offload = holder->calls.offload_inputs &&
                          std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& x) {
@@ -137,12 +149,12 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       // Same random numbers as the first run, then the stream continues where it was.
       std::vector<at::Tensor> now;
       for (size_t g = 0; g < holder->generators.size(); ++g) {
-        now.push_back(holder->generators[g].get_state());
-        holder->generators[g].set_state(holder->rng_states[g]);
+        now.push_back(generator_state(holder->generators[g]));
+        set_generator_state(holder->generators[g], holder->rng_states[g]);
       }
       at::AutoGradMode grad_mode(true);
       outputs = holder->block(inputs);
-      for (size_t g = 0; g < now.size(); ++g) holder->generators[g].set_state(now[g]);
+      for (size_t g = 0; g < now.size(); ++g) set_generator_state(holder->generators[g], now[g]);
     }
     std::vector<at::Tensor> roots, root_grads;
     for (size_t i = 0; i < outputs.size(); ++i) {

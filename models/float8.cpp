@@ -6,6 +6,8 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/conv.h>
 
+#include <array>
+#include <atomic>
 #include <variant>
 
 #include "kernels/cuda_device.h"
@@ -101,6 +103,23 @@ at::Tensor row_scales(const at::Tensor& rows) {
   return at::where(scale > 0, scale, at::ones_like(scale));
 }
 
+// Whether _scaled_mm takes per-row scales with a bf16 result on CUDA device `index`: its kernels
+// for them (CUTLASS's f8f8bf16_rowwise, cuBLASLt's) cover sm89, sm90 and sm100 alone; on sm110
+// and sm120 (RTX 50xx, RTX PRO Blackwell) torch refuses them (pytorch#161236, #192707), where
+// the two-step product below, per-tensor unit scales into fp32 and then the row scales, runs.
+// Asked once per device: every Linear's call asks.
+bool rowwise_scaled_mm(int index) {
+  static std::array<std::atomic<int>, 64> known{};  // 0 not asked yet, 1 no, 2 yes
+  if (index < 0 || index >= static_cast<int>(known.size())) return false;
+  int answer = known[index].load(std::memory_order_relaxed);
+  if (answer == 0) {
+    const int capability = kernels::cuda_compute_capability(index);
+    answer = capability == 89 || (capability >= 90 && capability < 110) ? 2 : 1;
+    known[index].store(answer, std::memory_order_relaxed);
+  }
+  return answer == 2;
+}
+
 }  // namespace
 
 at::Tensor float8_row_scales(const at::Tensor& weight) {
@@ -142,7 +161,7 @@ at::Tensor float8_matmul(const at::Tensor& input, const at::Tensor& weight,
       at::div(x, x_scale).clamp_(-kFloat8E4m3Max, kFloat8E4m3Max).to(at::kFloat8_e4m3fn);
   const at::Tensor w_scale = row_scale.to(at::kFloat).t().contiguous();  // [1, out]
   at::Tensor y;
-  if (input.is_cuda() && dtype == at::kBFloat16) {
+  if (input.is_cuda() && dtype == at::kBFloat16 && rowwise_scaled_mm(input.get_device())) {
     // Row-wise scaling in the kernel's epilogue: (xq * x_scale) (wq * w_scale)^T, fp32 sums.
     y = at::_scaled_mm(xq, weight.t(), x_scale, w_scale, /*bias=*/std::nullopt,
                        /*scale_result=*/std::nullopt, at::kBFloat16);

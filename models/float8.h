@@ -30,7 +30,8 @@
 // per row (token) taking the row's largest magnitude to 448. The product is then
 // (float8 input times its row scale) by (float8 weight times its row scale), summed in fp32: on
 // CUDA in one row-wise scaled _scaled_mm when the compute dtype is bf16 (the only output dtype
-// that scaling takes), else, and on the CPU (whose _scaled_mm takes one scale per tensor), as a
+// that scaling takes) and the device has row-wise kernels (sm89, sm90, sm100; not sm120), else,
+// and on the CPU (whose _scaled_mm takes one scale per tensor), as a
 // unit-scale float8 _scaled_mm into fp32 followed by the two scales. The input's rounding to
 // float8 is an error the dequantising path does not make: float8_test measures both per family.
 // Backward is the dequantising path's (the input gradient in the compute dtype): gradients are
