@@ -2,7 +2,9 @@
 //   models_bench vae  [WEIGHTS]   VAE encode of one 512x512 image
 //   models_bench unet [WEIGHTS]   UNet forward + backward, 64x64 latent, batch 1, 77x768 context
 //   models_bench unet_sdxl [WEIGHTS] [bf16|fp32]   SDXL's U-Net forward + backward, 64x64 latent,
-//                 77x2048 context, the pooled embedding and six time ids
+//                 77x2048 context, the pooled embedding and six time ids; with WEIGHTS its own
+//                 weights are then the file's pages (map_own_weights), which the reference maps
+//                 too, so that two copies of the 10 GiB fp32 U-Net fit beside each other
 //   models_bench flux [WEIGHTS]   FLUX.1 [dev]'s transformer at full width and reduced depth (one
 //                 double and one single block), fp32, forward + backward at 256x256 (256 image
 //                 tokens) with 256 T5 tokens, batch 1, guidance 3.5; weights in Black Forest
@@ -27,12 +29,15 @@
 // The UNet runs under the trainer's heap policy
 // (common/heap.h) unless LORAPIPE_BENCH_DEFAULT_HEAP is set; the VAE, the cacher's work, under
 // glibc's default heap, as the cacher does. Nothing here is a test.
+#include <malloc.h>
 #include <sys/resource.h>
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <iostream>
+#include <stdexcept>
 #include <string>
 
 #include <torch/csrc/autograd/profiler_legacy.h>
@@ -41,6 +46,7 @@
 #include "common/heap.h"
 #include "models/family.h"
 #include "models/flux.h"
+#include "models/mapped_weights.h"
 #include "models/pipeline.h"
 #include "models/placement.h"
 #include "models/registry.h"
@@ -62,7 +68,13 @@ double current_rss_mib() {
   return read == 2 ? static_cast<double>(resident) * 4096.0 / (1 << 20) : 0;
 }
 
+// The peak resident set: VmHWM, which clear_refs "5" restarts (getrusage's maxrss need not).
 double peak_rss_mib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return usage.ru_maxrss / 1024.0;
@@ -74,6 +86,26 @@ double cpu_ms() {
   getrusage(RUSAGE_SELF, &usage);
   auto ms = [](const timeval& t) { return t.tv_sec * 1e3 + t.tv_usec / 1e3; };
   return ms(usage.ru_utime) + ms(usage.ru_stime);
+}
+
+// Makes `module`'s weights views of the pages of `path`, the file it has just written them to
+// (models/mapped_weights.h), so that the reference mapping the same file
+// (bench/mapped_safetensors.py) shares them instead of holding a second copy. What the module
+// held is freed and handed back to the system (the heap policy would keep it), and the peak RSS
+// restarts from here: the steps' peak is what is compared, as before.
+void map_own_weights(torch::nn::Module& module, const std::string& path) {
+  namespace m = lorapipe::models;
+  m::MappedWeights mapped;
+  {
+    const m::SafetensorsFile file = m::SafetensorsFile::open(path);
+    m::load_into(module, file, path);
+  }
+  if (mapped.copied_tensors() != 0) {
+    throw std::runtime_error(path + ": " + std::to_string(mapped.copied_tensors()) +
+                             " tensors could not be mapped");
+  }
+  malloc_trim(0);
+  std::ofstream("/proc/self/clear_refs") << "5";
 }
 
 int serve(const std::function<void()>& work) {
@@ -153,6 +185,7 @@ int main(int argc, char** argv) {
     c10::set_default_dtype(saved);
     unet->train();
     save_weights(*unet);
+    if (!weights_out.empty()) map_own_weights(*unet, weights_out);
     for (auto& p : unet->parameters()) p.set_requires_grad(false);
     const auto in_dtype = torch::TensorOptions().dtype(dtype);
     const torch::Tensor latents = torch::randn({1, 4, 64, 64}, in_dtype).requires_grad_(true);

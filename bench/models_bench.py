@@ -2,8 +2,9 @@
 """SD1.5 at real size, fp32 on CPU: lorapipe against diffusers on the same random weights (lorapipe
 writes them, diffusers loads them), on the same machine in the same run; and SDXL's U-Net at real
 size (unet_sdxl, run with --only): in bf16 where the CPU computes it natively (AVX512-BF16 or
-AMX), else in fp32, where two copies (10 GiB of weights each) do not fit beside each other in
-24 GiB: then the sides run one after the other, not paired, each alone on the machine. With
+AMX), else in fp32, where two copies (10 GiB of weights each) would not fit beside each other in
+24 GiB: so both sides map the one file's pages (lorapipe's --map_weights, and
+bench/mapped_safetensors.py) and hold one copy between them, and are paired like the rest. With
 --only flux: FLUX.1 [dev]'s transformer at full width and reduced depth (one double and one single
 block), forward + backward at 256 image and 256 T5 tokens, fp32; --only t5: T5 XXL at full width,
 two blocks, encoding 512 tokens, against transformers' T5EncoderModel.
@@ -28,7 +29,7 @@ import sys
 import tempfile
 
 REFERENCE = r'''
-import resource, sys, time, torch
+import sys, time, torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
 from safetensors import safe_open
 what, weights = sys.argv[1], sys.argv[2]
@@ -51,17 +52,19 @@ if what == "vae":
         with torch.no_grad():
             vae.encode(image)
 elif what == "unet_sdxl":
-    # SDXL's published unet/config.json, in the dtype of lorapipe's side, built in it.
-    torch.set_default_dtype(dtype)
-    unet = UNet2DConditionModel(sample_size=128, cross_attention_dim=2048,
-        attention_head_dim=[5, 10, 20], block_out_channels=(320, 640, 1280), layers_per_block=2,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-        transformer_layers_per_block=[1, 2, 10], use_linear_projection=True,
-        addition_embed_type="text_time", addition_time_embed_dim=256,
-        projection_class_embeddings_input_dim=2816).train()
-    torch.set_default_dtype(torch.float32)
-    load_same_weights(unet)
+    # SDXL's published unet/config.json, built on the meta device and given the pages of the file
+    # lorapipe's side wrote and maps itself (bench/mapped_safetensors.py): one copy of the weights
+    # serves both sides, in the dtype lorapipe's side wrote.
+    from mapped_safetensors import load_mapped
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(sample_size=128, cross_attention_dim=2048,
+            attention_head_dim=[5, 10, 20], block_out_channels=(320, 640, 1280), layers_per_block=2,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            transformer_layers_per_block=[1, 2, 10], use_linear_projection=True,
+            addition_embed_type="text_time", addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816)
+    load_mapped(unet, weights).train()
     unet.requires_grad_(False)
     latents = torch.randn(1, 4, 64, 64, dtype=dtype, requires_grad=True)
     context = torch.randn(1, 77, 2048, dtype=dtype)
@@ -128,8 +131,12 @@ for line in sys.stdin:
             work()
         prof.export_chrome_trace(line[8:])
         print("profiled", flush=True)
-print(f"peak_rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}", flush=True)
+with open("/proc/self/status") as f:  # VmHWM, as lorapipe's side reads it
+    peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+print(f"peak_rss {peak / 1024:.0f}", flush=True)
 '''
+# The reference imports bench/mapped_safetensors.py from beside this script.
+REFERENCE = f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n" + REFERENCE
 
 
 class Side:
@@ -172,40 +179,16 @@ def native_bf16():
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def sequential(what, binary, rounds, env, dtype):
-    """Each side alone on the machine, one after the other (the two do not fit side by side): the
-    ratio is of the medians, not paired, so it carries the machine's drift between the halves."""
-    print(f"{what} ({dtype}): the sides run one after the other, {rounds} counted steps each",
-          flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        weights = os.path.join(tmp, f"{what}.safetensors")  # lorapipe's side writes them
-        rss, sides = {}, []
-        for name, command in (("lorapipe", [binary, what, weights, dtype]),
-                              ("diffusers", [sys.executable, "-c", REFERENCE, what, weights, dtype])):
-            side = Side(name, command, env if name == "lorapipe" else None)
-            for r in range(rounds + 1):  # round 0 warms up and is not counted
-                ms, cpu = side.step()
-                if r > 0:
-                    side.times.append(ms)
-                    print(f"  {what} {name} step {r}: {ms:.0f} ms ({cpu:.0f} CPU)", flush=True)
-            rss[name] = side.finish()
-            sides.append(side)
-    ours, ref = sides
-    ratio = statistics.median(ref.times) / statistics.median(ours.times)
-    print(f"{what} ({dtype}): lorapipe {statistics.median(ours.times):.0f} ms / "
-          f"{rss['lorapipe']:.0f} MiB, diffusers {statistics.median(ref.times):.0f} ms / "
-          f"{rss['diffusers']:.0f} MiB; speed ratio (medians, one after the other) {ratio:.2f}x, "
-          f"memory ratio {rss['lorapipe'] / rss['diffusers']:.2f}x")
-
-
 def compare(what, binary, rounds, profile_dir, default_heap):
     env = dict(os.environ, LORAPIPE_BENCH_DEFAULT_HEAP="1") if default_heap else None
-    if what == "unet_sdxl" and not native_bf16():
-        return sequential(what, binary, rounds, env, "fp32")
+    # SDXL's U-Net in bf16 where the CPU computes it natively, else fp32; both sides map one copy.
+    dtype = ([] if what != "unet_sdxl" else ["bf16" if native_bf16() else "fp32"])
+    if dtype:
+        print(f"{what} ({dtype[0]}): both sides map the one weights file", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         weights = os.path.join(tmp, f"{what}.safetensors")
-        ours = Side("lorapipe", [binary, what, weights], env)
-        ref = Side("diffusers", [sys.executable, "-c", REFERENCE, what, weights])
+        ours = Side("lorapipe", [binary, what, weights] + dtype, env)
+        ref = Side("diffusers", [sys.executable, "-c", REFERENCE, what, weights] + dtype)
     ratios, cpu_ratios = [], []
     for r in range(rounds + 1):
         pair = (ours, ref) if r % 2 == 0 else (ref, ours)

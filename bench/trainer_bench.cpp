@@ -6,10 +6,13 @@
 //       prints the UNet config (diffusers' config.json) that bench/trainer_bench.py builds the
 //       shared weights from, so both sides run one architecture.
 //   trainer_bench step tiny|full|sdxl DIR [--gradient_checkpointing] [--dtype fp32|bf16]
-//       [--threads N]
+//       [--threads N] [--map_weights]
 //       loads DIR/diffusion_pytorch_model.safetensors (diffusers names) and DIR/inputs.safetensors
 //       (latents, noise, timesteps, context, loss_weights, and SDXL's pooled), the base in
-//       --dtype (the LoRA fp32, as --mixed_precision trains), prints
+//       --dtype (the LoRA fp32, as --mixed_precision trains); with --map_weights the base is the
+//       file's own pages, as the trainer's --map_weights makes it (models/mapped_weights.h), so a
+//       reference that maps the same file holds no second copy (the weights are then not among
+//       the counted tensors); prints
 //       "ready <load peak MiB> <RSS now MiB> <LoRA modules> <LoRA parameters>" and serves
 //       stdin, one command per line, so that bench/trainer_bench.py can interleave its steps
 //       with the reference's:
@@ -86,6 +89,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "bench/bench_flags.h"
@@ -95,6 +99,7 @@
 #include "models/flux.h"
 #include "models/flux_model.h"
 #include "models/loading.h"
+#include "models/mapped_weights.h"
 #include "models/pipeline.h"
 #include "models/sdxl.h"
 #include "models/tensor_memory.h"
@@ -643,7 +648,7 @@ int run(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: trainer_bench config tiny|full|sdxl\n"
                  "       trainer_bench step tiny|full|sdxl DIR [--gradient_checkpointing] "
-                 "[--dtype fp32|bf16] [--threads N]\n"
+                 "[--dtype fp32|bf16] [--threads N] [--map_weights]\n"
                  "       trainer_bench solo tiny|full|sdxl|flux|flux_tiny [--device D] "
                  "[--dtype fp32|bf16|fp16] "
                  "[--batch N]\n"
@@ -652,12 +657,14 @@ int run(int argc, char** argv) {
     return 2;
   }
   const fs::path dir = argv[3];
-  bool checkpointing = false;
+  bool checkpointing = false, map_weights = false;
   c10::ScalarType dtype = c10::kFloat;
   for (int i = 4; i < argc; ++i) {
     const std::string flag = argv[i];
     if (flag == "--gradient_checkpointing") {
       checkpointing = true;
+    } else if (flag == "--map_weights") {
+      map_weights = true;
     } else if (flag == "--dtype" && i + 1 < argc) {
       const std::string name = argv[++i];
       if (name != "fp32" && name != "bf16") throw std::invalid_argument("--dtype fp32 or bf16");
@@ -679,7 +686,15 @@ int run(int argc, char** argv) {
     m::DefaultDtype built_in(dtype);
     model.unet = m::UNet(config_for(size));
   }
-  m::load_unet_diffusers(model.unet, dir);
+  {
+    std::optional<m::MappedWeights> mapped;
+    if (map_weights) mapped.emplace();
+    m::load_unet_diffusers(model.unet, dir);
+    if (mapped && mapped->copied_tensors() != 0) {
+      throw std::runtime_error("--map_weights: " + std::to_string(mapped->copied_tensors()) +
+                               " weights could not be the file's pages");
+    }
+  }
   model.unet->to(dtype);
   for (auto& p : model.unet->parameters()) p.requires_grad_(false);  // frozen base, as the trainer
   model.unet->train();

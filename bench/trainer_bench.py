@@ -16,10 +16,11 @@ batch 1; --size sdxl is SDXL's full-size UNet on 64x64, batch 1, with its added 
 pooled text embedding, and the time ids of a 512x512 image uncropped: what lorapipe's trainer
 builds for such a sample) and kohya's 722 SDXL targets; its base is bf16 by default where the CPU
 computes bf16 natively (AVX512-BF16 or AMX), else fp32 (--dtype; the LoRA stays fp32 on both
-sides, as --mixed_precision bf16 trains). Two fp32 copies of SDXL (10 GiB of weights each) do not
-fit beside each other in 24 GiB: in fp32 the sides run one after the other, each alone on the
-machine, and the ratio is of their medians, not paired. The UNet config comes from lorapipe (trainer_bench config), a separate process writes
-random weights and the inputs with diffusers, and both sides load them.
+sides, as --mixed_precision bf16 trains). Two fp32 copies of SDXL (10 GiB of weights each) would
+not fit beside each other in 24 GiB: for SDXL both sides map the one weights file's pages
+(trainer_bench step --map_weights, and bench/mapped_safetensors.py), hold one copy between them,
+and are paired like the rest. The UNet config comes from lorapipe (trainer_bench config), a
+separate process writes random weights and the inputs with diffusers, and both sides load them.
 
 Both sides stay up as separate processes (so each peak RSS is that side's own) and their steps
 are interleaved, the order alternating every round: on a shared, noisy machine the two halves of
@@ -106,16 +107,24 @@ def peak_rss_mib():
     hwm = status_mib("VmHWM:")
     return hwm if hwm >= 0 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 torch.manual_seed(0)
-torch.set_default_dtype(dtype)  # built in the base dtype, as lorapipe builds it
-unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
-torch.set_default_dtype(torch.float32)
-# One tensor at a time, so loading adds no more than one tensor to the peak RSS.
 weights = f"{folder}/diffusion_pytorch_model.safetensors"
-with safe_open(weights, framework="pt") as f, torch.no_grad():
-    state = unet.state_dict()
-    assert set(f.keys()) == set(state), "the file and diffusers name different weights"
-    for key, value in state.items():
-        value.copy_(f.get_tensor(key))
+if len(sys.argv) > 5 and sys.argv[5] == "map":
+    # Built on the meta device and given the file's pages, which lorapipe's side maps too
+    # (bench/mapped_safetensors.py): one copy of the weights between the two sides.
+    from mapped_safetensors import load_mapped
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
+    load_mapped(unet, weights)
+else:
+    torch.set_default_dtype(dtype)  # built in the base dtype, as lorapipe builds it
+    unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
+    torch.set_default_dtype(torch.float32)
+    # One tensor at a time, so loading adds no more than one tensor to the peak RSS.
+    with safe_open(weights, framework="pt") as f, torch.no_grad():
+        state = unet.state_dict()
+        assert set(f.keys()) == set(state), "the file and diffusers name different weights"
+        for key, value in state.items():
+            value.copy_(f.get_tensor(key))
 unet.requires_grad_(False).train()
 inputs = load_file(f"{folder}/inputs.safetensors")
 latents, noise, timesteps = inputs["latents"], inputs["noise"], inputs["timesteps"]
@@ -171,6 +180,8 @@ for line in sys.stdin:
         print("profiled", flush=True)
 print(f"peak_rss {peak_rss_mib():.0f}", flush=True)
 '''
+# The reference imports bench/mapped_safetensors.py from beside this script.
+REFERENCE = f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n" + REFERENCE
 
 
 class Side:
@@ -252,28 +263,6 @@ def native_bf16():
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def one_after_the_other(sides, rounds, label, tolerance):
-    """Each side's steps alone, the next side started only once the last has finished (for
-    models two copies of which do not fit in memory). `sides`: (name, command) pairs. Round 0
-    warms up, is not counted, and the sides' warm-up losses must agree. Returns the finished
-    Sides and their peak RSS."""
-    done, rss, first_loss = [], [], None
-    for name, command in sides:
-        side = Side(name, command)
-        for r in range(rounds + 1):
-            took = side.step()
-            if r == 0:
-                if first_loss is not None and abs(took[2] - first_loss) > tolerance * abs(first_loss):
-                    sys.exit(f"first-step losses differ: {done[0].name} {first_loss}, {name} {took[2]}")
-                first_loss = took[2] if first_loss is None else first_loss
-                continue
-            side.steps.append(took)
-            print(f"  {label} {name} step {r}: {took[0]:.0f} ms ({took[1]:.0f} CPU)", flush=True)
-        rss.append(side.finish())
-        done.append(side)
-    return done, rss
-
-
 def side_summary(side, rss):
     return (f"{side.name} {side.median(0):.0f} ms (forward+backward {side.median(3):.0f}, "
             f"clip+AdamW {side.median(4):.1f}), peak RSS {rss:.0f} MiB (loaded {side.loaded:.0f}, "
@@ -284,32 +273,16 @@ def compare(args, binary, threads):
     label = (f"{args.size} {args.dtype}" +
              (" checkpointing" if args.gradient_checkpointing else ""))
     checkpointing = ["--gradient_checkpointing"] if args.gradient_checkpointing else []
-    if args.size == "sdxl" and args.dtype == "fp32":
-        with tempfile.TemporaryDirectory() as tmp:
-            prepare(tmp, binary, args.size, args.batch, args.dtype)
-            print(f"{label}: {threads} threads, the sides one after the other", flush=True)
-            (ours, ref), (ours_rss, ref_rss) = one_after_the_other(
-                [("lorapipe", [binary, "step", args.size, tmp, "--threads", str(threads),
-                               "--dtype", args.dtype] + checkpointing),
-                 ("diffusers+peft", [sys.executable, "-W", QUIET, "-c", REFERENCE, tmp,
-                                     "1" if args.gradient_checkpointing else "0", str(threads),
-                                     args.dtype])],
-                args.rounds, label, LOSS_TOLERANCE[args.dtype])
-        if (ours.modules, ours.lora_numel) != (ref.modules, ref.lora_numel):
-            sys.exit(f"the LoRAs differ: lorapipe {ours.modules} modules / {ours.lora_numel} "
-                     f"parameters, reference {ref.modules} / {ref.lora_numel}")
-        print(f"{label}: LoRA of {ours.modules} modules, {int(ours.lora_numel):,} parameters; "
-              f"{side_summary(ours, ours_rss)}; {side_summary(ref, ref_rss)}")
-        print(f"{label}: step time ratio lorapipe/reference (medians, one after the other) "
-              f"{ours.median(0) / ref.median(0):.2f}x, peak RSS ratio {ours_rss / ref_rss:.2f}x")
-        return
+    # SDXL: both sides map the one weights file, so two copies of the fp32 U-Net's 10 GiB fit.
+    mapped = args.size == "sdxl"
     with tempfile.TemporaryDirectory() as tmp:
         prepare(tmp, binary, args.size, args.batch, args.dtype)
         ref = Side("diffusers+peft", [sys.executable, "-W", QUIET, "-c", REFERENCE, tmp,
                                       "1" if args.gradient_checkpointing else "0", str(threads),
-                                      args.dtype])
+                                      args.dtype] + (["map"] if mapped else []))
         ours = Side("lorapipe", [binary, "step", args.size, tmp, "--threads", str(threads),
-                                 "--dtype", args.dtype] + checkpointing)
+                                 "--dtype", args.dtype] + checkpointing +
+                    (["--map_weights"] if mapped else []))
     if (ours.modules, ours.lora_numel) != (ref.modules, ref.lora_numel):
         sys.exit(f"the LoRAs differ: lorapipe {ours.modules} modules / {ours.lora_numel} "
                  f"parameters, reference {ref.modules} / {ref.lora_numel}")
