@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <iterator>
 #include <mutex>
 #include <set>
@@ -147,11 +148,17 @@ TEST_F(LauncherRuntime, AStageStartedByATestEndsWhenTheTestProcessDies) {
 TEST_F(LauncherRuntime, WorkerPoolRethrowsTheFirstFailureAndDropsTheRest) {
   WorkerPool pool(/*threads=*/1, /*max_queued=*/4);
   std::atomic<int> ran{0};
-  pool.submit([&] {
+  // The failing job waits until the second is queued: without the gate it could fail first, and
+  // the second submit would then (rightly) rethrow, which made this test race.
+  std::promise<void> second_queued;
+  std::shared_future<void> gate = second_queued.get_future().share();
+  pool.submit([&ran, gate] {
+    gate.wait();
     ++ran;
     throw InputError("batch 1: bad latent");
   });
   pool.submit([&] { ++ran; });
+  second_queued.set_value();
   try {
     pool.wait_idle();
     FAIL() << "the job's failure was lost";
@@ -161,7 +168,7 @@ TEST_F(LauncherRuntime, WorkerPoolRethrowsTheFirstFailureAndDropsTheRest) {
   // Once failed, the pool refuses more work with the same failure.
   EXPECT_THROW(pool.submit([&] { ++ran; }), InputError);
   EXPECT_THROW(pool.rethrow_failure(), InputError);
-  EXPECT_LE(ran.load(), 2);
+  EXPECT_EQ(ran.load(), 1) << "the job queued behind the failure ran";
 }
 
 // At most max_queued jobs wait: try_submit says no beyond that, which is what lets a stage stop
