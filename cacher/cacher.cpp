@@ -71,7 +71,8 @@ class Cacher {
     load.load_denoiser = false;
     load.vae = options.vae;
     load.parts = options.model_parts;
-    // SDXL's VAE overflows in fp16: fp32 unless --vae gives the fixed one (kohya's --no_half_vae).
+    // SDXL's VAE and FLUX.1's AE overflow in fp16: fp32 unless --vae gives another VAE (SDXL's
+    // fixed fp16 one; kohya's --no_half_vae).
     load.vae_dtype = models::vae_compute_dtype(
         models::model_family(models::detect_family(options.model, options.model_family).family),
         load.dtype, !options.vae.empty(), options.no_half_vae);

@@ -73,6 +73,9 @@ ModelFamily make_flux(bool dev) {
   f.latent_channels = 16;
   f.vae_scaling_factor = 0.3611;  // the AE's (diffusers' vae/config.json)
   f.vae_shift_factor = 0.1159;
+  // Its AE gives NaN in fp16 as SDXL's VAE does (InvokeAI forces bf16 or fp32 for it, #7213),
+  // and no fixed fp16 AE exists: fp16 runs encode in fp32.
+  f.vae_overflows_in_fp16 = true;
   f.vae_downsample = 8;
   f.prediction_type = "flow";
   f.default_resolution = 1024;

@@ -89,8 +89,9 @@ struct ModelFamily {
   double vae_scaling_factor = 0.18215;
   double vae_shift_factor = 0;
   int vae_downsample = 8;           // pixels per latent along each side
-  // The VAE's activations pass fp16's 65504 (SDXL's): it runs in fp32 unless the user gives
-  // another VAE (--vae: the fixed fp16 one), as kohya's --no_half_vae advice has it.
+  // The VAE's activations pass fp16's 65504 (SDXL's VAE, FLUX.1's AE): it runs in fp32 unless
+  // the user gives another VAE (--vae: SDXL's fixed fp16 one), as kohya's --no_half_vae advice
+  // has it.
   bool vae_overflows_in_fp16 = false;
   std::string prediction_type;      // "epsilon" or "v_prediction"
   int default_resolution = 512;

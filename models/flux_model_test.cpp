@@ -381,6 +381,26 @@ TEST_F(FluxPipelineParity, RenderSizesRoundDownToWhatPackingTakes) {
   }
 }
 
+// FLUX.1's AE gives NaN in fp16 as SDXL's VAE does, and there is no fixed fp16 AE: a stage asked
+// for fp16 loads the transformer in fp16 and the AE in fp32; bf16 and --no_half_vae as for SDXL.
+TEST_F(FluxPipelineParity, AeRunsInFp32WhereFp16IsAsked) {
+  for (const bool dev : {true, false}) {
+    const ModelFamily& flux = flux_model_family(dev);
+    EXPECT_EQ(vae_compute_dtype(flux, torch::kHalf, /*vae_given=*/false, false), torch::kFloat);
+    EXPECT_EQ(vae_compute_dtype(flux, torch::kBFloat16, false, false), torch::kBFloat16);
+    EXPECT_EQ(vae_compute_dtype(flux, torch::kBFloat16, false, /*no_half_vae=*/true),
+              torch::kFloat);
+  }
+  LoadOptions options;
+  options.dtype = torch::kHalf;
+  options.vae_dtype = vae_compute_dtype(flux_model_family(true), torch::kHalf, false, false);
+  FluxModel model = load_flux_diffusers_folder(ref_ / "flux", options);
+  for (const auto& p : model.vae_module().parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat);
+  for (const auto& p : model.denoiser_module().parameters()) {
+    EXPECT_EQ(p.scalar_type(), torch::kHalf);
+  }
+}
+
 // The dev schedule shifts by resolution (mu from the packed token count), schnell's not at all.
 TEST(FluxSchedule, DevShiftsByResolutionSchnellDoesNot) {
   const at::Tensor dev = sampler::flow_sigmas(flux_model_family(true).flow, 4, 4096);

@@ -64,7 +64,7 @@ PlacementReport place(DiffusionModel& model, const Placement& placement);
 
 // The dtype a stage computing in `dtype` runs its VAE in: fp32 with `no_half_vae` (kohya's
 // --no_half_vae), and where fp16 is asked of a family whose VAE overflows in it
-// (ModelFamily::vae_overflows_in_fp16, SDXL) and the user gave no other VAE (`vae_given`: --vae,
+// (ModelFamily::vae_overflows_in_fp16: SDXL, FLUX.1) and the user gave no other VAE (`vae_given`: --vae,
 // the fixed fp16 VAE, which is trusted); else `dtype`.
 c10::ScalarType vae_compute_dtype(const ModelFamily& family, c10::ScalarType dtype,
                                   bool vae_given, bool no_half_vae);
