@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "trainer/device_scalars.h"
 #include "trainer/optimizer_state.h"
 
 namespace lorapipe::trainer {
@@ -51,6 +52,9 @@ class DAdaptAdam final : public GroupedOptimizer<DAdaptState> {
     const double sqrt_beta2 = std::pow(beta2, 0.5);
     const double r = 1.0;  // layer_scale
     double numerator_acum = 0.0, sk_l1 = 0.0;
+    // dadaptation's per-tensor .item() sums, taken as tensors and read in one copy after the
+    // loop; summed in the same order in doubles, so the numbers are dadaptation's.
+    std::vector<at::Tensor> dots, l1s;
 
     for (Group& g : groups_) {
       for (size_t i = 0; i < g.params.size(); ++i) {
@@ -67,15 +71,16 @@ class DAdaptAdam final : public GroupedOptimizer<DAdaptState> {
         }
         if (g.lr > 0.0) {
           const at::Tensor denom = s.exp_avg_sq.sqrt().add_(eps);
-          numerator_acum +=
-              r * dlr * torch::dot(grad.flatten(), s.s.div(denom).flatten()).item<double>();
+          dots.push_back(torch::dot(grad.flatten(), s.s.div(denom).flatten()));
           s.exp_avg.mul_(beta1).add_(grad, r * dlr * (1 - beta1));
           s.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2);
           s.s.mul_(sqrt_beta2).add_(grad, dlr * (1 - sqrt_beta2));
-          sk_l1 += r * s.s.abs().sum().item<double>();
+          l1s.push_back(s.s.abs().sum());
         }
       }
     }
+    for (const double dot : read_scalars(dots)) numerator_acum += r * dlr * dot;
+    for (const double l1 : read_scalars(l1s)) sk_l1 += r * l1;
     const double numerator_weighted =
         sqrt_beta2 * numerator_weighted_ + (1 - sqrt_beta2) * numerator_acum;
     if (sk_l1 == 0) return;  // no gradient reached any parameter: dadaptation changes nothing

@@ -11,6 +11,7 @@
 #include "common/log.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
+#include "trainer/device_scalars.h"
 
 namespace lorapipe::trainer {
 namespace {
@@ -447,7 +448,10 @@ void LoraNetwork::set_multiplier(double multiplier) {
 MaxNormResult LoraNetwork::apply_max_norm(double max_norm) {
   torch::NoGradGuard no_grad;
   MaxNormResult result;
-  double sum = 0;
+  // Nothing is read back inside the loop (kohya's `if ratio != 1` and `.item()` per module would
+  // wait for the device twice per module): a ratio of 1 scales by sqrt(1) = 1, which leaves the
+  // weights' bits as they are, and the counts and norms come back in one copy at the end.
+  std::vector<at::Tensor> scaled_norms, scaled_flags;
   for (Module& m : modules_) {
     at::Tensor& down = m.adapter->down;
     at::Tensor& up = m.adapter->up;
@@ -465,13 +469,15 @@ MaxNormResult LoraNetwork::apply_max_norm(double max_norm) {
     update = update * scale;
     const at::Tensor norm = update.norm().clamp_min(max_norm / 2);
     const at::Tensor ratio = norm.clamp_max(max_norm) / norm;
-    if (ratio.item<float>() != 1.0f) {
-      ++result.keys_scaled;
-      const at::Tensor root = ratio.pow(0.5);
-      up.mul_(root);
-      down.mul_(root);
-    }
-    const double scaled = (update.norm() * ratio).item<double>();
+    const at::Tensor root = ratio.pow(0.5);
+    up.mul_(root);
+    down.mul_(root);
+    scaled_flags.push_back(ratio.ne(1.0f).to(ratio.scalar_type()));
+    scaled_norms.push_back(update.norm() * ratio);
+  }
+  double sum = 0;
+  for (const double flag : read_scalars(scaled_flags)) result.keys_scaled += flag != 0;
+  for (const double scaled : read_scalars(scaled_norms)) {
     sum += scaled;
     result.max_norm = std::max(result.max_norm, scaled);
   }

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "trainer/device_scalars.h"
 #include "trainer/optimizer_state.h"
 
 namespace lorapipe::trainer {
@@ -52,6 +53,9 @@ class Prodigy final : public GroupedOptimizer<ProdigyState> {
     double d = d_;
     double d_numerator = d_numerator_ * beta3;
     double delta_numerator = 0.0, d_denom = 0.0;
+    // prodigyopt's per-tensor .item() sums, taken as tensors and read in one copy after the loop;
+    // summed in the same order in doubles, so the numbers are prodigyopt's.
+    std::vector<at::Tensor> dots, l1s;
 
     for (Group& g : groups_) {
       for (size_t i = 0; i < g.params.size(); ++i) {
@@ -72,16 +76,17 @@ class Prodigy final : public GroupedOptimizer<ProdigyState> {
         }
         if (g.lr > 0.0) {
           const at::Tensor sliced_grad = sliced(grad);
-          delta_numerator +=
-              (d / o_.d0) * dlr * torch::dot(sliced_grad, s.p0 - sliced(p)).item<double>();
+          dots.push_back(torch::dot(sliced_grad, s.p0 - sliced(p)));
           if (beta1 > 0) s.exp_avg.mul_(beta1).add_(grad, d * (1 - beta1));
           s.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, d * d * (1 - beta2));
           s.s.mul_(beta3).add_(sliced_grad, o_.safeguard_warmup ? (d / o_.d0) * d
                                                                 : (d / o_.d0) * dlr);
-          d_denom += s.s.abs().sum().item<double>();
+          l1s.push_back(s.s.abs().sum());
         }
       }
     }
+    for (const double dot : read_scalars(dots)) delta_numerator += (d / o_.d0) * dlr * dot;
+    for (const double l1 : read_scalars(l1s)) d_denom += l1;
     if (d_denom == 0) return;  // no gradient reached any parameter: prodigyopt changes nothing
 
     const double global_numerator = d_numerator + delta_numerator;
