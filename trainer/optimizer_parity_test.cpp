@@ -17,6 +17,7 @@
 #include "models/safetensors.h"
 #include "models/weights.h"
 #include "tests/paths.h"
+#include "trainer/device_scalars.h"
 #include "trainer/lora_file.h"
 #include "trainer/optimizer.h"
 
@@ -270,6 +271,25 @@ TEST(OptimizerState, ZeroGradFreesTheGradientsOfEveryOptimizer) {
       EXPECT_FALSE(p.grad().defined()) << type << " kept the gradient after zero_grad";
     }
   }
+}
+
+// Prodigy's, DAdaptAdam's and the max-norm pass's sums read their per-tensor scalars together
+// (trainer/device_scalars.h): each value must be exactly what .item<double>() reads of it, in
+// order, from fp32, fp16 and bf16 scalars side by side (joined in the widest, which is exact).
+TEST(OptimizerState, ScalarsReadTogetherEqualEachItem) {
+  torch::manual_seed(9);
+  std::vector<at::Tensor> scalars;
+  for (int i = 0; i < 300; ++i) {
+    const c10::ScalarType dtype = i % 3 == 0 ? torch::kFloat : i % 3 == 1 ? torch::kHalf
+                                                                           : torch::kBFloat16;
+    scalars.push_back(torch::dot(torch::randn({7}), torch::randn({7})).to(dtype) * 1e3);
+  }
+  const std::vector<double> values = read_scalars(scalars);
+  ASSERT_EQ(values.size(), scalars.size());
+  for (size_t i = 0; i < scalars.size(); ++i) {
+    EXPECT_EQ(values[i], scalars[i].item<double>()) << "scalar " << i;
+  }
+  EXPECT_TRUE(read_scalars({}).empty());
 }
 
 // A LoRA module that module_dropout drops for a step leaves its tensors without gradients: every
