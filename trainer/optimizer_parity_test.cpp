@@ -277,17 +277,22 @@ TEST(OptimizerState, ZeroGradFreesTheGradientsOfEveryOptimizer) {
 // (trainer/device_scalars.h): each value must be exactly what .item<double>() reads of it, in
 // order, from fp32, fp16 and bf16 scalars side by side (joined in the widest, which is exact).
 TEST(OptimizerState, ScalarsReadTogetherEqualEachItem) {
-  torch::manual_seed(9);
-  std::vector<at::Tensor> scalars;
-  for (int i = 0; i < 300; ++i) {
-    const c10::ScalarType dtype = i % 3 == 0 ? torch::kFloat : i % 3 == 1 ? torch::kHalf
-                                                                           : torch::kBFloat16;
-    scalars.push_back(torch::dot(torch::randn({7}), torch::randn({7})).to(dtype) * 1e3);
-  }
-  const std::vector<double> values = read_scalars(scalars);
-  ASSERT_EQ(values.size(), scalars.size());
-  for (size_t i = 0; i < scalars.size(); ++i) {
-    EXPECT_EQ(values[i], scalars[i].item<double>()) << "scalar " << i;
+  std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+  if (torch::cuda::is_available()) devices.emplace_back(c10::kCUDA, 0);  // tests/gpu/run.sh
+  for (const c10::Device& device : devices) {
+    torch::manual_seed(9);
+    std::vector<at::Tensor> scalars;
+    for (int i = 0; i < 300; ++i) {
+      const c10::ScalarType dtype = i % 3 == 0 ? torch::kFloat : i % 3 == 1 ? torch::kHalf
+                                                                             : torch::kBFloat16;
+      scalars.push_back(
+          (torch::dot(torch::randn({7}), torch::randn({7})) * 1e3).to(device, dtype));
+    }
+    const std::vector<double> values = read_scalars(scalars);
+    ASSERT_EQ(values.size(), scalars.size()) << device;
+    for (size_t i = 0; i < scalars.size(); ++i) {
+      EXPECT_EQ(values[i], scalars[i].item<double>()) << "scalar " << i << " on " << device;
+    }
   }
   EXPECT_TRUE(read_scalars({}).empty());
 }

@@ -58,7 +58,9 @@
 #     And train_parity_test's TrainLora.AdaptersDrawTheSameValuesWhateverThePlacement: the LoRA's
 #     adapters over a base on CUDA equal the CPU run's (drawn on the CPU, then placed), and its
 #     OptimizerState.AParameterWithoutAGradientForAStepIsLeftAlone: every optimizer on CUDA
-#     leaves a parameter without a gradient (a module_dropout step) alone.
+#     leaves a parameter without a gradient (a module_dropout step) alone; and
+#     OptimizerState.ScalarsReadTogetherEqualEachItem: Prodigy's and DAdaptAdam's per-tensor
+#     sums read from the device in one copy equal each tensor's .item().
 #   - bench/adamw8bit_bench.py on CUDA with bf16 parameters: lorapipe's kernel against torch's
 #     fused AdamW (and bitsandbytes' CUDA AdamW8bit where present), the memory-bandwidth bound
 #     it is measured against, and paged against plain device memory.
@@ -305,7 +307,7 @@ if ! python3 -c 'import bitsandbytes' 2>/dev/null; then
   echo "not run (no bitsandbytes in python3): AdamW8bitParity.*, AdamW8bitMaps.*"
 fi
 TESTS=(kernels_test models_test trainer_ranks_test "adamw8bit_test --gtest_filter=${FILTER}"
-  "train_parity_test --gtest_filter=TrainLora.AdaptersDrawTheSameValuesWhateverThePlacement:OptimizerState.AParameterWithoutAGradientForAStepIsLeftAlone"
+  "train_parity_test --gtest_filter=TrainLora.AdaptersDrawTheSameValuesWhateverThePlacement:OptimizerState.AParameterWithoutAGradientForAStepIsLeftAlone:OptimizerState.ScalarsReadTogetherEqualEachItem"
   stages_on_device_test)
 # LORAPIPE_GPU_TESTS: a space-separated subset of the binaries above, to rerun only those.
 if [[ -n ${LORAPIPE_GPU_TESTS:-} ]]; then
