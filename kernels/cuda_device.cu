@@ -39,4 +39,20 @@ int cuda_compute_capability(int index) {
   return prop.major * 10 + prop.minor;
 }
 
+std::string cuda_device_uuid(int index) {
+  cudaDeviceProp prop{};
+  if (index < 0 || index >= cuda_device_count() ||
+      cudaGetDeviceProperties(&prop, index) != cudaSuccess) {
+    return {};
+  }
+  std::string uuid = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) uuid += '-';
+    char hex[3];
+    std::snprintf(hex, sizeof(hex), "%02x", static_cast<unsigned char>(prop.uuid.bytes[i]));
+    uuid += hex;
+  }
+  return uuid;
+}
+
 }  // namespace lorapipe::kernels

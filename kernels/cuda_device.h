@@ -19,4 +19,9 @@ std::string cuda_device_name(int index);
 // RTX 4090); 0 when there is no such device.
 int cuda_compute_capability(int index);
 
+// Device `index`'s UUID as nvidia-smi prints it ("GPU-" and 32 hex digits in 8-4-4-4-12 groups);
+// empty when there is no such device. The same physical GPU has the same UUID in every process,
+// whatever index CUDA_VISIBLE_DEVICES gives it there.
+std::string cuda_device_uuid(int index);
+
 }  // namespace lorapipe::kernels

@@ -7,5 +7,6 @@ bool built_with_cuda() { return false; }
 int cuda_device_count() { return 0; }
 std::string cuda_device_name(int) { return {}; }
 int cuda_compute_capability(int) { return 0; }
+std::string cuda_device_uuid(int) { return {}; }
 
 }  // namespace lorapipe::kernels

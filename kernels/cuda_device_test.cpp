@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <regex>
+#include <set>
+
 #include "kernels/cuda_device.h"
 
 namespace lorapipe::kernels {
@@ -29,6 +32,15 @@ TEST(KernelsCudaDevice, DescribesEachDevice) {
   }
   EXPECT_TRUE(cuda_device_name(cuda_device_count()).empty());
   EXPECT_EQ(cuda_compute_capability(cuda_device_count()), 0);
+  // UUIDs as nvidia-smi -L prints them, one per device (shared weights compare them).
+  std::set<std::string> uuids;
+  for (int i = 0; i < cuda_device_count(); ++i) {
+    const std::string uuid = cuda_device_uuid(i);
+    EXPECT_TRUE(std::regex_match(uuid, std::regex("GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}")))
+        << uuid;
+    EXPECT_TRUE(uuids.insert(uuid).second) << "device " << i << " repeats " << uuid;
+  }
+  EXPECT_TRUE(cuda_device_uuid(cuda_device_count()).empty());
 }
 
 }  // namespace

@@ -29,6 +29,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "kernels/cuda_device.h"
 #include "models/placement.h"
 
 namespace lorapipe::models {
@@ -148,6 +149,9 @@ SharedWeightsPublisher::SharedWeightsPublisher(torch::nn::Module& module, const 
   }
   json doc = {{"version", 1}, {"state", "shared"}, {"pid", static_cast<int64_t>(getpid())},
               {"device", device.str()}, {"key", key}};
+  // The GPU itself, for the attaching process to check: the index alone names another GPU in a
+  // process that CUDA_VISIBLE_DEVICES orders differently. Empty where kernels/ has no CUDA.
+  if (device.is_cuda()) doc["device_uuid"] = kernels::cuda_device_uuid(device.index());
   json entries = json::array();
   if (device.is_cpu()) {
     int64_t total = 0;
@@ -311,6 +315,16 @@ std::unique_ptr<SharedWeightsAttachment> attach_shared_weights(
   if (theirs != device) {
     throw InputError(manifest.string() + ": the weights are on " + theirs.str() + ", this sampler's "
                      "device is " + device.str());
+  }
+  if (device.is_cuda()) {
+    const std::string their_gpu = doc.value("device_uuid", "");
+    const std::string our_gpu = kernels::cuda_device_uuid(device.index());
+    if (!their_gpu.empty() && !our_gpu.empty() && their_gpu != our_gpu) {
+      throw InputError(manifest.string() + ": the trainer's " + theirs.str() + " is " + their_gpu +
+                       ", this sampler's " + device.str() + " is " + our_gpu +
+                       ": the two processes number the GPUs differently (give both the same "
+                       "CUDA_VISIBLE_DEVICES)");
+    }
   }
   std::map<std::string, const json*> by_name;
   for (const json& e : doc.at("tensors")) by_name[e.at("name").get<std::string>()] = &e;

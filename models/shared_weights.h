@@ -11,7 +11,9 @@
 //
 // On CUDA: each tensor's block of LibTorch's caching allocator is exported as an IPC handle (as
 // torch.multiprocessing shares CUDA tensors), and the attaching process builds its tensors over
-// the opened handles. On the CPU: the publisher moves the tensors into one memfd region (its own
+// the opened handles; the manifest names the GPU by its UUID too, and a process that numbers the
+// GPUs otherwise (another CUDA_VISIBLE_DEVICES) is refused instead of reading another GPU's
+// memory under its own index. On the CPU: the publisher moves the tensors into one memfd region (its own
 // tensors become views of it, so the machine holds one copy) and the attaching process maps that
 // region read-only through /proc/PID/fd/FD. Attached weights are never written: a process that
 // attached them must apply LoRAs beside them (models/lora.h), never merge them (the CPU's mapping
