@@ -1059,6 +1059,29 @@ TEST_F(TrainRunTest, MaxNormBoundsEverySavedModule) {
   // The clamped modules are scaled to the bound exactly, up to fp32 rounding of a few ulps (about
   // 1e-7 of it); 1e-4 leaves room for that and still tells a bound reached from one never met.
   EXPECT_GT(largest, kBound * (1 - 1e-4)) << "no module reached the bound: the test shows nothing";
+  // What each pass reported, under kohya's tags, must agree with itself: a scaled module sits on
+  // the bound afterwards, so the mean norm is at least bound * scaled / modules, and it is the
+  // bound itself exactly when every module was scaled (this rate scales them all from step 1).
+  // The last pass's largest norm is the file's. TensorBoard keeps float32: 1e-5 relative.
+  const nlohmann::json events = tensorboard_events(work_ / "bounded");
+  std::map<int, std::map<std::string, double>> passes;  // step -> tag -> value
+  for (const auto& scalar : events["scalars"]) {
+    const std::string tag = scalar["tag"].get<std::string>();
+    if (tag.starts_with("max_norm/")) {
+      passes[scalar["step"].get<int>()][tag.substr(9)] = scalar["value"].get<double>();
+    }
+  }
+  ASSERT_EQ(passes.size(), 6u) << "one pass per step";
+  for (auto& [step, pass] : passes) {
+    const double scaled = pass["keys_scaled"], mean = pass["average_key_norm"];
+    EXPECT_GE(scaled, 1) << "step " << step;
+    EXPECT_LE(scaled, modules) << "step " << step;
+    EXPECT_GE(mean, kBound * scaled / modules * (1 - 1e-5)) << "step " << step;
+    EXPECT_EQ(scaled == modules, mean >= kBound * (1 - 1e-5))
+        << "step " << step << ": " << scaled << " of " << modules << " scaled, mean " << mean;
+    EXPECT_LE(mean, pass["max_key_norm"] * (1 + 1e-5)) << "step " << step;
+  }
+  EXPECT_NEAR(passes.rbegin()->second["max_key_norm"], largest, largest * 1e-5);
   const auto meta = models::SafetensorsFile::open(file).metadata();
   EXPECT_EQ(meta.at("ss_scale_weight_norms"), "0.02");
   EXPECT_EQ(meta.at("ss_zero_terminal_snr"), "True");
