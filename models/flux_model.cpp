@@ -69,8 +69,10 @@ at::Tensor FluxModel::decode_latents(const at::Tensor& latents) {
 }
 
 std::string FluxModel::text_encoder_settings(int /*clip_skip*/, int /*max_token_length*/) const {
+  // The tokenizers are part of what made a record: another spiece.model or CLIP vocabulary with
+  // the same encoders gives other states, so it is another key.
   return "flux clip-l pooled + t5 max_length=" + std::to_string(t5_max_length) +
-         " t5_attn_mask=" + (apply_t5_attn_mask ? "1" : "0");
+         " t5_attn_mask=" + (apply_t5_attn_mask ? "1" : "0") + ";tokenizers=" + tokenizer_print;
 }
 
 at::Tensor FluxModel::denoise(const DenoiseInput& input) {
@@ -195,6 +197,45 @@ bool has_key(const SafetensorsFile& file, const std::string& name) {
   return false;
 }
 
+// ComfyUI's all-in-one FLUX.1 checkpoint (its flux1-dev-fp8.safetensors and the like) holds
+// every part under a prefix: the transformer under model.diffusion_model., CLIP-L and T5 in
+// transformers' names under these, and the AE in Black Forest Labs' names under vae.
+constexpr const char* kComfyClipL = "text_encoders.clip_l.transformer.";
+constexpr const char* kComfyT5 = "text_encoders.t5xxl.transformer.";
+constexpr const char* kComfyAe = "vae.";
+
+// Where a part's tensors are: its own file or folder (no prefix), or the model's file under a
+// prefix, with its config (lorapipe's tiny files only) under lorapipe.config.<name>.
+struct Part {
+  fs::path path;
+  std::string prefix;
+  std::string name;  // "clip_l", "t5xxl", "ae": the config's metadata key
+  std::string source() const { return prefix.empty() ? path.string() : path.string() + " (" + prefix + "*)"; }
+};
+
+bool has_prefix(const SafetensorsFile& file, const std::string& prefix) {
+  for (const TensorInfo& t : file.tensors()) {
+    if (t.name.rfind(prefix, 0) == 0) return true;
+  }
+  return false;
+}
+
+std::optional<std::string> part_config(const SafetensorsFile& file, const Part& part) {
+  if (part.prefix.empty()) return file_config(file);
+  const auto it = file.metadata().find(std::string(kConfigKey) + "." + part.name);
+  if (it == file.metadata().end()) return std::nullopt;
+  return it->second;
+}
+
+// The file's tensors under `prefix`, by their names without it.
+std::map<std::string, const TensorInfo*> under(const SafetensorsFile& file, const std::string& prefix) {
+  std::map<std::string, const TensorInfo*> names;
+  for (const TensorInfo& t : file.tensors()) {
+    if (t.name.rfind(prefix, 0) == 0) names[t.name.substr(prefix.size())] = &t;
+  }
+  return names;
+}
+
 // The transformer of a single file, with or without the model.diffusion_model. prefix: its
 // diffusers config from our metadata, else FLUX.1's full size (dev with guidance_in, schnell
 // without).
@@ -217,7 +258,8 @@ FluxTransformer load_transformer_file(const fs::path& path, c10::ScalarType dtyp
 
 // CLIP-L from a transformers folder or kohya's clip_l.safetensors (transformers' names; some
 // files also hold the projection and logit scale, which the pooled output does not use).
-ClipTextModel load_clip_l(const fs::path& path, c10::ScalarType dtype) {
+ClipTextModel load_clip_l(const Part& part, c10::ScalarType dtype) {
+  const fs::path& path = part.path;
   ClipTextConfig config;
   fs::path file = path;
   if (fs::is_directory(path)) {
@@ -227,18 +269,24 @@ ClipTextModel load_clip_l(const fs::path& path, c10::ScalarType dtype) {
   }
   const SafetensorsFile weights = SafetensorsFile::open(file);
   if (!fs::is_directory(path)) {
-    const auto json = file_config(weights);
-    config = json ? ClipTextConfig::from_json(*json, file.string()) : ClipTextConfig::sd15();
+    const auto json = part_config(weights, part);
+    config = json ? ClipTextConfig::from_json(*json, part.source()) : ClipTextConfig::sd15();
   }
   ClipTextModel clip = build_in(dtype, [&] { return ClipTextModel(config); });
-  load_into(*clip, weights, file.string(),
-            {"text_model.embeddings.position_ids", "text_projection.weight", "logit_scale"});
+  const std::set<std::string> optional{"text_model.embeddings.position_ids",
+                                       "text_projection.weight", "logit_scale"};
+  if (part.prefix.empty()) {
+    load_into(*clip, weights, file.string(), optional);
+  } else {
+    load_into(*clip, weights, under(weights, part.prefix), part.source(), nullptr, optional);
+  }
   return clip;
 }
 
 // T5 from a transformers folder (config.json and model.safetensors or its shards) or kohya's
 // t5xxl file (XXL, any of fp32, fp16, bf16 or float8 storage).
-T5Encoder load_t5(const fs::path& path, c10::ScalarType dtype) {
+T5Encoder load_t5(const Part& part, c10::ScalarType dtype) {
+  const fs::path& path = part.path;
   std::vector<SafetensorsFile> files;
   T5Config config;
   if (fs::is_directory(path)) {
@@ -246,14 +294,14 @@ T5Encoder load_t5(const fs::path& path, c10::ScalarType dtype) {
     files = open_weight_files(path, "model");
   } else {
     files.push_back(SafetensorsFile::open(path));
-    const auto json = file_config(files.front());
-    config = json ? T5Config::from_json(*json, path.string()) : T5Config::xxl();
+    const auto json = part_config(files.front(), part);
+    config = json ? T5Config::from_json(*json, part.source()) : T5Config::xxl();
   }
   at::NoGradGuard no_grad;
   T5Encoder t5(config, at::TensorOptions().dtype(dtype));
   std::vector<const SafetensorsFile*> parts;
   for (const SafetensorsFile& f : files) parts.push_back(&f);
-  load_t5_encoder(*t5, parts, path.string());
+  load_t5_encoder(*t5, parts, part.source(), part.prefix);
   return t5;
 }
 
@@ -270,43 +318,60 @@ VaeConfig flux_ae_config() {
 
 // The AE from a diffusers vae/ folder, or Black Forest Labs' ae.safetensors (ldm's VAE names
 // without first_stage_model.: encoder.down.0.block.0.norm1.weight, ...).
-AutoencoderKL load_ae(const fs::path& path, c10::ScalarType dtype) {
+// An AE of another family (SD's 4 channels) is refused here, naming the file, rather than at the
+// first encode or decode.
+void check_ae_channels(const VaeConfig& config, const fs::path& path) {
+  if (config.latent_channels != flux_ae_config().latent_channels) {
+    throw InputError(path.string() + ": an AE with " + std::to_string(config.latent_channels) +
+                     " latent channels; FLUX.1's has " +
+                     std::to_string(flux_ae_config().latent_channels) +
+                     " (an SD or SDXL VAE? give FLUX.1's ae.safetensors as --ae)");
+  }
+}
+
+AutoencoderKL load_ae(const Part& part, c10::ScalarType dtype) {
+  const fs::path& path = part.path;
   if (fs::is_directory(path)) {
     const VaeConfig config = VaeConfig::from_json(read_text(path / "config.json"),
                                                   (path / "config.json").string());
+    check_ae_channels(config, path);
     AutoencoderKL vae = build_in(dtype, [&] { return AutoencoderKL(config); });
     load_vae(vae, path);
     return vae;
   }
   const SafetensorsFile file = SafetensorsFile::open(path);
-  const auto json = file_config(file);
-  const VaeConfig config = json ? VaeConfig::from_json(*json, path.string()) : flux_ae_config();
+  const auto json = part_config(file, part);
+  const VaeConfig config = json ? VaeConfig::from_json(*json, part.source()) : flux_ae_config();
+  check_ae_channels(config, part.source());
   const KeyMap map = sd15_vae_key_map(layout_of(config));
   std::map<std::string, const TensorInfo*> names;
   std::vector<std::string> unknown;
-  for (const TensorInfo& t : file.tensors()) {
-    const auto name = map.to_diffusers(std::string(kLdmVaePrefix) + t.name);
+  for (const auto& [key, t] : under(file, part.prefix)) {
+    const auto name = map.to_diffusers(std::string(kLdmVaePrefix) + key);
     if (name) {
-      names[*name] = &t;
+      names[*name] = t;
     } else {
-      unknown.push_back(t.name);
+      unknown.push_back(key);
     }
   }
   if (!unknown.empty()) {
-    throw InputError(path.string() + ": " + std::to_string(unknown.size()) +
+    throw InputError(part.source() + ": " + std::to_string(unknown.size()) +
                      " keys are not those of an AE in Black Forest Labs' layout, e.g. " +
                      unknown.front());
   }
   AutoencoderKL vae = build_in(dtype, [&] { return AutoencoderKL(config); });
-  load_into(*vae, file, names, path.string(), vae_attention_from_ldm());
+  load_into(*vae, file, names, part.source(), vae_attention_from_ldm());
   return vae;
 }
 
-// What a part was given as, for errors: "--ae" or "FOLDER/vae".
-fs::path part_path(const fs::path& option, const fs::path& folder, const char* part,
-                   const fs::path& model, const char* flag) {
-  if (!option.empty()) return option;
-  if (!folder.empty()) return folder / part;
+// Where a part is: its flag's file or folder, the diffusers folder's component, or the model's
+// own file under ComfyUI's prefix (`single`: the model's file when it is one).
+Part part_path(const fs::path& option, const fs::path& folder, const char* part,
+               const fs::path& model, const char* flag, const SafetensorsFile* single,
+               const char* comfy_prefix, const char* name) {
+  if (!option.empty()) return {option, "", name};
+  if (!folder.empty()) return {folder / part, "", name};
+  if (single != nullptr && has_prefix(*single, comfy_prefix)) return {model, comfy_prefix, name};
   throw InputError(model.string() + " is a FLUX.1 transformer alone: pass " + flag +
                    " (kohya's: the file of that part, e.g. " +
                    (std::string(flag) == "--clip_l"  ? "clip_l.safetensors"
@@ -359,13 +424,19 @@ FluxModel load_flux(const fs::path& path, const ModelFamily& family, const LoadO
     }
     m.transformer->eval();
   }
-  const fs::path clip_path = part_path(options.parts.clip_l, parts_folder, "text_encoder", path, "--clip_l");
-  const fs::path t5_path = part_path(options.parts.t5xxl, parts_folder, "text_encoder_2", path, "--t5xxl");
-  const fs::path ae_path = part_path(!options.parts.ae.empty() ? options.parts.ae : options.vae, parts_folder,
-                                     "vae", path, "--ae");
+  std::optional<SafetensorsFile> single;
+  if (!folder) single.emplace(SafetensorsFile::open(path));
+  const SafetensorsFile* whole = single ? &*single : nullptr;
+  const Part clip_path = part_path(options.parts.clip_l, parts_folder, "text_encoder", path,
+                                   "--clip_l", whole, kComfyClipL, "clip_l");
+  const Part t5_part = part_path(options.parts.t5xxl, parts_folder, "text_encoder_2", path,
+                                 "--t5xxl", whole, kComfyT5, "t5xxl");
+  const Part ae_path = part_path(!options.parts.ae.empty() ? options.parts.ae : options.vae,
+                                 parts_folder, "vae", path, "--ae", whole, kComfyAe, "ae");
+  single.reset();
   m.clip = load_clip_l(clip_path, text_dtype);
   m.clip->eval();
-  m.t5 = load_t5(t5_path, text_dtype);
+  m.t5 = load_t5(t5_part, text_dtype);
   m.t5->eval();
   m.text_encoders = std::make_shared<torch::nn::Module>();
   m.text_encoders->register_module("text_encoder", m.clip.ptr());
@@ -374,11 +445,12 @@ FluxModel load_flux(const fs::path& path, const ModelFamily& family, const LoadO
   m.vae->eval();
 
   bool builtin = false;
+  const fs::path clip_tokenizer_path = !options.tokenizer.empty() ? options.tokenizer
+                                       : folder && fs::is_directory(path / "tokenizer")
+                                           ? path / "tokenizer"
+                                           : fs::path();
   m.clip_tokenizer =
-      clip_tokenizer_for(!options.tokenizer.empty()                         ? options.tokenizer
-                         : folder && fs::is_directory(path / "tokenizer") ? path / "tokenizer"
-                                                                            : fs::path(),
-                         m.clip->config().vocab_size, m.source_path, &builtin);
+      clip_tokenizer_for(clip_tokenizer_path, m.clip->config().vocab_size, m.source_path, &builtin);
   fs::path spiece = options.parts.t5_tokenizer;
   if (spiece.empty() && folder) spiece = path / "tokenizer_2";
   if (!spiece.empty() && fs::is_directory(spiece)) spiece /= "spiece.model";
@@ -389,6 +461,18 @@ FluxModel load_flux(const fs::path& path, const ModelFamily& family, const LoadO
         "google/t5-v1_1-xxl's); kohya's files carry none");
   }
   m.t5_tokenizer = T5Tokenizer::from_file(spiece);
+  // An id past the embedding's rows would only fail at the first encode, naming nothing; a
+  // smaller vocabulary of another model would pass and condition on the wrong tokens.
+  if (m.t5_tokenizer->vocab_size() > m.t5->config.vocab_size) {
+    throw InputError(spiece.string() + ": a T5 tokenizer of " +
+                     std::to_string(m.t5_tokenizer->vocab_size()) + " ids, but the T5 encoder (" +
+                     t5_part.source() + ") embeds " + std::to_string(m.t5->config.vocab_size) +
+                     ": not this encoder's spiece.model (T5 v1.1's has 32000 pieces)");
+  }
+  m.tokenizer_print =
+      (builtin ? tokenizer_fingerprint(ClipTokenizer::kBuiltinName, ClipTokenizer::builtin_vocabulary())
+               : tokenizer_fingerprint(clip_tokenizer_path)) +
+      "," + tokenizer_fingerprint("spiece.model", read_text(spiece));
   return m;
 }
 

@@ -43,6 +43,7 @@ struct FluxModel : DiffusionModel {
   AutoencoderKL vae{nullptr};
   std::optional<ClipTokenizer> clip_tokenizer;
   std::optional<T5Tokenizer> t5_tokenizer;
+  std::string tokenizer_print;  // both tokenizers' fingerprints, part of the text cache's key
   // Both text encoders as "text_encoder" (CLIP-L) and "text_encoder_2" (T5), the stages' one
   // text-encoder module.
   std::shared_ptr<torch::nn::Module> text_encoders;
@@ -83,7 +84,9 @@ struct FluxModel : DiffusionModel {
 // (transformer/, text_encoder/, text_encoder_2/, vae/, tokenizer/, tokenizer_2/spiece.model), or
 // a single-file transformer (Black Forest Labs' names, with or without model.diffusion_model.)
 // with kohya's separate parts: options.clip_l, t5xxl and ae (each may also replace a folder's
-// own), and T5's spiece.model as options.t5_tokenizer. Throws InputError naming the file or
+// own), or ComfyUI's all-in-one file (every part under its prefix: model.diffusion_model.,
+// text_encoders.clip_l.transformer., text_encoders.t5xxl.transformer., vae.; a flag still
+// replaces a part), and T5's spiece.model as options.t5_tokenizer. Throws InputError naming the file or
 // folder and the part that is missing or malformed, or the flag that would give it.
 FluxModel load_flux(const std::filesystem::path& path, const ModelFamily& family,
                     const LoadOptions& options);

@@ -51,6 +51,31 @@ class FluxPipelineParity : public ::testing::Test {
     model.t5_max_length = request["t5_length"];
     return model;
   }
+  // `module`'s tensors under `prefix`; `storage` keeps their bytes.
+  static std::vector<TensorToWrite> tensors_of(const torch::nn::Module& module,
+                                               std::vector<at::Tensor>& storage,
+                                               const std::string& prefix) {
+    return module_tensors(module, storage, prefix);
+  }
+  // The AE's tensors in Black Forest Labs' (ldm's) names under `prefix`, as ae.safetensors and
+  // ComfyUI's all-in-one file hold them.
+  static std::vector<TensorToWrite> ae_tensors(const FluxModel& model,
+                                               std::vector<at::Tensor>& storage,
+                                               const std::string& prefix) {
+    const KeyMap vae_map = sd15_vae_key_map(layout_of(model.vae->config()));
+    std::vector<TensorToWrite> tensors = module_tensors(*model.vae, storage);
+    for (TensorToWrite& t : tensors) {
+      const auto ldm = vae_map.to_ldm(t.name);
+      EXPECT_TRUE(ldm.has_value()) << t.name;
+      t.name = prefix + (ldm ? ldm->substr(kLdmVaePrefix.size()) : t.name);
+      // ldm keeps the AE's mid-block attention projections as 1x1 convolutions.
+      if (t.name.find("mid.attn_1.") != std::string::npos && t.shape.size() == 2) {
+        t.shape.push_back(1);
+        t.shape.push_back(1);
+      }
+    }
+    return tensors;
+  }
   static std::vector<std::string> prompts() {
     std::ifstream in(ref_ / "request.json");
     return nlohmann::json::parse(in)["prompts"].get<std::vector<std::string>>();
@@ -128,37 +153,17 @@ TEST_F(FluxPipelineParity, SingleFileTransformerWithKohyasPartsEqualsTheFolder) 
   FluxModel folder = load();
   const fs::path dir = dir_ / "kohya";
   fs::create_directories(dir);
-  auto write = [&](const fs::path& file, const torch::nn::Module& module, const std::string& prefix,
-                   const std::string& config,
-                   const std::function<std::string(const std::string&)>& rename = nullptr) {
-    std::vector<at::Tensor> storage;
-    std::vector<TensorToWrite> tensors = module_tensors(module, storage, prefix);
-    if (rename) {
-      for (size_t i = 0; i < tensors.size(); ++i) {
-        tensors[i].name = rename(tensors[i].name);
-        // ldm keeps the AE's mid-block attention projections as 1x1 convolutions.
-        if (tensors[i].name.find("mid.attn_1.") != std::string::npos &&
-            tensors[i].shape.size() == 2) {
-          tensors[i].shape.push_back(1);
-          tensors[i].shape.push_back(1);
-        }
-      }
-    }
-    write_safetensors(file, tensors, {{"lorapipe.config", config}});
+  auto write = [&](const fs::path& file, const std::vector<TensorToWrite>& tensors,
+                   const char* config) {
+    write_safetensors(file, tensors,
+                      {{"lorapipe.config", read_text(ref_ / "flux" / config / "config.json")}});
   };
-  write(dir / "flux1-dev.safetensors", *folder.transformer, "model.diffusion_model.",
-        read_text(ref_ / "flux" / "transformer" / "config.json"));
-  write(dir / "clip_l.safetensors", *folder.clip, "",
-        read_text(ref_ / "flux" / "text_encoder" / "config.json"));
-  write(dir / "t5xxl.safetensors", *folder.t5, "",
-        read_text(ref_ / "flux" / "text_encoder_2" / "config.json"));
-  const KeyMap vae_map = sd15_vae_key_map(layout_of(folder.vae->config()));
-  write(dir / "ae.safetensors", *folder.vae, "", read_text(ref_ / "flux" / "vae" / "config.json"),
-        [&](const std::string& name) {
-          const auto ldm = vae_map.to_ldm(name);
-          EXPECT_TRUE(ldm.has_value()) << name;
-          return ldm ? ldm->substr(kLdmVaePrefix.size()) : name;
-        });
+  std::vector<at::Tensor> storage;
+  write(dir / "flux1-dev.safetensors",
+        tensors_of(*folder.transformer, storage, "model.diffusion_model."), "transformer");
+  write(dir / "clip_l.safetensors", tensors_of(*folder.clip, storage, ""), "text_encoder");
+  write(dir / "t5xxl.safetensors", tensors_of(*folder.t5, storage, ""), "text_encoder_2");
+  write(dir / "ae.safetensors", ae_tensors(folder, storage, ""), "vae");
 
   const fs::path transformer = dir / "flux1-dev.safetensors";
   EXPECT_EQ(detect_family(transformer).family, "flux-dev");
@@ -209,6 +214,114 @@ TEST_F(FluxPipelineParity, SingleFileTransformerWithKohyasPartsEqualsTheFolder) 
     ADD_FAILURE() << "an SD checkpoint took --apply_t5_attn_mask";
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("--apply_t5_attn_mask is FLUX.1's"), std::string::npos)
+        << e.what();
+  }
+}
+
+// ComfyUI's all-in-one FLUX.1 file (flux1-dev-fp8.safetensors and the like: every part in one
+// file under its prefix) loads as the folder it was written from, each part from its prefix,
+// and a part given by its flag still replaces the file's own.
+TEST_F(FluxPipelineParity, ComfyAllInOneFileEqualsTheFolder) {
+  FluxModel folder = load();
+  const fs::path dir = dir_ / "comfy";
+  fs::create_directories(dir);
+  std::vector<at::Tensor> storage;
+  std::vector<TensorToWrite> tensors =
+      tensors_of(*folder.transformer, storage, "model.diffusion_model.");
+  for (auto part : {tensors_of(*folder.clip, storage, "text_encoders.clip_l.transformer."),
+                    tensors_of(*folder.t5, storage, "text_encoders.t5xxl.transformer."),
+                    ae_tensors(folder, storage, "vae.")}) {
+    tensors.insert(tensors.end(), part.begin(), part.end());
+  }
+  const fs::path file = dir / "flux1-dev-all-in-one.safetensors";
+  auto config = [&](const char* part) { return read_text(ref_ / "flux" / part / "config.json"); };
+  write_safetensors(file, tensors,
+                    {{"lorapipe.config", config("transformer")},
+                     {"lorapipe.config.clip_l", config("text_encoder")},
+                     {"lorapipe.config.t5xxl", config("text_encoder_2")},
+                     {"lorapipe.config.ae", config("vae")}});
+  EXPECT_EQ(detect_family(file).family, "flux-dev");
+  LoadOptions options;
+  options.tokenizer = ref_ / "flux" / "tokenizer";
+  options.parts.t5_tokenizer = ref_ / "flux" / "tokenizer_2";
+  options.parts.t5_max_length = folder.t5_max_length;
+  const std::unique_ptr<DiffusionModel> loaded = load_model(file, options);
+  const auto ref = testing::read_all(ref_ / "reference.safetensors");
+  torch::NoGradGuard no_grad;
+  const Conditioning a = folder.encode_prompts(prompts(), 1);
+  const Conditioning b = loaded->encode_prompts(prompts(), 1);
+  EXPECT_TRUE(torch::equal(a.hidden_states, b.hidden_states));
+  EXPECT_TRUE(torch::equal(a.pooled, b.pooled));
+  DenoiseInput input;
+  input.latents = ref.at("latents");
+  input.time = ref.at("sigma");
+  input.conditioning = &a;
+  EXPECT_TRUE(torch::equal(loaded->denoise(input), folder.denoise(input)));
+  EXPECT_TRUE(torch::equal(loaded->decode_latents(ref.at("latents")),
+                           folder.decode_latents(ref.at("latents"))));
+
+  // --ae still names the part: an SD VAE there is refused by its own path, not the file's.
+  const TinyCheckpoint sd = write_tiny_checkpoint(dir / "sd", /*seed=*/5);
+  options.parts.ae = sd.diffusers / "vae";
+  try {
+    (void)load_model(file, options);
+    ADD_FAILURE() << "--ae was passed over for the file's own AE";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find((sd.diffusers / "vae").string()), std::string::npos)
+        << e.what();
+  }
+}
+
+// The text cache's key names both tokenizers by their bytes (the same spiece.model elsewhere is
+// the same key; another is another), and parts of another model are refused when loaded, naming
+// the file: a T5 tokenizer with more ids than the encoder embeds, an SD VAE given as the AE.
+TEST_F(FluxPipelineParity, TokenizersKeyTheTextAndPartsOfAnotherModelAreRefused) {
+  const fs::path dir = dir_ / "parts";
+  fs::create_directories(dir);
+  const fs::path spiece = ref_ / "flux" / "tokenizer_2" / "spiece.model";
+  auto settings = [&](const fs::path& t5_tokenizer) {
+    LoadOptions options;
+    options.parts.t5_tokenizer = t5_tokenizer;
+    return load_flux_diffusers_folder(ref_ / "flux", options).text_encoder_settings(1);
+  };
+  const std::string plain = load_flux_diffusers_folder(ref_ / "flux").text_encoder_settings(1);
+  fs::copy_file(spiece, dir / "copy.model", fs::copy_options::overwrite_existing);
+  EXPECT_EQ(settings(dir / "copy.model"), plain) << "the same bytes under another name";
+  // The same pieces and one field SentencePiece does not read (number 100, varint 1): a file
+  // that tokenizes alike but is not the same file.
+  fs::copy_file(spiece, dir / "other.model", fs::copy_options::overwrite_existing);
+  std::ofstream(dir / "other.model", std::ios::app | std::ios::binary) << "\xA0\x06\x01";
+  EXPECT_NE(settings(dir / "other.model"), plain);
+
+  // A T5 whose embedding has 64 rows, fewer than the tokenizer's ids.
+  const fs::path small = dir / "small";
+  fs::copy(ref_ / "flux", small, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  nlohmann::json config = nlohmann::json::parse(read_text(small / "text_encoder_2" / "config.json"));
+  config["vocab_size"] = 64;
+  std::ofstream(small / "text_encoder_2" / "config.json") << config.dump();
+  {
+    T5Encoder t5(T5Config::from_json(config.dump(), "config.json"), at::TensorOptions());
+    std::vector<at::Tensor> storage;
+    write_safetensors(small / "text_encoder_2" / "model.safetensors", module_tensors(*t5, storage));
+  }
+  try {
+    (void)load_flux_diffusers_folder(small);
+    ADD_FAILURE() << "a T5 of 64 rows took a larger tokenizer";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("spiece.model"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("embeds 64"), std::string::npos) << e.what();
+  }
+
+  // SD's 4-channel VAE as --ae.
+  const TinyCheckpoint sd = write_tiny_checkpoint(dir / "sd", /*seed=*/3);
+  LoadOptions options;
+  options.parts.ae = sd.diffusers / "vae";
+  try {
+    (void)load_flux_diffusers_folder(ref_ / "flux", options);
+    ADD_FAILURE() << "a 4-channel VAE was taken as FLUX.1's AE";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find((sd.diffusers / "vae").string() + ": an AE with 4 latent"),
+              std::string::npos)
         << e.what();
   }
 }

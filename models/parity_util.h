@@ -151,6 +151,23 @@ inline std::map<std::string, torch::Tensor> read_all(const std::filesystem::path
   return read_tensors(SafetensorsFile::open(path));
 }
 
+// Writes `tensors` (each in its own dtype) and `metadata` as a safetensors file: read_all's
+// inverse, for tests that hand the loaders a changed copy of a file.
+inline void write_all(const std::filesystem::path& path,
+                      const std::map<std::string, torch::Tensor>& tensors,
+                      const std::map<std::string, std::string>& metadata = {}) {
+  std::vector<torch::Tensor> keep;
+  keep.reserve(tensors.size());
+  std::vector<TensorToWrite> out;
+  for (const auto& [name, tensor] : tensors) {
+    keep.push_back(tensor.detach().cpu().contiguous());
+    const torch::Tensor& t = keep.back();
+    out.push_back({name, to_safetensors_dtype(t.scalar_type()), t.sizes().vec(),
+                   std::string_view(static_cast<const char*>(t.data_ptr()), t.nbytes())});
+  }
+  write_safetensors(path, out, metadata);
+}
+
 // max|actual - expected| / max|expected|: the error relative to the output's scale.
 inline double relative_error(const torch::Tensor& actual, const torch::Tensor& expected) {
   const auto a = actual.detach().to(torch::kFloat64).cpu();

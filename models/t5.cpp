@@ -12,6 +12,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "common/log.h"
 #include "models/empty_linear.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
@@ -216,16 +217,33 @@ void load_t5_encoder(T5EncoderImpl& encoder, const SafetensorsFile& file) {
 }
 
 void load_t5_encoder(T5EncoderImpl& encoder, const std::vector<const SafetensorsFile*>& files,
-                     const std::string& source) {
+                     const std::string& source, const std::string& prefix) {
   std::map<std::string, std::pair<const SafetensorsFile*, const TensorInfo*>> where;
   for (const SafetensorsFile* f : files) {
-    for (const TensorInfo& t : f->tensors()) where[t.name] = {f, &t};
+    for (const TensorInfo& t : f->tensors()) {
+      if (t.name.rfind(prefix, 0) == 0) where[t.name.substr(prefix.size())] = {f, &t};
+    }
   }
   // The embeddings are tied: files hold them as shared.weight, encoder.embed_tokens.weight or
   // both; one is read, the other is no surprise.
   if (auto it = where.find("encoder.embed_tokens.weight"); it != where.end()) {
     if (!where.count("shared.weight")) where["shared.weight"] = it->second;
     where.erase(it);
+  }
+  // A whole T5ForConditionalGeneration file carries the decoder and the LM head too; the encoder
+  // is read from it and the rest left, as kohya's loader (strict=False) leaves it.
+  int decoder = 0;
+  for (auto it = where.begin(); it != where.end();) {
+    if (it->first.rfind("decoder.", 0) == 0 || it->first == "lm_head.weight") {
+      it = where.erase(it);
+      ++decoder;
+    } else {
+      ++it;
+    }
+  }
+  if (decoder > 0) {
+    LP_LOG(kInfo, "models") << source << ": " << decoder
+                            << " decoder and LM-head tensors left unread (T5's encoder only)";
   }
   std::set<std::string> names;
   for (const auto& [name, _] : where) names.insert(name);

@@ -103,8 +103,10 @@ at::Tensor t5_relative_position_bucket(const at::Tensor& relative, int64_t num_b
 // some files). One tensor at a time; throws InputError naming the file and the missing,
 // unexpected or mis-shaped keys.
 void load_t5_encoder(T5EncoderImpl& encoder, const SafetensorsFile& file);
-// The same from several files (a transformers folder's shards), named `source` in errors.
+// The same from several files (a transformers folder's shards), named `source` in errors; with
+// `prefix`, only the tensors under it, by their names without it (ComfyUI's all-in-one FLUX.1
+// file: text_encoders.t5xxl.transformer.).
 void load_t5_encoder(T5EncoderImpl& encoder, const std::vector<const SafetensorsFile*>& files,
-                     const std::string& source);
+                     const std::string& source, const std::string& prefix = "");
 
 }  // namespace lorapipe::models

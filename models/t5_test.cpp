@@ -143,6 +143,35 @@ TEST_F(T5EncoderParity, TiedEmbeddingsLoadUnderEitherName) {
   check(encoder, "", 1e-4);
 }
 
+// A whole T5ForConditionalGeneration file (the decoder and the LM head beside the encoder) loads
+// its encoder, as kohya's strict=False load takes it; a weight stored as integers, which a copy
+// would convert without a word, is refused by its key.
+TEST_F(T5EncoderParity, WholeModelFileLoadsItsEncoderAndIntegerWeightsAreRefused) {
+  const auto tensors = testing::read_all(ref_ / "t5" / "model.safetensors");
+  const fs::path dir = testing::make_temp_dir("t5-whole");
+  auto whole = tensors;
+  whole["decoder.block.0.layer.0.SelfAttention.q.weight"] = torch::zeros({32, 32});
+  whole["decoder.final_layer_norm.weight"] = torch::ones({32});
+  whole["lm_head.weight"] = torch::zeros({64, 32});
+  testing::write_all(dir / "whole.safetensors", whole);
+  T5Encoder encoder = load(dir / "whole.safetensors", at::kFloat);
+  check(encoder, "", 1e-4);
+
+  const std::string key = "encoder.block.0.layer.1.DenseReluDense.wi_0.weight";
+  auto ints = tensors;
+  ASSERT_TRUE(ints.count(key));
+  ints[key] = (ints[key] * 100).to(at::kInt);
+  testing::write_all(dir / "ints.safetensors", ints);
+  try {
+    (void)load(dir / "ints.safetensors", at::kFloat);
+    ADD_FAILURE() << "an int32 weight was loaded";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(key), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("floating-point"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
 TEST_F(T5EncoderParity, RelativePositionBucketsAreTransformers) {
   const at::Tensor relative = torch::arange(-300, 301);
   EXPECT_TRUE(t5_relative_position_bucket(relative, 32, 128).equal(io_.at("buckets_32_128")));

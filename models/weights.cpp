@@ -122,6 +122,12 @@ void load_into_sharing(torch::nn::Module& module, const std::set<std::string>& n
       misshaped.push_back(why.str());
       return;
     }
+    // copy_ would convert integers silently: a weight stored as int32 is a broken file.
+    if (target.is_floating_point() && !tensor.is_floating_point()) {
+      misshaped.push_back(name + " " + std::string(c10::toString(tensor.scalar_type())) +
+                          " (model wants a floating-point tensor)");
+      return;
+    }
     if (share) {
       const torch::Tensor mapped = share(tensor, target);
       if (mapped.defined()) {
@@ -143,7 +149,7 @@ void load_into_sharing(torch::nn::Module& module, const std::set<std::string>& n
   why << source << ": weights do not fit the model:";
   if (!missing.empty()) why << " missing " << list_some(missing) << ";";
   if (!unexpected.empty()) why << " unexpected " << list_some(unexpected) << ";";
-  if (!misshaped.empty()) why << " wrong shape " << list_some(misshaped) << ";";
+  if (!misshaped.empty()) why << " wrong shape or dtype " << list_some(misshaped) << ";";
   throw InputError(why.str());
 }
 
