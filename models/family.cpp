@@ -307,4 +307,19 @@ FamilyDetection detect_family(const fs::path& path, std::string_view override) {
   return detect_file(path);
 }
 
+void check_declared_objective(const ModelFamily& family, const std::string& source,
+                              bool v_parameterization, std::optional<bool> zero_terminal_snr) {
+  if (family.declared_by.empty()) return;
+  if (family.prediction_type == "v_prediction" && !v_parameterization) {
+    throw InputError(source + " declares itself a v-prediction model (" + family.declared_by +
+                     "): pass --v_parameterization" +
+                     (family.declares_zero_terminal_snr && zero_terminal_snr ? " and --zero_terminal_snr" : "") +
+                     ", as kohya needs for such a model");
+  }
+  if (family.declares_zero_terminal_snr && zero_terminal_snr && !*zero_terminal_snr) {
+    throw InputError(source + " declares a zero-terminal-SNR schedule (" + family.declared_by +
+                     "): pass --zero_terminal_snr, as kohya needs for such a model");
+  }
+}
+
 }  // namespace lorapipe::models

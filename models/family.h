@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -94,6 +95,11 @@ struct ModelFamily {
   // has it.
   bool vae_overflows_in_fp16 = false;
   std::string prediction_type;      // "epsilon" or "v_prediction"
+  // What a loaded checkpoint says of its own objective, beyond its family's default: ComfyUI's
+  // marker keys in an SDXL file (`v_pred`, `ztsnr`), or a diffusers folder's scheduler config.
+  // `declared_by` names where ("its key v_pred"); empty where the checkpoint says nothing.
+  std::string declared_by;
+  bool declares_zero_terminal_snr = false;
   int default_resolution = 512;
   // What kohya users expect of the family's buckets: the largest side (0: preprocess's 1024), and
   // what every bucket side must be a multiple of (SDXL: 32, kohya's check on bucket_reso_steps).
@@ -137,5 +143,14 @@ struct FamilyDetection {
 // prefixes, or the folder's pipeline class and components) and the known families; where the
 // keys are those of a family lorapipe does not train yet (SD2.x, Flux.1) it says which.
 FamilyDetection detect_family(const std::filesystem::path& path, std::string_view override = {});
+
+// Refuses flags that contradict what the checkpoint at `source` declares of itself
+// (ModelFamily::declared_by): a v-prediction model trained as epsilon learns the wrong target,
+// and rendered as epsilon draws noise. kohya reads no such marker, so its users give
+// --v_parameterization (and --zero_terminal_snr) by hand; lorapipe holds them to the file.
+// `zero_terminal_snr` is absent for a stage without that option (the sampler). Throws
+// lorapipe::InputError naming the file, the marker and the flag to add.
+void check_declared_objective(const ModelFamily& family, const std::string& source,
+                              bool v_parameterization, std::optional<bool> zero_terminal_snr);
 
 }  // namespace lorapipe::models

@@ -178,7 +178,20 @@ std::string describe_file(const fs::path& path) {
   out << "file: " << path.string() << " (" << fs::file_size(path, ec) << " bytes)\n";
   out << "kind: " << guess_kind(file) << "\n";
   // The family the stages would load it as (models/family.h), for checkpoints.
-  if (guess_kind(file).find("LoRA") == std::string::npos) out << family_line(path);
+  if (guess_kind(file).find("LoRA") == std::string::npos) {
+    out << family_line(path);
+    // ComfyUI's markers (NoobAI-XL v-pred's): the flags the stages will ask for.
+    bool v_pred = false, ztsnr = false;
+    for (const TensorInfo& t : file.tensors()) {
+      v_pred = v_pred || t.name == "v_pred";
+      ztsnr = ztsnr || t.name == "ztsnr";
+    }
+    if (v_pred) {
+      out << "prediction: v-prediction" << (ztsnr ? ", zero terminal SNR" : "")
+          << " (its key" << (ztsnr ? "s v_pred and ztsnr" : " v_pred")
+          << "): train with --v_parameterization" << (ztsnr ? " --zero_terminal_snr" : "") << "\n";
+    }
+  }
   double parameters = 0;
   std::map<std::string, int> dtypes;
   std::map<std::string, double> components;

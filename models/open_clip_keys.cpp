@@ -40,6 +40,7 @@ std::map<std::string, at::Tensor> open_clip_to_transformers(
     } else if (name == "ln_final.weight" || name == "ln_final.bias") {
       out["text_model.final_layer_norm." + name.substr(9)] = tensor;
     } else if (name == "text_projection") {
+      if (tensor.dim() != 2) refuse(key, "is " + std::to_string(tensor.dim()) + "-D, not a 2-D projection");
       out["text_projection.weight"] = tensor.t().contiguous();  // stored [hidden, projection]
     } else if (name.rfind(blocks, 0) == 0) {
       const size_t dot = name.find('.', blocks.size());
@@ -48,6 +49,10 @@ std::map<std::string, at::Tensor> open_clip_to_transformers(
           "text_model.encoder.layers." + name.substr(blocks.size(), dot - blocks.size()) + ".";
       const std::string rest = name.substr(dot + 1);
       if (rest == "attn.in_proj_weight" || rest == "attn.in_proj_bias") {
+        if (tensor.dim() != (rest == "attn.in_proj_weight" ? 2 : 1)) {
+          refuse(key, "is " + std::to_string(tensor.dim()) + "-D, not an attention " +
+                          (rest == "attn.in_proj_weight" ? "weight (2-D)" : "bias (1-D)"));
+        }
         if (tensor.size(0) % 3 != 0) {
           refuse(key, "has " + std::to_string(tensor.size(0)) +
                           " rows, not three projections (q, k, v) of one width");

@@ -78,11 +78,20 @@ void attach_tokenizer(StableDiffusionXL& xl, const fs::path& path, const fs::pat
                                       &builtin);
   const fs::path special = folder_2 / "special_tokens_map.json";
   if (!folder_2.empty() && fs::exists(special)) {
+    // The pad token changes every caption's states: a file that says nothing readable about it
+    // is refused, not passed over for the default.
     const json tokens = json::parse(read_text(special), nullptr, /*allow_exceptions=*/false);
-    if (tokens.is_object() && tokens.contains("pad_token")) {
+    if (tokens.is_discarded() || !tokens.is_object()) {
+      throw InputError(special.string() + ": not a JSON object");
+    }
+    if (tokens.contains("pad_token")) {
       const json& pad = tokens["pad_token"];
-      if (pad.is_string()) xl.pad_token_2 = pad.get<std::string>();
-      if (pad.is_object() && pad.contains("content")) xl.pad_token_2 = pad["content"].get<std::string>();
+      const json* content = pad.is_object() && pad.contains("content") ? &pad["content"] : &pad;
+      if (!content->is_string()) {
+        throw InputError(special.string() + ": pad_token is " + pad.dump() +
+                         ", not a token (a string, or an object with a string \"content\")");
+      }
+      xl.pad_token_2 = content->get<std::string>();
     }
   }
   xl.tokenizer_2->set_pad_token(xl.pad_token_2);
@@ -124,9 +133,21 @@ StableDiffusionXL load_single_file(const fs::path& path, const LoadOptions& opti
   std::map<std::string, const TensorInfo*> unet, vae, text;
   std::vector<std::string> unknown;
   int skipped = 0;
+  bool v_pred = false, ztsnr = false;
   for (const TensorInfo& info : file.tensors()) {
     const std::string& key = info.name;
     if (key.rfind(kSdxlOpenClipPrefix, 0) == 0) continue;  // converted as a whole below
+    // ComfyUI's markers of a v-prediction (zero-terminal-SNR) model, as NoobAI-XL's carry:
+    // empty tensors whose presence is the message.
+    if (key == "v_pred" || key == "ztsnr") {
+      (key == "v_pred" ? v_pred : ztsnr) = true;
+      continue;
+    }
+    if (key == "edm_mean" || key == "edm_std" || key.rfind("edm_vpred.", 0) == 0) {
+      throw InputError(xl.source_path + ": its key " + key + " marks an EDM model (Playground " +
+                       "v2.5, or an EDM v-prediction SDXL), whose noise schedule lorapipe does " +
+                       "not train or render yet");
+    }
     if (is_known_optional_ldm_key(key)) {
       ++skipped;
       continue;
@@ -151,6 +172,11 @@ StableDiffusionXL load_single_file(const fs::path& path, const LoadOptions& opti
     throw InputError(xl.source_path + ": " + std::to_string(unknown.size()) +
                      " keys belong to no known component of an SDXL checkpoint: " +
                      list_some(unknown));
+  }
+  if (v_pred) {  // ComfyUI reads ztsnr only beside v_pred, and so does lorapipe
+    xl.family.prediction_type = "v_prediction";
+    xl.family.declared_by = ztsnr ? "its keys v_pred and ztsnr" : "its key v_pred";
+    xl.family.declares_zero_terminal_snr = ztsnr;
   }
   xl.skipped_keys = skipped;
   if (skipped > 0) {
@@ -183,6 +209,26 @@ StableDiffusionXL load_single_file(const fs::path& path, const LoadOptions& opti
   return xl;
 }
 
+// A diffusers folder says what its model predicts in scheduler/scheduler_config.json
+// (prediction_type, rescale_betas_zero_snr): a v-prediction model's folder says v_prediction.
+void declared_objective(StableDiffusionXL& xl, const fs::path& folder) {
+  const fs::path file = folder / "scheduler" / "scheduler_config.json";
+  if (!fs::exists(file)) return;
+  const json config = json::parse(read_text(file), nullptr, /*allow_exceptions=*/false);
+  if (config.is_discarded() || !config.is_object()) {
+    throw InputError(file.string() + ": not a JSON object");
+  }
+  const auto type = config.find("prediction_type");
+  if (type == config.end() || !type->is_string() || *type != "v_prediction") return;
+  const auto zero_snr = config.find("rescale_betas_zero_snr");
+  xl.family.prediction_type = "v_prediction";
+  xl.family.declares_zero_terminal_snr = zero_snr != config.end() && *zero_snr == true;
+  xl.family.declared_by = "its scheduler config: prediction_type v_prediction" +
+                          std::string(xl.family.declares_zero_terminal_snr
+                                          ? ", rescale_betas_zero_snr true"
+                                          : "");
+}
+
 StableDiffusionXL load_diffusers_folder(const fs::path& folder, const LoadOptions& options) {
   StableDiffusionXL xl;
   xl.family = model_family("sdxl");
@@ -203,6 +249,7 @@ StableDiffusionXL load_diffusers_folder(const fs::path& folder, const LoadOption
   build(xl, UNetConfig::from_json(unet_json, unet_source), VaeConfig::from_json(vae_json, vae_source),
         ClipTextConfig::from_json(text_json, text_source),
         ClipTextConfig::from_json(text_2_json, text_2_source), options);
+  declared_objective(xl, folder);
   if (options.load_denoiser) load_unet_diffusers(xl.unet, folder / "unet");
   load_vae(xl.vae, folder / "vae");
   load_clip_text(xl.text_encoder, folder / "text_encoder");

@@ -289,6 +289,97 @@ TEST(SdxlLora, TinyTargetsAreNamedAndNumberedAsKohya) {
   fs::remove_all(dir);
 }
 
+// What a checkpoint declares of itself holds the flags to it: ComfyUI's v_pred / ztsnr markers
+// (NoobAI-XL v-pred's) in a single file, or a diffusers folder's scheduler config, make a run
+// without --v_parameterization (--zero_terminal_snr) a clear error, and lorapipe-inspect says so;
+// EDM's markers are refused by name. Broken parts are named: a 0-D OpenCLIP projection bias,
+// a tokenizer_2/special_tokens_map.json whose pad token is no token.
+TEST(SdxlCheckpoint, DeclaredVPredictionHoldsTheFlagsAndBrokenPartsAreNamed) {
+  const auto dir = testing::make_temp_dir("sdxl-declared");
+  const TinyCheckpoint tiny = write_tiny_sdxl_checkpoint(dir / "model", 4);
+  LoadOptions options;
+  options.tokenizer = tiny.tokenizer;
+  const auto plain = load_model(tiny.single_file, options);
+  EXPECT_TRUE(plain->model_family().declared_by.empty());
+  EXPECT_NO_THROW(check_declared_objective(plain->model_family(), "plain", false, false));
+
+  const SafetensorsFile original = SafetensorsFile::open(tiny.single_file);
+  const auto metadata = original.metadata();
+  auto tensors = read_tensors(original);
+  auto with = [&](std::map<std::string, at::Tensor> extra, const std::string& name) {
+    auto changed = tensors;
+    for (auto& [key, value] : extra) changed[key] = value;
+    testing::write_all(dir / name, changed, {metadata.begin(), metadata.end()});
+    return dir / name;
+  };
+  const fs::path vpred = with({{"v_pred", torch::empty({0})}, {"ztsnr", torch::empty({0})}},
+                              "vpred.safetensors");
+  const auto model = load_model(vpred, options);
+  const ModelFamily& family = model->model_family();
+  EXPECT_EQ(family.prediction_type, "v_prediction");
+  EXPECT_TRUE(family.declares_zero_terminal_snr);
+  auto refusal = [&](bool v, std::optional<bool> zsnr) -> std::string {
+    try {
+      check_declared_objective(family, vpred.string(), v, zsnr);
+    } catch (const InputError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(refusal(false, false).find("its keys v_pred and ztsnr): pass --v_parameterization and "
+                                       "--zero_terminal_snr"),
+            std::string::npos)
+      << refusal(false, false);
+  EXPECT_NE(refusal(true, false).find("pass --zero_terminal_snr"), std::string::npos)
+      << refusal(true, false);
+  EXPECT_EQ(refusal(true, true), "");
+  EXPECT_EQ(refusal(true, std::nullopt), "") << "the sampler has no --zero_terminal_snr";
+  EXPECT_NE(refusal(false, std::nullopt).find("pass --v_parameterization,"), std::string::npos)
+      << refusal(false, std::nullopt);
+  const std::string described = inspect_checkpoint(vpred);
+  EXPECT_NE(described.find("prediction: v-prediction, zero terminal SNR"), std::string::npos)
+      << described;
+
+  // A diffusers folder says it in its scheduler config.
+  const fs::path folder = dir / "folder";
+  fs::copy(tiny.diffusers, folder, fs::copy_options::recursive);
+  fs::create_directories(folder / "scheduler");
+  std::ofstream(folder / "scheduler" / "scheduler_config.json")
+      << R"({"_class_name": "EulerDiscreteScheduler", "prediction_type": "v_prediction"})";
+  const auto from_folder = load_model(folder);
+  EXPECT_EQ(from_folder->model_family().prediction_type, "v_prediction");
+  EXPECT_FALSE(from_folder->model_family().declares_zero_terminal_snr);
+  EXPECT_THROW(check_declared_objective(from_folder->model_family(), "folder", false, false),
+               InputError);
+
+  // A pad token that is no token: named, not passed over for the default.
+  std::ofstream(folder / "tokenizer_2" / "special_tokens_map.json")
+      << R"({"pad_token": {"content": 5}})";
+  try {
+    (void)load_model(folder);
+    ADD_FAILURE() << "a pad token of 5 was taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("special_tokens_map.json: pad_token"), std::string::npos)
+        << e.what();
+  }
+
+  auto refused = [&](const fs::path& file, const std::string& expected) {
+    try {
+      (void)load_model(file, options);
+      ADD_FAILURE() << file << " loaded";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  };
+  refused(with({{"edm_mean", torch::zeros({1, 4, 1, 1})}, {"edm_std", torch::ones({1, 4, 1, 1})}},
+               "edm.safetensors"),
+          "marks an EDM model");
+  const std::string bias = "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_bias";
+  ASSERT_TRUE(tensors.count(bias));
+  refused(with({{bias, torch::zeros({})}}, "bias.safetensors"), bias + " is 0-D");
+  fs::remove_all(dir);
+}
+
 // SDXL's VAE overflows in fp16: its decoder's activations pass 65504 (why the fixed fp16 VAE
 // exists). Its weights cannot be had here, so the tiny SDXL's decoder input convolution is
 // scaled up until its activations pass fp16's range as the real VAE's do: decoded in fp16 the

@@ -323,6 +323,8 @@ class Sampler {
       model_ = models::load_model(o_.model, load);
       if (mapped) models::log_mapped_weights(*mapped, "sampler");
     }
+    models::check_declared_objective(model_->model_family(), o_.model.string(), o_.v_prediction,
+                                     std::nullopt);
     models::merge_base_weights(*model_, o_.base_weights);
     models::Placement placement;
     placement.device = device;

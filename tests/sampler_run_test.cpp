@@ -29,6 +29,7 @@
 #include "models/pipeline.h"
 #include "models/safetensors.h"
 #include "models/tiny.h"
+#include "models/weights.h"
 #include "proto/wire.h"
 #include "tests/paths.h"
 #include "tests/process_util.h"
@@ -212,6 +213,38 @@ TEST_F(SamplerRun, OneShotWritesImagesSheetAndGallery) {
   const auto index = nlohmann::json::parse(read_text(samples / "samples.json"));
   ASSERT_EQ(index["checkpoints"].size(), 1u);
   EXPECT_EQ(index["checkpoints"][0]["images"].size(), 2u);
+}
+
+// A checkpoint that declares itself v-prediction (ComfyUI's v_pred key, as NoobAI-XL v-pred's
+// file carries) is not rendered as epsilon, which draws noise: without --v_parameterization the
+// sampler says which key and which flag, and renders with it.
+TEST_F(SamplerRun, ACheckpointThatDeclaresVPredictionWantsTheFlag) {
+  const models::TinyCheckpoint sdxl = models::write_tiny_sdxl_checkpoint(work_ / "sdxl", 5);
+  const models::SafetensorsFile file = models::SafetensorsFile::open(sdxl.single_file);
+  auto tensors = models::read_tensors(file);
+  tensors["v_pred"] = torch::empty({0});
+  std::vector<models::TensorToWrite> out;
+  for (const auto& [name, t] : tensors) {
+    out.push_back({name, models::to_safetensors_dtype(t.scalar_type()), t.sizes().vec(),
+                   std::string_view(static_cast<const char*>(t.data_ptr()), t.nbytes())});
+  }
+  const fs::path vpred = work_ / "vpred.safetensors";
+  models::write_safetensors(vpred, out, file.metadata());
+  std::vector<std::string> a = args({"--tokenizer=" + sdxl.tokenizer.string()});
+  a[1] = "--pretrained_model_name_or_path=" + vpred.string();
+  ASSERT_NE(wait_exit(spawn(a, work_ / "out", work_ / "err")), 0);
+  const std::string err = read_text(work_ / "err");
+  EXPECT_NE(err.find(vpred.string() + " declares itself a v-prediction model (its key v_pred): "
+                                      "pass --v_parameterization"),
+            std::string::npos)
+      << err;
+  a.push_back("--v_parameterization");
+  ASSERT_EQ(wait_exit(spawn(a, work_ / "out2", work_ / "err2")), 0) << read_text(work_ / "err2");
+  size_t images = 0;  // the two prompts' images (and their sheet)
+  for (const auto& entry : fs::directory_iterator(work_ / "samples")) {
+    images += entry.path().extension() == ".png";
+  }
+  EXPECT_GE(images, 2u) << read_text(work_ / "err2");
 }
 
 // After a run (--replay_dir): every LoRA of the folder renders under its step; a file that is no

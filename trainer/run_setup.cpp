@@ -196,6 +196,9 @@ void Run::load_model() {
   if (!model.has_tokenizer()) {
     throw InputError(o_.model.string() + " carries no tokenizer: pass --tokenizer");
   }
+  models::check_declared_objective(model.model_family(), o_.model.string(),
+                                   o_.step.objective.v_prediction,
+                                   o_.step.objective.zero_terminal_snr);
   // The records were encoded by a model of this family (manifests before families were
   // recorded hold SD1.x's).
   const std::string cached_family =
