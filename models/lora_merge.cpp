@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -24,6 +25,34 @@ std::string shape(const at::Tensor& t) {
   std::string out = "[";
   for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
   return out + "]";
+}
+
+// A module's tensors as a LoRA holds them: down [rank, in(, k, k)] and up [out, rank(, 1, 1)] in
+// a floating dtype, rank above 0, an alpha of one finite number, and no NaN or infinity (which
+// would merge into the weights and render black). Throws InputError naming the file and module.
+void check_module(const std::filesystem::path& file, const std::string& name, const Module& m) {
+  auto refuse = [&](const std::string& what) {
+    throw InputError(file.string() + ": module " + name + ": " + what);
+  };
+  for (const auto& [part, t] : {std::pair<const char*, const at::Tensor&>{"lora_down", m.down},
+                                {"lora_up", m.up}}) {
+    if (!at::isFloatingType(t.scalar_type())) {
+      refuse(std::string(part) + " is " + c10::toString(t.scalar_type()) +
+             ", not a floating-point tensor");
+    }
+    if (t.dim() != 2 && t.dim() != 4) {
+      refuse(std::string(part) + " has shape " + shape(t) + ": a LoRA's is 2-D (linear) or 4-D (conv)");
+    }
+    if (t.size(0) == 0 || t.size(1) == 0) refuse(std::string(part) + " is empty (" + shape(t) + ")");
+    if (!at::isfinite(t.to(torch::kFloat32)).all().item<bool>()) {
+      refuse(std::string(part) + " holds NaN or infinity");
+    }
+  }
+  if (m.alpha.defined()) {
+    if (m.alpha.numel() != 1) refuse("alpha has shape " + shape(m.alpha) + ", not one number");
+    const double alpha = m.alpha.to(torch::kFloat64).item<double>();
+    if (!std::isfinite(alpha)) refuse("alpha is " + std::to_string(alpha));
+  }
 }
 
 }  // namespace
@@ -52,6 +81,11 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
       m.up = tensor;
     } else if (part == "alpha") {
       m.alpha = tensor;
+    } else if (key.find(".lora_A.") != std::string::npos ||
+               key.find(".lora_B.") != std::string::npos) {
+      throw InputError(file.string() + ": key '" + key +
+                       "' is in diffusers/PEFT naming (lora_A / lora_B), which is not read yet: "
+                       "give a LoRA in kohya's naming (lora_down / lora_up / alpha)");
     } else {
       throw InputError(file.string() + ": key '" + key +
                        "' is not plain LoRA or LoCon (lora_down / lora_up / alpha); other kinds "
@@ -91,6 +125,7 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
       throw InputError(file.string() + ": module " + name + " lacks its " +
                        (m.down.defined() ? "lora_up" : "lora_down") + " weight");
     }
+    check_module(file, name, m);
     const at::Tensor& weight = target.weight();
     const int64_t rank = m.down.size(0);
     const at::Tensor down = m.down.to(torch::kFloat32).flatten(1);

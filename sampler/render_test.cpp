@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -255,6 +256,58 @@ TEST_F(SamplerParityRender, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothin
   const torch::Tensor untouched = target.weight().clone();
   EXPECT_THROW(MergedLora(model, dir_ / "other.safetensors", 1.0), InputError);
   EXPECT_TRUE(torch::equal(target.weight(), untouched)) << "a refused file merged nothing";
+
+  // A module that is no LoRA's: named with the module and what is wrong, before anything merges
+  // (NaN or infinity would merge into the weights and render black; rank 0 divides by zero).
+  const auto lora = models::read_tensors(models::SafetensorsFile::open(ref_ / "lora.safetensors"));
+  std::string module;
+  for (const auto& [key, value] : lora) {
+    const std::string suffix = ".lora_down.weight";
+    if (key.ends_with(suffix)) {
+      module = key.substr(0, key.size() - suffix.size());
+      break;
+    }
+  }
+  ASSERT_FALSE(module.empty());
+  const at::Tensor down = lora.at(module + ".lora_down.weight");
+  const at::Tensor up = lora.at(module + ".lora_up.weight");
+  auto broken = [&](const std::map<std::string, at::Tensor>& change, const std::string& expected) {
+    auto changed = lora;
+    for (const auto& [key, value] : change) changed[key] = value;
+    models::testing::write_all(dir_ / "broken.safetensors", changed);
+    for (auto application :
+         {MergedLora::Application::kInSlots, MergedLora::Application::kMergedRestorable,
+          MergedLora::Application::kMergedForGood}) {
+      try {
+        MergedLora merged(model, dir_ / "broken.safetensors", 1.0, application);
+        ADD_FAILURE() << "merged a LoRA expected to fail with: " << expected;
+      } catch (const InputError& e) {
+        EXPECT_NE(std::string(e.what()).find("module " + module + ": " + expected),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+    EXPECT_TRUE(torch::equal(target.weight(), untouched)) << expected;
+  };
+  at::Tensor nan_up = up.clone();
+  nan_up.view(-1)[0] = std::nan("");
+  broken({{module + ".lora_up.weight", nan_up}}, "lora_up holds NaN or infinity");
+  broken({{module + ".alpha", torch::full({}, INFINITY)}}, "alpha is inf");
+  broken({{module + ".alpha", torch::ones({2})}}, "alpha has shape [2], not one number");
+  broken({{module + ".lora_down.weight", down.flatten()}}, "lora_down has shape");
+  broken({{module + ".lora_down.weight", down.to(torch::kInt8)}}, "lora_down is Char");
+  broken({{module + ".lora_down.weight", down.narrow(0, 0, 0)},
+          {module + ".lora_up.weight", up.narrow(1, 0, 0)}},
+         "lora_down is empty");
+  // Another trainer's naming is named as such, not as an unknown kind of network.
+  models::testing::write_all(dir_ / "peft.safetensors",
+                             {{"unet.down_blocks.0.attentions.0.proj_in.lora_A.weight", down}});
+  try {
+    MergedLora merged(model, dir_ / "peft.safetensors", 1.0);
+    ADD_FAILURE() << "merged a PEFT-named LoRA";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("diffusers/PEFT naming"), std::string::npos) << e.what();
+  }
 }
 
 // Two LoRAs on top of one another come out newest first, so the base is bit-identical to before:
