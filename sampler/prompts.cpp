@@ -3,6 +3,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cctype>
 #include <fstream>
 #include <optional>
@@ -30,7 +31,8 @@ std::string lower(std::string s) {
 }
 
 int64_t whole_number(const std::string& option, const std::string& value) {
-  if (value.empty() || !std::all_of(value.begin(), value.end(), ::isdigit) || value.size() > 12) {
+  // 18 digits always fit an int64 (the prompt-line reader leaves longer ones out with a note).
+  if (value.empty() || !std::all_of(value.begin(), value.end(), ::isdigit) || value.size() > 18) {
     throw InputError("--" + option + " wants a whole number, got '" + value + "'");
   }
   return std::stoll(value);
@@ -44,15 +46,22 @@ double decimal(const std::string& option, const std::string& value) {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used == 0 || used != value.size() || v < 0) {
+  if (used == 0 || used != value.size() || v < 0 || !std::isfinite(v)) {
     throw InputError("--" + option + " wants a number, got '" + value + "'");
   }
   return v;
 }
 
-// kohya: sizes rounded down to a multiple of 8, at least 64.
+// kohya: sizes rounded down to a multiple of 8, at least 64. Past 16384 pixels a side (a
+// quarter-gigapixel preview) is a typo, not a request: the line is refused by its value.
 int size_value(const std::string& option, const std::string& value) {
-  return static_cast<int>(std::max<int64_t>(64, whole_number(option, value) / 8 * 8));
+  constexpr int64_t kLargest = 16384;
+  const int64_t pixels = whole_number(option, value);
+  if (pixels > kLargest) {
+    throw InputError("--" + option + " " + value + " is larger than a preview can be (" +
+                     std::to_string(kLargest) + " pixels a side)");
+  }
+  return static_cast<int>(std::max<int64_t>(64, pixels / 8 * 8));
 }
 
 // A sampler as kohya names it (any case). kohya renders a name it does not know with ddim; so

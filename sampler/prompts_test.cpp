@@ -231,6 +231,50 @@ TEST(SamplerPrompts, TextThatCannotBeConditionedIsSkippedByLine) {
   EXPECT_NE(set.problems[2].find("text.txt:4:"), std::string::npos) << set.problems[2];
 }
 
+// A size past what a preview can be (a typo's 3000000000) refuses its line by value, where it
+// once wrapped around as an int and failed every prompt of every checkpoint; seeds take 18 digits
+// in every form; scales that are not finite numbers are refused, not rendered black.
+TEST(SamplerPrompts, SizesPastAPreviewAndNumbersThatAreNotFiniteAreRefusedByLine) {
+  const fs::path file = write("sizes.txt",
+                              "huge --w 3000000000 --h 64\n"
+                              "largest --w 16384 --h 64\n"
+                              "seeded --d 123456789012345678\n");
+  const PromptSet set = load_prompts(file);
+  ASSERT_EQ(set.problems.size(), 1u);
+  EXPECT_NE(set.problems[0].find("sizes.txt:1: --w 3000000000 is larger than a preview can be"),
+            std::string::npos)
+      << set.problems[0];
+  ASSERT_EQ(set.prompts.size(), 2u);
+  EXPECT_EQ(set.prompts[0].width, 16384);
+  EXPECT_EQ(set.prompts[0].height, 64);
+  EXPECT_EQ(set.prompts[1].seed, 123456789012345678);
+
+  const fs::path toml = write("finite.toml",
+                              "[[prompt.subset]]\n"
+                              "prompt = \"a\"\n"
+                              "scale = nan\n"
+                              "[[prompt.subset]]\n"
+                              "prompt = \"b\"\n"
+                              "guidance_scale = inf\n"
+                              "[[prompt.subset]]\n"
+                              "prompt = \"c\"\n"
+                              "height = 20000\n"
+                              "seed = 123456789012345678\n"
+                              "[[prompt.subset]]\n"
+                              "prompt = \"d\"\n");
+  const PromptSet t = load_prompts(toml);
+  ASSERT_EQ(t.prompts.size(), 1u);
+  EXPECT_EQ(t.prompts[0].prompt, "d");
+  ASSERT_EQ(t.problems.size(), 3u);
+  EXPECT_NE(t.problems[0].find("prompt.subset 1: --scale wants a number, got 'nan'"), std::string::npos)
+      << t.problems[0];
+  EXPECT_NE(t.problems[1].find("prompt.subset 2: --guidance_scale wants a number, got 'inf'"),
+            std::string::npos)
+      << t.problems[1];
+  EXPECT_NE(t.problems[2].find("prompt.subset 3: --height 20000 is larger"), std::string::npos)
+      << t.problems[2];
+}
+
 TEST(SamplerPrompts, UnreadableFilesAreAClearError) {
   EXPECT_THROW(load_prompts("/nonexistent/prompts.txt"), InputError);
   EXPECT_THROW(load_prompts(write("p.yaml", "a: b\n")), InputError);
