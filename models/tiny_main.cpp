@@ -18,6 +18,12 @@ int main(int argc, char** argv) {
       sdxl = true;
     } else if (std::strncmp(argv[i], "--unet_width=", 13) == 0) {
       unet_width = std::atoi(argv[i] + 13);
+    } else if (argv[i][0] == '-') {  // --help, a typo: never a folder to write into
+      if (std::strcmp(argv[i], "--help") != 0 && std::strcmp(argv[i], "-h") != 0) {
+        std::fprintf(stderr, "lorapipe-make-tiny-model: unknown option %s\n", argv[i]);
+      }
+      args.clear();
+      break;
     } else {
       args.push_back(argv[i]);
     }
