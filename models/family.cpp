@@ -307,13 +307,64 @@ FamilyDetection detect_family(const fs::path& path, std::string_view override) {
   return detect_file(path);
 }
 
+bool is_objective_marker_key(std::string_view key) {
+  return key == "v_pred" || key == "ztsnr" || key == "edm_mean" || key == "edm_std" ||
+         key.rfind("edm_vpred.", 0) == 0;
+}
+
+void read_declared_objective(const fs::path& path, ModelFamily& family) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    const fs::path file = path / "scheduler" / "scheduler_config.json";
+    if (!fs::exists(file, ec)) return;
+    std::ifstream in(file, std::ios::binary);
+    const nlohmann::json config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (config.is_discarded() || !config.is_object()) {
+      throw InputError(file.string() + ": not a JSON object");
+    }
+    const auto type = config.find("prediction_type");
+    if (type == config.end() || *type != "v_prediction") return;
+    const auto zero_snr = config.find("rescale_betas_zero_snr");
+    family.prediction_type = "v_prediction";
+    family.declares_zero_terminal_snr = zero_snr != config.end() && *zero_snr == true;
+    family.declared_by = "its scheduler config: prediction_type v_prediction" +
+                         std::string(family.declares_zero_terminal_snr
+                                         ? ", rescale_betas_zero_snr true"
+                                         : "");
+    return;
+  }
+  bool v_pred = false, ztsnr = false;
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  for (const TensorInfo& t : file.tensors()) {
+    if (t.name.rfind("edm_", 0) == 0 && is_objective_marker_key(t.name)) {
+      throw InputError(path.string() + ": its key " + t.name + " marks an EDM model " +
+                       "(Playground v2.5, or an EDM v-prediction SDXL), whose noise schedule " +
+                       "lorapipe does not train or render yet");
+    }
+    v_pred = v_pred || t.name == "v_pred";
+    ztsnr = ztsnr || t.name == "ztsnr";
+  }
+  if (!v_pred) return;  // ComfyUI reads ztsnr only beside v_pred, and so does lorapipe
+  family.prediction_type = "v_prediction";
+  family.declared_by = ztsnr ? "its keys v_pred and ztsnr" : "its key v_pred";
+  family.declares_zero_terminal_snr = ztsnr;
+}
+
+void check_declared_objective(const fs::path& path, bool v_parameterization,
+                              std::optional<bool> zero_terminal_snr) {
+  ModelFamily declared;
+  read_declared_objective(path, declared);
+  check_declared_objective(declared, path.string(), v_parameterization, zero_terminal_snr);
+}
+
 void check_declared_objective(const ModelFamily& family, const std::string& source,
                               bool v_parameterization, std::optional<bool> zero_terminal_snr) {
   if (family.declared_by.empty()) return;
   if (family.prediction_type == "v_prediction" && !v_parameterization) {
+    const bool zsnr_too =
+        family.declares_zero_terminal_snr && zero_terminal_snr && !*zero_terminal_snr;
     throw InputError(source + " declares itself a v-prediction model (" + family.declared_by +
-                     "): pass --v_parameterization" +
-                     (family.declares_zero_terminal_snr && zero_terminal_snr ? " and --zero_terminal_snr" : "") +
+                     "): pass --v_parameterization" + (zsnr_too ? " and --zero_terminal_snr" : "") +
                      ", as kohya needs for such a model");
   }
   if (family.declares_zero_terminal_snr && zero_terminal_snr && !*zero_terminal_snr) {

@@ -144,6 +144,17 @@ struct FamilyDetection {
 // keys are those of a family lorapipe does not train yet (SD2.x, Flux.1) it says which.
 FamilyDetection detect_family(const std::filesystem::path& path, std::string_view override = {});
 
+// What the checkpoint at `path` declares of its own objective, from its header or configs alone
+// (nothing is loaded): a single file's keys (ComfyUI's v_pred, with ztsnr beside it: NoobAI-XL
+// v-pred's markers) or a diffusers folder's scheduler/scheduler_config.json (prediction_type,
+// rescale_betas_zero_snr). Sets `family`'s prediction_type, declared_by and
+// declares_zero_terminal_snr where it declares v-prediction, and leaves it as it is otherwise.
+// Throws lorapipe::InputError for EDM's markers (edm_mean, edm_std, edm_vpred.*: Playground
+// v2.5), a schedule no family here has, and for a scheduler config that is not JSON.
+void read_declared_objective(const std::filesystem::path& path, ModelFamily& family);
+// The keys read_declared_objective reads: the weight loaders pass over them.
+bool is_objective_marker_key(std::string_view key);
+
 // Refuses flags that contradict what the checkpoint at `source` declares of itself
 // (ModelFamily::declared_by): a v-prediction model trained as epsilon learns the wrong target,
 // and rendered as epsilon draws noise. kohya reads no such marker, so its users give
@@ -152,5 +163,8 @@ FamilyDetection detect_family(const std::filesystem::path& path, std::string_vie
 // lorapipe::InputError naming the file, the marker and the flag to add.
 void check_declared_objective(const ModelFamily& family, const std::string& source,
                               bool v_parameterization, std::optional<bool> zero_terminal_snr);
+// The same for the checkpoint at `path` before anything is loaded (the stages' --check_flags).
+void check_declared_objective(const std::filesystem::path& path, bool v_parameterization,
+                              std::optional<bool> zero_terminal_snr);
 
 }  // namespace lorapipe::models

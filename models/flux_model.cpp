@@ -285,17 +285,25 @@ ClipTextModel load_clip_l(const Part& part, c10::ScalarType dtype) {
 
 // T5 from a transformers folder (config.json and model.safetensors or its shards) or kohya's
 // t5xxl file (XXL, any of fp32, fp16, bf16 or float8 storage).
+// T5's config for a part, from headers alone: its folder's config.json, lorapipe's metadata (the
+// tests' tiny files), else T5 v1.1 XXL's.
+T5Config t5_config_of(const Part& part) {
+  const fs::path& path = part.path;
+  if (fs::is_directory(path)) {
+    return T5Config::from_json(read_text(path / "config.json"), (path / "config.json").string());
+  }
+  const auto json = part_config(SafetensorsFile::open(path), part);
+  return json ? T5Config::from_json(*json, part.source()) : T5Config::xxl();
+}
+
 T5Encoder load_t5(const Part& part, c10::ScalarType dtype) {
   const fs::path& path = part.path;
   std::vector<SafetensorsFile> files;
-  T5Config config;
+  const T5Config config = t5_config_of(part);
   if (fs::is_directory(path)) {
-    config = T5Config::from_json(read_text(path / "config.json"), (path / "config.json").string());
     files = open_weight_files(path, "model");
   } else {
     files.push_back(SafetensorsFile::open(path));
-    const auto json = part_config(files.front(), part);
-    config = json ? T5Config::from_json(*json, part.source()) : T5Config::xxl();
   }
   at::NoGradGuard no_grad;
   T5Encoder t5(config, at::TensorOptions().dtype(dtype));
@@ -407,6 +415,38 @@ FluxModel load_flux(const fs::path& path, const ModelFamily& family, const LoadO
   m.family.text.max_length = m.t5_max_length;
   m.apply_t5_attn_mask = options.parts.apply_t5_attn_mask;
 
+  // Everything that can be refused from headers comes before the weights load: which file holds
+  // each part, and T5's tokenizer against the encoder's rows.
+  std::optional<SafetensorsFile> single;
+  if (!folder) single.emplace(SafetensorsFile::open(path));
+  const SafetensorsFile* whole = single ? &*single : nullptr;
+  const Part clip_path = part_path(options.parts.clip_l, parts_folder, "text_encoder", path,
+                                   "--clip_l", whole, kComfyClipL, "clip_l");
+  const Part t5_part = part_path(options.parts.t5xxl, parts_folder, "text_encoder_2", path,
+                                 "--t5xxl", whole, kComfyT5, "t5xxl");
+  const Part ae_path = part_path(!options.parts.ae.empty() ? options.parts.ae : options.vae,
+                                 parts_folder, "vae", path, "--ae", whole, kComfyAe, "ae");
+  single.reset();
+  fs::path spiece = options.parts.t5_tokenizer;
+  if (spiece.empty() && folder) spiece = path / "tokenizer_2";
+  if (!spiece.empty() && fs::is_directory(spiece)) spiece /= "spiece.model";
+  if (spiece.empty() || !fs::exists(spiece)) {
+    throw InputError(
+        path.string() + ": no T5 tokenizer" + (spiece.empty() ? "" : " at " + spiece.string()) +
+        ": pass --t5_tokenizer, T5's spiece.model (a FLUX.1 diffusers folder's tokenizer_2/, or "
+        "google/t5-v1_1-xxl's); kohya's files carry none");
+  }
+  m.t5_tokenizer = T5Tokenizer::from_file(spiece);
+  // An id past the embedding's rows would only fail at the first encode, naming nothing; a
+  // smaller vocabulary of another model would pass and condition on the wrong tokens.
+  const int64_t t5_rows = t5_config_of(t5_part).vocab_size;
+  if (m.t5_tokenizer->vocab_size() > t5_rows) {
+    throw InputError(spiece.string() + ": a T5 tokenizer of " +
+                     std::to_string(m.t5_tokenizer->vocab_size()) + " ids, but the T5 encoder (" +
+                     t5_part.source() + ") embeds " + std::to_string(t5_rows) +
+                     ": not this encoder's spiece.model (T5 v1.1's has 32000 pieces)");
+  }
+
   if (options.load_denoiser) {
     if (folder) {
       const fs::path config = path / "transformer" / "config.json";
@@ -424,16 +464,6 @@ FluxModel load_flux(const fs::path& path, const ModelFamily& family, const LoadO
     }
     m.transformer->eval();
   }
-  std::optional<SafetensorsFile> single;
-  if (!folder) single.emplace(SafetensorsFile::open(path));
-  const SafetensorsFile* whole = single ? &*single : nullptr;
-  const Part clip_path = part_path(options.parts.clip_l, parts_folder, "text_encoder", path,
-                                   "--clip_l", whole, kComfyClipL, "clip_l");
-  const Part t5_part = part_path(options.parts.t5xxl, parts_folder, "text_encoder_2", path,
-                                 "--t5xxl", whole, kComfyT5, "t5xxl");
-  const Part ae_path = part_path(!options.parts.ae.empty() ? options.parts.ae : options.vae,
-                                 parts_folder, "vae", path, "--ae", whole, kComfyAe, "ae");
-  single.reset();
   m.clip = load_clip_l(clip_path, text_dtype);
   m.clip->eval();
   m.t5 = load_t5(t5_part, text_dtype);
@@ -451,24 +481,6 @@ FluxModel load_flux(const fs::path& path, const ModelFamily& family, const LoadO
                                            : fs::path();
   m.clip_tokenizer =
       clip_tokenizer_for(clip_tokenizer_path, m.clip->config().vocab_size, m.source_path, &builtin);
-  fs::path spiece = options.parts.t5_tokenizer;
-  if (spiece.empty() && folder) spiece = path / "tokenizer_2";
-  if (!spiece.empty() && fs::is_directory(spiece)) spiece /= "spiece.model";
-  if (spiece.empty() || !fs::exists(spiece)) {
-    throw InputError(
-        path.string() + ": no T5 tokenizer" + (spiece.empty() ? "" : " at " + spiece.string()) +
-        ": pass --t5_tokenizer, T5's spiece.model (a FLUX.1 diffusers folder's tokenizer_2/, or "
-        "google/t5-v1_1-xxl's); kohya's files carry none");
-  }
-  m.t5_tokenizer = T5Tokenizer::from_file(spiece);
-  // An id past the embedding's rows would only fail at the first encode, naming nothing; a
-  // smaller vocabulary of another model would pass and condition on the wrong tokens.
-  if (m.t5_tokenizer->vocab_size() > m.t5->config.vocab_size) {
-    throw InputError(spiece.string() + ": a T5 tokenizer of " +
-                     std::to_string(m.t5_tokenizer->vocab_size()) + " ids, but the T5 encoder (" +
-                     t5_part.source() + ") embeds " + std::to_string(m.t5->config.vocab_size) +
-                     ": not this encoder's spiece.model (T5 v1.1's has 32000 pieces)");
-  }
   m.tokenizer_print =
       (builtin ? tokenizer_fingerprint(ClipTokenizer::kBuiltinName, ClipTokenizer::builtin_vocabulary())
                : tokenizer_fingerprint(clip_tokenizer_path)) +

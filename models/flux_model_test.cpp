@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "models/inspect.h"
 #include "models/loading.h"
 #include "models/parity_util.h"
 #include "models/placement.h"
@@ -241,6 +242,9 @@ TEST_F(FluxPipelineParity, ComfyAllInOneFileEqualsTheFolder) {
                      {"lorapipe.config.t5xxl", config("text_encoder_2")},
                      {"lorapipe.config.ae", config("vae")}});
   EXPECT_EQ(detect_family(file).family, "flux-dev");
+  const std::string described = inspect_checkpoint(file);
+  EXPECT_NE(described.find("parts: CLIP-L, T5 and the AE are in the file"), std::string::npos)
+      << described;
   LoadOptions options;
   options.tokenizer = ref_ / "flux" / "tokenizer";
   options.parts.t5_tokenizer = ref_ / "flux" / "tokenizer_2";

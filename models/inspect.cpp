@@ -98,6 +98,14 @@ std::string component_of(const std::string& key) {
       {"lora_te2_", "text_encoder_2"},
       {"lora_te_", "text_encoder"},
       {"text_model.", "text_encoder"},
+      {"text_encoders.clip_l.", "text_encoder"},  // ComfyUI's all-in-one FLUX.1 file
+      {"text_encoders.t5xxl.", "text_encoder_2"},
+      {"vae.", "vae"},
+      {"encoder.block.", "text_encoder"},  // T5 (transformers' names)
+      {"encoder.final_layer_norm.", "text_encoder"},
+      {"shared.", "text_encoder"},
+      {"decoder.block.", "other"},  // a whole T5's decoder, which no stage reads
+      {"decoder.final_layer_norm.", "other"},
       {"encoder.", "vae"},
       {"decoder.", "vae"},
       {"quant_conv.", "vae"},
@@ -180,16 +188,36 @@ std::string describe_file(const fs::path& path) {
   // The family the stages would load it as (models/family.h), for checkpoints.
   if (guess_kind(file).find("LoRA") == std::string::npos) {
     out << family_line(path);
-    // ComfyUI's markers (NoobAI-XL v-pred's): the flags the stages will ask for.
-    bool v_pred = false, ztsnr = false;
-    for (const TensorInfo& t : file.tensors()) {
-      v_pred = v_pred || t.name == "v_pred";
-      ztsnr = ztsnr || t.name == "ztsnr";
+    // What the file declares of its objective (ComfyUI's markers): the flags the stages will
+    // ask for.
+    ModelFamily declared;
+    try {
+      read_declared_objective(path, declared);
+    } catch (const InputError& e) {
+      out << "prediction: " << e.what() << "\n";
     }
-    if (v_pred) {
-      out << "prediction: v-prediction" << (ztsnr ? ", zero terminal SNR" : "")
-          << " (its key" << (ztsnr ? "s v_pred and ztsnr" : " v_pred")
-          << "): train with --v_parameterization" << (ztsnr ? " --zero_terminal_snr" : "") << "\n";
+    if (!declared.declared_by.empty()) {
+      const bool zsnr = declared.declares_zero_terminal_snr;
+      out << "prediction: v-prediction" << (zsnr ? ", zero terminal SNR" : "") << " ("
+          << declared.declared_by << "): train with --v_parameterization"
+          << (zsnr ? " --zero_terminal_snr" : "") << "\n";
+    }
+    // A FLUX.1 transformer's file holds its other parts (ComfyUI's all-in-one) or not (kohya's).
+    if (guess_kind(file).starts_with("Flux.1")) {
+      bool clip = false, t5 = false, ae = false;
+      for (const TensorInfo& t : file.tensors()) {
+        clip = clip || starts_with(t.name, "text_encoders.clip_l.transformer.");
+        t5 = t5 || starts_with(t.name, "text_encoders.t5xxl.transformer.");
+        ae = ae || starts_with(t.name, "vae.");
+      }
+      std::string missing;
+      for (const auto& [has, flag] : {std::pair{clip, "--clip_l"}, {t5, "--t5xxl"}, {ae, "--ae"}}) {
+        if (!has) missing += std::string(missing.empty() ? "" : " ") + flag;
+      }
+      out << "parts: " << (missing.empty() ? "CLIP-L, T5 and the AE are in the file (ComfyUI's "
+                                             "all-in-one); give --t5_tokenizer"
+                                           : "give " + missing + " and --t5_tokenizer")
+          << "\n";
     }
   }
   double parameters = 0;

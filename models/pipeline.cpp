@@ -54,6 +54,7 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
   StableDiffusion sd;
   sd.family = model_family("sd15");  // the family this loader reads
   sd.source_path = path.string();
+  read_declared_objective(path, sd.family);
   const auto& meta = file.metadata();
   auto config_from = [&](const char* key) -> const std::string* {
     auto it = meta.find(key);
@@ -80,6 +81,7 @@ StableDiffusion load_single_file(const fs::path& path, const LoadOptions& option
   std::vector<std::string> unknown;
   for (const TensorInfo& info : file.tensors()) {
     const std::string& key = info.name;
+    if (is_objective_marker_key(key)) continue;  // read by read_declared_objective
     std::optional<std::string> name;
     std::map<std::string, const TensorInfo*>* target = nullptr;
     if (key.rfind(kLdmUnetPrefix, 0) == 0) {
@@ -122,6 +124,7 @@ StableDiffusion load_diffusers_folder(const fs::path& folder, const LoadOptions&
   StableDiffusion sd;
   sd.family = model_family("sd15");  // the family this loader reads
   sd.source_path = folder.string();
+  read_declared_objective(folder, sd.family);
   for (const char* part : {"unet", "vae", "text_encoder"}) {
     if (!fs::is_directory(folder / part)) {
       throw InputError(folder.string() + ": not a diffusers folder: no " + part + "/");

@@ -201,6 +201,11 @@ TEST_F(SafetensorsTest, InspectNamesFluxDevSchnellAndT5Files) {
             "Flux.1 [schnell] transformer (original layout)");
   EXPECT_EQ(kind_of({"encoder.block.0.layer.0.SelfAttention.q.weight", "shared.weight"}),
             "T5 encoder (transformers layout)");
+  // kohya's transformer file holds no other part: it says which flags give them.
+  (void)kind_of({"double_blocks.0.img_attn.qkv.weight", "guidance_in.in_layer.weight"});
+  const std::string text = inspect_checkpoint(dir_ / "kind.safetensors");
+  EXPECT_NE(text.find("parts: give --clip_l --t5xxl --ae and --t5_tokenizer"), std::string::npos)
+      << text;
 }
 
 TEST_F(SafetensorsTest, InspectDescribesALoraAndRefusesPickles) {

@@ -108,6 +108,7 @@ StableDiffusionXL load_single_file(const fs::path& path, const LoadOptions& opti
   StableDiffusionXL xl;
   xl.family = model_family("sdxl");
   xl.source_path = path.string();
+  read_declared_objective(path, xl.family);
   const auto& meta = file.metadata();
   auto config = [&](const char* key) -> const std::string* {
     const auto it = meta.find(key);
@@ -133,21 +134,10 @@ StableDiffusionXL load_single_file(const fs::path& path, const LoadOptions& opti
   std::map<std::string, const TensorInfo*> unet, vae, text;
   std::vector<std::string> unknown;
   int skipped = 0;
-  bool v_pred = false, ztsnr = false;
   for (const TensorInfo& info : file.tensors()) {
     const std::string& key = info.name;
     if (key.rfind(kSdxlOpenClipPrefix, 0) == 0) continue;  // converted as a whole below
-    // ComfyUI's markers of a v-prediction (zero-terminal-SNR) model, as NoobAI-XL's carry:
-    // empty tensors whose presence is the message.
-    if (key == "v_pred" || key == "ztsnr") {
-      (key == "v_pred" ? v_pred : ztsnr) = true;
-      continue;
-    }
-    if (key == "edm_mean" || key == "edm_std" || key.rfind("edm_vpred.", 0) == 0) {
-      throw InputError(xl.source_path + ": its key " + key + " marks an EDM model (Playground " +
-                       "v2.5, or an EDM v-prediction SDXL), whose noise schedule lorapipe does " +
-                       "not train or render yet");
-    }
+    if (is_objective_marker_key(key)) continue;  // read by read_declared_objective
     if (is_known_optional_ldm_key(key)) {
       ++skipped;
       continue;
@@ -173,11 +163,6 @@ StableDiffusionXL load_single_file(const fs::path& path, const LoadOptions& opti
                      " keys belong to no known component of an SDXL checkpoint: " +
                      list_some(unknown));
   }
-  if (v_pred) {  // ComfyUI reads ztsnr only beside v_pred, and so does lorapipe
-    xl.family.prediction_type = "v_prediction";
-    xl.family.declared_by = ztsnr ? "its keys v_pred and ztsnr" : "its key v_pred";
-    xl.family.declares_zero_terminal_snr = ztsnr;
-  }
   xl.skipped_keys = skipped;
   if (skipped > 0) {
     LP_LOG(kWarning, kLog) << xl.source_path << ": skipped " << skipped
@@ -194,7 +179,13 @@ StableDiffusionXL load_single_file(const fs::path& path, const LoadOptions& opti
     std::map<std::string, at::Tensor> open_clip;
     for (const TensorInfo& info : file.tensors()) {
       if (info.name.rfind(kSdxlOpenClipPrefix, 0) != 0) continue;
-      open_clip[info.name] = read_tensor(file, info).to(dtype);
+      const at::Tensor tensor = read_tensor(file, info);
+      if (!tensor.is_floating_point()) {
+        throw InputError(xl.source_path + ": " + info.name + " is " +
+                         std::string(c10::toString(tensor.scalar_type())) +
+                         ", not a floating-point tensor");
+      }
+      open_clip[info.name] = tensor.to(dtype);
     }
     if (open_clip.empty()) {
       throw InputError(xl.source_path + ": no OpenCLIP ViT-bigG text encoder under " +
@@ -207,26 +198,6 @@ StableDiffusionXL load_single_file(const fs::path& path, const LoadOptions& opti
   }
   attach_tokenizer(xl, options.tokenizer);
   return xl;
-}
-
-// A diffusers folder says what its model predicts in scheduler/scheduler_config.json
-// (prediction_type, rescale_betas_zero_snr): a v-prediction model's folder says v_prediction.
-void declared_objective(StableDiffusionXL& xl, const fs::path& folder) {
-  const fs::path file = folder / "scheduler" / "scheduler_config.json";
-  if (!fs::exists(file)) return;
-  const json config = json::parse(read_text(file), nullptr, /*allow_exceptions=*/false);
-  if (config.is_discarded() || !config.is_object()) {
-    throw InputError(file.string() + ": not a JSON object");
-  }
-  const auto type = config.find("prediction_type");
-  if (type == config.end() || !type->is_string() || *type != "v_prediction") return;
-  const auto zero_snr = config.find("rescale_betas_zero_snr");
-  xl.family.prediction_type = "v_prediction";
-  xl.family.declares_zero_terminal_snr = zero_snr != config.end() && *zero_snr == true;
-  xl.family.declared_by = "its scheduler config: prediction_type v_prediction" +
-                          std::string(xl.family.declares_zero_terminal_snr
-                                          ? ", rescale_betas_zero_snr true"
-                                          : "");
 }
 
 StableDiffusionXL load_diffusers_folder(const fs::path& folder, const LoadOptions& options) {
@@ -249,7 +220,7 @@ StableDiffusionXL load_diffusers_folder(const fs::path& folder, const LoadOption
   build(xl, UNetConfig::from_json(unet_json, unet_source), VaeConfig::from_json(vae_json, vae_source),
         ClipTextConfig::from_json(text_json, text_source),
         ClipTextConfig::from_json(text_2_json, text_2_source), options);
-  declared_objective(xl, folder);
+  read_declared_objective(folder, xl.family);
   if (options.load_denoiser) load_unet_diffusers(xl.unet, folder / "unet");
   load_vae(xl.vae, folder / "vae");
   load_clip_text(xl.text_encoder, folder / "text_encoder");

@@ -290,10 +290,11 @@ TEST(SdxlLora, TinyTargetsAreNamedAndNumberedAsKohya) {
 }
 
 // What a checkpoint declares of itself holds the flags to it: ComfyUI's v_pred / ztsnr markers
-// (NoobAI-XL v-pred's) in a single file, or a diffusers folder's scheduler config, make a run
-// without --v_parameterization (--zero_terminal_snr) a clear error, and lorapipe-inspect says so;
-// EDM's markers are refused by name. Broken parts are named: a 0-D OpenCLIP projection bias,
-// a tokenizer_2/special_tokens_map.json whose pad token is no token.
+// (NoobAI-XL v-pred's; SD1.x files carry them too) in a single file, or a diffusers folder's
+// scheduler config, make a run without --v_parameterization (--zero_terminal_snr) a clear error,
+// from the header alone, and lorapipe-inspect says so; EDM's markers are refused by name. Broken
+// parts are named: a 0-D or int OpenCLIP tensor, a tokenizer_2/special_tokens_map.json whose pad
+// token is no token.
 TEST(SdxlCheckpoint, DeclaredVPredictionHoldsTheFlagsAndBrokenPartsAreNamed) {
   const auto dir = testing::make_temp_dir("sdxl-declared");
   const TinyCheckpoint tiny = write_tiny_sdxl_checkpoint(dir / "model", 4);
@@ -336,6 +337,12 @@ TEST(SdxlCheckpoint, DeclaredVPredictionHoldsTheFlagsAndBrokenPartsAreNamed) {
   EXPECT_EQ(refusal(true, std::nullopt), "") << "the sampler has no --zero_terminal_snr";
   EXPECT_NE(refusal(false, std::nullopt).find("pass --v_parameterization,"), std::string::npos)
       << refusal(false, std::nullopt);
+  EXPECT_NE(refusal(false, true).find("pass --v_parameterization,"), std::string::npos)
+      << "--zero_terminal_snr is given already: " << refusal(false, true);
+  // From the header alone, as the stages' --check_flags read it before anything loads.
+  EXPECT_THROW(check_declared_objective(vpred, false, false), InputError);
+  EXPECT_NO_THROW(check_declared_objective(vpred, true, true));
+  EXPECT_NO_THROW(check_declared_objective(tiny.single_file, false, false));
   const std::string described = inspect_checkpoint(vpred);
   EXPECT_NE(described.find("prediction: v-prediction, zero terminal SNR"), std::string::npos)
       << described;
@@ -377,6 +384,22 @@ TEST(SdxlCheckpoint, DeclaredVPredictionHoldsTheFlagsAndBrokenPartsAreNamed) {
   const std::string bias = "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_bias";
   ASSERT_TRUE(tensors.count(bias));
   refused(with({{bias, torch::zeros({})}}, "bias.safetensors"), bias + " is 0-D");
+  const std::string norm = "conditioner.embedders.1.model.ln_final.weight";
+  ASSERT_TRUE(tensors.count(norm));
+  refused(with({{norm, tensors.at(norm).to(torch::kInt)}}, "int.safetensors"),
+          norm + " is Int, not a floating-point tensor");
+
+  // SD1.x files carry the same markers (ComfyUI writes v_pred into any v-prediction model).
+  const TinyCheckpoint sd = write_tiny_checkpoint(dir / "sd15", 4);
+  const SafetensorsFile sd_file = SafetensorsFile::open(sd.single_file);
+  auto sd_tensors = read_tensors(sd_file);
+  sd_tensors["v_pred"] = torch::empty({0});
+  testing::write_all(dir / "sd15-vpred.safetensors", sd_tensors, sd_file.metadata());
+  LoadOptions sd_options;
+  sd_options.tokenizer = sd.tokenizer;
+  const auto sd_model = load_model(dir / "sd15-vpred.safetensors", sd_options);
+  EXPECT_EQ(sd_model->model_family().name, "sd15");
+  EXPECT_EQ(sd_model->model_family().declared_by, "its key v_pred");
   fs::remove_all(dir);
 }
 

@@ -768,6 +768,8 @@ PromptSet check_sampler_options(const SamplerOptions& options) {
     throw InputError("--pretrained_model_name_or_path=" + options.model.string() +
                      ": no such file or folder");
   }
+  // A model that declares v-prediction is refused here, before the run starts, not at its load.
+  models::check_declared_objective(options.model, options.v_prediction, std::nullopt);
   (void)models::resolve_device(options.device);
   (void)models::parse_precision(options.mixed_precision, "--mixed_precision");
   return read_prompts(options);

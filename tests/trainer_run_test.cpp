@@ -1808,6 +1808,23 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
   EXPECT_EQ(fine.exit, 0) << fine.err;
   EXPECT_NE(fine.out.find("trainer: the flags are fine"), std::string::npos) << fine.out;
   EXPECT_FALSE(fs::exists(work_ / "check" / "lora")) << "--check_flags wrote something";
+  // A model whose folder declares v-prediction (its scheduler config) wants --v_parameterization
+  // before any stage starts, not at its load after the cacher's hours.
+  const fs::path vpred = work_ / "vpred-model";
+  fs::copy(tiny_.diffusers, vpred, fs::copy_options::recursive);
+  fs::create_directories(vpred / "scheduler");
+  std::ofstream(vpred / "scheduler" / "scheduler_config.json")
+      << R"({"_class_name": "DDPMScheduler", "prediction_type": "v_prediction"})";
+  const std::string model = "--pretrained_model_name_or_path=" + vpred.string();
+  const TrainRun epsilon = run(work_ / "check", {model, "--check_flags"});
+  EXPECT_EQ(epsilon.exit, 2) << epsilon.out << epsilon.err;
+  EXPECT_NE(epsilon.err.find(vpred.string() + " declares itself a v-prediction model (its "
+                                              "scheduler config: prediction_type v_prediction): "
+                                              "pass --v_parameterization"),
+            std::string::npos)
+      << epsilon.err;
+  const TrainRun v = run(work_ / "check", {model, "--v_parameterization", "--check_flags"});
+  EXPECT_EQ(v.exit, 0) << v.err;
   // Weights shared on a GPU under an allocator whose memory CUDA IPC cannot open
   // (common/cuda_alloc_conf.h): refused before the model loads, naming the setting. On the CPU
   // (shared memory, not IPC) the setting does not matter.

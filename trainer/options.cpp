@@ -122,6 +122,11 @@ void check_options(const Options& o) {
     }
   };
   there(o.model, "--pretrained_model_name_or_path");
+  // A model that declares v-prediction wants its flags before the cacher runs, not at the load.
+  if (!o.model.empty()) {
+    models::check_declared_objective(o.model, o.step.objective.v_prediction,
+                                     o.step.objective.zero_terminal_snr);
+  }
   there(o.tokenizer, "--tokenizer");
   there(o.vae, "--vae");
   there(o.network_weights, "--network_weights");

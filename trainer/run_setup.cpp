@@ -289,8 +289,9 @@ void Run::load_model() {
     }
     if (!cached_text_) {
       loaded->restore();
-      LP_LOG(kInfo, kLog) << "cached text was made by another text encoder, clip skip or "
-                             "max_token_length: captions are encoded online";
+      LP_LOG(kWarning, kLog) << "cached text was made by another text encoder, tokenizer, clip "
+                                "skip, max_token_length or T5 setting: captions are encoded "
+                                "online (run the cacher again to cache them)";
     }
   }
   models::Placement placement;
