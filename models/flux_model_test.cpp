@@ -77,6 +77,27 @@ class FluxPipelineParity : public ::testing::Test {
     }
     return tensors;
   }
+  // `loaded` computes what `folder` computes, bit for bit: the conditioning of the reference's
+  // prompts, one denoiser call on it, the AE's decode and (where `encode`) its encode.
+  static void expect_same_model(FluxModel& folder, DiffusionModel& loaded, bool encode) {
+    const auto ref = testing::read_all(ref_ / "reference.safetensors");
+    torch::NoGradGuard no_grad;
+    const Conditioning a = folder.encode_prompts(prompts(), 1);
+    const Conditioning b = loaded.encode_prompts(prompts(), 1);
+    EXPECT_TRUE(torch::equal(a.hidden_states, b.hidden_states));
+    EXPECT_TRUE(torch::equal(a.pooled, b.pooled));
+    DenoiseInput input;
+    input.latents = ref.at("latents");
+    input.time = ref.at("sigma");
+    input.conditioning = &a;
+    EXPECT_TRUE(torch::equal(loaded.denoise(input), folder.denoise(input)));
+    EXPECT_TRUE(torch::equal(loaded.decode_latents(ref.at("latents")),
+                             folder.decode_latents(ref.at("latents"))));
+    if (encode) {
+      EXPECT_TRUE(torch::equal(loaded.encode_images(ref.at("image")).mean,
+                               folder.encode_images(ref.at("image")).mean));
+    }
+  }
   static std::vector<std::string> prompts() {
     std::ifstream in(ref_ / "request.json");
     return nlohmann::json::parse(in)["prompts"].get<std::vector<std::string>>();
@@ -189,22 +210,7 @@ TEST_F(FluxPipelineParity, SingleFileTransformerWithKohyasPartsEqualsTheFolder) 
   options.parts.t5_max_length = folder.t5_max_length;
   const std::unique_ptr<DiffusionModel> loaded = load_model(transformer, options);
   EXPECT_EQ(loaded->model_family().name, "flux-dev");
-  const auto ref = testing::read_all(ref_ / "reference.safetensors");
-  torch::NoGradGuard no_grad;
-  const Conditioning a = folder.encode_prompts(prompts(), 1);
-  const Conditioning b = loaded->encode_prompts(prompts(), 1);
-  EXPECT_TRUE(torch::equal(a.hidden_states, b.hidden_states));
-  EXPECT_TRUE(torch::equal(a.pooled, b.pooled));
-  DenoiseInput input;
-  input.latents = ref.at("latents");
-  input.time = ref.at("sigma");
-  input.conditioning = &a;
-  const at::Tensor velocity = folder.denoise(input);
-  EXPECT_TRUE(torch::equal(loaded->denoise(input), velocity));
-  EXPECT_TRUE(torch::equal(loaded->decode_latents(ref.at("latents")),
-                           folder.decode_latents(ref.at("latents"))));
-  EXPECT_TRUE(torch::equal(loaded->encode_images(ref.at("image")).mean,
-                           folder.encode_images(ref.at("image")).mean));
+  expect_same_model(folder, *loaded, /*encode=*/true);
 
   // SD options are refused for it by name, and FLUX.1's for an SD checkpoint.
   const TinyCheckpoint sd = write_tiny_checkpoint(dir_ / "sd2", /*seed=*/1);
@@ -250,19 +256,7 @@ TEST_F(FluxPipelineParity, ComfyAllInOneFileEqualsTheFolder) {
   options.parts.t5_tokenizer = ref_ / "flux" / "tokenizer_2";
   options.parts.t5_max_length = folder.t5_max_length;
   const std::unique_ptr<DiffusionModel> loaded = load_model(file, options);
-  const auto ref = testing::read_all(ref_ / "reference.safetensors");
-  torch::NoGradGuard no_grad;
-  const Conditioning a = folder.encode_prompts(prompts(), 1);
-  const Conditioning b = loaded->encode_prompts(prompts(), 1);
-  EXPECT_TRUE(torch::equal(a.hidden_states, b.hidden_states));
-  EXPECT_TRUE(torch::equal(a.pooled, b.pooled));
-  DenoiseInput input;
-  input.latents = ref.at("latents");
-  input.time = ref.at("sigma");
-  input.conditioning = &a;
-  EXPECT_TRUE(torch::equal(loaded->denoise(input), folder.denoise(input)));
-  EXPECT_TRUE(torch::equal(loaded->decode_latents(ref.at("latents")),
-                           folder.decode_latents(ref.at("latents"))));
+  expect_same_model(folder, *loaded, /*encode=*/false);
 
   // --ae still names the part: an SD VAE there is refused by its own path, not the file's.
   const TinyCheckpoint sd = write_tiny_checkpoint(dir / "sd", /*seed=*/5);
