@@ -21,7 +21,9 @@ fitted per family from float8 steps.
 Each point is `trainer_bench solo` on the CPU: the family's real architecture at full size (FLUX.1
 at full width and reduced depth: D double and 2D single blocks), fp32 base (this CPU has
 no bf16 matrix units: the plan scales the activations to the run's dtype), LoRA rank 16, one
-timed step after two warm-ups; its peak is every tensor's storage alive at once over that step,
+timed step after one warm-up at 64 px (the optimizer's state and the LoRA's gradients it leaves
+are the same at any size: the peaks equal those after warm-ups at the measured size, to the MiB);
+its peak is every tensor's storage alive at once over that step,
 the counterpart of CUDA's max_memory_allocated. `--write_structure` gives the plan the same
 model's header.
 
@@ -132,7 +134,8 @@ def write_structure(a, family, depth, folder):
 def measure_now(a, family, res, batch, depth, ckpt, extra, folder):
     size = FAMILIES[family][0]
     cmd = [a.bench, "solo", size, "--device", "cpu", "--dtype", "fp32", "--batch", str(batch),
-           "--resolution", str(res), "--steps", "1", "--write_structure", folder, *extra]
+           "--resolution", str(res), "--steps", "1", "--warmup", "1", "--warmup_resolution", "64",
+           "--write_structure", folder, *extra]
     if depth:
         cmd += ["--depth", str(depth)]
     if ckpt:

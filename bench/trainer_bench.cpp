@@ -26,7 +26,11 @@
 //       of torch.cuda.max_memory_allocated and memory_allocated, free of the heap's slack.
 //   trainer_bench solo tiny|full|sdxl|flux|flux_tiny [--device cpu|cuda|cuda:N]
 //       [--dtype fp32|bf16|fp16]
-//       [--batch N] [--resolution PX] [--steps N] [--warmup N (2)] [--gradient_checkpointing]
+//       [--batch N] [--resolution PX] [--steps N] [--warmup N (2)] [--warmup_resolution PX (the
+//       warm-up steps at batch 1 and PX square: the state a step leaves, the optimizer's and the
+//       LoRA's gradients, is the same at any size, so a peak measured on the CPU needs only a
+//       cheap warm-up; not for timings, whose warm-up picks kernels for the timed shapes)]
+//       [--gradient_checkpointing]
 //       [--fp8_base]
 //       [--fp8_scaled] [--fp8_fast] [--blocks_to_swap N (FLUX.1: kohya's split; the U-Nets: the transformer
 //       blocks of the last N of kohya's blocks with any; the trainer's placement)]
@@ -326,6 +330,7 @@ fs::path write_structure(const fs::path& dir, torch::nn::Module& denoiser, const
 int solo(const std::string& size, int argc, char** argv) {
   std::string device_spec = "cpu", dtype_name = "fp32";
   int64_t batch = 1, steps = 5, warmup = 2;
+  int64_t warmup_resolution = 0;  // 0: the warm-up runs each measured setting's own shape
   int64_t resolution = size == "tiny" || size == "flux_tiny" ? 128 : size == "sdxl" ? 1024 : 512;
   bool checkpointing = false, fp8_base = false, fp8_scaled = false, offload = false;
   bool fp8_fast = false;
@@ -357,6 +362,8 @@ int solo(const std::string& size, int argc, char** argv) {
       steps = lorapipe::bench::flag_whole(flag, value());
     } else if (flag == "--warmup") {
       warmup = lorapipe::bench::flag_whole(flag, value());
+    } else if (flag == "--warmup_resolution") {
+      warmup_resolution = lorapipe::bench::flag_whole(flag, value());
     } else if (flag == "--gradient_checkpointing") {
       checkpointing = true;
     } else if (flag == "--fp8_base") {
@@ -580,18 +587,24 @@ int solo(const std::string& size, int argc, char** argv) {
       micro.loss_weights = torch::ones({s.batch});
       t::TrainingStep step(model, network, options);
       int64_t seed = 0;
-      auto one_step = [&] {
+      auto one_step = [&](const t::MicroBatch& batch_inputs) {
         const double loss =
-            step.accumulate(micro, at::make_generator<at::CPUGeneratorImpl>(seed++));
+            step.accumulate(batch_inputs, at::make_generator<at::CPUGeneratorImpl>(seed++));
         if (!step.update().applied) {
           throw std::runtime_error("the update was skipped (loss " + std::to_string(loss) + ")");
         }
       };
-      for (int64_t i = 0; i < warmup; ++i) one_step();
+      if (warmup_resolution > 0) {
+        t::MicroBatch small = inputs(1, warmup_resolution, warmup_resolution).first;
+        small.loss_weights = torch::ones({1});
+        for (int64_t i = 0; i < warmup; ++i) one_step(small);
+      } else {
+        for (int64_t i = 0; i < warmup; ++i) one_step(micro);
+      }
       synchronize(device);
       reset_peak_allocated(device);
       const auto start = Clock::now();
-      for (int64_t i = 0; i < steps; ++i) one_step();
+      for (int64_t i = 0; i < steps; ++i) one_step(micro);
       synchronize(device);
       const double seconds = ms_since(start) / 1e3 / static_cast<double>(steps);
       std::printf("%s: %.3f s/it, %.2f samples/s, peak allocated %.0f MiB", label.c_str(), seconds,
@@ -652,7 +665,8 @@ int run(int argc, char** argv) {
                  "       trainer_bench solo tiny|full|sdxl|flux|flux_tiny [--device D] "
                  "[--dtype fp32|bf16|fp16] "
                  "[--batch N]\n"
-                 "             [--resolution PX] [--steps N] [--warmup N] [--gradient_checkpointing] "
+                 "             [--resolution PX] [--steps N] [--warmup N] [--warmup_resolution PX] "
+                 "[--gradient_checkpointing] "
                  "[--threads N] [--peak_tflops T]\n");
     return 2;
   }
