@@ -1959,6 +1959,51 @@ TEST_F(TrainRunTest, NonFiniteLossesStopWithASavedState) {
   EXPECT_EQ(saved["global_step"], last);
 }
 
+// A model file with a NaN in one of its weights (a damaged download) gives the same symptom as a
+// learning rate too high, but lowering the rate never cures it: when the run stops, it names the
+// weight and the file, and does not send the user after the learning rate.
+TEST_F(TrainRunTest, NonFiniteStepsFromADamagedModelNameItsWeight) {
+  const fs::path damaged = work_ / "damaged";
+  fs::copy(tiny_.diffusers, damaged, fs::copy_options::recursive);
+  const fs::path unet = damaged / "unet" / "diffusion_pytorch_model.safetensors";
+  // One float of the middle block's first weight turned to NaN, in place.
+  std::string poisoned;
+  uint64_t offset = 0;
+  {
+    const models::SafetensorsFile file = models::SafetensorsFile::open(unet);
+    for (const models::TensorInfo& t : file.tensors()) {
+      if (t.name.rfind("mid_block.", 0) == 0 && t.name.ends_with(".weight") &&
+          t.dtype == models::Dtype::kF32) {
+        poisoned = t.name;
+        offset = t.begin;
+        break;
+      }
+    }
+  }
+  ASSERT_FALSE(poisoned.empty());
+  {
+    std::fstream f(unet, std::ios::in | std::ios::out | std::ios::binary);
+    uint64_t header = 0;
+    f.read(reinterpret_cast<char*>(&header), 8);  // little-endian, as this machine
+    const float nan = std::nanf("");
+    f.seekp(static_cast<std::streamoff>(8 + header + offset));
+    f.write(reinterpret_cast<const char*>(&nan), sizeof nan);
+    ASSERT_TRUE(f.good());
+  }
+  std::vector<std::string> a = args(work_, {"--max_train_steps=5", "--max_bad_steps=2",
+                                            "--tokenizer=" + tiny_.tokenizer.string()});
+  a[1] = "--pretrained_model_name_or_path=" + damaged.string();
+  const pid_t pid = spawn(a, work_ / "out", work_ / "err");
+  EXPECT_EQ(wait_exit(pid), 2);
+  const std::string err = read_text(work_ / "err");
+  EXPECT_NE(err.find("2 steps in a row had a non-finite loss"), std::string::npos) << err;
+  EXPECT_NE(err.find("The model's own weight '" + poisoned + "' (its denoiser, from "),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("the model file is damaged"), std::string::npos) << err;
+  EXPECT_EQ(err.find("lower the learning rate"), std::string::npos) << err;
+}
+
 // Every save (LoRA files, state folders) is written under a temporary name and renamed into
 // place, so a crash or a kill at any instant leaves the old save or the new one whole, never a
 // partial file under a final name. strace(1) records every open and rename of a run with step

@@ -119,6 +119,10 @@ class Run {
   // A LoRA for the sampler alone (kohya's sample schedule between saves), announced like a save.
   void save_for_samples(int64_t step);
   void publish_progress(double loss, double seconds_per_step, double wait_ms);
+  // Why steps stopped being finite, where a weight says so: the first frozen weight of the model
+  // (the denoiser's, and the text encoder's where it trains online) or the LoRA's own that holds
+  // NaN or infinity, named; empty where every weight is finite (the activations overflowed).
+  std::string non_finite_weight() const;
   std::map<std::string, std::string> metadata(int64_t step) const;
 
   Options o_;

@@ -3,6 +3,7 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <ctime>
 
@@ -29,7 +30,57 @@ std::string join_quoted(const std::vector<std::string>& texts) {
   return out;
 }
 
+// Whether every element of `t` is finite, in any floating dtype (float8 too, which has no
+// isfinite of its own on every device), widened a slice at a time so that a 12 B-parameter
+// model's largest tensor never exists in fp32 at once. Integer tensors are finite.
+bool all_finite(const at::Tensor& t) {
+  if (!t.defined() || !t.is_floating_point()) return true;
+  torch::NoGradGuard no_grad;
+  const at::Tensor flat = t.detach().reshape({-1});
+  constexpr int64_t kSlice = int64_t{1} << 24;
+  for (int64_t begin = 0; begin < flat.numel(); begin += kSlice) {
+    const at::Tensor part = flat.slice(0, begin, std::min(flat.numel(), begin + kSlice));
+    if (!at::isfinite(part.to(torch::kFloat32)).all().item<bool>()) return false;
+  }
+  return true;
+}
+
+// The name of `module`'s first parameter or buffer that is not finite; empty where none.
+std::string first_non_finite(const torch::nn::Module& module) {
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    if (!all_finite(item.value())) return item.key();
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    if (!all_finite(item.value())) return item.key();
+  }
+  return "";
+}
+
 }  // namespace
+
+std::string Run::non_finite_weight() const {
+  const auto damaged = [&](const std::string& key, const std::string& part) {
+    return "The model's own weight '" + key + "' (its " + part + ", from " + model_->source() +
+           ") holds NaN or infinity: the model file is damaged or was saved broken, and no "
+           "learning rate trains over it. Get the file again, or use another";
+  };
+  if (const std::string key = first_non_finite(model_->denoiser_module()); !key.empty()) {
+    return damaged(key, "denoiser");
+  }
+  if (network_->text_encoder_module_count() > 0) {  // trained online: its weights ran too
+    if (const std::string key = first_non_finite(model_->text_encoder_module()); !key.empty()) {
+      return damaged(key, "text encoder");
+    }
+  }
+  for (const auto& [name, value] : network_->named_parameters()) {
+    if (!all_finite(value)) {
+      return "The LoRA's weight '" + name + "' is no longer finite: an update overflowed it. "
+             "Lower the learning rate and train again, from the start or from an earlier "
+             "state (the one saved now holds the overflowed weight)";
+    }
+  }
+  return "";
+}
 
 // The run, with its lifecycle published once the PUB socket is bound (StageStatus).
 Summary Run::train() {
@@ -286,12 +337,15 @@ Summary Run::train_steps() {
         if (bad_in_a_row >= o_.max_bad_steps) {
           const fs::path dir = state_root / (last_stem(o_.output_name) + "-state");
           save_state(dir);
+          // A damaged model file gives the same symptom as a learning rate too high, and
+          // lowering the rate would never cure it: the weights are looked at first.
+          const std::string weight = non_finite_weight();
           throw Error("stopping: " + std::to_string(bad_in_a_row) +
                       " steps in a row had a non-finite loss or gradient (--max_bad_steps); "
-                      "state saved in " +
-                      dir.string() +
-                      " (lower the learning rate, or try "
-                      "another --mixed_precision, and --resume from it)");
+                      "state saved in " + dir.string() +
+                      (weight.empty() ? " (lower the learning rate, or try another "
+                                        "--mixed_precision, and --resume from it)"
+                                      : ". " + weight));
         }
       } else {
         bad_in_a_row = 0;
