@@ -59,6 +59,18 @@ at::Tensor flow_sigmas(const models::FlowSchedule& schedule, int steps, int64_t 
 
 namespace {
 
+// The render's last part, for every family: the latents decoded into the image, and where
+// values stopped being finite, if they did.
+RenderResult finish(models::DiffusionModel& model, const torch::Tensor& latents) {
+  const auto finite = [](const torch::Tensor& t) { return torch::isfinite(t).all().item<bool>(); };
+  RenderResult result;
+  result.latents = latents.to(torch::kFloat32).cpu();
+  const torch::Tensor decoded = model.decode_latents(latents).to(torch::kFloat32).cpu();
+  result.not_finite = !finite(result.latents) ? "denoising" : !finite(decoded) ? "decoding" : "";
+  result.image = to_uint8_image(decoded);
+  return result;
+}
+
 // A flow-matching family's preview, as diffusers' FluxPipeline and kohya's Flux sampling make
 // it: Euler steps along the predicted velocity over flow_sigmas, the denoiser given the sigma
 // (as the pipeline's timestep / 1000) and --g as its distilled guidance (dev); with --l not 1 and
@@ -108,10 +120,7 @@ RenderResult render_flow(models::DiffusionModel& model, const RenderRequest& req
     latents = latents + (sigmas[i + 1] - sigmas[i]).to(latents.device()) * velocity;
     if (options.on_step) options.on_step(i, latents);
   }
-  RenderResult result;
-  result.latents = latents.to(torch::kFloat32).cpu();
-  result.image = to_uint8_image(model.decode_latents(latents).to(torch::kFloat32).cpu());
-  return result;
+  return finish(model, latents);
 }
 
 }  // namespace
@@ -160,10 +169,7 @@ RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
     latents = scheduler->step(prediction, i, latents, generator);
     if (options.on_step) options.on_step(i, latents);
   }
-  RenderResult result;
-  result.latents = latents.to(torch::kFloat32).cpu();
-  result.image = to_uint8_image(model.decode_latents(latents).to(torch::kFloat32).cpu());
-  return result;
+  return finish(model, latents);
 }
 
 at::Tensor to_uint8_image(const at::Tensor& decoded) {

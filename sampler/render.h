@@ -47,6 +47,10 @@ double cfg_scale(const models::ModelFamily& family, const RenderRequest& request
 struct RenderResult {
   at::Tensor latents;  // [1, C, H/8, W/8] fp32: the denoised latents
   at::Tensor image;    // [H, W, 3] uint8
+  // Where NaN or infinity came in, if anywhere: "denoising" (the latents) or "decoding" (the
+  // VAE's output, from finite latents); empty where every value was finite. A non-finite image
+  // is written black, as diffusers' and kohya's are: this says why.
+  std::string not_finite;
 };
 
 struct RenderOptions {

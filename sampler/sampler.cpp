@@ -476,6 +476,16 @@ class Sampler {
         }
         render_options.conditioning = &kept[i];
         const RenderResult result = render(*model_, r, render_options);
+        if (!result.not_finite.empty()) {
+          LP_LOG(kWarning, kLog)
+              << "step " << step << ", prompt " << r.index << " ('" << r.prompt
+              << "'): NaN or infinity came out of the "
+              << (result.not_finite == "denoising"
+                      ? "denoiser, so the image is black (an overflow of --mixed_precision=fp16: "
+                        "try bf16; or a weight of the model or LoRA that is not finite)"
+                      : "VAE's decode of finite latents, so the image is black (a VAE that "
+                        "overflows in this precision: try --mixed_precision=no)");
+        }
         char file_name[64];
         std::snprintf(file_name, sizeof file_name, "%06llu_%02d.png",
                       static_cast<unsigned long long>(step), r.index);

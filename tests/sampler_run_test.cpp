@@ -31,6 +31,7 @@
 #include "models/tiny.h"
 #include "models/weights.h"
 #include "proto/wire.h"
+#include "tests/damaged_model.h"
 #include "tests/paths.h"
 #include "tests/process_util.h"
 
@@ -213,6 +214,31 @@ TEST_F(SamplerRun, OneShotWritesImagesSheetAndGallery) {
   const auto index = nlohmann::json::parse(read_text(samples / "samples.json"));
   ASSERT_EQ(index["checkpoints"].size(), 1u);
   EXPECT_EQ(index["checkpoints"][0]["images"].size(), 2u);
+}
+
+// A model whose file holds a NaN (a damaged download) renders black, as diffusers' and kohya's
+// samplers do, but not silently: each image says that NaN came out of the denoiser, and what
+// to look at. The images are still written, so the gallery keeps its slots.
+TEST_F(SamplerRun, ANonFiniteRenderSaysWhereItWentBlack) {
+  const fs::path damaged = work_ / "damaged";
+  lorapipe::testing::copy_with_a_nan_weight(tiny_.diffusers, damaged, "mid_block.");
+  std::vector<std::string> a = args({"--lora=" + (dir_ / "one.safetensors").string()});
+  a[1] = "--pretrained_model_name_or_path=" + damaged.string();
+  ASSERT_EQ(wait_exit(spawn(a, work_ / "out", work_ / "err")), 0) << read_text(work_ / "err");
+  const std::string err = read_text(work_ / "err");
+  for (const std::string prompt : {"prompt 0 ('a red circle')", "prompt 1 ('a blue square"}) {
+    EXPECT_NE(err.find(", " + prompt), std::string::npos) << err;
+  }
+  EXPECT_NE(err.find("NaN or infinity came out of the denoiser, so the image is black"),
+            std::string::npos)
+      << err;
+  const vips::VImage image =
+      vips::VImage::new_from_file((work_ / "samples" / "one_000040_00.png").c_str());
+  EXPECT_EQ(image.max(), 0) << "a NaN image is written black";
+  // The same prompts over the intact model say nothing of the kind.
+  const auto [exit, intact] = render_one("intact", {});
+  ASSERT_EQ(exit, 0) << intact;
+  EXPECT_EQ(intact.find("NaN or infinity"), std::string::npos) << intact;
 }
 
 // A checkpoint that declares itself v-prediction (ComfyUI's v_pred key, as NoobAI-XL v-pred's

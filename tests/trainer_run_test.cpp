@@ -37,6 +37,7 @@
 #include "proto/lorapipe.pb.h"
 #include "proto/wire.h"
 #include "runtime/process.h"
+#include "tests/damaged_model.h"
 #include "tests/paths.h"
 #include "tests/process_util.h"
 #include "trainer/dataset.h"
@@ -1964,32 +1965,8 @@ TEST_F(TrainRunTest, NonFiniteLossesStopWithASavedState) {
 // weight and the file, and does not send the user after the learning rate.
 TEST_F(TrainRunTest, NonFiniteStepsFromADamagedModelNameItsWeight) {
   const fs::path damaged = work_ / "damaged";
-  fs::copy(tiny_.diffusers, damaged, fs::copy_options::recursive);
-  const fs::path unet = damaged / "unet" / "diffusion_pytorch_model.safetensors";
-  // One float of the middle block's first weight turned to NaN, in place.
-  std::string poisoned;
-  uint64_t offset = 0;
-  {
-    const models::SafetensorsFile file = models::SafetensorsFile::open(unet);
-    for (const models::TensorInfo& t : file.tensors()) {
-      if (t.name.rfind("mid_block.", 0) == 0 && t.name.ends_with(".weight") &&
-          t.dtype == models::Dtype::kF32) {
-        poisoned = t.name;
-        offset = t.begin;
-        break;
-      }
-    }
-  }
-  ASSERT_FALSE(poisoned.empty());
-  {
-    std::fstream f(unet, std::ios::in | std::ios::out | std::ios::binary);
-    uint64_t header = 0;
-    f.read(reinterpret_cast<char*>(&header), 8);  // little-endian, as this machine
-    const float nan = std::nanf("");
-    f.seekp(static_cast<std::streamoff>(8 + header + offset));
-    f.write(reinterpret_cast<const char*>(&nan), sizeof nan);
-    ASSERT_TRUE(f.good());
-  }
+  const std::string poisoned =
+      lorapipe::testing::copy_with_a_nan_weight(tiny_.diffusers, damaged, "mid_block.");
   std::vector<std::string> a = args(work_, {"--max_train_steps=5", "--max_bad_steps=2",
                                             "--tokenizer=" + tiny_.tokenizer.string()});
   a[1] = "--pretrained_model_name_or_path=" + damaged.string();
