@@ -7,19 +7,19 @@
 # a widely included header stores a new generation that evicts the objects of the files that did
 # not change (an incremental build never touches their entries, so they are the least recently
 # used): a fresh clone then recompiled 45 of 185 units (measured: 553 s against 103 s with every
-# unit a hit). Where the user has left ccache's limit at its default, lorapipe's compiles run
-# with 12 GB, room for several generations; a limit the user set (CCACHE_MAXSIZE or
-# ccache.conf's max_size) is kept.
+# unit a hit). Where ccache's limit is its default (`ccache --show-config` marks the setting's
+# origin "(default)" in every 4.x; a limit from ccache.conf or from CCACHE_MAXSIZE at configure
+# time shows another origin and is kept), lorapipe's compiles run with 12 GB, room for several
+# generations. A CCACHE_MAXSIZE exported only when building is overridden by this one; ccache
+# run outside lorapipe's build trims the cache to its own limit, as it always did.
 find_program(CCACHE_PROGRAM ccache)
 if(CCACHE_PROGRAM)
   set(_lorapipe_ccache_size "")
-  if(NOT DEFINED ENV{CCACHE_MAXSIZE})
-    execute_process(COMMAND ${CCACHE_PROGRAM} --get-config max_size
-                    OUTPUT_VARIABLE _lorapipe_ccache_configured OUTPUT_STRIP_TRAILING_WHITESPACE
-                    RESULT_VARIABLE _lorapipe_ccache_rc ERROR_QUIET)
-    if(_lorapipe_ccache_rc EQUAL 0 AND _lorapipe_ccache_configured MATCHES "^5(\\.0)?G$")
-      set(_lorapipe_ccache_size CCACHE_MAXSIZE=12G)
-    endif()
+  execute_process(COMMAND ${CCACHE_PROGRAM} --show-config
+                  OUTPUT_VARIABLE _lorapipe_ccache_config RESULT_VARIABLE _lorapipe_ccache_rc
+                  ERROR_QUIET)
+  if(_lorapipe_ccache_rc EQUAL 0 AND _lorapipe_ccache_config MATCHES "\\(default\\) max_size =")
+    set(_lorapipe_ccache_size CCACHE_MAXSIZE=12G)
   endif()
   set(_lorapipe_launcher
       ${CMAKE_COMMAND} -E env CCACHE_BASEDIR=${PROJECT_SOURCE_DIR} CCACHE_NOHASHDIR=true

@@ -173,7 +173,8 @@ RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
 }
 
 at::Tensor to_uint8_image(const at::Tensor& decoded) {
-  const torch::Tensor x = (decoded[0] / 2 + 0.5).clamp(0, 1);
+  // NaN is made 0 (black) here: its conversion to uint8 is not defined.
+  const torch::Tensor x = (decoded[0] / 2 + 0.5).clamp(0, 1).nan_to_num(0);
   // diffusers' numpy_to_pil: (images * 255).round().astype("uint8").
   return (x.permute({1, 2, 0}) * 255).round().to(torch::kUInt8).contiguous();
 }

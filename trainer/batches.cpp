@@ -165,6 +165,7 @@ MicroBatch Run::to_micro_batch(const PreparedBatch& p) {
     batch.text_mask = p.text_mask;
   } else {
     batch.tokens = model_->tokenize(p.captions, o_.max_token_length, o_.weighted_captions);
+    text_encoded_online_ = true;
   }
   if (ranks_) {  // this rank's share of the global batch, the last rank's possibly shorter
     const int64_t n = batch.latents.size(0), world = ranks_->world_size();

@@ -120,8 +120,10 @@ class Run {
   void save_for_samples(int64_t step);
   void publish_progress(double loss, double seconds_per_step, double wait_ms);
   // Why steps stopped being finite, where a weight says so: the first frozen weight of the model
-  // (the denoiser's, and the text encoder's where it trains online) or the LoRA's own that holds
-  // NaN or infinity, named; empty where every weight is finite (the activations overflowed).
+  // (the denoiser's, and the text encoder's where it ran: trained, or encoding text online) or
+  // the LoRA's own that holds NaN or infinity, named; empty where every weight looked at is
+  // finite (the activations overflowed). The weights --blocks_to_swap keeps on the host are not
+  // looked at (the blocks hold empty tensors in their place).
   std::string non_finite_weight() const;
   std::map<std::string, std::string> metadata(int64_t step) const;
 
@@ -137,6 +139,9 @@ class Run {
   at::Device device_{torch::kCPU};
   bool cached_text_ = false;
   std::unique_ptr<LoraNetwork> network_;
+  // Whether a micro-batch's text was encoded online (weighted captions, or no cached text): the
+  // frozen text encoder then ran in the steps.
+  bool text_encoded_online_ = false;
   std::unique_ptr<TrainingStep> step_;
   std::unique_ptr<BatchScheduler> scheduler_;
   std::optional<TensorBoardWriter> tensorboard_;  // rank 0 only

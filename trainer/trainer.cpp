@@ -61,13 +61,14 @@ std::string first_non_finite(const torch::nn::Module& module) {
 std::string Run::non_finite_weight() const {
   const auto damaged = [&](const std::string& key, const std::string& part) {
     return "The model's own weight '" + key + "' (its " + part + ", from " + model_->source() +
-           ") holds NaN or infinity: the model file is damaged or was saved broken, and no "
-           "learning rate trains over it. Get the file again, or use another";
+           ") holds NaN or infinity: the model file is damaged or was saved broken" +
+           (o_.base_weights.empty() ? "" : ", or a --base_weights LoRA merged into it broke it") +
+           ", and no learning rate trains over it. Get the file again, or use another";
   };
   if (const std::string key = first_non_finite(model_->denoiser_module()); !key.empty()) {
     return damaged(key, "denoiser");
   }
-  if (network_->text_encoder_module_count() > 0) {  // trained online: its weights ran too
+  if (network_->text_encoder_module_count() > 0 || text_encoded_online_) {  // it ran in the steps
     if (const std::string key = first_non_finite(model_->text_encoder_module()); !key.empty()) {
       return damaged(key, "text encoder");
     }
@@ -339,12 +340,24 @@ Summary Run::train_steps() {
           save_state(dir);
           // A damaged model file gives the same symptom as a learning rate too high, and
           // lowering the rate would never cure it: the weights are looked at first.
-          const std::string weight = non_finite_weight();
+          // The look must not hide the stop: a failure of its own is logged and left out.
+          std::string weight;
+          try {
+            weight = non_finite_weight();
+          } catch (const std::exception& e) {
+            LP_LOG(kWarning, kLog) << "the weights could not be looked at for NaN: " << e.what();
+          }
           throw Error("stopping: " + std::to_string(bad_in_a_row) +
                       " steps in a row had a non-finite loss or gradient (--max_bad_steps); "
                       "state saved in " + dir.string() +
                       (weight.empty() ? " (lower the learning rate, or try another "
-                                        "--mixed_precision, and --resume from it)"
+                                        "--mixed_precision, and --resume from it" +
+                                            std::string(o_.blocks_to_swap > 0
+                                                            ? "; the weights of the blocks "
+                                                              "--blocks_to_swap keeps on the host "
+                                                              "were not looked at"
+                                                            : "") +
+                                            ")"
                                       : ". " + weight));
         }
       } else {
