@@ -364,6 +364,11 @@ int solo(const std::string& size, int argc, char** argv) {
       warmup = lorapipe::bench::flag_whole(flag, value());
     } else if (flag == "--warmup_resolution") {
       warmup_resolution = lorapipe::bench::flag_whole(flag, value());
+      if (warmup_resolution < 64 || warmup_resolution % 64 != 0) {
+        throw std::invalid_argument("--warmup_resolution " + std::to_string(warmup_resolution) +
+                                    ": a positive multiple of 64 pixels (what every family's "
+                                    "denoiser takes)");
+      }
     } else if (flag == "--gradient_checkpointing") {
       checkpointing = true;
     } else if (flag == "--fp8_base") {

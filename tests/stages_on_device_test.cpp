@@ -41,6 +41,7 @@
 #include "process_util.h"
 #include "proto/wire.h"
 #include "sampler/render.h"
+#include "tests/damaged_model.h"
 #include "tests/paths.h"
 
 namespace lorapipe {
@@ -308,6 +309,23 @@ TEST_F(StagesOnDevice, CacherEncodesTrainerTrainsSavesAndResumes) {
   // Euler-ancestral steps at 64x64 carry that far less than a level; a wrong placement or a LoRA
   // left on the CPU shows up as a crash or a different image).
   expect_render_matches_cpu(tiny_->diffusers, straight_dir / "lora" / "tiny.safetensors", "sd15");
+}
+
+// The trainer's look for the weight behind non-finite steps, on the stage's device: a NaN in
+// the model file's U-Net (tests/damaged_model.h) stops the run after --max_bad_steps with that
+// weight named, its tensors read where the placement put them.
+TEST_F(StagesOnDevice, NonFiniteStepsNameTheDamagedWeightOnTheDevice) {
+  const fs::path cache_dir = *dir_ / "cache-damaged";
+  ASSERT_EQ(cache(cache_dir), 0);
+  const fs::path damaged = *dir_ / "damaged-model";
+  const std::string poisoned =
+      lorapipe::testing::copy_with_a_nan_weight(tiny_->diffusers, damaged, "mid_block.");
+  const Run r = train(cache_dir, *dir_ / "damaged",
+                      {"--network_train_unet_only", "--max_bad_steps=2"}, damaged);
+  EXPECT_EQ(r.exit, 2) << r.err;
+  EXPECT_NE(r.err.find("The model's own weight '" + poisoned + "' (its denoiser"),
+            std::string::npos)
+      << r.err;
 }
 
 // SDXL through the same stages on the device: the cacher encodes its latents and both encoders'
