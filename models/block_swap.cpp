@@ -230,6 +230,7 @@ BlockSwap::BlockSwap(std::vector<torch::nn::Module*> blocks, std::vector<size_t>
       block.bytes = w.offset + static_cast<int64_t>(weight.nbytes());
       host_bytes_ += static_cast<int64_t>(weight.nbytes());
       weight.set_data(at::empty({0}, weight.options()));
+      host_of_.emplace(weight.unsafeGetTensorImpl(), w.host);
       block.weights.push_back(std::move(w));
     };
     for_each_weight(b, take);
@@ -250,6 +251,11 @@ BlockSwap::~BlockSwap() {
 
 bool BlockSwap::swaps(size_t block) const {
   return block < position_.size() && position_[block] >= 0;
+}
+
+at::Tensor BlockSwap::host_copy(const at::Tensor& weight) const {
+  const auto found = host_of_.find(weight.unsafeGetTensorImpl());
+  return found == host_of_.end() ? at::Tensor() : found->second;
 }
 
 int BlockSwap::resident() const {

@@ -32,6 +32,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace torch::nn {
@@ -119,6 +120,9 @@ class BlockSwap {
   void set_trace(bool on) { tracing_ = on; }
   const std::vector<SwapEvent>& trace() const { return trace_; }
   void clear_trace() { trace_.clear(); }
+  // The host copy of `weight`, a weight this swap took (the module's own tensor, which is empty
+  // or a slot's view meanwhile): the only copy of its values. Undefined for any other tensor.
+  at::Tensor host_copy(const at::Tensor& weight) const;
 
  private:
   struct Weight {
@@ -136,6 +140,7 @@ class BlockSwap {
   void note(SwapEvent::Kind kind, int block, int slot);
 
   std::vector<Block> blocks_;  // every block; only the swapped ones have weights
+  std::unordered_map<const void*, at::Tensor> host_of_;  // a swapped weight's TensorImpl: its host copy
   std::vector<int> order_;     // the swapped blocks, in forward order
   std::vector<int> position_;  // index into order_ per block, -1 if not swapped
   std::unique_ptr<SwapDevice> device_;

@@ -254,6 +254,18 @@ TEST(BlockSwap, CopiesAndWaitsComeInTheDesignsOrder) {
   // holds nothing a layer could compute with.
   EXPECT_GT(model->double_blocks[3]->as<FluxDoubleBlockImpl>()->img_attn->qkv->weight.numel(), 0);
   EXPECT_EQ(model->single_blocks[5]->as<FluxSingleBlockImpl>()->linear1->weight.numel(), 0);
+  // The host copy is where a block in no slot keeps its values (what the trainer's look for NaN
+  // reads), the same values a fresh model holds; a weight the swap never took has none.
+  FluxTransformer fresh = make_model(c10::Device(c10::kCPU));
+  const at::Tensor evicted = model->single_blocks[5]->as<FluxSingleBlockImpl>()->linear1->weight;
+  const at::Tensor host = swap.host_copy(evicted);
+  ASSERT_TRUE(host.defined());
+  EXPECT_TRUE(
+      torch::equal(host, fresh->single_blocks[5]->as<FluxSingleBlockImpl>()->linear1->weight));
+  EXPECT_FALSE(swap.host_copy(model->double_blocks[0]->as<FluxDoubleBlockImpl>()->img_attn->qkv->weight)
+                   .defined())
+      << "double block 0 does not swap";
+  EXPECT_FALSE(swap.host_copy(model->img_in->weight).defined());
 }
 
 // Training without gradient checkpointing would read a swapped block's weights in backward after

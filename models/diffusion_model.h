@@ -26,6 +26,8 @@ class Module;
 
 namespace lorapipe::models {
 
+class BlockSwap;
+
 // The VAE's latent distribution of a batch of images (what the cache stores), in the VAE's dtype.
 struct ImageLatents {
   at::Tensor mean;  // [B, latent_channels, H / f, W / f]
@@ -160,6 +162,9 @@ class DiffusionModel {
     int slots = 0;
   };
   virtual BlockSwapReport enable_block_swap(int blocks, c10::Device device, int slots);
+  // The denoiser's block swap once enabled, else null: its host copies are the only copies of
+  // the swapped weights (a look at the denoiser's own tensors sees them empty).
+  virtual const BlockSwap* block_swap() const { return nullptr; }
 
   // The model's parts, for placement (models/placement.h), freezing and fingerprints. A part
   // that was not loaded or was released is absent.

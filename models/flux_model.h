@@ -73,6 +73,7 @@ struct FluxModel : DiffusionModel {
   void set_cpu_offload_checkpointing(bool enabled) override;
   // kohya's split: n / 2 double blocks and (n - n / 2) * 2 single blocks, the last of each list.
   BlockSwapReport enable_block_swap(int blocks, c10::Device device, int slots) override;
+  const BlockSwap* block_swap() const override { return transformer ? transformer->block_swap.get() : nullptr; }
   std::vector<Component> components() override;
   void release(Role role) override;
   torch::nn::Module& denoiser_module() override;

@@ -56,6 +56,7 @@ struct StableDiffusion : DiffusionModel {
   // in all; SDXL's IN04-IN08, MID, OUT00-OUT05, 11), counted from the end as kohya counts FLUX.1's.
   // Their BasicTransformerBlocks' Linear weights swap; proj_in and proj_out stay.
   BlockSwapReport enable_block_swap(int blocks, c10::Device device, int slots) override;
+  const BlockSwap* block_swap() const override { return unet ? unet->block_swap.get() : nullptr; }
   std::vector<Component> components() override;
   void release(Role role) override;
   torch::nn::Module& denoiser_module() override;

@@ -1987,6 +1987,30 @@ TEST_F(TrainRunTest, NonFiniteStepsFromADamagedModelNameItsWeight) {
   EXPECT_EQ(err.find("lower the learning rate"), std::string::npos) << err;
 }
 
+// The same with the damaged weight in a block --blocks_to_swap keeps on the host: the only copy of
+// its values is the host copy (the U-Net's own tensor is empty while the block is in no slot), and
+// the look finds it there. --blocks_to_swap=5 swaps the blocks of the tiny U-Net's last five
+// Transformer2Ds through two slots; the damaged one is the middle of the five, in no slot once a
+// pass ends in either direction (forward leaves the last two in the slots, backward the first two).
+TEST_F(TrainRunTest, NonFiniteStepsNameADamagedWeightThatBlockSwapKeepsOnTheHost) {
+  const fs::path damaged = work_ / "damaged";
+  const std::string poisoned = lorapipe::testing::copy_with_a_nan_weight(
+      tiny_.diffusers, damaged, "up_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.");
+  std::vector<std::string> a =
+      args(work_, {"--max_train_steps=5", "--max_bad_steps=2", "--blocks_to_swap=5",
+                   "--tokenizer=" + tiny_.tokenizer.string()});
+  a[1] = "--pretrained_model_name_or_path=" + damaged.string();
+  const pid_t pid = spawn(a, work_ / "out", work_ / "err");
+  EXPECT_EQ(wait_exit(pid), 2);
+  const std::string err = read_text(work_ / "err");
+  EXPECT_NE(err.find("block swap (--blocks_to_swap=5)"), std::string::npos) << err;
+  EXPECT_NE(err.find("2 steps in a row had a non-finite loss"), std::string::npos) << err;
+  EXPECT_NE(err.find("The model's own weight '" + poisoned + "' (its denoiser, from "),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(err.find("lower the learning rate"), std::string::npos) << err;
+}
+
 // Every save (LoRA files, state folders) is written under a temporary name and renamed into
 // place, so a crash or a kill at any instant leaves the old save or the new one whole, never a
 // partial file under a final name. strace(1) records every open and rename of a run with step

@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/random.h"
+#include "models/block_swap.h"
 #include "models/device.h"
 #include "trainer/run.h"
 
@@ -45,10 +46,13 @@ bool all_finite(const at::Tensor& t) {
   return true;
 }
 
-// The name of `module`'s first parameter or buffer that is not finite; empty where none.
-std::string first_non_finite(const torch::nn::Module& module) {
+// The name of `module`'s first parameter or buffer that is not finite; empty where none. A weight
+// `swap` took is looked at in its host copy, the only one of its values.
+std::string first_non_finite(const torch::nn::Module& module,
+                             const models::BlockSwap* swap = nullptr) {
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    if (!all_finite(item.value())) return item.key();
+    const at::Tensor host = swap != nullptr ? swap->host_copy(item.value()) : at::Tensor();
+    if (!all_finite(host.defined() ? host : item.value())) return item.key();
   }
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     if (!all_finite(item.value())) return item.key();
@@ -65,7 +69,8 @@ std::string Run::non_finite_weight() const {
            (o_.base_weights.empty() ? "" : ", or a --base_weights LoRA merged into it broke it") +
            ", and no learning rate trains over it. Get the file again, or use another";
   };
-  if (const std::string key = first_non_finite(model_->denoiser_module()); !key.empty()) {
+  if (const std::string key = first_non_finite(model_->denoiser_module(), model_->block_swap());
+      !key.empty()) {
     return damaged(key, "denoiser");
   }
   if (network_->text_encoder_module_count() > 0 || text_encoded_online_) {  // it ran in the steps
@@ -351,13 +356,7 @@ Summary Run::train_steps() {
                       " steps in a row had a non-finite loss or gradient (--max_bad_steps); "
                       "state saved in " + dir.string() +
                       (weight.empty() ? " (lower the learning rate, or try another "
-                                        "--mixed_precision, and --resume from it" +
-                                            std::string(o_.blocks_to_swap > 0
-                                                            ? "; the weights of the blocks "
-                                                              "--blocks_to_swap keeps on the host "
-                                                              "were not looked at"
-                                                            : "") +
-                                            ")"
+                                        "--mixed_precision, and --resume from it)"
                                       : ". " + weight));
         }
       } else {
