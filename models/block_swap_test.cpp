@@ -262,8 +262,9 @@ TEST(BlockSwap, CopiesAndWaitsComeInTheDesignsOrder) {
   ASSERT_TRUE(host.defined());
   EXPECT_TRUE(
       torch::equal(host, fresh->single_blocks[5]->as<FluxSingleBlockImpl>()->linear1->weight));
-  EXPECT_FALSE(swap.host_copy(model->double_blocks[0]->as<FluxDoubleBlockImpl>()->img_attn->qkv->weight)
-                   .defined())
+  EXPECT_FALSE(
+      swap.host_copy(model->double_blocks[0]->as<FluxDoubleBlockImpl>()->img_attn->qkv->weight)
+          .defined())
       << "double block 0 does not swap";
   EXPECT_FALSE(swap.host_copy(model->img_in->weight).defined());
 }
