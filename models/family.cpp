@@ -90,6 +90,9 @@ ModelFamily make_flux(bool dev) {
   f.flow.dynamic_shifting = dev;
   f.flow.shift = dev ? 3.0 : 1.0;
   f.kohya.network_module = "networks.lora_flux";
+  // No block table: networks.lora_flux reads no block-wise network_args (the trainer refuses
+  // them by name rather than weigh every module by the U-Net's last block).
+  f.kohya.blocks = KohyaBlocks{/*side=*/0, /*mid=*/0, /*head=*/0, /*tail=*/0};
   f.kohya.base_model_version = "flux1";
   f.kohya.modelspec_architecture = dev ? "flux-1-dev" : "flux-1-schnell";
   f.kohya.modelspec_implementation = "https://github.com/black-forest-labs/flux";

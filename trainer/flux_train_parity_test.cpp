@@ -240,6 +240,29 @@ TEST_F(FluxTrainParity, TwentyAdamWStepsWithInDimsAgainstKohyasFusedForm) {
 
 // in_dims as kohya reads it ("[2,4,0,3,2]" or without brackets), and refused where the list is
 // not five whole numbers, where its length does not match, and for a family with no such layers.
+// kohya's networks.lora_flux reads none of the U-Net's block-wise network_args: refused by name,
+// not applied to every module as the U-Net table's last block.
+TEST_F(FluxTrainParity, BlockWiseArgsOfTheUNetAreRefusedByName) {
+  for (const char* arg : {"up_lr_weight=1,1,1,1,1,1,1,1,1,1,1,0.5", "block_dims=4,4,4",
+                          "mid_lr_weight=0"}) {
+    Options o;
+    o.model = flux_;
+    o.network_args = {arg};
+    try {
+      apply_network_args(o);
+      ADD_FAILURE() << arg << " was taken";
+    } catch (const InputError& e) {
+      const std::string key = std::string(arg).substr(0, std::string(arg).find('='));
+      EXPECT_NE(std::string(e.what()).find("--network_args " + key + ": FLUX.1"),
+                std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("networks.lora_flux reads none"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_TRUE(o.network.block_lr_weight.empty() && o.network.block_dims.empty()) << arg;
+  }
+}
+
 TEST_F(FluxTrainParity, InDimsIsReadAsKohyaReadsItAndRefusedWhereItCannotApply) {
   Options o;
   o.network_args = {"in_dims=[2, 4,0,3,2]"};

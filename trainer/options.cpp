@@ -107,6 +107,17 @@ void apply_network_args(Options& options) {
   // header or its folder's configs: nothing is loaded).
   const models::ModelFamily& family =
       models::model_family(models::detect_family(options.model, options.model_family).family);
+  if (family.kohya.blocks.count() == 0) {  // FLUX.1's networks.lora_flux reads none of them
+    std::string given;
+    for (const auto& [key, value] : blocks.values) given += (given.empty() ? "" : ", ") + key;
+    throw InputError("--network_args " + given + ": " + family.display_name +
+                     " has no block table for them (kohya's " + family.kohya.network_module +
+                     " reads none of block_dims, block_alphas, conv_block_dims, "
+                     "conv_block_alphas, down_lr_weight, mid_lr_weight, up_lr_weight)" +
+                     (family.kohya.train_blocks.empty()
+                          ? std::string()
+                          : "; train_blocks=double or single trains a part of the model"));
+  }
   for (const std::string& warning : resolve_block_args(blocks, family.kohya.blocks, options.network)) {
     LP_LOG(kWarning, kLog) << "--network_args: " << warning;
   }
