@@ -63,6 +63,7 @@ struct TrainRun {
 
 class TrainRunTest : public ::testing::Test {
  protected:
+  void expect_sample_schedule(int64_t every, int64_t epochs);
   // One cache of the demo dataset at 128 px (16x16 latents), shared by every test.
   static void SetUpTestSuite() {
     dir_ = fs::temp_directory_path() / ("lorapipe-train-run-" + std::to_string(getpid()));
@@ -2235,11 +2236,13 @@ TEST_F(TrainRunTest, PublishesProgressAndCheckpoints) {
   }
 }
 
-// kohya's sample schedule: --sample_every_n_steps and --sample_every_n_epochs announce a
+// kohya's sample schedule: --sample_every_n_steps or --sample_every_n_epochs announce a
 // checkpoint at each such step that is not a save (a sample-only LoRA, the newest three kept),
 // --sample_at_first one of the untrained network before step 1; saves announce themselves and no
-// other step announces anything.
-TEST_F(TrainRunTest, SampleScheduleAnnouncesCheckpointsBetweenSaves) {
+// other step announces anything. With both, kohya samples on the epochs alone
+// (train_util.sample_images_common ignores the steps), and so does the trainer, saying so.
+// `every` and `epochs` are the flags' values (0: not given).
+void TrainRunTest::expect_sample_schedule(int64_t every, int64_t epochs) {
   const std::string endpoint = "ipc://" + (work_ / "events.sock").string();
   zmq::context_t context;
   zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub);
@@ -2250,12 +2253,13 @@ TEST_F(TrainRunTest, SampleScheduleAnnouncesCheckpointsBetweenSaves) {
   // subscriber has long joined.
   const fs::path cache = work_ / "cache";
   add_manifest(cache, "some", [](wire::Manifest& m) { keep_images(m, 30); });
-  const int64_t total = 70, every = 20, save = 40;
+  const int64_t total = 70, save = 40;
   std::vector<std::string> a =
       args(work_, {"--max_train_steps=" + std::to_string(total), "--train_batch_size=1",
                    "--save_every_n_steps=" + std::to_string(save),
-                   "--sample_every_n_steps=" + std::to_string(every), "--sample_every_n_epochs=1",
-                   "--sample_at_first", "--pub=" + endpoint});
+                   "--sample_every_n_steps=" + std::to_string(every),
+                   "--sample_every_n_epochs=" + std::to_string(epochs), "--sample_at_first",
+                   "--pub=" + endpoint});
   a[2] = "--cache_dir=" + cache.string();
   a[3] = "--dataset_id=some";
   const pid_t pid = spawn(a, work_ / "trainer.out", work_ / "trainer.err");
@@ -2280,7 +2284,9 @@ TEST_F(TrainRunTest, SampleScheduleAnnouncesCheckpointsBetweenSaves) {
   for (int64_t s = 1; s < total; ++s) {
     const bool saves = s % save == 0;
     if (saves) expected.insert(s);
-    if ((s % every == 0 || s % per_epoch == 0) && !saves) {
+    const bool sample = epochs > 0 ? s % per_epoch == 0 && (s / per_epoch) % epochs == 0
+                                   : every > 0 && s % every == 0;
+    if (sample && !saves) {
       expected.insert(s);
       sample_only.insert(s);
     }
@@ -2305,6 +2311,17 @@ TEST_F(TrainRunTest, SampleScheduleAnnouncesCheckpointsBetweenSaves) {
     newest.insert(name);
   }
   EXPECT_EQ(kept, newest);
+  EXPECT_EQ(log.find("--sample_every_n_steps is ignored") != std::string::npos,
+            every > 0 && epochs > 0)
+      << log;
+}
+
+TEST_F(TrainRunTest, SampleScheduleAnnouncesCheckpointsBetweenSaves) {
+  expect_sample_schedule(/*every=*/20, /*epochs=*/0);
+}
+
+TEST_F(TrainRunTest, SampleScheduleOfEpochsIgnoresTheStepsAsKohyas) {
+  expect_sample_schedule(/*every=*/20, /*epochs=*/1);
 }
 
 // A remote cacher (lorapipe-cacher --serve over tcp) that dies mid-run: the trainer says it is

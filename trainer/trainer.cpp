@@ -195,6 +195,10 @@ Summary Run::train_steps() {
   }
 
   if (o_.sample_at_first) save_for_samples(global_step_);  // kohya's, before the first step
+  if (main_ && o_.sample_every_n_steps > 0 && o_.sample_every_n_epochs > 0) {
+    LP_LOG(kWarning, kLog) << "--sample_every_n_steps is ignored with --sample_every_n_epochs, "
+                              "as kohya ignores it: previews come at the ends of epochs";
+  }
   if (main_ && !pub_ && (o_.sample_every_n_steps > 0 || o_.sample_every_n_epochs > 0 ||
                          o_.sample_at_first)) {
     LP_LOG(kWarning, kLog) << "--sample_every_n_* / --sample_at_first: lorapipe-sampler renders "
@@ -389,10 +393,12 @@ Summary Run::train_steps() {
         if (o_.save_state) save_state(state_root / (name + "-state"));
         retain(/*step=*/0, epoch_);
       }
-      // kohya's sample schedule: a save announces itself, and the final save ends the run.
+      // kohya's sample schedule: a save announces itself, and the final save ends the run. With
+      // --sample_every_n_epochs the steps' flag is ignored (train_util.sample_images_common).
       const bool sample_step =
-          (o_.sample_every_n_steps > 0 && global_step_ % o_.sample_every_n_steps == 0) ||
-          (epoch_done && o_.sample_every_n_epochs > 0 && epoch_ % o_.sample_every_n_epochs == 0);
+          o_.sample_every_n_epochs > 0
+              ? epoch_done && epoch_ % o_.sample_every_n_epochs == 0
+              : o_.sample_every_n_steps > 0 && global_step_ % o_.sample_every_n_steps == 0;
       if (sample_step && !saved && global_step_ < max_steps_) save_for_samples(global_step_);
       double validated = -1;
       if (o_.validate_every_n_steps > 0 && global_step_ % o_.validate_every_n_steps == 0) {
