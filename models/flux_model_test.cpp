@@ -439,7 +439,8 @@ TEST_F(FluxPipelineParity, RenderMatchesFluxPipeline) {
 // --l 2 with a negative prompt: true classifier-free guidance, as FluxPipeline's true_cfg_scale
 // (the negative and positive passes, uncond + 2 * (cond - uncond)), from the same initial
 // latents; the final latents within 1e-4 of their scale. Without --l the negative prompt is not
-// used (kohya's default scale for Flux is 1).
+// used (kohya's default scale for Flux is 1); --l without a negative prompt guides against the
+// empty prompt, as kohya's Flux sampling does (FluxPipeline with negative_prompt="").
 TEST_F(FluxPipelineParity, TrueCfgWithANegativePromptMatchesFluxPipeline) {
   FluxModel model = load();
   const auto ref = testing::read_all(ref_ / "reference.safetensors");
@@ -460,6 +461,11 @@ TEST_F(FluxPipelineParity, TrueCfgWithANegativePromptMatchesFluxPipeline) {
   EXPECT_TRUE(sampler::classifier_free(model.model_family(), r));
   expect_close("flux render, true CFG 2", sampler::render(model, r, options).latents,
                ref.at("render_cfg_latents"), 1e-4);
+  r.negative_prompt.clear();
+  EXPECT_TRUE(sampler::classifier_free(model.model_family(), r));
+  expect_close("flux render, true CFG 2 against the empty prompt",
+               sampler::render(model, r, options).latents, ref.at("render_cfg_empty_latents"),
+               1e-4);
 }
 
 // Flux previews round their size down to what 2x2 packing takes (16 px for an 8x AE; 4 px for

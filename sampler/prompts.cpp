@@ -82,7 +82,8 @@ std::string sampler_choice(const std::string& value, Note&& note) {
 // weight not a number, or a step count its sampler cannot take (pndm under 4). Checked when the
 // file is read, so such a line is skipped there rather than failing every checkpoint's render.
 void check_request(const RenderRequest& r) {
-  (void)make_scheduler(scheduler_options(r.sampler, false), r.steps);
+  // The Stable Diffusion samplers' check (--ss): FLUX.1's Euler steps take any count.
+  (void)make_scheduler(scheduler_options(r.sampler, false), r.steps != 0 ? r.steps : 30);
   for (const std::string* text : {&r.prompt, &r.negative_prompt}) {
     for (const models::WeightedText& piece : models::parse_prompt_attention(*text)) {
       (void)models::fix_text(piece.text);

@@ -35,7 +35,8 @@ struct PromptSet {
   std::vector<std::string> notes;     // "FILE:LINE: what" for each kept one read otherwise
 };
 
-// Defaults where a prompt sets nothing: kohya's (30 steps, 512x512, CFG 7.5, `sampler`), and a
+// Defaults where a prompt sets nothing: kohya's (the family's steps, render.h's sample_steps;
+// 512x512, CFG 7.5, `sampler`), and a
 // fixed seed per prompt (`first_seed` + its place in the file), so every checkpoint of a run
 // renders from the same noise and the images compare (kohya draws a random seed instead).
 struct PromptDefaults {

@@ -14,9 +14,14 @@ double cfg_scale(const models::ModelFamily& family, const RenderRequest& request
   return flow && !request.cfg_scale_given ? 1.0 : request.cfg_scale;
 }
 
+int sample_steps(const models::ModelFamily& family, const RenderRequest& request) {
+  if (request.steps != 0) return request.steps;
+  return family.objective == models::ObjectiveKind::kFlowMatching ? 20 : 30;
+}
+
 bool classifier_free(const models::ModelFamily& family, const RenderRequest& request) {
   if (family.objective == models::ObjectiveKind::kFlowMatching) {
-    return cfg_scale(family, request) != 1.0 && !request.negative_prompt.empty();
+    return cfg_scale(family, request) != 1.0;  // kohya: the negative prompt is "" where none
   }
   return request.cfg_scale > 1.0;
 }
@@ -104,9 +109,10 @@ RenderResult render_flow(models::DiffusionModel& model, const RenderRequest& req
           ? options.initial_latents.to(torch::kFloat32)
           : torch::randn({1, family.latent_channels, h, w}, generator, torch::kFloat32);
   latents = latents.to(weight.device());
+  const int steps = sample_steps(family, request);
   const torch::Tensor sigmas =
-      flow_sigmas(family.flow, request.steps, (latents.size(2) / 2) * (latents.size(3) / 2));
-  for (int i = 0; i < request.steps; ++i) {
+      flow_sigmas(family.flow, steps, (latents.size(2) / 2) * (latents.size(3) / 2));
+  for (int i = 0; i < steps; ++i) {
     models::DenoiseInput input;
     input.latents = guided ? torch::cat({latents, latents}) : latents;
     input.time = sigmas[i] * 1000 / 1000;  // the pipeline's timestep, back in [0, 1]
@@ -131,14 +137,15 @@ RenderResult render(models::DiffusionModel& model, const RenderRequest& request,
     throw InputError("image size " + std::to_string(request.width) + "x" +
                      std::to_string(request.height) + " must be positive multiples of 8");
   }
-  if (request.steps < 1) throw InputError("a render needs at least one step");
   const models::ModelFamily& family = model.model_family();
+  if (sample_steps(family, request) < 1) throw InputError("a render needs at least one step");
   if (family.objective == models::ObjectiveKind::kFlowMatching) {
     return render_flow(model, request, options);
   }
   torch::NoGradGuard no_grad;
-  const std::unique_ptr<Scheduler> scheduler = make_scheduler(
-      scheduler_options(request.sampler, options.v_prediction, family.schedule), request.steps);
+  const std::unique_ptr<Scheduler> scheduler =
+      make_scheduler(scheduler_options(request.sampler, options.v_prediction, family.schedule),
+                     sample_steps(family, request));
   auto generator = at::detail::createCPUGenerator(static_cast<uint64_t>(request.seed));
 
   const bool guided = classifier_free(family, request);

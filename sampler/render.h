@@ -24,7 +24,9 @@ struct RenderRequest {
   std::string negative_prompt;
   int width = 512;  // rounded down to a multiple of 8 by the prompt parser
   int height = 512;
-  int steps = 30;
+  // 0: the family's default, kohya's (30; 20 for a flow-matching family, as for FLUX.1):
+  // sample_steps() says which.
+  int steps = 0;
   double cfg_scale = 7.5;
   // Whether the prompt set its CFG scale (--l, scale): a flow-matching family's default is 1
   // (no classifier-free guidance), kohya's, not Stable Diffusion's 7.5.
@@ -39,10 +41,13 @@ struct RenderRequest {
 
 // Whether `request` renders with classifier-free guidance (a negative and a positive pass): for
 // Stable Diffusion when its scale is above 1; for a flow-matching family, as kohya's Flux
-// sampling does, when --l is given and not 1 and there is a negative prompt.
+// sampling does, when --l is given and not 1, against the negative prompt or, without one, the
+// empty prompt.
 bool classifier_free(const models::ModelFamily& family, const RenderRequest& request);
 // The CFG scale `request` renders with (a flow-matching family's default is 1).
 double cfg_scale(const models::ModelFamily& family, const RenderRequest& request);
+// The steps `request` renders with (a flow-matching family's default is 20).
+int sample_steps(const models::ModelFamily& family, const RenderRequest& request);
 
 struct RenderResult {
   at::Tensor latents;  // [1, C, H/8, W/8] fp32: the denoised latents

@@ -75,15 +75,15 @@ std::string a1111_sampler(const std::string& name) {
 
 // A1111's "parameters" text: what UIs and image viewers show for a generated image. The model by
 // its file name, as A1111 writes it (a path may hold the ", " that separates its fields).
-std::string parameters_text(const RenderRequest& r, const std::string& model,
-                            const std::string& lora) {
+std::string parameters_text(const RenderRequest& r, const models::ModelFamily& family,
+                            const std::string& model, const std::string& lora) {
   fs::path model_path = fs::path(model);
   if (!model_path.has_filename()) model_path = model_path.parent_path();  // "folder/"
   std::ostringstream out;
   out << r.prompt << "\n";
   if (!r.negative_prompt.empty()) out << "Negative prompt: " << r.negative_prompt << "\n";
-  out << "Steps: " << r.steps << ", Sampler: " << a1111_sampler(r.sampler)
-      << ", CFG scale: " << r.cfg_scale << ", Seed: " << r.seed << ", Size: " << r.width << "x"
+  out << "Steps: " << sample_steps(family, r) << ", Sampler: " << a1111_sampler(r.sampler)
+      << ", CFG scale: " << cfg_scale(family, r) << ", Seed: " << r.seed << ", Size: " << r.width << "x"
       << r.height << ", Model: " << model_path.stem().string();
   if (!lora.empty()) out << ", Lora: " << lora;
   return out.str();
@@ -491,7 +491,8 @@ class Sampler {
                       static_cast<unsigned long long>(step), r.index);
         const fs::path path = o_.output_dir / "samples" / (prefix + file_name);
         VImage image = to_vips(result.image);
-        write_png(path, image, parameters_text(r, model_->source(), lora_names));
+        write_png(path, image,
+                  parameters_text(r, model_->model_family(), model_->source(), lora_names));
         images.push_back(path.filename().string());
         tiles.push_back(image);
         if (o_.delay_per_image_s > 0) {

@@ -70,8 +70,15 @@ def main() -> None:
                          latents=pipe._pack_latents(initial, 1, 16, 8, 8),
                          max_sequence_length=T5_LENGTH, output_type="latent").images
         cfg_final = pipe._unpack_latents(cfg_final, 16, 16, pipe.vae_scale_factor)
+        # kohya's --l 2 without --n: true CFG against the empty prompt.
+        cfg_empty = pipe(prompt=PROMPTS[0], negative_prompt="", true_cfg_scale=2.0,
+                         height=16, width=16, num_inference_steps=RENDER_STEPS, guidance_scale=3.5,
+                         latents=pipe._pack_latents(initial, 1, 16, 8, 8),
+                         max_sequence_length=T5_LENGTH, output_type="latent").images
+        cfg_empty = pipe._unpack_latents(cfg_empty, 16, 16, pipe.vae_scale_factor)
     save_file({"prompt_embeds": prompt_embeds.contiguous(), "pooled": pooled.contiguous(),
                "render_cfg_latents": cfg_final.contiguous(),
+               "render_cfg_empty_latents": cfg_empty.contiguous(),
                "latents": latents, "sigma": sigma, "velocity": velocity.contiguous(),
                "image": image.contiguous(), "render_initial": initial,
                "render_latents": final.contiguous(),
