@@ -152,7 +152,13 @@ BatchScheduler::BatchScheduler(const wire::Manifest& manifest, int batch_size, u
       train += repeats;
     }
     // kohya: reg images are registered with their repeats and looped over again, one more
-    // repeat each, until there are at least as many as the dataset's training images.
+    // repeat each, until there are at least as many as the dataset's training images. It walks
+    // them subset by subset in the TOML's order (then by path, the manifest's order within a
+    // subset), so which reg images the balance reaches when there are more of them than
+    // training images is kohya's.
+    std::stable_sort(reg.begin(), reg.end(), [&](int a, int b) {
+      return manifest.entries(a).subset_index() < manifest.entries(b).subset_index();
+    });
     if (!reg.empty() && train > 0) {
       std::vector<uint64_t> times(reg.size(), 0);
       uint64_t n = 0;

@@ -27,6 +27,7 @@ struct Entry {
   bool is_reg = false;
   uint32_t dataset = 0;
   uint32_t batch_size = 0;
+  uint32_t subset = 0;
 };
 
 wire::Manifest manifest_of(const std::vector<Entry>& entries) {
@@ -42,6 +43,7 @@ wire::Manifest manifest_of(const std::vector<Entry>& entries) {
     out->set_is_reg(e.is_reg);
     out->set_dataset_index(e.dataset);
     out->set_batch_size(e.batch_size);
+    out->set_subset_index(e.subset);
   }
   return m;
 }
@@ -137,6 +139,18 @@ TEST(TrainBatches, RegularizationImagesAreBalancedAsKohya) {
 
   const wire::Manifest only_reg = manifest_of(times(3, reg));
   EXPECT_THROW(BatchScheduler(only_reg, 1, 0, false), InputError);
+
+  // More reg images than training ones: kohya takes them subset by subset in the TOML's order.
+  // The manifest lists entries by path, so the second subset's ("men", subset 2) come first
+  // there; the first subset's ("women", subset 1) are the ones the balance reaches.
+  Entry men = reg, women = reg;
+  men.subset = 2;
+  women.subset = 1;
+  const wire::Manifest mixed =
+      manifest_of(join({times(3, {64, 64, 1}), times(3, men), times(3, women)}));
+  const auto reached = draws(BatchScheduler(mixed, 1, 3, false).epoch(1));
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(reached.count(3 + i), 0u) << "men's reg image " << i;
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(reached.at(6 + i), 1) << "women's reg image " << i;
 }
 
 // kohya's accumulation as the scheduler now states it: every `accumulation` batches end a step,
