@@ -280,6 +280,8 @@ void Cacher::on_sample(const wire::ImageSample& s) {
   entry.set_subset_name(s.subset_name());
   entry.set_subset_index(s.subset_index());
   entry.set_caption_read(s.caption_read());
+  if (s.has_validation_split()) entry.set_validation_split(s.validation_split());
+  if (s.has_validation_seed()) entry.set_validation_seed(s.validation_seed());
   if (s.augment_caption()) {
     stream.all_text_cached = false;  // the trainer encodes this caption online, augmented each step
   } else {

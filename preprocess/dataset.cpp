@@ -382,8 +382,8 @@ const std::map<std::string, KeySpec, std::less<>>& key_specs() {
       {"bucket_reso_steps", {KeyType::kInt, kUpper, true}},
       {"bucket_no_upscale", {KeyType::kBool, kUpper, true}},
       {"network_multiplier", {KeyType::kFloat, kUpper, false}},
-      {"validation_seed", {KeyType::kInt, kUpper, false}},
-      {"validation_split", {KeyType::kFloat, kUpper, false}},
+      {"validation_seed", {KeyType::kInt, kUpper, true}},
+      {"validation_split", {KeyType::kFloat, kUpper, true}},
       {"skip_image_resolution", {KeyType::kResolution, kUpper, true}},
   };
   return specs;
@@ -473,6 +473,13 @@ class TomlReader {
         }
       } else if (k == "batch_size") {
         d.batch_size = static_cast<int>(integer(node));
+      } else if (k == "validation_split") {
+        const double split = number(node);
+        if (!(split >= 0 && split < 1)) fail(node, "validation_split must be in [0, 1)");
+        d.validation_split = split;
+      } else if (k == "validation_seed") {
+        if (integer(node) < 0) fail(node, "validation_seed must not be negative");
+        d.validation_seed = integer(node);
       } else if (k == "enable_bucket") {
         b.enable_bucket = *node.value<bool>();
       } else if (k == "min_bucket_reso") {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -68,6 +69,9 @@ struct SubsetOptions {
 struct DatasetOptions {
   BucketOptions buckets;
   int batch_size = 0;  // from a dataset TOML; 0: not given (the trainer's --train_batch_size)
+  // kohya's dataset-level validation_split and validation_seed; unset: the trainer's flags.
+  std::optional<double> validation_split;
+  std::optional<int64_t> validation_seed;
   // kohya's skip_image_resolution: an image whose area is at most width x height is left out
   // (a multi-resolution dataset's small copies). {0, 0}: off.
   Reso skip_image_resolution{0, 0};

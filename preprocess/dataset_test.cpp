@@ -312,11 +312,14 @@ flip_aug = true
 caption_extension = ".cap"
 resolution = 768
 shuffle_caption = false
+validation_split = 0.1
 
 [[datasets]]
 resolution = [640, 512]
 num_repeats = 2
 batch_size = 4
+validation_split = 0.25
+validation_seed = 9
 bucket_no_upscale = true
 max_bucket_reso = 1024
 
@@ -341,6 +344,8 @@ max_bucket_reso = 1024
   EXPECT_EQ(datasets[0].buckets.resolution, (Reso{640, 512}));
   EXPECT_TRUE(datasets[0].buckets.bucket_no_upscale);
   EXPECT_EQ(datasets[0].batch_size, 4);
+  EXPECT_EQ(datasets[0].validation_split, 0.25);
+  EXPECT_EQ(datasets[0].validation_seed, 9);
   ASSERT_EQ(datasets[0].subsets.size(), 2u);
   const SubsetOptions& a = datasets[0].subsets[0];
   EXPECT_EQ(a.num_repeats, 5);
@@ -355,6 +360,8 @@ max_bucket_reso = 1024
   EXPECT_TRUE(b.augments_caption());
   // The second dataset takes general's values only.
   EXPECT_EQ(datasets[1].buckets.resolution, (Reso{768, 768}));
+  EXPECT_EQ(datasets[1].validation_split, 0.1);
+  EXPECT_FALSE(datasets[1].validation_seed.has_value()) << "the trainer's --validation_seed";
   EXPECT_FALSE(datasets[1].buckets.bucket_no_upscale);
   EXPECT_EQ(datasets[1].subsets[0].num_repeats, 1);
   EXPECT_TRUE(datasets[1].subsets[0].flip_aug);
@@ -407,6 +414,8 @@ TEST(DatasetToml, UnknownKeysAndWrongTypesNameKeyAndLine) {
                     "config.toml:4: not valid TOML");
   expect_toml_error("[[datasets]]\nmin_bucket_reso = 2048\n[[datasets.subsets]]\nimage_dir = 'a'\n",
                     "min_bucket_reso");
+  expect_toml_error("[[datasets]]\nvalidation_split = 1.5\n[[datasets.subsets]]\nimage_dir = 'a'\n",
+                    "config.toml:2: validation_split must be in [0, 1)");
 }
 
 // kohya's fine-tuning datasets (FineTuningDataset): the images a metadata file lists, found as

@@ -184,6 +184,8 @@ Probed probe_one(const ImageEntry& entry, const Discovery& discovery, const Opti
   r.token_warmup_step = subset.token_warmup_step;
   r.batch_size = dataset.batch_size;
   r.dataset_index = static_cast<uint32_t>(entry.dataset);
+  r.validation_split = dataset.validation_split;
+  r.validation_seed = dataset.validation_seed;
   r.resolution = dataset.buckets.resolution;
   r.image_key = make_image_key(p.content_hash, r, r.resize_filter);
   return p;
@@ -287,6 +289,8 @@ wire::ImageSample to_sample(const Report& report, const ImageResult& r) {
   *s.mutable_caption_settings() = to_caption_settings(r);
   s.set_batch_size(static_cast<uint32_t>(r.batch_size));
   s.set_dataset_index(r.dataset_index);
+  if (r.validation_split) s.set_validation_split(*r.validation_split);
+  if (r.validation_seed) s.set_validation_seed(static_cast<uint64_t>(*r.validation_seed));
   s.set_subset_name(r.subset_name);
   s.set_subset_index(r.subset_index);
   s.set_caption_read(r.caption_read);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,8 @@ struct ImageResult {
   double token_warmup_step = 0;
   int batch_size = 0;  // the dataset's batch_size (0: not set in a dataset TOML)
   uint32_t dataset_index = 0;  // which [[datasets]] of a dataset TOML
+  std::optional<double> validation_split;  // the dataset's (kohya's dataset-level keys)
+  std::optional<int64_t> validation_seed;
   Reso resolution;  // the dataset's resolution, for the square-crop comparison
   std::string image_key;  // content hash . transform hash
   bool cached = false;    // the cacher already holds it: sent key-only

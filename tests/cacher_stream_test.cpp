@@ -360,8 +360,8 @@ TEST_F(CachePipeline, LongCaptionsAreCachedInKohyasChunks) {
 // A sample whose pixels do not fit its bucket is rejected alone, on arrival, with its path: the
 // good samples of the same bucket are encoded and the manifest is written. (It used to be thrown
 // at the batch's flush, which left the bucket poisoned and no manifest written.) The kept ones'
-// entries carry what the trainer batches and captions them by: dataset index, batch size, is_reg
-// and the subset's caption settings.
+// entries carry what the trainer batches, holds out and captions them by: dataset index, batch
+// size, validation split and seed, is_reg and the subset's caption settings.
 TEST_F(CachePipeline, SampleThatDoesNotFitItsBucketIsRejectedAlone) {
   auto sample = [](const std::string& name, size_t pixel_bytes) {
     return handmade_sample("handmade", name, 64, std::string(pixel_bytes, '\x80'));
@@ -369,6 +369,8 @@ TEST_F(CachePipeline, SampleThatDoesNotFitItsBucketIsRejectedAlone) {
   wire::ImageSample second_dataset = sample("good2.png", 64 * 64 * 3);
   second_dataset.set_dataset_index(1);
   second_dataset.set_batch_size(3);
+  second_dataset.set_validation_split(0.25);
+  second_dataset.set_validation_seed(5);
   second_dataset.set_is_reg(true);
   second_dataset.mutable_caption_settings()->set_shuffle_caption(true);
   second_dataset.mutable_caption_settings()->set_keep_tokens(2);
@@ -393,6 +395,10 @@ TEST_F(CachePipeline, SampleThatDoesNotFitItsBucketIsRejectedAlone) {
   EXPECT_EQ(manifest.entries(0).dataset_index(), 0u);
   EXPECT_EQ(manifest.entries(1).dataset_index(), 1u);
   EXPECT_EQ(manifest.entries(1).batch_size(), 3u);
+  EXPECT_FALSE(manifest.entries(0).has_validation_split()) << "the trainer's flags decide";
+  EXPECT_FALSE(manifest.entries(0).has_validation_seed());
+  EXPECT_EQ(manifest.entries(1).validation_split(), 0.25);
+  EXPECT_EQ(manifest.entries(1).validation_seed(), 5u);
   EXPECT_FALSE(manifest.entries(0).is_reg());
   EXPECT_TRUE(manifest.entries(1).is_reg());
   EXPECT_FALSE(manifest.entries(0).caption_settings().shuffle_caption());

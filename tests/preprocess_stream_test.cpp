@@ -398,13 +398,14 @@ TEST_F(PreprocessStream, FineTuningMetadataFromInJson) {
   }
 }
 
-// Each [[datasets]] of a dataset TOML travels with its index and its batch_size, so that the
-// trainer batches them apart as kohya does; the same folder in two datasets is two datasets' worth
-// of samples, each bucketed at its own resolution.
+// Each [[datasets]] of a dataset TOML travels with its index, its batch_size and its validation
+// split and seed, so that the trainer batches and holds out each apart as kohya does; the same
+// folder in two datasets is two datasets' worth of samples, each bucketed at its own resolution.
 TEST_F(PreprocessStream, EachTomlDatasetTravelsWithItsIndexAndBatchSize) {
   const fs::path config = dir_ / "two.toml";
   std::ofstream(config) << "[general]\nmin_bucket_reso = 32\nbucket_reso_steps = 32\n"
                         << "[[datasets]]\nresolution = 64\nbatch_size = 2\n"
+                        << "validation_split = 0.5\nvalidation_seed = 3\n"
                         << "  [[datasets.subsets]]\n  image_dir = 'data/" << preprocess::kDemoFolder
                         << "'\n"
                         << "[[datasets]]\nresolution = 128\n"
@@ -418,6 +419,13 @@ TEST_F(PreprocessStream, EachTomlDatasetTravelsWithItsIndexAndBatchSize) {
   for (const wire::ImageSample& s : run.samples) {
     ++per_dataset[s.dataset_index()];
     EXPECT_EQ(s.batch_size(), s.dataset_index() == 0 ? 2u : 0u) << s.path();
+    // kohya's dataset-level validation keys: the first dataset's; the second leaves the trainer's.
+    EXPECT_EQ(s.has_validation_split(), s.dataset_index() == 0) << s.path();
+    EXPECT_EQ(s.has_validation_seed(), s.dataset_index() == 0) << s.path();
+    if (s.dataset_index() == 0) {
+      EXPECT_EQ(s.validation_split(), 0.5);
+      EXPECT_EQ(s.validation_seed(), 3u);
+    }
     const uint32_t area = s.bucket().width() * s.bucket().height();
     EXPECT_EQ(area > 64 * 64, s.dataset_index() == 1)
         << s.path() << " in dataset " << s.dataset_index() << ": bucket " << s.bucket().width()

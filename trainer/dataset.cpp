@@ -31,13 +31,20 @@ ValidationSplit split_for_validation(const wire::Manifest& manifest, double spli
     if (!e.is_reg()) subsets[{e.dataset_index(), e.subset_index()}].push_back(i);
   }
   size_t images = 0, training = 0, held_out = 0;
+  bool from_toml = false;
   for (auto& [subset, entries] : subsets) {
-    std::mt19937_64 rng = stream(seed, subset.first, subset.second, "validation_split");
+    // A dataset TOML's own validation_split and validation_seed win over the flags, as kohya's
+    // dataset-level keys do (every entry of a dataset carries the same).
+    const wire::ManifestEntry& first = manifest.entries(entries.front());
+    const double share = first.has_validation_split() ? first.validation_split() : split;
+    from_toml = from_toml || first.has_validation_split();
+    const uint64_t subset_seed = first.has_validation_seed() ? first.validation_seed() : seed;
+    std::mt19937_64 rng = stream(subset_seed, subset.first, subset.second, "validation_split");
     lorapipe::shuffle(entries.begin(), entries.end(), rng);
     const double n = static_cast<double>(entries.size());
     // The same double arithmetic as kohya's Python: ceil, and round half to even (nearbyint).
-    const auto trains = static_cast<size_t>(std::max(0.0, std::ceil(n * (1.0 - split))));
-    const auto validates = static_cast<size_t>(std::max(0.0, std::nearbyint(n * split)));
+    const auto trains = static_cast<size_t>(std::max(0.0, std::ceil(n * (1.0 - share))));
+    const auto validates = static_cast<size_t>(std::max(0.0, std::nearbyint(n * share)));
     for (size_t k = 0; k < entries.size(); ++k) {
       const auto index = static_cast<size_t>(entries[k]);
       out.trains[index] = k < trains;
@@ -49,12 +56,21 @@ ValidationSplit split_for_validation(const wire::Manifest& manifest, double spli
   }
   if (images > 0 && (held_out == 0 || training == 0)) {
     std::ostringstream what;
-    what << "--validation_split=" << split << " of " << images << " training images, split in "
-         << subsets.size() << " subset(s), leaves "
+    what << "--validation_split=" << split << (from_toml ? " (and the dataset TOML's)" : "")
+         << " of " << images << " training images, split in " << subsets.size()
+         << " subset(s), leaves "
          << (held_out == 0 ? "no image to validate on" : "no image to train on");
     throw InputError(what.str());
   }
   return out;
+}
+
+bool holds_out_for_validation(const wire::Manifest& manifest, double split) {
+  if (split > 0) return true;
+  for (const wire::ManifestEntry& e : manifest.entries()) {
+    if (!e.is_reg() && e.has_validation_split() && e.validation_split() > 0) return true;
+  }
+  return false;
 }
 
 std::mt19937_64 stream(uint64_t seed, int64_t epoch, int64_t batch, std::string_view purpose) {

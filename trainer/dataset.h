@@ -125,11 +125,15 @@ class BatchScheduler {
 // Each subset's images (a dataset's subset_index) are split on their own: of a `seed`ed shuffle,
 // the first ceil(n * (1 - split)) train and the last round(n * split) (Python's round, half to
 // even) validate, so one image may do both, as in kohya; regularization images always train and
-// never validate. Throws InputError when that leaves no image to validate on or none to train on.
+// never validate. A dataset TOML's validation_split and validation_seed (in the entries) win over
+// `split` and `seed` for its dataset's subsets, as kohya's dataset-level keys do. Throws
+// InputError when that leaves no image to validate on or none to train on.
 struct ValidationSplit {
   std::vector<bool> trains, validates;  // by manifest entry
 };
 ValidationSplit split_for_validation(const wire::Manifest& manifest, double split, uint64_t seed);
+// Whether anything is held out: `split` (--validation_split) above 0, or a dataset TOML's.
+bool holds_out_for_validation(const wire::Manifest& manifest, double split);
 
 // A generator for everything drawn for one (seed, epoch, batch, purpose).
 std::mt19937_64 stream(uint64_t seed, int64_t epoch, int64_t batch, std::string_view purpose);

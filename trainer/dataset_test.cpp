@@ -664,6 +664,58 @@ TEST(TrainValidation, EachSubsetIsSplitAsKohyaAndRegImagesNeverValidate) {
   EXPECT_THROW(split_for_validation(m, 1.0, 7), InputError) << "nothing to train on";
 }
 
+// kohya's dataset-level validation_split and validation_seed from a dataset TOML (carried in the
+// manifest's entries): they win over the flags for their dataset; the other dataset keeps the
+// flags'. A TOML split alone is enough to hold images out.
+TEST(TrainValidation, ADatasetTomlsSplitAndSeedWinForItsDataset) {
+  auto build = [](std::optional<uint64_t> seed) {
+    wire::Manifest m;
+    for (int i = 0; i < 10; ++i) {
+      add_entry(m, "a/" + std::to_string(i), 0, 0, "a", 1, false, 64, 64, "a");
+    }
+    for (int i = 0; i < 10; ++i) {
+      wire::ManifestEntry* e = add_entry(m, "b/" + std::to_string(i), 1, 0, "b", 1, false, 64, 64, "b");
+      e->set_validation_split(0.5);
+      if (seed) e->set_validation_seed(*seed);
+    }
+    return m;
+  };
+  const wire::Manifest m = build(std::nullopt);
+  EXPECT_TRUE(holds_out_for_validation(m, 0.0)) << "the TOML's split alone";
+  wire::Manifest plain;
+  add_entry(plain, "a/0", 0, 0, "a", 1, false, 64, 64, "a");
+  EXPECT_FALSE(holds_out_for_validation(plain, 0.0));
+  EXPECT_TRUE(holds_out_for_validation(plain, 0.1));
+  auto count = [](const wire::Manifest& manifest, const ValidationSplit& split) {
+    std::map<std::string, int> validates;
+    for (int i = 0; i < manifest.entries_size(); ++i) {
+      validates[manifest.entries(i).subset_name()] += split.validates[i];
+    }
+    return validates;
+  };
+  auto none = count(m, split_for_validation(m, 0.0, 7));
+  EXPECT_EQ(none["a"], 0) << "no --validation_split: dataset a keeps every image";
+  EXPECT_EQ(none["b"], 5) << "round(10 * 0.5) from the TOML";
+  auto both = count(m, split_for_validation(m, 0.2, 7));
+  EXPECT_EQ(both["a"], 2) << "round(10 * 0.2) from the flag";
+  EXPECT_EQ(both["b"], 5) << "the TOML's 0.5 wins for dataset b";
+  // The TOML's seed wins for its dataset: the same held-out images whatever --validation_seed.
+  const wire::Manifest seeded = build(uint64_t{11});
+  const ValidationSplit s7 = split_for_validation(seeded, 0.2, 7);
+  const ValidationSplit s8 = split_for_validation(seeded, 0.2, 8);
+  bool a_differs = false;
+  for (int i = 0; i < seeded.entries_size(); ++i) {
+    if (seeded.entries(i).subset_name() == "b") {
+      EXPECT_EQ(s7.validates[i], s8.validates[i]) << "entry " << i;
+    } else {
+      a_differs = a_differs || s7.validates[i] != s8.validates[i];
+    }
+  }
+  EXPECT_TRUE(a_differs) << "dataset a follows --validation_seed";
+  const ValidationSplit s11 = split_for_validation(build(std::nullopt), 0.2, 11);
+  for (int i = 10; i < 20; ++i) EXPECT_EQ(s11.validates[i], s7.validates[i]) << "entry " << i;
+}
+
 // kohya's train_network.py with a dataset TOML: every dataset in ss_datasets (its counts, its
 // buckets numbered by size, its tags, the subsets that hold images), and the training subsets of
 // all of them in ss_dataset_dirs (regularization subsets left out, fine-tuning subsets by their

@@ -90,7 +90,7 @@ void Run::load_data() {
       throw InputError(message);
     }
   }
-  if (o_.validation_split > 0) {
+  if (holds_out_for_validation(manifest_, o_.validation_split)) {
     const ValidationSplit split =
         split_for_validation(manifest_, o_.validation_split, o_.validation_seed);
     wire::Manifest train = manifest_;
