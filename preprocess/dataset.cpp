@@ -612,6 +612,13 @@ Caption read_caption_file(const fs::path& path, bool all_lines) {
     caption.text += (caption.text.empty() ? "" : "\n") + line;
     if (!all_lines) break;
   }
+  // kohya stops the run at an empty caption file; the image trains here, captioned with nothing
+  // (what dropped captions train on), and the report says so, as for a file of blank lines.
+  if (caption.text.empty() && caption.note.empty()) {
+    caption.note = bytes.empty()
+                       ? "caption file is empty: trained with an empty caption (kohya stops at it)"
+                       : "caption file holds no text: trained with an empty caption";
+  }
   return caption;
 }
 
@@ -662,11 +669,29 @@ Discovery discover_folder(const fs::path& data_dir, const Defaults& defaults,
     }
   };
   add_repeat_folders(data_dir, /*is_reg=*/false);
+  // kohya trains the repeat folders alone where there are any: images beside them are listed as
+  // not used (a stray preview or an original left there), never trained unasked. A folder of
+  // images and nothing else is lorapipe's plain layout, one repeat each.
+  const bool repeat_folders = dataset.subsets.size() > 1;
+  if (repeat_folders) {
+    Discovery loose;
+    collect_subset(data_dir, 0, 0, top, /*top_level=*/true, loose);
+    for (const ImageEntry& image : loose.images) {
+      out.ignored.push_back({image.path.string(),
+                             "an image beside kohya repeat folders: kohya trains only the "
+                             "'<N>_<class tokens>' folders' images, and so does lorapipe (move it "
+                             "into one to train it): not used"});
+    }
+    out.ignored.insert(out.ignored.end(), loose.ignored.begin(), loose.ignored.end());
+    out.skipped.insert(out.skipped.end(), loose.skipped.begin(), loose.skipped.end());
+    dataset.subsets.erase(dataset.subsets.begin());
+  }
   if (!reg_dir.empty()) add_repeat_folders(reg_dir, /*is_reg=*/true);
   out.datasets.push_back(dataset);
   const DatasetOptions& d = out.datasets.back();
   for (size_t i = 0; i < d.subsets.size(); ++i) {
-    collect_subset(d.subsets[i].image_dir, 0, i, d.subsets[i], /*top_level=*/i == 0, out);
+    collect_subset(d.subsets[i].image_dir, 0, i, d.subsets[i],
+                   /*top_level=*/!repeat_folders && i == 0, out);
   }
   return out;
 }

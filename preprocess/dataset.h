@@ -116,8 +116,9 @@ struct Defaults {
   SubsetOptions subset;
 };
 
-// Images directly in `data_dir` (one repeat) and kohya repeat folders `<N>_<class tokens>`
-// below it, as one dataset; with `reg_dir` (kohya's --reg_data_dir), its repeat folders too, as
+// kohya repeat folders `<N>_<class tokens>` of `data_dir` as one dataset, or where it has none,
+// the images directly in it (one repeat; images beside repeat folders are listed in `ignored`,
+// as kohya leaves them out); with `reg_dir` (kohya's --reg_data_dir), its repeat folders too, as
 // regularization subsets (is_reg; images directly in it are not used, as in kohya). Throws
 // InputError when `data_dir` or `reg_dir` is not a folder.
 Discovery discover_folder(const std::filesystem::path& data_dir, const Defaults& defaults,

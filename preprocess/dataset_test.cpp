@@ -48,12 +48,18 @@ TEST(DatasetFolder, KohyaRepeatFoldersCaptionsAndReportedFolders) {
 
   Defaults defaults;
   const Discovery d = discover_folder(dir, defaults);
-  ASSERT_EQ(d.images.size(), 4u);
-
-  const ImageEntry* top = find_image(d, "top.png");
-  ASSERT_NE(top, nullptr);
-  EXPECT_EQ(top->caption, "from a .caption file");
-  EXPECT_EQ(d.datasets[0].subsets[top->subset].num_repeats, 1);
+  ASSERT_EQ(d.images.size(), 3u);
+  // Beside repeat folders, kohya trains none of the loose images: listed, not trained.
+  EXPECT_EQ(find_image(d, "top.png"), nullptr);
+  bool top_reported = false;
+  for (const Ignored& i : d.ignored) {
+    top_reported |= i.path.find("top.png") != std::string::npos &&
+                    i.reason.find("beside kohya repeat folders") != std::string::npos;
+  }
+  EXPECT_TRUE(top_reported);
+  for (const auto& subset : d.datasets[0].subsets) {
+    EXPECT_NE(subset.image_dir, dir) << "no subset of the loose images";
+  }
 
   const ImageEntry* a = find_image(d, "a.jpg");
   ASSERT_NE(a, nullptr);
@@ -81,6 +87,22 @@ TEST(DatasetFolder, KohyaRepeatFoldersCaptionsAndReportedFolders) {
   EXPECT_TRUE(abc_reported) << "a folder that is not <N>_<tokens> must be reported by name";
   EXPECT_TRUE(notes_reported);
   EXPECT_EQ(find_image(d, "d.png"), nullptr);
+  fs::remove_all(dir);
+}
+
+// A folder of images and no repeat folder: each image once, captioned from its file (lorapipe's
+// plain layout; kohya would find no subset).
+TEST(DatasetFolder, LooseImagesAloneTrainOnceEach) {
+  const fs::path dir = make_temp_dir("loose");
+  write_file(dir / "top.png", "x");
+  write_file(dir / "top.caption", "from a .caption file\n");
+  write_file(dir / "other.jpg", "x");
+  const Discovery d = discover_folder(dir, Defaults{});
+  ASSERT_EQ(d.images.size(), 2u);
+  const ImageEntry* top = find_image(d, "top.png");
+  ASSERT_NE(top, nullptr);
+  EXPECT_EQ(top->caption, "from a .caption file");
+  EXPECT_EQ(d.datasets[0].subsets[top->subset].num_repeats, 1);
   fs::remove_all(dir);
 }
 
@@ -213,6 +235,16 @@ TEST(DatasetCaption, BomStrippedLatin1RepairedFirstLineOnly) {
   Caption bom = read_caption_file(dir / "bom.txt");
   EXPECT_EQ(bom.text, "a red ball");
   EXPECT_TRUE(bom.note.empty());
+  write_file(dir / "empty.txt", "");
+  write_file(dir / "blank.txt", "  \n");
+  for (const char* name : {"empty.txt", "blank.txt"}) {
+    const Caption empty = read_caption_file(dir / name);
+    EXPECT_EQ(empty.text, "") << name;
+    EXPECT_NE(empty.note.find(name == std::string("empty.txt") ? "caption file is empty"
+                                                                 : "caption file holds no text"),
+              std::string::npos)
+        << name;
+  }
   Caption latin1 = read_caption_file(dir / "latin1.txt");
   EXPECT_EQ(latin1.text, "caf\xc3\xa9 cr\xc3\xa8me");
   EXPECT_NE(latin1.note.find("Latin-1"), std::string::npos);
