@@ -647,7 +647,9 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
   EXPECT_EQ(meta.at("ss_steps"), "4");
   EXPECT_EQ(meta.at("ss_resolution"), "(128, 128)");  // the suite caches at --resolution=128
   EXPECT_EQ(meta.at("modelspec.resolution"), "128x128");
-  EXPECT_EQ(nlohmann::json::parse(meta.at("ss_network_args"))["conv_dim"], "2");
+  // json.dumps of kohya's net_kwargs: the arguments in their order, then train_network's
+  // LyCORIS "dropout" (None without --network_dropout).
+  EXPECT_EQ(meta.at("ss_network_args"), R"({"conv_dim": "2", "conv_alpha": "1", "dropout": null})");
   // kohya's dataset metadata, through preprocess, the cacher's manifest and the trainer: the
   // demo's one repeat folder, and its captions (one tag each: they hold no comma) counted as
   // the caption files give them.

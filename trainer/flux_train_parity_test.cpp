@@ -261,6 +261,12 @@ TEST_F(FluxTrainParity, BlockWiseArgsOfTheUNetAreRefusedByName) {
     }
     EXPECT_TRUE(o.network.block_lr_weight.empty() && o.network.block_dims.empty()) << arg;
   }
+  // kohya's verbose (it prints the block-wise ranks) is taken and changes nothing.
+  Options o;
+  o.model = flux_;
+  o.network_args = {"verbose=True", "rank_dropout=0.1"};
+  apply_network_args(o);
+  EXPECT_EQ(o.network.rank_dropout, 0.1);
 }
 
 TEST_F(FluxTrainParity, InDimsIsReadAsKohyaReadsItAndRefusedWhereItCannotApply) {

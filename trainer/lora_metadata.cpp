@@ -2,6 +2,7 @@
 // ModelFamily and the keys common to every family here.
 #include "trainer/run.h"
 
+#include <algorithm>
 #include <ctime>
 #include <fstream>
 #include <iomanip>
@@ -112,12 +113,39 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
     }
   }
   m["ss_network_dropout"] = float_or_none(o_.network.dropout);
-  json args = json::object();
-  for (const std::string& a : o_.network_args) {
-    const size_t eq = a.find('=');
-    args[a.substr(0, eq)] = a.substr(eq + 1);
+  // kohya writes its net_kwargs with json.dumps, and only when --network_args is given: the
+  // arguments in their order as strings (a repeated key keeps its first place and its last
+  // value), then the "dropout" train_network adds for LyCORIS unless one was given (null without
+  // --network_dropout), left out with --dim_from_weights as kohya leaves it.
+  if (!o_.network_args.empty()) {
+    std::vector<std::pair<std::string, std::string>> args;  // key, its value as JSON
+    auto quoted = [](const std::string& text) {
+      return json(text).dump(-1, ' ', /*ensure_ascii=*/true, json::error_handler_t::replace);
+    };
+    auto set = [&](const std::string& key, const std::string& value) {
+      for (auto& [k, v] : args) {
+        if (k == key) {
+          v = value;
+          return;
+        }
+      }
+      args.emplace_back(key, value);
+    };
+    for (const std::string& a : o_.network_args) {
+      const size_t eq = a.find('=');
+      set(a.substr(0, eq), quoted(a.substr(eq + 1)));
+    }
+    const bool has_dropout = std::any_of(args.begin(), args.end(),
+                                         [](const auto& kv) { return kv.first == "dropout"; });
+    if (!o_.dim_from_weights && !has_dropout) {
+      set("dropout", o_.network.dropout > 0 ? python_float_repr(o_.network.dropout) : "null");
+    }
+    std::string text = "{";
+    for (const auto& [key, value] : args) {
+      text += (text.size() > 1 ? ", " : "") + quoted(key) + ": " + value;
+    }
+    m["ss_network_args"] = text + "}";
   }
-  m["ss_network_args"] = args.dump();
   m["ss_mixed_precision"] = o_.mixed_precision;
   m["ss_full_fp16"] = "False";
   m["ss_v2"] = kohya.v2 ? "True" : "False";

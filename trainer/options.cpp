@@ -62,6 +62,7 @@ void apply_network_args(Options& options) {
       }
       continue;
     }
+    if (key == "verbose") continue;  // kohya prints its block-wise ranks with it: nothing here
     if (key == "train_t5xxl") {
       throw InputError("--network_args '" + arg + "': kohya's networks.lora_flux argument " +
                        key + " is not supported yet (lorapipe trains the double and single "
