@@ -82,6 +82,7 @@ ModelFamily make_flux(bool dev) {
   f.default_max_bucket_reso = 2048;  // as SDXL's: 1024 px of area in buckets of any aspect
   f.bucket_reso_multiple = 32;  // kohya's flux_train_network: bucket_reso_steps % 32 == 0
   f.previews_beside_training = false;  // its T5 XXL is a second large model
+  f.default_sample_steps = dev ? 20 : 4;
   // T5's states (kohya's --t5xxl_max_token_length default: 512 for dev, 256 for schnell) and
   // CLIP-L's pooled output. kohya's Flux ignores --clip_skip.
   f.text = {"t5+clip-l", dev ? 512 : 256, 4096, /*uses_pooled=*/true, /*default_clip_skip=*/1};

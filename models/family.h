@@ -110,6 +110,9 @@ struct ModelFamily {
   // encoders, VAE) are its own there. FLUX.1's T5 XXL (9.5 GB in bf16) would be a second large
   // model beside the training, so there the sampler renders after the training instead.
   bool previews_beside_training = true;
+  // A preview's steps where its prompt gives no --s: kohya's 30 for Stable Diffusion and 20 for
+  // FLUX.1 [dev]; the 4 FLUX.1 [schnell] is distilled for, as its reference pipeline renders.
+  int default_sample_steps = 30;
   TextConditioning text;
   ObjectiveKind objective = ObjectiveKind::kDdpm;
   DdpmSchedule schedule;  // the DDPM families' table (trainer and sampler alike)

@@ -47,10 +47,11 @@ TEST(SamplerPrompts, TextLinesWithEveryKohyaOption) {
   const RenderRequest& b = set.prompts[1];  // kohya's defaults, a fixed seed per prompt
   EXPECT_EQ(b.prompt, "a dog");
   EXPECT_EQ(b.width, 512);
-  EXPECT_EQ(b.steps, 0) << "left to the family: kohya's 30, or 20 for FLUX.1";
+  EXPECT_EQ(b.steps, 0) << "left to the family: kohya's 30, 20 for FLUX.1 [dev], 4 for schnell";
   EXPECT_EQ(sample_steps(models::model_family("sd15"), b), 30);
   EXPECT_EQ(sample_steps(models::model_family("sdxl"), b), 30);
   EXPECT_EQ(sample_steps(models::model_family("flux-dev"), b), 20);
+  EXPECT_EQ(sample_steps(models::model_family("flux-schnell"), b), 4);
   EXPECT_EQ(sample_steps(models::model_family("flux-dev"), a), 25) << "--s wins";
   EXPECT_DOUBLE_EQ(b.cfg_scale, 7.5);
   EXPECT_EQ(b.sampler, "ddim");

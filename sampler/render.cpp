@@ -15,8 +15,7 @@ double cfg_scale(const models::ModelFamily& family, const RenderRequest& request
 }
 
 int sample_steps(const models::ModelFamily& family, const RenderRequest& request) {
-  if (request.steps != 0) return request.steps;
-  return family.objective == models::ObjectiveKind::kFlowMatching ? 20 : 30;
+  return request.steps != 0 ? request.steps : family.default_sample_steps;
 }
 
 bool classifier_free(const models::ModelFamily& family, const RenderRequest& request) {

@@ -24,8 +24,7 @@ struct RenderRequest {
   std::string negative_prompt;
   int width = 512;  // rounded down to a multiple of 8 by the prompt parser
   int height = 512;
-  // 0: the family's default, kohya's (30; 20 for a flow-matching family, as for FLUX.1):
-  // sample_steps() says which.
+  // 0: the family's default (ModelFamily::default_sample_steps): sample_steps() says which.
   int steps = 0;
   double cfg_scale = 7.5;
   // Whether the prompt set its CFG scale (--l, scale): a flow-matching family's default is 1
@@ -46,7 +45,7 @@ struct RenderRequest {
 bool classifier_free(const models::ModelFamily& family, const RenderRequest& request);
 // The CFG scale `request` renders with (a flow-matching family's default is 1).
 double cfg_scale(const models::ModelFamily& family, const RenderRequest& request);
-// The steps `request` renders with (a flow-matching family's default is 20).
+// The steps `request` renders with: its own, else its family's default.
 int sample_steps(const models::ModelFamily& family, const RenderRequest& request);
 
 struct RenderResult {
