@@ -110,6 +110,7 @@ int solo(int argc, char** argv) {
       request.width = request.height = static_cast<int>(lorapipe::bench::flag_whole(flag, value));
     } else if (flag == "--steps") {
       request.steps = static_cast<int>(lorapipe::bench::flag_whole(flag, value));
+      if (request.steps < 1) throw std::invalid_argument("--steps " + value + ": at least 1");
     } else if (flag == "--images") {
       images = static_cast<int>(lorapipe::bench::flag_whole(flag, value));
     } else if (flag == "--sampler") {
@@ -305,6 +306,10 @@ int main(int argc, char** argv) {
   request.width = std::atoi(argv[2]);
   request.height = std::atoi(argv[3]);
   request.steps = std::atoi(argv[4]);
+  if (request.steps < 1) {
+    std::fprintf(stderr, "STEPS %s: at least 1\n", argv[4]);
+    return 2;
+  }
   request.seed = 0;
   for (int i = 5; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];

@@ -434,6 +434,12 @@ TEST_F(FluxPipelineParity, RenderMatchesFluxPipeline) {
                          .item<int>();
   std::printf("[flux render] largest pixel difference %d/255 (limit 1)\n", pixels);
   EXPECT_LE(pixels, 1);
+  // A prompt without --s renders the family's default step count (here made the reference's):
+  // the same render, so every step reads the resolved count and not the request's 0.
+  r.steps = 0;
+  model.family.default_sample_steps = request["render_steps"];
+  expect_close("flux render, the family's default steps", sampler::render(model, r, options).latents,
+               ref.at("render_latents"), 1e-4);
 }
 
 // --l 2 with a negative prompt: true classifier-free guidance, as FluxPipeline's true_cfg_scale

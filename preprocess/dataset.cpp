@@ -595,6 +595,7 @@ Caption read_caption_file(const fs::path& path, bool all_lines) {
   std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (in.bad()) throw InputError("cannot read caption file " + path.string());
   Caption caption;
+  const bool empty_file = bytes.empty();
   if (bytes.rfind("\xef\xbb\xbf", 0) == 0) bytes.erase(0, 3);
   if (!valid_utf8(bytes)) {
     bytes = latin1_to_utf8(bytes);
@@ -615,7 +616,7 @@ Caption read_caption_file(const fs::path& path, bool all_lines) {
   // kohya stops the run at an empty caption file; the image trains here, captioned with nothing
   // (what dropped captions train on), and the report says so, as for a file of blank lines.
   if (caption.text.empty() && caption.note.empty()) {
-    caption.note = bytes.empty()
+    caption.note = empty_file
                        ? "caption file is empty: trained with an empty caption (kohya stops at it)"
                        : "caption file holds no text: trained with an empty caption";
   }
@@ -674,16 +675,21 @@ Discovery discover_folder(const fs::path& data_dir, const Defaults& defaults,
   // images and nothing else is lorapipe's plain layout, one repeat each.
   const bool repeat_folders = dataset.subsets.size() > 1;
   if (repeat_folders) {
-    Discovery loose;
-    collect_subset(data_dir, 0, 0, top, /*top_level=*/true, loose);
-    for (const ImageEntry& image : loose.images) {
-      out.ignored.push_back({image.path.string(),
-                             "an image beside kohya repeat folders: kohya trains only the "
-                             "'<N>_<class tokens>' folders' images, and so does lorapipe (move it "
-                             "into one to train it): not used"});
+    for (const fs::directory_entry& entry : list_sorted(data_dir)) {
+      const fs::path& path = entry.path();
+      std::error_code status_ec;
+      if (path.filename().string().starts_with('.') || fs::is_directory(path, status_ec)) {
+        continue;  // hidden, or a folder add_repeat_folders has looked at
+      }
+      if (has_image_extension(path)) {
+        out.ignored.push_back({path.string(),
+                               "an image beside kohya repeat folders: kohya trains only the "
+                               "'<N>_<class tokens>' folders' images, and so does lorapipe "
+                               "(move it into one to train it): not used"});
+      } else if (!is_caption_extension(path)) {
+        out.ignored.push_back({path.string(), "not an image (unknown extension)"});
+      }
     }
-    out.ignored.insert(out.ignored.end(), loose.ignored.begin(), loose.ignored.end());
-    out.skipped.insert(out.skipped.end(), loose.skipped.begin(), loose.skipped.end());
     dataset.subsets.erase(dataset.subsets.begin());
   }
   if (!reg_dir.empty()) add_repeat_folders(reg_dir, /*is_reg=*/true);

@@ -77,9 +77,9 @@ RenderResult finish(models::DiffusionModel& model, const torch::Tensor& latents)
 
 // A flow-matching family's preview, as diffusers' FluxPipeline and kohya's Flux sampling make
 // it: Euler steps along the predicted velocity over flow_sigmas, the denoiser given the sigma
-// (as the pipeline's timestep / 1000) and --g as its distilled guidance (dev); with --l not 1 and
-// a negative prompt, true classifier-free guidance (FluxPipeline's true_cfg_scale): the negative
-// and positive passes in one batch, uncond + scale * (cond - uncond).
+// (as the pipeline's timestep / 1000) and --g as its distilled guidance (dev); with --l not 1,
+// true classifier-free guidance (FluxPipeline's true_cfg_scale) against the negative prompt or
+// the empty one: the negative and positive passes in one batch, uncond + scale * (cond - uncond).
 RenderResult render_flow(models::DiffusionModel& model, const RenderRequest& request,
                          const RenderOptions& options) {
   torch::NoGradGuard no_grad;

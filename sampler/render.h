@@ -3,8 +3,8 @@
 // negative prompt into conditionings, the initial latents from the seed, the scheduler's steps
 // with classifier-free guidance, the VAE's decode. StableDiffusionPipeline's loop, step for step;
 // for a flow-matching family (Flux.1) FluxPipeline's: Euler steps over the family's flow
-// schedule, the request's scale as the distilled guidance, no negative prompt (--sample_sampler
-// is ignored there, as kohya ignores it for Flux).
+// schedule, --g as the distilled guidance, and true classifier-free guidance only with --l
+// (--sample_sampler is ignored there, as kohya ignores it for Flux).
 
 #include <ATen/core/Tensor.h>
 

@@ -66,9 +66,9 @@ ValidationSplit split_for_validation(const wire::Manifest& manifest, double spli
 }
 
 bool holds_out_for_validation(const wire::Manifest& manifest, double split) {
-  if (split > 0) return true;
   for (const wire::ManifestEntry& e : manifest.entries()) {
-    if (!e.is_reg() && e.has_validation_split() && e.validation_split() > 0) return true;
+    if (e.is_reg()) continue;
+    if ((e.has_validation_split() ? e.validation_split() : split) > 0) return true;
   }
   return false;
 }

@@ -132,7 +132,8 @@ struct ValidationSplit {
   std::vector<bool> trains, validates;  // by manifest entry
 };
 ValidationSplit split_for_validation(const wire::Manifest& manifest, double split, uint64_t seed);
-// Whether anything is held out: `split` (--validation_split) above 0, or a dataset TOML's.
+// Whether anything is held out: a training image whose dataset's split (its TOML's, else
+// `split`, --validation_split) is above 0.
 bool holds_out_for_validation(const wire::Manifest& manifest, double split);
 
 // A generator for everything drawn for one (seed, epoch, batch, purpose).

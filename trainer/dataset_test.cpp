@@ -686,6 +686,8 @@ TEST(TrainValidation, ADatasetTomlsSplitAndSeedWinForItsDataset) {
   add_entry(plain, "a/0", 0, 0, "a", 1, false, 64, 64, "a");
   EXPECT_FALSE(holds_out_for_validation(plain, 0.0));
   EXPECT_TRUE(holds_out_for_validation(plain, 0.1));
+  plain.mutable_entries(0)->set_validation_split(0.0);
+  EXPECT_FALSE(holds_out_for_validation(plain, 0.1)) << "the TOML's 0 wins over the flag";
   auto count = [](const wire::Manifest& manifest, const ValidationSplit& split) {
     std::map<std::string, int> validates;
     for (int i = 0; i < manifest.entries_size(); ++i) {

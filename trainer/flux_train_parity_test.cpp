@@ -238,8 +238,6 @@ TEST_F(FluxTrainParity, TwentyAdamWStepsWithInDimsAgainstKohyasFusedForm) {
       "in_dims20");
 }
 
-// in_dims as kohya reads it ("[2,4,0,3,2]" or without brackets), and refused where the list is
-// not five whole numbers, where its length does not match, and for a family with no such layers.
 // kohya's networks.lora_flux reads none of the U-Net's block-wise network_args: refused by name,
 // not applied to every module as the U-Net table's last block.
 TEST_F(FluxTrainParity, BlockWiseArgsOfTheUNetAreRefusedByName) {
@@ -269,6 +267,8 @@ TEST_F(FluxTrainParity, BlockWiseArgsOfTheUNetAreRefusedByName) {
   EXPECT_EQ(o.network.rank_dropout, 0.1);
 }
 
+// in_dims as kohya reads it ("[2,4,0,3,2]" or without brackets), and refused where the list is
+// not five whole numbers, where its length does not match, and for a family with no such layers.
 TEST_F(FluxTrainParity, InDimsIsReadAsKohyaReadsItAndRefusedWhereItCannotApply) {
   Options o;
   o.network_args = {"in_dims=[2, 4,0,3,2]"};

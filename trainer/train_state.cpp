@@ -99,8 +99,12 @@ json Run::data_plan() const {
                                           ? std::string()
                                           : format_bucket_batch_sizes(o_.bucket_batch_sizes)},
                {"validation_split", o_.validation_split}};
-  // Its seed decides the split only when there is one (--seed, checked on its own, the rest).
-  if (o_.validation_split > 0) plan["validation_seed"] = o_.validation_seed;
+  // Its seed decides the split only when there is one, by the flag or a dataset TOML (whose
+  // own split and seed travel in the manifest, checked with it) (--seed, checked on its own,
+  // the rest). The training entries keep the TOML's fields after the split.
+  if (holds_out_for_validation(manifest_, o_.validation_split)) {
+    plan["validation_seed"] = o_.validation_seed;
+  }
   return plan;
 }
 
