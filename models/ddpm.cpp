@@ -120,8 +120,12 @@ class DdpmObjective final : public TrainingObjective {
 
   at::Tensor draw_times(int64_t batch, at::Generator generator, const at::Device& device,
                         int64_t /*latent_height*/, int64_t /*latent_width*/) const override {
-    return at::randint(options().min_timestep, options().max_timestep, {batch}, generator,
-                       torch::TensorOptions().dtype(torch::kInt64))
+    const auto int64 = torch::TensorOptions().dtype(torch::kInt64);
+    // kohya's get_timesteps: min == max is that one timestep, and draws no random number.
+    if (options().min_timestep == options().max_timestep) {
+      return at::full({batch}, options().max_timestep, int64).to(device);
+    }
+    return at::randint(options().min_timestep, options().max_timestep, {batch}, generator, int64)
         .to(device);
   }
 
@@ -204,6 +208,16 @@ class DdpmObjective final : public TrainingObjective {
 std::unique_ptr<TrainingObjective> make_ddpm_objective(const ModelFamily& family,
                                                        const ObjectiveOptions& options) {
   check_objective_options(options);
+  // kohya's verify_training_args: each of these weighs one prediction type's loss like the
+  // other's, so it means nothing (or weighs twice) with the other.
+  if (options.scale_v_pred_loss_like_noise_pred && !options.v_prediction) {
+    throw InputError("--scale_v_pred_loss_like_noise_pred scales a v-prediction loss and needs "
+                     "--v_parameterization (kohya refuses it without)");
+  }
+  if (options.v_pred_like_loss > 0 && options.v_prediction) {
+    throw InputError("--v_pred_like_loss adds a v-like loss to an epsilon model's and cannot be "
+                     "used with --v_parameterization (kohya refuses it with)");
+  }
   return std::make_unique<DdpmObjective>(family, options);
 }
 

@@ -13,9 +13,13 @@ namespace lorapipe::models {
 void check_objective_options(const ObjectiveOptions& o) {
   if (o.min_snr_gamma < 0) throw InputError("--min_snr_gamma must not be negative");
   if (o.v_pred_like_loss < 0) throw InputError("--v_pred_like_loss must not be negative");
-  if (o.min_timestep < 0 || o.max_timestep > 1000 || o.min_timestep >= o.max_timestep) {
-    throw InputError("--min_timestep/--max_timestep: need 0 <= min < max <= 1000, got " +
-                     std::to_string(o.min_timestep) + " and " + std::to_string(o.max_timestep));
+  // kohya's bounds: min == max trains at that one timestep (get_timesteps' torch.full), which
+  // must be one of the schedule's 1000.
+  if (o.min_timestep < 0 || o.max_timestep > 1000 || o.min_timestep > o.max_timestep ||
+      o.min_timestep >= 1000) {
+    throw InputError("--min_timestep/--max_timestep: need 0 <= min <= max <= 1000 and min < "
+                     "1000, got " + std::to_string(o.min_timestep) + " and " +
+                     std::to_string(o.max_timestep));
   }
   if (o.huber_schedule != "constant" && o.huber_schedule != "exponential" &&
       o.huber_schedule != "snr") {

@@ -428,6 +428,16 @@ class TomlReader {
       }
       check_type(k, node, it->second.type);
       if (!it->second.used) {
+        // kohya's differential output preservation trains these images toward the base model's
+        // own prediction: without it they would train toward the noise, as any other image.
+        const toml::table* attributes = node.as_table();
+        if (k == "custom_attributes" && attributes != nullptr &&
+            attributes->get("diff_output_preservation") != nullptr &&
+            attributes->get("diff_output_preservation")->value_or(true)) {
+          fail(node, "custom_attributes.diff_output_preservation (kohya's differential output "
+                     "preservation) is not supported by lorapipe yet: its images would train "
+                     "as any other; leave it out");
+        }
         LP_LOG(kWarning, kLog) << name_ << ":" << node.source().begin.line << ": '" << k
                                << "' is accepted but not used by lorapipe yet";
       }

@@ -181,6 +181,23 @@ TEST(DatasetToml, ZeroRepeatAndDuplicateSubsetsAreLeftOut) {
   EXPECT_EQ(d.datasets[0].subsets[0].num_repeats, 3) << "the first of the two 'a' subsets";
   ASSERT_EQ(d.images.size(), 1u);
   EXPECT_EQ(d.images[0].path.filename(), "1.png");
+  // kohya's differential output preservation would train those images another way: refused
+  // by name (set false, it asks for nothing and is taken).
+  write_file(dir / "dop.toml",
+             "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\n"
+             "custom_attributes = { diff_output_preservation = true }\n");
+  try {
+    discover_toml(dir / "dop.toml", Defaults{});
+    ADD_FAILURE() << "diff_output_preservation was taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("dop.toml:4: custom_attributes.diff_output_preservation"),
+              std::string::npos)
+        << e.what();
+  }
+  write_file(dir / "dop.toml",
+             "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\n"
+             "custom_attributes = { diff_output_preservation = false }\n");
+  EXPECT_EQ(discover_toml(dir / "dop.toml", Defaults{}).images.size(), 1u);
   fs::remove_all(dir);
 }
 

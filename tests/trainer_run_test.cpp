@@ -1538,6 +1538,20 @@ TEST_F(TrainRunTest, CaptionsAreDrawnPerStepAsKohya) {
             std::string::npos)
       << printed;
   EXPECT_FALSE(fs::exists(work_ / "shown" / "lora")) << "nothing saved";
+
+  // kohya's --cache_text_encoder_outputs asks for text these captions cannot be cached as:
+  // refused as kohya refuses it, before the model loads, naming the dataset.
+  std::vector<std::string> cached = a;
+  cached[4] = "--output_dir=" + (work_ / "cached").string();
+  cached.insert(cached.end(), {"--cache_text_encoder_outputs", "--network_train_unet_only"});
+  fs::create_directories(work_ / "cached");
+  const pid_t refused = spawn(cached, work_ / "cached" / "out", work_ / "cached" / "err");
+  EXPECT_EQ(wait_exit(refused), 2);
+  EXPECT_NE(read_text(work_ / "cached" / "err")
+                .find("--cache_text_encoder_outputs: dataset 'warmup' draws its captions anew at "
+                      "every step"),
+            std::string::npos)
+      << read_text(work_ / "cached" / "err");
 }
 
 // Validation captions are the captions as written: a wildcard drawn once, but no shuffle, no
@@ -1742,6 +1756,9 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--lr_scheduler=constant", "--lr_warmup_steps=10"}, "constant_with_warmup"},
       {{"--lr_scheduler=polynomial", "--learning_rate=0"}, "--lr_scheduler=polynomial"},
       {{"--adaptive_noise_scale=0.01"}, "--adaptive_noise_scale needs --noise_offset"},
+      {{"--timestep_sampling=sigmoid"}, "--timestep_sampling is a flow-matching option"},
+      {{"--scale_v_pred_loss_like_noise_pred"}, "needs --v_parameterization"},
+      {{"--min_timestep=600", "--max_timestep=500"}, "need 0 <= min <= max <= 1000"},
       {{"--dataset_id=nope"}, "no manifest 'nope'"},
       {{"--dataset_id=dmeo"},
        "no manifest 'dmeo' in cache " + (dir_ / "cache").string() + " (did you mean demo?)"},

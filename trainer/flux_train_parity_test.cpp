@@ -267,6 +267,40 @@ TEST_F(FluxTrainParity, BlockWiseArgsOfTheUNetAreRefusedByName) {
   EXPECT_EQ(o.network.rank_dropout, 0.1);
 }
 
+// kohya's FLUX.1 trainer draws plain noise: the SD noise options a ported SDXL command carries
+// are refused by name, by the check lorapipe run makes before any stage (the family from the
+// model's files, nothing loaded), with the DDPM objective's flags; --ip_noise_gamma is taken.
+TEST_F(FluxTrainParity, NoiseKohyasFluxTrainerDoesNotDrawIsRefusedBeforeCaching) {
+  auto options = [] {
+    Options o;
+    o.model = flux_;
+    o.dataset_id = "d";
+    o.output_dir = dir_ / "check";
+    return o;
+  };
+  Options o = options();
+  o.step.noise.ip_noise_gamma = 0.1;
+  EXPECT_NO_THROW(check_options(o));
+  std::vector<std::pair<std::string, Options>> refused;
+  refused.emplace_back("--noise_offset", options());
+  refused.back().second.step.noise.noise_offset = 0.05;
+  refused.emplace_back("--multires_noise_iterations", options());
+  refused.back().second.step.noise.multires_noise_iterations = 6;
+  refused.emplace_back("--noise_offset_random_strength", options());
+  refused.back().second.step.noise.noise_offset_random_strength = true;
+  refused.emplace_back("--min_snr_gamma", options());
+  refused.back().second.step.objective.min_snr_gamma = 5;
+  for (const auto& [flag, bad] : refused) {
+    try {
+      check_options(bad);
+      ADD_FAILURE() << flag << " was taken";
+    } catch (const InputError& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(flag + " is a Stable Diffusion (DDPM) option", 0), 0u)
+          << e.what();
+    }
+  }
+}
+
 // in_dims as kohya reads it ("[2,4,0,3,2]" or without brackets), and refused where the list is
 // not five whole numbers, where its length does not match, and for a family with no such layers.
 TEST_F(FluxTrainParity, InDimsIsReadAsKohyaReadsItAndRefusedWhereItCannotApply) {

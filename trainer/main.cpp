@@ -478,6 +478,7 @@ int main(int argc, char** argv) {
     o.lowram = FLAGS_lowram;
     o.max_token_length = FLAGS_max_token_length;
     o.weighted_captions = FLAGS_weighted_captions;
+    o.cache_text_encoder_outputs = FLAGS_cache_text_encoder_outputs;
     o.masked_loss = FLAGS_masked_loss;
     o.debug_dataset = FLAGS_debug_dataset;
     if (!FLAGS_train_data_dir.empty()) {
@@ -491,9 +492,11 @@ int main(int argc, char** argv) {
     // kohya's choices that have one answer here: anything else is refused by name.
     if (FLAGS_cache_text_encoder_outputs && !FLAGS_network_train_unet_only) {
       throw lorapipe::InputError(
-          "--cache_text_encoder_outputs with a text-encoder LoRA: kohya refuses it (cached text "
-          "cannot train the text encoder); add --network_train_unet_only, or leave the flag out "
-          "to train CLIP-L's LoRA with the text encoded at every step");
+          "--cache_text_encoder_outputs with a text-encoder LoRA: cached text cannot train a "
+          "text encoder (kohya refuses it for SD and SDXL; for FLUX.1 it caches T5 alone and "
+          "encodes CLIP-L at every step, which lorapipe does not do yet); add "
+          "--network_train_unet_only, or leave the flag out to train the text encoders' LoRA "
+          "with the text encoded at every step");
     }
     // networks.lora_flux is kohya's module for FLUX.1: the family picks its own targets.
     if (FLAGS_network_module != "networks.lora" && FLAGS_network_module != "networks.lora_flux") {

@@ -145,7 +145,14 @@ void check_options(const Options& o) {
   there(o.resume, "--resume");
   for (const auto& [file, multiplier] : o.base_weights) there(file, "--base_weights");
   LoraNetwork::check(o.network);
-  TrainingStep::check(o.step);
+  if (o.model.empty()) {
+    TrainingStep::check(o.step);
+  } else {
+    // The family from the checkpoint's header or its folder's configs (nothing is loaded): its
+    // objective refuses the other's flags now, not after the caching.
+    TrainingStep::check(o.step, models::model_family(
+                                    models::detect_family(o.model, o.model_family).family));
+  }
   // The optimizer's type and arguments, over a stand-in tensor: its real groups come with the
   // model.
   std::vector<ParamGroup> groups;

@@ -72,6 +72,22 @@ void Run::load_data() {
                         << " (named by its content)";
     o_.dataset_id = resolved;
   }
+  if (o_.cache_text_encoder_outputs && !manifest_.text_cached()) {
+    // The cacher left these captions to be drawn at every step (kohya's
+    // is_text_encoder_output_cacheable says no for the same subsets).
+    std::set<std::string> subsets;
+    for (const wire::ManifestEntry& e : manifest_.entries()) {
+      if (e.text_key().empty()) subsets.insert(e.subset_name().empty() ? e.path() : e.subset_name());
+    }
+    std::string names;
+    for (const std::string& n : subsets) names += (names.empty() ? "'" : ", '") + n + "'";
+    throw InputError("--cache_text_encoder_outputs: dataset '" + o_.dataset_id +
+                     "' draws its captions anew at every step in " + names +
+                     " (shuffle_caption, caption_dropout_rate, caption_dropout_every_n_epochs, "
+                     "caption_tag_dropout_rate, token_warmup_step or wildcards), which cached text "
+                     "cannot hold: kohya refuses the same; leave the flag out to encode them at "
+                     "every step, or turn those off");
+  }
   if (o_.weighted_captions) {
     // A caption whose attention syntax cannot be read (a weight like "1.2.3") is refused here,
     // naming its image, not when its batch comes up hours into the run.

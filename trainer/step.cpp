@@ -36,12 +36,36 @@ void TrainingStep::check(const StepOptions& options) {
   validate(options.schedule);
 }
 
+void TrainingStep::check(const StepOptions& options, const models::ModelFamily& family) {
+  check(options);
+  (void)models::make_training_objective(family, options.objective);
+  if (family.objective == models::ObjectiveKind::kFlowMatching) {
+    // kohya's flow-matching trainers draw plain noise (flux_train_network's
+    // get_noise_pred_and_target; only --ip_noise_gamma reaches it): a command carrying these
+    // trains without them there, so they are refused rather than trained with here.
+    const NoiseOptions& n = options.noise;
+    const std::pair<bool, const char*> sd_only[] = {
+        {n.noise_offset != 0, "--noise_offset"},
+        {n.noise_offset_random_strength, "--noise_offset_random_strength"},
+        {n.adaptive_noise_scale != 0, "--adaptive_noise_scale"},
+        {n.multires_noise_iterations != 0, "--multires_noise_iterations"}};
+    for (const auto& [set, flag] : sd_only) {
+      if (set) {
+        throw InputError(std::string(flag) + " is a Stable Diffusion (DDPM) option: kohya's " +
+                         family.display_name +
+                         " trainer draws plain noise and leaves it unused; leave it out "
+                         "(--ip_noise_gamma is taken)");
+      }
+    }
+  }
+}
+
 TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
                            const StepOptions& options)
     : model_(model),
       network_(network),
       options_(options) {
-  check(options);
+  check(options, model.model_family());
   objective_ = models::make_training_objective(model.model_family(), options.objective);
 
   std::vector<ParamGroup> groups;

@@ -115,6 +115,9 @@ class TrainingStep {
   TrainingStep(models::DiffusionModel& model, LoraNetwork& network, const StepOptions& options);
   // The constructor's checks of `options` alone, without a model or network.
   static void check(const StepOptions& options);
+  // And against a family's training objective (the other objective's flags, and noise its
+  // kohya trainer does not draw, refused by name), from the family alone: before any caching.
+  static void check(const StepOptions& options, const models::ModelFamily& family);
   ~TrainingStep();
 
   // Forward and backward of one micro-batch; returns its loss (before the division by the

@@ -514,6 +514,15 @@ TEST(TrainNoise, TimestepsAreDrawnFromMinToMaxExclusive) {
   EXPECT_EQ(all.min().item<int64_t>(), 0);
   EXPECT_GE(all.max().item<int64_t>(), 990);  // of 1000 values: a miss of 10 has odds e^-200
   EXPECT_LE(all.max().item<int64_t>(), 999);
+  // min == max: kohya's torch.full, that one timestep, with no random number drawn (the
+  // generator's next draw is the one a fresh generator gives first).
+  o.min_timestep = o.max_timestep = 500;
+  at::Generator fixed = at::make_generator<at::CPUGeneratorImpl>(3);
+  EXPECT_TRUE(torch::equal(models::make_training_objective(family, o)->draw_times(
+                               4, fixed, torch::kCPU),
+                           torch::full({4}, 500, torch::kInt64)));
+  EXPECT_TRUE(torch::equal(at::randn({8}, fixed),
+                           at::randn({8}, at::make_generator<at::CPUGeneratorImpl>(3))));
 }
 
 // The DDPM objective's validation points are kohya's, np.linspace(min, max, 6, dtype=int)[1:-1]
@@ -524,7 +533,7 @@ TEST(TrainObjective, DdpmValidationPointsAndMetadataAreKohyas) {
   const char* python = std::getenv("LORAPIPE_PYTHON");
   ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
   const models::ModelFamily& family = models::model_family("sd15");
-  for (const auto& [min, max] : {std::pair<int64_t, int64_t>{0, 1000}, {100, 300}, {7, 993}}) {
+  for (const auto& [min, max] : {std::pair<int64_t, int64_t>{0, 1000}, {100, 300}, {7, 993}, {500, 500}}) {
     const std::string command = std::string(python) +
                                 " -c 'import numpy; print(*numpy.linspace(" + std::to_string(min) +
                                 ", " + std::to_string(max) + ", 6, dtype=int)[1:-1])'";
@@ -572,10 +581,34 @@ TEST(TrainObjective, DdpmValidationPointsAndMetadataAreKohyas) {
     EXPECT_NE(std::string(e.what()).find("--huber_schedule='cosine'"), std::string::npos)
         << e.what();
   }
+  for (const auto& [min, max] : {std::pair<int64_t, int64_t>{600, 500}, {1000, 1000}, {-1, 10}}) {
+    bad = {};
+    bad.min_timestep = min;
+    bad.max_timestep = max;
+    EXPECT_THROW(models::make_training_objective(family, bad), lorapipe::InputError)
+        << min << ".." << max;
+  }
+  // kohya's verify_training_args: the v-prediction loss scale needs v-prediction, the v-like
+  // loss refuses it.
+  auto refused = [&family](const models::ObjectiveOptions& options, const std::string& flag) {
+    try {
+      models::make_training_objective(family, options);
+      ADD_FAILURE() << flag << " was taken";
+    } catch (const lorapipe::InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(flag), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("--v_parameterization"), std::string::npos) << e.what();
+    }
+  };
   bad = {};
-  bad.min_timestep = 500;
-  bad.max_timestep = 500;
-  EXPECT_THROW(models::make_training_objective(family, bad), lorapipe::InputError);
+  bad.scale_v_pred_loss_like_noise_pred = true;
+  refused(bad, "--scale_v_pred_loss_like_noise_pred");
+  bad.v_prediction = true;
+  EXPECT_NO_THROW(models::make_training_objective(family, bad));
+  bad = {};
+  bad.v_pred_like_loss = 0.5;
+  EXPECT_NO_THROW(models::make_training_objective(family, bad));
+  bad.v_prediction = true;
+  refused(bad, "--v_pred_like_loss");
 }
 
 // LoRA+ as kohya's prepare_optimizer_params groups it: each side's up matrices in a group of

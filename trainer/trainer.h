@@ -105,6 +105,11 @@ struct Options {
   // kohya's --weighted_captions: captions' A1111 attention syntax weighs their tokens' states
   // (models::DiffusionModel::encode_weighted_text); they are always encoded online.
   bool weighted_captions = false;
+  // kohya's --cache_text_encoder_outputs. The cacher caches every caption it can; the flag asks
+  // that all of them be cached, so a dataset whose captions change at every step (shuffle,
+  // dropout, warm-up, wildcards) is refused as kohya refuses it, rather than run with the text
+  // encoders resident and encoding.
+  bool cache_text_encoder_outputs = false;
   // kohya's --masked_loss. The loss is masked whenever the cache holds alpha masks (kohya masks
   // whenever a batch carries them); the flag only says so in ss_masked_loss and warns without.
   bool masked_loss = false;
