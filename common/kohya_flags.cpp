@@ -75,8 +75,16 @@ const std::vector<ForeignFlag> kFlags = {
     {"full_bf16", K::kBoolean, "", T::kAnyValue,
      "the LoRA's own weights and their optimizer state stay fp32 (a few MB), over a base in "
      "--mixed_precision: what full_bf16 saves is that little, at a cost in precision"},
+    {"disable_mmap_load_safetensors", K::kBoolean, "", T::kAnyValue,
+     "lorapipe reads each safetensors tensor once through its own mapping"},
+    {"train_inpainting", K::kBoolean, "", T::kDefaultOnly, "inpainting models: not in lorapipe yet"},
+    {"controlnet_model_name_or_path", K::kValue, "", T::kDefaultOnly,
+     "ControlNet with FLUX.1: not in lorapipe yet"},
+    {"show_timesteps", K::kValue, "", T::kDefaultOnly,
+     "kohya's look at the timestep draw, which trains nothing: not in lorapipe"},
     {"fused_backward_pass", K::kBoolean, "", T::kAnyValue,
-     "kohya fuses the backward with the optimizer for SDXL, SD3 and Flux only, not SD 1.x"},
+     "kohya fuses the backward with the optimizer in its full fine-tuning scripts, not in its "
+     "LoRA scripts"},
     // Schedules and steps.
     {"lr_scheduler_type", K::kValue, "", T::kDefaultOnly,
      "a scheduler class of your own: lorapipe has kohya's named schedulers (--lr_scheduler)"},
@@ -99,6 +107,8 @@ const std::vector<ForeignFlag> kFlags = {
      "transparency)"},
     {"dataset_class", K::kValue, "", T::kDefaultOnly, "a dataset class of your own: not in lorapipe"},
     {"cache_info", K::kBoolean, "", T::kAnyValue, "lorapipe's cache always keeps each image's record"},
+    {"text_encoder_batch_size", K::kValue, "", T::kAnyValue,
+     "the cacher encodes captions in batches of its own choosing"},
     {"skip_cache_check", K::kBoolean, "", T::kAnyValue,
      "lorapipe's cache is content-addressed and checked before any compute"},
 };

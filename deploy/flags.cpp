@@ -128,6 +128,7 @@ std::vector<FlagInfo> make_table() {
   value("mixed_precision", {S::kTrainer, S::kSampler});
   value("blocks_to_swap", {S::kTrainer});
   boolean("cpu_offload_checkpointing", {S::kTrainer});
+  boolean("split_mode", {S::kTrainer});  // kohya's deprecated FLUX.1 flag (parse_run_args)
   for (const char* name : {"fp8_base", "fp8_base_unet", "fp8_scaled"}) {
     boolean(name, {S::kCacher, S::kTrainer, S::kSampler});  // the cacher's text encoders too
   }
@@ -183,7 +184,8 @@ std::string canonical(const std::string& name) {
 
 // A kohya flag lorapipe does not act on (common/kohya_flags.h): taken at kohya's default,
 // refused naming it and why otherwise; it goes to no stage.
-bool take_foreign(const std::string& name, const std::string& value) {
+bool take_foreign(const std::string& name, const std::string& value,
+                  std::vector<std::string>& notes) {
   if (name == "save_state") return true;  // lorapipe run always saves states, for lorapipe resume
   if (name == "resume") {
     // kohya's way on: its --resume takes a state folder. A run folder holds its states here, and
@@ -200,8 +202,35 @@ bool take_foreign(const std::string& name, const std::string& value) {
   }
   const kohya::ForeignFlag* foreign = kohya::find_foreign_flag(name);
   if (foreign == nullptr) return false;
-  (void)kohya::check_foreign_flag(*foreign, value);
+  const std::string note = kohya::check_foreign_flag(*foreign, value);
+  if (!note.empty()) notes.push_back(note);
   return true;
+}
+
+// Keys the kohya_ss GUI writes into the config it hands kohya's LoRA scripts that are no
+// argument of theirs: kohya's read_config_from_file leaves them on its namespace, where nothing
+// reads them. So they act in neither; each is said, with what the GUI meant.
+const char* kohya_gui_key(const std::string& name) {
+  static const std::map<std::string, const char*, std::less<>> keys = {
+      {"epoch", "the GUI's epoch box, which it turns into max_train_steps itself"},
+      {"noise_offset_type", "the GUI's choice of which noise keys it writes"},
+      {"stop_text_encoder_training", "read by kohya's train_db.py alone"},
+      {"lowvram", "not an argument of kohya's scripts (--lowram and --highvram are)"},
+      {"loraplus_lr_ratio", "kohya reads LoRA+ from network_args alone: give "
+                            "network_args = [\"loraplus_lr_ratio=R\"] for it to act"},
+      {"loraplus_unet_lr_ratio", "kohya reads LoRA+ from network_args alone: give "
+                                 "network_args = [\"loraplus_unet_lr_ratio=R\"] for it to act"},
+      {"loraplus_text_encoder_lr_ratio",
+       "kohya reads LoRA+ from network_args alone: give "
+       "network_args = [\"loraplus_text_encoder_lr_ratio=R\"] for it to act"},
+      {"mem_eff_save", "read by kohya's flux_train.py (full fine-tuning) alone"},
+      {"single_blocks_to_swap", "read by kohya's flux_train.py alone (blocks_to_swap is the "
+                                "LoRA script's)"},
+      {"double_blocks_to_swap", "read by kohya's flux_train.py alone (blocks_to_swap is the "
+                                "LoRA script's)"},
+      {"show_timesteps_resolution", "not an argument of kohya's LoRA scripts"}};
+  const auto it = keys.find(name);
+  return it == keys.end() ? nullptr : it->second;
 }
 
 void check_known(const std::string& name) {
@@ -274,7 +303,10 @@ void Settings::set(const std::string& name, const std::string& value) {
 
 std::vector<FlagInfo> flag_table() { return table(); }
 
-std::vector<std::pair<std::string, std::string>> read_config(const fs::path& given) {
+std::vector<std::pair<std::string, std::string>> read_config(const fs::path& given,
+                                                             std::vector<std::string>* notes) {
+  std::vector<std::string> unused;
+  std::vector<std::string>& said = notes != nullptr ? *notes : unused;
   // kohya's --config_file may leave out the extension.
   fs::path file = given;
   if (!fs::exists(file) && file.extension() != ".toml" && fs::exists(file.string() + ".toml")) {
@@ -305,6 +337,11 @@ std::vector<std::pair<std::string, std::string>> read_config(const fs::path& giv
   auto take = [&](const std::string& key, const toml::node& node) {
     const std::string name = canonical(key);
     if (name == "config") throw InputError(file.string() + ": a config cannot name another");
+    if (const char* why = kohya_gui_key(name); why != nullptr && find_flag(name) == nullptr) {
+      said.push_back(file.string() + ": " + name + " is the kohya_ss GUI's, which kohya's LoRA "
+                     "scripts do not read, nor does lorapipe: " + why);
+      return;
+    }
     try {
       check_known(name);
     } catch (const InputError& e) {
@@ -334,7 +371,7 @@ std::vector<std::pair<std::string, std::string>> read_config(const fs::path& giv
       throw InputError(file.string() + ": " + name + " must be a string, a number, a boolean or a list");
     }
     try {
-      if (take_foreign(name, value)) return;
+      if (take_foreign(name, value, said)) return;
     } catch (const InputError& e) {
       throw InputError(file.string() + ": " + e.what());
     }
@@ -402,7 +439,7 @@ Settings parse_run_args(const std::vector<std::string>& args) {
       } else {
         value = kohya::foreign_flag_value(*kohya::find_foreign_flag(name), args, i);
       }
-      take_foreign(name, value);
+      take_foreign(name, value, cli.notes);
       continue;
     }
     if (eq != std::string::npos) {
@@ -431,7 +468,7 @@ Settings parse_run_args(const std::vector<std::string>& args) {
   }
   Settings settings;
   if (!config.empty()) {
-    for (const auto& [name, value] : read_config(config)) {
+    for (const auto& [name, value] : read_config(config, &settings.notes)) {
       if (name == "output") {
         settings.output = value;
       } else {
@@ -440,6 +477,22 @@ Settings parse_run_args(const std::vector<std::string>& args) {
     }
   }
   for (const auto& [name, value] : cli.flags) settings.set(name, value);  // flags win
+  settings.notes.insert(settings.notes.end(), cli.notes.begin(), cli.notes.end());
+  // kohya's deprecated --split_mode (FLUX.1) is --blocks_to_swap=18 where that is not given, as
+  // kohya's flux_train_network sets it; what the stages and the plan see is the swap.
+  if (settings.has("split_mode")) {
+    if (settings.get("split_mode") == "true") {
+      if (settings.has("blocks_to_swap")) {
+        settings.notes.push_back("--split_mode is kohya's deprecated form of --blocks_to_swap, "
+                                 "which is given: --split_mode is ignored, as kohya ignores it");
+      } else {
+        settings.set("blocks_to_swap", "18");
+        settings.notes.push_back("--split_mode is kohya's deprecated form of --blocks_to_swap: "
+                                 "--blocks_to_swap=18, as kohya sets it");
+      }
+    }
+    std::erase_if(settings.flags, [](const auto& f) { return f.first == "split_mode"; });
+  }
   if (!cli.output.empty()) settings.output = cli.output;
   // Files and folders as absolute paths: the stages start in this folder, but run.toml must
   // mean the same files when `lorapipe resume` runs from another one (folders the run creates,

@@ -31,6 +31,9 @@ using runtime::kExitOk;
 struct Settings {
   std::vector<std::pair<std::string, std::string>> flags;
   std::filesystem::path output;
+  // What was taken and acts nowhere (kohya's flags lorapipe does not act on, keys only the
+  // kohya_ss GUI writes), each said once as the run starts.
+  std::vector<std::string> notes;
 
   bool has(const std::string& name) const;
   std::string get(const std::string& name, const std::string& fallback = "") const;
@@ -43,7 +46,9 @@ struct Settings {
 Settings parse_run_args(const std::vector<std::string>& args);
 
 // Reads a flat TOML table of flag names (strings, numbers, booleans) into flags.
-std::vector<std::pair<std::string, std::string>> read_config(const std::filesystem::path& file);
+// Keys that act nowhere add a line to `notes` where given.
+std::vector<std::pair<std::string, std::string>> read_config(
+    const std::filesystem::path& file, std::vector<std::string>* notes = nullptr);
 
 // Writes `settings` as the flat TOML that read_config reads (run.toml).
 void write_config(const Settings& settings, const std::filesystem::path& file);

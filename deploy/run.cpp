@@ -903,6 +903,7 @@ int run(Settings settings, const RunOptions& options, std::ostream& display) {
   sigaddset(&action.sa_mask, SIGTERM);
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+  for (const std::string& note : settings.notes) display << "lorapipe: " << note << "\n";
   if (settings.has("plan_budget")) display << apply_plan_budget(settings) << "\n";
   Supervisor supervisor(std::move(settings), options, display);
   try {

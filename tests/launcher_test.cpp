@@ -878,7 +878,11 @@ TEST_F(LauncherFlags, KohyasConfigFileIsTakenAsKohyaReadsIt) {
          "dynamo_backend = \"no\"\ndeepspeed = false\nv2 = false\nfull_bf16 = true\n"
          "save_state = false\ncaption_extention = \".txt\"\n"
          "[model]\npretrained_model_name_or_path = \"/m.safetensors\"\n"
-         "[training]\nlearning_rate = 2e-4\ntoken_warmup_min = 1\n";
+         "[training]\nlearning_rate = 2e-4\ntoken_warmup_min = 1\n"
+         // Keys the GUI writes that kohya's LoRA scripts do not read.
+         "epoch = 10\nnoise_offset_type = \"Original\"\nloraplus_lr_ratio = 16\n"
+         // kohya's deprecated FLUX.1 flag: the swap kohya sets.
+         "split_mode = true\n";
   // kohya's --config_file may leave out the extension.
   const Settings s = parse_run_args({"--config_file=" + (work_ / "config_lora").string(),
                                      "--ddp_timeout=30", "--lr_scheduler_args"});
@@ -890,10 +894,37 @@ TEST_F(LauncherFlags, KohyasConfigFileIsTakenAsKohyaReadsIt) {
   EXPECT_EQ(std::stod(s.get("learning_rate")), 2e-4);
   EXPECT_EQ(s.get("caption_extension"), ".txt");
   for (const char* taken : {"dynamo_backend", "deepspeed", "v2", "full_bf16", "save_state",
-                            "ddp_timeout",
+                            "ddp_timeout", "epoch", "noise_offset_type", "loraplus_lr_ratio",
+                            "split_mode",
                             "lr_scheduler_args"}) {  // an empty list is the flag not given
     EXPECT_FALSE(s.has(taken)) << taken << " goes to no stage";
   }
+  EXPECT_EQ(s.get("blocks_to_swap"), "18");
+  // What acts nowhere is said, once each, as the run starts.
+  auto noted = [&s](const std::string& text) {
+    return std::count_if(s.notes.begin(), s.notes.end(), [&](const std::string& n) {
+      return n.find(text) != std::string::npos;
+    });
+  };
+  EXPECT_EQ(noted("config_lora.toml: epoch is the kohya_ss GUI's"), 1);
+  EXPECT_EQ(noted("config_lora.toml: noise_offset_type is the kohya_ss GUI's"), 1);
+  EXPECT_EQ(noted("loraplus_lr_ratio is the kohya_ss GUI's, which kohya's LoRA scripts do not "
+                  "read, nor does lorapipe: kohya reads LoRA+ from network_args alone"), 1);
+  EXPECT_EQ(noted("--full_bf16=true has no effect in lorapipe"), 1);
+  EXPECT_EQ(noted("--ddp_timeout=30 has no effect in lorapipe"), 1);
+  EXPECT_EQ(noted("--split_mode is kohya's deprecated form of --blocks_to_swap: "
+                  "--blocks_to_swap=18"), 1);
+  EXPECT_EQ(noted("dynamo_backend"), 1) << "accelerate's 'no' is not kohya's default";
+  EXPECT_EQ(s.notes.size(), 7u);
+  const Settings swapped = parse_run_args({"--split_mode", "--blocks_to_swap=8"});
+  EXPECT_EQ(swapped.get("blocks_to_swap"), "8");
+  EXPECT_FALSE(swapped.has("split_mode"));
+  EXPECT_EQ(swapped.notes.size(), 1u);
+  // The notes come first in what lorapipe run prints (here a run that stops at a missing model).
+  EXPECT_EQ(lorapipe({"run", "--output=" + (work_ / "noted").string(), "--full_bf16",
+                      "--pretrained_model_name_or_path=/no/such/model.safetensors"}),
+            kExitError);
+  EXPECT_EQ(out_.rfind("lorapipe: --full_bf16=true has no effect in lorapipe", 0), 0u) << out_;
   const auto trainer = stage_args(s, Stage::kTrainer);
   EXPECT_NE(std::find(trainer.begin(), trainer.end(),
                       "--network_args=\x1f" "conv_dim=4\x1f" "conv_alpha=1"),

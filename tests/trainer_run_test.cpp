@@ -1793,6 +1793,8 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
        "--lr_decay_steps=100%: expected a count of steps, a ratio below 1 or a percentage below"},
       {{"--lr_scheduler_type=CosineAnnealingLR"}, "--lr_scheduler_type=CosineAnnealingLR: "},
       {{"--use_lion_optimizer", "--optimizer_type=AdamW"}, "choose one optimizer"},
+      {{"--use_8bit_adam", "--optimizer_type=Prodigy"},
+       "--use_8bit_adam with --optimizer_type=Prodigy: choose one optimizer"},
       {{"--metadata_thumbnail=/no/such/thumb.png"}, "--metadata_thumbnail=/no/such/thumb.png"},
       {{"--console_log_level=LOUD"}, "--console_log_level=LOUD"},
       {{"--console_log_file=/no/such/dir/log.txt"}, "--console_log_file=/no/such/dir/log.txt"},

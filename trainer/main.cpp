@@ -92,6 +92,9 @@ DEFINE_bool(fp8_base_unet, false, "--fp8_base for the U-Net alone (the text enco
 DEFINE_bool(cpu_offload_checkpointing, false,
             "FLUX.1: the checkpointed blocks' inputs wait for backward in pinned host memory "
             "(turns --gradient_checkpointing on)");
+DEFINE_bool(split_mode, false,
+            "kohya's deprecated FLUX.1 option: --blocks_to_swap=18 where --blocks_to_swap is not "
+            "given (as kohya sets it)");
 DEFINE_int32(blocks_to_swap, 0,
              "Keep the frozen weights of this many of the denoiser's blocks in host memory, "
              "copied to the device one block ahead of compute (FLUX.1: n/2 double and "
@@ -433,6 +436,17 @@ int main(int argc, char** argv) {
     o.fp8_base_unet = FLAGS_fp8_base_unet;
     o.fp8_scaled = FLAGS_fp8_scaled;
     o.fp8_fast = FLAGS_fp8_fast;
+    if (FLAGS_split_mode) {
+      if (gflags::GetCommandLineFlagInfoOrDie("blocks_to_swap").is_default) {
+        FLAGS_blocks_to_swap = 18;
+        LP_LOG(kWarning, "trainer") << "--split_mode is kohya's deprecated form of "
+                                       "--blocks_to_swap: --blocks_to_swap=18, as kohya sets it";
+      } else {
+        LP_LOG(kWarning, "trainer") << "--split_mode is kohya's deprecated form of "
+                                       "--blocks_to_swap, which is given: --split_mode is "
+                                       "ignored, as kohya ignores it";
+      }
+    }
     o.blocks_to_swap = FLAGS_blocks_to_swap;
     o.map_weights = FLAGS_map_weights;
     o.share_weights = FLAGS_share_weights;
@@ -577,11 +591,19 @@ int main(int argc, char** argv) {
                    : FLAGS_mixed_precision == "bf16" ? c10::kBFloat16
                                                      : c10::kFloat;
     s.optimizer.type = FLAGS_optimizer_type;
-    if (FLAGS_use_8bit_adam) s.optimizer.type = "AdamW8bit";
+    // As kohya: the old switches stand alone, never beside another choice of optimizer.
+    const bool optimizer_typed = !gflags::GetCommandLineFlagInfoOrDie("optimizer_type").is_default;
+    if (FLAGS_use_8bit_adam) {
+      if (optimizer_typed && strcasecmp(FLAGS_optimizer_type.c_str(), "adamw8bit") != 0 &&
+          !FLAGS_use_lion_optimizer) {
+        throw lorapipe::InputError("--use_8bit_adam with --optimizer_type=" + FLAGS_optimizer_type +
+                                   ": choose one optimizer");
+      }
+      s.optimizer.type = "AdamW8bit";
+    }
     if (FLAGS_use_lion_optimizer) {
-      // As kohya: the old switch stands alone, never beside another choice of optimizer.
-      const bool typed = !gflags::GetCommandLineFlagInfoOrDie("optimizer_type").is_default &&
-                         strcasecmp(FLAGS_optimizer_type.c_str(), "lion") != 0;
+      const bool typed =
+          optimizer_typed && strcasecmp(FLAGS_optimizer_type.c_str(), "lion") != 0;
       if (FLAGS_use_8bit_adam || typed) {
         throw lorapipe::InputError("--use_lion_optimizer with --" +
                                    std::string(FLAGS_use_8bit_adam ? "use_8bit_adam"
