@@ -471,13 +471,13 @@ TEST_F(ProdigyTrainRun, LearnsAtLearningRateOne) {
                 "prodigyopt.prodigy.Prodigy(d_coef=2)");
 }
 
-// The trainer with DAdaptAdam, kohya's "DAdaptation" (a suite of its own, so its name says it):
+// The trainer with DAdaptAdam (a suite of its own, so its name says it):
 // its state (moments, the running sum s, d and its weighted numerator) comes back exactly after
 // kill -9, and at lr 1.0 it finds a step size that learns the demo set.
 class DAdaptAdamTrainRun : public TrainRunTest {};
 
 TEST_F(DAdaptAdamTrainRun, ResumeAfterKillNineIsBitExact) {
-  expect_resume_bit_exact({"--optimizer_type=DAdaptation", "--learning_rate=1.0",
+  expect_resume_bit_exact({"--optimizer_type=DAdaptAdam", "--learning_rate=1.0",
                            "--optimizer_args", "decouple=True", "weight_decay=0.01"});
 }
 
@@ -993,6 +993,11 @@ TEST_F(TrainRunTest, LrSchedulesFollowTheirFlags) {
     ++seen;
   }
   EXPECT_EQ(seen, 10);
+  // kohya writes --lr_warmup_steps as its int_or_float read it: 20% is 0.2.
+  EXPECT_EQ(models::SafetensorsFile::open(work_ / "lora" / "tiny.safetensors")
+                .metadata()
+                .at("ss_lr_warmup_steps"),
+            "0.2");
 }
 
 // kohya's --max_token_length: text cached at 75 tokens is other text (encoded online instead),
@@ -1257,6 +1262,23 @@ TEST_F(TrainRunTest, WithoutOutputNameSavesAreNamedAsKohyaNamesThem) {
                                            "epoch-000001-state", "last-state"}));
   const auto meta = models::SafetensorsFile::open(work_ / "lora" / "last.safetensors").metadata();
   EXPECT_EQ(meta.at("ss_output_name"), "None");
+  // ss_epoch as kohya's save_model is given it: a step save the epoch its loop counts from 0, an
+  // epoch save and the last the epochs done. The session id is kohya's random.randint(0, 2**32),
+  // one per run.
+  auto epoch_of = [this](const char* file) {
+    return models::SafetensorsFile::open(work_ / "lora" / file).metadata().at("ss_epoch");
+  };
+  EXPECT_EQ(epoch_of("at-step00000002.safetensors"), "0");
+  EXPECT_EQ(epoch_of("at-step00000004.safetensors"), "1");
+  EXPECT_EQ(epoch_of("epoch-000001.safetensors"), "1");
+  EXPECT_EQ(meta.at("ss_epoch"), "2");
+  EXPECT_TRUE(std::regex_match(meta.at("ss_session_id"), std::regex("[0-9]+"))) << meta.at("ss_session_id");
+  EXPECT_LE(std::stoull(meta.at("ss_session_id")), uint64_t{1} << 32);
+  EXPECT_EQ(models::SafetensorsFile::open(work_ / "lora" / "at-step00000002.safetensors")
+                .metadata()
+                .at("ss_session_id"),
+            meta.at("ss_session_id"));
+  EXPECT_EQ(meta.at("ss_lr_warmup_steps"), "0");
   EXPECT_TRUE(std::regex_match(meta.at("modelspec.title"), std::regex("LoRA@[0-9]+\\.[0-9]+")))
       << meta.at("modelspec.title");
 }
@@ -1748,6 +1770,7 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--learning_rate=-1"}, "--learning_rate"},
       {{"--train_batch_size=0"}, "--train_batch_size=0"},
       {{"--optimizer_type=Lion9000"}, "Lion9000"},
+      {{"--optimizer_type=DAdaptation"}, "kohya runs dadaptation's DAdaptAdamPreprint"},
       {{"--lr_scheduler=sometimes"}, "sometimes"},
       {{"--loss_type=l3"}, "l3"},
       {{"--mixed_precision=fp8"}, "fp8"},

@@ -1,8 +1,9 @@
 // D-Adaptation Adam (Defazio & Mishchenko 2023, arXiv 2301.07733) behind the Optimizer seam:
-// dadaptation 3.2's DAdaptAdam, the class kohya loads for --optimizer_type=DAdaptation or
-// DAdaptAdam, operation for operation (DAdaptAdamParity holds it bit-exact), its Python floats
-// kept as doubles. Like Prodigy, its predecessor in kohya guides, it estimates the step size d
-// itself and is run with a learning rate near 1. Not ported: FSDP's all-reduce of the estimate
+// dadaptation 3.2's DAdaptAdam, the class kohya loads for --optimizer_type=DAdaptAdam (its
+// "DAdaptation" is the experimental DAdaptAdamPreprint, refused by name), operation for
+// operation (DAdaptAdamParity holds it bit-exact), its Python floats kept as doubles. Like
+// Prodigy, its predecessor in kohya guides, it estimates the step size d itself and is run with
+// a learning rate near 1. Not ported: FSDP's all-reduce of the estimate
 // (lorapipe's ranks all-reduce gradients), layer_scale (kohya never sets it: 1).
 
 #include "trainer/dadapt_optimizer.h"

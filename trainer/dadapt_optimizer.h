@@ -1,5 +1,5 @@
 #pragma once
-// DAdaptAdam (dadaptation's, as kohya's --optimizer_type=DAdaptation / DAdaptAdam loads it)
+// DAdaptAdam (dadaptation's, as kohya's --optimizer_type=DAdaptAdam loads it)
 // behind trainer/optimizer.h's seam; reached through make_optimizer.
 
 #include <memory>

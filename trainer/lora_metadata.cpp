@@ -50,7 +50,7 @@ std::string number(double v) {
   return out.str();
 }
 
-std::map<std::string, std::string> Run::metadata(int64_t step) const {
+std::map<std::string, std::string> Run::metadata(int64_t step, int64_t epoch) const {
   const auto& s = o_.step;
   std::map<std::string, std::string> m;
   const int64_t batches = static_cast<int64_t>(scheduler_->batches_per_epoch());
@@ -92,7 +92,10 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   m["ss_gradient_checkpointing"] = s.gradient_checkpointing ? "True" : "False";
   m["ss_gradient_accumulation_steps"] = std::to_string(s.gradient_accumulation_steps);
   m["ss_max_train_steps"] = std::to_string(max_steps_);
-  m["ss_lr_warmup_steps"] = std::to_string(s.schedule.warmup_steps);
+  // kohya writes its argument as int_or_float read it: a count, or a ratio (5% is 0.05).
+  m["ss_lr_warmup_steps"] = o_.lr_warmup_steps >= 1 || o_.lr_warmup_steps == 0
+                                ? std::to_string(static_cast<int64_t>(o_.lr_warmup_steps))
+                                : python_float_repr(o_.lr_warmup_steps);
   m["ss_lr_scheduler"] = s.schedule.name;
   const models::KohyaFamilyNames& kohya = model_->model_family().kohya;
   m["ss_network_module"] = kohya.network_module;
@@ -200,7 +203,7 @@ std::map<std::string, std::string> Run::metadata(int64_t step) const {
   }
   m.insert(dataset_metadata_.keys.begin(), dataset_metadata_.keys.end());
   m["ss_steps"] = std::to_string(step);
-  m["ss_epoch"] = std::to_string(epoch_);
+  m["ss_epoch"] = std::to_string(epoch);
   m["ss_training_finished_at"] = unix_time_now();
   m["ss_validation_split"] = python_float_repr(o_.validation_split);
   m["ss_validation_seed"] = std::to_string(o_.validation_seed);

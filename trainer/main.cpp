@@ -157,7 +157,7 @@ DEFINE_bool(network_train_text_encoder_only, false, "Train the text encoder's Lo
 DEFINE_double(network_multiplier, 1.0, "LoRA multiplier while training");
 // Optimizer and schedule.
 DEFINE_string(optimizer_type, "AdamW",
-              "AdamW, AdamW8bit, PagedAdamW8bit, Prodigy, DAdaptAdam (DAdaptation), Lion or "
+              "AdamW, AdamW8bit, PagedAdamW8bit, Prodigy, DAdaptAdam, Lion or "
               "Adafactor (case-insensitive)");
 DEFINE_bool(use_8bit_adam, false, "kohya's older spelling of --optimizer_type=AdamW8bit");
 DEFINE_bool(use_lion_optimizer, false, "kohya's older spelling of --optimizer_type=Lion");

@@ -160,7 +160,7 @@ const std::vector<Kind>& kinds() {
        {"weight_decay", "betas", "eps", "decouple", "use_bias_correction", "safeguard_warmup",
         "d0", "d_coef", "growth_rate", "beta3", "slice_p"}},
       {Type::kDAdaptAdam,
-       {"dadaptation", "dadaptadam", "dadaptation.dadaptadam"},
+       {"dadaptadam", "dadaptation.dadaptadam"},
        "DAdaptAdam",
        {"weight_decay", "betas", "eps", "decouple", "use_bias_correction", "d0", "growth_rate"}},
       {Type::kLion, {"lion", "lion_pytorch.lion"}, "Lion", {"weight_decay", "betas"}},
@@ -259,6 +259,14 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
   const Kind* kind = nullptr;
   for (const Kind& k : kinds()) {
     if (std::find(k.names.begin(), k.names.end(), type) != k.names.end()) kind = &k;
+  }
+  if (type == "dadaptation" || type == "dadaptadampreprint") {
+    // kohya's get_optimizer gives these names dadaptation.experimental's DAdaptAdamPreprint,
+    // the paper's first algorithm, not the DAdaptAdam lorapipe runs: they train differently.
+    throw InputError("--optimizer_type='" + options.type +
+                     "': kohya runs dadaptation's DAdaptAdamPreprint (its first, experimental "
+                     "algorithm) for it, which lorapipe does not have; DAdaptAdam is "
+                     "dadaptation's current D-Adaptation Adam (it trains differently)");
   }
   if (kind == nullptr) {
     std::string names;

@@ -95,7 +95,7 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
 //                   with a warning, as bitsandbytes does);
 //   Prodigy         prodigyopt's adaptive Adam (trainer/prodigy_optimizer.h), 16 bytes of
 //                   state per parameter, run with a learning rate near 1;
-//   DAdaptAdam      dadaptation's D-Adaptation Adam (also "DAdaptation"), 12 bytes of state
+//   DAdaptAdam      dadaptation's D-Adaptation Adam, 12 bytes of state
 //                   per parameter, run with a learning rate near 1;
 //   Lion            lion-pytorch's sign-momentum optimizer, 4 bytes of state per parameter;
 //   Adafactor       transformers' Adafactor, factored second moments (rows + columns).

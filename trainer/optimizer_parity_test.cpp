@@ -203,11 +203,11 @@ TEST(AdafactorParity, RelativeStepMatchesTransformersBitForBit) {
   run_case(c, "adafactor_warmup");
 }
 
-// dadaptation's DAdaptAdam (kohya's "DAdaptation"): decoupled decay with bias correction; then
-// decay in the gradient (its default form), a growth limit, d0 given and a group at lr 0.
+// dadaptation's DAdaptAdam: decoupled decay with bias correction; then decay in the gradient
+// (its default form), a growth limit, d0 given and a group at lr 0.
 TEST(DAdaptAdamParity, MatchesDadaptationBitForBit) {
   OptimizerCase c;
-  c.type = "DAdaptation";
+  c.type = "DAdaptAdam";
   c.args = {"decouple=True", "weight_decay=0.01", "use_bias_correction=True"};
   c.kwargs = {{"decouple", true}, {"weight_decay", 0.01}, {"use_bias_correction", true}};
   c.reference = "DAdaptAdam";

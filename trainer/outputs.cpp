@@ -31,11 +31,11 @@ std::string last_stem(const std::string& output_name) {
   return output_name.empty() ? "last" : output_name;
 }
 
-void Run::save_lora(const fs::path& path, int64_t step, bool final) {
+void Run::save_lora(const fs::path& path, int64_t step, bool final, int64_t epoch) {
   if (!main_) return;  // every rank holds the same LoRA; rank 0 writes it
   fs::create_directories(path.parent_path());
   const WrittenLora written = write_lora_file(
-      path, network_->state_dict(models::parse_precision(o_.save_precision, "--save_precision")), metadata(step));
+      path, network_->state_dict(models::parse_precision(o_.save_precision, "--save_precision")), metadata(step, epoch));
   LP_LOG(kInfo, kLog) << "saved " << path.string();
   if (!pub_) return;
   wire::CheckpointReady event;
@@ -68,7 +68,7 @@ void Run::announce_final_to_late_subscribers() {
 void Run::save_for_samples(int64_t step) {
   if (!main_ || !pub_) return;  // nobody would render it
   const fs::path dir = o_.output_dir / "lora" / "sample_only";
-  save_lora(dir / (step_stem(o_.output_name, step) + ".safetensors"), step, false);
+  save_lora(dir / (step_stem(o_.output_name, step) + ".safetensors"), step, false, epoch_ - 1);
   // The newest three stay: the sampler renders the newest, and one it is still reading is not
   // pulled from under it.
   std::vector<fs::path> files;

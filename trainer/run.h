@@ -108,7 +108,9 @@ class Run {
   void producer(int64_t epoch, int64_t index);
   PreparedBatch prepare(int64_t epoch, int64_t index, const PlannedBatch& plan);
   MicroBatch to_micro_batch(const PreparedBatch& prepared);
-  void save_lora(const fs::path& path, int64_t step, bool final);
+  // `epoch` is the file's ss_epoch, as kohya writes it: a save at a step (or for samples) is in
+  // the epoch kohya's loop counts from 0, a save at an epoch's end or the last the epochs done.
+  void save_lora(const fs::path& path, int64_t step, bool final, int64_t epoch);
   void save_state(const fs::path& dir);
   void save_state_folder(const fs::path& dir);  // save_state's files, without its messages
   void load_state(const fs::path& dir);
@@ -122,10 +124,10 @@ class Run {
   // Why steps stopped being finite, where a weight says so: the first frozen weight of the model
   // (the denoiser's, and the text encoder's where it ran: trained, or encoding text online) or
   // the LoRA's own that holds NaN or infinity, named; empty where every weight looked at is
-  // finite (the activations overflowed). The weights --blocks_to_swap keeps on the host are not
-  // looked at (the blocks hold empty tensors in their place).
+  // finite (the activations overflowed). The weights --blocks_to_swap keeps on the host are read
+  // there (a block in no device slot holds empty tensors in their place).
   std::string non_finite_weight() const;
-  std::map<std::string, std::string> metadata(int64_t step) const;
+  std::map<std::string, std::string> metadata(int64_t step, int64_t epoch) const;
 
   Options o_;
   std::unique_ptr<RecordSource> records_;

@@ -5,7 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <ctime>
+#include <random>
+#include <string>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -102,7 +103,10 @@ Summary Run::train() {
 }
 
 Summary Run::train_steps() {
-  run_id_ = last_stem(o_.output_name) + "-" + std::to_string(std::time(nullptr));
+  // kohya's session id: random.randint(0, 2**32), written as ss_session_id (a resumed run keeps
+  // its own).
+  std::random_device entropy;
+  run_id_ = std::to_string(std::uniform_int_distribution<uint64_t>(0, uint64_t{1} << 32)(entropy));
   training_started_at_ = unix_time_now();
   load_data();
   load_model();
@@ -228,7 +232,7 @@ Summary Run::train_steps() {
         stop_producer();
         summary.lora =
             o_.output_dir / "lora" / (step_stem(o_.output_name, global_step_) + ".safetensors");
-        save_lora(summary.lora, global_step_, /*final=*/false);
+        save_lora(summary.lora, global_step_, /*final=*/false, epoch_ - 1);
         summary.state = state_root / (last_stem(o_.output_name) + "-state");
         save_state(summary.state);
         LP_LOG(kInfo, kLog) << "interrupted at step " << global_step_ << " of " << max_steps_
@@ -381,7 +385,8 @@ Summary Run::train_steps() {
           global_step_ < max_steps_) {
         saved = true;
         const std::string name = step_stem(o_.output_name, global_step_);
-        save_lora(o_.output_dir / "lora" / (name + ".safetensors"), global_step_, false);
+        save_lora(o_.output_dir / "lora" / (name + ".safetensors"), global_step_, false,
+                  epoch_ - 1);
         if (o_.save_state) save_state(state_root / (name + "-state"));
         retain(global_step_, /*epoch=*/0);
       }
@@ -389,7 +394,7 @@ Summary Run::train_steps() {
           global_step_ < max_steps_) {
         saved = true;
         const std::string name = epoch_stem(o_.output_name, epoch_);
-        save_lora(o_.output_dir / "lora" / (name + ".safetensors"), global_step_, false);
+        save_lora(o_.output_dir / "lora" / (name + ".safetensors"), global_step_, false, epoch_);
         if (o_.save_state) save_state(state_root / (name + "-state"));
         retain(/*step=*/0, epoch_);
       }
@@ -455,7 +460,7 @@ Summary Run::train_steps() {
     }
   }
   summary.lora = o_.output_dir / "lora" / (last_stem(o_.output_name) + ".safetensors");
-  save_lora(summary.lora, global_step_, /*final=*/true);
+  save_lora(summary.lora, global_step_, /*final=*/true, epoch_);
   if (o_.save_state || o_.save_state_on_train_end) {
     save_state(state_root / (last_stem(o_.output_name) + "-state"));
   }

@@ -1,5 +1,5 @@
 """Reference runs of the PyPI optimizers kohya sd-scripts loads (prodigyopt's Prodigy for
---optimizer_type=Prodigy, dadaptation's DAdaptAdam for DAdaptation, lion-pytorch's Lion for
+--optimizer_type=Prodigy, dadaptation's DAdaptAdam for DAdaptAdam, lion-pytorch's Lion for
 Lion, transformers' Adafactor for Adafactor)
 for lorapipe's optimizer parity tests.
 
