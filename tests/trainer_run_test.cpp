@@ -909,7 +909,7 @@ TEST_F(TrainRunTest, EpochsEndOnStepsUnderAccumulationAndKeepTheLastEpochSaves) 
   EXPECT_FALSE(fs::exists(lora / "tiny-000005.safetensors")) << "the last epoch is the final save";
   EXPECT_TRUE(fs::exists(lora / "tiny.safetensors"));
 
-  // TensorBoard, read by its own loader: kohya's tags, and loss/epoch once per epoch.
+  // TensorBoard, read by its own loader: kohya's tags, and loss/epoch_average once per epoch.
   const nlohmann::json read = tensorboard_events(work_);
   std::map<std::string, std::vector<int64_t>> steps;
   for (const auto& scalar : read["scalars"]) {
@@ -930,7 +930,7 @@ TEST_F(TrainRunTest, EpochsEndOnStepsUnderAccumulationAndKeepTheLastEpochSaves) 
   }
   EXPECT_GT(allocated, 1 << 20);
   EXPECT_LT(allocated, 0.5 * rss);
-  EXPECT_EQ(steps["loss/epoch"], (std::vector<int64_t>{1, 2, 3, 4, 5}));
+  EXPECT_EQ(steps["loss/epoch_average"], (std::vector<int64_t>{1, 2, 3, 4, 5}));
 }
 
 // loss/average is kohya's LossRecorder over the run's own losses: the mean so far through the
@@ -1077,13 +1077,14 @@ TEST_F(TrainRunTest, MaxNormBoundsEverySavedModule) {
   std::map<int, std::map<std::string, double>> passes;  // step -> tag -> value
   for (const auto& scalar : events["scalars"]) {
     const std::string tag = scalar["tag"].get<std::string>();
-    if (tag.starts_with("max_norm/")) {
-      passes[scalar["step"].get<int>()][tag.substr(9)] = scalar["value"].get<double>();
+    if (tag.starts_with("max_norm/") || tag == "norm/avg_key_norm") {
+      passes[scalar["step"].get<int>()][tag.substr(tag.find('/') + 1)] =
+          scalar["value"].get<double>();
     }
   }
   ASSERT_EQ(passes.size(), 6u) << "one pass per step";
   for (auto& [step, pass] : passes) {
-    const double scaled = pass["keys_scaled"], mean = pass["average_key_norm"];
+    const double scaled = pass["keys_scaled"], mean = pass["avg_key_norm"];
     EXPECT_GE(scaled, 1) << "step " << step;
     EXPECT_LE(scaled, modules) << "step " << step;
     EXPECT_GE(mean, kBound * scaled / modules * (1 - 1e-5)) << "step " << step;
@@ -1160,6 +1161,45 @@ TEST_F(TrainRunTest, ValidationRunsEveryEpochAndOnTheFirstItemsAsKohya) {
               std::string::npos)
         << stepwise;
   }
+  // Under kohya's tags: step_average at those steps (and at the run's start and end), each
+  // step's divergence its average less loss/average's at that step (none at the start, before
+  // any training loss); epoch_average and its divergence at each epoch's end, the last epoch's
+  // average loss written where --max_train_steps cut it. TensorBoard keeps float32: 1e-5.
+  auto tags = [this](const std::string& run) {
+    std::map<std::string, std::map<int64_t, double>> out;
+    const nlohmann::json read = tensorboard_events(work_ / run);  // alive through the loop
+    for (const auto& scalar : read["scalars"]) {
+      out[scalar["tag"].get<std::string>()][scalar["step"].get<int64_t>()] =
+          scalar["value"].get<double>();
+    }
+    return out;
+  };
+  auto steps_of = [](const std::map<int64_t, double>& series) {
+    std::vector<int64_t> out;
+    for (const auto& [step, value] : series) out.push_back(step);
+    return out;
+  };
+  auto at_steps = tags("steps");
+  EXPECT_EQ(steps_of(at_steps["loss/validation/step_average"]),
+            (std::vector<int64_t>{0, 2, 4, 5}));
+  EXPECT_EQ(steps_of(at_steps["loss/validation/step_divergence"]),
+            (std::vector<int64_t>{2, 4, 5}));
+  for (const auto& [step, divergence] : at_steps["loss/validation/step_divergence"]) {
+    const double want =
+        at_steps["loss/validation/step_average"][step] - at_steps["loss/average"][step];
+    EXPECT_NEAR(divergence, want, 1e-5 * std::abs(want) + 1e-6) << "step " << step;
+  }
+  const auto steps_meta =
+      models::SafetensorsFile::open(work_ / "steps" / "lora" / "tiny.safetensors").metadata();
+  const int64_t last_epoch = std::stoll(steps_meta.at("ss_epoch"));
+  EXPECT_NE(5 % std::stoll(steps_meta.at("ss_num_batches_per_epoch")), 0)
+      << "the 5 steps must cut their last epoch for the test to show its average";
+  ASSERT_FALSE(at_steps["loss/epoch_average"].empty());
+  EXPECT_EQ(at_steps["loss/epoch_average"].rbegin()->first, last_epoch);
+  auto by_epoch = tags("every");
+  EXPECT_EQ(steps_of(by_epoch["loss/validation/epoch_average"]), (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(steps_of(by_epoch["loss/validation/epoch_divergence"]),
+            (std::vector<int64_t>{1, 2, 3}));
   const std::string second = logged("second", {"--max_train_epochs=3", "--validate_every_n_epochs=2"});
   EXPECT_EQ(second.find("validation loss at the end of epoch 1:"), std::string::npos) << second;
   EXPECT_NE(second.find("validation loss at the end of epoch 2:"), std::string::npos) << second;

@@ -74,7 +74,7 @@ void Run::publish_progress(double loss, double seconds_per_step, double wait_ms)
     if (max_norm_) {  // --scale_weight_norms, under kohya's tags
       tensorboard_->add_scalar("max_norm/keys_scaled", static_cast<double>(max_norm_->keys_scaled),
                                global_step_);
-      tensorboard_->add_scalar("max_norm/average_key_norm", max_norm_->mean_norm, global_step_);
+      tensorboard_->add_scalar("norm/avg_key_norm", max_norm_->mean_norm, global_step_);
       tensorboard_->add_scalar("max_norm/max_key_norm", max_norm_->max_norm, global_step_);
     }
   }

@@ -188,15 +188,25 @@ Summary Run::train_steps() {
   }
   status_.ready();
 
+  // kohya's validation tags: the loss over the held-out points as loss/validation/step_average
+  // (at a step) or epoch_average (at an epoch's end), and its divergence from the training's
+  // average loss (loss/average) at that moment, where there is one yet.
+  auto record_validation = [this](const std::string& at, double loss, int64_t when) {
+    if (!tensorboard_) return;
+    tensorboard_->add_scalar("loss/validation/" + at + "_average", loss, when);
+    if (!losses_.empty()) {
+      tensorboard_->add_scalar("loss/validation/" + at + "_divergence",
+                               loss - losses_.moving_average(), when);
+    }
+  };
   Summary summary;
   summary.first_validation_loss = validation_loss();
   if (summary.first_validation_loss >= 0) {
     LP_LOG(kInfo, kLog) << "validation loss at step " << global_step_ << ": "
                         << summary.first_validation_loss;
-    if (tensorboard_) {
-      tensorboard_->add_scalar("loss/validation", summary.first_validation_loss, global_step_);
-    }
+    record_validation("step", summary.first_validation_loss, global_step_);  // lorapipe's own
   }
+  int64_t epoch_average_logged = 0;  // the epoch whose loss/epoch_average is written
 
   if (o_.sample_at_first) save_for_samples(global_step_);  // kohya's, before the first step
   if (main_ && o_.sample_every_n_steps > 0 && o_.sample_every_n_epochs > 0) {
@@ -378,7 +388,8 @@ Summary Run::train_steps() {
 
       const bool epoch_done = next_index_ >= batches;
       if (epoch_done && tensorboard_ && !losses_.empty()) {  // kohya's, at step = epoch
-        tensorboard_->add_scalar("loss/epoch", losses_.moving_average(), epoch_);
+        tensorboard_->add_scalar("loss/epoch_average", losses_.moving_average(), epoch_);
+        epoch_average_logged = epoch_;
       }
       bool saved = false;
       if (o_.save_every_n_steps > 0 && global_step_ % o_.save_every_n_steps == 0 &&
@@ -406,11 +417,13 @@ Summary Run::train_steps() {
               : o_.sample_every_n_steps > 0 && global_step_ % o_.sample_every_n_steps == 0;
       if (sample_step && !saved && global_step_ < max_steps_) save_for_samples(global_step_);
       double validated = -1;
-      if (o_.validate_every_n_steps > 0 && global_step_ % o_.validate_every_n_steps == 0) {
+      // (The last step's is the run's final validation, below the loop.)
+      if (o_.validate_every_n_steps > 0 && global_step_ % o_.validate_every_n_steps == 0 &&
+          global_step_ < max_steps_) {
         validated = validation_loss();
         if (validated >= 0) {
           LP_LOG(kInfo, kLog) << "validation loss at step " << global_step_ << ": " << validated;
-          if (tensorboard_) tensorboard_->add_scalar("loss/validation", validated, global_step_);
+          record_validation("step", validated, global_step_);
         }
       }
       // kohya's epoch validation (every epoch unless --validate_every_n_epochs); the last
@@ -421,9 +434,7 @@ Summary Run::train_steps() {
         if (validated >= 0) {
           LP_LOG(kInfo, kLog) << "validation loss at the end of epoch " << epoch_ << ": "
                               << validated;
-          if (tensorboard_) {
-            tensorboard_->add_scalar("loss/validation/epoch_average", validated, epoch_);
-          }
+          record_validation("epoch", validated, epoch_);
         }
       }
     }
@@ -441,6 +452,10 @@ Summary Run::train_steps() {
     throw;
   }
   stop_producer();
+  // kohya ends its last epoch's loop at --max_train_steps and still writes that epoch's average.
+  if (tensorboard_ && !losses_.empty() && epoch_average_logged != epoch_) {
+    tensorboard_->add_scalar("loss/epoch_average", losses_.moving_average(), epoch_);
+  }
 
   summary.last_validation_loss = validation_loss();
   if (summary.last_validation_loss >= 0) {
@@ -450,14 +465,9 @@ Summary Run::train_steps() {
     if (epoch_ % std::max<int64_t>(1, o_.validate_every_n_epochs) == 0) {
       LP_LOG(kInfo, kLog) << "validation loss at the end of epoch " << epoch_ << ": "
                           << summary.last_validation_loss;
-      if (tensorboard_) {
-        tensorboard_->add_scalar("loss/validation/epoch_average", summary.last_validation_loss,
-                                 epoch_);
-      }
+      record_validation("epoch", summary.last_validation_loss, epoch_);
     }
-    if (tensorboard_) {
-      tensorboard_->add_scalar("loss/validation", summary.last_validation_loss, global_step_);
-    }
+    record_validation("step", summary.last_validation_loss, global_step_);  // lorapipe's own
   }
   summary.lora = o_.output_dir / "lora" / (last_stem(o_.output_name) + ".safetensors");
   save_lora(summary.lora, global_step_, /*final=*/true, epoch_);
