@@ -58,8 +58,6 @@ const std::vector<ForeignFlag> kFlags = {
      "Weights & Biases: lorapipe writes TensorBoard event files alone", {}, /*secret=*/true},
     {"wandb_run_name", K::kValue, "", T::kAnyValue,
      "Weights & Biases: lorapipe writes TensorBoard event files alone"},
-    {"log_tracker_name", K::kValue, "", T::kAnyValue,
-     "lorapipe's TensorBoard run folder is --logging_dir/--log_prefix's, as kohya's default"},
     {"log_tracker_config", K::kValue, "", T::kDefaultOnly,
      "accelerate tracker configs: lorapipe writes TensorBoard event files alone"},
     {"log_config", K::kBoolean, "", T::kAnyValue,

@@ -100,7 +100,7 @@ std::vector<FlagInfo> make_table() {
         "multires_noise_iterations", "multires_noise_discount", "min_timestep", "max_timestep",
         "loss_type", "huber_schedule", "huber_c", "huber_scale", "sample_every_n_steps",
         "sample_every_n_epochs", "checkpoint_reannounce_s", "network_module", "save_model_as",
-        "log_with", "logging_dir", "log_prefix", "v_pred_like_loss", "ip_noise_gamma",
+        "log_with", "logging_dir", "log_prefix", "log_tracker_name", "v_pred_like_loss", "ip_noise_gamma",
         "scale_weight_norms", "save_last_n_steps_state", "save_last_n_epochs_state",
         "metadata_title", "metadata_author", "metadata_description", "metadata_license",
         "metadata_tags", "metadata_trigger_phrase", "metadata_usage_hint", "metadata_thumbnail",

@@ -818,7 +818,7 @@ TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
                   "--network_module=networks.lora", "--save_model_as=safetensors",
                   "--no_half_vae", "--xformers", "--cache_latents", "--log_with=tensorboard",
                   "--logging_dir=" + (work_ / "logs").string(), "--log_prefix=dog-",
-                  "--ip_noise_gamma=0.1", "--ip_noise_gamma_random_strength",
+                  "--log_tracker_name=dog_lora", "--ip_noise_gamma=0.1", "--ip_noise_gamma_random_strength",
                   "--debiased_estimation_loss",
                   // kohya_ss's GUI passes kohya's flags at their defaults, and a few that change
                   // nothing here: all taken.
@@ -855,17 +855,27 @@ TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
     EXPECT_EQ(meta.at("modelspec.thumbnail"), "data:image/png;base64,YWJjZA==") << name;
     EXPECT_EQ(meta.at("modelspec.sai_model_spec"), "1.0.1") << name;
   }
-  // kohya's layout: LOGGING_DIR/<log_prefix><%Y%m%d%H%M%S>/network_train/events...
-  bool events = false;
-  for (const auto& run_dir : fs::directory_iterator(work_ / "logs")) {
-    EXPECT_TRUE(std::regex_match(run_dir.path().filename().string(), std::regex("dog-[0-9]{14}")))
-        << run_dir.path();
-    for (const auto& f : fs::directory_iterator(run_dir.path() / "network_train")) {
-      events |= f.path().filename().string().starts_with("events.out.tfevents.");
+  // kohya's layout: LOGGING_DIR/<log_prefix><%Y%m%d%H%M%S>/<log_tracker_name>/events..., the
+  // tracker's folder network_train by default.
+  auto events_under = [](const fs::path& logs, const std::string& prefix,
+                         const std::string& tracker) {
+    bool events = false;
+    for (const auto& run_dir : fs::directory_iterator(logs)) {
+      EXPECT_TRUE(std::regex_match(run_dir.path().filename().string(),
+                                   std::regex(prefix + "[0-9]{14}")))
+          << run_dir.path();
+      for (const auto& f : fs::directory_iterator(run_dir.path() / tracker)) {
+        events |= f.path().filename().string().starts_with("events.out.tfevents.");
+      }
     }
-  }
-  EXPECT_TRUE(events);
+    return events;
+  };
+  EXPECT_TRUE(events_under(work_ / "logs", "dog-", "dog_lora"));
   EXPECT_FALSE(fs::exists(work_ / "tensorboard"));
+  const TrainRun plain =
+      run(work_ / "plain", {"--max_train_steps=1", "--logging_dir=" + (work_ / "plain-logs").string()});
+  ASSERT_EQ(plain.exit, 0) << plain.err;
+  EXPECT_TRUE(events_under(work_ / "plain-logs", "", "network_train"));
 }
 
 // Gradient accumulation stops at the end of each epoch (accelerate syncs at the end of kohya's

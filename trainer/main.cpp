@@ -254,6 +254,9 @@ DEFINE_string(logging_dir, "",
               "TensorBoard under DIR/<log_prefix><time>/network_train, as kohya "
               "(default: OUT/tensorboard)");
 DEFINE_string(log_prefix, "", "Prefix of the --logging_dir run folder");
+DEFINE_string(log_tracker_name, "",
+              "The --logging_dir run's folder inside <log_prefix><time> (kohya's tracker name; "
+              "default network_train)");
 DEFINE_bool(no_half_vae, false, "Accepted: the trainer never runs the VAE (latents are cached)");
 DEFINE_string(train_data_dir, "",
               "Refused with a pointer: the trainer trains from the cache that preprocess and the "
@@ -542,7 +545,9 @@ int main(int argc, char** argv) {
       const std::time_t now = std::time(nullptr);
       std::strftime(stamp, sizeof stamp, "%Y%m%d%H%M%S", std::localtime(&now));
       o.tensorboard_dir = std::filesystem::path(FLAGS_logging_dir) /
-                          (FLAGS_log_prefix + stamp) / "network_train";
+                          (FLAGS_log_prefix + stamp) /
+                          (FLAGS_log_tracker_name.empty() ? "network_train"
+                                                          : FLAGS_log_tracker_name);
     }
     o.max_train_steps = FLAGS_max_train_steps;
     o.max_train_epochs = FLAGS_max_train_epochs;
