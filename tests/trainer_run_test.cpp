@@ -505,14 +505,41 @@ TEST_F(LionTrainRun, Learns) {
 }
 
 // The trainer with Adafactor (a suite of its own, so its name says it): with kohya's default
-// relative step its state (factored moments, each parameter's RMS, the step size it reports)
-// comes back exactly after kill -9; with kohya's SDXL preset (a fixed rate, no parameter scaling)
-// at AdamW's rate it learns the demo set (validation loss at least 10% lower after 60 steps; the
-// measured drop is printed).
+// relative step (under kohya's adafactor schedule, which takes no warmup) its state (factored
+// moments, each parameter's RMS, the step size it reports) comes back exactly after kill -9; with
+// kohya's SDXL preset (a fixed rate, no parameter scaling) at AdamW's rate it learns the demo set
+// (validation loss at least 10% lower after 60 steps; the measured drop is printed).
 class AdafactorTrainRun : public TrainRunTest {};
 
 TEST_F(AdafactorTrainRun, ResumeAfterKillNineIsBitExact) {
-  expect_resume_bit_exact({"--optimizer_type=Adafactor", "--optimizer_args=beta1=0.9"});
+  expect_resume_bit_exact({"--optimizer_type=Adafactor", "--optimizer_args=beta1=0.9",
+                           "--lr_scheduler=adafactor", "--lr_warmup_steps=0"});
+}
+
+// kohya's adafactor schedule: taken with Adafactor's relative step alone, where it stands in for
+// any --lr_scheduler (ss_lr_scheduler "adafactor:<lr>", as kohya writes it) and refuses a warmup.
+TEST_F(AdafactorTrainRun, KohyasAdafactorScheduleGoesWithTheRelativeStep) {
+  const TrainRun r = run(work_, {"--max_train_steps=1", "--optimizer_type=Adafactor",
+                                 "--lr_scheduler=cosine", "--learning_rate=2e-4"});
+  ASSERT_EQ(r.exit, 0) << r.err;
+  EXPECT_EQ(models::SafetensorsFile::open(work_ / "lora" / "tiny.safetensors")
+                .metadata()
+                .at("ss_lr_scheduler"),
+            "adafactor:0.0002");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> refused = {
+      {{"--optimizer_type=Adafactor", "--lr_warmup_steps=10", "--lr_scheduler=cosine"},
+       "--lr_warmup_steps=10: Adafactor with relative_step"},
+      {{"--lr_scheduler=adafactor"}, "--lr_scheduler=adafactor is transformers' AdafactorSchedule"},
+      {{"--optimizer_type=Adafactor", "--optimizer_args", "relative_step=False",
+        "--lr_scheduler=adafactor"},
+       "it needs --optimizer_type=Adafactor with relative_step"}};
+  for (const auto& [flags, expected] : refused) {
+    std::vector<std::string> check = flags;
+    check.push_back("--check_flags");
+    const TrainRun c = run(work_ / "check", check);
+    EXPECT_EQ(c.exit, 2) << flags[0];
+    EXPECT_NE(c.err.find(expected), std::string::npos) << c.err;
+  }
 }
 
 TEST_F(AdafactorTrainRun, LearnsWithKohyasPreset) {

@@ -112,6 +112,9 @@ void validate(const LrScheduleOptions& o) {
                            "warmup_stable_decay", "inverse_sqrt", "piecewise_constant"}) {
     known |= o.name == name;
   }
+  // kohya's name for transformers' AdafactorSchedule, "adafactor:<lr>" (main.cpp pairs it with
+  // Adafactor's relative_step).
+  known |= o.name == "adafactor" || o.name.starts_with("adafactor:");
   if (!known) {
     throw InputError("--lr_scheduler='" + o.name + "' is not a schedule: use " + kNames);
   }
@@ -129,7 +132,8 @@ double lr_multiplier(const LrScheduleOptions& o, int64_t step) {
   const double s = static_cast<double>(step);
   const double warmup = static_cast<double>(o.warmup_steps);
   const double total = static_cast<double>(o.training_steps);
-  if (o.name == "constant") return 1.0;
+  // Adafactor's relative_step ignores the rates: its schedule only reports the step it takes.
+  if (o.name == "constant" || o.name.starts_with("adafactor")) return 1.0;
   if (o.name == "piecewise_constant") {
     const Rules rules = parse_rules(o.step_rules);
     for (const auto& [boundary, value] : rules.before) {

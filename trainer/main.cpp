@@ -665,6 +665,33 @@ int main(int argc, char** argv) {
     }
     s.schedule.timescale = FLAGS_lr_scheduler_timescale;
     t::apply_lr_scheduler_args(s.schedule, words(FLAGS_lr_scheduler_args));
+    // kohya's Adafactor with relative_step (its default; warmup_init implies it) takes its own
+    // step size, and kohya swaps the schedule for transformers' AdafactorSchedule, which only
+    // reports it: named "adafactor:<lr>" (ss_lr_scheduler), refusing a warmup as it does.
+    const bool adafactor_steps_itself =
+        (strcasecmp(s.optimizer.type.c_str(), "adafactor") == 0 ||
+         strcasecmp(s.optimizer.type.c_str(), "transformers.optimization.adafactor") == 0) &&
+        (s.optimizer.adafactor.relative_step || s.optimizer.adafactor.warmup_init);
+    if (s.schedule.name.starts_with("adafactor") && !adafactor_steps_itself) {
+      throw lorapipe::InputError(
+          "--lr_scheduler=" + s.schedule.name + " is transformers' AdafactorSchedule, which "
+          "reports the step size Adafactor takes itself: it needs --optimizer_type=Adafactor "
+          "with relative_step (its default), as in kohya");
+    }
+    if (adafactor_steps_itself) {
+      if (o.lr_warmup_steps > 0) {
+        throw lorapipe::InputError(
+            "--lr_warmup_steps=" + FLAGS_lr_warmup_steps + ": Adafactor with relative_step takes "
+            "its own step size under kohya's adafactor schedule, which takes no warmup (kohya "
+            "refuses it); leave it out, or give --optimizer_args relative_step=False to schedule "
+            "--learning_rate");
+      }
+      if (!s.schedule.name.starts_with("adafactor")) {
+        LP_LOG(kInfo, "trainer") << "Adafactor with relative_step: --lr_scheduler="
+                                 << s.schedule.name << " gives way to its own, as kohya's does";
+      }
+      s.schedule.name = "adafactor:" + lorapipe::python_float_repr(FLAGS_learning_rate);
+    }
     s.max_grad_norm = FLAGS_max_grad_norm;
     s.gradient_accumulation_steps = FLAGS_gradient_accumulation_steps;
     s.gradient_checkpointing = FLAGS_gradient_checkpointing;
