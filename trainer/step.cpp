@@ -7,6 +7,7 @@
 #include <map>
 
 #include "common/error.h"
+#include "common/log.h"
 #include "models/diffusion_model.h"
 #include "trainer/lora_network.h"
 
@@ -75,14 +76,25 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
     if (params.empty()) return;
     if (lr < 0) throw InputError("learning rate for " + name + " is negative: " + std::to_string(lr));
     const double ratio = side_ratio > 0 ? side_ratio : o.loraplus_lr_ratio;
+    // kohya's assemble_params leaves a group at rate 0 out of the optimizer ("NO LR skipping!"):
+    // its weights stay as they start, whatever the optimizer (Adafactor's relative step would
+    // otherwise move them at a step size of its own).
+    auto push = [&](std::vector<at::Tensor> tensors, double rate, const std::string& group) {
+      if (rate == 0) {
+        LP_LOG(kInfo, "trainer") << group << ": learning rate 0, left out of the optimizer and "
+                                            "not trained (as kohya leaves it)";
+        return;
+      }
+      groups.push_back(ParamGroup{std::move(tensors), rate, group});
+    };
     if (ratio > 0) {
       // LoRA+ (kohya's loraplus ratios): the up matrices learn ratio times faster.
       std::vector<at::Tensor> downs, ups;
       for (size_t i = 0; i < params.size(); ++i) (i % 2 == 0 ? downs : ups).push_back(params[i]);
-      groups.push_back(ParamGroup{downs, lr, name});
-      groups.push_back(ParamGroup{ups, lr * ratio, name + "_plus"});
+      push(std::move(downs), lr, name);
+      push(std::move(ups), lr * ratio, name + "_plus");
     } else {
-      groups.push_back(ParamGroup{std::move(params), lr, name});
+      push(std::move(params), lr, name);
     }
   };
   if (network.options().train_text_encoder) {

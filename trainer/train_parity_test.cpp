@@ -652,6 +652,39 @@ TEST_F(TrainParity, LoraPlusPutsTheUpMatricesInGroupsAtTheRatio) {
   }
 }
 
+// A group at rate 0 is left out of the optimizer, as kohya's assemble_params leaves it: under
+// Adafactor's relative step (which takes its own step size, whatever the rate) the text
+// encoder's LoRA at --text_encoder_lr=0 stays exactly as it started while the U-Net's moves.
+TEST_F(TrainParity, AGroupAtRateZeroIsNotTrainedAsKohya) {
+  const auto owned = load();
+  models::DiffusionModel& model = *owned;
+  NetworkOptions net;
+  LoraNetwork network(model, net, at::make_generator<at::CPUGeneratorImpl>(7));
+  StepOptions o;
+  o.optimizer.type = "Adafactor";
+  o.optimizer_groups.learning_rate = 1e-4;
+  o.optimizer_groups.text_encoder_lr = 0;
+  TrainingStep step(model, network, o);
+  EXPECT_EQ(step.group_names(), (std::vector<std::string>{"unet"}));
+  std::map<std::string, torch::Tensor> before;
+  for (const auto& [name, t] : network.named_parameters()) {
+    before[name] = t.detach().clone();
+    t.mutable_grad() = torch::ones_like(t);
+  }
+  step.optimizer().step();
+  size_t moved = 0, kept = 0;
+  for (const auto& [name, t] : network.named_parameters()) {
+    if (name.starts_with("lora_te_")) {
+      EXPECT_TRUE(torch::equal(before.at(name), t.detach())) << name;
+      ++kept;
+    } else {
+      moved += !torch::equal(before.at(name), t.detach());
+    }
+  }
+  EXPECT_GT(kept, 0u);
+  EXPECT_GT(moved, 0u);
+}
+
 // kohya's block-wise network_args (networks/lora.py create_network): a rank and alpha per U-Net
 // block, a learning-rate weight per block, and no module where either is 0. The blocks are
 // kohya's for SD1.x (IN00-IN11, MID, OUT00-OUT11), written out here for every module the tiny
