@@ -3038,29 +3038,34 @@ TEST(TrainBatches, DatasetBatchSizeIsPerRank) {
 // scale, so for elements whose gradient is near zero the rounding becomes a visible share of a
 // step: measured 2.1e-4 of each tensor's scale after 8 steps at lr 1e-3. Tolerance 1e-3, still
 // over a thousand times below what a different global batch makes (one rank with batch 2,
-// measured 1.4; required above 1e-1 so the comparison can tell).
+// measured 1.4; required above 1e-1 so the comparison can tell). The rate warms up over 2
+// steps: --lr_warmup_steps=2 on one rank, 4 on two, which kohya's schedule counts once per
+// process (a warmup counted in optimizer steps on two ranks would train other weights).
 // With --clip_skip=2 the text encoder's last layer is never reached: its LoRA gets no gradient on
 // any rank and must stay exactly as initialised, as on one rank (AdamW skips it; a zero gradient
 // would still decay it).
 TEST_F(LauncherRanks, TwoCpuRanksTrainLikeOneRankWithTheGlobalBatch) {
   const std::vector<std::string> common = {"--max_train_steps=8", "--save_every_n_steps=1000",
-                                           "--clip_skip=2"};
+                                           "--clip_skip=2", "--lr_scheduler=constant_with_warmup"};
   auto with = [&](std::vector<std::string> extra) {
     extra.insert(extra.end(), common.begin(), common.end());
     return extra;
   };
-  const TrainRun one = run(work_ / "one", with({"--train_batch_size=4"}));
+  // kohya's schedule steps once per process: a warmup of 4 steps on two ranks is one of 2 on one.
+  const TrainRun one = run(work_ / "one", with({"--train_batch_size=4", "--lr_warmup_steps=2"}));
   ASSERT_EQ(one.exit, 0) << one.err;
-  const TrainRun half = run(work_ / "half", with({"--train_batch_size=2"}));
+  const TrainRun half =
+      run(work_ / "half", with({"--train_batch_size=2", "--lr_warmup_steps=2"}));
   ASSERT_EQ(half.exit, 0) << half.err;
   // Rank 1 is given an output folder of its own, and a PUB endpoint: rank 0 alone saves and
   // publishes, so both must stay empty.
   const fs::path two = work_ / "two", two_rank1 = work_ / "two-rank1";
   const std::string rank1_pub = "ipc://" + (work_ / "rank1.sock").string();
   const int p = port(1);
-  const pid_t r0 = start_rank(0, 2, p, two, with({"--train_batch_size=2"}));
-  const pid_t r1 =
-      start_rank(1, 2, p, two_rank1, with({"--train_batch_size=2", "--pub=" + rank1_pub}));
+  const pid_t r0 = start_rank(0, 2, p, two, with({"--train_batch_size=2", "--lr_warmup_steps=4"}));
+  const pid_t r1 = start_rank(1, 2, p, two_rank1,
+                              with({"--train_batch_size=2", "--lr_warmup_steps=4",
+                                    "--pub=" + rank1_pub}));
   ASSERT_EQ(wait_exit(r0), 0) << read_text(two / "rank0.err");
   ASSERT_EQ(wait_exit(r1), 0) << read_text(two_rank1 / "rank1.err");
   EXPECT_NE(read_text(two / "rank0.err").find("rank 0 of 2 over gloo"), std::string::npos);

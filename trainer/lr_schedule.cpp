@@ -128,7 +128,8 @@ void validate(const LrScheduleOptions& o) {
   if (o.name == "piecewise_constant") (void)parse_rules(o.step_rules);
 }
 
-double lr_multiplier(const LrScheduleOptions& o, int64_t step) {
+double lr_multiplier(const LrScheduleOptions& o, int64_t optimizer_step) {
+  const int64_t step = optimizer_step * std::max<int64_t>(1, o.processes);
   const double s = static_cast<double>(step);
   const double warmup = static_cast<double>(o.warmup_steps);
   const double total = static_cast<double>(o.training_steps);

@@ -34,6 +34,11 @@ struct LrScheduleOptions {
   // lr_scheduler_args step_rules for piecewise_constant, diffusers' form: "1:10,0.1:20,0.01" is
   // x1 before step 10, x0.1 before step 20, x0.01 after.
   std::string step_rules;
+  // kohya's scheduler, wrapped by accelerate, steps once per process for each optimizer step,
+  // over max_train_steps x processes (get_scheduler_fix's num_training_steps): training_steps,
+  // warmup_steps and the other counts above are in those steps, as kohya's are; so a count of
+  // warmup steps passes `processes` times faster on that many ranks, a ratio alike.
+  int64_t processes = 1;
 };
 
 // Applies --lr_scheduler_args (kohya's key=value words) to `options`: lr_end (polynomial),
@@ -45,8 +50,9 @@ void apply_lr_scheduler_args(LrScheduleOptions& options, const std::vector<std::
 // Throws InputError naming an unknown schedule or what it misses.
 void validate(const LrScheduleOptions& options);
 
-// The multiplier at optimizer step `step` (0 for the first update).
-double lr_multiplier(const LrScheduleOptions& options, int64_t step);
+// The multiplier at optimizer step `optimizer_step` (0 for the first update): the schedule's at
+// optimizer_step x processes.
+double lr_multiplier(const LrScheduleOptions& options, int64_t optimizer_step);
 
 // kohya's --lr_warmup_steps and --lr_decay_steps: a value below 1 is a ratio of the training
 // steps.

@@ -19,7 +19,7 @@ namespace {
 namespace fs = std::filesystem;
 
 // Every schedule kohya names, with warmup and without, past its last step (what a resumed or
-// epoch-rounded run reaches). The multipliers are the same formulas in double on both sides;
+// epoch-rounded run reaches), and on two processes. The multipliers are the same formulas in double on both sides;
 // they may differ in the last bits of cos, pow and sqrt, so the tolerance is 1e-12 absolute.
 TEST(TrainLrSchedule, EveryScheduleEqualsTransformersAsKohyaBuildsIt) {
   std::vector<LrScheduleOptions> cases;
@@ -54,6 +54,15 @@ TEST(TrainLrSchedule, EveryScheduleEqualsTransformersAsKohyaBuildsIt) {
   }
   add("constant", 0, none);
   add("piecewise_constant", 0, [](LrScheduleOptions& o) { o.step_rules = "1:10,0.1:20,0.01"; });
+  // Two processes, as accelerate steps kohya's scheduler: twice per optimizer step over twice the
+  // steps (total 40 is 20 optimizer steps), the warmup count as given.
+  for (const char* name : {"cosine", "warmup_stable_decay", "piecewise_constant"}) {
+    add(name, std::string(name) == "piecewise_constant" ? 0 : 7, [](LrScheduleOptions& o) {
+      o.processes = 2;
+      o.decay_steps = 10;
+      o.step_rules = "1:10,0.1:20,0.01";
+    });
+  }
 
   nlohmann::json config = nlohmann::json::array();
   constexpr int kSteps = 44;
@@ -72,6 +81,7 @@ TEST(TrainLrSchedule, EveryScheduleEqualsTransformersAsKohyaBuildsIt) {
                       {"warmup_type", o.warmup_type},
                       {"decay_type", o.decay_type},
                       {"step_rules", o.step_rules},
+                      {"processes", o.processes},
                       {"steps", kSteps}});
   }
   const fs::path dir = models::testing::make_temp_dir("lr-schedule");

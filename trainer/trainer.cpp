@@ -132,8 +132,11 @@ Summary Run::train_steps() {
                         << o_.save_every_n_epochs << " epochs of " << epochs;
   }
   StepOptions step_options = o_.step;
-  step_options.schedule.training_steps = max_steps_;
-  step_options.schedule.warmup_steps = warmup_steps_from(o_.lr_warmup_steps, max_steps_);
+  // kohya's schedule counts its steps once per process (LrScheduleOptions::processes).
+  const int64_t processes = std::max(1, o_.ranks.world_size);
+  step_options.schedule.processes = processes;
+  step_options.schedule.training_steps = max_steps_ * processes;
+  step_options.schedule.warmup_steps = warmup_steps_from(o_.lr_warmup_steps, max_steps_ * processes);
   step_options.schedule.initial_lr = o_.step.optimizer_groups.learning_rate;
   step_ = std::make_unique<TrainingStep>(*model_, *network_, step_options);
   if (ranks_) {

@@ -5,9 +5,9 @@ arguments; diffusers' for piecewise_constant), stepped through its steps.
     python lr_schedule_reference.py --config CASES.json --out OUT.json
 
 CASES  a list of {name, lr, warmup, total, num_cycles, power, lr_end, min_lr_ratio, decay_steps,
-       timescale, warmup_type, decay_type, step_rules, steps}: what kohya's flags give (warmup
-       and decay already counts of steps).
-OUT    a list, per case, of the multiplier lr / initial lr at steps 0 .. steps-1.
+       timescale, warmup_type, decay_type, step_rules, steps, processes}: what kohya's flags give
+       (warmup and decay already counts of steps, total kohya's num_training_steps).
+OUT    a list, per case, of the multiplier lr / initial lr at optimizer steps 0 .. steps-1.
 """
 import argparse
 import json
@@ -66,7 +66,10 @@ def main():
         for _ in range(c["steps"]):
             values.append(optimizer.param_groups[0]["lr"] / c["lr"])
             optimizer.step()
-            scheduler.step()
+            # accelerate's AcceleratedScheduler steps the scheduler once per process
+            # (split_batches off, kohya's case) for each optimizer step.
+            for _ in range(c.get("processes", 1)):
+                scheduler.step()
         out.append(values)
     with open(args.out, "w") as f:
         json.dump(out, f)
