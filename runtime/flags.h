@@ -55,8 +55,8 @@ inline std::vector<FlagWord> flag_words(int argc, char** argv) {
 
 // gflags::ParseCommandLineFlags(argc, argv, /*remove_flags=*/true), with lorapipe's exit codes.
 // An unknown flag is named with the stage's flags nearest it ("did you mean --network_dim?"),
-// which gflags' own message does not do.
-inline void parse_flags(int* argc, char*** argv) {
+// which gflags' own message does not do, and `hint` after it (where the flag may belong).
+inline void parse_flags(int* argc, char*** argv, const char* hint = "") {
   const std::vector<FlagWord> words = flag_words(*argc, *argv);
   bool help = false;
   for (const FlagWord& word : words) {
@@ -78,8 +78,8 @@ inline void parse_flags(int* argc, char*** argv) {
     gflags::GetAllFlags(&all);
     std::vector<std::string> names;
     for (const auto& flag : all) names.push_back(flag.name);
-    std::fprintf(stderr, "ERROR: unknown command line flag '%s'%s\n", word.name.c_str(),
-                 did_you_mean(word.name, names, "--").c_str());
+    std::fprintf(stderr, "ERROR: unknown command line flag '%s'%s%s\n", word.name.c_str(),
+                 did_you_mean(word.name, names, "--").c_str(), hint);
     std::exit(kExitError);
   }
   gflags::ParseCommandLineFlags(argc, argv, /*remove_flags=*/true);

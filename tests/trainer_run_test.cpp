@@ -1853,6 +1853,8 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
       {{"--mixed_precision=fp8"}, "fp8"},
       {{"--network_args", "conv_rank=4"}, "conv_rank"},
       {{"--no_such_flag=1"}, "no_such_flag"},
+      {{"--resolution=512"}, "kohya's dataset, bucket, caption, caching and sample flags go to "
+                             "`lorapipe run`"},
       {{"--lr_scheduler=constant", "--lr_warmup_steps=10"}, "constant_with_warmup"},
       {{"--lr_scheduler=polynomial", "--learning_rate=0"}, "--lr_scheduler=polynomial"},
       {{"--adaptive_noise_scale=0.01"}, "--adaptive_noise_scale needs --noise_offset"},

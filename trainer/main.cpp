@@ -388,7 +388,11 @@ int main(int argc, char** argv) {
   for (std::string& a : args) arg_pointers.push_back(a.data());
   int count = static_cast<int>(arg_pointers.size());
   char** pointer = arg_pointers.data();
-  lorapipe::runtime::parse_flags(&count, &pointer);
+  // A pasted kohya command carries the dataset's, the cache's and the previews' flags too.
+  lorapipe::runtime::parse_flags(
+      &count, &pointer,
+      " (the trainer trains from the cache: kohya's dataset, bucket, caption, caching and sample "
+      "flags go to `lorapipe run`, which gives each stage its own)");
   if (count > 1) {
     LP_LOG(kError, "trainer") << "unexpected argument '" << pointer[1] << "'";
     return lorapipe::runtime::kExitError;
