@@ -121,8 +121,14 @@ class Adafactor final : public GroupedOptimizer<AdafactorState> {
     return o_.relative_step ? reported_lr_.at(group) : groups_.at(group).lr;
   }
 
+  // kohya adds relative_step=True where it is not given, and sets it where warmup_init is on.
   std::string describe() const override {
-    return kohya_optimizer_name("transformers.optimization.Adafactor", options_);
+    OptimizerOptions written = options_;
+    for (std::string& arg : written.given_args) {
+      if (arg.starts_with("relative_step=") && o_.relative_step) arg = "relative_step=True";
+    }
+    return kohya_optimizer_name("transformers.optimization.Adafactor", written,
+                                {"relative_step=True"});
   }
 
  private:

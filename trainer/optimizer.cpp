@@ -100,11 +100,92 @@ class TorchAdamW final : public Optimizer {
 
 }  // namespace
 
-std::string kohya_optimizer_name(const std::string& cls, const OptimizerOptions& options) {
-  if (options.given_args.empty()) return cls;
+namespace {
+
+std::string trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(' '), b = s.find_last_not_of(' ');
+  return a == std::string::npos ? std::string() : s.substr(a, b - a + 1);
+}
+
+// str() of what Python's ast.literal_eval makes of an --optimizer_args value, for the forms the
+// optimizers here read: a number (an int stays one; 1e-2 is 0.01), True/False, a quoted string
+// (printed bare), a comma list as a tuple ("0.9,0.99" is "(0.9, 0.99)") or in brackets as a
+// list. Anything else is kept as written.
+std::string python_str_of_literal(const std::string& given) {
+  const std::string text = trim(given);
+  if (text.empty()) return text;
+  if (text == "True" || text == "False") return text;
+  if (text.size() >= 2 && (text.front() == '\'' || text.front() == '"') &&
+      text.back() == text.front()) {
+    return text.substr(1, text.size() - 2);
+  }
+  const char open = text.front();
+  const bool bracketed = (open == '(' && text.back() == ')') || (open == '[' && text.back() == ']');
+  if (bracketed || text.find(',') != std::string::npos) {
+    const std::string inner = bracketed ? text.substr(1, text.size() - 2) : text;
+    // "(0.5)" is the number itself; a comma makes a tuple.
+    if (open == '(' && bracketed && inner.find(',') == std::string::npos) {
+      return python_str_of_literal(inner);
+    }
+    std::vector<std::string> items;
+    size_t start = 0;
+    while (start <= inner.size()) {
+      const size_t comma = inner.find(',', start);
+      const std::string item = trim(inner.substr(start, comma - start));
+      if (!item.empty()) items.push_back(python_str_of_literal(item));
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+    const bool list = bracketed && open == '[';
+    std::string out(1, list ? '[' : '(');
+    for (size_t i = 0; i < items.size(); ++i) out += (i ? ", " : "") + items[i];
+    if (!list && items.size() == 1) out += ",";  // Python's one-element tuple
+    return out + (list ? "]" : ")");
+  }
+  const bool integer = text.find_first_not_of("+-0123456789") == std::string::npos;
+  if (integer) {
+    try {
+      return std::to_string(std::stoll(text));
+    } catch (const std::exception&) {
+      return text;
+    }
+  }
+  if (const auto value = parse_double(text)) return python_float_repr(*value);
+  return text;
+}
+
+}  // namespace
+
+std::string kohya_optimizer_name(const std::string& cls, const OptimizerOptions& options,
+                                 const std::vector<std::string>& defaults) {
+  // kohya's get_optimizer: a dict of the arguments, each literal_eval'd (a key given twice keeps
+  // its first place and its last value), then the defaults it adds; written
+  // ",".join(f"{k}={v}") after the class's module path and name.
+  std::vector<std::pair<std::string, std::string>> kwargs;
+  auto put = [&kwargs](const std::string& key, const std::string& value) {
+    for (auto& [k, v] : kwargs) {
+      if (k == key) {
+        v = value;
+        return;
+      }
+    }
+    kwargs.emplace_back(key, value);
+  };
+  for (const std::string& arg : options.given_args) {
+    const size_t eq = arg.find('=');
+    put(arg.substr(0, eq), python_str_of_literal(arg.substr(eq + 1)));
+  }
+  for (const std::string& arg : defaults) {
+    const size_t eq = arg.find('=');
+    const std::string key = arg.substr(0, eq);
+    if (std::none_of(kwargs.begin(), kwargs.end(), [&](const auto& kv) { return kv.first == key; })) {
+      kwargs.emplace_back(key, arg.substr(eq + 1));
+    }
+  }
+  if (kwargs.empty()) return cls;
   std::string out = cls + "(";
-  for (size_t i = 0; i < options.given_args.size(); ++i) {
-    out += (i ? "," : "") + options.given_args[i];
+  for (size_t i = 0; i < kwargs.size(); ++i) {
+    out += (i ? "," : "") + kwargs[i].first + "=" + kwargs[i].second;
   }
   return out + ")";
 }
@@ -113,7 +194,9 @@ namespace {
 
 std::vector<double> parse_numbers(const std::string& arg, std::string text) {
   text.erase(std::remove_if(text.begin(), text.end(),
-                            [](char c) { return c == '(' || c == ')' || c == ' '; }),
+                            [](char c) {
+                              return c == '(' || c == ')' || c == '[' || c == ']' || c == ' ';
+                            }),
              text.end());
   std::vector<double> out;
   size_t start = 0;

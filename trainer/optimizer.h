@@ -78,9 +78,12 @@ class Optimizer {
   virtual std::string describe() const = 0;
 };
 
-// kohya's ss_optimizer: the optimizer's class path, then the --optimizer_args as given, e.g.
-// "prodigyopt.prodigy.Prodigy(d_coef=2,decouple=True)"; the class alone without arguments.
-std::string kohya_optimizer_name(const std::string& cls, const OptimizerOptions& options);
+// kohya's ss_optimizer: the optimizer's class path, then the --optimizer_args as kohya's
+// literal_eval reads and str() prints them, e.g. "prodigyopt.prodigy.Prodigy(d_coef=2,
+// betas=(0.9, 0.99))", then `defaults` ("key=value" as printed) kohya adds where not given; the
+// class alone without any.
+std::string kohya_optimizer_name(const std::string& cls, const OptimizerOptions& options,
+                                 const std::vector<std::string>& defaults = {});
 
 // Parses --optimizer_args ("weight_decay=0.1", "betas=0.9,0.99", "eps=1e-6") into `options`;
 // throws InputError naming an unknown or malformed argument.

@@ -218,6 +218,55 @@ TEST(DAdaptAdamParity, MatchesDadaptationBitForBit) {
   run_case(c, "dadapt_branches");
 }
 
+// ss_optimizer's arguments as kohya's get_optimizer writes them: each value through Python's
+// ast.literal_eval into a dict (a key given twice keeps its first place, its last value), then
+// ",".join(f"{k}={v}") — computed here by Python itself. Adafactor gets kohya's relative_step
+// default, and warmup_init turns it on.
+TEST(OptimizerName, ArgumentsArePrintedAsKohyasLiteralEvalPrintsThem) {
+  const char* python = std::getenv("LORAPIPE_PYTHON");
+  ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
+  OptimizerOptions o;
+  o.given_args = {"weight_decay=1e-2", "betas=0.9,0.99", "decouple=True", "d_coef=2",
+                  "eps=1e-08",         "d0=0.000001",    "growth_rate=10.", "betas=[0.8, 0.95]",
+                  "use_bias_correction=False", "slice_p=11", "beta3=(0.5)"};
+  const fs::path dir = models::testing::make_temp_dir("optimizer-name");
+  std::ofstream(dir / "args.json") << nlohmann::json(o.given_args).dump();
+  std::ofstream(dir / "kohya.py") << R"(import ast, json, sys
+kwargs = {}
+for arg in json.load(open(sys.argv[1])):
+    key, value = arg.split("=")
+    kwargs[key] = ast.literal_eval(value)
+print(",".join(f"{k}={v}" for k, v in kwargs.items()))
+)";
+  const std::string command = std::string(python) + " " + (dir / "kohya.py").string() + " " +
+                              (dir / "args.json").string();
+  FILE* pipe = ::popen(command.c_str(), "r");
+  ASSERT_NE(pipe, nullptr) << command;
+  char line[1024] = {};
+  ASSERT_NE(std::fgets(line, sizeof line, pipe), nullptr) << command;
+  ASSERT_EQ(::pclose(pipe), 0) << command;
+  std::string kohya = line;
+  kohya.erase(kohya.find_last_not_of('\n') + 1);
+  EXPECT_EQ(kohya_optimizer_name("prodigyopt.prodigy.Prodigy", o),
+            "prodigyopt.prodigy.Prodigy(" + kohya + ")");
+  OptimizerOptions none;
+  EXPECT_EQ(kohya_optimizer_name("torch.optim.adamw.AdamW", none), "torch.optim.adamw.AdamW");
+
+  auto adafactor = [](std::vector<std::string> args) {
+    OptimizerOptions a;
+    a.type = "Adafactor";
+    apply_optimizer_args(a, args);
+    return make_optimizer(a, {ParamGroup{{torch::zeros({2}).requires_grad_()}, 1e-3, "unet"}})
+        ->describe();
+  };
+  EXPECT_EQ(adafactor({}), "transformers.optimization.Adafactor(relative_step=True)");
+  EXPECT_EQ(adafactor({"scale_parameter=False", "relative_step=False", "warmup_init=False"}),
+            "transformers.optimization.Adafactor(scale_parameter=False,relative_step=False,"
+            "warmup_init=False)");
+  EXPECT_EQ(adafactor({"relative_step=False", "warmup_init=True"}),
+            "transformers.optimization.Adafactor(relative_step=True,warmup_init=True)");
+}
+
 // A saved state resumed under another optimizer or other arguments is refused naming the file,
 // not half-loaded: Prodigy's state under Lion, and under Prodigy with another slice_p.
 TEST(OptimizerState, StateOfAnotherOptimizerOrSettingIsRefusedNamingTheFile) {
