@@ -130,7 +130,8 @@ class FlowMatchingObjective final : public TrainingObjective {
     m["ss_huber_schedule"] = o.huber_schedule;
     m["ss_huber_scale"] = python_float_repr(o.huber_scale);
     m["ss_huber_c"] = python_float_repr(o.huber_c);
-    m["modelspec.prediction_type"] = "flow";
+    // kohya's sai_model_spec writes no prediction type for FLUX.1 ("Flux models don't use
+    // prediction_type").
   }
 
  private:

@@ -666,6 +666,7 @@ TEST_F(TrainRunTest, LoraFileIsKohyas) {
   EXPECT_EQ(meta.at("ss_unet_lr"), "None");
   EXPECT_EQ(meta.at("ss_text_encoder_lr"), "None");
   EXPECT_EQ(meta.at("ss_clip_skip"), "None");
+  EXPECT_FALSE(meta.count("modelspec.encoder_layer")) << "kohya's: --clip_skip not given";
   EXPECT_EQ(meta.at("ss_optimizer").find('('), std::string::npos) << meta.at("ss_optimizer");
   EXPECT_EQ(meta.at("ss_sd_model_name"), tiny_.diffusers.filename().string());  // the suite's
   EXPECT_EQ(meta.at("ss_sd_model_hash"), "IsADirectory");
@@ -845,7 +846,7 @@ TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
                   "--network_module=networks.lora", "--save_model_as=safetensors",
                   "--no_half_vae", "--xformers", "--cache_latents", "--log_with=tensorboard",
                   "--logging_dir=" + (work_ / "logs").string(), "--log_prefix=dog-",
-                  "--log_tracker_name=dog_lora", "--ip_noise_gamma=0.1", "--ip_noise_gamma_random_strength",
+                  "--log_tracker_name=dog_lora", "--ip_noise_gamma=0.1", "--clip_skip=1", "--ip_noise_gamma_random_strength",
                   "--debiased_estimation_loss",
                   // kohya_ss's GUI passes kohya's flags at their defaults, and a few that change
                   // nothing here: all taken.
@@ -881,6 +882,7 @@ TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
     EXPECT_EQ(meta.at("modelspec.trigger_phrase"), "sks dog") << name;
     EXPECT_EQ(meta.at("modelspec.thumbnail"), "data:image/png;base64,YWJjZA==") << name;
     EXPECT_EQ(meta.at("modelspec.sai_model_spec"), "1.0.1") << name;
+    EXPECT_EQ(meta.at("modelspec.encoder_layer"), "1") << name << ": kohya's, --clip_skip given";
   }
   // kohya's layout: LOGGING_DIR/<log_prefix><%Y%m%d%H%M%S>/<log_tracker_name>/events..., the
   // tracker's folder network_train by default.

@@ -17,10 +17,11 @@ using nlohmann::json;
 
 namespace {
 
+// kohya's modelspec.date: datetime.fromtimestamp(int(time)).isoformat(), the local time.
 std::string iso_now() {
   const std::time_t now = std::time(nullptr);
   char buffer[32];
-  std::strftime(buffer, sizeof buffer, "%Y-%m-%dT%H:%M:%S", std::gmtime(&now));
+  std::strftime(buffer, sizeof buffer, "%Y-%m-%dT%H:%M:%S", std::localtime(&now));
   return buffer;
 }
 
@@ -235,7 +236,8 @@ std::map<std::string, std::string> Run::metadata(int64_t step, int64_t epoch) co
   m["modelspec.date"] = iso_now().substr(0, 19);
   m["modelspec.resolution"] =
       std::to_string(dataset_metadata_.width) + "x" + std::to_string(dataset_metadata_.height);
-  if (s.clip_skip != 1) m["modelspec.encoder_layer"] = std::to_string(s.clip_skip);
+  // kohya's: --clip_skip as given, 1 included; nothing without it.
+  if (o_.clip_skip_given) m["modelspec.encoder_layer"] = std::to_string(s.clip_skip);
   for (const auto& [field, value] : o_.modelspec) m["modelspec." + field] = value;
   return m;
 }
