@@ -416,5 +416,75 @@ TEST_F(FluxTrainParity, TrainBlocksKeepsOnlyTheChosenBlocksModules) {
   }
 }
 
+// kohya's networks.lora_flux ranks by kind of module (the first kind given whose words the
+// name holds, 0 for none, alpha --network_alpha) and its block indices (all, none, indices and
+// ranges of its 19 double and 38 single blocks), as the kohya_ss GUI writes them
+// ("train_double_block_indices=all"). The tiny model has one double block (10 modules) and two
+// single blocks (linear1, linear2, modulation.lin each).
+TEST_F(FluxTrainParity, TypeDimsAndBlockIndicesShapeTheNetworkAsKohyas) {
+  models::LoadOptions load;
+  load.parts.t5_max_length = kT5Tokens;
+  const auto model = models::load_model(flux_, load);
+  auto ranks = [&](const std::vector<std::string>& args) {
+    Options o;
+    o.network_args = args;
+    apply_network_args(o);
+    o.network.alpha = 2;
+    LoraNetwork network(*model, o.network, at::make_generator<at::CPUGeneratorImpl>(1));
+    std::map<std::string, std::pair<int64_t, double>> out;  // denoiser module -> rank, alpha
+    for (const LoraNetwork::Module& m : network.modules()) {
+      if (!m.target.text_encoder) out[m.target.name] = {m.scale_rank(), m.alpha};
+    }
+    return out;
+  };
+  const auto all = ranks({"train_double_block_indices=all", "train_single_block_indices=all",
+                          "train_t5xxl=False"});
+  EXPECT_EQ(all.size(), 16u) << "all blocks, as without the arguments";
+  const auto typed = ranks({"img_attn_dim=8", "txt_mlp_dim=0", "single_mod_dim=2"});
+  EXPECT_EQ(typed.size(), 14u) << "txt_mlp's two layers have no module";
+  EXPECT_EQ(typed.at("lora_unet_double_blocks_0_img_attn_qkv"), (std::pair<int64_t, double>{8, 2}));
+  EXPECT_EQ(typed.at("lora_unet_double_blocks_0_img_attn_proj").first, 8);
+  EXPECT_EQ(typed.at("lora_unet_double_blocks_0_txt_attn_qkv").first, 4) << "--network_dim";
+  EXPECT_EQ(typed.at("lora_unet_double_blocks_0_img_mod_lin").first, 4);
+  EXPECT_FALSE(typed.count("lora_unet_double_blocks_0_txt_mlp_0"));
+  EXPECT_EQ(typed.at("lora_unet_single_blocks_1_modulation_lin").first, 2);
+  EXPECT_EQ(typed.at("lora_unet_single_blocks_1_linear1").first, 4);
+  const auto chosen = ranks({"train_double_block_indices=none", "train_single_block_indices=1",
+                             "single_dim=3"});
+  std::vector<std::string> names;
+  for (const auto& [name, rank_alpha] : chosen) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"lora_unet_single_blocks_1_linear1",
+                                             "lora_unet_single_blocks_1_linear2",
+                                             "lora_unet_single_blocks_1_modulation_lin"}));
+  EXPECT_EQ(chosen.at("lora_unet_single_blocks_1_linear2").first, 3);
+  EXPECT_EQ(chosen.at("lora_unet_single_blocks_1_modulation_lin").first, 4);
+  EXPECT_EQ(ranks({"train_single_block_indices=0-1", "train_double_block_indices=0"}).size(), 16u);
+
+  for (const auto& [bad, says] : std::vector<std::pair<std::string, std::string>>{
+           {"train_double_block_indices=19", "'19' is not a block index (0 to 18)"},
+           {"train_single_block_indices=5-2", "'5-2' runs backwards"},
+           {"img_attn_dim=x", "'x' is not a rank"},
+           {"train_t5xxl=True", "is not supported yet"}}) {
+    Options o;
+    o.network_args = {bad};
+    try {
+      apply_network_args(o);
+      ADD_FAILURE() << bad << " was taken";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  }
+  const auto sd = models::load_model(models::write_tiny_checkpoint(dir_ / "sd-types", 2).diffusers);
+  NetworkOptions typed_sd;
+  typed_sd.type_dims = {{"img_attn_dim", 8}};
+  try {
+    LoraNetwork network(*sd, typed_sd, at::make_generator<at::CPUGeneratorImpl>(1));
+    ADD_FAILURE() << "an SD model took img_attn_dim";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("img_attn_dim: Stable Diffusion"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace lorapipe::trainer

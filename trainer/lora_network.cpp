@@ -2,10 +2,12 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -223,6 +225,44 @@ void LoraNetwork::check(const NetworkOptions& options) {
   }
 }
 
+namespace {
+
+// The rank kohya's networks.lora_flux gives a double or single block module `name` under the
+// type dims and block indices of `options`; 0: no module.
+int64_t flux_module_rank(const std::string& name, const NetworkOptions& options) {
+  // kohya's create_modules: the first kind given whose words the name holds, in this order.
+  static const std::vector<std::pair<std::string, std::vector<std::string>>> kinds = {
+      {"img_attn_dim", {"img_attn"}},   {"txt_attn_dim", {"txt_attn"}},
+      {"img_mlp_dim", {"img_mlp"}},     {"txt_mlp_dim", {"txt_mlp"}},
+      {"img_mod_dim", {"img_mod"}},     {"txt_mod_dim", {"txt_mod"}},
+      {"single_dim", {"single_blocks", "linear"}}, {"single_mod_dim", {"modulation"}}};
+  int64_t rank = options.dim;
+  for (const auto& [kind, words] : kinds) {
+    const auto given = std::find_if(options.type_dims.begin(), options.type_dims.end(),
+                                    [&](const auto& d) { return d.first == kind; });
+    if (given == options.type_dims.end()) continue;
+    if (std::all_of(words.begin(), words.end(),
+                    [&](const std::string& w) { return name.find(w) != std::string::npos; })) {
+      rank = given->second;
+      break;
+    }
+  }
+  // The block's index is the name's fifth word ("lora_unet_double_blocks_3_..."), as kohya reads it.
+  const bool is_double = name.find("double") != std::string::npos;
+  const bool is_single = !is_double && name.find("single") != std::string::npos;
+  const std::vector<bool>& chosen = is_double ? options.double_blocks : options.single_blocks;
+  if (rank != 0 && (is_double || is_single) && !chosen.empty()) {
+    std::vector<std::string> words;
+    std::stringstream parts(name);
+    for (std::string w; std::getline(parts, w, '_');) words.push_back(w);
+    const size_t index = words.size() > 4 ? std::stoul(words[4]) : 0;
+    if (index >= chosen.size() || !chosen[index]) rank = 0;
+  }
+  return rank;
+}
+
+}  // namespace
+
 LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptions& options,
                          at::Generator generator)
     : options_(options) {
@@ -275,6 +315,16 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
                        groups + ")");
     }
   }
+  const bool flux_rules = !options.type_dims.empty() || !options.double_blocks.empty() ||
+                          !options.single_blocks.empty();
+  if (flux_rules && model.model_family().kohya.network_module != "networks.lora_flux") {
+    throw InputError("--network_args " +
+                     std::string(options.type_dims.empty() ? "train_*_block_indices"
+                                                           : options.type_dims.front().first) +
+                     ": " + model.model_family().display_name + "'s network (" +
+                     model.model_family().kohya.network_module +
+                     ") has no double and single blocks (networks.lora_flux's arguments)");
+  }
   for (models::LoraTarget& target : targets) {
     // kohya's apply_to drops the modules of a side that does not train.
     if (!(target.text_encoder ? options.train_text_encoder : options.train_unet)) {
@@ -315,6 +365,12 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
       }
       if (rank == 0) {  // kohya builds no module for a block of rank 0 (or weight 0)
         untrained_.insert(target.name);  // a --network_weights file's module for it is not loaded
+        continue;
+      }
+    } else if (flux_rules && !target.text_encoder && !kxk && from_weights.empty()) {
+      rank = flux_module_rank(target.name, options);
+      if (rank == 0) {  // kohya builds no module of rank 0, nor in a block left out
+        untrained_.insert(target.name);
         continue;
       }
     }

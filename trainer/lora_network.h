@@ -41,6 +41,14 @@ struct NetworkOptions {
   // the family's input layers (KohyaFamilyNames::in_dims: img_in, time_in, vector_in,
   // guidance_in, txt_in), 0 for none, each at --network_alpha as kohya builds them. Empty: none.
   std::vector<int64_t> in_dims;
+  // network_args of kohya's networks.lora_flux for the double and single blocks' modules: ranks
+  // by kind of module (img_attn_dim, txt_attn_dim, img_mlp_dim, txt_mlp_dim, img_mod_dim,
+  // txt_mod_dim, single_dim, single_mod_dim: the first given whose words the module's name holds
+  // sets its rank, 0 for no module; alpha stays --network_alpha), as given; and the blocks that
+  // train (train_double_block_indices / train_single_block_indices: one flag per block, empty
+  // for every block), a block left out having no modules.
+  std::vector<std::pair<std::string, int64_t>> type_dims;
+  std::vector<bool> double_blocks, single_blocks;
   // kohya's --dim_from_weights (create_network_from_weights): each module's rank as the LoRA file
   // to continue from has it, by kohya name. When set, exactly these modules are built (3x3 convs
   // included where the file has them), and dim, alpha and conv_dim above are not used: the

@@ -63,6 +63,61 @@ void apply_network_args(Options& options) {
       continue;
     }
     if (key == "verbose") continue;  // kohya prints its block-wise ranks with it: nothing here
+    if (key == "train_double_block_indices" || key == "train_single_block_indices") {
+      // kohya's networks.lora_flux parse_block_selection: all, none (or empty), or indices and
+      // inclusive ranges "0,1,8-12" of its 19 double and 38 single blocks.
+      const size_t total = key == "train_double_block_indices" ? 19 : 38;
+      std::vector<bool> chosen(total, value == "all");
+      if (value != "all" && value != "none" && !value.empty()) {
+        auto index = [&](std::string text) {
+          text.erase(0, text.find_first_not_of(' '));
+          text.erase(text.find_last_not_of(' ') + 1);
+          size_t used = 0;
+          long i = -1;
+          try {
+            i = std::stol(text, &used);
+          } catch (const std::exception&) {
+            used = 0;
+          }
+          if (used == 0 || used != text.size() || i < 0 || static_cast<size_t>(i) >= total) {
+            throw InputError("--network_args '" + arg + "': '" + text + "' is not a block index (0 to " +
+                             std::to_string(total - 1) + ")");
+          }
+          return static_cast<size_t>(i);
+        };
+        std::stringstream items(value);
+        for (std::string item; std::getline(items, item, ',');) {
+          const size_t dash = item.find('-');
+          const size_t first = index(item.substr(0, dash));
+          const size_t last = dash == std::string::npos ? first : index(item.substr(dash + 1));
+          if (first > last) throw InputError("--network_args '" + arg + "': '" + item + "' runs backwards");
+          for (size_t i = first; i <= last; ++i) chosen[i] = true;
+        }
+      }
+      (key == "train_double_block_indices" ? options.network.double_blocks
+                                           : options.network.single_blocks) = std::move(chosen);
+      continue;
+    }
+    if (key == "img_attn_dim" || key == "txt_attn_dim" || key == "img_mlp_dim" ||
+        key == "txt_mlp_dim" || key == "img_mod_dim" || key == "txt_mod_dim" ||
+        key == "single_dim" || key == "single_mod_dim") {
+      size_t used = 0;
+      long long rank = -1;
+      try {
+        rank = std::stoll(value, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used == 0 || used != value.size() || rank < 0) {
+        throw InputError("--network_args '" + arg + "': '" + value +
+                         "' is not a rank (a whole number, 0 for none)");
+      }
+      auto& dims = options.network.type_dims;
+      std::erase_if(dims, [&](const auto& d) { return d.first == key; });
+      dims.emplace_back(key, rank);
+      continue;
+    }
+    if (key == "train_t5xxl" && value != "True") continue;  // kohya's reading: only "True" is on
     if (key == "train_t5xxl") {
       throw InputError("--network_args '" + arg + "': kohya's networks.lora_flux argument " +
                        key + " is not supported yet (lorapipe trains the double and single "
@@ -99,7 +154,10 @@ void apply_network_args(Options& options) {
                        "loraplus_lr_ratio, loraplus_unet_lr_ratio, "
                        "loraplus_text_encoder_lr_ratio, block_dims, block_alphas, "
                        "conv_block_dims, conv_block_alphas, down_lr_weight, mid_lr_weight, "
-                       "up_lr_weight, block_lr_zero_threshold, train_blocks, split_qkv, in_dims)");
+                       "up_lr_weight, block_lr_zero_threshold, train_blocks, split_qkv, in_dims, "
+                       "img_attn_dim, txt_attn_dim, img_mlp_dim, txt_mlp_dim, img_mod_dim, "
+                       "txt_mod_dim, single_dim, single_mod_dim, train_double_block_indices, "
+                       "train_single_block_indices)");
     }
   }
   if (blocks.values.empty()) return;
