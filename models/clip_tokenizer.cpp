@@ -803,15 +803,11 @@ std::vector<int32_t> ClipTokenizer::encode(std::string_view text) const {
   while (pos < text.size()) {
     const size_t bos_at = text.find(kStartOfText, pos);
     const size_t eos_at = text.find(kEndOfText, pos);
-    const size_t pad_at =
-        pad_text_.empty() ? std::string_view::npos : text.find(pad_text_, pos);
-    const size_t at = std::min({bos_at, eos_at, pad_at});
+    const size_t at = std::min(bos_at, eos_at);
     if (at > pos) encode_piece(text.substr(pos, at == std::string_view::npos ? at : at - pos));
     if (at == std::string_view::npos) break;
-    ids.push_back(at == bos_at ? bos_ : at == eos_at ? eos_ : pad_);
-    pos = at + (at == bos_at   ? kStartOfText.size()
-                : at == eos_at ? kEndOfText.size()
-                               : pad_text_.size());
+    ids.push_back(at == bos_at ? bos_ : eos_);
+    pos = at + (at == bos_at ? kStartOfText.size() : kEndOfText.size());
   }
   return ids;
 }
@@ -819,7 +815,6 @@ std::vector<int32_t> ClipTokenizer::encode(std::string_view text) const {
 void ClipTokenizer::set_pad_token(std::string_view token) {
   if (token == kEndOfText) {
     pad_ = eos_;
-    pad_text_.clear();
     return;
   }
   // The token's id in the vocabulary: its symbol, as the vocabulary holds it.
@@ -828,8 +823,6 @@ void ClipTokenizer::set_pad_token(std::string_view token) {
     throw InputError("pad token '" + std::string(token) + "' is not in the tokenizer's vocabulary");
   }
   pad_ = symbol_vocab_id_[it->second];
-  pad_text_ = std::string(token);
-  if (cache_) cache_ = std::make_unique<Cache>();
 }
 
 std::vector<int32_t> ClipTokenizer::encode_padded(std::string_view text, int max_length) const {

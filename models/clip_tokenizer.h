@@ -85,10 +85,11 @@ class ClipTokenizer {
   // The padding id: <|endoftext|>, as in openai/clip-vit-large-patch14's tokenizer (SD1.x), or
   // the token set_pad_token gave.
   int32_t pad() const { return pad_; }
-  // Pads with `token` instead (SDXL's second tokenizer: "!", id 0), as transformers'
-  // CLIPTokenizer(pad_token=token) does, which also makes it an added token: every occurrence is
-  // split out of the text before BPE and becomes that id ("wow!!" is "wow", 0, 0, not "wow" and
-  // the BPE token "!!"). Throws InputError when the vocabulary has no such token.
+  // Pads with `token`'s id instead (SDXL's second tokenizer: "!", id 0), as kohya sets it
+  // (tokenizer2.pad_token_id = 0) and open_clip pads: the token in a caption is text as any
+  // other ("wow!!" is "wow" and the BPE token "!!"), not split out as diffusers'
+  // CLIPTokenizer(pad_token="!") splits it. Throws InputError when the vocabulary has no such
+  // token.
   void set_pad_token(std::string_view token);
   // Entries in the vocabulary (49408 for CLIP), transformers' `len(tokenizer.encoder)`.
   size_t vocab_size() const { return vocab_size_; }
@@ -119,7 +120,6 @@ class ClipTokenizer {
   int32_t bos_ = 0;
   int32_t eos_ = 0;
   int32_t pad_ = 0;
-  std::string pad_text_;  // set_pad_token's token (an added token), empty: EOS pads
   size_t vocab_size_ = 0;
   std::unique_ptr<Cache> cache_;
 };

@@ -416,7 +416,7 @@ std::string StableDiffusionXL::text_encoder_settings(int clip_skip, int max_toke
           ? tokenizer_fingerprint(ClipTokenizer::kBuiltinName, ClipTokenizer::builtin_vocabulary())
           : tokenizer_fingerprint(tokenizer_path);
   return models::text_encoder_settings(/*clip_skip=*/1,
-                                       tokenizer_print + ";sdxl:penultimate;pad2=" + pad_token_2,
+                                       tokenizer_print + ";sdxl:penultimate;pad2=" + pad_token_2 + ";pad2-in-text-bpe",
                                        max_token_length);
 }
 

@@ -522,11 +522,13 @@ def main():
     assert tokenizer.pad_token_id == tokenizer.eos_token_id
     # The same tokenizer with ftfy's mojibake repair (fix_encoding) switched off: the subset of
     # ftfy that the C++ tokenizer implements.
-    # SDXL's tokenizer_2: the same vocabulary, padding with "!" (id 0), as stabilityai's
-    # tokenizer_2/special_tokens_map.json sets it.
-    tokenizer_2 = CLIPTokenizer(vocab_file, merges_file, model_max_length=MODEL_MAX_LENGTH,
-                                pad_token="!")
+    # SDXL's tokenizer_2 as kohya's strategy_sdxl sets it: the same vocabulary, padding with id 0
+    # ("!") by pad_token_id alone, so a "!" in a caption stays text for BPE, as open_clip reads it
+    # (diffusers' pad_token="!" would split it out as a special token).
+    tokenizer_2 = CLIPTokenizer(vocab_file, merges_file, model_max_length=MODEL_MAX_LENGTH)
+    tokenizer_2.pad_token_id = 0
     assert tokenizer_2.pad_token_id == 0
+    assert tokenizer_2("wow!!").input_ids[2] != 0, "a caption's '!' must stay text"
     subset = CLIPTokenizer(vocab_file, merges_file, model_max_length=MODEL_MAX_LENGTH)
     subset.fix_text = functools.partial(ftfy.fix_text, fix_encoding=False)
 
