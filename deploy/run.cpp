@@ -333,8 +333,9 @@ void Supervisor::apply_demo_defaults() {
 }
 
 // The model's family (told by its keys or folder, no weights read) decides the defaults kohya
-// users expect of it where the user set none: SDXL and FLUX.1 train at 1024 px with buckets up
-// to 2048. A bucket step the family cannot take is refused before any stage starts (SDXL and
+// users expect of it where the user set none: SDXL and FLUX.1 train at 1024 px, and then with
+// buckets up to 2048 (the kohya_ss GUI's presets for them); a command that gives --resolution, as
+// kohya's do, keeps kohya's own bucket default (1024), so it trains kohya's buckets. A bucket step the family cannot take is refused before any stage starts (SDXL and
 // FLUX.1: a multiple of 32, as kohya's sdxl_train_util and flux_train_network check).
 void Supervisor::apply_family_defaults() {
   const models::FamilyDetection detected = models::detect_family(
@@ -343,10 +344,9 @@ void Supervisor::apply_family_defaults() {
   previews_beside_training_ = family.previews_beside_training;
   family_name_ = family.display_name;
   const bool own_dataset = s_.has("dataset_config") || s_.has("in_json");
-  if (!own_dataset && !s_.has("resolution")) {
-    s_.set("resolution", std::to_string(family.default_resolution));
-  }
-  if (!own_dataset && !s_.has("max_bucket_reso") && family.default_max_bucket_reso > 0) {
+  const bool chosen_resolution = !own_dataset && !s_.has("resolution");
+  if (chosen_resolution) s_.set("resolution", std::to_string(family.default_resolution));
+  if (chosen_resolution && !s_.has("max_bucket_reso") && family.default_max_bucket_reso > 0) {
     s_.set("max_bucket_reso", std::to_string(family.default_max_bucket_reso));
   }
   const int steps = s_.has("bucket_reso_steps") ? std::atoi(s_.get("bucket_reso_steps").c_str()) : 64;

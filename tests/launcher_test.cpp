@@ -320,6 +320,22 @@ TEST_F(LauncherRun, SdxlModelTrainsAnSdxlLoraThatDiffusersLoads) {
             std::string::npos)
       << err_;
   EXPECT_FALSE(fs::exists(work_ / "refused" / "logs" / "cacher.log")) << "a stage was started";
+  // SDXL's defaults where none is given: 1024 px and buckets up to 2048; a command that gives
+  // --resolution, as kohya's do, keeps kohya's bucket default. (Each run stops at the trainer's
+  // flag check, after run.toml is written.)
+  auto settings_of = [&](const std::string& name, std::vector<std::string> extra) {
+    std::vector<std::string> args = {"run", "--output=" + (work_ / name).string(),
+                                     "--model=" + (model / "tiny-sdxl.safetensors").string(),
+                                     "--data_dir=" + data.string(), "--network_dim=0"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    EXPECT_EQ(lorapipe(args), kExitError) << name;
+    return read_text(work_ / name / "run.toml");
+  };
+  const std::string chosen = settings_of("defaults", {});
+  EXPECT_NE(chosen.find("resolution = \"1024\""), std::string::npos) << chosen;
+  EXPECT_NE(chosen.find("max_bucket_reso = \"2048\""), std::string::npos) << chosen;
+  const std::string kohyas = settings_of("kohyas", {"--resolution=1024"});
+  EXPECT_EQ(kohyas.find("max_bucket_reso"), std::string::npos) << kohyas;
 
   const fs::path run = work_ / "run";
   std::vector<std::string> args = {"run", "--output=" + run.string(), "--max_train_steps=4",
