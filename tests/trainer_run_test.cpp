@@ -901,10 +901,21 @@ TEST_F(TrainRunTest, KohyaCommandSavesAndLogsWhereKohyaDoes) {
   };
   EXPECT_TRUE(events_under(work_ / "logs", "dog-", "dog_lora"));
   EXPECT_FALSE(fs::exists(work_ / "tensorboard"));
+  // (And kohya's --text_encoder_lr=0: the text encoder's LoRA stays as it starts, its up
+  // matrices zero, while the U-Net's learns.)
   const TrainRun plain =
-      run(work_ / "plain", {"--max_train_steps=1", "--logging_dir=" + (work_ / "plain-logs").string()});
+      run(work_ / "plain", {"--max_train_steps=2", "--text_encoder_lr=0",
+                            "--logging_dir=" + (work_ / "plain-logs").string()});
   ASSERT_EQ(plain.exit, 0) << plain.err;
   EXPECT_TRUE(events_under(work_ / "plain-logs", "", "network_train"));
+  double te_moved = 0, unet_moved = 0;
+  for (const auto& [name, t] : lora(work_ / "plain" / "lora" / "tiny.safetensors")) {
+    if (!name.ends_with(".lora_up.weight")) continue;
+    double& moved = name.starts_with("lora_te_") ? te_moved : unet_moved;
+    moved = std::max(moved, t.abs().max().item<double>());
+  }
+  EXPECT_EQ(te_moved, 0.0) << "the text encoder's LoRA trained at rate 0";
+  EXPECT_GT(unet_moved, 0.0);
 }
 
 // Gradient accumulation stops at the end of each epoch (accelerate syncs at the end of kohya's
@@ -1653,6 +1664,28 @@ TEST_F(TrainRunTest, CaptionsAreDrawnPerStepAsKohya) {
                       "every step"),
             std::string::npos)
       << read_text(work_ / "cached" / "err");
+  // Wildcards alone kohya trains from the text cached once, without them: lorapipe keeps them,
+  // encoding those captions as they train, and says so (_to_disk asks the same, as in kohya).
+  add_manifest(cache, "wild", [](wire::Manifest& m) {
+    m.set_text_cached(false);
+    keep_images(m, 2);
+    for (auto& e : *m.mutable_entries()) {
+      e.clear_text_key();
+      e.set_caption("{sks|xyz}, t1");
+      e.mutable_caption_settings()->set_enable_wildcard(true);
+    }
+  });
+  std::vector<std::string> wild = args(work_ / "wild", {"--max_train_steps=1",
+                                                        "--cache_text_encoder_outputs_to_disk",
+                                                        "--network_train_unet_only"});
+  wild[2] = "--cache_dir=" + cache.string();
+  wild[3] = "--dataset_id=wild";
+  fs::create_directories(work_ / "wild");
+  const pid_t taken = spawn(wild, work_ / "wild" / "out", work_ / "wild" / "err");
+  EXPECT_EQ(wait_exit(taken), 0) << read_text(work_ / "wild" / "err");
+  EXPECT_NE(read_text(work_ / "wild" / "err").find("draw wildcards or caption_dropout_every_n_epochs"),
+            std::string::npos)
+      << read_text(work_ / "wild" / "err");
 }
 
 // Validation captions are the captions as written: a wildcard drawn once, but no shuffle, no

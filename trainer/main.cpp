@@ -499,7 +499,9 @@ int main(int argc, char** argv) {
     o.lowram = FLAGS_lowram;
     o.max_token_length = FLAGS_max_token_length;
     o.weighted_captions = FLAGS_weighted_captions;
-    o.cache_text_encoder_outputs = FLAGS_cache_text_encoder_outputs;
+    // kohya: caching to disk caches.
+    o.cache_text_encoder_outputs =
+        FLAGS_cache_text_encoder_outputs || FLAGS_cache_text_encoder_outputs_to_disk;
     o.masked_loss = FLAGS_masked_loss;
     o.debug_dataset = FLAGS_debug_dataset;
     if (!FLAGS_train_data_dir.empty()) {
@@ -511,7 +513,8 @@ int main(int argc, char** argv) {
           "stage)");
     }
     // kohya's choices that have one answer here: anything else is refused by name.
-    if (FLAGS_cache_text_encoder_outputs && !FLAGS_network_train_unet_only) {
+    if ((FLAGS_cache_text_encoder_outputs || FLAGS_cache_text_encoder_outputs_to_disk) &&
+        !FLAGS_network_train_unet_only) {
       throw lorapipe::InputError(
           "--cache_text_encoder_outputs with a text-encoder LoRA: cached text cannot train a "
           "text encoder (kohya refuses it for SD and SDXL; for FLUX.1 it caches T5 alone and "

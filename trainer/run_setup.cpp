@@ -73,20 +73,35 @@ void Run::load_data() {
     o_.dataset_id = resolved;
   }
   if (o_.cache_text_encoder_outputs && !manifest_.text_cached()) {
-    // The cacher left these captions to be drawn at every step (kohya's
-    // is_text_encoder_output_cacheable says no for the same subsets).
-    std::set<std::string> subsets;
+    // The cacher left these captions to be drawn at every step. kohya's
+    // is_text_encoder_output_cacheable refuses four of the augmentations with cached text; the
+    // others (caption_dropout_every_n_epochs, wildcards) it trains from the text cached once,
+    // without them, where lorapipe keeps them and encodes those captions at every step.
+    std::set<std::string> refused, online;
     for (const wire::ManifestEntry& e : manifest_.entries()) {
-      if (e.text_key().empty()) subsets.insert(e.subset_name().empty() ? e.path() : e.subset_name());
+      if (!e.text_key().empty()) continue;
+      const wire::CaptionSettings& c = e.caption_settings();
+      const bool kohya_refuses = c.shuffle_caption() || c.caption_dropout_rate() > 0 ||
+                                 c.caption_tag_dropout_rate() > 0 || c.token_warmup_step() > 0;
+      (kohya_refuses ? refused : online)
+          .insert(e.subset_name().empty() ? e.path() : e.subset_name());
     }
-    std::string names;
-    for (const std::string& n : subsets) names += (names.empty() ? "'" : ", '") + n + "'";
-    throw InputError("--cache_text_encoder_outputs: dataset '" + o_.dataset_id +
-                     "' draws its captions anew at every step in " + names +
-                     " (shuffle_caption, caption_dropout_rate, caption_dropout_every_n_epochs, "
-                     "caption_tag_dropout_rate, token_warmup_step or wildcards), which cached text "
-                     "cannot hold: kohya refuses the same; leave the flag out to encode them at "
-                     "every step, or turn those off");
+    auto names = [](const std::set<std::string>& subsets) {
+      std::string out;
+      for (const std::string& n : subsets) out += (out.empty() ? "'" : ", '") + n + "'";
+      return out;
+    };
+    if (!refused.empty()) {
+      throw InputError("--cache_text_encoder_outputs: dataset '" + o_.dataset_id +
+                       "' draws its captions anew at every step in " + names(refused) +
+                       " (shuffle_caption, caption_dropout_rate, caption_tag_dropout_rate or "
+                       "token_warmup_step), which cached text cannot hold: kohya refuses the "
+                       "same; leave the flag out to encode them at every step, or turn those off");
+    }
+    LP_LOG(kWarning, kLog) << "--cache_text_encoder_outputs: the captions of " << names(online)
+                           << " draw wildcards or caption_dropout_every_n_epochs at every step: "
+                              "they are encoded as they train (kohya would train the text cached "
+                              "once, without them), so the text encoders stay loaded";
   }
   if (o_.weighted_captions) {
     // A caption whose attention syntax cannot be read (a weight like "1.2.3") is refused here,

@@ -83,6 +83,9 @@ TrainingStep::TrainingStep(models::DiffusionModel& model, LoraNetwork& network,
       if (rate == 0) {
         LP_LOG(kInfo, "trainer") << group << ": learning rate 0, left out of the optimizer and "
                                             "not trained (as kohya leaves it)";
+        // No gradient either: one no optimizer clears would pile up step after step in the
+        // clipping norm (and, summed over ranks, overflow it).
+        for (at::Tensor& t : tensors) t.requires_grad_(false);
         return;
       }
       groups.push_back(ParamGroup{std::move(tensors), rate, group});

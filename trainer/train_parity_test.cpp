@@ -683,6 +683,11 @@ TEST_F(TrainParity, AGroupAtRateZeroIsNotTrainedAsKohya) {
   }
   EXPECT_GT(kept, 0u);
   EXPECT_GT(moved, 0u);
+  // Nor does it take gradients, which nothing would clear: they would pile up in the clipping
+  // norm of every step after.
+  for (const auto& [name, t] : network.named_parameters()) {
+    EXPECT_EQ(t.requires_grad(), !name.starts_with("lora_te_")) << name;
+  }
 }
 
 // kohya's block-wise network_args (networks/lora.py create_network): a rank and alpha per U-Net
