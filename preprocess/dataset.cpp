@@ -162,6 +162,17 @@ void attach_caption(const SubsetOptions& subset, ImageEntry& entry, Discovery& o
   if (!subset.caption_suffix.empty()) entry.caption = entry.caption + " " + subset.caption_suffix;
 }
 
+// Whether an image's path is valid UTF-8; if not it is skipped, named with its odd bytes escaped.
+// Its path travels in UTF-8 protobuf strings and JSON (which refuse other bytes), and its folder's
+// name may be its caption: the user renames it rather than train on a guess at its encoding.
+bool named_in_utf8(const fs::path& path, Discovery& out) {
+  if (valid_utf8(path.string())) return true;
+  out.skipped.push_back({escape_non_utf8(path.string()),
+                         "its path is not valid UTF-8 (the bytes written \\xNN here): rename it "
+                         "(convmv converts a folder's names from their encoding to UTF-8)"});
+  return false;
+}
+
 // Collects the images of one subset folder (not recursive, as kohya).
 void collect_subset(const fs::path& dir, size_t dataset, size_t subset_index,
                     const SubsetOptions& subset, bool top_level, Discovery& out) {
@@ -196,6 +207,7 @@ void collect_subset(const fs::path& dir, size_t dataset, size_t subset_index,
       out.skipped.push_back({path.string(), "not a regular file"});
       continue;
     }
+    if (!named_in_utf8(path, out)) continue;
     ImageEntry image;
     image.path = path;
     image.dataset = dataset;
@@ -310,6 +322,7 @@ void collect_metadata_subset(size_t dataset, size_t subset_index, const SubsetOp
       image.caption_read = *tags;
     }
     bucket_info = bucket_info || md.contains("train_resolution");
+    if (!named_in_utf8(path, out)) continue;
     image.path = path;
     image.dataset = dataset;
     image.subset = subset_index;
@@ -482,6 +495,12 @@ class TomlReader {
           reso = {static_cast<int>(integer(*arr.get(0))), static_cast<int>(integer(*arr.get(1)))};
         }
       } else if (k == "batch_size") {
+        // Checked here, where the line is known: the trainer would only see the number, long
+        // after the latents are cached.
+        if (integer(node) < 1 || integer(node) > 1 << 20) {
+          fail(node, "batch_size must be a whole number from 1 to 1048576, got " +
+                         std::to_string(integer(node)));
+        }
         d.batch_size = static_cast<int>(integer(node));
       } else if (k == "validation_split") {
         const double split = number(node);
@@ -599,6 +618,30 @@ bool has_image_extension(const fs::path& path) {
   return kExtensions.count(lower(path.extension().string())) > 0;
 }
 
+std::string escape_non_utf8(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    // The longest valid sequence starting here (1 to 4 bytes), else this byte alone escaped.
+    size_t taken = 0;
+    for (size_t n = 1; n <= 4 && i + n <= s.size() && taken == 0; ++n) {
+      if (valid_utf8(s.substr(i, n))) taken = n;
+    }
+    if (taken > 0) {
+      out.append(s.substr(i, taken));
+      i += taken;
+    } else {
+      char hex[5];
+      std::snprintf(hex, sizeof hex, "\\x%02X", c);
+      out += hex;
+      ++i;
+    }
+  }
+  return out;
+}
+
 Caption read_caption_file(const fs::path& path, bool all_lines) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError("cannot read caption file " + path.string());
@@ -663,6 +706,13 @@ Discovery discover_folder(const fs::path& data_dir, const Defaults& defaults,
         continue;
       }
       const std::string name = entry.path().filename().string();
+      if (!valid_utf8(name)) {
+        // Its name would be its images' class tokens.
+        out.ignored.push_back({escape_non_utf8(entry.path().string()),
+                               "folder name is not valid UTF-8 (the bytes written \\xNN here): "
+                               "rename it (convmv converts names to UTF-8): not used"});
+        continue;
+      }
       int repeats = 0;
       std::string tokens;
       if (!parse_repeat_folder(name, &repeats, &tokens)) {

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "preprocess/bucket.h"
@@ -142,6 +143,11 @@ Discovery discover_toml(const std::filesystem::path& config, const Defaults& def
 // file name used in error messages.
 std::vector<DatasetOptions> parse_dataset_toml(const std::string& text, const std::string& name,
                                                const Defaults& defaults);
+
+// `s` with every byte that is not part of valid UTF-8 written as \xNN (valid text unchanged):
+// how a file name the file system holds in another encoding (Latin-1, Shift-JIS from an archive
+// made on Windows) is named in reports, whose strings and protobuf fields are UTF-8.
+std::string escape_non_utf8(std::string_view s);
 
 // Extensions libvips is asked to load (lower case, with the dot).
 bool has_image_extension(const std::filesystem::path& path);

@@ -300,9 +300,13 @@ wire::ImageSample to_sample(const Report& report, const ImageResult& r) {
 
 wire::SubsetSettings to_subset_settings(const SubsetOptions& subset) {
   wire::SubsetSettings s;
-  s.set_name(subset.name());
-  s.set_image_dir(subset.image_dir_name());
-  if (!subset.metadata_file.empty()) s.set_metadata_file(subset.metadata_file.filename().string());
+  // A folder's name in whatever encoding the file system holds it (its images, if not UTF-8, were
+  // skipped by name).
+  s.set_name(escape_non_utf8(subset.name()));
+  s.set_image_dir(escape_non_utf8(subset.image_dir_name()));
+  if (!subset.metadata_file.empty()) {
+    s.set_metadata_file(escape_non_utf8(subset.metadata_file.filename().string()));
+  }
   s.set_num_repeats(static_cast<uint32_t>(subset.num_repeats));
   s.set_flip_aug(subset.flip_aug);
   s.set_random_crop(subset.random_crop);
@@ -487,8 +491,12 @@ Report run(const Options& options) {
     std::snprintf(word, sizeof word, "%08x", static_cast<unsigned>(entropy()));
     report.stream_id += word;
   }
+  // What was not used is named in UTF-8 whatever the file system's names are (the report is a
+  // protobuf message and JSON, both UTF-8).
   report.ignored = discovery.ignored;
+  for (Ignored& i : report.ignored) i = {escape_non_utf8(i.path), escape_non_utf8(i.reason)};
   report.skipped = discovery.skipped;
+  for (Skipped& k : report.skipped) k = {escape_non_utf8(k.path), escape_non_utf8(k.reason)};
   report.images_found = discovery.images.size() + discovery.skipped.size();
   report.source = !options.in_json.empty()          ? Report::Source::kInJson
                   : !options.dataset_config.empty() ? Report::Source::kDatasetConfig

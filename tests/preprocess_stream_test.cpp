@@ -463,6 +463,40 @@ TEST_F(PreprocessStream, EachTomlDatasetTravelsWithItsIndexAndBatchSize) {
   }
 }
 
+// File and folder names the file system holds in another encoding than UTF-8 (Latin-1 here, as
+// an archive made on Windows unpacks): each is skipped or not used, named with its odd byte
+// written \xE9, and every other image still arrives, with a report that parses (its strings are
+// UTF-8 protobuf fields, which refuse other bytes) and a --report_json that is written.
+TEST_F(PreprocessStream, NamesNotInUtf8AreSkippedByNameAndTheRestArrives) {
+  const fs::path folder = dir_ / "data" / preprocess::kDemoFolder;
+  const fs::path latin1_image = folder / "caf\xe9.png";
+  fs::copy_file(demo_[0].path, latin1_image);
+  std::ofstream(folder / "caf\xe9.txt") << "a caption";
+  const fs::path latin1_folder = dir_ / "data" / "2_caf\xe9";
+  fs::create_directories(latin1_folder);
+  fs::copy_file(demo_[1].path, latin1_folder / "b.png");
+  const fs::path report_json = dir_ / "report.json";
+  const Stream run =
+      stream({"--report_json=" + report_json.string()}, [](const std::string&) { return false; });
+  ASSERT_EQ(run.exit_code, 0) << read_text(dir_ / "stderr.txt");
+  ASSERT_TRUE(run.report.has_value()) << "no DatasetReport arrived";
+  EXPECT_EQ(run.rejected, 0u);
+  EXPECT_EQ(run.samples.size(), demo_.size());
+  const std::string escaped_image = (folder / "caf\\xE9.png").string();
+  ASSERT_EQ(run.report->skipped_size(), 1);
+  EXPECT_EQ(run.report->skipped(0).path(), escaped_image);
+  EXPECT_NE(run.report->skipped(0).reason().find("not valid UTF-8"), std::string::npos);
+  const nlohmann::json json = nlohmann::json::parse(read_text(report_json));
+  ASSERT_EQ(json.at("skipped").size(), 1u);
+  EXPECT_EQ(json.at("skipped")[0].at("path"), escaped_image);
+  bool folder_named = false;
+  for (const auto& i : json.at("ignored")) {
+    folder_named |= i.at("path") == (dir_ / "data" / "2_caf\\xE9").string() &&
+                    i.at("reason").get<std::string>().find("not valid UTF-8") != std::string::npos;
+  }
+  EXPECT_TRUE(folder_named) << json.at("ignored").dump();
+}
+
 TEST_F(PreprocessStream, NoCacherIsAClearErrorNamingTheEndpoint) {
   const pid_t pid = spawn(preprocess_args(500), dir_ / "stderr.txt");
   ASSERT_GT(pid, 0);
