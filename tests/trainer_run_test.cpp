@@ -1880,6 +1880,10 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"--network_dim=0"}, "--network_dim=0"},
       {{"--learning_rate=-1"}, "--learning_rate"},
+      // Not taken for "not given" (its default), which would train at --learning_rate.
+      {{"--unet_lr=-0.0001"}, "--unet_lr=-0.0001"},
+      {{"--text_encoder_lr=1e-4,nan"},
+       "--text_encoder_lr=nan: a learning rate must be a finite number, 0 or more"},
       {{"--train_batch_size=0"}, "--train_batch_size=0"},
       {{"--optimizer_type=Lion9000"}, "Lion9000"},
       {{"--optimizer_type=DAdaptation"}, "kohya runs dadaptation's DAdaptAdamPreprint"},

@@ -634,6 +634,17 @@ int main(int argc, char** argv) {
       LP_LOG(kWarning, "trainer") << "--learning_rate=" << FLAGS_learning_rate << " is low for "
                                   << s.optimizer.type << ", which is run with about 1.0";
     }
+    // -1 stands for "not given" (the --learning_rate); a given rate below 0 or not a number is
+    // refused as torch's optimizers refuse it in kohya, not taken for "not given".
+    const auto check_rate = [](const std::string& flag, const std::string& given, double rate) {
+      if (!(rate >= 0 && std::isfinite(rate))) {
+        throw lorapipe::InputError(flag + "=" + given +
+                                   ": a learning rate must be a finite number, 0 or more");
+      }
+    };
+    if (const auto unet_lr = gflags::GetCommandLineFlagInfoOrDie("unet_lr"); !unet_lr.is_default) {
+      check_rate("--unet_lr", unet_lr.current_value, FLAGS_unet_lr);
+    }
     s.optimizer_groups.unet_lr = FLAGS_unet_lr;
     {
       std::vector<std::string> rates;
@@ -656,6 +667,7 @@ int main(int argc, char** argv) {
         } catch (const std::exception&) {
           throw lorapipe::InputError("--text_encoder_lr: '" + rate + "' is not a number");
         }
+        check_rate("--text_encoder_lr", rate, values.back());
       }
       if (!values.empty()) s.optimizer_groups.text_encoder_lr = values[0];
       if (values.size() == 2) s.optimizer_groups.text_encoder_2_lr = values[1];
