@@ -81,9 +81,10 @@ std::string sampler_choice(const std::string& value, Note&& note) {
 // Throws InputError when a prompt cannot be rendered: its text invalid UTF-8 or an attention
 // weight not a number, or a step count its sampler cannot take (pndm under 4). Checked when the
 // file is read, so such a line is skipped there rather than failing every checkpoint's render.
-void check_request(const RenderRequest& r) {
-  // The Stable Diffusion samplers' check (--ss): FLUX.1's Euler steps take any count.
-  (void)make_scheduler(scheduler_options(r.sampler, false), r.steps != 0 ? r.steps : 30);
+void check_request(const RenderRequest& r, const PromptDefaults& defaults) {
+  if (defaults.check_sampler_steps) {
+    (void)make_scheduler(scheduler_options(r.sampler, false), r.steps != 0 ? r.steps : 30);
+  }
   for (const std::string* text : {&r.prompt, &r.negative_prompt}) {
     for (const models::WeightedText& piece : models::parse_prompt_attention(*text)) {
       (void)models::fix_text(piece.text);
@@ -267,12 +268,24 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
     std::string line;
     for (int number = 1; std::getline(in, line); ++number) {
       const std::string text = trim(line);
-      if (text.empty() || text[0] == '#') continue;
+      if (text.empty()) continue;
+      if (text[0] == '#') {
+        // kohya takes a comment only where '#' is the line's first character: an indented one
+        // is a prompt there, numbered. Not rendered here, but numbered as kohya numbers it, so
+        // every later prompt keeps kohya's number (its image names and default seed).
+        if (line[0] != '#') {
+          (void)base();
+          set.problems.push_back(file.string() + ":" + std::to_string(number) +
+                                 ": an indented '#' line: kohya renders it as a prompt, lorapipe "
+                                 "reads it as a comment (it keeps its number)");
+        }
+        continue;
+      }
       std::vector<std::string> notes;
       const RenderRequest defaults_here = base();
       try {
         RenderRequest r = parse_prompt_line(text, defaults_here, &notes);
-        check_request(r);
+        check_request(r, defaults);
         set.prompts.push_back(std::move(r));
       } catch (const InputError& e) {
         set.problems.push_back(file.string() + ":" + std::to_string(number) + ": " + e.what());
@@ -308,7 +321,7 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
         std::vector<std::string> notes;
         apply_fields(r, get, notes);
         if (trim(r.prompt).empty()) throw InputError("no prompt");
-        check_request(r);
+        check_request(r, defaults);
         set.prompts.push_back(std::move(r));
         for (const std::string& note : notes) {
           set.notes.push_back(file.string() + ": prompt.subset " + std::to_string(i + 1) + ": " +
@@ -348,7 +361,7 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
           throw InputError("neither a prompt nor an object");
         }
         if (trim(r.prompt).empty()) throw InputError("no prompt");
-        check_request(r);
+        check_request(r, defaults);
         set.prompts.push_back(std::move(r));
         for (const std::string& note : notes) {
           set.notes.push_back(file.string() + ": entry " + std::to_string(i + 1) + ": " + note);

@@ -42,6 +42,10 @@ struct PromptSet {
 struct PromptDefaults {
   std::string sampler = "ddim";
   int64_t first_seed = 1234;
+  // The model renders with the Stable Diffusion samplers, whose step counts a line's sampler must
+  // take (pndm under 4 is skipped). A flow-matching family's Euler steps take any count, and it
+  // reads no sampler name (kohya's FLUX.1 sampling ignores them): false there.
+  bool check_sampler_steps = true;
 };
 
 // Throws InputError when the file cannot be read at all (missing, not TOML/JSON where the name

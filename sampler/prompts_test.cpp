@@ -173,6 +173,22 @@ TEST(SamplerPrompts, TomlAndJsonFormsAsKohyaReadsThem) {
       << j.problems[2];
 }
 
+// kohya's comment is a line whose first character is '#' (blank lines are not prompts either):
+// an indented '#' line is a prompt to kohya. lorapipe does not render it, but it keeps its
+// number, so the prompts after it are named and seeded as kohya's.
+TEST(SamplerPrompts, IndentedCommentKeepsItsNumberAsKohyasPrompt) {
+  const fs::path file = write("comments.txt", "# a comment\n\na cat\n  # a note\na dog\n");
+  const PromptSet set = load_prompts(file);
+  ASSERT_EQ(set.prompts.size(), 2u);
+  EXPECT_EQ(set.prompts[0].index, 0);
+  EXPECT_EQ(set.prompts[1].prompt, "a dog");
+  EXPECT_EQ(set.prompts[1].index, 2) << "kohya's prompts: 'a cat', '# a note', 'a dog'";
+  EXPECT_EQ(set.prompts[1].seed, 1234 + 2);
+  ASSERT_EQ(set.problems.size(), 1u);
+  EXPECT_NE(set.problems[0].find("comments.txt:4: an indented '#' line"), std::string::npos)
+      << set.problems[0];
+}
+
 // What kohya reads but SD1.x previews do not use keeps the prompt, with a note by line: options
 // of other models (--am, --cn) are ignored; FLUX.1's --g and --l are read (the guidance and the
 // given CFG scale), not dropped. Every sampler kohya names is taken, in any case;
@@ -202,6 +218,15 @@ TEST(SamplerPrompts, KohyaOptionsOfOtherModelsAreNotedAndEveryKohyaSamplerIsTake
   EXPECT_NE(set.notes[0].find("other.txt:1: --am is for other models"), std::string::npos)
       << set.notes[0];
   EXPECT_NE(set.notes[1].find(":2: --cn"), std::string::npos) << set.notes[1];
+  // A FLUX.1 model renders Euler steps whatever the line's sampler (kohya's FLUX.1 sampling
+  // reads no sampler name): its three steps are kept.
+  PromptDefaults flow;
+  flow.sampler = "pndm";
+  flow.check_sampler_steps = false;
+  const PromptSet flux = load_prompts(file, flow);
+  EXPECT_TRUE(flux.problems.empty()) << flux.problems[0];
+  ASSERT_EQ(flux.prompts.size(), 3u);
+  EXPECT_EQ(flux.prompts[2].steps, 3);
 
   for (const char* name : {"ddpm", "pndm", "lms", "k_lms", "heun", "dpm_2", "k_dpm_2",
                                   "dpm_2_a", "dpmsolver", "dpmsolver++", "dpmsingle"}) {

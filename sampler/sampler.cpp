@@ -26,8 +26,10 @@
 #include <vips/vips8>
 
 #include "common/error.h"
+#include "common/file.h"
 #include "common/log.h"
 #include "models/device.h"
+#include "models/family.h"
 #include "models/float8.h"
 #include "models/mapped_weights.h"
 #include "models/shared_weights.h"
@@ -153,10 +155,18 @@ void write_png(const fs::path& path, VImage image, const std::string& parameters
   }
 }
 
+// Written whole to a temporary name (every write checked: a full disk is an Error naming the
+// file), then renamed over `path`: a failure leaves the previous file, never a truncated one that
+// a restarted sampler would read as an empty gallery.
 void write_text(const fs::path& path, const std::string& text) {
   const fs::path tmp = path.string() + ".tmp";
-  std::ofstream(tmp) << text;
-  fs::rename(tmp, path);
+  write_file(tmp, text, /*sync=*/false);
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) {
+    fs::remove(tmp, ec);
+    throw Error("cannot write " + path.string() + ": " + ec.message());
+  }
 }
 
 // The gallery: a page that shows checkpoints (rows, newest first) by prompts (columns) and
@@ -276,8 +286,10 @@ std::string run_name(const fs::path& lora) {
 
 // The prompt file with --sample_sampler and --seed as its defaults; InputError for an unknown
 // sampler or a file with no prompt that can be read.
-PromptSet read_prompts(const SamplerOptions& o) {
+// `family` the model's: a flow-matching one renders Euler steps whatever a line's sampler says.
+PromptSet read_prompts(const SamplerOptions& o, const models::ModelFamily& family) {
   PromptDefaults defaults;
+  defaults.check_sampler_steps = family.objective != models::ObjectiveKind::kFlowMatching;
   defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
   for (char c : o.sampler) {
     defaults.sampler += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -365,11 +377,9 @@ class Sampler {
                           << models::describe_device(device) << "'s time (--device_share): the "
                           << "trainer beside it keeps the rest";
     }
-    prompts_ = read_prompts(o_);
-    for (const std::string& problem : prompts_.problems) {
-      LP_LOG(kWarning, kLog) << "skipped " << problem;
-    }
-    for (const std::string& note : prompts_.notes) LP_LOG(kWarning, kLog) << note;
+    prompts_read_ = prompt_file_stamp();  // before the read: a write meanwhile is read again
+    prompts_ = read_prompts(o_, model_->model_family());
+    report_prompt_lines(prompts_);
     fs::create_directories(o_.output_dir / "samples");
     write_text(o_.output_dir / "samples" / "index.html", kGallery);
     // A restarted sampler adds to the gallery of the one before.
@@ -395,6 +405,7 @@ class Sampler {
   // samples/) skips that checkpoint: the sampler keeps serving, and the run it follows goes on.
   bool render_checkpoint(const std::vector<std::pair<fs::path, double>>& loras, uint64_t step,
                          const std::string& name) {
+    reread_changed_prompts();
     bool rendered = false;
     try {
       rendered = render_checkpoint_or_throw(loras, step, name);
@@ -724,6 +735,44 @@ class Sampler {
     (void)wire::send(*pub, ready);
   }
 
+  static void report_prompt_lines(const PromptSet& prompts) {
+    for (const std::string& problem : prompts.problems) {
+      LP_LOG(kWarning, kLog) << "skipped " << problem;
+    }
+    for (const std::string& note : prompts.notes) LP_LOG(kWarning, kLog) << note;
+  }
+
+  // The prompt file's modification time and size; nothing where it cannot be read.
+  std::optional<std::pair<fs::file_time_type, uintmax_t>> prompt_file_stamp() const {
+    std::error_code ec;
+    const fs::file_time_type time = fs::last_write_time(o_.sample_prompts, ec);
+    if (ec) return std::nullopt;
+    const uintmax_t size = fs::file_size(o_.sample_prompts, ec);
+    if (ec) return std::nullopt;
+    return std::make_pair(time, size);
+  }
+
+  // kohya reads the prompt file at every sampling, so a user edits it during a long run and the
+  // next previews follow: so here, before each checkpoint's renders, where its time or size
+  // changed. A file that no longer reads (or holds no prompt) keeps the prompts read before, and
+  // says so once per change.
+  void reread_changed_prompts() {
+    const auto stamp = prompt_file_stamp();
+    if (!stamp || stamp == prompts_read_) return;
+    prompts_read_ = stamp;
+    try {
+      PromptSet fresh = read_prompts(o_, model_->model_family());
+      report_prompt_lines(fresh);
+      prompts_ = std::move(fresh);
+      base_prompts_.clear();  // encoded for the prompts before
+      LP_LOG(kInfo, kLog) << o_.sample_prompts.string() << " changed: "
+                          << prompts_.prompts.size() << " prompts from now on";
+    } catch (const InputError& e) {
+      LP_LOG(kWarning, kLog) << e.what() << ": rendering the " << prompts_.prompts.size()
+                             << " prompts read before";
+    }
+  }
+
   SamplerOptions o_;
   zmq::context_t context_;
   std::optional<zmq::socket_t> sub_;  // following a run: CheckpointReady
@@ -732,6 +781,7 @@ class Sampler {
   std::unique_ptr<models::SharedWeightsAttachment> shared_;
   std::unique_ptr<models::DiffusionModel> model_;
   PromptSet prompts_;
+  std::optional<std::pair<fs::file_time_type, uintmax_t>> prompts_read_;  // the file's stamp then
   SamplerSummary summary_;
   std::optional<runtime::StatusPublisher> status_;  // while following a run
   nlohmann::json checkpoints_ = nlohmann::json::array();
@@ -783,7 +833,8 @@ PromptSet check_sampler_options(const SamplerOptions& options) {
   models::check_declared_objective(options.model, options.v_prediction, std::nullopt);
   (void)models::resolve_device(options.device);
   (void)models::parse_precision(options.mixed_precision, "--mixed_precision");
-  return read_prompts(options);
+  return read_prompts(options, models::model_family(
+                                   models::detect_family(options.model, options.model_family).family));
 }
 
 SamplerSummary run_sampler(const SamplerOptions& options) {

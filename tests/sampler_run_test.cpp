@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -566,6 +567,90 @@ TEST_F(SamplerRun, AnUnwritableSampleSkipsThatCheckpointAndKeepsServing) {
       << "the unfinished image is removed";
   EXPECT_NE(read_text(work_ / "out").find("2 checkpoints rendered, 1 skipped"), std::string::npos)
       << read_text(work_ / "out");
+}
+
+// The gallery's index written to a full disk (its temporary name points at /dev/full, where
+// every write fails with ENOSPC): the failure is reported naming the file, and samples.json keeps
+// the checkpoints it listed (a truncated index would read as an empty gallery after a restart).
+// Written again once the disk has room, it lists every checkpoint rendered.
+TEST_F(SamplerRun, AGalleryIndexThatCannotBeWrittenKeepsThePreviousOne) {
+  zmq::context_t context;
+  zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
+  const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
+  pub.bind(endpoint);
+  auto announce = [&](int step, bool final = false) {
+    ASSERT_EQ(wire::send(pub, checkpoint(step, final)), wire::SendStatus::kSent);
+  };
+  const pid_t pid = spawn(args({"--sub=" + endpoint, "--idle_timeout_s=60"}), work_ / "out",
+                          work_ / "err");
+  std::string why;
+  ASSERT_TRUE(announce_until_indexed(10, pid, [&] { announce(10); }, &why))
+      << why << read_text(work_ / "err");
+  const fs::path index = work_ / "samples" / "samples.json";
+  const fs::path full = index.string() + ".tmp";
+  fs::create_symlink("/dev/full", full);
+  announce(20);
+  for (int i = 0;
+       i < 600 && read_text(work_ / "err").find("step 20 not rendered") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const std::string err = read_text(work_ / "err");
+  EXPECT_NE(err.find("cannot write " + full.string() + ": No space left on device"),
+            std::string::npos)
+      << err;
+  ASSERT_TRUE(fs::is_regular_file(fs::symlink_status(index))) << "the index was replaced";
+  const auto listed = [&] {
+    std::set<uint64_t> steps;
+    const nlohmann::json json = nlohmann::json::parse(read_text(index));
+    for (const auto& c : json.at("checkpoints")) {
+      steps.insert(c.at("step").get<uint64_t>());
+    }
+    return steps;
+  };
+  EXPECT_EQ(listed(), std::set<uint64_t>({10}));
+  std::error_code ec;
+  fs::remove(full, ec);  // the disk has room again
+  announce(50, /*final=*/true);
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");
+  EXPECT_EQ(listed(), std::set<uint64_t>({10, 20, 50}));
+}
+
+// kohya reads the prompt file at every sampling: edited during a run, the next checkpoint renders
+// the new prompts (here three where there were two). A file that no longer reads keeps the
+// prompts read before, and says so.
+TEST_F(SamplerRun, AnEditedPromptFileIsReadForTheNextCheckpoint) {
+  zmq::context_t context;
+  zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
+  const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
+  pub.bind(endpoint);
+  auto announce = [&](int step, bool final = false) {
+    ASSERT_EQ(wire::send(pub, checkpoint(step, final)), wire::SendStatus::kSent);
+  };
+  const fs::path prompts = work_ / "prompts.txt";
+  fs::copy_file(dir_ / "prompts.txt", prompts);
+  std::vector<std::string> a = args({"--sub=" + endpoint, "--idle_timeout_s=60"});
+  a[2] = "--sample_prompts=" + prompts.string();
+  const pid_t pid = spawn(a, work_ / "out", work_ / "err");
+  std::string why;
+  ASSERT_TRUE(announce_until_indexed(10, pid, [&] { announce(10); }, &why))
+      << why << read_text(work_ / "err");
+  EXPECT_FALSE(fs::exists(work_ / "samples" / "run_000010_02.png"));
+  std::ofstream(prompts) << "a ring --w 64 --h 64 --s 2\na dot --w 64 --h 64 --s 2\n"
+                         << "a cross --w 64 --h 64 --s 2\n";
+  ASSERT_TRUE(announce_until_indexed(20, pid, [&] { announce(20); }, &why))
+      << why << read_text(work_ / "err");
+  EXPECT_TRUE(fs::exists(work_ / "samples" / "run_000020_02.png")) << read_text(work_ / "err");
+  const auto index = nlohmann::json::parse(read_text(work_ / "samples" / "samples.json"));
+  EXPECT_EQ(index.at("prompts"), nlohmann::json({"a ring", "a dot", "a cross"}));
+  std::ofstream(prompts) << "# nothing to render\n";
+  announce(50, /*final=*/true);
+  ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");
+  const std::string err = read_text(work_ / "err");
+  EXPECT_NE(err.find("changed: 3 prompts from now on"), std::string::npos) << err;
+  EXPECT_NE(err.find("no prompt could be read: rendering the 3 prompts read before"),
+            std::string::npos)
+      << err;
+  EXPECT_TRUE(fs::exists(work_ / "samples" / "run_000050_02.png")) << err;
 }
 
 // Killed with -9 after rendering step 10 and started again: it renders the newest checkpoint the
