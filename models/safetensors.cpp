@@ -197,14 +197,29 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   const auto* base = static_cast<const unsigned char*>(mapping);
   uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | base[i];
+  // What torch.save writes (a zip, or before torch 1.6 a bare pickle: protocol 2 to 5) is named as
+  // such wherever a checkpoint, VAE or LoRA is read, rather than by a header length it does not
+  // have. Only where the start is no safetensors header: 0x80 0x02 is also the start of a valid
+  // 640-byte one.
+  const bool pickle_start = std::memcmp(base, "PK\x03\x04", 4) == 0 ||
+                            (base[0] == 0x80 && base[1] >= 2 && base[1] <= 5);
+  const auto refuse = [&](const std::string& what) {
+    if (pickle_start) {
+      throw InputError(source + ": a PyTorch pickle checkpoint (torch.save), not safetensors; "
+                       "lorapipe never loads pickles, which can run code: convert it to "
+                       ".safetensors first");
+    }
+    fail(source, what);
+  };
   if (header_size > kMaxHeaderBytes) {
-    fail(source, "header length " + std::to_string(header_size) + " is over the " +
-                     std::to_string(kMaxHeaderBytes) + "-byte limit");
+    refuse("header length " + std::to_string(header_size) + " is over the " +
+           std::to_string(kMaxHeaderBytes) + "-byte limit");
   }
   if (header_size > size - 8) {
-    fail(source, "header length " + std::to_string(header_size) + " runs past the end of the " +
-                     std::to_string(size) + "-byte file (truncated?)");
+    refuse("header length " + std::to_string(header_size) + " runs past the end of the " +
+           std::to_string(size) + "-byte file (truncated?)");
   }
+  if (header_size > 0 && base[8] != '{') refuse("header is not a JSON object");
   const std::string_view json(reinterpret_cast<const char*>(base + 8), header_size);
   file.header_ = parse_safetensors_header(json, size - 8 - header_size, source);
   file.data_ = reinterpret_cast<const char*>(base + 8 + header_size);

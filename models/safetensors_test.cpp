@@ -178,6 +178,15 @@ TEST_F(SafetensorsTest, RefusesEveryMalformedHeader) {
   expect_refused(raw_file(R"({"__metadata__":{"k":1},)" + ok_entry + "}", 8),
                  "is not a string");
   expect_refused(raw_file("{" + ok_entry + "}", 12), "4 bytes after the last tensor");
+  // torch.save's files, under any name (a .safetensors renamed, a --network_weights=x.pt):
+  // named as pickles, not as a header length over the limit.
+  std::ofstream(dir_ / "zip.safetensors") << "PK\x03\x04 a zip with a pickle inside";
+  expect_refused(dir_ / "zip.safetensors", "a PyTorch pickle checkpoint (torch.save)");
+  std::ofstream(dir_ / "legacy.pt") << std::string("\x80\x02\x8a\x0alegacy pickle", 16);
+  expect_refused(dir_ / "legacy.pt", "lorapipe never loads pickles");
+  // A 640-byte header's length starts with the bytes of a pickle's protocol 2: it opens.
+  const std::string padded = "{" + ok_entry + "}";
+  EXPECT_NO_THROW(SafetensorsFile::open(raw_file(padded + std::string(640 - padded.size(), ' '), 8)));
   std::ofstream(dir_ / "short.safetensors") << "abc";
   expect_refused(dir_ / "short.safetensors", "shorter than the 8-byte header length");
 }
