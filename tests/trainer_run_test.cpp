@@ -757,6 +757,22 @@ TEST_F(TrainRunTest, ResumeRefusesAnotherDataPlanNamingTheFlag) {
   EXPECT_NE(other.err.find("that state was trained with --train_batch_size=1, this run gives 3"),
             std::string::npos)
       << other.err;
+  // A hand-edited trainer.json with a value of the wrong type: named with the file and key.
+  const fs::path file = work_ / "state" / "tiny-state" / "trainer.json";
+  const std::string saved = read_text(file);
+  for (const auto& [key, value, says] :
+       std::vector<std::tuple<std::string, nlohmann::json, std::string>>{
+           {"seed", "42", "'seed' is not a whole number"},
+           {"dataset_id", 7, "'dataset_id' is not text"},
+           {"plan", nlohmann::json::array(), "'plan' is not an object of flags"}}) {
+    nlohmann::json edited = nlohmann::json::parse(saved);
+    edited[key] = value;
+    std::ofstream(file) << edited.dump();
+    const TrainRun bad = run(work_, {"--max_train_steps=4", state});
+    EXPECT_NE(bad.exit, 0) << key;
+    EXPECT_NE(bad.err.find(file.string() + ": " + says), std::string::npos) << bad.err;
+  }
+  std::ofstream(file) << saved;
   const TrainRun longer = run(work_, {"--max_train_steps=4", state});
   EXPECT_EQ(longer.exit, 0) << longer.err;
   EXPECT_NE(longer.err.find("at step 2, epoch"), std::string::npos) << longer.err;

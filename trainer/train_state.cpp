@@ -188,8 +188,19 @@ void Run::load_state(const fs::path& given) {
         throw InputError(file.string() + ": 'loss_list' is not a list of numbers with its total");
       }
     }
-    if (state.contains("training_started_at") && !state["training_started_at"].is_string()) {
-      throw InputError(file.string() + ": 'training_started_at' is not text");
+    // The keys read below with defaults: a hand-edited value of the wrong type is named here.
+    for (const char* key : {"training_started_at", "dataset_id", "run_id"}) {
+      if (state.contains(key) && !state[key].is_string()) {
+        throw InputError(file.string() + ": '" + key + "' is not text");
+      }
+    }
+    for (const char* key : {"seed", "world_size"}) {
+      if (state.contains(key) && !state[key].is_number_unsigned()) {
+        throw InputError(file.string() + ": '" + key + "' is not a whole number");
+      }
+    }
+    if (state.contains("plan") && !state["plan"].is_object()) {
+      throw InputError(file.string() + ": 'plan' is not an object of flags");
     }
   } catch (const json::exception& e) {
     throw InputError(file.string() + ": " + e.what());
