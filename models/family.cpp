@@ -217,11 +217,14 @@ FamilyDetection detect_file(const fs::path& path) {
 nlohmann::json read_json(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError("cannot read " + path.string());
+  nlohmann::json json;
   try {
-    return nlohmann::json::parse(in);
+    json = nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
     throw InputError(path.string() + ": not JSON: " + e.what());
   }
+  if (!json.is_object()) throw InputError(path.string() + ": not a JSON object, as diffusers writes");
+  return json;
 }
 
 FamilyDetection detect_folder(const fs::path& folder) {
@@ -306,7 +309,14 @@ FamilyDetection detect_family(const fs::path& path, std::string_view override) {
     return {family.name, "--model_family"};
   }
   std::error_code ec;
-  if (fs::is_directory(path, ec)) return detect_folder(path);
+  if (fs::is_directory(path, ec)) {
+    try {
+      return detect_folder(path);
+    } catch (const nlohmann::json::exception& e) {  // a key of a config there of another type
+      throw InputError(path.string() + ": a config of this folder is not as diffusers writes it (" +
+                       e.what() + ")");
+    }
+  }
   if (!fs::exists(path, ec)) throw InputError(path.string() + ": no such file or folder");
   return detect_file(path);
 }

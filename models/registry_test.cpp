@@ -148,6 +148,18 @@ TEST_F(ModelRegistry, RefusesAFolderOfAnotherPipelineNamingIt) {
   EXPECT_NE(why.find("StableDiffusionXLPipeline"), std::string::npos) << why;
   EXPECT_NE(why.find("does not train yet"), std::string::npos) << why;
   EXPECT_NE(why.find("known families: sd15"), std::string::npos) << why;
+  // A hand-made model_index.json that is no object, or whose pipeline name is no text: an
+  // InputError naming the file or folder, not a bare JSON type error.
+  std::ofstream(folder / "model_index.json") << "[\"StableDiffusionXLPipeline\"]";
+  const std::string array = refusal(folder);
+  EXPECT_NE(array.find((folder / "model_index.json").string() + ": not a JSON object"),
+            std::string::npos)
+      << array;
+  std::ofstream(folder / "model_index.json") << nlohmann::json{{"_class_name", 7}}.dump();
+  const std::string number = refusal(folder);
+  EXPECT_NE(number.find(folder.string() + ": a config of this folder is not as diffusers writes"),
+            std::string::npos)
+      << number;
 }
 
 // FLUX.1 is told dev from schnell: a FluxPipeline folder by its transformer's guidance_embeds, a
