@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -116,7 +118,11 @@ std::vector<fs::directory_entry> list_sorted(const fs::path& dir) {
   return entries;
 }
 
-void attach_caption(const SubsetOptions& subset, ImageEntry& entry, Discovery& out) {
+// Finds and reads the image's caption. A caption file that is there but cannot be read (EIO, no
+// permission) is an error, returned: the image is skipped by name rather than trained on a
+// substitute caption (the class tokens, or none), as kohya would stop there.
+std::optional<std::string> attach_caption(const SubsetOptions& subset, ImageEntry& entry,
+                                          Discovery& out) {
   // kohya reads `.caption` unless told otherwise; lorapipe then also tries `.txt`, where most
   // taggers write, rather than fall back to the class tokens.
   std::vector<std::string> extensions{subset.caption_extension};
@@ -139,10 +145,7 @@ void attach_caption(const SubsetOptions& subset, ImageEntry& entry, Discovery& o
         LP_LOG(kWarning, kLog) << caption_path.string() << ": " << caption.note;
       }
     } catch (const InputError& e) {
-      entry.caption_source = "none";
-      entry.caption_note = e.what();
-      LP_LOG(kWarning, kLog) << e.what();
-      break;
+      return std::string(e.what());
     }
     break;
   }
@@ -160,6 +163,7 @@ void attach_caption(const SubsetOptions& subset, ImageEntry& entry, Discovery& o
   // kohya process_caption: prefix and suffix joined with a space.
   if (!subset.caption_prefix.empty()) entry.caption = subset.caption_prefix + " " + entry.caption;
   if (!subset.caption_suffix.empty()) entry.caption = entry.caption + " " + subset.caption_suffix;
+  return std::nullopt;
 }
 
 // Whether an image's path is valid UTF-8; if not it is skipped, named with its odd bytes escaped.
@@ -212,7 +216,10 @@ void collect_subset(const fs::path& dir, size_t dataset, size_t subset_index,
     image.path = path;
     image.dataset = dataset;
     image.subset = subset_index;
-    attach_caption(subset, image, out);
+    if (const std::optional<std::string> error = attach_caption(subset, image, out)) {
+      out.skipped.push_back({path.string(), *error});
+      continue;
+    }
     out.images.push_back(std::move(image));
   }
 }
@@ -643,10 +650,19 @@ std::string escape_non_utf8(std::string_view s) {
 }
 
 Caption read_caption_file(const fs::path& path, bool all_lines) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError("cannot read caption file " + path.string());
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) throw InputError("cannot read caption file " + path.string());
+  // Every read checked (an istream reads an I/O error as the end of the file: a caption cut short).
+  std::FILE* in = std::fopen(path.c_str(), "rb");
+  if (in == nullptr) {
+    throw InputError("cannot read caption file " + path.string() + ": " + std::strerror(errno));
+  }
+  std::string bytes;
+  char buffer[1 << 14];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, in)) > 0;) bytes.append(buffer, n);
+  const int error = std::ferror(in) ? errno : 0;
+  std::fclose(in);
+  if (error != 0) {
+    throw InputError("cannot read caption file " + path.string() + ": " + std::strerror(error));
+  }
   Caption caption;
   const bool empty_file = bytes.empty();
   if (bytes.rfind("\xef\xbb\xbf", 0) == 0) bytes.erase(0, 3);

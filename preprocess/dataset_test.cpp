@@ -106,6 +106,25 @@ TEST(DatasetFolder, LooseImagesAloneTrainOnceEach) {
   fs::remove_all(dir);
 }
 
+// A caption file that is there but cannot be read (here an I/O error: it links to /proc/self/mem,
+// a regular file whose first page no process has mapped) skips its image by name, with the
+// system's reason; the image is not trained on a substitute caption.
+TEST(DatasetFolder, AnUnreadableCaptionSkipsItsImageByName) {
+  const fs::path dir = make_temp_dir("unreadable-caption");
+  write_file(dir / "a.png", "x");
+  fs::create_symlink("/proc/self/mem", dir / "a.txt");
+  write_file(dir / "b.png", "x");
+  write_file(dir / "b.txt", "a caption\n");
+  const Discovery d = discover_folder(dir, Defaults{});
+  ASSERT_EQ(d.images.size(), 1u);
+  EXPECT_EQ(d.images[0].caption, "a caption");
+  ASSERT_EQ(d.skipped.size(), 1u);
+  EXPECT_EQ(d.skipped[0].path, (dir / "a.png").string());
+  EXPECT_EQ(d.skipped[0].reason,
+            "cannot read caption file " + (dir / "a.txt").string() + ": Input/output error");
+  fs::remove_all(dir);
+}
+
 // kohya's caption file is the image's name without its extension, then caption_extension with a
 // dot put in front when it has none (DreamBoothSubset): "txt" reads a.txt, and "_tags.txt" reads
 // a._tags.txt, not a_tags.txt.
