@@ -844,12 +844,15 @@ std::vector<DatasetOptions> parse_dataset_toml(const std::string& text, const st
 
     const toml::node* subsets_node = dataset_table.get("subsets");
     const toml::array* subsets = subsets_node ? subsets_node->as_array() : nullptr;
-    if (subsets == nullptr || subsets->empty() ||
-        !subsets->is_homogeneous(toml::node_type::table)) {
-      if (subsets_node != nullptr) {
-        reader.fail(*subsets_node, "'subsets' must be an array of tables: [[datasets.subsets]]");
-      }
-      reader.fail(dataset_table, "this [[datasets]] has no [[datasets.subsets]]");
+    if (subsets_node == nullptr || (subsets != nullptr && subsets->empty())) {
+      // kohya's schema takes it, and it adds no image.
+      LP_LOG(kWarning, kLog) << name << ":" << dataset_table.source().begin.line
+                             << ": this [[datasets]] has no [[datasets.subsets]]: it adds no "
+                                "image, as in kohya";
+      continue;
+    }
+    if (subsets == nullptr || !subsets->is_homogeneous(toml::node_type::table)) {
+      reader.fail(*subsets_node, "'subsets' must be an array of tables: [[datasets.subsets]]");
     }
     // kohya's config_util: a dataset is a fine-tuning one when a subset names a metadata_file.
     bool fine_tuning = false;
@@ -935,7 +938,16 @@ Discovery discover_toml(const fs::path& config, const Defaults& defaults) {
       }
       const fs::path& source =
           subset.metadata_file.empty() ? subset.image_dir : subset.metadata_file;
-      if (subset.num_repeats < 1) {
+      std::error_code ec;
+      if (subset.metadata_file.empty() && !fs::is_directory(subset.image_dir, ec)) {
+        // kohya warns and trains the other subsets; listed with what was not used, so a
+        // mistyped folder is seen (and a run with nothing else stops: no usable image).
+        const std::string why =
+            "image_dir is not a folder (a relative image_dir is read from the TOML's folder, or "
+            "else from the working folder): this subset is not used, as kohya leaves it out";
+        LP_LOG(kWarning, kLog) << config.string() << ": " << subset.image_dir.string() << ": " << why;
+        out.ignored.push_back({subset.image_dir.string(), why});
+      } else if (subset.num_repeats < 1) {
         LP_LOG(kWarning, kLog) << config.string() << ": subset '" << source.string()
                                << "' has num_repeats " << subset.num_repeats << ": not used";
       } else if (!sources.insert(source.lexically_normal()).second) {
@@ -950,13 +962,6 @@ Discovery discover_toml(const fs::path& config, const Defaults& defaults) {
     subsets = std::move(kept);
     for (size_t s = 0; s < subsets.size(); ++s) {
       SubsetOptions& subset = subsets[s];
-      std::error_code ec;
-      if (!(subset.image_dir.empty() && !subset.metadata_file.empty()) &&
-          !fs::is_directory(subset.image_dir, ec)) {
-        throw InputError(config.string() + ": image_dir " + subset.image_dir.string() +
-                         " is not a folder (a relative image_dir is read from the TOML's folder, "
-                         "or else from the working folder)");
-      }
       if (subset.metadata_file.empty()) {
         collect_subset(subset.image_dir, d, s, subset, /*top_level=*/false, out);
       } else {

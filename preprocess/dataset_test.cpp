@@ -221,36 +221,38 @@ TEST(DatasetToml, ZeroRepeatAndDuplicateSubsetsAreLeftOut) {
 }
 
 // A relative image_dir is read from the TOML's folder; where nothing is there, from the working
-// folder, as kohya reads it (a TOML in configs/ naming data/...). Neither: the error names the
-// path it looked for.
+// folder, as kohya reads it (a TOML in configs/ naming data/...). Neither: as kohya, the subset is
+// left out and the others train; it is listed with what was not used, naming the path it looked
+// for. A [[datasets]] without subsets adds nothing, as kohya's schema takes it.
 TEST(DatasetToml, RelativeImageDirFromTheTomlsFolderElseTheWorkingFolder) {
   const fs::path dir = make_temp_dir("toml-relative");
   write_file(dir / "beside" / "configs" / "near" / "1.png", "x");
   write_file(dir / "work" / "far" / "2.png", "x");
   write_file(dir / "beside" / "configs" / "config.toml",
+             "[[datasets]]\nresolution = 256\n"
              "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'near'\n"
+             "[[datasets.subsets]]\nimage_dir = 'nowhere'\n"
              "[[datasets.subsets]]\nimage_dir = 'far'\n");
-  write_file(dir / "beside" / "configs" / "missing.toml",
-             "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'nowhere'\n");
   const fs::path was = fs::current_path();
   fs::current_path(dir / "work");
   std::optional<Discovery> d;
   std::string error;
   try {
     d = discover_toml(dir / "beside" / "configs" / "config.toml", Defaults{});
-    discover_toml(dir / "beside" / "configs" / "missing.toml", Defaults{});
   } catch (const InputError& e) {
     error = e.what();
   }
   fs::current_path(was);
   ASSERT_TRUE(d.has_value()) << error;
+  ASSERT_EQ(d->datasets.size(), 1u) << "the dataset without subsets adds none";
+  EXPECT_EQ(d->datasets[0].subsets.size(), 2u);
   std::set<std::string> found;
   for (const auto& image : d->images) found.insert(image.path.filename().string());
   EXPECT_EQ(found, (std::set<std::string>{"1.png", "2.png"}));
-  EXPECT_NE(error.find("image_dir " + (dir / "beside" / "configs" / "nowhere").string() +
-                       " is not a folder"),
-            std::string::npos)
-      << error;
+  ASSERT_EQ(d->ignored.size(), 1u);
+  EXPECT_EQ(d->ignored[0].path, (dir / "beside" / "configs" / "nowhere").string());
+  EXPECT_NE(d->ignored[0].reason.find("image_dir is not a folder"), std::string::npos)
+      << d->ignored[0].reason;
   fs::remove_all(dir);
 }
 

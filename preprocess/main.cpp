@@ -23,7 +23,9 @@ DEFINE_string(dataset_config, "", "kohya dataset TOML (instead of --data_dir)");
 DEFINE_string(in_json, "",
               "kohya's fine-tuning metadata JSON (captions and tags per image); its images are "
               "paths or names in --train_data_dir");
-DEFINE_int32(dataset_repeats, 1, "Repeats of every image of --in_json");
+DEFINE_int32(dataset_repeats, 1,
+             "Repeats of every image of --in_json, and of a --dataset_config subset that sets "
+             "no num_repeats (kohya's fallback)");
 DEFINE_string(dataset_id, "", "Name of the dataset's manifest (default: from the dataset path)");
 DEFINE_string(resolution, "512", "Training resolution: 512, or width,height such as 768,512");
 DEFINE_bool(enable_bucket, true, "Aspect-ratio buckets; false: every image to --resolution");
@@ -95,6 +97,24 @@ int main(int argc, char** argv) {
     status.emplace(pub ? &*pub : nullptr, "preprocess");
     status->ready();
     pp::Options options;
+    if (!FLAGS_dataset_config.empty()) {
+      // kohya's train_network: a dataset config wins, and these are ignored with a warning (a
+      // kohya command or config file often still carries them).
+      std::string ignored;
+      for (auto [name, value] : {std::pair{"--train_data_dir", &FLAGS_train_data_dir},
+                                 std::pair{"--data_dir", &FLAGS_data_dir},
+                                 std::pair{"--reg_data_dir", &FLAGS_reg_data_dir},
+                                 std::pair{"--in_json", &FLAGS_in_json}}) {
+        if (value->empty()) continue;
+        ignored += (ignored.empty() ? "" : ", ") + std::string(name) + "=" + *value;
+        value->clear();
+      }
+      if (!ignored.empty()) {
+        LP_LOG(kWarning, "preprocess") << "ignoring " << ignored << ": --dataset_config="
+                                       << FLAGS_dataset_config
+                                       << " names the images, as kohya ignores them there";
+      }
+    }
     if (!FLAGS_data_dir.empty() && !FLAGS_train_data_dir.empty() &&
         FLAGS_data_dir != FLAGS_train_data_dir) {
       throw lorapipe::InputError("--data_dir=" + FLAGS_data_dir + " and --train_data_dir=" +
@@ -126,6 +146,9 @@ int main(int argc, char** argv) {
           pp::parse_resolution(FLAGS_skip_image_resolution);
     }
     pp::SubsetOptions& s = options.defaults.subset;
+    // kohya's fallback for a subset without num_repeats (ConfigSanitizer's dataset_repeats ->
+    // num_repeats); kohya repeat folders and --data_dir set their own.
+    s.num_repeats = FLAGS_dataset_repeats;
     if (!FLAGS_caption_extension.empty() && !FLAGS_caption_extention.empty() &&
         FLAGS_caption_extension != FLAGS_caption_extention) {
       throw lorapipe::InputError("--caption_extension=" + FLAGS_caption_extension +

@@ -463,6 +463,27 @@ TEST_F(PreprocessStream, EachTomlDatasetTravelsWithItsIndexAndBatchSize) {
   }
 }
 
+// A kohya command with a dataset config: --dataset_repeats fills num_repeats where a subset sets
+// none (kohya's fallback), and --train_data_dir / --reg_data_dir beside the config are ignored
+// with a warning, as kohya's train_network ignores them.
+TEST_F(PreprocessStream, DatasetRepeatsFillATomlAndFolderFlagsBesideItAreIgnored) {
+  const fs::path config = dir_ / "repeats.toml";
+  std::ofstream(config) << "[[datasets]]\n  [[datasets.subsets]]\n  image_dir = 'data/"
+                        << preprocess::kDemoFolder << "'\n";
+  const Stream run = stream({"--dataset_config=" + config.string(), "--dataset_repeats=3",
+                             "--train_data_dir=" + (dir_ / "elsewhere").string(),
+                             "--reg_data_dir=" + (dir_ / "reg").string()},
+                            [](const std::string&) { return false; });
+  const std::string err = read_text(dir_ / "stderr.txt");
+  ASSERT_EQ(run.exit_code, 0) << err;
+  ASSERT_EQ(run.samples.size(), demo_.size());
+  for (const wire::ImageSample& s : run.samples) EXPECT_EQ(s.repeats(), 3u) << s.path();
+  EXPECT_NE(err.find("ignoring --train_data_dir=" + (dir_ / "elsewhere").string() +
+                     ", --reg_data_dir=" + (dir_ / "reg").string()),
+            std::string::npos)
+      << err;
+}
+
 // File and folder names the file system holds in another encoding than UTF-8 (Latin-1 here, as
 // an archive made on Windows unpacks): each is skipped or not used, named with its odd byte
 // written \xE9, and every other image still arrives, with a report that parses (its strings are
