@@ -427,7 +427,9 @@ class TomlReader {
   explicit TomlReader(std::string name) : name_(std::move(name)) {}
 
   [[noreturn]] void fail(const toml::node& node, const std::string& what) const {
-    throw InputError(name_ + ":" + std::to_string(node.source().begin.line) + ": " + what);
+    // A node made from a JSON config has no line.
+    const auto line = node.source().begin.line;
+    throw InputError(name_ + (line > 0 ? ":" + std::to_string(line) : std::string()) + ": " + what);
   }
 
   // Checks every key of `table` against the schema for `level`.
@@ -802,14 +804,70 @@ Discovery discover_metadata(const fs::path& metadata_file, const fs::path& image
   return out;
 }
 
+namespace {
+
+toml::table json_table(const nlohmann::json& object, const std::string& name);
+toml::array json_array(const nlohmann::json& array, const std::string& name);
+
+// One JSON value as the TOML value it stands for, given to `insert`.
+template <typename Insert>
+void put_json(const nlohmann::json& value, const std::string& key, const std::string& name,
+              Insert&& insert) {
+  using Type = nlohmann::json::value_t;
+  switch (value.type()) {
+    case Type::object: insert(json_table(value, name)); break;
+    case Type::array: insert(json_array(value, name)); break;
+    case Type::boolean: insert(value.get<bool>()); break;
+    case Type::number_integer:
+    case Type::number_unsigned: insert(value.get<int64_t>()); break;
+    case Type::number_float: insert(value.get<double>()); break;
+    case Type::string: insert(value.get<std::string>()); break;
+    default:
+      throw InputError(name + ": key '" + key + "' is null: leave it out to take its default");
+  }
+}
+
+toml::table json_table(const nlohmann::json& object, const std::string& name) {
+  toml::table table;
+  for (const auto& [key, value] : object.items()) {
+    put_json(value, key, name, [&](auto&& node) { table.insert(key, std::forward<decltype(node)>(node)); });
+  }
+  return table;
+}
+
+toml::array json_array(const nlohmann::json& array, const std::string& name) {
+  toml::array out;
+  for (const nlohmann::json& value : array) {
+    put_json(value, "[...]", name, [&](auto&& node) { out.push_back(std::forward<decltype(node)>(node)); });
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<DatasetOptions> parse_dataset_toml(const std::string& text, const std::string& name,
                                                const Defaults& defaults) {
   toml::table root;
-  try {
-    root = toml::parse(text, name);
-  } catch (const toml::parse_error& e) {
-    throw InputError(name + ":" + std::to_string(e.source().begin.line) +
-                     ": not valid TOML: " + std::string(e.description()));
+  std::string ext = fs::path(name).extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (ext == ".json") {
+    // kohya's load_user_config reads a .json config as the same tables (errors then name the
+    // key without a line).
+    nlohmann::json json;
+    try {
+      json = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw InputError(name + ": not valid JSON: " + e.what());
+    }
+    if (!json.is_object()) throw InputError(name + ": not a JSON object of [general] and [[datasets]]");
+    root = json_table(json, name);
+  } else {
+    try {
+      root = toml::parse(text, name);
+    } catch (const toml::parse_error& e) {
+      throw InputError(name + ":" + std::to_string(e.source().begin.line) +
+                       ": not valid TOML: " + std::string(e.description()));
+    }
   }
   TomlReader reader(name);
   const toml::table* general = nullptr;

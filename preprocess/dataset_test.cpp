@@ -456,13 +456,43 @@ max_bucket_reso = 1000
 }
 
 // The error names the file, the line and the key.
-void expect_toml_error(const std::string& toml, const std::string& line_and_text) {
+void expect_toml_error(const std::string& toml, const std::string& line_and_text,
+                       const std::string& name = "config.toml") {
   try {
-    parse_dataset_toml(toml, "config.toml", Defaults{});
+    parse_dataset_toml(toml, name, Defaults{});
     FAIL() << "accepted:\n" << toml;
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find(line_and_text), std::string::npos) << e.what();
   }
+}
+
+// kohya's load_user_config also reads a .json config (json.load): the same tables, read and
+// checked as the TOML's; its errors name the key, without a line.
+TEST(DatasetToml, AJsonConfigIsReadAsKohyaReadsIt) {
+  const std::vector<DatasetOptions> datasets = parse_dataset_toml(
+      R"({"general": {"shuffle_caption": true, "keep_tokens": 1},
+          "datasets": [{"resolution": [512, 768], "batch_size": 2,
+                        "subsets": [{"image_dir": "img", "num_repeats": 3,
+                                     "caption_dropout_rate": 0.5}]}]})",
+      "dataset.JSON", Defaults{});
+  ASSERT_EQ(datasets.size(), 1u);
+  EXPECT_EQ(datasets[0].buckets.resolution.width, 512);
+  EXPECT_EQ(datasets[0].buckets.resolution.height, 768);
+  EXPECT_EQ(datasets[0].batch_size, 2);
+  ASSERT_EQ(datasets[0].subsets.size(), 1u);
+  const SubsetOptions& subset = datasets[0].subsets[0];
+  EXPECT_EQ(subset.image_dir, "img");
+  EXPECT_EQ(subset.num_repeats, 3);
+  EXPECT_TRUE(subset.shuffle_caption);
+  EXPECT_EQ(subset.keep_tokens, 1);
+  EXPECT_DOUBLE_EQ(subset.caption_dropout_rate, 0.5);
+  expect_toml_error(R"({"datasets": [{"subsets": [{"image_dir": "a", "num_repeat": 3}]}]})",
+                    "config.json: unknown key 'num_repeat' in [[datasets.subsets]] (did you mean "
+                    "num_repeats?)",
+                    "config.json");
+  expect_toml_error(R"({"datasets": [{"subsets": [{"image_dir": "a", "flip_aug": null}]}]})",
+                    "config.json: key 'flip_aug' is null", "config.json");
+  expect_toml_error("{\"datasets\": [", "config.json: not valid JSON", "config.json");
 }
 
 TEST(DatasetToml, UnknownKeysAndWrongTypesNameKeyAndLine) {

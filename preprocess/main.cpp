@@ -19,7 +19,7 @@
 DEFINE_string(data_dir, "", "Folder of images, or of kohya repeat folders <N>_<class tokens>");
 DEFINE_string(train_data_dir, "", "kohya's name for --data_dir");
 DEFINE_string(reg_data_dir, "", "Folder of kohya repeat folders of regularization images");
-DEFINE_string(dataset_config, "", "kohya dataset TOML (instead of --data_dir)");
+DEFINE_string(dataset_config, "", "kohya dataset TOML, or JSON (instead of --data_dir)");
 DEFINE_string(in_json, "",
               "kohya's fine-tuning metadata JSON (captions and tags per image); its images are "
               "paths or names in --train_data_dir");
