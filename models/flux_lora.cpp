@@ -43,4 +43,17 @@ std::vector<LoraTarget> flux_lora_targets(const FluxTransformer& model,
   return targets;
 }
 
+std::vector<int64_t> flux_split_qkv_dims(const LoraTarget& target) {
+  if (target.text_encoder || target.conv) return {};
+  const int64_t in = target.in_features(), out = target.out_features();
+  const std::string& n = target.name;
+  if (n.find("double") != std::string::npos && n.find("qkv") != std::string::npos) {
+    return {out / 3, out / 3, out / 3};
+  }
+  if (n.find("single") != std::string::npos && n.find("linear1") != std::string::npos) {
+    return {in, in, in, out - 3 * in};
+  }
+  return {};
+}
+
 }  // namespace lorapipe::models

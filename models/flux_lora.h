@@ -7,6 +7,7 @@
 // transformer layers, 72 CLIP-L layers. The fused qkv and linear1 are one layer each (kohya's
 // split_qkv trains them split and saves them merged, in this same form).
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -23,5 +24,10 @@ namespace lorapipe::models {
 std::vector<LoraTarget> flux_lora_targets(const FluxTransformer& model,
                                           const std::string& train_blocks = "all",
                                           const std::vector<std::string>& in_dims = {});
+
+// kohya's split_qkv parts of a layer (networks.lora_flux's split_dims), by its name, with the
+// widths the layer has: q, k, v of a double block's qkv; q, k, v and the MLP of a single block's
+// linear1; empty for every other layer (and for a conv or text-encoder layer).
+std::vector<int64_t> flux_split_qkv_dims(const LoraTarget& target);
 
 }  // namespace lorapipe::models

@@ -4,12 +4,14 @@
 
 #include <cmath>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "common/error.h"
 #include "common/log.h"
 #include "models/device.h"
 #include "models/float8.h"
+#include "models/flux_lora.h"
 #include "models/linear.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
@@ -61,8 +63,21 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
                        double multiplier, Application application) {
   const bool keep_originals = application != Application::kMergedForGood;
   std::map<std::string, at::Tensor> tensors;
+  bool split_qkv = false;
   try {
-    tensors = read_tensors(SafetensorsFile::open(file));
+    const SafetensorsFile opened = SafetensorsFile::open(file);
+    tensors = read_tensors(opened);
+    // kohya's split_qkv (networks.lora_flux) trains q, k, v (and linear1's MLP) as LoRAs of their
+    // own, each at alpha / its rank, and saves them merged at n times the rank with alpha
+    // unchanged (so loaders that read the merged rank apply them at 1/n: sd-scripts #2204).
+    // A preview shows the LoRA as it was trained, as kohya's previews during training do (its
+    // live network); merged into the base for good (--base_weights), it acts as kohya's merge.
+    const auto meta = opened.metadata();
+    if (const auto args = meta.find("ss_network_args"); args != meta.end()) {
+      const nlohmann::json parsed = nlohmann::json::parse(args->second, nullptr, false);
+      split_qkv = parsed.is_object() && parsed.contains("split_qkv") &&
+                  parsed["split_qkv"] == "True" && application != Application::kMergedForGood;
+    }
   } catch (const InputError&) {
     throw;
   } catch (const std::exception& e) {
@@ -86,6 +101,14 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
       throw InputError(file.string() + ": key '" + key +
                        "' is in diffusers/PEFT naming (lora_A / lora_B), which is not read yet: "
                        "give a LoRA in kohya's naming (lora_down / lora_up / alpha)");
+    } else if (key.ends_with("lora_down.weight") || key.ends_with("lora_up.weight") ||
+               key.ends_with(".lora.down.weight") || key.ends_with(".lora.up.weight")) {
+      // A plain LoRA in module paths with dots ("diffusion_model.double_blocks.0.img_attn.qkv.
+      // lora_down.weight", "unet....to_q_lora.down.weight"): not an unknown kind.
+      throw InputError(file.string() + ": key '" + key +
+                       "' names its layer by a dotted module path (ComfyUI's or older diffusers' "
+                       "naming), which is not read yet: give a LoRA in kohya's naming "
+                       "(lora_unet_..._lora_down.weight, as kohya's scripts and ComfyUI save)");
     } else {
       throw InputError(file.string() + ": key '" + key +
                        "' is not plain LoRA or LoCon (lora_down / lora_up / alpha); other kinds "
@@ -121,6 +144,7 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
   std::vector<std::pair<const LoraTarget*, std::shared_ptr<LoraAdapter>>> adapters;
   for (const auto& [name, m] : modules) {
     const LoraTarget& target = targets.at(name);
+    const size_t parts = split_qkv ? flux_split_qkv_dims(target).size() : 0;
     if (!m.down.defined() || !m.up.defined()) {
       throw InputError(file.string() + ": module " + name + " lacks its " +
                        (m.down.defined() ? "lora_up" : "lora_down") + " weight");
@@ -136,15 +160,19 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
                        " and lora_up " + shape(m.up) + ", which do not fit its layer's weight " +
                        shape(weight));
     }
+    // The rank the module trained at: a split_qkv part's (see above), else the file's.
+    const int64_t parts_rank =
+        parts > 0 && rank % static_cast<int64_t>(parts) == 0 ? rank / static_cast<int64_t>(parts)
+                                                              : rank;
     // No alpha, or alpha 0, means the rank (scale 1), as kohya's LoRAModule reads it.
     const double stored = m.alpha.defined() ? m.alpha.to(torch::kFloat64).item<double>() : 0.0;
-    const double alpha = stored != 0 ? stored : static_cast<double>(rank);
+    const double alpha = stored != 0 ? stored : static_cast<double>(parts_rank);
     if (is_float8(weight) || application == Application::kInSlots) {
       // Beside the weight, kept in fp32 (the layer computes it in its own dtype), with
       // the scale folded into down so that a stack joins by concatenation alone.
       auto adapter = std::make_shared<LoraAdapter>();
       const auto fp32 = torch::TensorOptions().dtype(torch::kFloat32).device(weight.device());
-      adapter->down = (down * (multiplier * alpha / rank)).to(fp32);
+      adapter->down = (down * (multiplier * alpha / parts_rank)).to(fp32);
       adapter->up = up.to(fp32);
       if (target.conv) {
         adapter->down = adapter->down.view({rank, weight.size(1), weight.size(2), weight.size(3)});
@@ -159,7 +187,7 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
       continue;
     }
     // kohya's merge: up @ down (for a kxk conv, the 1x1 up composed with the kxk down).
-    const at::Tensor delta = (up.matmul(down) * (multiplier * alpha / rank)).view(weight.sizes());
+    const at::Tensor delta = (up.matmul(down) * (multiplier * alpha / parts_rank)).view(weight.sizes());
     deltas.emplace_back(weight, delta);
   }
   torch::NoGradGuard no_grad;

@@ -245,6 +245,23 @@ TEST_F(SamplerParityRender, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothin
               std::string::npos)
         << e.what();
   }
+  // A LoRA in dotted module paths (ComfyUI's, older diffusers'): named as such, not as LoHa.
+  {
+    const torch::Tensor down = torch::zeros({4, 8});
+    models::write_safetensors(
+        dir_ / "dotted.safetensors",
+        {{"diffusion_model.input_blocks.1.1.proj_in.lora_down.weight", models::Dtype::kF32, {4, 8},
+          std::string_view(static_cast<const char*>(down.data_ptr()), down.nbytes())}});
+    try {
+      MergedLora lora(model, dir_ / "dotted.safetensors", 1.0);
+      FAIL() << "merged a LoRA of dotted names";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("by a dotted module path (ComfyUI's or older "
+                                           "diffusers' naming)"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   // Half written: named, nothing merged.
   const auto size = fs::file_size(ref_ / "lora.safetensors");
   fs::copy_file(ref_ / "lora.safetensors", dir_ / "half.safetensors",

@@ -25,6 +25,8 @@
 
 #include "common/error.h"
 #include "models/attention.h"
+#include "models/flux_lora.h"
+#include "models/lora_merge.h"
 #include "models/parity_util.h"
 #include "models/registry.h"
 #include "models/tiny.h"
@@ -373,6 +375,62 @@ TEST_F(FluxTrainParity, TwentyAdamWStepsWithSplitQkvAgainstKohyasSplitModules) {
       "split20");
 }
 
+// A split_qkv LoRA file holds each fused layer's parts merged at n times their rank with alpha
+// unchanged, as kohya saves it. The sampler's preview (the file in the layers' slots) applies
+// every layer as the network trained it (each part at alpha / its own rank), as kohya's previews
+// of its live network do: every layer's output equals the trained network's (1e-5 of its scale:
+// the same fp32 products in another order). Merged into the base for good (--base_weights),
+// the file acts as kohya's merge reads it: alpha over the merged rank.
+TEST_F(FluxTrainParity, SplitQkvPreviewAppliesEveryLayerAsTrained) {
+  models::LoadOptions load;
+  load.parts.t5_max_length = kT5Tokens;
+  const auto trained = models::load_model(flux_, load);
+  NetworkOptions net;
+  net.dim = 4;
+  net.alpha = 2;
+  net.train_text_encoder = false;
+  net.split_qkv = true;
+  LoraNetwork network(*trained, net, at::make_generator<at::CPUGeneratorImpl>(7));
+  const fs::path file = dir_ / "split-preview.safetensors";
+  testing::start_from_random_ups(network, dir_ / "split-init.safetensors");
+  write_lora_file(file, network.state_dict(), {{"ss_network_args", "{\"split_qkv\": \"True\"}"}});
+
+  const auto previewed = models::load_model(flux_, load);
+  const models::MergedLora preview(*previewed, file, 1.0, models::MergedLora::Application::kInSlots);
+  const auto before = previewed->lora_targets(false, true);
+  std::map<std::string, const models::LoraTarget*> by_name;
+  for (const models::LoraTarget& t : before) by_name[t.name] = &t;
+  torch::NoGradGuard no_grad;
+  torch::manual_seed(5);
+  size_t split = 0;
+  for (const models::LoraTarget& t : trained->lora_targets(false, true)) {
+    if (t.conv || !by_name.count(t.name)) continue;
+    const at::Tensor x = torch::randn({3, t.in_features()});
+    const at::Tensor want = t.linear->forward(x);
+    const at::Tensor got = by_name.at(t.name)->linear->forward(x);
+    split += !models::flux_split_qkv_dims(t).empty();
+    EXPECT_LT((got - want).abs().max().item<double>(), 1e-5 * want.abs().max().item<double>())
+        << t.name;
+  }
+  EXPECT_GT(split, 0u) << "no split_qkv layer was compared";
+
+  // --base_weights: kohya's merge of the same file, alpha over the merged rank (1/3 of a qkv).
+  const auto base = models::load_model(flux_, load);
+  const models::LoraTarget qkv = [&] {
+    for (const models::LoraTarget& t : base->lora_targets(false, true)) {
+      if (models::flux_split_qkv_dims(t).size() == 3) return t;
+    }
+    throw std::runtime_error("no qkv layer");
+  }();
+  const at::Tensor original = qkv.weight().clone();
+  const models::MergedLora merged(*base, file, 1.0, models::MergedLora::Application::kMergedForGood);
+  const auto tensors = read_tensor_file(file);
+  const at::Tensor down = tensors.at(qkv.name + ".lora_down.weight");
+  const at::Tensor up = tensors.at(qkv.name + ".lora_up.weight");
+  const at::Tensor kohya = up.matmul(down) * (2.0 / static_cast<double>(down.size(0)));
+  EXPECT_TRUE(torch::allclose(qkv.weight() - original, kohya, 1e-5, 1e-6)) << qkv.name;
+}
+
 TEST_F(FluxTrainParity, TrainBlocksKeepsOnlyTheChosenBlocksModules) {
   models::LoadOptions load;
   load.parts.t5_max_length = kT5Tokens;
@@ -396,6 +454,19 @@ TEST_F(FluxTrainParity, TrainBlocksKeepsOnlyTheChosenBlocksModules) {
   EXPECT_EQ(count("all", "lora_unet_"), 16u);
   EXPECT_EQ(count("double", "lora_unet_double_blocks_"), 10u);
   EXPECT_EQ(count("single", "lora_unet_single_blocks_"), 6u);
+  // A file of every block continues a train_blocks=single network: the double blocks' modules
+  // are left out, as kohya's non-strict load leaves them, and the single ones are read.
+  NetworkOptions all;
+  LoraNetwork whole(*model, all, at::make_generator<at::CPUGeneratorImpl>(2));
+  NetworkOptions single_only;
+  single_only.train_blocks = "single";
+  LoraNetwork singles(*model, single_only, at::make_generator<at::CPUGeneratorImpl>(3));
+  const auto file = whole.state_dict();
+  singles.load(file, "all-blocks.safetensors");
+  for (const LoraNetwork::Module& m : singles.modules()) {
+    EXPECT_TRUE(torch::equal(m.adapter->down, file.at(m.target.name + ".lora_down.weight")))
+        << m.target.name;
+  }
   NetworkOptions wrong;
   wrong.train_blocks = "middle";
   try {

@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "models/flux_lora.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
 #include "trainer/device_scalars.h"
@@ -334,7 +335,10 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
     const bool input_layer = target.in_dims >= 0;
     if (!keep_prefix.empty() && !target.text_encoder && !input_layer &&
         target.name.rfind(keep_prefix, 0) != 0) {
-      continue;  // not among the trained blocks: no module, as in kohya
+      // Not among the trained blocks: no module, as in kohya, and a --network_weights file's
+      // module for it is not loaded (kohya's load is not strict).
+      untrained_.insert(target.name);
+      continue;
     }
     const bool kxk = target.is_conv_kxk();
     int64_t rank = kxk ? options.conv_dim : options.dim;
@@ -375,7 +379,10 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
       }
     }
     if (!from_weights.empty()) {
-      const auto it = from_weights.find(target.name);
+      auto it = from_weights.find(target.name);
+      // Another trainer's name for the layer (SDXL's diffusers module names): kohya's
+      // create_network_from_weights converts them to its own.
+      if (it == from_weights.end() && !target.alias.empty()) it = from_weights.find(target.alias);
       if (it == from_weights.end()) continue;  // not in the file: kohya builds no module
       rank = it->second;
       alpha = static_cast<double>(rank);  // until load() reads the file's
@@ -385,15 +392,8 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
     // split_qkv: kohya's rule by name, with the widths the layer has (kohya writes FLUX.1's
     // 3072 and 12288): q, k, v of a double block's qkv; q, k, v and the MLP of linear1.
     std::vector<int64_t> split_dims;
-    if (options.split_qkv && !target.text_encoder && !target.conv) {
-      const int64_t in = target.in_features(), out = target.out_features();
-      const std::string& n = target.name;
-      if (n.find("double") != std::string::npos && n.find("qkv") != std::string::npos) {
-        split_dims = {out / 3, out / 3, out / 3};
-      } else if (n.find("single") != std::string::npos &&
-                 n.find("linear1") != std::string::npos) {
-        split_dims = {in, in, in, out - 3 * in};
-      }
+    if (options.split_qkv) {
+      split_dims = models::flux_split_qkv_dims(target);
       if (!from_weights.empty() && !split_dims.empty()) {
         // A file's merged rank is the parts' rank times their count.
         if (rank % static_cast<int64_t>(split_dims.size()) != 0) {
@@ -577,9 +577,15 @@ void LoraNetwork::load(const std::map<std::string, at::Tensor>& tensors, const s
   std::vector<std::string> missing, misshaped;
   torch::NoGradGuard no_grad;
   for (Module& m : modules_) {
-    const std::string down_key = m.target.name + ".lora_down.weight";
-    const std::string up_key = m.target.name + ".lora_up.weight";
-    const std::string alpha_key = m.target.name + ".alpha";
+    // The file's name for the module: kohya's, else another trainer's (the target's alias).
+    const std::string& named =
+        !tensors.count(m.target.name + ".lora_down.weight") && !m.target.alias.empty() &&
+                tensors.count(m.target.alias + ".lora_down.weight")
+            ? m.target.alias
+            : m.target.name;
+    const std::string down_key = named + ".lora_down.weight";
+    const std::string up_key = named + ".lora_up.weight";
+    const std::string alpha_key = named + ".alpha";
     auto down = tensors.find(down_key);
     auto up = tensors.find(up_key);
     if (down == tensors.end() || up == tensors.end()) {
@@ -605,6 +611,8 @@ void LoraNetwork::load(const std::map<std::string, at::Tensor>& tensors, const s
     auto alpha = tensors.find(alpha_key);
     m.alpha = alpha == tensors.end() ? static_cast<double>(m.scale_rank())
                                      : alpha->second.to(torch::kFloat64).item<double>();
+    // kohya's LoRAModule: alpha 0 (or none) means the rank, scale 1; not a module that never acts.
+    if (m.alpha == 0) m.alpha = static_cast<double>(m.scale_rank());
     unused.erase(alpha_key);
     m.adapter->scale = m.alpha / static_cast<double>(m.scale_rank());
   }

@@ -219,6 +219,40 @@ TEST_F(SdxlTrainParity, TwentyAdamWStepsWithClipping) {
       /*final_weights=*/true);
 }
 
+// An SDXL LoRA whose U-Net modules carry diffusers' module names (as some trainers write them,
+// and as the sampler and --base_weights read them) continues training as kohya's
+// create_network_from_weights converts them: --dim_from_weights finds every module's rank under
+// either name, and the load reads it.
+TEST_F(SdxlTrainParity, ALoraInDiffusersModuleNamesContinuesAsKohyas) {
+  const auto model = models::load_model(tiny_.diffusers);
+  NetworkOptions options;
+  options.dim = 4;
+  options.alpha = 2;
+  options.train_text_encoder = false;
+  LoraNetwork source(*model, options, at::make_generator<at::CPUGeneratorImpl>(3));
+  std::map<std::string, torch::Tensor> renamed;
+  size_t aliased = 0;
+  for (const LoraNetwork::Module& m : source.modules()) {
+    const std::string& name = m.target.alias.empty() ? m.target.name : m.target.alias;
+    aliased += !m.target.alias.empty();
+    renamed[name + ".lora_down.weight"] = m.adapter->down.detach().clone();
+    renamed[name + ".lora_up.weight"] = torch::randn_like(m.adapter->up);
+    renamed[name + ".alpha"] = torch::tensor(2.0);
+  }
+  ASSERT_GT(aliased, 0u);
+  const fs::path file = dir_ / "diffusers-names.safetensors";
+  write_lora_file(file, renamed, {});
+  NetworkOptions from_file = options;
+  from_file.ranks_from_weights = lora_file_ranks(file);
+  LoraNetwork continued(*model, from_file, at::make_generator<at::CPUGeneratorImpl>(4));
+  ASSERT_EQ(continued.modules().size(), source.modules().size());
+  continued.load(file);
+  for (const LoraNetwork::Module& m : continued.modules()) {
+    const std::string& name = m.target.alias.empty() ? m.target.name : m.target.alias;
+    EXPECT_TRUE(torch::equal(m.adapter->up, renamed.at(name + ".lora_up.weight"))) << name;
+  }
+}
+
 // kohya's SDXL size conditioning of a cached sample: original size and crop from the record,
 // the target its latents' size; a flipped sample's crop left is the target width minus
 // crop_ltrb's right (kohya's BaseDataset.__getitem__), each truncated to an int.

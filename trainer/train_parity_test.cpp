@@ -1249,6 +1249,19 @@ TEST_F(TrainLora, AlphaZeroOrAMissingAlphaMeansTheRank) {
     EXPECT_TRUE(torch::equal(m.adapter->down, old_file.at(m.target.name + ".lora_down.weight")))
         << m.target.name;
   }
+  // A file whose alphas are 0 reads as kohya's LoRAModule reads it: the rank, scale 1 (not a
+  // network that never acts nor learns).
+  for (auto& [name, t] : old_file) {
+    if (name.ends_with(".lora_down.weight")) {
+      old_file[name.substr(0, name.size() - 17) + ".alpha"] = torch::tensor(0.0);
+    }
+  }
+  LoraNetwork zeroed(model, plain, at::make_generator<at::CPUGeneratorImpl>(10));
+  zeroed.load(old_file, "zero-alpha.safetensors");
+  for (const auto& m : zeroed.modules()) {
+    EXPECT_DOUBLE_EQ(m.alpha, 4) << m.target.name;
+    EXPECT_DOUBLE_EQ(m.adapter->scale, 1.0) << m.target.name;
+  }
 }
 
 // --mixed_precision fp16's loss scale, kept as torch's GradScaler keeps it (kohya's, through
