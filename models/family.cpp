@@ -223,7 +223,9 @@ nlohmann::json read_json(const fs::path& path) {
   } catch (const nlohmann::json::exception& e) {
     throw InputError(path.string() + ": not JSON: " + e.what());
   }
-  if (!json.is_object()) throw InputError(path.string() + ": not a JSON object, as diffusers writes");
+  if (!json.is_object()) {
+    throw InputError(path.string() + ": not a JSON object, as diffusers writes");
+  }
   return json;
 }
 

@@ -57,6 +57,21 @@ void check_module(const std::filesystem::path& file, const std::string& name, co
   }
 }
 
+// Whether `up` [out, rank] is split_qkv's block-diagonal merge of parts `dims` (each part's rows
+// read its own rank / parts columns alone, every other entry exactly 0).
+bool split_up(const at::Tensor& up, const std::vector<int64_t>& dims, int64_t rank) {
+  const auto parts = static_cast<int64_t>(dims.size());
+  if (parts == 0 || rank % parts != 0) return false;
+  const int64_t part_rank = rank / parts;
+  at::Tensor off = up.abs();
+  int64_t row = 0;
+  for (int64_t j = 0; j < parts; ++j) {
+    off.narrow(0, row, dims[static_cast<size_t>(j)]).narrow(1, j * part_rank, part_rank).zero_();
+    row += dims[static_cast<size_t>(j)];
+  }
+  return row == up.size(0) && off.max().item<double>() == 0;
+}
+
 }  // namespace
 
 MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
@@ -74,7 +89,8 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
     // live network); merged into the base for good (--base_weights), it acts as kohya's merge.
     const auto meta = opened.metadata();
     if (const auto args = meta.find("ss_network_args"); args != meta.end()) {
-      const nlohmann::json parsed = nlohmann::json::parse(args->second, nullptr, false);
+      const nlohmann::json parsed =
+          nlohmann::json::parse(args->second, /*cb=*/nullptr, /*allow_exceptions=*/false);
       split_qkv = parsed.is_object() && parsed.contains("split_qkv") &&
                   parsed["split_qkv"] == "True" && application != Application::kMergedForGood;
     }
@@ -102,7 +118,7 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
                        "' is in diffusers/PEFT naming (lora_A / lora_B), which is not read yet: "
                        "give a LoRA in kohya's naming (lora_down / lora_up / alpha)");
     } else if (key.ends_with("lora_down.weight") || key.ends_with("lora_up.weight") ||
-               key.ends_with(".lora.down.weight") || key.ends_with(".lora.up.weight")) {
+               key.ends_with("lora.down.weight") || key.ends_with("lora.up.weight")) {
       // A plain LoRA in module paths with dots ("diffusion_model.double_blocks.0.img_attn.qkv.
       // lora_down.weight", "unet....to_q_lora.down.weight"): not an unknown kind.
       throw InputError(file.string() + ": key '" + key +
@@ -160,10 +176,12 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
                        " and lora_up " + shape(m.up) + ", which do not fit its layer's weight " +
                        shape(weight));
     }
-    // The rank the module trained at: a split_qkv part's (see above), else the file's.
-    const int64_t parts_rank =
-        parts > 0 && rank % static_cast<int64_t>(parts) == 0 ? rank / static_cast<int64_t>(parts)
-                                                              : rank;
+    // The rank the module trained at: a split_qkv part's (see above) where the up still is
+    // block-diagonal over the parts, else the file's (a file resized after training, by kohya's
+    // resize_lora, keeps the metadata but holds one plain module).
+    const int64_t parts_rank = parts > 0 && split_up(up, flux_split_qkv_dims(target), rank)
+                                   ? rank / static_cast<int64_t>(parts)
+                                   : rank;
     // No alpha, or alpha 0, means the rank (scale 1), as kohya's LoRAModule reads it.
     const double stored = m.alpha.defined() ? m.alpha.to(torch::kFloat64).item<double>() : 0.0;
     const double alpha = stored != 0 ? stored : static_cast<double>(parts_rank);
@@ -187,7 +205,8 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
       continue;
     }
     // kohya's merge: up @ down (for a kxk conv, the 1x1 up composed with the kxk down).
-    const at::Tensor delta = (up.matmul(down) * (multiplier * alpha / parts_rank)).view(weight.sizes());
+    const at::Tensor delta =
+        (up.matmul(down) * (multiplier * alpha / parts_rank)).view(weight.sizes());
     deltas.emplace_back(weight, delta);
   }
   torch::NoGradGuard no_grad;

@@ -8,8 +8,9 @@
 // How it is applied (Application):
 //  - kInSlots (the sampler's, by default): each module goes into its layer's LoRA slot and is
 //    computed beside the frozen weight, base(x) + up(down(x)) * multiplier * alpha / rank, as
-//    kohya computes its network when it samples during training. No weight changes and none is
-//    copied, so a LoRA costs its own tensors and not a second copy of the weights it touches;
+//    kohya computes its network when it samples during training (rank: a part's, for a FLUX.1
+//    file trained with split_qkv whose fused layers still hold their parts). No weight changes
+//    and none is copied, so a LoRA costs its own tensors and not a second copy of the weights it touches;
 //    restore() empties the slots and the base is bit for bit what it was. A LoRA already in a
 //    slot (a stack) is joined by concatenating the ranks.
 //  - kMergedRestorable: W += multiplier * (alpha / rank) * up @ down, keeping a copy of each

@@ -186,7 +186,8 @@ TEST_F(SafetensorsTest, RefusesEveryMalformedHeader) {
   expect_refused(dir_ / "legacy.pt", "lorapipe never loads pickles");
   // A 640-byte header's length starts with the bytes of a pickle's protocol 2: it opens.
   const std::string padded = "{" + ok_entry + "}";
-  EXPECT_NO_THROW(SafetensorsFile::open(raw_file(padded + std::string(640 - padded.size(), ' '), 8)));
+  EXPECT_NO_THROW(
+      SafetensorsFile::open(raw_file(padded + std::string(640 - padded.size(), ' '), 8)));
   std::ofstream(dir_ / "short.safetensors") << "abc";
   expect_refused(dir_ / "short.safetensors", "shorter than the 8-byte header length");
 }

@@ -426,10 +426,14 @@ class TomlReader {
  public:
   explicit TomlReader(std::string name) : name_(std::move(name)) {}
 
-  [[noreturn]] void fail(const toml::node& node, const std::string& what) const {
-    // A node made from a JSON config has no line.
+  // "FILE:LINE" of a node; "FILE" alone for a node made from a JSON config, which has no line.
+  static std::string where(const std::string& name, const toml::node& node) {
     const auto line = node.source().begin.line;
-    throw InputError(name_ + (line > 0 ? ":" + std::to_string(line) : std::string()) + ": " + what);
+    return name + (line > 0 ? ":" + std::to_string(line) : std::string());
+  }
+
+  [[noreturn]] void fail(const toml::node& node, const std::string& what) const {
+    throw InputError(where(name_, node) + ": " + what);
   }
 
   // Checks every key of `table` against the schema for `level`.
@@ -460,7 +464,7 @@ class TomlReader {
                      "preservation) is not supported by lorapipe yet: its images would train "
                      "as any other; leave it out");
         }
-        LP_LOG(kWarning, kLog) << name_ << ":" << node.source().begin.line << ": '" << k
+        LP_LOG(kWarning, kLog) << TomlReader::where(name_, node) << ": '" << k
                                << "' is accepted but not used by lorapipe yet";
       }
     }
@@ -633,7 +637,8 @@ std::string escape_non_utf8(std::string_view s) {
   size_t i = 0;
   while (i < s.size()) {
     const auto c = static_cast<unsigned char>(s[i]);
-    // The longest valid sequence starting here (1 to 4 bytes), else this byte alone escaped.
+    // The valid sequence starting here (1 to 4 bytes; there is at most one), else this byte
+    // alone, escaped.
     size_t taken = 0;
     for (size_t n = 1; n <= 4 && i + n <= s.size() && taken == 0; ++n) {
       if (valid_utf8(s.substr(i, n))) taken = n;
@@ -660,7 +665,7 @@ Caption read_caption_file(const fs::path& path, bool all_lines) {
   std::string bytes;
   char buffer[1 << 14];
   for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, in)) > 0;) bytes.append(buffer, n);
-  const int error = std::ferror(in) ? errno : 0;
+  const int error = std::ferror(in) ? (errno != 0 ? errno : EIO) : 0;
   std::fclose(in);
   if (error != 0) {
     throw InputError("cannot read caption file " + path.string() + ": " + std::strerror(error));
@@ -830,7 +835,8 @@ void put_json(const nlohmann::json& value, const std::string& key, const std::st
 toml::table json_table(const nlohmann::json& object, const std::string& name) {
   toml::table table;
   for (const auto& [key, value] : object.items()) {
-    put_json(value, key, name, [&](auto&& node) { table.insert(key, std::forward<decltype(node)>(node)); });
+    put_json(value, key, name,
+             [&](auto&& node) { table.insert(key, std::forward<decltype(node)>(node)); });
   }
   return table;
 }
@@ -838,7 +844,8 @@ toml::table json_table(const nlohmann::json& object, const std::string& name) {
 toml::array json_array(const nlohmann::json& array, const std::string& name) {
   toml::array out;
   for (const nlohmann::json& value : array) {
-    put_json(value, "[...]", name, [&](auto&& node) { out.push_back(std::forward<decltype(node)>(node)); });
+    put_json(value, "[...]", name,
+             [&](auto&& node) { out.push_back(std::forward<decltype(node)>(node)); });
   }
   return out;
 }
@@ -849,7 +856,8 @@ std::vector<DatasetOptions> parse_dataset_toml(const std::string& text, const st
                                                const Defaults& defaults) {
   toml::table root;
   std::string ext = fs::path(name).extension().string();
-  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+  std::transform(ext.begin(), ext.end(), ext.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   if (ext == ".json") {
     // kohya's load_user_config reads a .json config as the same tables (errors then name the
     // key without a line).
@@ -859,7 +867,9 @@ std::vector<DatasetOptions> parse_dataset_toml(const std::string& text, const st
     } catch (const nlohmann::json::exception& e) {
       throw InputError(name + ": not valid JSON: " + e.what());
     }
-    if (!json.is_object()) throw InputError(name + ": not a JSON object of [general] and [[datasets]]");
+    if (!json.is_object()) {
+      throw InputError(name + ": not a JSON object of [general] and [[datasets]]");
+    }
     root = json_table(json, name);
   } else {
     try {
@@ -904,7 +914,7 @@ std::vector<DatasetOptions> parse_dataset_toml(const std::string& text, const st
     const toml::array* subsets = subsets_node ? subsets_node->as_array() : nullptr;
     if (subsets_node == nullptr || (subsets != nullptr && subsets->empty())) {
       // kohya's schema takes it, and it adds no image.
-      LP_LOG(kWarning, kLog) << name << ":" << dataset_table.source().begin.line
+      LP_LOG(kWarning, kLog) << TomlReader::where(name, dataset_table)
                              << ": this [[datasets]] has no [[datasets.subsets]]: it adds no "
                                 "image, as in kohya";
       continue;
@@ -997,13 +1007,15 @@ Discovery discover_toml(const fs::path& config, const Defaults& defaults) {
       const fs::path& source =
           subset.metadata_file.empty() ? subset.image_dir : subset.metadata_file;
       std::error_code ec;
-      if (subset.metadata_file.empty() && !fs::is_directory(subset.image_dir, ec)) {
+      // (A fine-tuning subset may name no image_dir: its metadata holds whole paths.)
+      if (!subset.image_dir.empty() && !fs::is_directory(subset.image_dir, ec)) {
         // kohya warns and trains the other subsets; listed with what was not used, so a
         // mistyped folder is seen (and a run with nothing else stops: no usable image).
         const std::string why =
             "image_dir is not a folder (a relative image_dir is read from the TOML's folder, or "
             "else from the working folder): this subset is not used, as kohya leaves it out";
-        LP_LOG(kWarning, kLog) << config.string() << ": " << subset.image_dir.string() << ": " << why;
+        LP_LOG(kWarning, kLog) << config.string() << ": " << subset.image_dir.string() << ": "
+                               << why;
         out.ignored.push_back({subset.image_dir.string(), why});
       } else if (subset.num_repeats < 1) {
         LP_LOG(kWarning, kLog) << config.string() << ": subset '" << source.string()

@@ -519,7 +519,8 @@ TEST(DatasetToml, UnknownKeysAndWrongTypesNameKeyAndLine) {
                     "config.toml:2: validation_split must be in [0, 1)");
   // Refused at its line, not by the trainer after caching, naming a --train_batch_size the user
   // never gave.
-  expect_toml_error("[general]\nbatch_size = 0\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\n",
+  expect_toml_error("[general]\nbatch_size = 0\n[[datasets]]\n[[datasets.subsets]]\n"
+                    "image_dir = 'a'\n",
                     "config.toml:2: batch_size must be a whole number from 1 to 1048576, got 0");
   expect_toml_error("[[datasets]]\nbatch_size = -2\n[[datasets.subsets]]\nimage_dir = 'a'\n",
                     "config.toml:2: batch_size must be a whole number from 1 to 1048576, got -2");

@@ -97,12 +97,16 @@ int main(int argc, char** argv) {
     status.emplace(pub ? &*pub : nullptr, "preprocess");
     status->ready();
     pp::Options options;
+    if (FLAGS_dataset_repeats < 1) {
+      throw lorapipe::InputError("--dataset_repeats=" + std::to_string(FLAGS_dataset_repeats) +
+                                 ": must be at least 1");
+    }
     if (!FLAGS_dataset_config.empty()) {
-      // kohya's train_network: a dataset config wins, and these are ignored with a warning (a
-      // kohya command or config file often still carries them).
+      // kohya's train_network: a dataset config wins, and kohya's folder flags are ignored with a
+      // warning (a kohya command or config file often still carries them). lorapipe's own
+      // --data_dir beside it stays refused (preprocess::run: give one).
       std::string ignored;
       for (auto [name, value] : {std::pair{"--train_data_dir", &FLAGS_train_data_dir},
-                                 std::pair{"--data_dir", &FLAGS_data_dir},
                                  std::pair{"--reg_data_dir", &FLAGS_reg_data_dir},
                                  std::pair{"--in_json", &FLAGS_in_json}}) {
         if (value->empty()) continue;

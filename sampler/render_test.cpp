@@ -246,11 +246,13 @@ TEST_F(SamplerParityRender, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothin
         << e.what();
   }
   // A LoRA in dotted module paths (ComfyUI's, older diffusers'): named as such, not as LoHa.
-  {
+  for (const char* key : {"diffusion_model.input_blocks.1.1.proj_in.lora_down.weight",
+                          "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.processor."
+                          "to_q_lora.down.weight"}) {
     const torch::Tensor down = torch::zeros({4, 8});
     models::write_safetensors(
         dir_ / "dotted.safetensors",
-        {{"diffusion_model.input_blocks.1.1.proj_in.lora_down.weight", models::Dtype::kF32, {4, 8},
+        {{key, models::Dtype::kF32, {4, 8},
           std::string_view(static_cast<const char*>(down.data_ptr()), down.nbytes())}});
     try {
       MergedLora lora(model, dir_ / "dotted.safetensors", 1.0);

@@ -253,8 +253,14 @@ function lorapipeSamples(data){
   for(const p of data.prompts){const c=head.insertCell();c.className='prompt';c.textContent=p;}
   for(const ck of [...data.checkpoints].reverse()){
     const row=grid.insertRow();row.id='step-'+ck.step;row.insertCell().textContent=ck.step;
-    for(const img of ck.images){const c=row.insertCell();const i=document.createElement('img');
-      i.onload=()=>{i.dataset.loaded='1';status();};i.src=img;i.alt=img;c.appendChild(i);}
+    // A checkpoint rendered before the prompt file changed holds its own prompts: each image is
+    // named by its own, and captioned where that is not the column's.
+    const own=ck.prompts||data.prompts;
+    ck.images.forEach((img,k)=>{const c=row.insertCell();const i=document.createElement('img');
+      i.onload=()=>{i.dataset.loaded='1';status();};i.src=img;i.alt=img;i.title=own[k]||'';
+      c.appendChild(i);
+      if(own[k]!==data.prompts[k]){const d=document.createElement('div');d.className='prompt';
+        d.textContent=own[k]||'';c.appendChild(d);}});
   }
   status();
 }
@@ -535,12 +541,25 @@ class Sampler {
                              ->set("across", static_cast<int>(std::min<size_t>(4, tiles.size())))
                              ->set("shim", 4)),
               "contact sheet, step " + std::to_string(step));
-    checkpoints_.push_back(
-        {{"step", step}, {"name", name}, {"images", images}, {"sheet", sheet.filename().string()}});
-    nlohmann::json index{{"checkpoints", checkpoints_}, {"prompts", nlohmann::json::array()}};
-    for (const RenderRequest& r : prompts_.prompts) index["prompts"].push_back(r.prompt);
-    write_text(o_.output_dir / "samples" / "samples.json", index.dump(1));
-    write_text(o_.output_dir / "samples" / "samples.js", "lorapipeSamples(" + index.dump() + ");\n");
+    // Each checkpoint keeps the prompts it rendered (the file may change between checkpoints);
+    // the index's own are the newest, the gallery's columns.
+    nlohmann::json prompts = nlohmann::json::array();
+    for (const RenderRequest& r : prompts_.prompts) prompts.push_back(r.prompt);
+    checkpoints_.push_back({{"step", step},
+                            {"name", name},
+                            {"images", images},
+                            {"prompts", prompts},
+                            {"sheet", sheet.filename().string()}});
+    const nlohmann::json index{{"checkpoints", checkpoints_}, {"prompts", prompts}};
+    try {
+      write_text(o_.output_dir / "samples" / "samples.json", index.dump(1));
+      write_text(o_.output_dir / "samples" / "samples.js",
+                 "lorapipeSamples(" + index.dump() + ");\n");
+    } catch (const Error& e) {
+      // The images are written; the next checkpoint's index lists this one too.
+      LP_LOG(kWarning, kLog) << "step " << step << ": the gallery's index is not updated: "
+                             << e.what();
+    }
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     last_seconds_per_image_ = seconds / static_cast<double>(images.size());
@@ -833,8 +852,9 @@ PromptSet check_sampler_options(const SamplerOptions& options) {
   models::check_declared_objective(options.model, options.v_prediction, std::nullopt);
   (void)models::resolve_device(options.device);
   (void)models::parse_precision(options.mixed_precision, "--mixed_precision");
-  return read_prompts(options, models::model_family(
-                                   models::detect_family(options.model, options.model_family).family));
+  const models::FamilyDetection detected =
+      models::detect_family(options.model, options.model_family);
+  return read_prompts(options, models::model_family(detected.family));
 }
 
 SamplerSummary run_sampler(const SamplerOptions& options) {

@@ -570,9 +570,10 @@ TEST_F(SamplerRun, AnUnwritableSampleSkipsThatCheckpointAndKeepsServing) {
 }
 
 // The gallery's index written to a full disk (its temporary name points at /dev/full, where
-// every write fails with ENOSPC): the failure is reported naming the file, and samples.json keeps
-// the checkpoints it listed (a truncated index would read as an empty gallery after a restart).
-// Written again once the disk has room, it lists every checkpoint rendered.
+// every write fails with ENOSPC): the failure is reported naming the file, the checkpoint's
+// images still count as rendered, and samples.json keeps the checkpoints it listed (a truncated
+// index would read as an empty gallery after a restart). The failed write removes its temporary
+// (here the link), so the next checkpoint's index is written and lists every one rendered.
 TEST_F(SamplerRun, AGalleryIndexThatCannotBeWrittenKeepsThePreviousOne) {
   zmq::context_t context;
   zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
@@ -590,14 +591,13 @@ TEST_F(SamplerRun, AGalleryIndexThatCannotBeWrittenKeepsThePreviousOne) {
   const fs::path full = index.string() + ".tmp";
   fs::create_symlink("/dev/full", full);
   announce(20);
-  for (int i = 0;
-       i < 600 && read_text(work_ / "err").find("step 20 not rendered") == std::string::npos; ++i) {
+  const std::string failed = "step 20: the gallery's index is not updated: cannot write " +
+                             full.string() + ": No space left on device";
+  for (int i = 0; i < 600 && read_text(work_ / "err").find(failed) == std::string::npos; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  const std::string err = read_text(work_ / "err");
-  EXPECT_NE(err.find("cannot write " + full.string() + ": No space left on device"),
-            std::string::npos)
-      << err;
+  EXPECT_NE(read_text(work_ / "err").find(failed), std::string::npos) << read_text(work_ / "err");
+  EXPECT_TRUE(fs::exists(work_ / "samples" / "run_000020_00.png"));
   ASSERT_TRUE(fs::is_regular_file(fs::symlink_status(index))) << "the index was replaced";
   const auto listed = [&] {
     std::set<uint64_t> steps;
@@ -608,11 +608,12 @@ TEST_F(SamplerRun, AGalleryIndexThatCannotBeWrittenKeepsThePreviousOne) {
     return steps;
   };
   EXPECT_EQ(listed(), std::set<uint64_t>({10}));
-  std::error_code ec;
-  fs::remove(full, ec);  // the disk has room again
+  EXPECT_FALSE(fs::exists(fs::symlink_status(full))) << "the failed write left its temporary";
   announce(50, /*final=*/true);
   ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");
   EXPECT_EQ(listed(), std::set<uint64_t>({10, 20, 50}));
+  EXPECT_NE(read_text(work_ / "out").find("3 checkpoints rendered"), std::string::npos)
+      << read_text(work_ / "out");
 }
 
 // kohya reads the prompt file at every sampling: edited during a run, the next checkpoint renders
@@ -642,6 +643,11 @@ TEST_F(SamplerRun, AnEditedPromptFileIsReadForTheNextCheckpoint) {
   EXPECT_TRUE(fs::exists(work_ / "samples" / "run_000020_02.png")) << read_text(work_ / "err");
   const auto index = nlohmann::json::parse(read_text(work_ / "samples" / "samples.json"));
   EXPECT_EQ(index.at("prompts"), nlohmann::json({"a ring", "a dot", "a cross"}));
+  // Each checkpoint keeps the prompts it rendered: the gallery names step 10's images by them.
+  ASSERT_EQ(index.at("checkpoints").size(), 2u);
+  EXPECT_EQ(index.at("checkpoints")[0].at("prompts"),
+            nlohmann::json({"a red circle", "a blue square, 青い四角"}));
+  EXPECT_EQ(index.at("checkpoints")[1].at("prompts"), index.at("prompts"));
   std::ofstream(prompts) << "# nothing to render\n";
   announce(50, /*final=*/true);
   ASSERT_EQ(wait_exit(pid), 0) << read_text(work_ / "err");

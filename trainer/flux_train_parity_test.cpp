@@ -393,10 +393,12 @@ TEST_F(FluxTrainParity, SplitQkvPreviewAppliesEveryLayerAsTrained) {
   LoraNetwork network(*trained, net, at::make_generator<at::CPUGeneratorImpl>(7));
   const fs::path file = dir_ / "split-preview.safetensors";
   testing::start_from_random_ups(network, dir_ / "split-init.safetensors");
-  write_lora_file(file, network.state_dict(), {{"ss_network_args", "{\"split_qkv\": \"True\"}"}});
+  write_lora_file(file, network.state_dict(),
+                  {{"ss_network_args", "{\"split_qkv\": \"True\"}"}});
 
   const auto previewed = models::load_model(flux_, load);
-  const models::MergedLora preview(*previewed, file, 1.0, models::MergedLora::Application::kInSlots);
+  const models::MergedLora preview(*previewed, file, /*multiplier=*/1.0,
+                                   models::MergedLora::Application::kInSlots);
   const auto before = previewed->lora_targets(false, true);
   std::map<std::string, const models::LoraTarget*> by_name;
   for (const models::LoraTarget& t : before) by_name[t.name] = &t;
@@ -423,12 +425,43 @@ TEST_F(FluxTrainParity, SplitQkvPreviewAppliesEveryLayerAsTrained) {
     throw std::runtime_error("no qkv layer");
   }();
   const at::Tensor original = qkv.weight().clone();
-  const models::MergedLora merged(*base, file, 1.0, models::MergedLora::Application::kMergedForGood);
+  const models::MergedLora merged(*base, file, /*multiplier=*/1.0,
+                                  models::MergedLora::Application::kMergedForGood);
   const auto tensors = read_tensor_file(file);
   const at::Tensor down = tensors.at(qkv.name + ".lora_down.weight");
   const at::Tensor up = tensors.at(qkv.name + ".lora_up.weight");
   const at::Tensor kohya = up.matmul(down) * (2.0 / static_cast<double>(down.size(0)));
-  EXPECT_TRUE(torch::allclose(qkv.weight() - original, kohya, 1e-5, 1e-6)) << qkv.name;
+  // fp32 products summed in another order: within 1e-5 of their size.
+  EXPECT_TRUE(torch::allclose(qkv.weight() - original, kohya, /*rtol=*/1e-5, /*atol=*/1e-6))
+      << qkv.name;
+
+  // The same metadata over modules no longer split into parts (kohya's resize_lora keeps the
+  // metadata and writes plain modules): each is read as the plain module it is, alpha over the
+  // file's rank.
+  auto resized = network.state_dict();
+  for (auto& [key, t] : resized) {
+    if (key.ends_with(".lora_up.weight")) t = torch::randn_like(t) * 0.05;
+  }
+  const fs::path resized_file = dir_ / "split-resized.safetensors";
+  write_lora_file(resized_file, resized, {{"ss_network_args", "{\"split_qkv\": \"True\"}"}});
+  const auto plain = models::load_model(flux_, load);
+  for (const models::LoraTarget& t : plain->lora_targets(false, true)) {
+    if (models::flux_split_qkv_dims(t).empty()) continue;
+    const at::Tensor x = torch::randn({3, t.in_features()});
+    at::Tensor with_lora;
+    {
+      const models::MergedLora slotted(*plain, resized_file, /*multiplier=*/1.0,
+                                       models::MergedLora::Application::kInSlots);
+      with_lora = t.linear->forward(x);
+    }
+    const at::Tensor file_down = resized.at(t.name + ".lora_down.weight");
+    const at::Tensor file_up = resized.at(t.name + ".lora_up.weight");
+    const double scale = 2.0 / static_cast<double>(file_down.size(0));
+    const at::Tensor want =
+        t.linear->forward(x) + x.matmul(file_down.t()).matmul(file_up.t()) * scale;
+    EXPECT_LT((with_lora - want).abs().max().item<double>(), 1e-5 * want.abs().max().item<double>())
+        << t.name;
+  }
 }
 
 TEST_F(FluxTrainParity, TrainBlocksKeepsOnlyTheChosenBlocksModules) {

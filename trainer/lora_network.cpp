@@ -326,10 +326,16 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
                      model.model_family().kohya.network_module +
                      ") has no double and single blocks (networks.lora_flux's arguments)");
   }
+  // A layer without a module: a file's module for it (by either of its names) is not loaded, as
+  // kohya's non-strict load leaves it.
+  const auto leave_out = [this](const models::LoraTarget& t) {
+    untrained_.insert(t.name);
+    if (!t.alias.empty()) untrained_.insert(t.alias);
+  };
   for (models::LoraTarget& target : targets) {
     // kohya's apply_to drops the modules of a side that does not train.
     if (!(target.text_encoder ? options.train_text_encoder : options.train_unet)) {
-      untrained_.insert(target.name);
+      leave_out(target);
       continue;
     }
     const bool input_layer = target.in_dims >= 0;
@@ -337,7 +343,7 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
         target.name.rfind(keep_prefix, 0) != 0) {
       // Not among the trained blocks: no module, as in kohya, and a --network_weights file's
       // module for it is not loaded (kohya's load is not strict).
-      untrained_.insert(target.name);
+      leave_out(target);
       continue;
     }
     const bool kxk = target.is_conv_kxk();
@@ -349,7 +355,7 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
       // load is not strict).
       rank = options.in_dims.empty() ? 0 : options.in_dims[static_cast<size_t>(target.in_dims)];
       if (rank == 0) {
-        untrained_.insert(target.name);
+        leave_out(target);
         continue;
       }
     } else if (blocks && !target.text_encoder) {
@@ -368,13 +374,13 @@ LoraNetwork::LoraNetwork(const models::DiffusionModel& model, const NetworkOptio
         rank = 0;
       }
       if (rank == 0) {  // kohya builds no module for a block of rank 0 (or weight 0)
-        untrained_.insert(target.name);  // a --network_weights file's module for it is not loaded
+        leave_out(target);  // a --network_weights file's module for it is not loaded
         continue;
       }
     } else if (flux_rules && !target.text_encoder && !kxk && from_weights.empty()) {
       rank = flux_module_rank(target.name, options);
       if (rank == 0) {  // kohya builds no module of rank 0, nor in a block left out
-        untrained_.insert(target.name);
+        leave_out(target);
         continue;
       }
     }
