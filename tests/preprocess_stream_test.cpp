@@ -482,6 +482,19 @@ TEST_F(PreprocessStream, DatasetRepeatsFillATomlAndFolderFlagsBesideItAreIgnored
                      ", --reg_data_dir=" + (dir_ / "reg").string()),
             std::string::npos)
       << err;
+  // lorapipe's own --data_dir beside the config names two datasets: refused; and a repeat count
+  // below 1 would leave every subset out.
+  for (const auto& [flag, says] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"--data_dir=" + (dir_ / "data").string(), "give exactly one of --data_dir"},
+           {"--dataset_repeats=0", "--dataset_repeats=0: must be at least 1"}}) {
+    const pid_t pid = spawn({LORAPIPE_PREPROCESS_BIN, "--dataset_config=" + config.string(), flag,
+                             "--report_only"},
+                            dir_ / "refused.txt");
+    EXPECT_NE(wait_exit(pid), 0) << flag;
+    const std::string refused = read_text(dir_ / "refused.txt");
+    EXPECT_NE(refused.find(says), std::string::npos) << refused;
+  }
 }
 
 // File and folder names the file system holds in another encoding than UTF-8 (Latin-1 here, as
