@@ -355,6 +355,29 @@ double PreviewShare::budget_needed() const {
   return width > 0 ? bytes() * kAccuracyMargin + kReserveBytes : 0;
 }
 
+namespace {
+
+// The family's text encoders' weights in the run's dtype (the calibration's, measured in fp32),
+// their Linear weights in float8 where --fp8_base puts them there (not --fp8_base_unet), with a
+// float32 scale per 64 under --fp8_scaled. A family without a calibration of them (FLUX.1): 0.
+double text_encoder_bytes(const ModelStructure& model, const PlanOptions& o,
+                          const std::string& float8) {
+  const json& previews = calibration().value("preview", json::object());
+  const std::string key = calibration_key(model.family);
+  if (!previews.contains(key)) return 0;
+  const json& cal = previews.at(key);
+  const double scale = o.storage_bytes / cal.value("dtype_bytes", 4.0);
+  double bytes = cal.at("text_encoder_bytes").get<double>() * scale;
+  if (!float8.empty() && !o.run.has("fp8_base_unet")) {
+    const double f8 = cal.at("text_encoder_float8_params").get<double>();
+    bytes -= f8 * o.storage_bytes;
+    bytes += f8 * (float8 == "fp8_scaled" ? 1 + 4.0 / 64 : 1);
+  }
+  return bytes;
+}
+
+}  // namespace
+
 PreviewShare predict_preview_share(const ModelStructure& model, int width, int height,
                                    const PlanOptions& o, const std::string& float8) {
   const json& previews = calibration().value("preview", json::object());
@@ -373,12 +396,7 @@ PreviewShare predict_preview_share(const ModelStructure& model, int width, int h
   const double pixels = static_cast<double>(width) * height;
   PreviewShare p;
   p.width = width, p.height = height;
-  p.text_encoders = cal.at("text_encoder_bytes").get<double>() * scale;
-  if (!float8.empty() && !o.run.has("fp8_base_unet")) {
-    const double f8 = cal.at("text_encoder_float8_params").get<double>();
-    p.text_encoders -= f8 * o.storage_bytes;
-    p.text_encoders += f8 * (float8 == "fp8_scaled" ? 1 + 4.0 / 64 : 1);
-  }
+  p.text_encoders = text_encoder_bytes(model, o, float8);
   const double vae_bytes = o.storage_bytes == 2 && o.run.get("mixed_precision", "") == "fp16"
                                ? dtype_bytes : o.storage_bytes;
   p.vae = cal.at("vae_bytes").get<double>() * vae_bytes / dtype_bytes;
@@ -434,6 +452,11 @@ Prediction predict(const ModelStructure& model, const Candidate& c, const PlanOp
     p.transient = share * p.float8_copy;
   }
   p.rounding = kRoundingPerTensor * static_cast<double>(model.weight_tensors + 6 * model.lora_modules);
+  // A text-encoder LoRA keeps the encoders on the card (they encode every step). FLUX.1's plan
+  // trains the transformer alone instead (its candidates' flags say so: candidate_flags).
+  if (o.trains_text_encoder && !is_flux(model.family)) {
+    p.text_encoders = text_encoder_bytes(model, o, c.float8);
+  }
 
   const double tokens = std::ceil(static_cast<double>(c.width) / model.pixels_per_token) *
                             std::ceil(static_cast<double>(c.height) / model.pixels_per_token) +
@@ -492,7 +515,11 @@ std::vector<std::string> candidate_flags(const ModelStructure& model, const Cand
   if (!c.float8.empty()) flags.push_back("--fp8_base");
   if (c.float8 == "fp8_scaled") flags.push_back("--fp8_scaled");
   if (c.blocks_to_swap > 0) flags.push_back("--blocks_to_swap=" + std::to_string(c.blocks_to_swap));
-  (void)model;
+  // FLUX.1 with a CLIP-L LoRA would keep T5-XXL (4.8 B parameters) on the card beside the
+  // transformer, encoding every step: kohya's small-card FLUX.1 recipes train the transformer
+  // alone, its text from the cache, and so does every setting the plan weighs (print_plan says
+  // so).
+  if (is_flux(model.family) && o.trains_text_encoder) flags.push_back("--network_train_unet_only");
   for (const std::string& f : o.run_flags) flags.push_back(f);
   return flags;
 }
@@ -584,6 +611,7 @@ PlanOptions parse_plan_args(const std::vector<std::string>& args) {
       o.dataset = true;
     }
   }
+  o.trains_text_encoder = run.get("network_train_unet_only", "false") != "true";
   if (run.has("network_dim")) o.rank = flag_int("--network_dim", run.get("network_dim"));
   if (run.has("mixed_precision")) o.storage_bytes = run.get("mixed_precision") == "no" ? 4 : 2;
   if (run.has("learning_rate")) o.learning_rate = flag_number("--learning_rate", run.get("learning_rate"));
@@ -945,6 +973,15 @@ void print_plan(const Plan& plan, std::ostream& out) {
   if (!calibrated(m.family, false)) {
     out << "without gradient checkpointing: not calibrated for this family yet, not shown\n";
   }
+  if (o.trains_text_encoder && is_flux(m.family)) {
+    out << "the transformer alone trains (--network_train_unet_only, as kohya's small-card "
+           "FLUX.1 recipes): a CLIP-L LoRA would keep T5-XXL (4.8 B parameters) on the card, "
+           "encoding every step\n";
+  } else if (o.trains_text_encoder) {
+    out << "the text encoders stay on the card (" << gib(text_encoder_bytes(m, o, ""))
+        << " GiB, in the peaks below): the run trains a text-encoder LoRA, kohya's default; "
+           "--network_train_unet_only leaves them off\n";
+  }
   out << "\n";
   // Each resolution x batch: its fastest setting that fits, else its lightest one.
   out << "  res  batch  setting                                  peak GiB  fits   s/it  samples/s\n";
@@ -993,6 +1030,7 @@ std::string explain_json(const ModelStructure& model, const Candidate& c, const 
             {"float8_copy", p.float8_copy},
             {"rounding", p.rounding},
             {"activations", p.activations},
+            {"text_encoders", p.text_encoders},
             {"predicted_peak_bytes", p.peak()},
             {"flops", p.flops},
             {"features", p.features},
@@ -1249,7 +1287,8 @@ int probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
         const Candidate& x = row.candidate;
         if (x.batch != batch || x.width != width || x.height != height) continue;
         ProbeResult result;
-        result.predicted_peak = predict(plan.model, x, o).peak();
+        // trainer_bench steps the denoiser alone: against its part of the prediction.
+        result.predicted_peak = predict(plan.model, x, o).denoiser_peak();
         result.out_of_memory = rest.rfind("out of memory", 0) == 0;
         result.skipped = rest.rfind("skipped", 0) == 0;
         std::smatch m;
@@ -1277,7 +1316,7 @@ int probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
         PlanRow& row = plan.rows[r];
         if (row.probe) continue;
         ProbeResult result;
-        result.predicted_peak = predict(plan.model, row.candidate, o).peak();
+        result.predicted_peak = predict(plan.model, row.candidate, o).denoiser_peak();
         result.failed = "trainer_bench exited " + std::to_string(code) + ": " + last;
         row.probe = result;
       }

@@ -66,7 +66,14 @@ struct Prediction {
   double weights = 0, lora = 0, optimizer = 0, activations = 0, transient = 0, rounding = 0;
   // The largest float8 weight's widened copy (transient is the share of it alive at the peak).
   double float8_copy = 0;
-  double peak() const { return weights + lora + optimizer + activations + transient + rounding; }
+  // The text encoders' weights, on the card when the run trains a text-encoder LoRA (kohya's
+  // default, which encodes every step); 0 with --network_train_unet_only (text from the cache).
+  double text_encoders = 0;
+  double peak() const { return denoiser_peak() + text_encoders; }
+  // What a step of the denoiser alone holds (what trainer_bench, the probe, measures).
+  double denoiser_peak() const {
+    return weights + lora + optimizer + activations + transient + rounding;
+  }
   double flops = 0;      // one step's
   double s_per_it = 0;   // on the plan's card
   // The calibration's features: 1, B T, B T^2, B T n, B T^2 n (batch, tokens, blocks). The
@@ -99,6 +106,8 @@ struct PlanOptions {
   Settings run;                        // the run flags as given
   // The run names a dataset (--data_dir, --dataset_config, ...): the plan weighs its buckets.
   bool dataset = false;
+  // The run trains a text-encoder LoRA: kohya's default, unless --network_train_unet_only.
+  bool trains_text_encoder = true;
 };
 
 Prediction predict(const ModelStructure& model, const Candidate& candidate, const PlanOptions& o);

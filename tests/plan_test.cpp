@@ -182,8 +182,9 @@ void PlanTest::expect_predicted_peaks(const std::vector<AccuracyCase>& cases) {
     std::vector<std::string> args = {"--steps", "1", "--warmup", "1", "--warmup_resolution", "64",
                                      "--batch", std::to_string(c.batch), "--resolution",
                                      std::to_string(c.resolution)};
+    // trainer_bench steps the denoiser alone: the run that trains it alone, its text cached.
     std::vector<std::string> plan_args = {"plan", "--explain", "--network_dim=16",
-                                          "--mixed_precision=no",
+                                          "--network_train_unet_only", "--mixed_precision=no",
                                           "--resolution=" + std::to_string(c.resolution),
                                           "--train_batch_size=" + std::to_string(c.batch)};
     for (size_t i = 0; i < c.options.size(); ++i) {
@@ -312,6 +313,50 @@ TEST_F(PlanTest, PlanCommandNamesBadValues) {
 // `lorapipe run --plan_budget=6GB`: the run's flags become the plan's recommendation for the
 // same model and flags (what `lorapipe plan` writes as the recommended candidate's flags), and a
 // budget nothing fits is refused by name instead of training into an out-of-memory.
+// A run that trains a text-encoder LoRA (kohya's default) keeps its text encoders on the card,
+// encoding every step: the plan counts their weights (SD1.5's in bf16, and in float8 with
+// --fp8_base, the sampler's measured bytes: predict_preview_share's), and says so;
+// --network_train_unet_only leaves them off. FLUX.1's settings train the transformer alone, as
+// kohya's small-card recipes do (T5-XXL would stay on the card): its recommended command says
+// --network_train_unet_only.
+TEST_F(PlanTest, PlanCountsTheTextEncodersATextEncoderLoraKeepsOnTheCard) {
+  const Bench sd = bench("full", {"--steps", "0"}, "sd15");
+  const auto explain = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"plan", "--explain", "--model=" + sd.structure,
+                                     "--resolution=512", "--train_batch_size=1",
+                                     "--gradient_checkpointing"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const std::string out = run("lorapipe", args);
+    EXPECT_EQ(code_, 0) << err_;
+    return json::parse(out);
+  };
+  const json both = explain({});
+  const json alone = explain({"--network_train_unet_only"});
+  const json float8 = explain({"--fp8_base"});
+  PlanOptions bf16;
+  const double encoders = predict_preview_share(read_structure(sd.structure), 512, 512, bf16)
+                              .text_encoders;
+  EXPECT_GT(encoders, 0.2 * (1 << 30));  // CLIP-L's 123 M parameters in bf16
+  EXPECT_DOUBLE_EQ(both.at("text_encoders").get<double>(), encoders);
+  EXPECT_EQ(alone.at("text_encoders").get<double>(), 0);
+  EXPECT_DOUBLE_EQ(both.at("predicted_peak_bytes").get<double>() -
+                       alone.at("predicted_peak_bytes").get<double>(),
+                   encoders);
+  EXPECT_LT(float8.at("text_encoders").get<double>(), 0.75 * encoders);
+  const std::string table = run("lorapipe", {"plan", "--model=" + sd.structure});
+  EXPECT_NE(table.find("the text encoders stay on the card"), std::string::npos) << table;
+
+  const Bench flux = bench("flux", {"--steps", "0"}, "flux_full");
+  run("lorapipe", {"plan", "--model=" + flux.structure, "--vram_budget=12GB",
+                   "--output=" + (work_ / "flux").string()});
+  ASSERT_EQ(code_, 0) << err_;
+  const json plan = json::parse(read_text(work_ / "flux" / "plan.json"));
+  const json& best = plan.at("candidates").at(plan.at("recommended").get<int>());
+  bool unet_only = false;
+  for (const auto& f : best.at("flags")) unet_only |= f == "--network_train_unet_only";
+  EXPECT_TRUE(unet_only) << best.at("flags").dump();
+}
+
 TEST_F(PlanTest, PlanBudgetGivesTheRunTheRecommendation) {
   const Bench b = bench("full", {"--steps", "0"}, "sd15");
   Settings settings = parse_run_args({"--pretrained_model_name_or_path=" + b.structure,
