@@ -378,6 +378,15 @@ double text_encoder_bytes(const ModelStructure& model, const PlanOptions& o,
 
 }  // namespace
 
+bool plans_denoiser_alone(const ModelStructure& model, const PlanOptions& o) {
+  return is_flux(model.family) && o.trains_text_encoder &&
+         !o.run.has("network_train_unet_only") && !o.run.has("network_train_text_encoder_only");
+}
+
+bool text_encoders_on_card(const ModelStructure& model, const PlanOptions& o) {
+  return o.captions_online || (o.trains_text_encoder && !plans_denoiser_alone(model, o));
+}
+
 PreviewShare predict_preview_share(const ModelStructure& model, int width, int height,
                                    const PlanOptions& o, const std::string& float8) {
   const json& previews = calibration().value("preview", json::object());
@@ -452,11 +461,7 @@ Prediction predict(const ModelStructure& model, const Candidate& c, const PlanOp
     p.transient = share * p.float8_copy;
   }
   p.rounding = kRoundingPerTensor * static_cast<double>(model.weight_tensors + 6 * model.lora_modules);
-  // A text-encoder LoRA keeps the encoders on the card (they encode every step). FLUX.1's plan
-  // trains the transformer alone instead (its candidates' flags say so: candidate_flags).
-  if (o.trains_text_encoder && !is_flux(model.family)) {
-    p.text_encoders = text_encoder_bytes(model, o, c.float8);
-  }
+  if (text_encoders_on_card(model, o)) p.text_encoders = text_encoder_bytes(model, o, c.float8);
 
   const double tokens = std::ceil(static_cast<double>(c.width) / model.pixels_per_token) *
                             std::ceil(static_cast<double>(c.height) / model.pixels_per_token) +
@@ -515,11 +520,7 @@ std::vector<std::string> candidate_flags(const ModelStructure& model, const Cand
   if (!c.float8.empty()) flags.push_back("--fp8_base");
   if (c.float8 == "fp8_scaled") flags.push_back("--fp8_scaled");
   if (c.blocks_to_swap > 0) flags.push_back("--blocks_to_swap=" + std::to_string(c.blocks_to_swap));
-  // FLUX.1 with a CLIP-L LoRA would keep T5-XXL (4.8 B parameters) on the card beside the
-  // transformer, encoding every step: kohya's small-card FLUX.1 recipes train the transformer
-  // alone, its text from the cache, and so does every setting the plan weighs (print_plan says
-  // so).
-  if (is_flux(model.family) && o.trains_text_encoder) flags.push_back("--network_train_unet_only");
+  if (plans_denoiser_alone(model, o)) flags.push_back("--network_train_unet_only");
   for (const std::string& f : o.run_flags) flags.push_back(f);
   return flags;
 }
@@ -612,6 +613,16 @@ PlanOptions parse_plan_args(const std::vector<std::string>& args) {
     }
   }
   o.trains_text_encoder = run.get("network_train_unet_only", "false") != "true";
+  // What the cache cannot hold (trainer/run_setup.cpp encodes these online; cacher.cpp leaves
+  // them out).
+  const auto positive = [&](const char* name) {  // a switch given, or a number above 0
+    const std::string value = run.get(name, "false");
+    return value == "true" || (value != "false" && std::atof(value.c_str()) > 0);
+  };
+  o.captions_online = positive("weighted_captions") || positive("shuffle_caption") ||
+                      positive("caption_dropout_rate") || positive("caption_tag_dropout_rate") ||
+                      positive("caption_dropout_every_n_epochs") ||
+                      positive("token_warmup_step") || positive("enable_wildcard");
   if (run.has("network_dim")) o.rank = flag_int("--network_dim", run.get("network_dim"));
   if (run.has("mixed_precision")) o.storage_bytes = run.get("mixed_precision") == "no" ? 4 : 2;
   if (run.has("learning_rate")) o.learning_rate = flag_number("--learning_rate", run.get("learning_rate"));
@@ -973,14 +984,22 @@ void print_plan(const Plan& plan, std::ostream& out) {
   if (!calibrated(m.family, false)) {
     out << "without gradient checkpointing: not calibrated for this family yet, not shown\n";
   }
-  if (o.trains_text_encoder && is_flux(m.family)) {
+  const std::string why_online = o.captions_online
+                                     ? "its captions change every step (weighted, shuffled, "
+                                       "dropped or warmed up)"
+                                     : "the run trains a text-encoder LoRA, kohya's default; "
+                                       "--network_train_unet_only leaves them off";
+  if (text_encoders_on_card(m, o) && is_flux(m.family)) {
+    out << "T5-XXL (4.8 B parameters) and CLIP-L stay on the card, encoding every step ("
+        << why_online << "): NOT in the peaks below\n";
+  } else if (text_encoders_on_card(m, o)) {
+    out << "the text encoders stay on the card (" << gib(text_encoder_bytes(m, o, ""))
+        << " GiB, in the peaks below): " << why_online << "\n";
+  }
+  if (plans_denoiser_alone(m, o)) {
     out << "the transformer alone trains (--network_train_unet_only, as kohya's small-card "
            "FLUX.1 recipes): a CLIP-L LoRA would keep T5-XXL (4.8 B parameters) on the card, "
            "encoding every step\n";
-  } else if (o.trains_text_encoder) {
-    out << "the text encoders stay on the card (" << gib(text_encoder_bytes(m, o, ""))
-        << " GiB, in the peaks below): the run trains a text-encoder LoRA, kohya's default; "
-           "--network_train_unet_only leaves them off\n";
   }
   out << "\n";
   // Each resolution x batch: its fastest setting that fits, else its lightest one.
@@ -1247,8 +1266,10 @@ int probe_plan(Plan& plan, const ProbeOptions& probe, std::ostream& progress) {
       return std::make_tuple(x.width, x.height, x.batch) < std::make_tuple(y.width, y.height, y.batch);
     });
     const Candidate& c = plan.rows[rows.front()].candidate;
-    // Held to what the training has beside previews on the card (their share by its float8).
-    const double limit = std::max(0.0, plan.rows[rows.front()].training_budget - kReserveBytes);
+    // Held to what the training's denoiser has beside previews on the card (their share by its
+    // float8) and the text encoders the run keeps there (trainer_bench steps the denoiser alone).
+    const double limit = std::max(0.0, plan.rows[rows.front()].training_budget - kReserveBytes -
+                                           predict(plan.model, c, o).text_encoders);
     std::string settings;
     for (int r : rows) {
       const Candidate& x = plan.rows[r].candidate;
@@ -1399,6 +1420,9 @@ std::string apply_plan_budget(Settings& settings) {
   if (!c.float8.empty()) settings.set("fp8_base", "true");
   if (c.float8 == "fp8_scaled") settings.set("fp8_scaled", "true");
   if (c.blocks_to_swap > 0) settings.set("blocks_to_swap", std::to_string(c.blocks_to_swap));
+  if (plans_denoiser_alone(plan.model, plan.options)) {
+    settings.set("network_train_unet_only", "true");
+  }
   std::ostringstream line;
   if (plan.preview.width > 0) {
     line << "lorapipe: --plan_budget: previews up to " << plan.preview.width << "x"
@@ -1408,8 +1432,12 @@ std::string apply_plan_budget(Settings& settings) {
   }
   line << "lorapipe: --plan_budget " << gib(plan.options.budget_bytes) << " GiB: " << c.width
        << "x" << c.height << ", batch " << c.batch << " x " << plan.accumulation << ", "
-       << describe(c) << ", learning rate " << lr.str() << " (predicted peak "
-       << gib(best.prediction.peak()) << " GiB)";
+       << describe(c) << ", learning rate " << lr.str()
+       << (plans_denoiser_alone(plan.model, plan.options)
+               ? ", the transformer alone (--network_train_unet_only: a CLIP-L LoRA would keep "
+                 "T5-XXL on the card)"
+               : "")
+       << " (predicted peak " << gib(best.prediction.peak()) << " GiB)";
   return line.str();
 }
 
@@ -1480,6 +1508,11 @@ std::string apply_auto_batch(Settings& settings, const std::vector<std::string>&
   if (preview.width > 0) {
     line << " (" << gib(training_budget) << " GiB beside previews up to " << preview.width << "x"
          << preview.height << ", predicted " << gib(preview.bytes()) << " GiB)";
+  }
+  if (plans_denoiser_alone(model, options)) {
+    settings.set("network_train_unet_only", "true");
+    line << ", the transformer alone (--network_train_unet_only: a CLIP-L LoRA would keep T5-XXL "
+            "on the card)";
   }
   line << ": " << step
        << " samples per optimizer step (--train_batch_size " << run.batch

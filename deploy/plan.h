@@ -66,8 +66,11 @@ struct Prediction {
   double weights = 0, lora = 0, optimizer = 0, activations = 0, transient = 0, rounding = 0;
   // The largest float8 weight's widened copy (transient is the share of it alive at the peak).
   double float8_copy = 0;
-  // The text encoders' weights, on the card when the run trains a text-encoder LoRA (kohya's
-  // default, which encodes every step); 0 with --network_train_unet_only (text from the cache).
+  // The text encoders' weights, on the card where the run encodes its captions every step: it
+  // trains a text-encoder LoRA (kohya's default) or its captions change every step (see
+  // PlanOptions::captions_online); 0 where its text comes from the cache. Counted for the
+  // families whose encoders the calibration measured (SD1.5, SDXL; print_plan says FLUX.1's
+  // are not).
   double text_encoders = 0;
   double peak() const { return denoiser_peak() + text_encoders; }
   // What a step of the denoiser alone holds (what trainer_bench, the probe, measures).
@@ -108,9 +111,19 @@ struct PlanOptions {
   bool dataset = false;
   // The run trains a text-encoder LoRA: kohya's default, unless --network_train_unet_only.
   bool trains_text_encoder = true;
+  // Its captions are encoded every step, the text encoders on the card whatever trains: weighted
+  // captions, or captions shuffled, dropped or warmed up (the cache holds one encoding of each),
+  // as flags of the run say (a dataset config's own keys are not read here).
+  bool captions_online = false;
 };
 
 Prediction predict(const ModelStructure& model, const Candidate& candidate, const PlanOptions& o);
+// FLUX.1 with a CLIP-L LoRA the run did not ask for by name: the plan trains the transformer
+// alone, as kohya's small-card FLUX.1 recipes do (T5-XXL would stay on the card beside it), and
+// its settings carry --network_train_unet_only (candidates' flags, --plan_budget, --auto_batch).
+bool plans_denoiser_alone(const ModelStructure& model, const PlanOptions& o);
+// Whether the run keeps its text encoders on the card as the plan sets it up.
+bool text_encoders_on_card(const ModelStructure& model, const PlanOptions& o);
 // The smallest budget a prediction fits in: its peak and 10% for the prediction's error (the
 // calibration's goal), plus what the CUDA context and the kernels' workspaces take (0.6 GB).
 double budget_needed(const Prediction& prediction);

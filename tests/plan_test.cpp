@@ -345,6 +345,9 @@ TEST_F(PlanTest, PlanCountsTheTextEncodersATextEncoderLoraKeepsOnTheCard) {
   EXPECT_LT(float8.at("text_encoders").get<double>(), 0.75 * encoders);
   const std::string table = run("lorapipe", {"plan", "--model=" + sd.structure});
   EXPECT_NE(table.find("the text encoders stay on the card"), std::string::npos) << table;
+  // Captions that change every step are encoded every step, whatever trains.
+  const json shuffled = explain({"--network_train_unet_only", "--shuffle_caption"});
+  EXPECT_DOUBLE_EQ(shuffled.at("text_encoders").get<double>(), encoders);
 
   const Bench flux = bench("flux", {"--steps", "0"}, "flux_full");
   run("lorapipe", {"plan", "--model=" + flux.structure, "--vram_budget=12GB",
@@ -355,6 +358,19 @@ TEST_F(PlanTest, PlanCountsTheTextEncodersATextEncoderLoraKeepsOnTheCard) {
   bool unet_only = false;
   for (const auto& f : best.at("flags")) unet_only |= f == "--network_train_unet_only";
   EXPECT_TRUE(unet_only) << best.at("flags").dump();
+  // `lorapipe run --plan_budget` runs that setting, the flag included.
+  Settings budgeted = parse_run_args({"--pretrained_model_name_or_path=" + flux.structure,
+                                      "--plan_budget=12GB"});
+  const std::string said = apply_plan_budget(budgeted);
+  EXPECT_EQ(budgeted.get("network_train_unet_only"), "true") << said;
+  EXPECT_NE(said.find("the transformer alone"), std::string::npos) << said;
+  // Captions that change every step keep T5-XXL on the card, which the plan does not count:
+  // it says so.
+  const std::string online = run("lorapipe", {"plan", "--model=" + flux.structure,
+                                              "--shuffle_caption", "--vram_budget=12GB"});
+  EXPECT_NE(online.find("T5-XXL (4.8 B parameters) and CLIP-L stay on the card"),
+            std::string::npos)
+      << online;
 }
 
 TEST_F(PlanTest, PlanBudgetGivesTheRunTheRecommendation) {
@@ -723,6 +739,7 @@ TEST_F(PlanTest, PlanProbeRunsTheSettingsAndStopsEachSizeAtItsFirstOutOfMemory) 
                        "--probe_size=tiny", "--probe_steps=1", "--mixed_precision=no",
                        "--resolutions=128,256", "--batch_sizes=1,2,4,8",
                        "--gradient_checkpointing", "--optimizer_type=AdamW", "--fp8_base",
+                       "--network_train_unet_only",  // the bench's denoiser alone on the card
                        budget.str(), "--output=" + (work_ / "plan").string()});
   ASSERT_EQ(code_, 0) << err_ << out;
   std::printf("%s", out.substr(out.find("probe:")).c_str());
