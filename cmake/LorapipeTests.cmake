@@ -9,12 +9,6 @@
 # discovery script is wrapped (LorapipeGTestAddTests.cmake.in) to drop its default regex; it is
 # CMake's internal _GOOGLETEST_DISCOVER_TESTS_SCRIPT, checked here, that names it.
 # PROPERTIES, when given, must come last (as every call here has it).
-#
-# And each test's OpenMP (LibTorch's intra-op threads, in the test, in every stage it starts and
-# in its Python references) takes one thread: ctest runs as many tests at once as the machine has
-# cores, and two tests spinning OpenMP threads on both cores of a two-core machine run several
-# times slower than each on its own core (SDXL's plan accuracy step: 94 s alone, 383 s beside
-# another test). A test or stage that sets its own thread count (--threads) keeps it.
 set(LORAPIPE_GTEST_ADD_TESTS "${_GOOGLETEST_DISCOVER_TESTS_SCRIPT}")
 if(LORAPIPE_GTEST_ADD_TESTS AND EXISTS "${LORAPIPE_GTEST_ADD_TESTS}")
   configure_file(${CMAKE_CURRENT_LIST_DIR}/LorapipeGTestAddTests.cmake.in
@@ -30,7 +24,6 @@ function(lorapipe_discover_tests target)
   if(NOT "PROPERTIES" IN_LIST args)
     list(APPEND args PROPERTIES)
   endif()
-  list(APPEND args SKIP_REGULAR_EXPRESSION "lorapipe-skip:"
-                   ENVIRONMENT_MODIFICATION "OMP_NUM_THREADS=set:1")
+  list(APPEND args SKIP_REGULAR_EXPRESSION "lorapipe-skip:")
   gtest_discover_tests(${target} ${args})
 endfunction()

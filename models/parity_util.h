@@ -40,7 +40,8 @@ inline std::filesystem::path make_temp_dir(const std::string& name) {
 // N times (two at once on two cores, where each run slows the other several-fold). An output is
 // a pure function of what the script reads, so it is kept under a key that hashes all of it: the
 // python path (its venv names the torch version), scripts/versions.env (the reference packages'
-// pins), every .py file beside the script, and each input file or folder's names and bytes.
+// pins), the OpenMP thread count, every .py file beside the script, and each input file or
+// folder's names and bytes.
 // Cached outputs live in $LORAPIPE_REFERENCE_CACHE, else in reference-cache/ beside the test
 // executable (build/bin/); the first process to need one computes it under an flock while the
 // others wait, then all read the same folder. A failed script caches nothing.
@@ -90,6 +91,11 @@ inline std::filesystem::path cached_reference(const std::string& script,
   Sha256 sha;
   sha.update(python).update(std::string(1, '\0')).update(script).update(std::string(1, '\0'));
   sha.update(read_bytes(source / "scripts" / "versions.env"));
+  // The threads it computes with: LibTorch's CPU kernels sum in another order with another count,
+  // and a test compares its own run (in the same environment) with the output bit for bit.
+  const char* threads = std::getenv("OMP_NUM_THREADS");
+  sha.update(std::string("OMP_NUM_THREADS=") + (threads != nullptr ? threads : ""))
+      .update(std::string(1, '\0'));
   std::vector<fs::path> siblings;
   for (const auto& entry : fs::directory_iterator(script_path.parent_path())) {
     if (entry.path().extension() == ".py") siblings.push_back(entry.path());
