@@ -170,6 +170,21 @@ class SamplerRun : public ::testing::Test {
     return indexed(step);
   }
 
+  // The trainer's side of a followed run: CheckpointReady published on ipc:// in `work`.
+  struct Trainer {
+    zmq::context_t context;
+    zmq::socket_t pub;
+    std::string endpoint;
+    explicit Trainer(const fs::path& work)
+        : pub(wire::make_socket(context, zmq::socket_type::pub)),
+          endpoint("ipc://" + (work / "trainer.sock").string()) {
+      pub.bind(endpoint);
+    }
+    void announce(int step, bool final = false) {
+      ASSERT_EQ(wire::send(pub, checkpoint(step, final)), wire::SendStatus::kSent);
+    }
+  };
+
   static fs::path dir_;
   static models::TinyCheckpoint tiny_;
   fs::path work_;
@@ -539,13 +554,9 @@ TEST_F(SamplerRun, FollowsARunRenderingOnlyTheNewestAndTheFinal) {
 // a full or read-only disk fails the same way) is reported and skipped: the sampler keeps
 // following the run and renders the final checkpoint.
 TEST_F(SamplerRun, AnUnwritableSampleSkipsThatCheckpointAndKeepsServing) {
-  zmq::context_t context;
-  zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
-  const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
-  pub.bind(endpoint);
-  auto announce = [&](int step, bool final = false) {
-    ASSERT_EQ(wire::send(pub, checkpoint(step, final)), wire::SendStatus::kSent);
-  };
+  Trainer trainer(work_);
+  const std::string& endpoint = trainer.endpoint;
+  auto announce = [&](int step, bool final = false) { trainer.announce(step, final); };
   fs::create_directories(work_ / "samples" / "run_000020_00.png" / "in the way");
   const pid_t pid = spawn(args({"--sub=" + endpoint, "--idle_timeout_s=60"}), work_ / "out",
                           work_ / "err");
@@ -575,13 +586,9 @@ TEST_F(SamplerRun, AnUnwritableSampleSkipsThatCheckpointAndKeepsServing) {
 // index would read as an empty gallery after a restart). The failed write removes its temporary
 // (here the link), so the next checkpoint's index is written and lists every one rendered.
 TEST_F(SamplerRun, AGalleryIndexThatCannotBeWrittenKeepsThePreviousOne) {
-  zmq::context_t context;
-  zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
-  const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
-  pub.bind(endpoint);
-  auto announce = [&](int step, bool final = false) {
-    ASSERT_EQ(wire::send(pub, checkpoint(step, final)), wire::SendStatus::kSent);
-  };
+  Trainer trainer(work_);
+  const std::string& endpoint = trainer.endpoint;
+  auto announce = [&](int step, bool final = false) { trainer.announce(step, final); };
   const pid_t pid = spawn(args({"--sub=" + endpoint, "--idle_timeout_s=60"}), work_ / "out",
                           work_ / "err");
   std::string why;
@@ -620,13 +627,9 @@ TEST_F(SamplerRun, AGalleryIndexThatCannotBeWrittenKeepsThePreviousOne) {
 // the new prompts (here three where there were two). A file that no longer reads keeps the
 // prompts read before, and says so.
 TEST_F(SamplerRun, AnEditedPromptFileIsReadForTheNextCheckpoint) {
-  zmq::context_t context;
-  zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
-  const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
-  pub.bind(endpoint);
-  auto announce = [&](int step, bool final = false) {
-    ASSERT_EQ(wire::send(pub, checkpoint(step, final)), wire::SendStatus::kSent);
-  };
+  Trainer trainer(work_);
+  const std::string& endpoint = trainer.endpoint;
+  auto announce = [&](int step, bool final = false) { trainer.announce(step, final); };
   const fs::path prompts = work_ / "prompts.txt";
   fs::copy_file(dir_ / "prompts.txt", prompts);
   std::vector<std::string> a = args({"--sub=" + endpoint, "--idle_timeout_s=60"});
