@@ -195,7 +195,10 @@ double dot(const json& coefficients, const std::vector<double>& features) {
 double optimizer_bytes_per_param(const std::string& optimizer) {
   std::string o = optimizer;
   std::transform(o.begin(), o.end(), o.begin(), ::tolower);
-  if (o == "adamw" || o == "adam" || o == "prodigy" || o == "dadaptadam") return 8;
+  // Two fp32 moments (PagedAdamW and PagedAdamW32bit are AdamW: trainer/optimizer.cpp).
+  if (o == "adamw" || o == "adam" || o == "pagedadamw" || o == "pagedadamw32bit") return 8;
+  if (o == "prodigy") return 16;    // two moments, its running sum and the starting weights
+  if (o == "dadaptadam") return 12;  // two moments and its running sum
   // two uint8 moments and a float32 absmax per 256 of them (bitsandbytes' blockwise layout)
   if (o == "adamw8bit" || o == "pagedadamw8bit") return 2 + 2 * 4.0 / 256;
   if (o == "lion") return 4;
@@ -203,8 +206,8 @@ double optimizer_bytes_per_param(const std::string& optimizer) {
   if (o == "adafactor") return 0.1;  // factored second moments: rows + columns, no first
   if (o == "sgdnesterov" || o == "sgd") return 4;
   throw InputError("lorapipe plan: --optimizer_type=" + optimizer +
-                   ": the plan knows AdamW, AdamW8bit, PagedAdamW8bit, Lion, Lion8bit, Adafactor, "
-                   "Prodigy, DAdaptAdam and SGDNesterov");
+                   ": the plan knows AdamW, PagedAdamW, PagedAdamW32bit, AdamW8bit, PagedAdamW8bit, "
+                   "Lion, Lion8bit, Adafactor, Prodigy, DAdaptAdam and SGDNesterov");
 }
 
 std::string gib(double bytes, int digits = 2) {

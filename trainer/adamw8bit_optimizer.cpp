@@ -75,6 +75,10 @@ class AdamW8bit final : public Optimizer {
         slots_.push_back(std::move(slot));
       }
     }
+    if (device_.is_cuda() && !k::built_with_cuda()) {  // check_optimizer_device says it first
+      throw InputError("AdamW8bit on " + device_.str() + ": this build of lorapipe has no CUDA "
+                       "kernels (it was configured without nvcc)");
+    }
     allocate(std::max<int64_t>(bytes, 16));
   }
 

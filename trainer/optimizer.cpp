@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "trainer/optimizer_state.h"
 #include "common/numbers.h"
+#include "kernels/cuda_device.h"
 #include "trainer/adafactor_optimizer.h"
 #include "trainer/adamw8bit_optimizer.h"
 #include "trainer/dadapt_optimizer.h"
@@ -77,12 +78,37 @@ class TorchAdamW final : public Optimizer {
     // saved from (rank 0's cuda:0 for every rank; a CUDA device on a machine that has none).
     const auto& params = adamw_->param_groups().front().params();
     const c10::Device device = params.empty() ? c10::Device(c10::kCPU) : params.front().device();
+    // The run's own settings, before the archive's replace them (torch's optimizers load their
+    // groups' hyperparameters with their moments, as torch's load_state_dict does in kohya).
+    std::vector<torch::optim::AdamWOptions> asked;
+    for (size_t g = 0; g < group_count(); ++g) asked.push_back(options(g));
     try {
       archive.load_from(file.string(), device);
+      adamw_->load(archive);
     } catch (const c10::Error& e) {
-      throw InputError(file.string() + ": not an optimizer state: " + e.what_without_backtrace());
+      throw InputError(file.string() + ": not an AdamW optimizer state for this network: " +
+                       e.what_without_backtrace());
     }
-    adamw_->load(archive);
+    // A state trained under other --optimizer_args is refused, as every optimizer's is: resumed,
+    // it would train on under the old ones while the LoRA's metadata named the new.
+    for (size_t g = 0; g < asked.size(); ++g) {
+      const torch::optim::AdamWOptions& saved = options(g);
+      auto say = [&](const std::string& what, const std::string& then, const std::string& now) {
+        throw InputError(file.string() + ": that state was trained with --optimizer_args " +
+                         what + "=" + then + ", this run gives " + now +
+                         ": resume with the same value");
+      };
+      auto text = [](double v) { return python_float_repr(v); };
+      if (std::get<0>(saved.betas()) != std::get<0>(asked[g].betas()) ||
+          std::get<1>(saved.betas()) != std::get<1>(asked[g].betas())) {
+        say("betas", text(std::get<0>(saved.betas())) + "," + text(std::get<1>(saved.betas())),
+            text(std::get<0>(asked[g].betas())) + "," + text(std::get<1>(asked[g].betas())));
+      }
+      if (saved.eps() != asked[g].eps()) say("eps", text(saved.eps()), text(asked[g].eps()));
+      if (saved.weight_decay() != asked[g].weight_decay()) {
+        say("weight_decay", text(saved.weight_decay()), text(asked[g].weight_decay()));
+      }
+    }
   }
   // kohya's ss_optimizer: the class, and the arguments only where the user gave some.
   std::string describe() const override {
@@ -228,7 +254,13 @@ struct Kind {
 
 const std::vector<Kind>& kinds() {
   static const std::vector<Kind> k = {
-      {Type::kAdamW, {"adamw", "torch.optim.adamw"}, "AdamW", {"weight_decay", "betas", "eps"}},
+      // kohya's PagedAdamW and PagedAdamW32bit are bitsandbytes' 32-bit AdamW with its state in
+      // paged memory: AdamW's update; a LoRA's state is too small for the paging to matter.
+      {Type::kAdamW,
+       {"adamw", "torch.optim.adamw", "pagedadamw", "pagedadamw32bit",
+        "bitsandbytes.optim.pagedadamw", "bitsandbytes.optim.pagedadamw32bit"},
+       "AdamW",
+       {"weight_decay", "betas", "eps"}},
       {Type::kAdamW8bit,
        {"adamw8bit", "bitsandbytes.optim.adamw8bit"},
        "AdamW8bit",
@@ -332,6 +364,19 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
       }
       throw InputError("--optimizer_args '" + arg + "': unknown argument '" + key +
                        "' (" + known + ")");
+    }
+  }
+}
+
+void check_optimizer_device(const OptimizerOptions& options, const c10::Device& device) {
+  const std::string type = lower(options.type);
+  for (const Kind& k : kinds()) {
+    const bool eight_bit = k.type == Type::kAdamW8bit || k.type == Type::kPagedAdamW8bit;
+    if (eight_bit && device.is_cuda() && !kernels::built_with_cuda() &&
+        std::find(k.names.begin(), k.names.end(), type) != k.names.end()) {
+      throw InputError("--optimizer_type=" + options.type + " on " + device.str() +
+                       ": this build of lorapipe has no CUDA kernels (it was configured without "
+                       "nvcc); rebuild with CUDA's nvcc on the PATH, or use --optimizer_type=AdamW");
     }
   }
 }

@@ -106,4 +106,9 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                                           std::vector<ParamGroup> groups);
 
+// Throws InputError when --optimizer_type steps on `device` with kernels this build lacks: the
+// 8-bit AdamWs on CUDA need the kernels nvcc compiles (LORAPIPE_CUDA). Said before the cacher
+// runs, not at step 0 after the model loaded.
+void check_optimizer_device(const OptimizerOptions& options, const c10::Device& device);
+
 }  // namespace lorapipe::trainer

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/error.h"
+#include "kernels/cuda_device.h"
 #include "models/parity_util.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
@@ -402,6 +403,40 @@ TEST(ProdigyParity, RefusesWhatProdigyoptRefuses) {
     ADD_FAILURE() << "AdamW took Prodigy's d_coef";
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("d_coef"), std::string::npos) << e.what();
+  }
+}
+
+// A build configured without nvcc has no 8-bit kernels for CUDA: the 8-bit AdamWs on a CUDA
+// device are refused by name before the run, the CPU keeps its reference, AdamW runs anywhere.
+// (This machine's build has the kernels, so the refusal branch runs where nvcc was absent.)
+TEST(AdamW8bitDevice, OnCudaOnlyWhereThisBuildHasTheKernels) {
+  const c10::Device cuda("cuda:0"), cpu("cpu");
+  for (const char* type : {"AdamW8bit", "pagedadamw8bit", "bitsandbytes.optim.AdamW8bit"}) {
+    OptimizerOptions options;
+    options.type = type;
+    EXPECT_NO_THROW(check_optimizer_device(options, cpu)) << type;
+    if (kernels::built_with_cuda()) {
+      EXPECT_NO_THROW(check_optimizer_device(options, cuda)) << type;
+    } else {
+      try {
+        check_optimizer_device(options, cuda);
+        ADD_FAILURE() << type << " on CUDA without the kernels was not refused";
+      } catch (const InputError& e) {
+        EXPECT_NE(std::string(e.what()).find("nvcc"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find(type), std::string::npos) << e.what();
+      }
+    }
+  }
+  OptimizerOptions adamw;
+  EXPECT_NO_THROW(check_optimizer_device(adamw, cuda));
+  // kohya's 32-bit paged AdamWs are AdamW (their state paged, their update AdamW's).
+  for (const char* type : {"PagedAdamW", "PagedAdamW32bit"}) {
+    OptimizerOptions paged;
+    paged.type = type;
+    EXPECT_NO_THROW(check_optimizer_device(paged, cuda));
+    const auto optimizer =
+        make_optimizer(paged, {ParamGroup{{torch::zeros({2}).requires_grad_()}, 1e-3, "unet"}});
+    EXPECT_EQ(optimizer->describe(), "torch.optim.adamw.AdamW") << type;
   }
 }
 

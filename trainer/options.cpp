@@ -8,6 +8,7 @@
 #include "common/cuda_alloc_conf.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "models/device.h"
 #include "models/family.h"
 #include "models/placement.h"
 #include "trainer/optimizer.h"
@@ -217,6 +218,7 @@ void check_options(const Options& o) {
   groups.push_back(ParamGroup{{torch::zeros({1}).requires_grad_()},
                               o.step.optimizer_groups.learning_rate, "check"});
   (void)make_optimizer(o.step.optimizer, std::move(groups));
+  check_optimizer_device(o.step.optimizer, models::resolve_device(o.device));
 }
 
 void validate(const Options& o) {
