@@ -88,7 +88,8 @@ class Cacher {
     // output: another VAE, dtype, clip skip or tokenizer gives other keys. Everything below goes
     // through the family interface (models/diffusion_model.h).
     models::DiffusionModel& model = *model_;
-    latents_.emplace(model, models::weights_fingerprint(model.vae_module(), "vae"));
+    latents_.emplace(model, models::vae_encoder_fingerprint(model.vae_module()));
+    latents_->out_of_memory_for_testing = options.test_oom_latent_batches;
     texts_.emplace(model,
                    models::weights_fingerprint(
                        model.text_encoder_module(),
@@ -125,6 +126,7 @@ class Cacher {
     std::map<std::string, Counts> streams;  // by stream_id
     std::vector<std::string> rejected_keys, rejected_text_keys;
     std::vector<uint64_t> jobs;  // their numbers
+    std::vector<std::string> failures;  // serve: jobs that failed (a write the disk refused)
   };
   // One preprocess run's stream, from its first sample to its DatasetReport. A serving cacher
   // may be fed by several runs at once (other datasets, or one folder at other settings); each
@@ -142,6 +144,9 @@ class Cacher {
     // numbered below `jobs_before` (its last batches among them).
     std::optional<wire::DatasetReport> report;
     uint64_t jobs_before = 0;
+    // Serve: why a job failed while the stream was open (its records may be missing): the
+    // stream ends without a manifest, and the cacher goes on serving the others.
+    std::string failed;
   };
   static constexpr size_t kMaxQueuedJobs = 2;  // then the stream waits (ZeroMQ's backpressure)
   void run_job(Job& job, Done& done);
@@ -181,8 +186,8 @@ class Cacher {
   std::map<std::string, Stream> streams_;  // open streams, by stream_id
   // Streams dropped as abandoned: what they send later is refused, never a new partial stream.
   std::set<std::string> dropped_streams_;
-  // Content keys whose encoding was not finite: no record is written, and no manifest names
-  // them. They hold for every stream (the same content and weights encode the same).
+  // Content keys that did not encode (not finite, or out of memory alone): no record is written,
+  // and no manifest names them while the store holds none (write_manifest looks again).
   std::set<std::string> rejected_keys_, rejected_text_keys_;
   Summary summary_;  // of the newest finished stream: what run() returns
   bool stream_done_ = false;
@@ -347,9 +352,21 @@ void Cacher::pump() {
     backlog_.pop_front();
     workers_->submit([this, number, job = std::move(job)]() mutable {
       Done done;
-      run_job(job, done);
+      std::string failure;
+      try {
+        run_job(job, done);
+      } catch (const c10::Error&) {
+        throw;  // the model's or the device's: it would fail every stream after it too
+      } catch (const std::exception& e) {
+        // A serving cacher outlives one dataset's failure (a full disk, the map at its limit):
+        // the trainers it serves keep reading what is stored. Alone, the failure ends the run.
+        if (!options_.serve) throw;
+        failure = e.what();
+        done = Done{};
+      }
       std::lock_guard<std::mutex> lock(done_mutex_);
       done_.jobs.push_back(number);
+      if (!failure.empty()) done_.failures.push_back(failure);
       for (const auto& [id, counts] : done.streams) {
         Counts& into = done_.streams[id];
         into.encoded += counts.encoded;
@@ -422,6 +439,15 @@ void Cacher::collect() {
   rejected_keys_.insert(done.rejected_keys.begin(), done.rejected_keys.end());
   rejected_text_keys_.insert(done.rejected_text_keys.begin(), done.rejected_text_keys.end());
   for (uint64_t number : done.jobs) unfinished_jobs_.erase(number);
+  for (const std::string& failure : done.failures) {
+    LP_LOG(kError, kLog) << "an encoding job failed: " << failure;
+    // The store failed a write: every open stream writes there, and a caption one stream
+    // encodes another may count as on its way, so none of them can be trusted whole.
+    for (auto& [id, stream] : streams_) {
+      if (stream.failed.empty()) stream.failed = failure;
+    }
+    queued_texts_.clear();  // texts it was to write may be missing: later streams look again
+  }
   pump();
   if (!done.streams.empty()) {
     for (const auto& [id, counts] : done.streams) {
@@ -487,6 +513,32 @@ void Cacher::finish(const wire::DatasetReport& report) {
 void Cacher::write_manifest(Stream& stream) {
   const wire::DatasetReport& report = *stream.report;
   Summary& summary = stream.summary;
+  auto end_without_manifest = [&](const std::string& why) {
+    LP_LOG(kError, kLog) << "dataset " << summary.dataset_id << ": no manifest is written (" << why
+                         << "); what was stored stays, and the cacher goes on serving: run its "
+                            "preprocess again once the cause is gone";
+    publish_report(stream, false);  // not done: a done report names a manifest that exists
+    const std::string id = stream.id;
+    streams_.erase(id);  // `stream` ends here
+    if (streams_.empty()) queued_texts_.clear();
+  };
+  if (!stream.failed.empty()) return end_without_manifest(stream.failed);
+  // A key rejected once whose record is in the store now (it ran out of memory in an earlier
+  // stream, then encoded; or another cacher on a shared cache wrote it) is no longer rejected:
+  // the sets only keep manifests from naming records that do not exist.
+  for (auto [set, table, text] : {std::tuple{&rejected_keys_, Table::kLatents, false},
+                                  std::tuple{&rejected_text_keys_, Table::kTexts, true}}) {
+    std::vector<std::string> keys;
+    for (const wire::ManifestEntry& entry : stream.entries) {
+      const std::string& key = text ? entry.text_key() : entry.latent_key();
+      if (!key.empty() && set->count(key)) keys.push_back(key);
+    }
+    if (keys.empty()) continue;
+    const std::vector<bool> stored = store_->contains_many(table, keys);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (stored[i]) set->erase(keys[i]);
+    }
+  }
   // Entries whose caption did not encode to finite values leave: each would name a text record
   // that does not exist, and the trainer's pre-flight would refuse the whole dataset. The image
   // counts once, as rejected (no longer as encoded or cached).
@@ -527,7 +579,12 @@ void Cacher::write_manifest(Stream& stream) {
   if (!report.dataset_id_given()) summary.dataset_id += "-" + manifest_hash(manifest);
   manifest.set_dataset_id(summary.dataset_id);
   summary.manifest_entries = static_cast<uint64_t>(manifest.entries_size());
-  store_->put(Table::kManifests, {{summary.dataset_id, manifest.SerializeAsString()}});
+  try {
+    store_->put(Table::kManifests, {{summary.dataset_id, manifest.SerializeAsString()}});
+  } catch (const std::exception& e) {
+    if (!options_.serve) throw;
+    return end_without_manifest(e.what());
+  }
   const double seconds = std::chrono::duration<double>(Clock::now() - stream.started).count();
   summary.images_per_second = seconds > 0 ? summary.encoded / seconds : 0;
   LP_LOG(kInfo, kLog) << "dataset " << summary.dataset_id << ": " << summary.encoded

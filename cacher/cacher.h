@@ -44,6 +44,7 @@ struct Options {
   bool serve = false;         // stay up after the stream ends
   int idle_timeout_ms = 600000;  // no message for this long while a stream is expected: error
   double delay_per_batch_s = 0;  // testing: each latent batch takes at least this long
+  int test_oom_latent_batches = 0;  // testing: the first this many latent encodes run out of memory
 };
 
 struct Summary {

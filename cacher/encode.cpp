@@ -100,6 +100,10 @@ std::vector<EncodedRecord> LatentEncoder::encode(
     const std::vector<const wire::ImageSample*>& batch) {
   std::vector<EncodedRecord> out;
   if (batch.empty()) return out;
+  if (out_of_memory_for_testing.load() > 0) {
+    --out_of_memory_for_testing;
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "testing: out of memory (--test_oom_latent_batches)");
+  }
   const int64_t width = batch[0]->bucket().width();
   const int64_t height = batch[0]->bucket().height();
   const size_t bytes = static_cast<size_t>(width * height * 3);

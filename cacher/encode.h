@@ -7,6 +7,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
+#include <atomic>
 #include <optional>
 #include <string>
 #include <vector>
@@ -37,6 +38,10 @@ class LatentEncoder {
   std::vector<EncodedRecord> encode(const std::vector<const wire::ImageSample*>& batch);
 
   const std::string& fingerprint() const { return fingerprint_; }
+
+  // Testing: the next this many encode() calls run out of memory as CUDA's allocator does (a
+  // transient failure: another process held the card), through the same c10 error.
+  std::atomic<int> out_of_memory_for_testing{0};
 
  private:
   models::DiffusionModel& model_;

@@ -45,6 +45,8 @@ DEFINE_double(wait_for_writer_s, 0,
 DEFINE_bool(serve, false, "Stay up after the stream and serve records to trainers and samplers");
 DEFINE_int32(idle_timeout_s, 600, "Give up when preprocess sends nothing for this long");
 DEFINE_double(delay_per_batch_s, 0, "Testing: each latent batch takes at least this long");
+DEFINE_int32(test_oom_latent_batches, 0,
+             "Testing: the first this many latent encodes run out of memory, as on a full card");
 DEFINE_bool(inspect, false, "Tool: record counts and bytes per table, fingerprints, manifests");
 DEFINE_bool(json, false, "With --inspect: print JSON");
 DEFINE_bool(verify, false, "Tool: read and check every record; exit 1 if any is corrupt");
@@ -109,6 +111,7 @@ int main(int argc, char** argv) {
     options.serve = FLAGS_serve;
     options.idle_timeout_ms = FLAGS_idle_timeout_s * 1000;
     options.delay_per_batch_s = FLAGS_delay_per_batch_s;
+    options.test_oom_latent_batches = FLAGS_test_oom_latent_batches;
     const c::Summary s = c::run(options);
     std::printf("cache report: dataset %s: %llu encoded, %llu cached (%.0f%% hits), %llu "
                 "rejected; texts %llu encoded, %llu cached; manifest %llu entries; %.1f images/s; "

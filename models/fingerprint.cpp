@@ -10,10 +10,24 @@
 
 namespace lorapipe::models {
 
-std::string weights_fingerprint(const torch::nn::Module& module, const std::string& extra) {
+namespace {
+
+std::string fingerprint_of(const torch::nn::Module& module, const std::string& extra,
+                           const std::vector<std::string>& prefixes) {
+  auto wanted = [&](const std::string& name) {
+    if (prefixes.empty()) return true;
+    for (const std::string& p : prefixes) {
+      if (name.starts_with(p)) return true;
+    }
+    return false;
+  };
   std::vector<std::pair<std::string, torch::Tensor>> all;
-  for (const auto& item : module.named_parameters(true)) all.emplace_back(item.key(), item.value());
-  for (const auto& item : module.named_buffers(true)) all.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_parameters(true)) {
+    if (wanted(item.key())) all.emplace_back(item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(true)) {
+    if (wanted(item.key())) all.emplace_back(item.key(), item.value());
+  }
   std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   Hasher hasher;
   hasher.field("lorapipe-weights").field(extra);
@@ -24,6 +38,17 @@ std::string weights_fingerprint(const torch::nn::Module& module, const std::stri
     hasher.field(std::string_view(static_cast<const char*>(t.data_ptr()), t.nbytes()));
   }
   return hasher.digest().hex();
+}
+
+}  // namespace
+
+std::string weights_fingerprint(const torch::nn::Module& module, const std::string& extra) {
+  return fingerprint_of(module, extra, {});
+}
+
+std::string vae_encoder_fingerprint(const torch::nn::Module& vae) {
+  // What AutoencoderKL::encode runs (models/vae.h): the encoder and the quant conv.
+  return fingerprint_of(vae, "vae-encoder", {"encoder.", "quant_conv."});
 }
 
 std::string tokenizer_fingerprint(std::string_view file_name, std::string_view bytes) {

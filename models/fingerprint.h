@@ -17,6 +17,12 @@ namespace lorapipe::models {
 // (settings that change outputs, e.g. clip skip).
 std::string weights_fingerprint(const torch::nn::Module& module, const std::string& extra = "");
 
+// The same over the part of an AutoencoderKL (models/vae.h) that encodes: its encoder and quant
+// conv, never the decoder. The latents' fingerprint: a VAE whose decoder alone was fine-tuned
+// (sd-vae-ft-mse, baked into many SD1.5 checkpoints) encodes the same latents, so checkpoints
+// that differ only there share one cache.
+std::string vae_encoder_fingerprint(const torch::nn::Module& vae);
+
 // What identifies a tokenizer in text keys: the bytes it was loaded from (vocab.json and
 // merges.txt of a folder, or the one vocabulary file).
 std::string tokenizer_fingerprint(const std::filesystem::path& path);

@@ -674,6 +674,89 @@ TEST_F(CachePipeline, ServingCacherKeepsEachStreamApart) {
   EXPECT_NE(out.find("dataset second: 1 encoded, 0 cached, 0 rejected"), std::string::npos) << out;
 }
 
+// An image that ran out of memory once (another process held the card) is rejected in that
+// stream alone: a serving cacher encodes it in the next stream and names it in that manifest,
+// and in the one after, where it is a cache hit.
+TEST_F(CachePipeline, ServingCacherTakesBackAnImageThatRanOutOfMemoryOnce) {
+  std::vector<std::string> args = cacher_args(tiny_.single_file, "--serve");
+  args.push_back("--test_oom_latent_batches=1");
+  const pid_t cacher = spawn(args, work_ / "cacher.out", work_ / "cacher.err");
+  zmq::context_t context;
+  zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
+  push.connect("ipc://" + (work_ / "pull.sock").string());
+  const std::vector<std::string> streams = {"first", "second", "third"};
+  for (const std::string& stream : streams) {
+    wire::ImageSample s = handmade_sample(stream, "x.png", 64, std::string(64 * 64 * 3, '\x60'));
+    s.set_stream_id(stream);
+    wire::DatasetReport report;
+    report.set_stream_id(stream);
+    report.set_dataset_id(stream);
+    report.set_dataset_id_given(true);
+    ASSERT_EQ(wire::send(push, s), wire::SendStatus::kSent);
+    ASSERT_EQ(wire::send(push, report), wire::SendStatus::kSent);
+    // One stream after the other: the first's failure comes before the second's encode.
+    const std::string written = "dataset " + stream + ": ";
+    for (int i = 0; i < 1200 && (read_text(work_ / "cacher.out") + read_text(work_ / "cacher.err"))
+                                        .find(written) == std::string::npos;
+         ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+  kill(cacher, SIGTERM);
+  wait_exit(cacher);
+  const std::string out = read_text(work_ / "cacher.out") + read_text(work_ / "cacher.err");
+  EXPECT_NE(out.find("dataset first: 0 encoded, 0 cached, 1 rejected"), std::string::npos) << out;
+  EXPECT_NE(out.find("dataset second: 1 encoded, 0 cached, 0 rejected"), std::string::npos) << out;
+  EXPECT_NE(out.find("dataset third: 0 encoded, 1 cached, 0 rejected"), std::string::npos) << out;
+  const cacher::Store store = open_cache();
+  for (const std::string& stream : streams) {
+    wire::Manifest manifest;
+    ASSERT_TRUE(manifest.ParseFromString(store.get(cacher::Table::kManifests, stream).value()))
+        << stream;
+    EXPECT_EQ(manifest.entries_size(), stream == "first" ? 0 : 1) << stream << ": " << out;
+  }
+}
+
+// A serving cacher whose store cannot take a dataset (the map at its limit, as a full disk) ends
+// that dataset's stream without a manifest, naming why, and goes on answering the trainers it
+// serves; alone (no --serve), the same failure ends the run.
+TEST_F(CachePipeline, ServingCacherOutlivesADatasetItsStoreCannotTake) {
+  std::vector<std::string> args = cacher_args(tiny_.single_file, "--serve");
+  args.push_back("--max_map_mb=1");
+  const pid_t cacher = spawn(args, work_ / "cacher.out", work_ / "cacher.err");
+  zmq::context_t context;
+  zmq::socket_t push = wire::make_socket(context, zmq::socket_type::push);
+  push.connect("ipc://" + (work_ / "pull.sock").string());
+  // 24 latents of 64 KiB each (a 512x512 image's mean and std in fp16): more than 1 MiB.
+  for (int i = 0; i < 24; ++i) {
+    ASSERT_EQ(wire::send(push, handmade_sample("big", std::to_string(i) + ".png", 512,
+                                               std::string(512 * 512 * 3, static_cast<char>(i)))),
+              wire::SendStatus::kSent);
+  }
+  wire::DatasetReport report;
+  report.set_dataset_id("big");
+  report.set_dataset_id_given(true);
+  ASSERT_EQ(wire::send(push, report), wire::SendStatus::kSent);
+  const std::string ended = "dataset big: no manifest is written (";
+  for (int i = 0; i < 1200 && read_text(work_ / "cacher.err").find(ended) == std::string::npos;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const std::string err = read_text(work_ / "cacher.err");
+  EXPECT_NE(err.find(ended), std::string::npos) << err;
+  EXPECT_NE(err.find("is full"), std::string::npos) << err;
+  // Still serving: a trainer's request is answered.
+  wire::Client client(context, "ipc://" + (work_ / "rep.sock").string(), "test");
+  wire::HasKeysRequest ask;
+  ask.add_keys("content-0.png.transform");
+  EXPECT_EQ(client.request<wire::HasKeysReply>(ask).present_size(), 1);
+  int status = 0;
+  EXPECT_EQ(waitpid(cacher, &status, WNOHANG), 0) << "the serving cacher is gone";
+  kill(cacher, SIGTERM);
+  wait_exit(cacher);
+  EXPECT_EQ(open_cache().get(cacher::Table::kManifests, "big"), std::nullopt);
+}
+
 // A caption whose encoding is not finite (an fp16 text encoder overflowing, here a text encoder
 // whose embedding rows for that caption's tokens are NaN) writes no text record, so its images
 // leave the manifest, named with the caption; every other image stays, and the manifest names

@@ -262,7 +262,11 @@ void Run::load_model() {
     for (auto vae_dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
       loaded.restore();
       model.vae_module().to(vae_dtype);
-      if (models::weights_fingerprint(model.vae_module(), "vae") == manifest_.vae_fingerprint()) {
+      // Manifests cached before the latents' fingerprint was the encoder's alone hold the
+      // whole VAE's: still theirs.
+      const std::string& cached = manifest_.vae_fingerprint();
+      if (models::vae_encoder_fingerprint(model.vae_module()) == cached ||
+          models::weights_fingerprint(model.vae_module(), "vae") == cached) {
         vae_matches = true;
         break;
       }
