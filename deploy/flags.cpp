@@ -10,8 +10,8 @@
 #include <toml++/toml.h>
 
 #include "common/error.h"
+#include "common/file.h"
 #include "common/kohya_flags.h"
-#include "common/text.h"
 #include "common/text.h"
 #include "deploy/launcher.h"
 
@@ -395,9 +395,11 @@ std::vector<std::pair<std::string, std::string>> read_config(const fs::path& giv
 }
 
 void write_config(const Settings& settings, const fs::path& file) {
+  // Written whole under another name and renamed over the last: a full disk leaves the run's
+  // settings as they were (`lorapipe resume` reads them), never an empty file.
   const fs::path partial = file.string() + ".partial";
   {
-    std::ofstream out(partial);
+    std::ostringstream out;
     out << "# The settings of this run, as flags of `lorapipe run` (also --config=FILE).\n";
     out << "output = " << toml_quote(settings.output.string()) << "\n";
     for (const auto& [name, value] : settings.flags) {
@@ -413,7 +415,7 @@ void write_config(const Settings& settings, const fs::path& file) {
         out << name << " = " << toml_quote(value) << "\n";
       }
     }
-    if (!out) throw Error("cannot write " + partial.string());
+    write_file(partial, out.str(), true);
   }
   fs::rename(partial, file);
 }

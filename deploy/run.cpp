@@ -386,8 +386,24 @@ int Supervisor::check_flags(Stage stage) {
   }
   args.insert(args.end(), {"--output_dir=" + dir_.string(), "--check_flags"});
   const fs::path log = dir_ / "logs" / (name + ".log");
+  // The log is appended to (a resumed run keeps its own): this pass's lines start here.
+  std::error_code ignored;
+  const uintmax_t before = fs::exists(log, ignored) ? fs::file_size(log, ignored) : 0;
   const int code = run_to_end(args, log);
-  if (code == kExitOk) return kExitOk;
+  if (code == kExitOk) {
+    // What the stage takes but warns about (a kohya flag it ignores, --log_with=wandb writing
+    // TensorBoard alone) is said on the screen before the run starts, not only in its log.
+    std::ifstream in(log);
+    in.seekg(static_cast<std::streamoff>(before == static_cast<uintmax_t>(-1) ? 0 : before));
+    for (std::string line; std::getline(in, line);) {
+      const size_t end = line.find("] ");
+      if (line.starts_with("[W ") && end != std::string::npos) {
+        display_ << "lorapipe: the " << name << " warns: " << line.substr(end + 2) << "\n";
+      }
+    }
+    display_ << std::flush;
+    return kExitOk;
+  }
   display_ << "lorapipe: the " << name << " refuses its flags (exit code " << code
            << "), so no stage was started; the last lines of " << log.string() << ":\n";
   for (const std::string& line : last_lines(log, 15)) display_ << "  | " << line << "\n";

@@ -464,6 +464,16 @@ class TomlReader {
                      "preservation) is not supported by lorapipe yet: its images would train "
                      "as any other; leave it out");
         }
+        // The pixel augmentations refuse as their flags do (common/kohya_flags.cpp): asked
+        // for in the file, they would train without a word on images never augmented.
+        if (k == "color_aug" && node.value_or(false)) {
+          fail(node, "color_aug = true augments the pixels, which latents encoded once into the "
+                     "cache cannot (kohya refuses it with cached latents too); leave it out");
+        }
+        if (k == "face_crop_aug_range") {
+          fail(node, "face_crop_aug_range (face-centred crops) is not in lorapipe yet; leave it "
+                     "out");
+        }
         LP_LOG(kWarning, kLog) << TomlReader::where(name_, node) << ": '" << k
                                << "' is accepted but not used by lorapipe yet";
       }

@@ -217,6 +217,22 @@ TEST(DatasetToml, ZeroRepeatAndDuplicateSubsetsAreLeftOut) {
              "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\n"
              "custom_attributes = { diff_output_preservation = false }\n");
   EXPECT_EQ(discover_toml(dir / "dop.toml", Defaults{}).images.size(), 1u);
+  // The pixel augmentations are refused as their flags are; color_aug = false asks for nothing.
+  for (const auto& [line, says] : std::vector<std::pair<std::string, std::string>>{
+           {"color_aug = true", "aug.toml:4: color_aug = true augments the pixels"},
+           {"face_crop_aug_range = [2.0, 4.0]", "aug.toml:4: face_crop_aug_range"}}) {
+    write_file(dir / "aug.toml",
+               "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\n" + line + "\n");
+    try {
+      discover_toml(dir / "aug.toml", Defaults{});
+      ADD_FAILURE() << line << " was taken";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  }
+  write_file(dir / "aug.toml", "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\n"
+                               "color_aug = false\n");
+  EXPECT_EQ(discover_toml(dir / "aug.toml", Defaults{}).images.size(), 1u);
   fs::remove_all(dir);
 }
 

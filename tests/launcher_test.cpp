@@ -792,8 +792,12 @@ TEST_F(LauncherRun, TwoRunsAtOnceOnOneCacheBothComplete) {
 TEST_F(LauncherRun, StageErrorIsShownWithItsMessage) {
   const fs::path run = work_ / "run";
   EXPECT_EQ(lorapipe({"run", "--output=" + run.string(), "--learning_rate=1e30",
-                      "--max_grad_norm=0", "--max_bad_steps=3", "--max_train_steps=50"}),
+                      "--max_grad_norm=0", "--max_bad_steps=3", "--max_train_steps=50",
+                      "--log_with=wandb"}),
             kExitError);
+  // A flag the trainer takes with a warning is said on the screen before the run, not only in
+  // the trainer's log.
+  EXPECT_NE(out_.find("lorapipe: the trainer warns: --log_with=wandb"), std::string::npos) << out_;
   EXPECT_NE(out_.find("lorapipe: the trainer failed: stopping: 3 steps in a row had a non-finite"),
             std::string::npos)
       << out_;
@@ -863,6 +867,13 @@ TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
   EXPECT_EQ(Map(again.flags.begin(), again.flags.end()), Map(s.flags.begin(), s.flags.end()));
   EXPECT_EQ(again.output, s.output);
   EXPECT_THROW(parse_run_args({"--gradient_checkpointing=maybe"}), InputError);
+  // A full disk (its temporary name a link to /dev/full) leaves the settings written before.
+  const std::string written = read_text(work_ / "again.toml");
+  fs::create_symlink("/dev/full", work_ / "again.toml.partial");
+  Settings changed = s;
+  changed.set("network_dim", "64");
+  EXPECT_THROW(write_config(changed, work_ / "again.toml"), Error);
+  EXPECT_EQ(read_text(work_ / "again.toml"), written);
 }
 
 // Files and folders given relative to where `lorapipe run` starts are kept absolute (in the
@@ -1103,7 +1114,8 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
       {Stage::kPreprocess, {"push", "request", "pub", "timeout_ms", "report_only", "report_json"}},
       {Stage::kCacher,
        {"pull", "rep", "pub", "wait_for_writer_s", "serve", "idle_timeout_s", "inspect", "json", "verify", "gc",
-        "export_file", "dataset", "import_file", "delay_per_batch_s"}},
+        "export_file", "dataset", "import_file", "delay_per_batch_s",
+        "test_oom_latent_batches"}},
       {Stage::kTrainer,
        {"output_dir", "pub", "save_state", "resume", "cacher",
         "console_log_file",  // the launcher keeps each stage's log in logs/
