@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
@@ -317,6 +318,18 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<Tens
   if (ec) {
     std::filesystem::remove(temp);
     throw Error("cannot rename " + temp.string() + " to " + path.string() + ": " + ec.message());
+  }
+  // The rename is on the disk once its folder is: without this, a power cut right after a save
+  // may leave the folder without the file it said it saved.
+  const std::filesystem::path folder = path.parent_path().empty() ? "." : path.parent_path();
+  if (const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC); fd >= 0) {
+    const int rc = ::fsync(fd);
+    const int error = errno;
+    ::close(fd);
+    if (rc != 0 && error == EIO) {  // some file systems cannot sync a folder (EINVAL): fine
+      throw Error("cannot sync the folder " + folder.string() + " after writing " + path.string() +
+                  ": " + std::strerror(error));
+    }
   }
 }
 

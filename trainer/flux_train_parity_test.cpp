@@ -301,6 +301,18 @@ TEST_F(FluxTrainParity, NoiseKohyasFluxTrainerDoesNotDrawIsRefusedBeforeCaching)
           << e.what();
     }
   }
+  // Huber's SNR schedule (kohya's default) needs a DDPM noise schedule: refused here too, not at
+  // the first step; the constant and exponential schedules are taken.
+  Options huber = options();
+  huber.step.loss_type = "huber";
+  try {
+    check_options(huber);
+    ADD_FAILURE() << "--huber_schedule snr was taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--huber_schedule snr"), std::string::npos) << e.what();
+  }
+  huber.step.objective.huber_schedule = "exponential";
+  EXPECT_NO_THROW(check_options(huber));
 }
 
 // in_dims as kohya reads it ("[2,4,0,3,2]" or without brackets), and refused where the list is

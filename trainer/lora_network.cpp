@@ -600,6 +600,13 @@ void LoraNetwork::load(const std::map<std::string, at::Tensor>& tensors, const s
     }
     unused.erase(down_key);
     unused.erase(up_key);
+    // A LoRA holding NaN or infinity (a run that overflowed, a broken download) would train
+    // only non-finite steps: named now, not after --max_bad_steps of them.
+    for (const auto& [key, t] : {std::pair{&down_key, &down->second}, std::pair{&up_key, &up->second}}) {
+      if (!torch::isfinite(*t).all().item<bool>()) {
+        throw InputError(source + ": '" + *key + "' holds NaN or infinity");
+      }
+    }
     if (down->second.sizes() != m.adapter->down.sizes() ||
         up->second.sizes() != m.adapter->up.sizes()) {
       misshaped.push_back(m.target.name + " (file " + c10::str(down->second.sizes()) + " / " +

@@ -626,6 +626,19 @@ int main(int argc, char** argv) {
       s.optimizer.type = "Lion";
     }
     t::apply_optimizer_args(s.optimizer, words(FLAGS_optimizer_args));
+    // kohya's --learning_rate defaults to 2e-6, lorapipe's to 1e-4 (a LoRA's rate): a kohya
+    // command that gives --unet_lr and no --learning_rate trains its text encoders at 2e-6 there
+    // (their group falls back to --learning_rate, as the schedule's reference does), and so it
+    // does here, rather than 50 times faster.
+    if (gflags::GetCommandLineFlagInfoOrDie("learning_rate").is_default &&
+        !gflags::GetCommandLineFlagInfoOrDie("unet_lr").is_default) {
+      FLAGS_learning_rate = 2e-6;
+      if (FLAGS_text_encoder_lr.empty() && !FLAGS_network_train_unet_only) {
+        LP_LOG(kInfo, "trainer") << "--unet_lr without --learning_rate or --text_encoder_lr: the "
+                                    "text encoders train at kohya's default --learning_rate, "
+                                    "2e-6, as that command trains them in kohya";
+      }
+    }
     s.optimizer_groups.learning_rate = FLAGS_learning_rate;
     const bool adaptive = strcasecmp(s.optimizer.type.c_str(), "prodigy") == 0 ||
                           strncasecmp(s.optimizer.type.c_str(), "dadapt", 6) == 0;

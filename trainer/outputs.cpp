@@ -3,6 +3,7 @@
 #include "trainer/run.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <functional>
 
@@ -69,14 +70,30 @@ void Run::save_for_samples(int64_t step) {
   if (!main_ || !pub_) return;  // nobody would render it
   const fs::path dir = o_.output_dir / "lora" / "sample_only";
   save_lora(dir / (step_stem(o_.output_name, step) + ".safetensors"), step, false, epoch_ - 1);
-  // The newest three stay: the sampler renders the newest, and one it is still reading is not
-  // pulled from under it.
-  std::vector<fs::path> files;
+  // This run's newest three stay: the sampler renders the newest, and one it is still reading is
+  // not pulled from under it. Only this --output_name's files are this run's (kohya's habit is
+  // one folder for many runs); of those, a step past this one is a stale save of an earlier run
+  // under the same name, which would otherwise sort as the newest.
+  const std::string prefix = step_stem(o_.output_name, 0);
+  const std::string head = prefix.substr(0, prefix.size() - 8);  // "NAME-step"
+  std::vector<std::pair<int64_t, fs::path>> files;
   for (const auto& entry : fs::directory_iterator(dir)) {
-    if (entry.path().extension() == ".safetensors") files.push_back(entry.path());
+    const std::string name = entry.path().filename().string();
+    const std::string digits = name.substr(std::min(head.size(), name.size()));
+    if (!name.starts_with(head) || digits.size() != 8 + 12 || !digits.ends_with(".safetensors") ||
+        !std::all_of(digits.begin(), digits.begin() + 8,
+                     [](unsigned char c) { return std::isdigit(c) != 0; })) {
+      continue;
+    }
+    const int64_t saved = std::stoll(digits.substr(0, 8));
+    if (saved > step) {
+      fs::remove(entry.path());
+    } else {
+      files.emplace_back(saved, entry.path());
+    }
   }
-  std::sort(files.begin(), files.end());  // zero-padded steps: oldest first
-  for (size_t i = 0; i + 3 < files.size(); ++i) fs::remove(files[i]);
+  std::sort(files.begin(), files.end());  // oldest first
+  for (size_t i = 0; i + 3 < files.size(); ++i) fs::remove(files[i].second);
 }
 
 // 0 for `step` or `epoch` leaves that kind of save alone.

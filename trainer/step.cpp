@@ -1,5 +1,7 @@
 #include "trainer/step.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <torch/torch.h>
 
 #include <cmath>
@@ -39,7 +41,13 @@ void TrainingStep::check(const StepOptions& options) {
 
 void TrainingStep::check(const StepOptions& options, const models::ModelFamily& family) {
   check(options);
-  (void)models::make_training_objective(family, options.objective);
+  const auto objective = models::make_training_objective(family, options.objective);
+  // The Huber threshold's schedule is the objective's to refuse (flow matching has no SNR
+  // schedule): asked now, not at the first step after the caching and the load.
+  if (options.loss_type == "huber" || options.loss_type == "smooth_l1") {
+    (void)objective->huber_threshold(
+        objective->draw_times(1, at::make_generator<at::CPUGeneratorImpl>(0), torch::kCPU, 8, 8));
+  }
   if (family.objective == models::ObjectiveKind::kFlowMatching) {
     // kohya's flow-matching trainers draw plain noise (flux_train_network's
     // get_noise_pred_and_target; only --ip_noise_gamma reaches it): a command carrying these

@@ -5,11 +5,13 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 
 #include "common/error.h"
+#include "common/hash.h"
 #include "common/log.h"
 #include "common/numbers.h"
 #include "trainer/lora_file.h"
@@ -89,6 +91,27 @@ void write_folder(const fs::path& dir, Fill fill) {
   after_swap(dir, old);
 }
 
+// What of the dataset the data cursor is a place in: how many samples, in which buckets and
+// datasets, repeated how often, batched how. A state's cursor means nothing in another shape (a
+// folder re-cached with images added or removed under the same --dataset_id); an edited caption
+// or image keeps the shape, and resumes as kohya's does. Hashed as a sorted set: the cacher
+// writes entries in the order preprocess finishes them.
+std::string dataset_shape(const wire::Manifest& manifest) {
+  std::vector<std::string> entries;
+  for (const auto& e : manifest.entries()) {
+    entries.push_back(std::to_string(e.dataset_index()) + "/" + std::to_string(e.subset_index()) +
+                      " " + std::to_string(e.bucket().width()) + "x" +
+                      std::to_string(e.bucket().height()) + " r" + std::to_string(e.repeats()) +
+                      " b" + std::to_string(e.batch_size()) + (e.is_reg() ? " reg" : "") +
+                      (e.flip() ? " flip" : ""));
+  }
+  std::sort(entries.begin(), entries.end());
+  Hasher hasher;
+  hasher.field("dataset shape v1");
+  for (const std::string& entry : entries) hasher.field(entry);
+  return std::to_string(entries.size()) + " samples, " + hasher.digest().hex().substr(0, 12);
+}
+
 }  // namespace
 
 json Run::data_plan() const {
@@ -143,7 +166,8 @@ void Run::save_state_folder(const fs::path& dir) {
                {"run_id", run_id_},
                {"world_size", o_.ranks.world_size},
                {"training_started_at", training_started_at_},
-               {"plan", data_plan()}};
+               {"plan", data_plan()},
+               {"dataset_shape", dataset_shape(manifest_)}};
     const fs::path file = folder / "trainer.json";
     std::ofstream out(file);
     out << state.dump(2);
@@ -229,6 +253,15 @@ void Run::load_state(const fs::path& given) {
                          ": resume with the same value");
       }
     }
+  }
+  // States before the shape was kept: not checked.
+  if (state.contains("dataset_shape") && state["dataset_shape"] != dataset_shape(manifest_)) {
+    throw InputError("--resume=" + asked.string() + ": the dataset '" + o_.dataset_id +
+                     "' is not the one that state trained (" +
+                     state["dataset_shape"].dump() + " then, \"" + dataset_shape(manifest_) +
+                     "\" now: images added or removed, or other buckets or repeats), so its "
+                     "place in the epoch is nowhere in this one. Cache the dataset as it was, or "
+                     "start a new run (--network_weights takes the state's lora.safetensors)");
   }
   network_->load(dir / "lora.safetensors");
   step_->optimizer().load(dir / "optimizer.pt");

@@ -63,6 +63,9 @@ std::string first_non_finite(const torch::nn::Module& module,
 
 }  // namespace
 
+// How non_finite_weight() begins when the LoRA itself overflowed (not the model's weights).
+constexpr std::string_view kLoraNotFinite = "The LoRA's weight '";
+
 std::string Run::non_finite_weight() const {
   const auto damaged = [&](const std::string& key, const std::string& part) {
     return "The model's own weight '" + key + "' (its " + part + ", from " + model_->source() +
@@ -81,9 +84,9 @@ std::string Run::non_finite_weight() const {
   }
   for (const auto& [name, value] : network_->named_parameters()) {
     if (!all_finite(value)) {
-      return "The LoRA's weight '" + name + "' is no longer finite: an update overflowed it. "
-             "Lower the learning rate and train again, from the start or from an earlier "
-             "state (the one saved now holds the overflowed weight)";
+      return std::string(kLoraNotFinite) + name + "' is no longer finite: an update overflowed it. "
+             "Lower the learning rate and train again, from the start or from a state saved "
+             "before";
     }
   }
   return "";
@@ -348,6 +351,9 @@ Summary Run::train_steps() {
       }
       ++global_step_;
       ++steps_this_run_;
+      // The step is whole: a rank lost from here on (at the next stop check, in a validation)
+      // leaves a state that resumes after it, not one that trains its batches again.
+      start_epoch = epoch_, start_index = next_index_;
       if (!update.applied && !bad && update.finding_the_scale()) {
         // fp16's scaler finding its scale: skipped as kohya's (accelerate's GradScaler) skips
         // it, and not counted toward --max_bad_steps, which would otherwise stop a run whose
@@ -362,8 +368,6 @@ Summary Run::train_steps() {
                                << (bad ? "loss is not finite" : "gradients are not finite")
                                << ", skipped (" << bad_in_a_row << " in a row)";
         if (bad_in_a_row >= o_.max_bad_steps) {
-          const fs::path dir = state_root / (last_stem(o_.output_name) + "-state");
-          save_state(dir);
           // A damaged model file gives the same symptom as a learning rate too high, and
           // lowering the rate would never cure it: the weights are looked at first.
           // The look must not hide the stop: a failure of its own is logged and left out.
@@ -373,9 +377,15 @@ Summary Run::train_steps() {
           } catch (const std::exception& e) {
             LP_LOG(kWarning, kLog) << "the weights could not be looked at for NaN: " << e.what();
           }
+          // A LoRA that overflowed is no state to resume: saved, it would replace the last
+          // good state of the same name, which `lorapipe resume` would then never reach.
+          const bool lora_broken = weight.starts_with(kLoraNotFinite);
+          const fs::path dir = state_root / (last_stem(o_.output_name) + "-state");
+          if (!lora_broken) save_state(dir);
           throw Error("stopping: " + std::to_string(bad_in_a_row) +
-                      " steps in a row had a non-finite loss or gradient (--max_bad_steps); "
-                      "state saved in " + dir.string() +
+                      " steps in a row had a non-finite loss or gradient (--max_bad_steps); " +
+                      (lora_broken ? "no state saved, the states saved before are as they were"
+                                   : "state saved in " + dir.string()) +
                       (weight.empty() ? " (lower the learning rate, or try another "
                                         "--mixed_precision, and --resume from it)"
                                       : ". " + weight));
