@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <csignal>
 #include <filesystem>
 #include <iostream>
 #include <string>
@@ -46,6 +47,10 @@ std::filesystem::path own_folder() {
 
 int main(int argc, char** argv) {
   namespace l = lorapipe::launcher;
+  // `lorapipe run ... | tee log` and Ctrl-C: tee is gone before the launcher's last lines, and
+  // a write to its pipe must not kill the launcher while the stages save (runtime/process.cpp
+  // gives them SIGPIPE back).
+  std::signal(SIGPIPE, SIG_IGN);
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
     std::cout << kUsage;
@@ -53,6 +58,13 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[0];
   args.erase(args.begin());
+  // `lorapipe run --help` and the like: the usage, not "unknown flag --help".
+  for (const std::string& arg : args) {
+    if (arg == "--help" || arg == "-h") {
+      std::cout << kUsage;
+      return l::kExitOk;
+    }
+  }
   try {
     if (command == "run") {
       l::Settings settings = l::parse_run_args(args);

@@ -52,7 +52,10 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
-constexpr auto kStopGrace = 120s;  // a trainer on a big model may need a while to save
+// The trainer stops at the end of its step in progress, then saves: the grace is at least this,
+// and three of its reported steps more where they are long (FLUX.1 with block swap and
+// accumulation on a small card takes a minute a step).
+constexpr auto kStopGrace = 120s;
 
 volatile sig_atomic_t g_interrupted = 0;  // SIGINTs and SIGTERMs received, counted
 
@@ -506,7 +509,9 @@ void Supervisor::stop_all(sig_atomic_t interrupts) {
   for (auto& [stage, c] : children_) {
     if (c.running) kill(c.pid, SIGTERM);
   }
-  const auto deadline = Clock::now() + kStopGrace;
+  const auto grace = std::chrono::duration_cast<std::chrono::seconds>(
+      kStopGrace + std::chrono::duration<double>(3 * std::max(0.0, progress_.seconds_per_step())));
+  const auto deadline = Clock::now() + grace;
   bool killed = false;
   for (;;) {
     reap();
@@ -518,7 +523,7 @@ void Supervisor::stop_all(sig_atomic_t interrupts) {
       display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: "
                << (again ? (interrupts > 0 ? "interrupted again" : "interrupted while stopping")
                          : "the stages did not stop within " +
-                               std::to_string(kStopGrace.count()) + " s")
+                               std::to_string(grace.count()) + " s")
                << "; killing them now (a state being saved is lost; the last complete state "
                   "stays)\n"
                << std::flush;
@@ -548,6 +553,13 @@ int Supervisor::fail(const Child& c) {
                                  : " failed with exit code " + std::to_string(c.exit_code))
            << "; the last lines of " << c.log.string() << ":\n";
   for (const std::string& line : last_lines(c.log, 15)) display_ << "  | " << line << "\n";
+  // The previews failed, not the training: where it finished, its LoRA is whole.
+  if (const Child* trainer = child(Stage::kTrainer);
+      c.stage == Stage::kSampler && trainer != nullptr && !trainer->running &&
+      trainer->exit_code == kExitOk) {
+    display_ << "lorapipe: the training itself finished: the final LoRA is in "
+             << (dir_ / "lora").string() << "; its samples are what failed\n";
+  }
   display_ << std::flush;
   stop_all(g_interrupted);
   event({{"event", "Run"}, {"result", "failed"}, {"stage", stage_name(c.stage)},
@@ -920,7 +932,14 @@ int run(Settings settings, const RunOptions& options, std::ostream& display) {
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
   for (const std::string& note : settings.notes) display << "lorapipe: " << note << "\n";
-  if (settings.has("plan_budget")) display << apply_plan_budget(settings) << "\n";
+  if (settings.has("plan_budget") && options.resume.empty()) {
+    display << apply_plan_budget(settings) << "\n";
+  } else if (settings.has("plan_budget")) {
+    // The state was trained in the settings planned then (run.toml holds them); planned again,
+    // with other flags or another card, they would differ and the trainer refuse the state.
+    display << "lorapipe: --plan_budget: the run goes on in the settings planned when it started "
+               "(run.toml)\n";
+  }
   Supervisor supervisor(std::move(settings), options, display);
   try {
     return supervisor.run();

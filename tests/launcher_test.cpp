@@ -811,6 +811,11 @@ TEST_F(LauncherRun, StageErrorIsShownWithItsMessage) {
 }
 
 TEST_F(LauncherFlags, UnknownFlagIsAnErrorNamingIt) {
+  // --help after a command is the usage, not an unknown flag.
+  for (const char* command : {"run", "resume", "status", "plan"}) {
+    EXPECT_EQ(lorapipe({command, "--help"}), kExitOk) << command << ": " << err_;
+    EXPECT_NE(out_.find("usage:"), std::string::npos) << command << ": " << out_;
+  }
   EXPECT_EQ(lorapipe({"run", "--output=" + (work_ / "run").string(), "--netwrk_dim=8"}),
             kExitError);
   EXPECT_NE(err_.find("unknown flag --netwrk_dim (did you mean --network_dim?)"), std::string::npos)

@@ -726,6 +726,31 @@ TEST_F(PlanTest, PlanAutoBatchReachesTheTrainerInARun) {
       << resumed;
 }
 
+// `lorapipe run --plan_budget` plans once: a resumed run goes on in the settings planned when it
+// started (its state was trained in them), rather than planning again with the resume's flags.
+TEST_F(PlanTest, PlanBudgetIsNotPlannedAgainOnResume) {
+  const fs::path dir = work_ / "run";
+  run("lorapipe-make-tiny-model", {(work_ / "model").string()});  // the demo's model and data
+  ASSERT_EQ(code_, 0) << err_;
+  run("lorapipe-demo-dataset", {(work_ / "data").string()});
+  ASSERT_EQ(code_, 0) << err_;
+  const std::string first = run(
+      "lorapipe",
+      {"run", "--output=" + dir.string(), "--plan_budget=24GB",
+       "--pretrained_model_name_or_path=" + (work_ / "model" / "tiny-sd15.safetensors").string(),
+       "--tokenizer=" + (work_ / "model" / "tiny-sd15-tokenizer").string(),
+       "--data_dir=" + (work_ / "data").string(), "--max_train_steps=2",
+       "--sample_every_n_steps=0", "--device=cpu", "--sampler_device=cpu"});
+  ASSERT_EQ(code_, 0) << err_ << first;
+  EXPECT_NE(first.find("--plan_budget 24.00 GiB"), std::string::npos) << first;
+  const std::string resumed = run("lorapipe", {"resume", dir.string(), "--max_train_steps=3"});
+  ASSERT_EQ(code_, 0) << err_ << resumed;
+  EXPECT_NE(resumed.find("--plan_budget: the run goes on in the settings planned when it started"),
+            std::string::npos)
+      << resumed;
+  EXPECT_EQ(resumed.find("--plan_budget 24.00 GiB"), std::string::npos) << resumed;
+}
+
 // `lorapipe plan --probe`: each shown setting runs as real steps (trainer_bench, here the tiny
 // SD1.5 on the CPU, the budget's memory less the CUDA reserve enforced by the tensor counter as a
 // card's capacity): measured next to predicted in the output and plan.json, a setting that runs
