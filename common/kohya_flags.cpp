@@ -76,6 +76,8 @@ const std::vector<ForeignFlag> kFlags = {
     {"disable_mmap_load_safetensors", K::kBoolean, "", T::kAnyValue,
      "lorapipe reads each safetensors tensor once through its own mapping"},
     {"train_inpainting", K::kBoolean, "", T::kDefaultOnly, "inpainting models: not in lorapipe yet"},
+    // flux_train_network's model type: FLUX.1 itself, or Chroma (a FLUX.1 derivative).
+    {"model_type", K::kValue, "flux", T::kDefaultOnly, "Chroma: not in lorapipe yet (FLUX.1 is)"},
     {"controlnet_model_name_or_path", K::kValue, "", T::kDefaultOnly,
      "ControlNet with FLUX.1: not in lorapipe yet"},
     {"show_timesteps", K::kValue, "", T::kDefaultOnly,

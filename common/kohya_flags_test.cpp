@@ -32,6 +32,7 @@ TEST(KohyaFlags, DefaultsAreTakenAndOtherValuesRefusedNamingFlagValueAndWhy) {
                                                         {"huggingface_repo_id", ""},
                                                         {"initial_step", "0"},
                                                         {"initial_epoch", "1"},
+                                                        {"model_type", "flux"},
                                                         {"huggingface_repo_id", "None"}}) {
     const ForeignFlag* flag = find_foreign_flag(name);
     ASSERT_NE(flag, nullptr) << name;
@@ -41,6 +42,7 @@ TEST(KohyaFlags, DefaultsAreTakenAndOtherValuesRefusedNamingFlagValueAndWhy) {
   EXPECT_NE(refusal("log_tracker_config", "t.toml").find("--log_tracker_config=t.toml"),
             std::string::npos);
   EXPECT_NE(refusal("initial_step", "3").find("--initial_step=3"), std::string::npos);
+  EXPECT_NE(refusal("model_type", "chroma").find("--model_type=chroma: Chroma"), std::string::npos);
   EXPECT_NE(refusal("face_crop_aug_range", "2,4").find("--face_crop_aug_range=2,4"),
             std::string::npos);
 }

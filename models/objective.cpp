@@ -38,7 +38,7 @@ void check_objective_options(const ObjectiveOptions& o) {
   one_of("--timestep_sampling", o.timestep_sampling,
          {"sigma", "uniform", "sigmoid", "shift", "flux_shift"});
   one_of("--weighting_scheme", o.weighting_scheme,
-         {"none", "sigma_sqrt", "logit_normal", "mode", "cosmap"});
+         {"uniform", "none", "sigma_sqrt", "logit_normal", "mode", "cosmap"});
   one_of("--model_prediction_type", o.model_prediction_type, {"raw", "additive", "sigma_scaled"});
   if (!(o.discrete_flow_shift > 0)) throw InputError("--discrete_flow_shift must be positive");
   if (!(o.sigmoid_scale > 0)) throw InputError("--sigmoid_scale must be positive");
@@ -56,7 +56,9 @@ std::unique_ptr<TrainingObjective> make_training_objective(const ModelFamily& fa
           {options.timestep_sampling != d.timestep_sampling, "--timestep_sampling"},
           {options.discrete_flow_shift != d.discrete_flow_shift, "--discrete_flow_shift"},
           {options.sigmoid_scale != d.sigmoid_scale, "--sigmoid_scale"},
-          {options.weighting_scheme != d.weighting_scheme, "--weighting_scheme"},
+          // kohya's "uniform" (its current default, the trainer's) is "none" by another name.
+          {options.weighting_scheme != d.weighting_scheme && options.weighting_scheme != "uniform",
+           "--weighting_scheme"},
           {options.logit_mean != d.logit_mean, "--logit_mean"},
           {options.logit_std != d.logit_std, "--logit_std"},
           {options.mode_scale != d.mode_scale, "--mode_scale"},

@@ -417,6 +417,7 @@ class Sampler {
       rendered = render_checkpoint_or_throw(loras, step, name);
     } catch (const std::exception& e) {
       LP_LOG(kError, kLog) << "step " << step << " not rendered: " << e.what();
+      skip_reason_ = e.what();
     }
 #ifdef LORAPIPE_SAMPLER_CUDA_STREAMS
     // Beside the trainer on its GPU, what a render's allocator cached goes back to the device
@@ -521,13 +522,15 @@ class Sampler {
       }
     } catch (const InputError& e) {
       LP_LOG(kError, kLog) << "step " << step << " not rendered: " << e.what();
+      skip_reason_ = e.what();
       return false;
     } catch (const std::exception& e) {
       if (!models::is_out_of_memory(e)) throw;
       // Unwinding freed what the render held; `merged` restores the base as it goes, and a
       // merge that failed half-way put back what it had changed before throwing.
-      LP_LOG(kError, kLog) << "step " << step << " not rendered: out of memory on "
-                           << models::describe_device(device_) << " (" << first_line(e) << ")";
+      skip_reason_ = "out of memory on " + models::describe_device(device_) + " (" +
+                     first_line(e) + ")";
+      LP_LOG(kError, kLog) << "step " << step << " not rendered: " << skip_reason_;
       return false;
     }
     merged.restore();  // the base back before anything else can fail
@@ -644,11 +647,18 @@ class Sampler {
           ++summary_.checkpoints_rendered;
           publish_ready(pub, "", step);
         } else {
-          ++summary_.checkpoints_skipped;
+          skipped(step);
         }
         status_->tick();
       }
     });
+  }
+
+  // A checkpoint not rendered: counted, and its reason published (the launcher shows a skip on
+  // the screen, not only in the sampler's log).
+  void skipped(uint64_t step) {
+    ++summary_.checkpoints_skipped;
+    if (status_) status_->ready("step " + std::to_string(step) + " skipped: " + skip_reason_);
   }
 
   // Runs `body` with the SampleReady socket bound (when --pub is given) and the stage's status
@@ -681,7 +691,10 @@ class Sampler {
       status_->error(e.what());
       throw;
     }
-    status_->done(std::to_string(summary_.checkpoints_rendered) + " checkpoints rendered");
+    status_->done(std::to_string(summary_.checkpoints_rendered) + " checkpoints rendered" +
+                  (summary_.checkpoints_skipped > 0
+                       ? ", " + std::to_string(summary_.checkpoints_skipped) + " skipped"
+                       : std::string()));
     return summary_;
   }
 
@@ -731,7 +744,7 @@ class Sampler {
         ++summary_.checkpoints_rendered;
         publish_ready(pub, newest->run_id(), newest->step());
       } else {
-        ++summary_.checkpoints_skipped;
+        skipped(newest->step());
       }
       if (newest->final()) {
         LP_LOG(kInfo, kLog) << "rendered the run's final checkpoint: done";
@@ -802,6 +815,7 @@ class Sampler {
   PromptSet prompts_;
   std::optional<std::pair<fs::file_time_type, uintmax_t>> prompts_read_;  // the file's stamp then
   SamplerSummary summary_;
+  std::string skip_reason_;  // why the last checkpoint not rendered was not
   std::optional<runtime::StatusPublisher> status_;  // while following a run
   nlohmann::json checkpoints_ = nlohmann::json::array();
   std::vector<std::string> last_paths_;

@@ -503,8 +503,14 @@ TEST_F(SamplerRun, FollowsARunRenderingOnlyTheNewestAndTheFinal) {
   zmq::socket_t pub = wire::make_socket(context, zmq::socket_type::pub);
   const std::string endpoint = "ipc://" + (work_ / "trainer.sock").string();
   pub.bind(endpoint);
+  // The sampler's own status, as the launcher hears it: a skipped checkpoint and why.
+  const std::string status_endpoint = "ipc://" + (work_ / "sampler.sock").string();
+  zmq::socket_t status = wire::make_socket(context, zmq::socket_type::sub);
+  status.set(zmq::sockopt::subscribe, wire::type_name(wire::StageStatus()));
+  status.connect(status_endpoint);
   const pid_t pid =
-      spawn(args({"--sub=" + endpoint, "--delay_per_image_s=1", "--idle_timeout_s=60"}),
+      spawn(args({"--sub=" + endpoint, "--delay_per_image_s=1", "--idle_timeout_s=60",
+                  "--pub=" + status_endpoint}),
             work_ / "out", work_ / "err");
   auto announce = [&](int step, const fs::path& file, bool final = false) {
     wire::CheckpointReady event;
@@ -548,6 +554,18 @@ TEST_F(SamplerRun, FollowsARunRenderingOnlyTheNewestAndTheFinal) {
   EXPECT_FALSE(fs::exists(work_ / "samples" / "run_000030_00.png")) << "stale 30 was rendered";
   const std::string out = read_text(work_ / "out");
   EXPECT_NE(out.find("2 checkpoints rendered, 1 skipped"), std::string::npos) << out;
+  std::string said;
+  for (;;) {
+    const wire::Received r = wire::receive(status, std::chrono::milliseconds(200));
+    const auto* st = r.as<wire::StageStatus>();
+    if (st == nullptr) break;
+    if (st->state() == wire::StageStatus::READY &&
+        st->message().starts_with("step 40 skipped: ")) {
+      said = st->message();
+    }
+  }
+  EXPECT_NE(said.find(corrupt.string()), std::string::npos)
+      << "no READY status naming the skipped checkpoint and why: '" << said << "'";
 }
 
 // A checkpoint whose images cannot be written (here a folder stands where its first PNG goes;

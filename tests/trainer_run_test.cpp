@@ -2552,10 +2552,10 @@ void TrainRunTest::expect_sample_schedule(int64_t every, int64_t epochs) {
   zmq::context_t context;
   zmq::socket_t sub = wire::make_socket(context, zmq::socket_type::sub);
   sub.set(zmq::sockopt::subscribe, wire::type_name(wire::CheckpointReady()));
-  sub.connect(endpoint);
   // The first 30 images once each make epochs short enough to end inside the run (about 30
-  // steps); the first announcement after step 0 comes seconds after the trainer binds, when the
-  // subscriber has long joined.
+  // steps). The subscriber connects once the trainer has bound (its ipc file is there): before,
+  // ZeroMQ would retry at growing intervals (up to 2 s) and could join after step 20 on a fast
+  // machine; from the bind, the first announcement after step 0 comes after the model's load.
   const fs::path cache = work_ / "cache";
   add_manifest(cache, "some", [](wire::Manifest& m) { keep_images(m, 30); });
   const int64_t total = 70, save = 40;
@@ -2573,6 +2573,10 @@ void TrainRunTest::expect_sample_schedule(int64_t every, int64_t epochs) {
   std::ofstream(work_ / "lora" / "sample_only" / "zeta-step00000001.safetensors") << "other run";
   std::ofstream(work_ / "lora" / "sample_only" / "tiny-step00009999.safetensors") << "stale";
   const pid_t pid = spawn(a, work_ / "trainer.out", work_ / "trainer.err");
+  for (int i = 0; i < 12000 && !fs::exists(work_ / "events.sock"); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  sub.connect(endpoint);
   std::set<int64_t> heard;
   std::map<int64_t, std::string> path_of;
   bool done = false;

@@ -580,7 +580,9 @@ TEST_F(FluxTrainParity, TypeDimsAndBlockIndicesShapeTheNetworkAsKohyas) {
            {"train_double_block_indices=19", "'19' is not a block index (0 to 18)"},
            {"train_single_block_indices=5-2", "'5-2' runs backwards"},
            {"img_attn_dim=x", "'x' is not a rank"},
-           {"train_t5xxl=True", "is not supported yet"}}) {
+           {"train_t5xxl=True", "is not supported yet"},
+           {"network_reg_dims=double_blocks=16", "network_reg_dims is not supported yet"},
+           {"ggpo_sigma=0.03", "ggpo_sigma is not supported yet"}}) {
     Options o;
     o.network_args = {bad};
     try {

@@ -231,8 +231,9 @@ DEFINE_double(discrete_flow_shift, 3.0, "flow matching: shift of the sigma sched
               "--timestep_sampling shift");
 DEFINE_double(sigmoid_scale, 1.0, "flow matching: scale of the normal draw sigmoid, shift and "
               "flux_shift take the sigmoid of");
-DEFINE_string(weighting_scheme, "none", "flow matching: none, sigma_sqrt, logit_normal, mode or "
-              "cosmap (how --timestep_sampling sigma draws; the loss weighting of sigma_scaled)");
+DEFINE_string(weighting_scheme, "uniform", "flow matching: uniform (kohya's default; none is the "
+              "same), sigma_sqrt, logit_normal, mode or cosmap (how --timestep_sampling sigma "
+              "draws; the loss weighting of sigma_scaled)");
 DEFINE_double(logit_mean, 0.0, "flow matching: mean of the logit_normal weighting scheme");
 DEFINE_double(logit_std, 1.0, "flow matching: std of the logit_normal weighting scheme");
 DEFINE_double(mode_scale, 1.29, "flow matching: scale of the mode weighting scheme");

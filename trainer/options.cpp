@@ -119,7 +119,10 @@ void apply_network_args(Options& options) {
       continue;
     }
     if (key == "train_t5xxl" && value != "True") continue;  // kohya's reading: only "True" is on
-    if (key == "train_t5xxl") {
+    // networks.lora_flux's ranks and rates by regular expression, and GGPO's perturbation:
+    // their values are no numbers, and "not a number" would not say what is missing.
+    if (key == "train_t5xxl" || key == "network_reg_dims" || key == "network_reg_lrs" ||
+        key.starts_with("ggpo_")) {
       throw InputError("--network_args '" + arg + "': kohya's networks.lora_flux argument " +
                        key + " is not supported yet (lorapipe trains the double and single "
                        "blocks' layers, split_qkv or not, the input layers in_dims names, and "

@@ -38,6 +38,7 @@ CASES = [
     dict(weighting_scheme="mode", mode_scale=1.29, discrete_flow_shift=1.0),
     dict(weighting_scheme="sigma_sqrt"),
     dict(weighting_scheme="cosmap", discrete_flow_shift=3.1582),
+    dict(weighting_scheme="uniform"),  # kohya's current default, "none" by another name
     dict(timestep_sampling="uniform", model_prediction_type="raw"),
     dict(timestep_sampling="sigmoid", sigmoid_scale=1.7, model_prediction_type="additive"),
     dict(timestep_sampling="shift", discrete_flow_shift=3.1582, model_prediction_type="raw"),
