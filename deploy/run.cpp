@@ -206,6 +206,10 @@ class Supervisor {
   std::string family_name_;
   fs::path shared_weights_;  // the trainer's --share_weights manifest, when the sampler shares it
   std::map<std::string, std::string> errors_;  // stage -> the message of its StageStatus ERROR
+  // The cacher waiting for another cacher's hold on the cache (up to --wait_for_writer_s) before
+  // it can say anything on its socket: said once from its log, when last looked at.
+  bool said_cacher_waits_ = false;
+  Clock::time_point looked_at_cacher_log_{};
   std::map<std::string, wire::StageStatus> reported_;  // stage -> the newest StageStatus
   std::set<std::string> shown_;  // the stages' status lines already on the screen
 };
@@ -763,6 +767,20 @@ int Supervisor::run() {
       return fail(c);
     }
     const Child* cacher = child(Stage::kCacher);
+    if (!said_cacher_waits_ && child(Stage::kPreprocess) == nullptr && cacher->running &&
+        Clock::now() - looked_at_cacher_log_ > 1s) {
+      looked_at_cacher_log_ = Clock::now();
+      for (const std::string& line : last_lines(cacher->log, 5)) {
+        const size_t end = line.find("] ");
+        if (line.find("waiting for it to finish") == std::string::npos || end == std::string::npos) {
+          continue;
+        }
+        display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: the cacher: " << line.substr(end + 2)
+                 << " (another run uses the cache)\n"
+                 << std::flush;
+        said_cacher_waits_ = true;
+      }
+    }
     // preprocess starts once the cacher has bound its sockets: it holds the cache then (another
     // run's cacher may have had it first), and answers at once.
     if (child(Stage::kPreprocess) == nullptr && cacher->running &&

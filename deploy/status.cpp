@@ -28,6 +28,7 @@ std::string status(const fs::path& dir, bool as_json) {
   json checkpoints = json::array();
   json samples = json::array();
   std::string state = "unknown";
+  std::string failed_stage;  // the Run event's, where it failed in one
   int line_number = 0;
   for (std::string line; std::getline(in, line);) {
     ++line_number;
@@ -55,6 +56,7 @@ std::string status(const fs::path& dir, bool as_json) {
     if (kind == "Run") {
       const std::string result = e.value("result", "");
       state = result == "started" ? "running" : result;
+      failed_stage = result == "failed" ? e.value("stage", "") : "";
     } else if (kind == "Stage") {
       json& s = stages[e.value("stage", "?")];
       s["state"] = e.value("state", "");
@@ -91,14 +93,27 @@ std::string status(const fs::path& dir, bool as_json) {
   }
   // A launcher that was killed (SIGKILL, a machine that went down) wrote no end: its lock on
   // the folder went with it.
-  if (state == "running" && !run_folder_in_use(dir)) state = "stopped";
+  const bool in_use = run_folder_in_use(dir);
+  if (state == "running" && !in_use) state = "stopped";
+  // Stages of a launcher that is gone, with no exit written: they ended with it (it stops them,
+  // or they die with it), whatever their last event says.
+  if (!in_use) {
+    for (auto& [name, s] : stages.items()) {
+      if (s.value("state", "") == "started") s["state"] = "ended (no exit recorded)";
+    }
+  }
   const json out = {{"run", dir.string()},    {"state", state},
                     {"stages", stages},       {"cache", cache},
                     {"training", training},   {"checkpoints", checkpoints},
                     {"samples", samples}};
   if (as_json) return out.dump(2) + "\n";
   std::ostringstream text;
-  text << "run " << dir.string() << ": " << state << "\n";
+  text << "run " << dir.string() << ": " << state;
+  if (!failed_stage.empty()) {
+    text << " in the " << failed_stage << " (see "
+         << (dir / "logs" / (failed_stage + ".log")).string() << ")";
+  }
+  text << "\n";
   for (const auto& [name, s] : stages.items()) {
     text << "  " << name << ": " << s.value("state", "");
     if (s.contains("exit_code")) text << " (exit " << s["exit_code"].get<int>() << ")";
@@ -127,6 +142,9 @@ std::string status(const fs::path& dir, bool as_json) {
   text << "\n  samples: " << samples.size() << " renders";
   if (!samples.empty()) text << ", newest " << samples.back()["contact_sheet"].get<std::string>();
   text << "\n";
+  if (!in_use && state != "done") {
+    text << "  `lorapipe resume " << dir.string() << "` continues it from its newest state\n";
+  }
   return text.str();
 }
 

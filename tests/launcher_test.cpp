@@ -671,9 +671,17 @@ TEST_F(LauncherRun, SecondInterruptKillsTheStagesAtOnce) {
 TEST_F(LauncherRun, StatusOfARunWhoseLauncherIsGoneSaysStopped) {
   const fs::path run = work_ / "gone";
   fs::create_directories(run);
-  std::ofstream(run / "events.jsonl") << R"({"event": "Run", "result": "started"})" << "\n";
+  std::ofstream(run / "events.jsonl")
+      << R"({"event": "Run", "result": "started"})" << "\n"
+      << R"({"event": "Stage", "stage": "trainer", "state": "started", "pid": 12345})" << "\n";
   std::ofstream(run / ".lock") << "12345\n";
-  EXPECT_EQ(status(run)["state"], "stopped");
+  const json s = status(run);
+  EXPECT_EQ(s["state"], "stopped");
+  // Its stages ended with it (it stops them; they die with it), exit written or not.
+  EXPECT_EQ(s["stages"]["trainer"]["state"], "ended (no exit recorded)") << s.dump(2);
+  EXPECT_EQ(lorapipe({"status", run.string()}), 0);
+  EXPECT_NE(out_.find("`lorapipe resume " + run.string() + "` continues it"), std::string::npos)
+      << out_;
 }
 
 // A run that fails before its first save (the trainer refuses a flag) leaves nothing to resume,
@@ -762,6 +770,11 @@ TEST_F(LauncherRun, TwoRunsAtOnceOnOneCacheBothComplete) {
   const pid_t b = start("b", "64");
   EXPECT_EQ(wait_exit(a), 0) << read_text(work_ / "a.out") << read_text(work_ / "a.err");
   EXPECT_EQ(wait_exit(b), 0) << read_text(work_ / "b.out") << read_text(work_ / "b.err");
+  // The cacher that waits for the other's hold on the cache says so on its run's screen (it
+  // holds the cache from its start, a second before it encodes: the two overlap).
+  const std::string screens = read_text(work_ / "a.out") + read_text(work_ / "b.out");
+  EXPECT_NE(screens.find("lorapipe: the cacher: "), std::string::npos) << screens;
+  EXPECT_NE(screens.find("waiting for it to finish"), std::string::npos) << screens;
   const json sa = status(work_ / "a");
   const json sb = status(work_ / "b");
   EXPECT_EQ(sa["training"]["step"], 20);

@@ -2272,6 +2272,22 @@ TEST_F(TrainRunTest, NonFiniteLoraKeepsTheGoodStateSavedBefore) {
       << refused.err;
 }
 
+// A save killed mid-write leaves a full-size ".NAME.safetensors.tmp-PID": the next run in the
+// folder removes those whose writer is gone, and leaves one whose writer is alive (this test).
+TEST_F(TrainRunTest, SavesKilledMidWriteAreRemovedByTheNextRun) {
+  fs::create_directories(work_ / "lora" / "sample_only");
+  const fs::path gone = work_ / "lora" / ".tiny.safetensors.tmp-999999999";  // past pid_max
+  const fs::path gone_sample =
+      work_ / "lora" / "sample_only" / ".tiny-step00000001.safetensors.tmp-999999999";
+  const fs::path alive = work_ / "lora" / (".tiny.safetensors.tmp-" + std::to_string(getpid()));
+  for (const fs::path& file : {gone, gone_sample, alive}) std::ofstream(file) << "half a file";
+  const TrainRun r = run(work_, {"--max_train_steps=1"});
+  ASSERT_EQ(r.exit, 0) << r.err;
+  EXPECT_FALSE(fs::exists(gone)) << r.err;
+  EXPECT_FALSE(fs::exists(gone_sample)) << r.err;
+  EXPECT_TRUE(fs::exists(alive)) << "a live writer's file was removed";
+}
+
 // A model file with a NaN in one of its weights (a damaged download) gives the same symptom as a
 // learning rate too high, but lowering the rate never cures it: when the run stops, it names the
 // weight and the file, and does not send the user after the learning rate.

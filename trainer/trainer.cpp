@@ -1,9 +1,12 @@
 #include "trainer/trainer.h"
 
 #include <malloc.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <random>
 #include <string>
@@ -59,6 +62,29 @@ std::string first_non_finite(const torch::nn::Module& module,
     if (!all_finite(item.value())) return item.key();
   }
   return "";
+}
+
+// A save killed mid-write leaves its whole size as ".NAME.safetensors.tmp-PID"
+// (models::write_safetensors): those of writers no longer alive are removed from `dir`.
+void remove_stale_saves(const fs::path& dir) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const size_t tmp = name.rfind(".tmp-");
+    if (!name.starts_with(".") || tmp == std::string::npos) continue;
+    const std::string digits = name.substr(tmp + 5);
+    const auto digit = [](unsigned char c) { return std::isdigit(c) != 0; };
+    if (digits.empty() || digits.size() > 9 || !std::all_of(digits.begin(), digits.end(), digit)) {
+      continue;
+    }
+    const pid_t pid = static_cast<pid_t>(std::stol(digits));
+    if (::kill(pid, 0) == 0 || errno == EPERM) continue;  // its writer may still be writing
+    std::error_code ignored;
+    if (fs::remove(entry.path(), ignored)) {
+      LP_LOG(kInfo, kLog) << "removed " << entry.path().string()
+                          << ", left by a save killed mid-write";
+    }
+  }
 }
 
 }  // namespace
@@ -183,6 +209,8 @@ Summary Run::train_steps() {
 
   if (main_) {
     fs::create_directories(o_.output_dir / "lora");
+    remove_stale_saves(o_.output_dir / "lora");
+    remove_stale_saves(o_.output_dir / "lora" / "sample_only");
     tensorboard_.emplace(TensorBoardWriter::open(
         o_.tensorboard_dir.empty() ? o_.output_dir / "tensorboard" : o_.tensorboard_dir));
   }
