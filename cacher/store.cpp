@@ -323,9 +323,9 @@ struct Store::Impl {
     while (flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK &&
            std::chrono::steady_clock::now() < deadline) {
       if (!said) {
-        LP_LOG(kInfo, kLog) << where() << " has a writer (" << lock_holder(fd)
-                            << "); waiting for it to finish (up to " << wait_for_writer_s
-                            << " s)";
+        LP_LOG(kWarning, kLog) << where() << " has a writer (" << lock_holder(fd)
+                               << "); waiting for it to finish (up to " << wait_for_writer_s
+                               << " s)";
         said = true;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(200));

@@ -52,9 +52,9 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
-// The trainer stops at the end of its step in progress, then saves: the grace is at least this,
-// and three of its reported steps more where they are long (FLUX.1 with block swap and
-// accumulation on a small card takes a minute a step).
+// The trainer stops at the end of its step in progress, then saves: the grace is this plus three
+// of its reported steps (FLUX.1 with block swap and accumulation on a small card takes a minute
+// a step).
 constexpr auto kStopGrace = 120s;
 
 volatile sig_atomic_t g_interrupted = 0;  // SIGINTs and SIGTERMs received, counted
@@ -767,8 +767,10 @@ int Supervisor::run() {
       return fail(c);
     }
     const Child* cacher = child(Stage::kCacher);
+    // Once a second, and once more when it has bound (its wait may have been shorter).
+    const bool cacher_bound = fs::exists(socket_dir_ / "cacher-rep.sock");
     if (!said_cacher_waits_ && child(Stage::kPreprocess) == nullptr && cacher->running &&
-        Clock::now() - looked_at_cacher_log_ > 1s) {
+        (Clock::now() - looked_at_cacher_log_ > 1s || cacher_bound)) {
       looked_at_cacher_log_ = Clock::now();
       for (const std::string& line : last_lines(cacher->log, 5)) {
         const size_t end = line.find("] ");
@@ -776,7 +778,7 @@ int Supervisor::run() {
           continue;
         }
         display_ << (tty_ ? "\r\x1b[K" : "") << "lorapipe: the cacher: " << line.substr(end + 2)
-                 << " (another run uses the cache)\n"
+                 << " (another cacher uses the cache)\n"
                  << std::flush;
         said_cacher_waits_ = true;
       }

@@ -57,6 +57,13 @@ std::string status(const fs::path& dir, bool as_json) {
       const std::string result = e.value("result", "");
       state = result == "started" ? "running" : result;
       failed_stage = result == "failed" ? e.value("stage", "") : "";
+      // A resume starts a new session: stages of the last one left without an exit ended with
+      // their launcher.
+      if (result == "started") {
+        for (auto& [name, s] : stages.items()) {
+          if (s.value("state", "") == "started") s["state"] = "ended (no exit recorded)";
+        }
+      }
     } else if (kind == "Stage") {
       json& s = stages[e.value("stage", "?")];
       s["state"] = e.value("state", "");
@@ -143,7 +150,8 @@ std::string status(const fs::path& dir, bool as_json) {
   if (!samples.empty()) text << ", newest " << samples.back()["contact_sheet"].get<std::string>();
   text << "\n";
   if (!in_use && state != "done") {
-    text << "  `lorapipe resume " << dir.string() << "` continues it from its newest state\n";
+    text << "  `lorapipe resume " << dir.string() << "` continues it from its newest state"
+         << (state == "failed" ? ", if any, once what failed is corrected" : "") << "\n";
   }
   return text.str();
 }

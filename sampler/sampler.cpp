@@ -417,7 +417,7 @@ class Sampler {
       rendered = render_checkpoint_or_throw(loras, step, name);
     } catch (const std::exception& e) {
       LP_LOG(kError, kLog) << "step " << step << " not rendered: " << e.what();
-      skip_reason_ = e.what();
+      skip_reason_ = first_line(e);  // for the screen: LibTorch's errors carry their backtrace
     }
 #ifdef LORAPIPE_SAMPLER_CUDA_STREAMS
     // Beside the trainer on its GPU, what a render's allocator cached goes back to the device

@@ -119,8 +119,8 @@ void apply_network_args(Options& options) {
       continue;
     }
     if (key == "train_t5xxl" && value != "True") continue;  // kohya's reading: only "True" is on
-    // networks.lora_flux's ranks and rates by regular expression, and GGPO's perturbation:
-    // their values are no numbers, and "not a number" would not say what is missing.
+    // networks.lora_flux's ranks and rates by regular expression, and GGPO's perturbation: not
+    // in lorapipe yet, said by name (not as a value that is not a number, or a key unknown).
     if (key == "train_t5xxl" || key == "network_reg_dims" || key == "network_reg_lrs" ||
         key.starts_with("ggpo_")) {
       throw InputError("--network_args '" + arg + "': kohya's networks.lora_flux argument " +

@@ -68,7 +68,8 @@ std::string first_non_finite(const torch::nn::Module& module,
 // (models::write_safetensors): those of writers no longer alive are removed from `dir`.
 void remove_stale_saves(const fs::path& dir) {
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::directory_entry& entry = *it;
     const std::string name = entry.path().filename().string();
     const size_t tmp = name.rfind(".tmp-");
     if (!name.starts_with(".") || tmp == std::string::npos) continue;
@@ -78,7 +79,9 @@ void remove_stale_saves(const fs::path& dir) {
       continue;
     }
     const pid_t pid = static_cast<pid_t>(std::stol(digits));
-    if (::kill(pid, 0) == 0 || errno == EPERM) continue;  // its writer may still be writing
+    // Its writer may still be writing; this process has written nothing yet (a container
+    // restarted gives the same PID again). Another host writing the folder is not seen here.
+    if (pid != ::getpid() && (::kill(pid, 0) == 0 || errno == EPERM)) continue;
     std::error_code ignored;
     if (fs::remove(entry.path(), ignored)) {
       LP_LOG(kInfo, kLog) << "removed " << entry.path().string()
