@@ -126,7 +126,8 @@ std::vector<FlagInfo> make_table() {
   boolean("no_half_vae", {S::kCacher, S::kTrainer});  // the cacher's VAE in fp32
   // Previews render as the run trains: in its precision, over its float8 weights.
   value("mixed_precision", {S::kTrainer, S::kSampler});
-  value("blocks_to_swap", {S::kTrainer});
+  // Previews fit the card the training fitted: the sampler swaps the same blocks.
+  value("blocks_to_swap", {S::kTrainer, S::kSampler});
   boolean("cpu_offload_checkpointing", {S::kTrainer});
   boolean("split_mode", {S::kTrainer});  // kohya's deprecated FLUX.1 flag (parse_run_args)
   for (const char* name : {"fp8_base", "fp8_base_unet", "fp8_scaled"}) {

@@ -23,11 +23,12 @@ struct Module {
   at::Tensor down, up, alpha;
 };
 
-std::string shape(const at::Tensor& t) {
+std::string shape(c10::IntArrayRef sizes) {
   std::string out = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
   return out + "]";
 }
+std::string shape(const at::Tensor& t) { return shape(t.sizes()); }
 
 // A module's tensors as a LoRA holds them: down [rank, in(, k, k)] and up [out, rank(, 1, 1)] in
 // a floating dtype, rank above 0, an alpha of one finite number, and no NaN or infinity (which
@@ -167,14 +168,23 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
     }
     check_module(file, name, m);
     const at::Tensor& weight = target.weight();
+    // The weight's shape from its layer's options: the weight of a block --blocks_to_swap keeps
+    // in host memory is an empty tensor while the block is off the device.
+    std::vector<int64_t> sizes{target.out_features(), target.in_features()};
+    if (target.conv) {
+      const auto& o = target.conv->options;
+      sizes[1] /= o.groups();
+      sizes.push_back((*o.kernel_size())[0]);
+      sizes.push_back((*o.kernel_size())[1]);
+    }
     const int64_t rank = m.down.size(0);
     const at::Tensor down = m.down.to(torch::kFloat32).flatten(1);
     const at::Tensor up = m.up.to(torch::kFloat32).flatten(1);
-    const int64_t in_size = weight.numel() / weight.size(0);
-    if (up.size(1) != rank || up.size(0) != weight.size(0) || down.size(1) != in_size) {
+    const int64_t in_size = c10::multiply_integers(sizes.begin() + 1, sizes.end());
+    if (up.size(1) != rank || up.size(0) != sizes[0] || down.size(1) != in_size) {
       throw InputError(file.string() + ": module " + name + " has lora_down " + shape(m.down) +
                        " and lora_up " + shape(m.up) + ", which do not fit its layer's weight " +
-                       shape(weight));
+                       shape(sizes));
     }
     // The rank the module trained at: a split_qkv part's (see above) where the up still is
     // block-diagonal over the parts, else the file's (a file resized after training, by kohya's
@@ -193,8 +203,8 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
       adapter->down = (down * (multiplier * alpha / parts_rank)).to(fp32);
       adapter->up = up.to(fp32);
       if (target.conv) {
-        adapter->down = adapter->down.view({rank, weight.size(1), weight.size(2), weight.size(3)});
-        adapter->up = adapter->up.view({weight.size(0), rank, 1, 1});
+        adapter->down = adapter->down.view({rank, sizes[1], sizes[2], sizes[3]});
+        adapter->up = adapter->up.view({sizes[0], rank, 1, 1});
         const auto& o = target.conv->options;
         adapter->stride = {(*o.stride())[0], (*o.stride())[1]};
         const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
@@ -203,6 +213,11 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
       }
       adapters.emplace_back(&target, std::move(adapter));
       continue;
+    }
+    if (weight.numel() == 0) {
+      throw InputError(file.string() + ": module " + name + " would merge into a weight "
+                       "--blocks_to_swap keeps in host memory: apply it beside the weights "
+                       "(the sampler without --merge_lora)");
     }
     // kohya's merge: up @ down (for a kxk conv, the 1x1 up composed with the kxk down).
     const at::Tensor delta =

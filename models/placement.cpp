@@ -118,8 +118,8 @@ PlacementReport place(DiffusionModel& model, const Placement& placement) {
     module.to(device);  // device only: a dtype would widen the float8 weights again
     module.eval();
     if (text && !placement.text_encoders_on_device && placement.device != device) {
-      LP_LOG(kInfo, kLog) << "the " << c.label << " stays on the CPU: its outputs come from the "
-                          << "cache and it is not trained";
+      LP_LOG(kInfo, kLog) << "the " << c.label << " stays on the CPU: "
+                          << placement.text_encoders_off_device_because;
     }
   }
   return report;

@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <optional>
+#include <string>
 #include <string_view>
 
 #include "models/diffusion_model.h"
@@ -34,6 +35,9 @@ struct Placement {
   // False keeps the text encoders on the CPU, as kohya does when their outputs come from the
   // cache and they are not trained: they are then used only to check cached text against.
   bool text_encoders_on_device = true;
+  // Why, for the log, where text_encoders_on_device is false.
+  std::string text_encoders_off_device_because =
+      "its outputs come from the cache and it is not trained";
   // Base weights take no gradient (a LoRA trains through its own tensors).
   bool freeze = true;
   // Block swap (kohya's --blocks_to_swap, models/block_swap.h): the frozen weights of this many

@@ -54,6 +54,9 @@ DEFINE_bool(fp8_fast, false,
 DEFINE_bool(merge_lora, false,
             "Merge each checkpoint's LoRA into the weights, keeping a copy of those it changes "
             "(faster renders, more memory); by default it is computed beside them, copying none");
+DEFINE_int32(blocks_to_swap, 0,
+             "kohya's --blocks_to_swap: keep the weights of this many of the denoiser's blocks, "
+             "and the text encoders, in host memory (previews on a card the model does not fit)");
 DEFINE_bool(map_weights, false,
             "On the CPU: base weights the model file holds in their dtype are the file's mapped "
             "pages, shared with a trainer that maps them too (lorapipe run sets it when both "
@@ -110,6 +113,7 @@ int main(int argc, char** argv) {
     o.fp8_scaled = FLAGS_fp8_scaled;
     o.fp8_fast = FLAGS_fp8_fast;
     o.merge_lora = FLAGS_merge_lora;
+    o.blocks_to_swap = FLAGS_blocks_to_swap;
     o.map_weights = FLAGS_map_weights;
     o.shared_weights = FLAGS_shared_weights;
     o.sampler = FLAGS_sample_sampler;

@@ -351,6 +351,15 @@ class Sampler {
     placement.fp8_text_encoders = o_.fp8_base && !o_.fp8_base_unet;
     placement.fp8_scaled = o_.fp8_scaled;
     placement.fp8_fast = o_.fp8_fast;
+    if (o_.blocks_to_swap > 0) {
+      // The card the training fitted with block swap holds the denoiser's other blocks; the
+      // text encoders (FLUX.1's T5-XXL is as large as the rest) wait in host memory and encode
+      // there, once per prompt set (render_checkpoint_or_throw keeps their conditionings).
+      placement.blocks_to_swap = o_.blocks_to_swap;
+      placement.text_encoders_on_device = false;
+      placement.text_encoders_off_device_because = "--blocks_to_swap leaves the device to the "
+                                                   "denoiser: prompts are encoded on the CPU";
+    }
     if (!o_.shared_weights.empty()) {
       const std::string key = models::shared_weights_key(o_.model, placement);
       placement.attach_denoiser = [&](torch::nn::Module& denoiser) {
@@ -847,6 +856,21 @@ PromptSet check_sampler_options(const SamplerOptions& options) {
     throw InputError("--merge_lora writes the base weights, which --shared_weights="
                      + options.shared_weights.string() + " shares read-only with the trainer: "
                      "leave --merge_lora out (LoRAs are then applied beside the weights)");
+  }
+  if (options.blocks_to_swap < 0) {
+    throw InputError("--blocks_to_swap=" + std::to_string(options.blocks_to_swap) +
+                     ": must be 0 or more");
+  }
+  if (options.blocks_to_swap > 0 && options.merge_lora) {
+    throw InputError("--merge_lora writes the base weights, and --blocks_to_swap=" +
+                     std::to_string(options.blocks_to_swap) + " keeps some of them in host "
+                     "memory only: leave --merge_lora out (LoRAs are then applied beside the "
+                     "weights)");
+  }
+  if (options.blocks_to_swap > 0 && !options.shared_weights.empty()) {
+    throw InputError("--blocks_to_swap keeps weights in host memory, and --shared_weights=" +
+                     options.shared_weights.string() + " renders over the trainer's on the "
+                     "device: give one of them");
   }
   if (options.device_share != -1 && !(options.device_share > 0 && options.device_share <= 1)) {
     std::ostringstream value;

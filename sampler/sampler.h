@@ -48,6 +48,13 @@ struct SamplerOptions {
   // into them and keeps a copy of each weight it changes to put back (renders compute no extra
   // matmuls: measured 1.27x faster on the CPU at rank 16, for 1.39x the peak memory).
   bool merge_lora = false;
+  // kohya's --blocks_to_swap, as the trainer's (models/block_swap.h): the frozen weights of this
+  // many of the denoiser's blocks stay in host memory and travel to the device one block ahead
+  // of compute, and the text encoders stay in host memory too, encoding each prompt there (once
+  // per prompt set, and per LoRA that changes them). Previews then fit the card the training
+  // fitted with it; a swap keeps the images bit for bit. Not with --merge_lora or
+  // --shared_weights.
+  int blocks_to_swap = 0;
   // --map_weights: base weights the file holds in their dtype are its mapped pages, shared with
   // the trainer beside it (models/mapped_weights.h); lorapipe run sets it when they share the CPU.
   bool map_weights = false;

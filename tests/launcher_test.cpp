@@ -852,7 +852,8 @@ TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
   const Settings s = parse_run_args({"--config=" + (work_ / "run.toml").string(),
                                      "--network_dim", "32", "--optimizer_args", "betas=0.9,0.99",
                                      "eps=1e-8", "--base_weights", "/my loras/a.safetensors",
-                                     "/b.safetensors", "--output_dir=/tmp/x"});
+                                     "/b.safetensors", "--output_dir=/tmp/x",
+                                     "--blocks_to_swap=16"});
   EXPECT_EQ(s.get("network_dim"), "32");
   EXPECT_EQ(std::stod(s.get("learning_rate")), 1e-4);
   EXPECT_EQ(s.get("gradient_checkpointing"), "true");
@@ -876,6 +877,10 @@ TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
   EXPECT_NE(std::find(sampler.begin(), sampler.end(),
                       "--base_weights=\x1f/my loras/a.safetensors\x1f/b.safetensors"),
             sampler.end());
+  // The previews swap the blocks the training swapped: they fit the card it fitted.
+  for (const auto& stage : {trainer, sampler}) {
+    EXPECT_NE(std::find(stage.begin(), stage.end(), "--blocks_to_swap=16"), stage.end());
+  }
   const auto preprocess = stage_args(s, Stage::kPreprocess);
   EXPECT_TRUE(preprocess.empty()) << preprocess.front();
   // run.toml, written back, reads as the same settings.

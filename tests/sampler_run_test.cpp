@@ -438,6 +438,39 @@ TEST_F(SamplerRun, MixedPrecisionAndFloat8WeightsRender) {
   EXPECT_NE(bad.second.find("--mixed_precision=fp8"), std::string::npos) << bad.second;
 }
 
+// --blocks_to_swap (kohya's, the run's): the weights of the U-Net's last blocks' transformers in
+// host memory and the text encoders kept there, encoding on the CPU. On the CPU this is the GPU's
+// machinery but for its copy stream, so a render must give the unswapped one's pixels exactly:
+// with the LoRA (U-Net and text encoder modules) in the layers' slots, the swapped layers' among
+// them, and over float8 weights. --merge_lora would write weights the swap keeps in host memory,
+// so it is refused with it, by name.
+TEST_F(SamplerRun, BlockSwapRendersTheSameImagesWithTheEncodersOnTheCpu) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"plain", {}}, {"fp8", {"--mixed_precision=bf16", "--fp8_base"}}};
+  for (const auto& [tag, flags] : cases) {
+    ASSERT_EQ(render_one(tag, flags).first, 0) << tag;
+    std::vector<std::string> swap_flags = flags;
+    swap_flags.push_back("--blocks_to_swap=2");
+    const auto swapped = render_one(tag + "-swap", swap_flags);
+    ASSERT_EQ(swapped.first, 0) << swapped.second;
+    EXPECT_NE(swapped.second.find("block swap (--blocks_to_swap=2)"), std::string::npos)
+        << swapped.second;
+    for (const char* name : {"one_000040_00.png", "one_000040_01.png"}) {
+      vips::VImage kept = vips::VImage::new_from_file((work_ / tag / "samples" / name).c_str());
+      vips::VImage moved =
+          vips::VImage::new_from_file((work_ / (tag + "-swap") / "samples" / name).c_str());
+      ASSERT_EQ(moved.width(), kept.width()) << tag << " " << name;
+      EXPECT_EQ(kept.relational(moved, VIPS_OPERATION_RELATIONAL_NOTEQ).max(), 0)
+          << tag << " " << name << ": block swap changed the pixels";
+    }
+  }
+  const auto merge = render_one("merge", {"--blocks_to_swap=2", "--merge_lora"});
+  EXPECT_NE(merge.first, 0);
+  EXPECT_NE(merge.second.find("--merge_lora writes the base weights, and --blocks_to_swap=2"),
+            std::string::npos)
+      << merge.second;
+}
+
 // --device_share=0.25: after each model call the sampler waits three times that call's time, so
 // a trainer on the same GPU keeps three quarters of it: the log says how long of the render it
 // left, which is 3/4 of the render's whole time up to the work outside the model calls' span and

@@ -169,9 +169,10 @@ class StagesOnDevice : public ::testing::Test {
   }
 
   // The sampler's render of `lora` over `model` on `on` (the stage's path: load, place, the LoRA
-  // in the layers' slots, then render); no LoRA where `lora` is empty.
+  // in the layers' slots, then render); no LoRA where `lora` is empty. `blocks_to_swap`: the
+  // sampler's placement under it (the blocks swapped, the text encoders on the CPU).
   static at::Tensor render_on(const fs::path& model_path, const std::string& on,
-                              const fs::path& lora_path) {
+                              const fs::path& lora_path, int blocks_to_swap = 0) {
     sampler::RenderRequest request;
     request.prompt = "a photo of a cat";
     request.negative_prompt = "blurry";
@@ -183,6 +184,9 @@ class StagesOnDevice : public ::testing::Test {
     std::unique_ptr<models::DiffusionModel> model = models::load_model(model_path, {});
     models::Placement placement;
     placement.device = models::resolve_device(on);
+    // The sampler's placement under the run's --blocks_to_swap (sampler/sampler.cpp).
+    placement.blocks_to_swap = blocks_to_swap;
+    placement.text_encoders_on_device = blocks_to_swap == 0;
     models::place(*model, placement);
     std::unique_ptr<models::MergedLora> lora;
     if (!lora_path.empty()) {
@@ -196,18 +200,23 @@ class StagesOnDevice : public ::testing::Test {
   static void expect_render_matches_cpu(const fs::path& model, const fs::path& lora,
                                         const std::string& what) {
     const std::string device = stage_device();
-    const at::Tensor on_device = render_on(model, device, lora);
     const at::Tensor on_cpu = render_on(model, "cpu", lora);
     const at::Tensor without = render_on(model, "cpu", {});
-    ASSERT_EQ(on_device.sizes(), on_cpu.sizes());
-    const int64_t most =
-        (on_device.to(torch::kInt32) - on_cpu.to(torch::kInt32)).abs().max().item<int64_t>();
-    std::printf("[stages] %s sampler on %s: most pixel difference from the CPU render %lld\n",
-                what.c_str(), device.c_str(), static_cast<long long>(most));
-    if (device == "cpu") {
-      EXPECT_TRUE(torch::equal(on_device, on_cpu)) << what;
-    } else {
-      EXPECT_LE(most, 2) << what;
+    // Also with one block swapped and the text encoders on the CPU, as the sampler renders
+    // under --blocks_to_swap: the swap's copy stream and the CPU's conditioning on the device.
+    for (const int swap : {0, 1}) {
+      const at::Tensor on_device = render_on(model, device, lora, swap);
+      ASSERT_EQ(on_device.sizes(), on_cpu.sizes());
+      const int64_t most =
+          (on_device.to(torch::kInt32) - on_cpu.to(torch::kInt32)).abs().max().item<int64_t>();
+      std::printf("[stages] %s sampler on %s, --blocks_to_swap=%d: most pixel difference from "
+                  "the CPU render %lld\n",
+                  what.c_str(), device.c_str(), swap, static_cast<long long>(most));
+      if (device == "cpu") {
+        EXPECT_TRUE(torch::equal(on_device, on_cpu)) << what << " swap " << swap;
+      } else {
+        EXPECT_LE(most, 2) << what << " swap " << swap;
+      }
     }
     EXPECT_FALSE(torch::equal(on_cpu, without)) << what << ": the trained LoRA left the render unchanged";
   }

@@ -46,7 +46,9 @@
 #     to it over ZeroMQ on the device, lorapipe-trainer training from that cache with
 #     --save_state, and a second run resuming from the state of step 2 to the straight run's end;
 #     then the sampler's render path (load, place, the trained LoRA in the layers' slots, render)
-#     drawing that checkpoint on CUDA, held to 2 of 255 per pixel against the CPU's render.
+#     drawing that checkpoint on CUDA, held to 2 of 255 per pixel against the CPU's render, and
+#     again as the sampler renders under --blocks_to_swap (one block swapped over the copy
+#     stream, the text encoders on the CPU).
 #     The same for SDXL (StagesOnDevice.SdxlCachesTrainsAndRendersOnTheDevice): both encoders'
 #     text and the latents cached on CUDA, the U-Net's LoRA trained from them with each sample's
 #     time ids, both encoders' LoRAs with the text encoded online, and the render on CUDA.
