@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
 
@@ -224,6 +225,55 @@ TEST_F(FluxPipelineParity, SingleFileTransformerWithKohyasPartsEqualsTheFolder) 
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("--apply_t5_attn_mask is FLUX.1's"), std::string::npos)
         << e.what();
+  }
+}
+
+// kohya's 8 and 10 GB tiers give --t5xxl a file stored in float8 (t5xxl_fp8_e4m3fn.safetensors:
+// every Linear weight float8 e4m3). Under --fp8_base (not --fp8_base_unet) kohya encodes with it
+// as it is; here it loads widened into the compute dtype (exact: every float8 value is a bf16
+// value) and the placement's float8 cast gives back the file's own bits, so T5 computes with the
+// file's weights, not a second rounding of them. Without --fp8_base it computes in bf16 with
+// those values, as kohya's load in the weight dtype does.
+TEST_F(FluxPipelineParity, Float8T5FileComputesWithItsOwnFloat8Weights) {
+  FluxModel folder = load();
+  const fs::path dir = dir_ / "t5-float8";
+  fs::create_directories(dir);
+  std::vector<at::Tensor> storage;
+  std::vector<TensorToWrite> t5 = tensors_of(*folder.t5, storage, "");
+  std::map<std::string, at::Tensor> stored;  // the float8 weights the file holds, by name
+  for (TensorToWrite& t : t5) {
+    if (t.shape.size() != 2 || t.name.find("embed") != std::string::npos ||
+        t.name.find("shared") != std::string::npos ||
+        t.name.find("relative_attention_bias") != std::string::npos) {  // embeddings
+      continue;
+    }
+    const at::Tensor wide = folder.t5->named_parameters()[t.name];
+    storage.push_back(wide.to(at::kFloat8_e4m3fn).contiguous());
+    stored[t.name] = storage.back();
+    t.dtype = Dtype::kF8E4M3;
+    t.bytes = std::string_view(static_cast<const char*>(storage.back().data_ptr()),
+                               storage.back().nbytes());
+  }
+  ASSERT_GT(stored.size(), 6u);
+  write_safetensors(dir / "t5xxl_fp8_e4m3fn.safetensors", t5,
+                    {{"lorapipe.config", read_text(ref_ / "flux" / "text_encoder_2" / "config.json")}});
+  for (const bool fp8_base : {true, false}) {
+    LoadOptions options;
+    options.dtype = at::kBFloat16;
+    options.parts.t5xxl = dir / "t5xxl_fp8_e4m3fn.safetensors";
+    options.parts.t5_max_length = folder.t5_max_length;
+    const std::unique_ptr<DiffusionModel> loaded = load_model(ref_ / "flux", options);
+    Placement placement;
+    placement.dtype = at::kBFloat16;
+    placement.fp8_text_encoders = fp8_base;
+    place(*loaded, placement);
+    const auto params = dynamic_cast<FluxModel&>(*loaded).t5->named_parameters();
+    for (const auto& [name, file] : stored) {
+      const at::Tensor& placed = params[name];
+      ASSERT_EQ(placed.scalar_type(), fp8_base ? at::kFloat8_e4m3fn : at::kBFloat16) << name;
+      EXPECT_TRUE(torch::equal(placed.view(at::kByte), file.to(placed.scalar_type()).view(at::kByte)))
+          << name << (fp8_base ? ": not the file's float8 bits" : ": not the file's values");
+    }
   }
 }
 
