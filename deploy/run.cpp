@@ -36,10 +36,12 @@
 
 #include "common/cuda_alloc_conf.h"
 #include "common/error.h"
+#include "common/numbers.h"
 #include "deploy/curves.h"
 #include "deploy/launcher.h"
 #include "deploy/plan.h"
 #include "models/family.h"
+#include "models/safetensors.h"
 #include "proto/lorapipe.pb.h"
 #include "proto/wire.h"
 #include "runtime/exit_code.h"
@@ -969,6 +971,62 @@ int run(Settings settings, const RunOptions& options, std::ostream& display) {
   }
 }
 
+namespace {
+
+// The LoRA a state holds fixes its rank and alpha (its lora.safetensors: the lora_down shapes and
+// the alpha tensors) and the seed its data order came from (trainer.json): a resume that changes
+// them cannot load or continue it. Refused here, before anything starts, rather than by the
+// trainer once the model has loaded and the cache been read. Ranks or alphas that differ by
+// layer (network_args block_dims and the like) are the trainer's to check.
+void check_resume_keeps_the_lora(const Settings& settings, const fs::path& state) {
+  auto differs = [](const std::string& given, double had) {
+    const std::optional<double> a = parse_double(given);
+    return !a || *a != had;
+  };
+  auto refuse = [&](const std::string& flag, const std::string& had, const std::string& where) {
+    throw InputError("--" + flag + "=" + settings.get(flag) + ": the state " + state.string() +
+                     " trained with " + had + " (" + where + "); a resume goes on with it. "
+                     "Leave the flag out, or start a new run with --network_weights=" +
+                     (state / "lora.safetensors").string());
+  };
+  std::set<int64_t> ranks;
+  std::set<float> alphas;
+  try {
+    const models::SafetensorsFile lora = models::SafetensorsFile::open(state / "lora.safetensors");
+    for (const models::TensorInfo& t : lora.tensors()) {
+      if (t.name.ends_with(".lora_down.weight") && t.shape.size() == 2) ranks.insert(t.shape[0]);
+      if (t.name.ends_with(".alpha") && t.dtype == models::Dtype::kF32) {
+        const std::string_view bytes = lora.bytes(t);
+        float alpha = 0;
+        if (bytes.size() != sizeof alpha) continue;
+        std::memcpy(&alpha, bytes.data(), sizeof alpha);
+        alphas.insert(alpha);
+      }
+    }
+  } catch (const std::exception&) {
+    // The trainer names an unreadable state's LoRA itself.
+  }
+  if (ranks.size() == 1 && settings.has("network_dim") &&
+      differs(settings.get("network_dim"), static_cast<double>(*ranks.begin()))) {
+    refuse("network_dim", "rank " + std::to_string(*ranks.begin()), "its lora.safetensors");
+  }
+  if (alphas.size() == 1 && settings.has("network_alpha") &&
+      differs(settings.get("network_alpha"), *alphas.begin())) {
+    std::ostringstream alpha;
+    alpha << *alphas.begin();
+    refuse("network_alpha", "alpha " + alpha.str(), "its lora.safetensors");
+  }
+  const nlohmann::json trainer = nlohmann::json::parse(std::ifstream(state / "trainer.json"),
+                                                       nullptr, /*allow_exceptions=*/false);
+  if (settings.has("seed") && trainer.is_object() && trainer.contains("seed") &&
+      trainer["seed"].is_number_unsigned() &&
+      differs(settings.get("seed"), static_cast<double>(trainer["seed"].get<uint64_t>()))) {
+    refuse("seed", "seed " + std::to_string(trainer["seed"].get<uint64_t>()), "its trainer.json");
+  }
+}
+
+}  // namespace
+
 std::pair<Settings, fs::path> resume_settings(const fs::path& dir,
                                               const std::vector<std::string>& overrides) {
   if (!fs::exists(dir / "run.toml")) {
@@ -1021,6 +1079,14 @@ std::pair<Settings, fs::path> resume_settings(const fs::path& dir,
                          entry.path().string() + " to go on from a LoRA");
       }
     }
+  }
+  if (!newest.empty()) check_resume_keeps_the_lora(settings, newest);
+  // What the resume changes, said as it starts: a flag given after the folder replaces the run's.
+  const Settings before = parse_run_args({"--config=" + (dir / "run.toml").string()});
+  for (const auto& [name, value] : settings.flags) {
+    if (before.has(name) && before.get(name) == value) continue;
+    settings.notes.push_back("resuming with --" + name + "=" + value + " (the run had " +
+                             (before.has(name) ? before.get(name) : "its default") + ")");
   }
   return {settings, newest};
 }

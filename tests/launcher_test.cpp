@@ -621,7 +621,26 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
   std::ofstream(run / "state" / ".demo-state.tmp" / "trainer.json") << R"({"global_step": 119})";
   fs::create_directories(run / "state" / "broken");
   std::ofstream(run / "state" / "broken" / "trainer.json") << R"({"global_step": "119"})";
-  ASSERT_EQ(lorapipe({"resume", run.string()}), 0) << out_ << err_;
+  // A resume that changes the LoRA's rank or alpha, or the seed, cannot go on with the state:
+  // refused at once, naming the flag and what the state trained with, before any stage starts.
+  const std::string trainer_log_before = read_text(run / "logs" / "trainer.log");
+  for (const auto& [flag, had] :
+       std::vector<std::pair<std::string, std::string>>{{"--network_dim=64", "rank 8"},
+                                                        {"--network_alpha=0.5", "alpha 8"},
+                                                        {"--seed=99", "trainer.json"}}) {
+    EXPECT_EQ(lorapipe({"resume", run.string(), flag}), kExitError) << flag;
+    EXPECT_NE(err_.find(flag + ": the state " + (run / "state" / "demo-state").string() +
+                        " trained with "),
+              std::string::npos)
+        << err_;
+    EXPECT_NE(err_.find(had), std::string::npos) << err_;
+  }
+  EXPECT_EQ(read_text(run / "logs" / "trainer.log"), trainer_log_before) << "a stage started";
+  // A flag the state can take is said as the resume starts, with the run's value it replaces.
+  ASSERT_EQ(lorapipe({"resume", run.string(), "--max_grad_norm=0.5"}), 0) << out_ << err_;
+  EXPECT_NE(out_.find("lorapipe: resuming with --max_grad_norm=0.5 (the run had its default)"),
+            std::string::npos)
+      << out_;
   EXPECT_NE(out_.find("demo-state"), std::string::npos) << out_;
   const json s = status(run);
   EXPECT_EQ(s["state"], "done");
