@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
 #include <tuple>
@@ -50,6 +51,21 @@ std::string manifest_hash(const wire::Manifest& manifest) {
   for (const std::string& entry : entries) hasher.field(entry);
   hasher.field(manifest.source().SerializeAsString());
   return hasher.digest().hex().substr(0, 12);
+}
+
+// What a manifest named by default (no --dataset_id) caches, but for its contents: the dataset's
+// default id (its folder), the model's fingerprints and every setting. A later manifest of the
+// same series is the same dataset cached again after its images or captions changed
+// (--gc --drop_superseded drops the earlier ones).
+std::string manifest_series(const std::string& default_id, const wire::Manifest& manifest) {
+  Hasher hasher;
+  hasher.field("manifest series v1").field(default_id).field(manifest.model_family());
+  hasher.field(manifest.vae_fingerprint()).field(manifest.text_encoder_fingerprint());
+  // The source's settings without what the images made of them (mean_img_ar_error).
+  wire::DatasetSource settings = manifest.source();
+  for (wire::DatasetSettings& d : *settings.mutable_datasets()) d.clear_mean_img_ar_error();
+  hasher.field(manifest.text_cached() ? 1 : 0).field(settings.SerializeAsString());
+  return hasher.digest().hex();
 }
 
 // The stage's state for one stream.
@@ -576,6 +592,7 @@ void Cacher::write_manifest(Stream& stream) {
     if (rejected_keys_.count(entry.latent_key())) continue;
     *manifest.add_entries() = std::move(entry);
   }
+  const std::string default_id = summary.dataset_id;
   if (!report.dataset_id_given()) summary.dataset_id += "-" + manifest_hash(manifest);
   manifest.set_dataset_id(summary.dataset_id);
   summary.manifest_entries = static_cast<uint64_t>(manifest.entries_size());
@@ -584,6 +601,22 @@ void Cacher::write_manifest(Stream& stream) {
   } catch (const std::exception& e) {
     if (!options_.serve) throw;
     return end_without_manifest(e.what());
+  }
+  if (!report.dataset_id_given()) {
+    // When, and of which series: what --gc --drop_superseded reads. A manifest without it (a
+    // failed write here, or a cache older than it) is never taken for superseded.
+    const nlohmann::json written{
+        {"series", manifest_series(default_id, manifest)},
+        {"unix_ms", std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::system_clock::now().time_since_epoch())
+                        .count()}};
+    try {
+      store_->put(Table::kMeta,
+                  {{std::string(kMetaManifestWritten) + summary.dataset_id, written.dump()}});
+    } catch (const std::exception& e) {
+      LP_LOG(kWarning, kLog) << "dataset " << summary.dataset_id << ": when it was cached is not "
+                             << "recorded (" << e.what() << "): --gc --drop_superseded keeps it";
+    }
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - stream.started).count();
   summary.images_per_second = seconds > 0 ? summary.encoded / seconds : 0;

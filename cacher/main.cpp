@@ -51,6 +51,9 @@ DEFINE_bool(inspect, false, "Tool: record counts and bytes per table, fingerprin
 DEFINE_bool(json, false, "With --inspect: print JSON");
 DEFINE_bool(verify, false, "Tool: read and check every record; exit 1 if any is corrupt");
 DEFINE_bool(gc, false, "Tool: drop records that no manifest references");
+DEFINE_bool(drop_superseded, false,
+            "Tool, with --gc: first drop each manifest a later caching of the same dataset (its "
+            "images or captions edited since) with the same model and settings replaced");
 DEFINE_string(export_file, "", "Tool: write --dataset's manifest and records to this file");
 DEFINE_string(dataset, "", "Dataset id for --export_file");
 DEFINE_string(import_file, "", "Tool: add a file written by --export_file to this cache");
@@ -74,7 +77,11 @@ int main(int argc, char** argv) {
       return c::verify(tool, std::cout) ? lorapipe::runtime::kExitOk
                                         : lorapipe::runtime::kExitCheckFailed;
     }
+    if (FLAGS_drop_superseded && !FLAGS_gc) {
+      throw lorapipe::InputError("--drop_superseded is a part of --gc: give both");
+    }
     if (FLAGS_gc) {
+      if (FLAGS_drop_superseded) c::drop_superseded(tool, std::cout);
       c::gc(tool, std::cout);
       return lorapipe::runtime::kExitOk;
     }

@@ -42,6 +42,9 @@ inline constexpr std::string_view kMetaStoreFormat = "store_format_version";    
 inline constexpr std::string_view kMetaRecordFormat = "record_format_version";  // records
 inline constexpr std::string_view kMetaWrittenBy = "written_by";                // "lorapipe 0.1.0"
 inline constexpr std::string_view kMetaHost = "host";                           // the writer's host
+// Followed by a manifest's dataset id (one named by default): {"series", "unix_ms"}, when the
+// cacher wrote it and what it caches but for its contents (cacher.cpp, manifest_series).
+inline constexpr std::string_view kMetaManifestWritten = "manifest_written/";
 
 // Version of the store's layout (tables and meta keys). A store of another layout is refused.
 inline constexpr uint32_t kStoreFormatVersion = 1;

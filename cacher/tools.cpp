@@ -1,11 +1,13 @@
 #include "cacher/tools.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <tuple>
 #include <unistd.h>
 
 #include "cacher/records.h"
@@ -179,6 +181,45 @@ void gc(const ToolOptions& options, std::ostream& out) {
     out << "dropped " << drop.size() << (table == Table::kLatents ? " latents" : " texts")
         << " no manifest references\n";
   }
+}
+
+void drop_superseded(const ToolOptions& options, std::ostream& out) {
+  Store store = open_store(options, /*read_only=*/false);
+  struct Written {
+    int64_t unix_ms;
+    std::string id;
+  };
+  std::map<std::string, std::vector<Written>> series;
+  store.for_each(Table::kMeta, [&](std::string_view key, std::string_view value) {
+    if (!key.starts_with(kMetaManifestWritten)) return true;
+    const nlohmann::json j = nlohmann::json::parse(value, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.value("series", nlohmann::json()).is_string() ||
+        !j.value("unix_ms", nlohmann::json()).is_number_integer()) {
+      return true;  // unreadable: its manifest is kept
+    }
+    series[j["series"].get<std::string>()].push_back(
+        {j["unix_ms"].get<int64_t>(), std::string(key.substr(kMetaManifestWritten.size()))});
+    return true;
+  });
+  std::vector<std::string> manifests_dropped, meta_dropped;
+  for (auto& [key, written] : series) {
+    std::sort(written.begin(), written.end(), [](const Written& a, const Written& b) {
+      return std::tie(a.unix_ms, a.id) < std::tie(b.unix_ms, b.id);
+    });
+    const Written& newest = written.back();
+    for (size_t i = 0; i + 1 < written.size(); ++i) {
+      meta_dropped.push_back(std::string(kMetaManifestWritten) + written[i].id);
+      if (!store.get(Table::kManifests, written[i].id)) continue;
+      manifests_dropped.push_back(written[i].id);
+      out << "dropped manifest " << written[i].id << ": superseded by " << newest.id
+          << " (the same dataset, model and settings, cached later)\n";
+    }
+  }
+  // The manifests first: a crash in between leaves a time without its manifest, which is
+  // passed over, never a manifest that lost its time.
+  store.erase(Table::kManifests, manifests_dropped);
+  store.erase(Table::kMeta, meta_dropped);
+  out << "dropped " << manifests_dropped.size() << " superseded manifests\n";
 }
 
 void export_dataset(const ToolOptions& options, const std::string& dataset_id,

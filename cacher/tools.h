@@ -26,6 +26,14 @@ bool verify(const ToolOptions& options, std::ostream& out);
 // Drops latent and text records that no manifest references.
 void gc(const ToolOptions& options, std::ostream& out);
 
+// Drops each manifest that a later caching of the same dataset replaced: one named by default
+// (no --dataset_id) whose folder, model and settings a later manifest shares, its images or
+// captions since edited (every edit names a new manifest, and the old one would keep its
+// records from gc for ever). Manifests without a recorded caching time are kept. Prints each
+// one dropped and the one that replaced it. A run still to resume on a dropped manifest is
+// refused by its trainer, naming the dataset.
+void drop_superseded(const ToolOptions& options, std::ostream& out);
+
 // Writes dataset `dataset_id`'s manifest and every record it references to `file` (temp name,
 // then renamed), for import_dataset on another machine.
 void export_dataset(const ToolOptions& options, const std::string& dataset_id,

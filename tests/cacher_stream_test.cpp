@@ -167,6 +167,28 @@ class CachePipeline : public ::testing::Test {
     return cacher::Store::open(options);
   }
 
+  // Every manifest the cache holds, by name.
+  std::map<std::string, wire::Manifest> stored_manifests() const {
+    std::map<std::string, wire::Manifest> out;
+    const cacher::Store store = open_cache();
+    store.for_each(cacher::Table::kManifests, [&](std::string_view key, std::string_view value) {
+      EXPECT_TRUE(out[std::string(key)].ParseFromArray(value.data(), static_cast<int>(value.size())));
+      return true;
+    });
+    return out;
+  }
+
+  // One cacher tool run on this test's cache: its exit status, standard output and error.
+  struct ToolRun {
+    int exit;
+    std::string out, err;
+  };
+  ToolRun cacher_tool(std::vector<std::string> flags) const {
+    flags.insert(flags.begin(), {LORAPIPE_CACHER_BIN, "--cache_dir=" + cache_.string()});
+    const int exit = wait_exit(spawn(flags, work_ / "tool.out", work_ / "tool.err"));
+    return {exit, read_text(work_ / "tool.out"), read_text(work_ / "tool.err")};
+  }
+
   static constexpr uint64_t kImages = 36;  // the demo dataset
   // run()'s buckets unless a test gives its own (a later flag wins): 128 px. What these tests
   // ask is what is encoded, cached and when, not at which size; at kohya's default 512 px each
@@ -871,15 +893,7 @@ TEST_F(CachePipeline, ManifestsAreNamedByEverythingThatDecidesTheirRecords) {
                                           "--max_bucket_reso=256"};
   const std::vector<std::string> smaller = {"--resolution=64", "--min_bucket_reso=64",
                                             "--max_bucket_reso=128"};
-  auto manifests = [&] {
-    std::map<std::string, wire::Manifest> out;
-    const cacher::Store store = open_cache();
-    store.for_each(cacher::Table::kManifests, [&](std::string_view key, std::string_view value) {
-      EXPECT_TRUE(out[std::string(key)].ParseFromArray(value.data(), static_cast<int>(value.size())));
-      return true;
-    });
-    return out;
-  };
+  auto manifests = [&] { return stored_manifests(); };
   expect_ok(run(tiny_.single_file, "", small));
   const auto first = manifests();
   ASSERT_EQ(first.size(), 1u);
@@ -926,6 +940,82 @@ TEST_F(CachePipeline, ManifestsAreNamedByEverythingThatDecidesTheirRecords) {
   const auto all = manifests();
   EXPECT_EQ(all.size(), 5u);
   EXPECT_TRUE(all.count("mine"));
+}
+
+// Every edit of a dataset named by default caches it under a new manifest name, and the old
+// manifest would keep its records from --gc for ever. --gc --drop_superseded drops the manifest
+// that a later caching of the same folder with the same model and settings replaced (here: after
+// an image left the dataset), and keeps the one of other settings and the one named by
+// --dataset_id. The records only the dropped manifest named go; every other manifest stays
+// complete. --gc alone drops no manifest; --drop_superseded without --gc is refused by name.
+TEST_F(CachePipeline, GcDropsTheManifestsALaterCachingOfTheSameDatasetReplaced) {
+  const std::vector<std::string> smaller = {"--resolution=64", "--min_bucket_reso=64",
+                                            "--max_bucket_reso=128"};
+  expect_ok(run(tiny_.single_file));
+  const std::string before_edit = stored_manifests().begin()->first;
+  expect_ok(run(tiny_.single_file, "", smaller));
+  const fs::path folder = work_ / "data" / preprocess::kDemoFolder;
+  fs::path gone;
+  for (const auto& entry : fs::directory_iterator(folder)) {
+    if (entry.path().extension() == ".png" && (gone.empty() || entry.path() < gone)) {
+      gone = entry.path();
+    }
+  }
+  ASSERT_FALSE(gone.empty());
+  fs::remove(gone);
+  fs::remove(fs::path(gone).replace_extension(".txt"));
+  expect_ok(run(tiny_.single_file));
+  expect_ok(run(tiny_.single_file, "", {"--dataset_id=mine"}));
+  const auto all = stored_manifests();
+  ASSERT_EQ(all.size(), 4u);
+  // What only the manifest from before the edit names: the removed image's records.
+  std::set<std::string> only_before;
+  for (const auto& e : all.at(before_edit).entries()) {
+    only_before.insert("L" + e.latent_key());
+    if (!e.text_key().empty()) only_before.insert("T" + e.text_key());
+  }
+  std::string after_edit;
+  for (const auto& [name, manifest] : all) {
+    if (name == before_edit) continue;
+    if (name != "mine" && manifest.entries(0).latent_key() ==
+                              all.at(before_edit).entries(0).latent_key()) {
+      after_edit = name;
+    }
+    for (const auto& e : manifest.entries()) {
+      only_before.erase("L" + e.latent_key());
+      only_before.erase("T" + e.text_key());
+    }
+  }
+  ASSERT_FALSE(after_edit.empty());
+  ASSERT_FALSE(only_before.empty());
+  auto stored = [&](const std::string& record) {
+    const cacher::Store store = open_cache();
+    return store.get(record[0] == 'L' ? cacher::Table::kLatents : cacher::Table::kTexts,
+                     record.substr(1)).has_value();
+  };
+
+  ASSERT_EQ(cacher_tool({"--gc"}).exit, 0);
+  EXPECT_EQ(stored_manifests().size(), 4u) << "--gc alone dropped a manifest";
+  for (const std::string& record : only_before) EXPECT_TRUE(stored(record)) << record;
+  const ToolRun alone = cacher_tool({"--drop_superseded"});
+  EXPECT_NE(alone.exit, 0);
+  EXPECT_NE(alone.err.find("--drop_superseded is a part of --gc"), std::string::npos) << alone.err;
+
+  const ToolRun dropped = cacher_tool({"--gc", "--drop_superseded"});
+  ASSERT_EQ(dropped.exit, 0) << dropped.err;
+  EXPECT_NE(dropped.out.find("dropped manifest " + before_edit + ": superseded by " + after_edit),
+            std::string::npos)
+      << dropped.out;
+  const auto left = stored_manifests();
+  EXPECT_EQ(left.size(), 3u);
+  EXPECT_FALSE(left.count(before_edit));
+  EXPECT_TRUE(left.count(after_edit) && left.count("mine"));
+  for (const std::string& record : only_before) EXPECT_FALSE(stored(record)) << record;
+  const cacher::Store store = open_cache();
+  for (const auto& [name, manifest] : left) {
+    const auto check = cacher::check_manifest(store, manifest);
+    EXPECT_TRUE(check.missing.empty() && check.corrupt.empty()) << name;
+  }
 }
 
 TEST_F(CachePipeline, FlipAugAddsFlippedLatentsAndAugmentedCaptionsStayUncached) {

@@ -1155,7 +1155,7 @@ TEST_F(LauncherFlags, TableMatchesEveryStagesOwnFlags) {
   const std::map<Stage, std::set<std::string>> launcher_owned = {
       {Stage::kPreprocess, {"push", "request", "pub", "timeout_ms", "report_only", "report_json"}},
       {Stage::kCacher,
-       {"pull", "rep", "pub", "wait_for_writer_s", "serve", "idle_timeout_s", "inspect", "json", "verify", "gc",
+       {"pull", "rep", "pub", "wait_for_writer_s", "serve", "idle_timeout_s", "inspect", "json", "verify", "gc", "drop_superseded",
         "export_file", "dataset", "import_file", "delay_per_batch_s",
         "test_oom_latent_batches"}},
       {Stage::kTrainer,
