@@ -496,6 +496,26 @@ Settings parse_run_args(const std::vector<std::string>& args) {
     }
     std::erase_if(settings.flags, [](const auto& f) { return f.first == "split_mode"; });
   }
+  // kohya's train_network: a dataset config names the images, and the folder flags a kohya
+  // command or config file often still carries beside it are ignored, with a warning.
+  if (settings.has("dataset_config")) {
+    std::string ignored;
+    for (const char* name : {"data_dir", "reg_data_dir", "in_json"}) {
+      if (!settings.has(name)) continue;
+      ignored += (ignored.empty() ? "--" : ", --") + std::string(name == std::string("data_dir")
+                                                                    ? "train_data_dir"
+                                                                    : name) +
+                 "=" + settings.get(name);
+    }
+    if (!ignored.empty()) {
+      settings.notes.push_back("ignoring " + ignored + ": --dataset_config=" +
+                               settings.get("dataset_config") +
+                               " names the images, as kohya ignores them there");
+      std::erase_if(settings.flags, [](const auto& f) {
+        return f.first == "data_dir" || f.first == "reg_data_dir" || f.first == "in_json";
+      });
+    }
+  }
   if (!cli.output.empty()) settings.output = cli.output;
   // Files and folders as absolute paths: the stages start in this folder, but run.toml must
   // mean the same files when `lorapipe resume` runs from another one (folders the run creates,

@@ -355,6 +355,11 @@ void Supervisor::apply_family_defaults() {
   const bool own_dataset = s_.has("dataset_config") || s_.has("in_json");
   const bool chosen_resolution = !own_dataset && !s_.has("resolution");
   if (chosen_resolution) s_.set("resolution", std::to_string(family.default_resolution));
+  // A dataset file's datasets without a resolution of their own take --resolution, and without
+  // it the family's (kohya requires one; preprocess alone would take SD1.5's 512 for SDXL).
+  if (own_dataset && !s_.has("resolution")) {
+    s_.set("resolution", std::to_string(family.default_resolution));
+  }
   if (chosen_resolution && !s_.has("max_bucket_reso") && family.default_max_bucket_reso > 0) {
     s_.set("max_bucket_reso", std::to_string(family.default_max_bucket_reso));
   }

@@ -470,6 +470,13 @@ class TomlReader {
           fail(node, "color_aug = true augments the pixels, which latents encoded once into the "
                      "cache cannot (kohya refuses it with cached latents too); leave it out");
         }
+        // kohya scales the LoRA by it for the dataset's batches (a negative one trains away
+        // from the dataset): trained at 1 here, it would train the other way without a word.
+        if (k == "network_multiplier" && node.value_or(1.0) != 1.0) {
+          fail(node, "network_multiplier (the LoRA's scale for this dataset's batches) is not "
+                     "supported by lorapipe yet: its images would train at 1; leave it out or "
+                     "make it 1.0");
+        }
         if (k == "face_crop_aug_range") {
           fail(node, "face_crop_aug_range (face-centred crops) is not in lorapipe yet; leave it "
                      "out");

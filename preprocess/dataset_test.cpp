@@ -233,6 +233,21 @@ TEST(DatasetToml, ZeroRepeatAndDuplicateSubsetsAreLeftOut) {
   write_file(dir / "aug.toml", "[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'a'\n"
                                "color_aug = false\n");
   EXPECT_EQ(discover_toml(dir / "aug.toml", Defaults{}).images.size(), 1u);
+  // kohya scales the LoRA by a dataset's network_multiplier for its batches (-1: away from the
+  // dataset): refused where it is not 1, which trains as without it.
+  write_file(dir / "multiplier.toml",
+             "[[datasets]]\nnetwork_multiplier = -1.0\n[[datasets.subsets]]\nimage_dir = 'a'\n");
+  try {
+    discover_toml(dir / "multiplier.toml", Defaults{});
+    ADD_FAILURE() << "network_multiplier = -1.0 was taken";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("multiplier.toml:2: network_multiplier"),
+              std::string::npos)
+        << e.what();
+  }
+  write_file(dir / "multiplier.toml",
+             "[[datasets]]\nnetwork_multiplier = 1.0\n[[datasets.subsets]]\nimage_dir = 'a'\n");
+  EXPECT_EQ(discover_toml(dir / "multiplier.toml", Defaults{}).images.size(), 1u);
   fs::remove_all(dir);
 }
 

@@ -336,6 +336,21 @@ TEST_F(LauncherRun, SdxlModelTrainsAnSdxlLoraThatDiffusersLoads) {
   EXPECT_NE(chosen.find("max_bucket_reso = \"2048\""), std::string::npos) << chosen;
   const std::string kohyas = settings_of("kohyas", {"--resolution=1024"});
   EXPECT_EQ(kohyas.find("max_bucket_reso"), std::string::npos) << kohyas;
+  // A dataset file of the user's: its datasets without a resolution take the family's (kohya
+  // requires one; preprocess alone would take SD1.5's 512 px), and the folder flags a kohya
+  // command carries beside it are ignored as kohya ignores them, said on the screen.
+  std::ofstream(work_ / "dataset.toml")
+      << "[[datasets]]\n[[datasets.subsets]]\nimage_dir = \""
+      << (data / preprocess::kDemoFolder).string() << "\"\n";
+  const std::string own = settings_of(
+      "own", {"--dataset_config=" + (work_ / "dataset.toml").string(),
+              "--reg_data_dir=" + data.string()});
+  EXPECT_NE(own.find("resolution = \"1024\""), std::string::npos) << own;
+  EXPECT_EQ(own.find("data_dir"), std::string::npos) << own;
+  EXPECT_NE(out_.find("lorapipe: ignoring --train_data_dir=" + data.string() +
+                      ", --reg_data_dir=" + data.string() + ": --dataset_config="),
+            std::string::npos)
+      << out_;
 
   const fs::path run = work_ / "run";
   std::vector<std::string> args = {"run", "--output=" + run.string(), "--max_train_steps=4",
