@@ -188,6 +188,21 @@ BatchScheduler::BatchScheduler(const wire::Manifest& manifest, int batch_size, u
         first = false;
       }
       for (size_t k = 0; k < reg.size(); ++k) add(reg[k], times[k]);
+      const auto unused = std::count(times.begin(), times.end(), uint64_t{0});
+      if (unused > 0) {
+        warnings_.push_back("dataset " + std::to_string(dataset) + ": " +
+                            std::to_string(unused) + " of its " + std::to_string(reg.size()) +
+                            " regularization images are not used: as kohya, as many reg "
+                            "samples train as training samples (" + std::to_string(train) +
+                            ", repeats included)");
+      }
+    }
+    if (train == 0 && !reg.empty()) {
+      warnings_.push_back("dataset " + std::to_string(dataset) + ": its " +
+                          std::to_string(reg.size()) + " regularization images have no training "
+                          "image in their [[datasets]] to balance, so none of them trains (kohya "
+                          "balances reg images within their own dataset: put their subset in the "
+                          "[[datasets]] of the images they regularize)");
     }
     if (train == 0) continue;  // only reg images: nothing of this dataset is trained
     train_images_ += train;

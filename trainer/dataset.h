@@ -95,6 +95,9 @@ class BatchScheduler {
     std::vector<BucketInfo> buckets;
   };
   const std::vector<DatasetInfo>& dataset_info() const { return dataset_info_; }
+  // What kohya warns of in the same dataset: regularization images the balance leaves out (more
+  // of them than training images), or that no training image of their [[datasets]] balances.
+  const std::vector<std::string>& warnings() const { return warnings_; }
 
   // The batches of `epoch` (1-based, as kohya counts): batches shuffled, and samples within each
   // bucket shuffled, every epoch (kohya's shuffle_buckets).
@@ -109,6 +112,7 @@ class BatchScheduler {
   std::vector<Group> groups_;  // by dataset_index
   std::vector<BucketInfo> bucket_info_;
   std::vector<DatasetInfo> dataset_info_;
+  std::vector<std::string> warnings_;
   int batch_size_ = 1;
   int default_batch_size_ = 1;
   uint64_t seed_ = 0;

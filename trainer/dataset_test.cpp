@@ -151,6 +151,25 @@ TEST(TrainBatches, RegularizationImagesAreBalancedAsKohya) {
   const auto reached = draws(BatchScheduler(mixed, 1, 3, false).epoch(1));
   for (int i = 0; i < 3; ++i) EXPECT_EQ(reached.count(3 + i), 0u) << "men's reg image " << i;
   for (int i = 0; i < 3; ++i) EXPECT_EQ(reached.at(6 + i), 1) << "women's reg image " << i;
+
+  // What kohya warns of is said: reg images the balance leaves out, and reg images alone in a
+  // [[datasets]] of their own (kohya balances within a dataset, so none of them trains).
+  EXPECT_TRUE(s.warnings().empty());
+  const BatchScheduler more_reg(mixed, 1, 3, false);
+  ASSERT_EQ(more_reg.warnings().size(), 1u);
+  EXPECT_NE(more_reg.warnings()[0].find("3 of its 6 regularization images are not used"),
+            std::string::npos)
+      << more_reg.warnings()[0];
+  Entry apart = reg;
+  apart.dataset = 1;
+  const BatchScheduler alone(manifest_of(join({times(3, {64, 64, 1}), times(2, apart)})), 1, 3,
+                             false);
+  ASSERT_EQ(alone.warnings().size(), 1u);
+  EXPECT_NE(alone.warnings()[0].find("dataset 1: its 2 regularization images have no training "
+                                     "image in their [[datasets]]"),
+            std::string::npos)
+      << alone.warnings()[0];
+  EXPECT_EQ(alone.train_images(), 3u);
 }
 
 // kohya's accumulation as the scheduler now states it: every `accumulation` batches end a step,

@@ -208,6 +208,7 @@ Summary Run::train_steps() {
                                        std::to_string(ranks_->world_size()) + " over " +
                                        ranks_->backend() + " (the batch is per rank)"
                                  : std::string());
+  for (const std::string& warning : scheduler_->warnings()) LP_LOG(kWarning, kLog) << warning;
   if (o_.debug_dataset) return show_dataset();
 
   if (main_) {
