@@ -25,6 +25,9 @@ std::string trim(const std::string& s) {
   return s.substr(begin, end - begin + 1);
 }
 
+constexpr const char* kNoPromptKey =
+    "no 'prompt' (an empty prompt is prompt = \"\", which renders as kohya renders it)";
+
 std::string lower(std::string s) {
   std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
   return s;
@@ -116,7 +119,12 @@ void apply_fields(RenderRequest& r, Get&& get_value, std::vector<std::string>& n
   if (auto v = get("negative_prompt")) r.negative_prompt = *v;
   if (auto v = get("width")) r.width = size_value("width", *v);
   if (auto v = get("height")) r.height = size_value("height", *v);
-  if (auto v = get("seed")) r.seed = whole_number("seed", *v);
+  if (auto v = get("seed")) {
+    // A negative seed (A1111's habit of -1) is taken as torch.manual_seed takes it: modulo 2^64.
+    const bool negative = v->size() > 1 && (*v)[0] == '-';
+    const int64_t magnitude = whole_number("seed", negative ? v->substr(1) : *v);
+    r.seed = negative ? -magnitude : magnitude;
+  }
   if (auto v = get("sample_steps")) {
     r.steps = static_cast<int>(std::clamp<int64_t>(whole_number("sample_steps", *v), 1, 1000));
   }
@@ -319,8 +327,10 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
           return std::nullopt;
         };
         std::vector<std::string> notes;
+        // An empty prompt renders, as kohya renders it (what the LoRA adds to nothing); an
+        // entry without one is more likely a misspelt key.
+        if (!get("prompt")) throw InputError(kNoPromptKey);
         apply_fields(r, get, notes);
-        if (trim(r.prompt).empty()) throw InputError("no prompt");
         check_request(r, defaults);
         set.prompts.push_back(std::move(r));
         for (const std::string& note : notes) {
@@ -356,11 +366,11 @@ PromptSet load_prompts(const std::filesystem::path& file, const PromptDefaults& 
             if (!root[i].contains(key) || root[i][key].is_null()) return std::nullopt;
             return json_text(root[i][key]);
           };
+          if (!get("prompt")) throw InputError(kNoPromptKey);
           apply_fields(r, get, notes);
         } else {
           throw InputError("neither a prompt nor an object");
         }
-        if (trim(r.prompt).empty()) throw InputError("no prompt");
         check_request(r, defaults);
         set.prompts.push_back(std::move(r));
         for (const std::string& note : notes) {

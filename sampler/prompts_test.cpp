@@ -138,9 +138,16 @@ TEST(SamplerPrompts, TomlAndJsonFormsAsKohyaReadsThem) {
                               "scale = 5.0\n"
                               "sample_sampler = \"dpmsolver++\"\n"
                               "[[prompt.subset]]\n"
-                              "width = 512\n");
+                              "width = 512\n"
+                              "[[prompt.subset]]\n"
+                              "prompt = \"\"\n"
+                              "seed = -1\n");
   const PromptSet t = load_prompts(toml);
-  ASSERT_EQ(t.prompts.size(), 2u);
+  ASSERT_EQ(t.prompts.size(), 3u);
+  // An empty prompt renders, as kohya renders it; a negative seed is torch.manual_seed's.
+  EXPECT_EQ(t.prompts[2].prompt, "");
+  EXPECT_EQ(t.prompts[2].seed, -1);
+  EXPECT_EQ(t.prompts[2].index, 3) << "its place, the subset without a prompt counted";
   EXPECT_EQ(t.prompts[0].negative_prompt, "lowres");
   EXPECT_EQ(t.prompts[0].width, 640);
   EXPECT_EQ(t.prompts[0].steps, 20);
@@ -149,7 +156,8 @@ TEST(SamplerPrompts, TomlAndJsonFormsAsKohyaReadsThem) {
   EXPECT_DOUBLE_EQ(t.prompts[1].cfg_scale, 5.0);
   EXPECT_EQ(t.prompts[1].sampler, "dpmsolver++");
   ASSERT_EQ(t.problems.size(), 1u);
-  EXPECT_NE(t.problems[0].find("prompt.subset 3: no prompt"), std::string::npos) << t.problems[0];
+  EXPECT_NE(t.problems[0].find("prompt.subset 3: no 'prompt'"), std::string::npos)
+      << t.problems[0];
 
   const fs::path json = write("p.json",
                               R"([{"prompt": "a cat", "height": 768, "seed": 9},

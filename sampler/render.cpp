@@ -37,6 +37,14 @@ models::Conditioning encode_request(models::DiffusionModel& model, const RenderR
   return model.encode_prompts(captions, clip_skip);
 }
 
+std::pair<int, int> rendered_size(const models::ModelFamily& family, const RenderRequest& request) {
+  if (family.objective != models::ObjectiveKind::kFlowMatching) {
+    return {request.width, request.height};
+  }
+  const int packed = 2 * family.vae_downsample;
+  return {request.width / packed * packed, request.height / packed * packed};
+}
+
 at::Tensor flow_sigmas(const models::FlowSchedule& schedule, int steps, int64_t image_tokens) {
   // diffusers: np.linspace in double, cast to fp32, shifted in fp32 (numpy's arithmetic with
   // Python scalars), then a final 0.

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <utility>
 #include <optional>
 #include <string>
 
@@ -47,6 +48,9 @@ bool classifier_free(const models::ModelFamily& family, const RenderRequest& req
 double cfg_scale(const models::ModelFamily& family, const RenderRequest& request);
 // The steps `request` renders with: its own, else its family's default.
 int sample_steps(const models::ModelFamily& family, const RenderRequest& request);
+// The image size `request` renders at, width then height: its own, except that a flow-matching
+// family's rounds down to what 2x2 packing of its latents takes (16 px for an 8x AE).
+std::pair<int, int> rendered_size(const models::ModelFamily& family, const RenderRequest& request);
 
 struct RenderResult {
   at::Tensor latents;  // [1, C, H/8, W/8] fp32: the denoised latents

@@ -84,9 +84,16 @@ std::string parameters_text(const RenderRequest& r, const models::ModelFamily& f
   std::ostringstream out;
   out << r.prompt << "\n";
   if (!r.negative_prompt.empty()) out << "Negative prompt: " << r.negative_prompt << "\n";
-  out << "Steps: " << sample_steps(family, r) << ", Sampler: " << a1111_sampler(r.sampler)
-      << ", CFG scale: " << cfg_scale(family, r) << ", Seed: " << r.seed << ", Size: " << r.width << "x"
-      << r.height << ", Model: " << model_path.stem().string();
+  // A flow-matching family renders with Euler steps along its flow, whatever --ss says, and at
+  // the size its packing rounds to.
+  const bool flow = family.objective == models::ObjectiveKind::kFlowMatching;
+  const auto [width, height] = rendered_size(family, r);
+  out << "Steps: " << sample_steps(family, r)
+      << ", Sampler: " << (flow ? std::string("Euler") : a1111_sampler(r.sampler))
+      << ", CFG scale: " << cfg_scale(family, r);
+  if (flow && r.guidance) out << ", Distilled CFG Scale: " << *r.guidance;  // Forge's name
+  out << ", Seed: " << r.seed << ", Size: " << width << "x" << height
+      << ", Model: " << model_path.stem().string();
   if (!lora.empty()) out << ", Lora: " << lora;
   return out.str();
 }

@@ -490,6 +490,18 @@ TEST_F(LauncherRun, FluxModelTrainsAFluxLoraThatFluxPipelineRendersTheSame) {
   // The final checkpoint's preview of the one prompt (kohya's image naming).
   const std::string png = (run / "samples" / "fx_000004_00.png").string();
   ASSERT_TRUE(fs::exists(png)) << status(run).dump(2);
+  // Its parameters (A1111's text, as PIL reads it): Euler along the flow, whatever the
+  // --sample_sampler, and FLUX.1's default CFG of 1.
+  const std::string read_parameters =
+      std::string(python) + " -c \"import sys; from PIL import Image; "
+      "print(Image.open(sys.argv[1]).text['parameters'])\" " + png + " > " +
+      (work_ / "parameters.txt").string() + " 2>&1";
+  ASSERT_EQ(std::system(read_parameters.c_str()), 0) << read_text(work_ / "parameters.txt");
+  EXPECT_NE(read_text(work_ / "parameters.txt")
+                .find("a red circle\nSteps: 4, Sampler: Euler, CFG scale: 1, Seed: 7, "
+                      "Size: 64x64"),
+            std::string::npos)
+      << read_text(work_ / "parameters.txt");
 
   const fs::path result = work_ / "diffusers.json";
   const std::string command =
