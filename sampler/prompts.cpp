@@ -3,6 +3,7 @@
 #include <toml++/toml.h>
 
 #include <algorithm>
+#include <iomanip>
 #include <cmath>
 #include <cctype>
 #include <fstream>
@@ -143,7 +144,7 @@ std::string toml_text(const toml::node& node) {
   if (auto i = node.value<int64_t>()) return std::to_string(*i);
   if (auto d = node.value<double>()) {
     std::ostringstream out;
-    out << *d;
+    out << std::setprecision(17) << *d;  // every digit back: 7.1234567 stays itself
     return out.str();
   }
   throw InputError("a value that is not text or a number");
@@ -154,7 +155,7 @@ std::string json_text(const nlohmann::json& v) {
   if (v.is_number_integer()) return std::to_string(v.get<int64_t>());
   if (v.is_number()) {
     std::ostringstream out;
-    out << v.get<double>();
+    out << std::setprecision(17) << v.get<double>();
     return out.str();
   }
   throw InputError("a value that is not text or a number");

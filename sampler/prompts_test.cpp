@@ -135,7 +135,7 @@ TEST(SamplerPrompts, TomlAndJsonFormsAsKohyaReadsThem) {
                               "[[prompt.subset]]\n"
                               "prompt = \"a dog\"\n"
                               "width = 512\n"
-                              "scale = 5.0\n"
+                              "scale = 5.0123456789\n"
                               "sample_sampler = \"dpmsolver++\"\n"
                               "[[prompt.subset]]\n"
                               "width = 512\n"
@@ -153,7 +153,7 @@ TEST(SamplerPrompts, TomlAndJsonFormsAsKohyaReadsThem) {
   EXPECT_EQ(t.prompts[0].steps, 20);
   EXPECT_EQ(t.prompts[0].seed, 3);
   EXPECT_EQ(t.prompts[1].width, 512);
-  EXPECT_DOUBLE_EQ(t.prompts[1].cfg_scale, 5.0);
+  EXPECT_DOUBLE_EQ(t.prompts[1].cfg_scale, 5.0123456789) << "every digit of the file's number";
   EXPECT_EQ(t.prompts[1].sampler, "dpmsolver++");
   ASSERT_EQ(t.problems.size(), 1u);
   EXPECT_NE(t.problems[0].find("prompt.subset 3: no 'prompt'"), std::string::npos)
