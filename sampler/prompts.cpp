@@ -90,6 +90,10 @@ void check_request(const RenderRequest& r, const PromptDefaults& defaults) {
     (void)make_scheduler(scheduler_options(r.sampler, false), r.steps != 0 ? r.steps : 30);
   }
   for (const std::string* text : {&r.prompt, &r.negative_prompt}) {
+    if (!defaults.weighted_prompts) {
+      (void)models::fix_text(*text);
+      continue;
+    }
     for (const models::WeightedText& piece : models::parse_prompt_attention(*text)) {
       (void)models::fix_text(piece.text);
     }

@@ -46,6 +46,10 @@ struct PromptDefaults {
   // take (pndm under 4 is skipped). A flow-matching family's Euler steps take any count, and it
   // reads no sampler name (kohya's FLUX.1 sampling ignores them): false there.
   bool check_sampler_steps = true;
+  // The model reads A1111's attention syntax in prompts (the Stable Diffusion families), so a
+  // weight that is not a number skips the line. FLUX.1's prompts are plain text, as kohya's
+  // FLUX.1 sampling reads them: "(x:1.2.3)" renders as written there.
+  bool weighted_prompts = true;
 };
 
 // Throws InputError when the file cannot be read at all (missing, not TOML/JSON where the name

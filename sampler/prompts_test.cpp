@@ -235,6 +235,13 @@ TEST(SamplerPrompts, KohyaOptionsOfOtherModelsAreNotedAndEveryKohyaSamplerIsTake
   EXPECT_TRUE(flux.problems.empty()) << flux.problems[0];
   ASSERT_EQ(flux.prompts.size(), 3u);
   EXPECT_EQ(flux.prompts[2].steps, 3);
+  // Its prompts are plain text (no attention syntax, as kohya's FLUX.1 sampling): a weight that
+  // is not a number renders as written, where the Stable Diffusion families skip the line.
+  flow.weighted_prompts = false;
+  const fs::path odd = write("odd.txt", "a (cat:1.2.3) sleeping\n");
+  EXPECT_EQ(load_prompts(odd, flow).prompts.size(), 1u);
+  EXPECT_EQ(load_prompts(odd).prompts.size(), 0u);
+  EXPECT_EQ(load_prompts(odd).problems.size(), 1u);
 
   for (const char* name : {"ddpm", "pndm", "lms", "k_lms", "heun", "dpm_2", "k_dpm_2",
                                   "dpm_2_a", "dpmsolver", "dpmsolver++", "dpmsingle"}) {

@@ -303,6 +303,7 @@ std::string run_name(const fs::path& lora) {
 PromptSet read_prompts(const SamplerOptions& o, const models::ModelFamily& family) {
   PromptDefaults defaults;
   defaults.check_sampler_steps = family.objective != models::ObjectiveKind::kFlowMatching;
+  defaults.weighted_prompts = family.objective != models::ObjectiveKind::kFlowMatching;
   defaults.sampler.clear();  // --sampler in any case, as --ss and sample_sampler are read
   for (char c : o.sampler) {
     defaults.sampler += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
