@@ -259,13 +259,14 @@ void collect_metadata_subset(size_t dataset, size_t subset_index, const SubsetOp
     if (fs::is_regular_file(key, ec)) {
       path = key;
     } else if (!subset.image_dir.empty()) {
+      // kohya's glob_images: every extension's match, sorted, the first taken (key.JPG before
+      // key.jpg before key.png, where several are there).
+      std::vector<fs::path> found;
       for (const char* ext : kKohyaImageExtensions) {
         const fs::path candidate = subset.image_dir / (key + ext);
-        if (fs::is_regular_file(candidate, ec)) {
-          path = candidate;
-          break;
-        }
+        if (fs::is_regular_file(candidate, ec)) found.push_back(candidate);
       }
+      if (!found.empty()) path = *std::min_element(found.begin(), found.end());
       const fs::path as_is = subset.image_dir / key;
       if (path.empty() && has_image_extension(as_is) && fs::is_regular_file(as_is, ec)) {
         path = as_is;

@@ -558,7 +558,8 @@ TEST(DatasetToml, UnknownKeysAndWrongTypesNameKeyAndLine) {
 }
 
 // kohya's fine-tuning datasets (FineTuningDataset): the images a metadata file lists, found as
-// a path or as image_dir/<key><kohya's extensions, in its order>, each with its caption and tags
+// a path or as image_dir/<key><one of kohya's extensions> (the first of the matches sorted, as
+// kohya's glob_images takes it), each with its caption and tags
 // joined by the caption separator (the tags alone when there is no caption; with
 // enable_wildcard, the tags after each of the caption's lines), then prefix and suffix. An image
 // that cannot be found is skipped and named (kohya stops there), also when only kohya's .npz is
@@ -567,7 +568,7 @@ TEST(DatasetToml, UnknownKeysAndWrongTypesNameKeyAndLine) {
 TEST(DatasetMetadata, ImagesAndCaptionsAsKohyasFineTuningDataset) {
   const fs::path dir = make_temp_dir("metadata");
   write_file(dir / "img" / "a.png", "x");
-  write_file(dir / "img" / "a.jpg", "x");       // .png comes first in kohya's order
+  write_file(dir / "img" / "a.jpg", "x");       // kohya's glob_images sorts: .jpg before .png
   write_file(dir / "img" / "b.JPG", "x");
   write_file(dir / "img" / "sub" / "c.webp", "x");
   write_file(dir / "elsewhere" / "d.png", "x");
@@ -590,7 +591,7 @@ TEST(DatasetMetadata, ImagesAndCaptionsAsKohyasFineTuningDataset) {
   EXPECT_EQ(d.datasets[0].subsets[0].name(), "meta.json");
   EXPECT_EQ(d.datasets[0].subsets[0].num_repeats, 4);
   ASSERT_EQ(d.images.size(), 4u);
-  EXPECT_EQ(d.images[0].path, dir / "img" / "a.png");
+  EXPECT_EQ(d.images[0].path, dir / "img" / "a.jpg");
   EXPECT_EQ(d.images[0].caption, "sks a photo of a dog,dog, brown");
   EXPECT_EQ(d.images[0].caption_read, "dog, brown");
   EXPECT_EQ(d.images[0].caption_source, "metadata");
