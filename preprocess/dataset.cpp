@@ -129,11 +129,27 @@ std::optional<std::string> attach_caption(const SubsetOptions& subset, ImageEntr
   if (!subset.caption_extension_set && subset.caption_extension != ".txt") {
     extensions.push_back(".txt");
   }
+  // kohya's splitext(image)[0] + caption_extension, a dot put in front of an extension given
+  // without one ("txt" is ".txt", "_tags.txt" is "._tags.txt"), as replace_extension does; then,
+  // as kohya's read_caption, the name its face-crop tool gives a crop's caption: where the path
+  // without its extension splits into 5 or more pieces at '_', all but the last 4 pieces.
+  std::vector<fs::path> candidates;
   for (const std::string& ext : extensions) {
-    // kohya's splitext(image)[0] + caption_extension, a dot put in front of an extension given
-    // without one ("txt" is ".txt", "_tags.txt" is "._tags.txt"), as replace_extension does.
     fs::path caption_path = entry.path;
     caption_path.replace_extension(ext);
+    candidates.push_back(caption_path);
+    if (&ext != &extensions.front()) continue;  // lorapipe's .txt fallback: the plain name alone
+    const std::string base = fs::path(entry.path).replace_extension().string();
+    std::vector<size_t> cuts;
+    for (size_t at = base.find('_'); at != std::string::npos; at = base.find('_', at + 1)) {
+      cuts.push_back(at);
+    }
+    if (cuts.size() >= 4) {
+      const std::string dotted = ext.empty() || ext[0] == '.' ? ext : "." + ext;
+      candidates.push_back(base.substr(0, cuts[cuts.size() - 4]) + dotted);
+    }
+  }
+  for (const fs::path& caption_path : candidates) {
     std::error_code ec;
     if (!fs::is_regular_file(caption_path, ec)) continue;
     try {

@@ -127,7 +127,7 @@ TEST(DatasetFolder, AnUnreadableCaptionSkipsItsImageByName) {
 
 // kohya's caption file is the image's name without its extension, then caption_extension with a
 // dot put in front when it has none (DreamBoothSubset): "txt" reads a.txt, and "_tags.txt" reads
-// a._tags.txt, not a_tags.txt.
+// a._tags.txt, not a_tags.txt. Then kohya's face-crop name.
 TEST(DatasetFolder, CaptionExtensionWithoutADotGetsOneAsKohya) {
   const fs::path dir = make_temp_dir("suffix");
   write_file(dir / "1_cls" / "a.png", "x");
@@ -147,6 +147,21 @@ TEST(DatasetFolder, CaptionExtensionWithoutADotGetsOneAsKohya) {
   const ImageEntry* b = find_image(d, "b.png");
   ASSERT_NE(b, nullptr);
   EXPECT_EQ(b->caption, "from b._tags.txt");
+  // kohya's second candidate (its face-crop tool names a crop NAME_x_y_w_h and leaves the
+  // caption as NAME's): all but the last 4 '_' pieces of the path, after the image's own name.
+  write_file(dir / "1_cls" / "face_10_20_30_40.png", "x");
+  write_file(dir / "1_cls" / "face.txt", "the original's caption\n");
+  write_file(dir / "1_cls" / "own_1_2_3_4.png", "x");
+  write_file(dir / "1_cls" / "own_1_2_3_4.txt", "its own caption\n");
+  write_file(dir / "1_cls" / "own.txt", "not this one\n");
+  defaults.subset.caption_extension = ".txt";
+  const Discovery crops = discover_folder(dir, defaults);
+  const ImageEntry* face = find_image(crops, "face_10_20_30_40.png");
+  const ImageEntry* own = find_image(crops, "own_1_2_3_4.png");
+  ASSERT_NE(face, nullptr);
+  ASSERT_NE(own, nullptr);
+  EXPECT_EQ(face->caption, "the original's caption");
+  EXPECT_EQ(own->caption, "its own caption");
   fs::remove_all(dir);
 }
 
