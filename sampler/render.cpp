@@ -103,8 +103,8 @@ RenderResult render_flow(models::DiffusionModel& model, const RenderRequest& req
   const double scale = cfg_scale(family, request);
   const torch::Tensor weight = model.denoiser_module().parameters().front();
   // Sizes round down to what 2x2 packing takes (16 px for an 8x AE), as FluxPipeline rounds them.
-  const int64_t h = 2 * (request.height / (2 * family.vae_downsample)),
-                w = 2 * (request.width / (2 * family.vae_downsample));
+  const auto [width, height] = rendered_size(family, request);
+  const int64_t h = height / family.vae_downsample, w = width / family.vae_downsample;
   if (h == 0 || w == 0) {
     throw InputError("image size " + std::to_string(request.width) + "x" +
                      std::to_string(request.height) + " is under " +
