@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <deque>
+#include <filesystem>
 #include <mutex>
 #include <fstream>
 #include <iterator>
@@ -54,12 +55,18 @@ std::string manifest_hash(const wire::Manifest& manifest) {
 }
 
 // What a manifest named by default (no --dataset_id) caches, but for its contents: the dataset's
-// default id (its folder), the model's fingerprints and every setting. A later manifest of the
-// same series is the same dataset cached again after its images or captions changed
-// (--gc --drop_superseded drops the earlier ones).
+// default id (its folder, or its TOML's path), the folders its images are in (a TOML edited to
+// name another subject's folders is another dataset), the model's fingerprints and every
+// setting. A later manifest of the same series is the same dataset cached again after its images
+// or captions changed (--gc --drop_superseded drops the earlier ones).
 std::string manifest_series(const std::string& default_id, const wire::Manifest& manifest) {
+  std::set<std::string> folders;
+  for (const auto& e : manifest.entries()) {
+    folders.insert(std::filesystem::path(e.path()).parent_path().string());
+  }
   Hasher hasher;
-  hasher.field("manifest series v1").field(default_id).field(manifest.model_family());
+  hasher.field("manifest series v2").field(default_id).field(manifest.model_family());
+  for (const std::string& folder : folders) hasher.field(folder);
   hasher.field(manifest.vae_fingerprint()).field(manifest.text_encoder_fingerprint());
   // The source's settings without what the images made of them (mean_img_ar_error).
   wire::DatasetSource settings = manifest.source();

@@ -31,7 +31,8 @@ void gc(const ToolOptions& options, std::ostream& out);
 // captions since edited (every edit names a new manifest, and the old one would keep its
 // records from gc for ever). Manifests without a recorded caching time are kept. Prints each
 // one dropped and the one that replaced it. A run still to resume on a dropped manifest is
-// refused by its trainer, naming the dataset.
+// refused by its trainer, naming the dataset; a training still running on one loses its records
+// under it (trainers read without a lock): run it when no training of the older data runs.
 void drop_superseded(const ToolOptions& options, std::ostream& out);
 
 // Writes dataset `dataset_id`'s manifest and every record it references to `file` (temp name,

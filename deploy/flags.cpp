@@ -496,6 +496,15 @@ Settings parse_run_args(const std::vector<std::string>& args) {
     }
     std::erase_if(settings.flags, [](const auto& f) { return f.first == "split_mode"; });
   }
+  // The sampler swaps the blocks the training swaps (previews fit the card it fitted), and a
+  // LoRA cannot be merged into weights that stay in host memory: previews then apply it beside
+  // them, which renders the same images.
+  if (settings.has("blocks_to_swap") && settings.get("blocks_to_swap") != "0" &&
+      settings.has("merge_lora") && settings.get("merge_lora") != "false") {
+    settings.notes.push_back("--merge_lora is left out: with --blocks_to_swap the previews apply "
+                             "each LoRA beside the weights, some of which stay in host memory");
+    std::erase_if(settings.flags, [](const auto& f) { return f.first == "merge_lora"; });
+  }
   // kohya's train_network: a dataset config names the images, and the folder flags a kohya
   // command or config file often still carries beside it are ignored, with a warning.
   if (settings.has("dataset_config")) {

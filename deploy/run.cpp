@@ -356,8 +356,10 @@ void Supervisor::apply_family_defaults() {
   const bool chosen_resolution = !own_dataset && !s_.has("resolution");
   if (chosen_resolution) s_.set("resolution", std::to_string(family.default_resolution));
   // A dataset file's datasets without a resolution of their own take --resolution, and without
-  // it the family's (kohya requires one; preprocess alone would take SD1.5's 512 for SDXL).
-  if (own_dataset && !s_.has("resolution")) {
+  // it the family's (kohya requires one; preprocess alone would take SD1.5's 512 for SDXL). Not
+  // on a resume: a run.toml without it trained at preprocess's 512 (before this rule), and its
+  // state goes on with the buckets it trained on.
+  if (own_dataset && !s_.has("resolution") && o_.resume.empty()) {
     s_.set("resolution", std::to_string(family.default_resolution));
   }
   if (chosen_resolution && !s_.has("max_bucket_reso") && family.default_max_bucket_reso > 0) {
@@ -981,12 +983,18 @@ namespace {
 // The LoRA a state holds fixes its rank and alpha (its lora.safetensors: the lora_down shapes and
 // the alpha tensors) and the seed its data order came from (trainer.json): a resume that changes
 // them cannot load or continue it. Refused here, before anything starts, rather than by the
-// trainer once the model has loaded and the cache been read. Ranks or alphas that differ by
-// layer (network_args block_dims and the like) are the trainer's to check.
-void check_resume_keeps_the_lora(const Settings& settings, const fs::path& state) {
-  auto differs = [](const std::string& given, double had) {
-    const std::optional<double> a = parse_double(given);
-    return !a || *a != had;
+// trainer once the model has loaded and the cache been read. Only what the resume changes from
+// the run's own settings (`before`, its run.toml) is checked: those trained the state. Ranks
+// that differ by layer, or taken from --network_weights (--dim_from_weights), are the
+// trainer's to check.
+void check_resume_keeps_the_lora(const Settings& settings, const Settings& before,
+                                 const fs::path& state) {
+  auto changed = [&](const std::string& flag) {
+    if (!settings.has(flag)) return false;
+    if (!before.has(flag)) return true;
+    const std::optional<double> a = parse_double(settings.get(flag)),
+                                b = parse_double(before.get(flag));
+    return a && b ? *a != *b : settings.get(flag) != before.get(flag);
   };
   auto refuse = [&](const std::string& flag, const std::string& had, const std::string& where) {
     throw InputError("--" + flag + "=" + settings.get(flag) + ": the state " + state.string() +
@@ -994,38 +1002,55 @@ void check_resume_keeps_the_lora(const Settings& settings, const fs::path& state
                      "Leave the flag out, or start a new run with --network_weights=" +
                      (state / "lora.safetensors").string());
   };
+  const bool from_weights = settings.get("dim_from_weights", "false") != "false";
+  const bool per_layer = settings.get("network_args").find("dims") != std::string::npos;
   std::set<int64_t> ranks;
   std::set<float> alphas;
-  try {
-    const models::SafetensorsFile lora = models::SafetensorsFile::open(state / "lora.safetensors");
-    for (const models::TensorInfo& t : lora.tensors()) {
-      if (t.name.ends_with(".lora_down.weight") && t.shape.size() == 2) ranks.insert(t.shape[0]);
-      if (t.name.ends_with(".alpha") && t.dtype == models::Dtype::kF32) {
-        const std::string_view bytes = lora.bytes(t);
-        float alpha = 0;
-        if (bytes.size() != sizeof alpha) continue;
-        std::memcpy(&alpha, bytes.data(), sizeof alpha);
-        alphas.insert(alpha);
+  if (!from_weights && !per_layer && (changed("network_dim") || changed("network_alpha"))) {
+    try {
+      const models::SafetensorsFile lora =
+          models::SafetensorsFile::open(state / "lora.safetensors");
+      for (const models::TensorInfo& t : lora.tensors()) {
+        if (t.name.ends_with(".lora_down.weight") && t.shape.size() == 2) {
+          ranks.insert(t.shape[0]);
+        }
+        if (t.name.ends_with(".alpha") && t.dtype == models::Dtype::kF32) {
+          const std::string_view bytes = lora.bytes(t);
+          float alpha = 0;
+          if (bytes.size() != sizeof alpha) continue;
+          std::memcpy(&alpha, bytes.data(), sizeof alpha);
+          alphas.insert(alpha);
+        }
       }
+    } catch (const std::exception&) {
+      // The trainer names an unreadable state's LoRA itself.
     }
-  } catch (const std::exception&) {
-    // The trainer names an unreadable state's LoRA itself.
   }
-  if (ranks.size() == 1 && settings.has("network_dim") &&
-      differs(settings.get("network_dim"), static_cast<double>(*ranks.begin()))) {
+  const std::optional<double> dim = parse_double(settings.get("network_dim"));
+  if (changed("network_dim") && ranks.size() == 1 && dim &&
+      *dim != static_cast<double>(*ranks.begin())) {
     refuse("network_dim", "rank " + std::to_string(*ranks.begin()), "its lora.safetensors");
   }
-  if (alphas.size() == 1 && settings.has("network_alpha") &&
-      differs(settings.get("network_alpha"), *alphas.begin())) {
-    std::ostringstream alpha;
-    alpha << *alphas.begin();
-    refuse("network_alpha", "alpha " + alpha.str(), "its lora.safetensors");
+  // The alpha as the trainer stores it: a float, and 0 (or none) meaning the rank, as kohya.
+  const std::optional<double> alpha = parse_double(settings.get("network_alpha"));
+  if (changed("network_alpha") && alphas.size() == 1 && alpha) {
+    const float expected = *alpha == 0 && ranks.size() == 1
+                               ? static_cast<float>(*ranks.begin())
+                               : static_cast<float>(*alpha);
+    if (*alpha != 0 || ranks.size() == 1) {
+      if (expected != *alphas.begin()) {
+        std::ostringstream had;
+        had << "alpha " << *alphas.begin();
+        refuse("network_alpha", had.str(), "its lora.safetensors");
+      }
+    }
   }
   const nlohmann::json trainer = nlohmann::json::parse(std::ifstream(state / "trainer.json"),
                                                        nullptr, /*allow_exceptions=*/false);
-  if (settings.has("seed") && trainer.is_object() && trainer.contains("seed") &&
+  const std::optional<double> seed = parse_double(settings.get("seed"));
+  if (changed("seed") && seed && trainer.is_object() && trainer.contains("seed") &&
       trainer["seed"].is_number_unsigned() &&
-      differs(settings.get("seed"), static_cast<double>(trainer["seed"].get<uint64_t>()))) {
+      *seed != static_cast<double>(trainer["seed"].get<uint64_t>())) {
     refuse("seed", "seed " + std::to_string(trainer["seed"].get<uint64_t>()), "its trainer.json");
   }
 }
@@ -1085,9 +1110,9 @@ std::pair<Settings, fs::path> resume_settings(const fs::path& dir,
       }
     }
   }
-  if (!newest.empty()) check_resume_keeps_the_lora(settings, newest);
   // What the resume changes, said as it starts: a flag given after the folder replaces the run's.
   const Settings before = parse_run_args({"--config=" + (dir / "run.toml").string()});
+  if (!newest.empty()) check_resume_keeps_the_lora(settings, before, newest);
   for (const auto& [name, value] : settings.flags) {
     if (before.has(name) && before.get(name) == value) continue;
     settings.notes.push_back("resuming with --" + name + "=" + value + " (the run had " +

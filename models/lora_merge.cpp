@@ -9,6 +9,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "models/block_swap.h"
 #include "models/device.h"
 #include "models/float8.h"
 #include "models/flux_lora.h"
@@ -214,7 +215,9 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
       adapters.emplace_back(&target, std::move(adapter));
       continue;
     }
-    if (weight.numel() == 0) {
+    // A swapped weight is empty off the device, or a view into a slot that the next load
+    // overwrites: only its host copy holds its values.
+    if (const BlockSwap* swap = model.block_swap(); swap != nullptr && swap->host_copy(weight).defined()) {
       throw InputError(file.string() + ": module " + name + " would merge into a weight "
                        "--blocks_to_swap keeps in host memory: apply it beside the weights "
                        "(the sampler without --merge_lora)");

@@ -146,7 +146,7 @@ class CachePipeline : public ::testing::Test {
   // Starts the cacher with `flag`, sends it `samples` as preprocess would (PUSH), then the
   // end-of-stream report naming dataset `id`; returns the cacher's exit code.
   int cache_by_hand(const std::string& flag, const std::vector<wire::ImageSample>& samples,
-                    const std::string& id) const {
+                    const std::string& id, bool id_given = true) const {
     const pid_t cacher =
         spawn(cacher_args(tiny_.single_file, flag), work_ / "cacher.out", work_ / "cacher.err");
     zmq::context_t context;
@@ -155,7 +155,7 @@ class CachePipeline : public ::testing::Test {
     for (const auto& s : samples) EXPECT_EQ(wire::send(push, s), wire::SendStatus::kSent);
     wire::DatasetReport report;
     report.set_dataset_id(id);
-    report.set_dataset_id_given(true);
+    report.set_dataset_id_given(id_given);
     EXPECT_EQ(wire::send(push, report), wire::SendStatus::kSent);
     return wait_exit(cacher);
   }
@@ -1016,6 +1016,33 @@ TEST_F(CachePipeline, GcDropsTheManifestsALaterCachingOfTheSameDatasetReplaced) 
     const auto check = cacher::check_manifest(store, manifest);
     EXPECT_TRUE(check.missing.empty() && check.corrupt.empty()) << name;
   }
+}
+
+// One dataset file reused for another subject (its image_dir edited) has the same default name
+// and settings, but its images are in other folders: it supersedes nothing. Caching the first
+// subject's folder again does supersede that subject's earlier manifest.
+TEST_F(CachePipeline, GcKeepsTheManifestOfAnotherSubjectsFolders) {
+  const std::string pixels(64 * 64 * 3, '\x80');
+  auto cache = [&](const std::string& name) {
+    ASSERT_EQ(cache_by_hand("", {handmade_sample("subject", name, 64, pixels)}, "subject",
+                            /*id_given=*/false),
+              0)
+        << read_text(work_ / "cacher.err");
+  };
+  cache("alice/1.png");
+  const std::string alice = stored_manifests().begin()->first;
+  cache("bob/1.png");
+  ASSERT_EQ(stored_manifests().size(), 2u);
+  const ToolRun kept = cacher_tool({"--gc", "--drop_superseded"});
+  ASSERT_EQ(kept.exit, 0) << kept.err;
+  EXPECT_NE(kept.out.find("dropped 0 superseded manifests"), std::string::npos) << kept.out;
+  EXPECT_EQ(stored_manifests().size(), 2u);
+  cache("alice/2.png");
+  const ToolRun dropped = cacher_tool({"--gc", "--drop_superseded"});
+  ASSERT_EQ(dropped.exit, 0) << dropped.err;
+  EXPECT_NE(dropped.out.find("dropped manifest " + alice + ": superseded by "), std::string::npos)
+      << dropped.out;
+  EXPECT_EQ(stored_manifests().size(), 2u);
 }
 
 TEST_F(CachePipeline, FlipAugAddsFlippedLatentsAndAugmentedCaptionsStayUncached) {

@@ -664,7 +664,9 @@ TEST_F(LauncherRun, InterruptSavesAStateAndResumeFinishesTheRun) {
   }
   EXPECT_EQ(read_text(run / "logs" / "trainer.log"), trainer_log_before) << "a stage started";
   // A flag the state can take is said as the resume starts, with the run's value it replaces.
-  ASSERT_EQ(lorapipe({"resume", run.string(), "--max_grad_norm=0.5"}), 0) << out_ << err_;
+  // The state's own rank given again is no change to refuse (run.toml has no --network_dim).
+  ASSERT_EQ(lorapipe({"resume", run.string(), "--max_grad_norm=0.5", "--network_dim=8"}), 0)
+      << out_ << err_;
   EXPECT_NE(out_.find("lorapipe: resuming with --max_grad_norm=0.5 (the run had its default)"),
             std::string::npos)
       << out_;
@@ -899,7 +901,7 @@ TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
                                      "--network_dim", "32", "--optimizer_args", "betas=0.9,0.99",
                                      "eps=1e-8", "--base_weights", "/my loras/a.safetensors",
                                      "/b.safetensors", "--output_dir=/tmp/x",
-                                     "--blocks_to_swap=16"});
+                                     "--blocks_to_swap=16", "--merge_lora"});
   EXPECT_EQ(s.get("network_dim"), "32");
   EXPECT_EQ(std::stod(s.get("learning_rate")), 1e-4);
   EXPECT_EQ(s.get("gradient_checkpointing"), "true");
@@ -923,10 +925,17 @@ TEST_F(LauncherFlags, ConfigFileHoldsTheFlagsAndFlagsWin) {
   EXPECT_NE(std::find(sampler.begin(), sampler.end(),
                       "--base_weights=\x1f/my loras/a.safetensors\x1f/b.safetensors"),
             sampler.end());
-  // The previews swap the blocks the training swapped: they fit the card it fitted.
+  // The previews swap the blocks the training swapped: they fit the card it fitted. A LoRA
+  // cannot be merged into weights in host memory: --merge_lora is left out, said.
   for (const auto& stage : {trainer, sampler}) {
     EXPECT_NE(std::find(stage.begin(), stage.end(), "--blocks_to_swap=16"), stage.end());
   }
+  EXPECT_FALSE(s.has("merge_lora"));
+  EXPECT_NE(std::find_if(s.notes.begin(), s.notes.end(),
+                         [](const std::string& n) {
+                           return n.starts_with("--merge_lora is left out");
+                         }),
+            s.notes.end());
   const auto preprocess = stage_args(s, Stage::kPreprocess);
   EXPECT_TRUE(preprocess.empty()) << preprocess.front();
   // run.toml, written back, reads as the same settings.
