@@ -4,17 +4,53 @@
 #include <algorithm>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace lorapipe {
 
-// Python's str.strip() with no argument, for ASCII whitespace.
+// Whether `c` is whitespace to Python's str.isspace (and so to strip() and split()): ASCII's,
+// the information separators 0x1C-0x1F, and Unicode's spaces and line separators (the
+// ideographic space U+3000 and the no-break space U+00A0 among them; not U+200B or U+FEFF).
+inline bool python_isspace(char32_t c) {
+  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 ||
+         c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 ||
+         c == 0x202F || c == 0x205F || c == 0x3000;
+}
+
+// The code point whose UTF-8 encoding starts at s[at] and its length in bytes; a byte that does
+// not start a well-formed sequence reads as itself, one byte long (never whitespace above 0x7F).
+inline std::pair<char32_t, size_t> utf8_at(std::string_view s, size_t at) {
+  const auto byte = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char b = byte(at);
+  const size_t length = b < 0x80 ? 1 : (b >> 5) == 0x6 ? 2 : (b >> 4) == 0xE ? 3 : (b >> 3) == 0x1E ? 4 : 0;
+  if (length <= 1 || at + length > s.size()) return {b, 1};
+  char32_t c = b & (0xFF >> (length + 1));
+  for (size_t i = 1; i < length; ++i) {
+    if ((byte(at + i) & 0xC0) != 0x80) return {b, 1};
+    c = (c << 6) | (byte(at + i) & 0x3F);
+  }
+  return {c, length};
+}
+
+// Python's str.strip() with no argument, on UTF-8 text: every python_isspace code point at
+// either end.
 inline std::string python_strip(std::string_view s) {
-  constexpr std::string_view kSpace = " \t\r\n\v\f";
-  const size_t begin = s.find_first_not_of(kSpace);
-  if (begin == std::string_view::npos) return {};
-  const size_t end = s.find_last_not_of(kSpace);
-  return std::string(s.substr(begin, end - begin + 1));
+  size_t begin = 0;
+  while (begin < s.size()) {
+    const auto [c, length] = utf8_at(s, begin);
+    if (!python_isspace(c)) break;
+    begin += length;
+  }
+  size_t end = s.size();
+  while (end > begin) {
+    size_t start = end - 1;  // the last code point's first byte
+    while (start > begin && (static_cast<unsigned char>(s[start]) & 0xC0) == 0x80) --start;
+    const auto [c, length] = utf8_at(s, start);
+    if (start + length != end || !python_isspace(c)) break;
+    end = start;
+  }
+  return std::string(s.substr(begin, end - begin));
 }
 
 // Python's str.replace(from, to): every occurrence, left to right, not overlapping. `from` must

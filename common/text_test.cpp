@@ -10,6 +10,19 @@ namespace {
 TEST(CommonText, StripAndReplaceAsPython) {
   EXPECT_EQ(python_strip(" \t a b \r\n\v\f"), "a b");
   EXPECT_EQ(python_strip(" \n "), "");
+  // Unicode's whitespace as Python's str.isspace has it (listed by Python 3 itself:
+  // [c for c in range(0x110000) if chr(c).isspace()]), stripped at both ends in UTF-8.
+  const std::u32string spaces = U"\x09\x0a\x0b\x0c\x0d\x1c\x1d\x1e\x1f\x20\x85\xa0\u1680"
+                                U"\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008"
+                                U"\u2009\u200a\u2028\u2029\u202f\u205f\u3000";
+  for (char32_t c = 0; c < 0x3100; ++c) {
+    EXPECT_EQ(python_isspace(c), spaces.find(c) != std::u32string::npos)
+        << std::hex << static_cast<uint32_t>(c);
+  }
+  EXPECT_EQ(python_strip("\u3000\u00a0 青い\u3000四角 \u2029\u3000"), "青い\u3000四角");
+  EXPECT_EQ(python_strip("\u3000"), "");
+  EXPECT_EQ(python_strip("\u200b a \ufeff"), "\u200b a \ufeff") << "not whitespace to Python";
+  EXPECT_EQ(python_strip("\xe3\x80 a"), "\xe3\x80 a") << "a cut sequence is not whitespace";
   EXPECT_EQ(replace_all("a;;b;;;c", ";;", ","), "a,b,;c") << "left to right, not overlapping";
   EXPECT_EQ(replace_all("abc", "x", "y"), "abc");
   EXPECT_EQ(replace_all("aaa", "a", "aa"), "aaaaaa");

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "common/error.h"
+#include "common/text.h"
 #include "models/clip_tokenizer.h"
 #include "models/prompt_attention.h"
 #include "sampler/schedulers.h"
@@ -19,12 +20,9 @@
 namespace lorapipe::sampler {
 namespace {
 
-std::string trim(const std::string& s) {
-  const auto begin = s.find_first_not_of(" \t\r\n");
-  if (begin == std::string::npos) return {};
-  const auto end = s.find_last_not_of(" \t\r\n");
-  return s.substr(begin, end - begin + 1);
-}
+// kohya strips lines and values with Python's str.strip(): Unicode's whitespace too (a line of
+// ideographic spaces is blank to it).
+std::string trim(const std::string& s) { return python_strip(s); }
 
 constexpr const char* kNoPromptKey =
     "no 'prompt' (an empty prompt is prompt = \"\", which renders as kohya renders it)";

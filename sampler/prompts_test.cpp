@@ -236,9 +236,10 @@ TEST(SamplerPrompts, KohyaOptionsOfOtherModelsAreNotedAndEveryKohyaSamplerIsTake
   ASSERT_EQ(flux.prompts.size(), 3u);
   EXPECT_EQ(flux.prompts[2].steps, 3);
   // Its prompts are plain text (no attention syntax, as kohya's FLUX.1 sampling): a weight that
-  // is not a number renders as written, where the Stable Diffusion families skip the line.
+  // is not a number renders as written, where the Stable Diffusion families skip the line. A
+  // line of ideographic spaces is blank, as Python's strip() leaves it to kohya.
   flow.weighted_prompts = false;
-  const fs::path odd = write("odd.txt", "a (cat:1.2.3) sleeping\n");
+  const fs::path odd = write("odd.txt", "a (cat:1.2.3) sleeping\n\u3000\u3000\n");
   EXPECT_EQ(load_prompts(odd, flow).prompts.size(), 1u);
   EXPECT_EQ(load_prompts(odd).prompts.size(), 0u);
   EXPECT_EQ(load_prompts(odd).problems.size(), 1u);
