@@ -196,6 +196,16 @@ TEST(DatasetFolder, RegDataDirRepeatFoldersAreRegularizationAndHiddenFilesSkippe
   fs::remove_all(dir);
 }
 
+void expect_toml_error(const std::string& toml, const std::string& line_and_text,
+                       const std::string& name = "config.toml") {
+  try {
+    parse_dataset_toml(toml, name, Defaults{});
+    FAIL() << "accepted:\n" << toml;
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(line_and_text), std::string::npos) << e.what();
+  }
+}
+
 // As kohya's DreamBoothDataset: a subset with num_repeats below 1, or repeating an earlier
 // subset's image_dir, is left out (the first one wins); kohya's caption_separator and
 // custom_attributes are accepted.
@@ -250,16 +260,8 @@ TEST(DatasetToml, ZeroRepeatAndDuplicateSubsetsAreLeftOut) {
   EXPECT_EQ(discover_toml(dir / "aug.toml", Defaults{}).images.size(), 1u);
   // kohya scales the LoRA by a dataset's network_multiplier for its batches (-1: away from the
   // dataset): refused where it is not 1, which trains as without it.
-  write_file(dir / "multiplier.toml",
-             "[[datasets]]\nnetwork_multiplier = -1.0\n[[datasets.subsets]]\nimage_dir = 'a'\n");
-  try {
-    discover_toml(dir / "multiplier.toml", Defaults{});
-    ADD_FAILURE() << "network_multiplier = -1.0 was taken";
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("multiplier.toml:2: network_multiplier"),
-              std::string::npos)
-        << e.what();
-  }
+  expect_toml_error("[[datasets]]\nnetwork_multiplier = -1.0\n[[datasets.subsets]]\nimage_dir = 'a'\n",
+                    "config.toml:2: network_multiplier");
   write_file(dir / "multiplier.toml",
              "[[datasets]]\nnetwork_multiplier = 1.0\n[[datasets.subsets]]\nimage_dir = 'a'\n");
   EXPECT_EQ(discover_toml(dir / "multiplier.toml", Defaults{}).images.size(), 1u);
@@ -502,16 +504,6 @@ max_bucket_reso = 1000
 }
 
 // The error names the file, the line and the key.
-void expect_toml_error(const std::string& toml, const std::string& line_and_text,
-                       const std::string& name = "config.toml") {
-  try {
-    parse_dataset_toml(toml, name, Defaults{});
-    FAIL() << "accepted:\n" << toml;
-  } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find(line_and_text), std::string::npos) << e.what();
-  }
-}
-
 // kohya's load_user_config also reads a .json config (json.load): the same tables, read and
 // checked as the TOML's; its errors name the key, without a line.
 TEST(DatasetToml, AJsonConfigIsReadAsKohyaReadsIt) {
