@@ -1001,8 +1001,8 @@ void print_plan(const Plan& plan, std::ostream& out) {
   }
   if (plans_denoiser_alone(m, o)) {
     out << "the transformer alone trains (--network_train_unet_only, as kohya's small-card "
-           "FLUX.1 recipes): a CLIP-L LoRA would keep T5-XXL (4.8 B parameters) on the card, "
-           "encoding every step\n";
+           "FLUX.1 recipes): a CLIP-L LoRA would keep CLIP-L on the card, encoding every "
+           "caption at every step (T5-XXL's states still come from the cache)\n";
   }
   out << "\n";
   // Each resolution x batch: its fastest setting that fits, else its lightest one.
@@ -1438,7 +1438,7 @@ std::string apply_plan_budget(Settings& settings) {
        << describe(c) << ", learning rate " << lr.str()
        << (plans_denoiser_alone(plan.model, plan.options)
                ? ", the transformer alone (--network_train_unet_only: a CLIP-L LoRA would keep "
-                 "T5-XXL on the card)"
+                 "CLIP-L on the card)"
                : "")
        << " (predicted peak " << gib(best.prediction.peak()) << " GiB)";
   return line.str();
@@ -1514,7 +1514,7 @@ std::string apply_auto_batch(Settings& settings, const std::vector<std::string>&
   }
   if (plans_denoiser_alone(model, options)) {
     settings.set("network_train_unet_only", "true");
-    line << ", the transformer alone (--network_train_unet_only: a CLIP-L LoRA would keep T5-XXL "
+    line << ", the transformer alone (--network_train_unet_only: a CLIP-L LoRA would keep CLIP-L "
             "on the card)";
   }
   line << ": " << step

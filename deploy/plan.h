@@ -119,7 +119,7 @@ struct PlanOptions {
 
 Prediction predict(const ModelStructure& model, const Candidate& candidate, const PlanOptions& o);
 // FLUX.1 with a CLIP-L LoRA the run did not ask for by name: the plan trains the transformer
-// alone, as kohya's small-card FLUX.1 recipes do (T5-XXL would stay on the card beside it), and
+// alone, as kohya's small-card FLUX.1 recipes do (CLIP-L would stay on the card beside it), and
 // its settings carry --network_train_unet_only (candidates' flags, --plan_budget, --auto_batch).
 bool plans_denoiser_alone(const ModelStructure& model, const PlanOptions& o);
 // Whether the run keeps its text encoders on the card as the plan sets it up.

@@ -114,6 +114,16 @@ class DiffusionModel {
                                            const at::Tensor& mask = {}) const {
     return {hidden_states, pooled, mask, {}};
   }
+  // kohya's partial text caching (ModelFamily::text.untrained_encoders): `cached`, a conditioning
+  // read from the cache, with the parts the encoders a text-encoder LoRA adapts give encoded anew
+  // from `tokens`, through their LoRA (FLUX.1: CLIP-L's pooled output beside T5's cached states).
+  // The default throws Error: the family's text-encoder LoRA adapts every encoder it has.
+  virtual Conditioning encode_trained_text(const TokenBatch& tokens, int clip_skip,
+                                           const Conditioning& cached);
+  // With partial caching: drops the encoders no text-encoder LoRA adapts (FLUX.1's T5, 4.8 B
+  // parameters), their output coming from the cache; text_encoder_module() holds the others. The
+  // default throws Error, as encode_trained_text.
+  virtual void release_untrained_text_encoders();
   // The VAE's latent distribution of `images`, [B, 3, H, W] in [-1, 1] (any dtype and device;
   // moved to the VAE's).
   virtual ImageLatents encode_images(const at::Tensor& images) = 0;

@@ -86,6 +86,7 @@ ModelFamily make_flux(bool dev) {
   // T5's states (kohya's --t5xxl_max_token_length default: 512 for dev, 256 for schnell) and
   // CLIP-L's pooled output. kohya's Flux ignores --clip_skip.
   f.text = {"t5+clip-l", dev ? 512 : 256, 4096, /*uses_pooled=*/true, /*default_clip_skip=*/1};
+  f.text.untrained_encoders = "T5-XXL";  // networks.lora_flux: CLIP-L's LoRA, never T5's
   f.objective = ObjectiveKind::kFlowMatching;
   // FLUX.1's scheduler_config.json: dev shifts by resolution, schnell not at all.
   f.flow.dynamic_shifting = dev;

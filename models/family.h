@@ -19,6 +19,11 @@ struct TextConditioning {
   int hidden_size = 768;       // width of the conditioning sequence the UNet attends to
   bool uses_pooled = false;    // SDXL and Flux also condition on a pooled embedding
   int default_clip_skip = 1;
+  // kohya's partial text caching (its FLUX.1 is_partial): the encoders a text-encoder LoRA never
+  // adapts ("T5-XXL": networks.lora_flux trains CLIP-L alone), whose output still comes from the
+  // cache while the others train, encoded at every step (DiffusionModel::encode_trained_text).
+  // Empty: the LoRA adapts every encoder.
+  std::string untrained_encoders;
 };
 
 // The discrete noise schedule a DDPM family trains and samples with: diffusers'

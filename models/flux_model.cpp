@@ -38,6 +38,10 @@ TokenBatch FluxModel::tokenize(const std::vector<std::string>& captions, int /*m
 
 Conditioning FluxModel::encode_text(const TokenBatch& tokens, int /*clip_skip*/) {
   TORCH_CHECK(tokens.ids.size() == 2, "Flux.1 takes CLIP-L's and T5's token ids");
+  if (!clip || !t5) {
+    throw Error(source_path + ": " + (clip ? "T5 was released (its states come from the cache)"
+                                           : "its text encoders were released"));
+  }
   Conditioning c;
   const at::Tensor clip_weight = clip->parameters().front();
   c.pooled = clip->forward(tokens.ids[0].to(clip_weight.device())).pooled;
@@ -50,6 +54,23 @@ Conditioning FluxModel::encode_text(const TokenBatch& tokens, int /*clip_skip*/)
   }
   c.hidden_states = t5(t5_ids, c.mask);
   return c;
+}
+
+Conditioning FluxModel::encode_trained_text(const TokenBatch& tokens, int /*clip_skip*/,
+                                            const Conditioning& cached) {
+  TORCH_CHECK(!tokens.ids.empty(), "Flux.1's CLIP-L takes its token ids");
+  if (!clip) throw Error(source_path + ": its text encoders were released");
+  Conditioning c = cached;
+  const at::Tensor clip_weight = clip->parameters().front();
+  c.pooled = clip->forward(tokens.ids[0].to(clip_weight.device())).pooled;
+  return c;
+}
+
+void FluxModel::release_untrained_text_encoders() {
+  if (!text_encoders) throw Error(source_path + ": its text encoders were released");
+  if (!t5) return;
+  text_encoders->unregister_module("text_encoder_2");
+  t5 = nullptr;
 }
 
 Conditioning FluxModel::encode_prompts(const std::vector<std::string>& prompts, int clip_skip) {

@@ -63,6 +63,12 @@ struct FluxModel : DiffusionModel {
                       bool weighted = false) const override;
   Conditioning encode_text(const TokenBatch& tokens, int clip_skip) override;
   Conditioning encode_prompts(const std::vector<std::string>& prompts, int clip_skip) override;
+  // CLIP-L's pooled output from tokens.ids[0] over `cached`'s T5 states and mask (kohya's
+  // partial caching: its networks.lora_flux never trains T5).
+  Conditioning encode_trained_text(const TokenBatch& tokens, int clip_skip,
+                                   const Conditioning& cached) override;
+  // T5 goes; text_encoder_module() then holds CLIP-L alone (as "text_encoder").
+  void release_untrained_text_encoders() override;
   ImageLatents encode_images(const at::Tensor& images) override;
   at::Tensor decode_latents(const at::Tensor& latents) override;
   std::string text_encoder_settings(int clip_skip, int max_token_length = 75) const override;

@@ -136,6 +136,42 @@ TEST_F(FluxPipelineParity, ConditioningMatchesFluxPipelineEncodePrompt) {
   EXPECT_TRUE(model.padding_is_masked());
 }
 
+// kohya's partial caching: while CLIP-L's LoRA trains, T5's states come from the cache and T5
+// is dropped. CLIP-L's pooled output is encoded anew over the cached states (here a stale pooled
+// stands in the cached conditioning): equal, bit for bit, to encoding both.
+TEST_F(FluxPipelineParity, PartialCachingEncodesClipLOverCachedT5States) {
+  EXPECT_EQ(model_family("flux-dev").text.untrained_encoders, "T5-XXL");
+  EXPECT_EQ(model_family("flux-schnell").text.untrained_encoders, "T5-XXL");
+  EXPECT_TRUE(model_family("sd15").text.untrained_encoders.empty());
+  EXPECT_TRUE(model_family("sdxl").text.untrained_encoders.empty());
+  FluxModel model = load();
+  model.apply_t5_attn_mask = true;
+  torch::NoGradGuard no_grad;
+  const TokenBatch tokens = model.tokenize(prompts());
+  const Conditioning full = model.encode_text(tokens, /*clip_skip=*/1);
+  const size_t clip_targets = model.lora_targets(/*text_encoder=*/true, false).size();
+  model.release_untrained_text_encoders();
+  size_t clip_params = 0;
+  for (const auto& p : model.text_encoder_module().named_parameters()) {
+    EXPECT_EQ(p.key().rfind("text_encoder.", 0), 0u) << p.key() << " is left after T5 went";
+    ++clip_params;
+  }
+  EXPECT_GT(clip_params, 0u);
+  EXPECT_EQ(model.lora_targets(/*text_encoder=*/true, false).size(), clip_targets);
+  Conditioning cached = full;
+  cached.pooled = torch::zeros_like(full.pooled);
+  const Conditioning partial = model.encode_trained_text(tokens, /*clip_skip=*/1, cached);
+  EXPECT_TRUE(torch::equal(partial.pooled, full.pooled));
+  EXPECT_TRUE(partial.hidden_states.is_same(cached.hidden_states));
+  EXPECT_TRUE(partial.mask.is_same(cached.mask));
+  try {
+    model.encode_text(tokens, /*clip_skip=*/1);
+    ADD_FAILURE() << "encoded without T5";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("T5 was released"), std::string::npos) << e.what();
+  }
+}
+
 // With --apply_t5_attn_mask the transformer never attends to T5's padding, so the cache keeps
 // only the states up to </s> and the trainer pads zeros back: the velocity is then the same,
 // bit for bit, as with every state T5 produced.

@@ -32,6 +32,16 @@ DiffusionModel::BlockSwapReport DiffusionModel::enable_block_swap(int blocks, c1
                    "--fp8_base and --gradient_checkpointing");
 }
 
+Conditioning DiffusionModel::encode_trained_text(const TokenBatch&, int, const Conditioning&) {
+  throw Error(model_family().display_name +
+              ": its text-encoder LoRA adapts every text encoder, so none of their output can "
+              "come from the cache while it trains");
+}
+
+void DiffusionModel::release_untrained_text_encoders() {
+  throw Error(model_family().display_name + ": its text-encoder LoRA adapts every text encoder");
+}
+
 void DiffusionModel::set_cpu_offload_checkpointing(bool enabled) {
   if (!enabled) return;
   throw InputError("--cpu_offload_checkpointing: " + model_family().display_name +

@@ -413,8 +413,10 @@ std::string stamp_of(const std::string& log, const std::string& part) {
 // to diffusers' split ones, the LoRA changes FluxPipeline's transformer and CLIP-L, and
 // FluxPipeline's render from the sample's seed equals the sampler's PNG (limit: 1/255 per
 // channel, the rounding of one pixel; the two run the same fp32 operations). The cacher's T5 is
-// gone before the trainer loads. With --apply_t5_attn_mask the cache keeps fewer bytes per
-// caption. A bucket step Flux cannot take is refused before any stage starts.
+// gone before the trainer loads, and the trainer, training CLIP-L's LoRA, reads T5's states from
+// the cache (kohya's partial caching) with the first loss of a run that encodes every caption.
+// With --apply_t5_attn_mask the cache keeps fewer bytes per caption. A bucket step Flux cannot
+// take is refused before any stage starts.
 TEST_F(LauncherRun, FluxModelTrainsAFluxLoraThatFluxPipelineRendersTheSame) {
   const char* python = std::getenv("LORAPIPE_PYTHON");
   ASSERT_NE(python, nullptr) << "LORAPIPE_PYTHON (the test venv's python) is unset";
@@ -452,34 +454,68 @@ TEST_F(LauncherRun, FluxModelTrainsAFluxLoraThatFluxPipelineRendersTheSame) {
             std::string::npos)
       << err_;
   EXPECT_FALSE(fs::exists(work_ / "refused" / "logs" / "cacher.log")) << "a stage was started";
-  // kohya's --cache_text_encoder_outputs is taken with --network_train_unet_only alone, as kohya.
-  refused = {"run", "--output=" + (work_ / "refused2").string(), "--cache_text_encoder_outputs",
-             "--max_train_steps=2"};
-  refused.insert(refused.end(), common.begin(), common.end());
-  EXPECT_EQ(lorapipe(refused), kExitError);
-  EXPECT_NE((out_ + err_).find("add --network_train_unet_only"), std::string::npos) << err_ << out_;
-
+  // kohya's flags of a FLUX.1 run that trains CLIP-L's LoRA (its default) with
+  // --cache_text_encoder_outputs: T5's states come from the cache (kohya's partial caching).
+  const std::vector<std::string> flow = {"--network_module=networks.lora_flux",
+                                         "--timestep_sampling=shift",
+                                         "--model_prediction_type=raw"};
   const fs::path run = work_ / "run";
   std::vector<std::string> args = {"run", "--output=" + run.string(), "--max_train_steps=4",
                                    "--sample_prompts=" + (work_ / "prompts.txt").string(),
                                    "--sample_every_n_steps=2", "--save_every_n_steps=2",
-                                   "--network_module=networks.lora_flux",
-                                   "--timestep_sampling=shift", "--model_prediction_type=raw"};
+                                   "--cache_text_encoder_outputs"};
+  args.insert(args.end(), flow.begin(), flow.end());
   args.insert(args.end(), common.begin(), common.end());
   ASSERT_EQ(lorapipe(args), 0) << out_ << err_;
+  const std::string run_out = out_;
   const std::string trainer_log = read_text(run / "logs" / "trainer.log");
   const std::string cacher_log = read_text(run / "logs" / "cacher.log");
   EXPECT_NE(trainer_log.find("FLUX.1 [dev]"), std::string::npos) << trainer_log;
+  EXPECT_NE(trainer_log.find("T5-XXL's output comes from the cache and T5-XXL is dropped"),
+            std::string::npos)
+      << trainer_log;
+  EXPECT_NE(trainer_log.find("text from the cache, the trained encoders' part encoded at every "
+                             "step"),
+            std::string::npos)
+      << trainer_log;
+  // The same run with every caption encoded online (caption_dropout_every_n_epochs, which never
+  // comes within the run, leaves the captions as they are but keeps them out of the cache): the
+  // first step's loss, before any update, is the same but for the cache's fp16 rounding of T5's
+  // states (2^-11 relative; bound 1e-3). CLIP-L's LoRA training from the partly cached text is
+  // shown by the merged file changing FluxPipeline's CLIP-L below.
+  const fs::path online = work_ / "online";
+  std::vector<std::string> online_args = {"run", "--output=" + online.string(),
+                                          "--max_train_steps=1",
+                                          "--caption_dropout_every_n_epochs=1000"};
+  online_args.insert(online_args.end(), flow.begin(), flow.end());
+  online_args.insert(online_args.end(), common.begin(), common.end());
+  ASSERT_EQ(lorapipe(online_args), 0) << out_ << err_;
+  EXPECT_NE(read_text(online / "logs" / "trainer.log").find("; text encoded online"),
+            std::string::npos)
+      << read_text(online / "logs" / "trainer.log");
+  // The trainer's log line of step 1 (its events may go before the launcher has subscribed).
+  auto first_loss = [](const std::string& log) -> double {
+    std::smatch m;
+    const std::regex line(R"(step 1/\d+  loss ([0-9.eE+-]+))");
+    return std::regex_search(log, m, line) ? std::stod(m[1]) : -1;
+  };
+  const double partial_loss = first_loss(trainer_log);
+  const double online_loss = first_loss(read_text(online / "logs" / "trainer.log"));
+  std::printf("[flux partial caching] step 1 loss %.9g (T5's states cached) against %.9g "
+              "(online)\n",
+              partial_loss, online_loss);
+  ASSERT_GT(online_loss, 0) << read_text(online / "logs" / "trainer.log");
+  EXPECT_NEAR(partial_loss, online_loss, 1e-3 * std::abs(online_loss));
   // The cacher (CLIP-L, T5, the AE) has written its report and exited before the trainer loads.
   const std::string cached = stamp_of(cacher_log, "bytes per caption");
   const std::string loaded = stamp_of(trainer_log, "FLUX.1 [dev]");
   ASSERT_FALSE(cached.empty()) << cacher_log;
   ASSERT_FALSE(loaded.empty()) << trainer_log;
   EXPECT_LE(cached, loaded) << "the trainer loaded before the cacher was done";
-  EXPECT_NE(out_.find("FLUX.1 [dev]'s sampler would load its own text encoders beside the "
-                      "training: previews render after the training"),
+  EXPECT_NE(run_out.find("FLUX.1 [dev]'s sampler would load its own text encoders beside the "
+                         "training: previews render after the training"),
             std::string::npos)
-      << out_;
+      << run_out;
   const std::string sampler_started = stamp_of(read_text(run / "logs" / "sampler.log"), "[");
   const std::string trained = stamp_of(trainer_log, " at step 4");
   ASSERT_FALSE(sampler_started.empty());

@@ -1763,6 +1763,20 @@ TEST_F(TrainRunTest, CaptionsAreDrawnPerStepAsKohya) {
   EXPECT_NE(read_text(work_ / "wild" / "err").find("draw wildcards or caption_dropout_every_n_epochs"),
             std::string::npos)
       << read_text(work_ / "wild" / "err");
+  // With a text-encoder LoRA, SD's every encoder trains: no text can come from the cache, and the
+  // flag is refused as kohya refuses it (FLUX.1 caches T5 then: LauncherRun.FluxModel...).
+  std::vector<std::string> trains_text = wild;
+  trains_text.erase(std::find(trains_text.begin(), trains_text.end(), "--network_train_unet_only"));
+  trains_text[4] = "--output_dir=" + (work_ / "trains_text").string();
+  fs::create_directories(work_ / "trains_text");
+  const pid_t with_lora = spawn(trains_text, work_ / "trains_text" / "out",
+                                work_ / "trains_text" / "err");
+  EXPECT_EQ(wait_exit(with_lora), 2);
+  EXPECT_NE(read_text(work_ / "trains_text" / "err")
+                .find("--cache_text_encoder_outputs with a text-encoder LoRA: cached text cannot "
+                      "train Stable Diffusion 1.5's text encoders"),
+            std::string::npos)
+      << read_text(work_ / "trains_text" / "err");
 }
 
 // Validation captions are the captions as written: a wildcard drawn once, but no shuffle, no

@@ -114,6 +114,9 @@ PreparedBatch Run::prepare(int64_t epoch, int64_t index, const PlannedBatch& pla
       }
       hidden_list.push_back(hidden);
       if (text.has_pooled()) pooled_list.push_back(from_record(text.pooled()));
+      // The trained encoders read the caption the cache encoded (captions are cached only where
+      // nothing is drawn from them).
+      if (partial_text_) out.captions.push_back(e.caption());
     } else {
       out.captions.push_back(process_caption(e.caption(), e.caption_settings(), clock, rng));
     }
@@ -163,6 +166,7 @@ MicroBatch Run::to_micro_batch(const PreparedBatch& p) {
     batch.encoder_hidden_states = p.hidden_states;
     batch.pooled = p.pooled;
     batch.text_mask = p.text_mask;
+    if (partial_text_) batch.tokens = model_->tokenize(p.captions, o_.max_token_length);
   } else {
     batch.tokens = model_->tokenize(p.captions, o_.max_token_length, o_.weighted_captions);
     text_encoded_online_ = true;

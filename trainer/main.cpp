@@ -270,8 +270,9 @@ DEFINE_bool(highvram, false, "Accepted: no effect");
 DEFINE_bool(cache_latents, true, "Accepted: lorapipe always trains from the cache");
 DEFINE_bool(cache_latents_to_disk, true, "Accepted: lorapipe always trains from the cache");
 DEFINE_bool(cache_text_encoder_outputs, false,
-            "Accepted: the cacher always caches the text, and the trainer reads it whenever no "
-            "text-encoder LoRA trains (--network_train_unet_only, as kohya requires with it)");
+            "Accepted: the cacher always caches the text, and the trainer reads what no "
+            "text-encoder LoRA trains (all with --network_train_unet_only, as kohya requires "
+            "with it for SD and SDXL; FLUX.1's T5 while CLIP-L's LoRA trains)");
 DEFINE_bool(cache_text_encoder_outputs_to_disk, false,
             "Accepted: the cache is on disk (kohya's FLUX.1 and SDXL flag)");
 DEFINE_bool(sdpa, true, "Accepted: attention is always scaled_dot_product_attention");
@@ -514,15 +515,6 @@ int main(int argc, char** argv) {
           "stage)");
     }
     // kohya's choices that have one answer here: anything else is refused by name.
-    if ((FLAGS_cache_text_encoder_outputs || FLAGS_cache_text_encoder_outputs_to_disk) &&
-        !FLAGS_network_train_unet_only) {
-      throw lorapipe::InputError(
-          "--cache_text_encoder_outputs with a text-encoder LoRA: cached text cannot train a "
-          "text encoder (kohya refuses it for SD and SDXL; for FLUX.1 it caches T5 alone and "
-          "encodes CLIP-L at every step, which lorapipe does not do yet); add "
-          "--network_train_unet_only, or leave the flag out to train the text encoders' LoRA "
-          "with the text encoded at every step");
-    }
     // networks.lora_flux is kohya's module for FLUX.1: the family picks its own targets.
     if (FLAGS_network_module != "networks.lora" && FLAGS_network_module != "networks.lora_flux") {
       throw lorapipe::InputError("--network_module=" + FLAGS_network_module +

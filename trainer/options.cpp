@@ -186,6 +186,15 @@ void apply_network_args(Options& options) {
   }
 }
 
+void detail::check_cached_text_with_lora(const Options& o, const models::ModelFamily& family) {
+  if (!o.cache_text_encoder_outputs || !o.network.train_text_encoder) return;
+  if (!family.text.untrained_encoders.empty()) return;  // partial caching
+  throw InputError("--cache_text_encoder_outputs with a text-encoder LoRA: cached text cannot "
+                   "train " + family.display_name + "'s text encoders (kohya refuses it too); "
+                   "add --network_train_unet_only, or leave the flag out to train the text "
+                   "encoders' LoRA with the text encoded at every step");
+}
+
 void check_options(const Options& o) {
   validate(o);
   // The files and folders the flags name are there (read only once the data is cached).
@@ -212,8 +221,10 @@ void check_options(const Options& o) {
   } else {
     // The family from the checkpoint's header or its folder's configs (nothing is loaded): its
     // objective refuses the other's flags now, not after the caching.
-    TrainingStep::check(o.step, models::model_family(
-                                    models::detect_family(o.model, o.model_family).family));
+    const models::ModelFamily& family =
+        models::model_family(models::detect_family(o.model, o.model_family).family);
+    TrainingStep::check(o.step, family);
+    detail::check_cached_text_with_lora(o, family);
   }
   // The optimizer's type and arguments, over a stand-in tensor: its real groups come with the
   // model.

@@ -73,6 +73,9 @@ std::string number(double v);
 std::string step_stem(const std::string& output_name, int64_t step);
 std::string epoch_stem(const std::string& output_name, int64_t epoch);
 std::string last_stem(const std::string& output_name);
+// kohya's --cache_text_encoder_outputs with a text-encoder LoRA: InputError unless `family` caches
+// the encoders its LoRA leaves untrained (kohya refuses it for SD and SDXL) (options.cpp).
+void check_cached_text_with_lora(const Options& o, const models::ModelFamily& family);
 
 struct PreparedBatch {
   int64_t epoch = 0;
@@ -140,6 +143,10 @@ class Run {
   std::unique_ptr<models::SharedWeightsPublisher> shared_weights_;
   at::Device device_{torch::kCPU};
   bool cached_text_ = false;
+  // With cached_text_: the text-encoder LoRA trains some encoders (FLUX.1's CLIP-L), encoded at
+  // every step from the caption the cache holds, over the cached output of the others (kohya's
+  // partial caching).
+  bool partial_text_ = false;
   std::unique_ptr<LoraNetwork> network_;
   // Whether a micro-batch's text was encoded online (weighted captions, or no cached text): the
   // frozen text encoder then ran in the steps.

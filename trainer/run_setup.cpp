@@ -281,10 +281,15 @@ void Run::load_model() {
                      "with the same --vae), or give the trainer the cacher's --vae");
   }
   const bool train_te = o_.network.train_text_encoder;
+  // kohya's partial caching (its FLUX.1): the LoRA leaves some encoders untrained (T5), whose
+  // output the cache holds; the trained ones (CLIP-L) encode at every step.
+  const std::string& untrained = model.model_family().text.untrained_encoders;
+  const bool partly_cached = train_te && !untrained.empty();
+  check_cached_text_with_lora(o_, model.model_family());
   if (o_.weighted_captions) {
     LP_LOG(kInfo, kLog) << "--weighted_captions: captions are encoded online, their attention "
                            "syntax weighing their tokens";
-  } else if (manifest_.text_cached() && !train_te) {
+  } else if (manifest_.text_cached() && (!train_te || partly_cached)) {
     const std::string settings =
         model.text_encoder_settings(o_.step.clip_skip, o_.max_token_length);
     // Each dtype the cacher may have used is tried on the weights as loaded, each converted from
@@ -328,6 +333,14 @@ void Run::load_model() {
                                 "skip, max_token_length or T5 setting: captions are encoded "
                                 "online (run the cacher again to cache them)";
     }
+  }
+  if (cached_text_ && train_te) {
+    partial_text_ = true;
+    model.release_untrained_text_encoders();
+    LP_LOG(kInfo, kLog) << "text-encoder LoRA: " << untrained
+                        << "'s output comes from the cache and " << untrained
+                        << " is dropped; the encoders the LoRA trains encode every caption at "
+                           "every step (kohya's partial caching)";
   }
   models::Placement placement;
   placement.device = device_;

@@ -163,7 +163,13 @@ std::vector<at::Tensor> TrainingStep::trainable() const {
 
 models::Conditioning TrainingStep::conditioning(const MicroBatch& batch) {
   if (batch.encoder_hidden_states.defined()) {
-    return model_.cached_conditioning(batch.encoder_hidden_states, batch.pooled, batch.text_mask);
+    const models::Conditioning cached =
+        model_.cached_conditioning(batch.encoder_hidden_states, batch.pooled, batch.text_mask);
+    // Partial caching: the trained encoders' part anew, through their LoRA.
+    if (!batch.tokens.empty()) {
+      return model_.encode_trained_text(batch.tokens, options_.clip_skip, cached);
+    }
+    return cached;
   }
   TORCH_CHECK(!batch.tokens.empty(), "a micro-batch needs token ids or hidden states");
   return model_.encode_text(batch.tokens, options_.clip_skip);

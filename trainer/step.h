@@ -69,7 +69,10 @@ struct StepOptions {
 // given.
 struct MicroBatch {
   at::Tensor latents;                // [B, 4, h, w] fp32
-  models::TokenBatch tokens;         // ids per text encoder (weights: --weighted_captions), or
+  // ids per text encoder (weights: --weighted_captions), or the states cached below; both where
+  // the cache holds the untrained encoders' part (partial caching, DiffusionModel::
+  // encode_trained_text).
+  models::TokenBatch tokens;
   at::Tensor encoder_hidden_states;  // [B, tokens, C] cached
   at::Tensor pooled;                 // [B, C'] cached with the hidden states (families that use it)
   at::Tensor text_mask;              // [B, tokens] cached with them (families whose text has one)

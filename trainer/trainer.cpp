@@ -202,7 +202,10 @@ Summary Run::train_steps() {
                               : std::string())
                       << "; " << max_steps_ << " steps in all on "
                       << models::describe_device(device_)
-                      << (cached_text_ ? "; text from the cache" : "; text encoded online")
+                      << (partial_text_ ? "; text from the cache, the trained encoders' part "
+                                          "encoded at every step"
+                          : cached_text_  ? "; text from the cache"
+                                          : "; text encoded online")
                       << "; optimizer " << step_->optimizer().describe()
                       << (ranks_ ? "; rank " + std::to_string(ranks_->rank()) + " of " +
                                        std::to_string(ranks_->world_size()) + " over " +
