@@ -40,6 +40,25 @@ std::vector<LoraTarget> flux_lora_targets(const FluxTransformer& model,
       targets.push_back(std::move(target));
     }
   }
+  // diffusers' layers for each (FluxTransformer2DModel's split q, k, v and MLP input), from the
+  // key map its folders load through.
+  const auto recipes = flux_original_from_diffusers(model->config);
+  for (LoraTarget& t : targets) {
+    const auto recipe = recipes.find(t.module_path + ".weight");
+    if (recipe == recipes.end() || recipe->second.swap_halves) continue;
+    const std::vector<std::string>& sources = recipe->second.sources;
+    std::vector<int64_t> rows = flux_split_qkv_dims(t);
+    if (sources.size() == 1) rows = {t.out_features()};
+    if (rows.size() != sources.size()) {
+      throw Error("Flux LoRA: " + t.name + " has " + std::to_string(sources.size()) +
+                  " diffusers layers but " + std::to_string(rows.size()) + " parts");
+    }
+    for (size_t i = 0; i < sources.size(); ++i) {
+      const std::string& s = sources[i];
+      t.reference_parts.emplace_back(s.substr(0, s.size() - std::string(".weight").size()),
+                                     rows[i]);
+    }
+  }
   return targets;
 }
 

@@ -172,6 +172,57 @@ TEST_F(FluxPipelineParity, PartialCachingEncodesClipLOverCachedT5States) {
   }
 }
 
+// A LoRA in diffusers' PEFT naming (ai-toolkit's, SimpleTuner's and diffusers' own files)
+// applies as FluxPipeline.load_lora_weights applies it (models/reference/peft_lora_reference.py):
+// diffusers' split to_q/to_k/to_v/proj_mlp modules go into lorapipe's fused qkv and linear1, with
+// parts the file leaves out; the other layers by diffusers' names; CLIP-L's modules; the scale
+// from the file's lora_adapter_metadata, from `.alpha` tensors, or diffusers' default. In the
+// layers' slots and merged, CLIP-L's pooled output and the velocity within 1e-4 of the
+// reference's scale (both fp32; the LoRA changes them by 40% to 230%), and the base is restored.
+TEST_F(FluxPipelineParity, DiffusersPeftLoraAppliesAsFluxPipelineLoadsIt) {
+  const fs::path peft =
+      testing::cached_reference("models/reference/peft_lora_reference.py", {ref_ / "flux"});
+  const auto ref = testing::read_all(peft / "reference.safetensors");
+  FluxModel model = load();
+  torch::NoGradGuard no_grad;
+  const at::Tensor base_pooled = model.encode_prompts(prompts(), 1).pooled;
+  expect_close("flux pooled, no LoRA", base_pooled, ref.at("pooled_base"), 1e-4);
+  for (const std::string name : {"with_metadata", "plain", "alphas"}) {
+    for (auto application :
+         {MergedLora::Application::kInSlots, MergedLora::Application::kMergedRestorable}) {
+      const bool slots = application == MergedLora::Application::kInSlots;
+      MergedLora lora(model, peft / (name + ".safetensors"), 1.0, application);
+      EXPECT_TRUE(lora.changes_text_encoder()) << name;
+      expect_close("peft " + name + (slots ? " in slots" : " merged") + ": pooled",
+                   model.encode_prompts(prompts(), 1).pooled, ref.at("pooled_" + name), 1e-4);
+      Conditioning c;
+      c.hidden_states = ref.at("prompt_embeds");
+      c.pooled = ref.at("pooled_" + name);
+      DenoiseInput input;
+      input.latents = ref.at("latents");
+      input.time = ref.at("sigma");
+      input.conditioning = &c;
+      input.guidance = 3.5;
+      expect_close("peft " + name + (slots ? " in slots" : " merged") + ": velocity",
+                   model.denoise(input), ref.at("velocity_" + name), 1e-4);
+    }
+  }
+  EXPECT_TRUE(torch::equal(model.encode_prompts(prompts(), 1).pooled, base_pooled));
+  // A file of another model's layers is refused, naming them.
+  auto tensors = testing::read_all(peft / "plain.safetensors");
+  tensors["transformer.transformer_blocks.7.attn.to_q.lora_A.weight"] = torch::zeros({4, 32});
+  tensors["transformer.transformer_blocks.7.attn.to_q.lora_B.weight"] = torch::zeros({32, 4});
+  testing::write_all(dir_ / "other.safetensors", tensors);
+  try {
+    MergedLora lora(model, dir_ / "other.safetensors", 1.0);
+    ADD_FAILURE() << "applied a LoRA with a module of no layer";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("transformer.transformer_blocks.7.attn.to_q"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // With --apply_t5_attn_mask the transformer never attends to T5's padding, so the cache keeps
 // only the states up to </s> and the trainer pads zeros back: the velocity is then the same,
 // bit for bit, as with every state T5 produced.

@@ -14,6 +14,7 @@
 #include "models/float8.h"
 #include "models/flux_lora.h"
 #include "models/linear.h"
+#include "models/peft_lora.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
 
@@ -90,6 +91,12 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
     // A preview shows the LoRA as it was trained, as kohya's previews during training do (its
     // live network); merged into the base for good (--base_weights), it acts as kohya's merge.
     const auto meta = opened.metadata();
+    if (is_peft_lora(tensors)) {  // diffusers' naming: read into kohya's
+      const auto adapter = meta.find("lora_adapter_metadata");
+      tensors = kohya_lora_from_peft(tensors, adapter == meta.end() ? "" : adapter->second,
+                                     model.lora_targets(/*text_encoder=*/true, /*conv_kxk=*/true),
+                                     file.string());
+    }
     if (const auto args = meta.find("ss_network_args"); args != meta.end()) {
       const nlohmann::json parsed =
           nlohmann::json::parse(args->second, /*cb=*/nullptr, /*allow_exceptions=*/false);
@@ -114,11 +121,6 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
       m.up = tensor;
     } else if (part == "alpha") {
       m.alpha = tensor;
-    } else if (key.find(".lora_A.") != std::string::npos ||
-               key.find(".lora_B.") != std::string::npos) {
-      throw InputError(file.string() + ": key '" + key +
-                       "' is in diffusers/PEFT naming (lora_A / lora_B), which is not read yet: "
-                       "give a LoRA in kohya's naming (lora_down / lora_up / alpha)");
     } else if (key.ends_with("lora_down.weight") || key.ends_with("lora_up.weight") ||
                key.ends_with("lora.down.weight") || key.ends_with("lora.up.weight")) {
       // A plain LoRA in module paths with dots ("diffusion_model.double_blocks.0.img_attn.qkv.

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "models/linear.h"
 
@@ -22,6 +24,12 @@ struct LoraTarget {
   // in diffusers' module names, "lora_unet_down_blocks_1_attentions_0_proj_in", as some
   // trainers write them; kohya converts them to `name` on load); empty: none.
   std::string alias;
+  // Where the reference implementation (diffusers, transformers) splits a layer this model fuses,
+  // or names it otherwise: its layers' module paths, whose outputs stacked in this order are this
+  // layer's output rows, each with its row count (FLUX.1's img_attn.qkv: attn.to_q, attn.to_k,
+  // attn.to_v; img_attn.proj: attn.to_out.0). Empty: module_path is the reference's own layer.
+  // A LoRA file in the reference's PEFT naming is read through it (models/peft_lora.h).
+  std::vector<std::pair<std::string, int64_t>> reference_parts;
   bool text_encoder = false;
   // Which text encoder (0: the first; SDXL's second is 1), for text-encoder targets.
   int encoder = 0;

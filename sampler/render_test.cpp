@@ -63,8 +63,10 @@ class SamplerParityRender : public ::testing::Test {
   // sample images are) instead of the plain one.
   // `fp8`: the U-Net's and text encoder's Linear and Conv2d weights stored in float8 (the
   // sampler's --fp8_base), so the LoRA goes into the layers' slots.
+  // `lora_file`: the LoRA of the *_lora renders, in kohya's naming, or lora_peft.safetensors, the
+  // same LoRA as diffusers saves it (PEFT's naming).
   void check(const std::string& sampler, bool with_lora = false, const std::string& prompt = "",
-             bool fp8 = false) {
+             bool fp8 = false, const std::string& lora_file = "lora.safetensors") {
     models::set_force_math_attention(true);
     const auto owned = models::load_model(tiny_.diffusers);
     models::DiffusionModel& model = *owned;
@@ -80,7 +82,7 @@ class SamplerParityRender : public ::testing::Test {
       for (const auto& item : model.text_encoder_module().named_parameters()) {
         before["te." + item.key()] = item.value().to(torch::kFloat);
       }
-      lora.emplace(model, ref_ / "lora.safetensors", /*multiplier=*/1.0);
+      lora.emplace(model, ref_ / lora_file, /*multiplier=*/1.0);
       ASSERT_GT(lora->module_count(), 0u);
       // In the layers' slots (the sampler's way), over float8 weights or not: no weight is copied.
       EXPECT_EQ(lora->slotted_count(), lora->module_count());
@@ -181,6 +183,12 @@ TEST_F(SamplerParityRender, Ddpm) { check("ddpm"); }
 // A kohya-format LoRA on the UNet and the text encoder: diffusers' load_lora_weights against
 // lorapipe's merge, then the merge taken out bit for bit.
 TEST_F(SamplerParityRender, DdimWithLora) { check("ddim", /*with_lora=*/true); }
+// The same LoRA as diffusers saves it (PEFT's naming: unet.….lora_A.weight, its alpha in the
+// file's lora_adapter_metadata; U-Net convolutions and text-encoder layers among its modules),
+// against the render diffusers makes with it loaded.
+TEST_F(SamplerParityRender, DdimWithTheLoraInDiffusersNaming) {
+  check("ddim", /*with_lora=*/true, "", /*fp8=*/false, "lora_peft.safetensors");
+}
 // A prompt of about 100 tokens, conditioned as kohya's sample images are (two whole chunks, kept
 // whole: 154 states), the reference's handed to the pipeline as prompt_embeds.
 TEST_F(SamplerParityRender, DdimWithALongPrompt) {
@@ -318,14 +326,17 @@ TEST_F(SamplerParityRender, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothin
   broken({{module + ".lora_down.weight", down.narrow(0, 0, 0)},
           {module + ".lora_up.weight", up.narrow(1, 0, 0)}},
          "lora_down is empty");
-  // Another trainer's naming is named as such, not as an unknown kind of network.
+  // diffusers' naming is read (models/peft_lora.h): a module in it without its lora_B is named.
   models::testing::write_all(dir_ / "peft.safetensors",
                              {{"unet.down_blocks.0.attentions.0.proj_in.lora_A.weight", down}});
   try {
     MergedLora merged(model, dir_ / "peft.safetensors", 1.0);
-    ADD_FAILURE() << "merged a PEFT-named LoRA";
+    ADD_FAILURE() << "merged a PEFT-named LoRA without its lora_B";
   } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("diffusers/PEFT naming"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(
+                  "module unet.down_blocks.0.attentions.0.proj_in lacks its lora_B weight"),
+              std::string::npos)
+        << e.what();
   }
 }
 

@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "models/flux_lora.h"
+#include "models/peft_lora.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
 #include "trainer/device_scalars.h"
@@ -578,6 +579,13 @@ void LoraNetwork::load(const std::filesystem::path& file) {
 }
 
 void LoraNetwork::load(const std::map<std::string, at::Tensor>& tensors, const std::string& source) {
+  if (models::is_peft_lora(tensors)) {
+    // Its fused layers would come out at the parts' summed rank, which is no --network_dim.
+    throw InputError(source +
+                     ": a LoRA in diffusers' PEFT naming (lora_A / lora_B): training continues "
+                     "from kohya's naming alone (lora_down / lora_up / alpha); previews, "
+                     "--base_weights and lorapipe-sampler read this one");
+  }
   std::set<std::string> unused;
   for (const auto& [name, tensor] : tensors) unused.insert(name);
   std::vector<std::string> missing, misshaped;

@@ -1262,6 +1262,16 @@ TEST_F(TrainLora, AlphaZeroOrAMissingAlphaMeansTheRank) {
     EXPECT_DOUBLE_EQ(m.alpha, 4) << m.target.name;
     EXPECT_DOUBLE_EQ(m.adapter->scale, 1.0) << m.target.name;
   }
+  // A file in diffusers' PEFT naming is refused by name (previews and --base_weights read it).
+  try {
+    zeroed.load({{"unet.down_blocks.0.attentions.0.proj_in.lora_A.weight", torch::zeros({4, 4})}},
+                "peft.safetensors");
+    ADD_FAILURE() << "continued from a PEFT-named file";
+  } catch (const lorapipe::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("peft.safetensors: a LoRA in diffusers' PEFT naming"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // --mixed_precision fp16's loss scale, kept as torch's GradScaler keeps it (kohya's, through

@@ -9,7 +9,8 @@ the final latents (output_type="latent"), the largest |latent| after any step (t
 and the decoded image as uint8 [H, W, 3] (the pipeline's own PIL output). The prompt, negative prompt, size, steps and CFG scale are in REQUEST below; the
 generator (Euler ancestral's noise) is torch.Generator().manual_seed(SEED). Attention runs on
 the math path, as the C++ side's forced math attention does: diffusers' AttnProcessor in the UNet
-and VAE, transformers' eager attention in the text encoder.
+and VAE, transformers' eager attention in the text encoder. OUT_DIR/lora.safetensors is the
+random kohya LoRA the *_lora renders load; lora_peft.safetensors the same LoRA as diffusers saves it.
 """
 import json
 import os
@@ -27,6 +28,7 @@ from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
                        KDPM2AncestralDiscreteScheduler, KDPM2DiscreteScheduler,
                        LMSDiscreteScheduler, PNDMScheduler, StableDiffusionPipeline)
 from diffusers.models.attention_processor import AttnProcessor  # noqa: E402
+from peft import get_peft_model_state_dict  # noqa: E402
 from transformers import CLIPTextModel  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "models",
@@ -198,6 +200,16 @@ def main():
     # sampler computes with the LoRA in the layers' slots.
     kohya_lora(pipe, f"{out}/lora.safetensors")
     pipe.load_lora_weights(f"{out}/lora.safetensors", adapter_name="check")
+    # The same LoRA as diffusers saves it (PEFT's naming, lora_A / lora_B under unet. and
+    # text_encoder., its alpha in lora_adapter_metadata), for lorapipe's reading of that naming.
+    config_keys = ("r", "lora_alpha", "rank_pattern", "alpha_pattern", "target_modules")
+    meta = {part: {k: v for k, v in getattr(pipe, part).peft_config["check"].to_dict().items()
+                   if k in config_keys} for part in ("unet", "text_encoder")}
+    StableDiffusionPipeline.save_lora_weights(
+        out, weight_name="lora_peft.safetensors",
+        unet_lora_layers=get_peft_model_state_dict(pipe.unet, adapter_name="check"),
+        text_encoder_lora_layers=get_peft_model_state_dict(pipe.text_encoder, adapter_name="check"),
+        unet_lora_adapter_metadata=meta["unet"], text_encoder_lora_adapter_metadata=meta["text_encoder"])
     for name in ("ddim", "euler", "euler_a", "dpmsolver++", "dpmsolver++_karras"):
         render(pipe, name, initial, f"{out}/{name}_lora.safetensors")
     # --fp8_base: every base Linear and Conv2d weight of the U-Net and text encoder rounded to
