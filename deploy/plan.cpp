@@ -992,7 +992,10 @@ void print_plan(const Plan& plan, std::ostream& out) {
                                        "dropped or warmed up)"
                                      : "the run trains a text-encoder LoRA, kohya's default; "
                                        "--network_train_unet_only leaves them off";
-  if (text_encoders_on_card(m, o) && is_flux(m.family)) {
+  if (text_encoders_on_card(m, o) && is_flux(m.family) && !o.captions_online) {
+    out << "CLIP-L stays on the card, encoding every step (" << why_online
+        << "; T5-XXL's states come from the cache): NOT in the peaks below\n";
+  } else if (text_encoders_on_card(m, o) && is_flux(m.family)) {
     out << "T5-XXL (4.8 B parameters) and CLIP-L stay on the card, encoding every step ("
         << why_online << "): NOT in the peaks below\n";
   } else if (text_encoders_on_card(m, o)) {

@@ -179,6 +179,7 @@ TEST_F(FluxPipelineParity, PartialCachingEncodesClipLOverCachedT5States) {
 // from the file's lora_adapter_metadata, from `.alpha` tensors, or diffusers' default. In the
 // layers' slots and merged, CLIP-L's pooled output and the velocity within 1e-4 of the
 // reference's scale (both fp32; the LoRA changes them by 40% to 230%), and the base is restored.
+// rsLoRA's alpha / sqrt(rank) is read from the metadata.
 TEST_F(FluxPipelineParity, DiffusersPeftLoraAppliesAsFluxPipelineLoadsIt) {
   const fs::path peft =
       testing::cached_reference("models/reference/peft_lora_reference.py", {ref_ / "flux"});
@@ -187,7 +188,7 @@ TEST_F(FluxPipelineParity, DiffusersPeftLoraAppliesAsFluxPipelineLoadsIt) {
   torch::NoGradGuard no_grad;
   const at::Tensor base_pooled = model.encode_prompts(prompts(), 1).pooled;
   expect_close("flux pooled, no LoRA", base_pooled, ref.at("pooled_base"), 1e-4);
-  for (const std::string name : {"with_metadata", "plain", "alphas"}) {
+  for (const std::string name : {"with_metadata", "plain", "alphas", "rslora"}) {
     for (auto application :
          {MergedLora::Application::kInSlots, MergedLora::Application::kMergedRestorable}) {
       const bool slots = application == MergedLora::Application::kInSlots;
@@ -208,6 +209,20 @@ TEST_F(FluxPipelineParity, DiffusersPeftLoraAppliesAsFluxPipelineLoadsIt) {
     }
   }
   EXPECT_TRUE(torch::equal(model.encode_prompts(prompts(), 1).pooled, base_pooled));
+  // .alpha tensors beside the metadata that would give another alpha: refused, as diffusers does.
+  {
+    const SafetensorsFile meta = SafetensorsFile::open(peft / "with_metadata.safetensors");
+    testing::write_all(dir_ / "both.safetensors", testing::read_all(peft / "alphas.safetensors"),
+                       meta.metadata());
+    try {
+      MergedLora lora(model, dir_ / "both.safetensors", 1.0);
+      ADD_FAILURE() << "applied .alpha tensors beside lora_adapter_metadata";
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find("has both .alpha tensors and lora_adapter_metadata"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   // A file of another model's layers is refused, naming them.
   auto tensors = testing::read_all(peft / "plain.safetensors");
   tensors["transformer.transformer_blocks.7.attn.to_q.lora_A.weight"] = torch::zeros({4, 32});

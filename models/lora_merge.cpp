@@ -91,13 +91,16 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
     // A preview shows the LoRA as it was trained, as kohya's previews during training do (its
     // live network); merged into the base for good (--base_weights), it acts as kohya's merge.
     const auto meta = opened.metadata();
-    if (is_peft_lora(tensors)) {  // diffusers' naming: read into kohya's
+    const bool peft = is_peft_lora(tensors);
+    if (peft) {  // diffusers' naming: read into kohya's, every part's scale folded in
       const auto adapter = meta.find("lora_adapter_metadata");
       tensors = kohya_lora_from_peft(tensors, adapter == meta.end() ? "" : adapter->second,
                                      model.lora_targets(/*text_encoder=*/true, /*conv_kxk=*/true),
                                      file.string());
     }
-    if (const auto args = meta.find("ss_network_args"); args != meta.end()) {
+    // A file converted to diffusers' naming may keep kohya's metadata: its split_qkv says
+    // nothing of the modules read above.
+    if (const auto args = meta.find("ss_network_args"); args != meta.end() && !peft) {
       const nlohmann::json parsed =
           nlohmann::json::parse(args->second, /*cb=*/nullptr, /*allow_exceptions=*/false);
       split_qkv = parsed.is_object() && parsed.contains("split_qkv") &&

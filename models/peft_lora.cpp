@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -12,12 +13,11 @@ namespace lorapipe::models {
 namespace {
 
 // diffusers' component prefixes, the longer of two that share a start first.
-constexpr const char* kComponents[] = {"base_model.model", "text_encoder_2", "text_encoder", "unet",
-                                       "transformer"};
+constexpr const char* kComponents[] = {"text_encoder_2", "text_encoder", "unet", "transformer"};
 
 // The components a target's modules may sit under in a file.
 std::vector<std::string> components_of(const LoraTarget& t) {
-  if (!t.text_encoder) return {"unet", "transformer", "base_model.model"};
+  if (!t.text_encoder) return {"unet", "transformer"};
   return {t.encoder == 0 ? "text_encoder" : "text_encoder_" + std::to_string(t.encoder + 1)};
 }
 
@@ -39,8 +39,10 @@ std::pair<std::string, std::string> split_component(const std::string& module) {
 // own, per component (see the header).
 struct ComponentAlphas {
   std::optional<double> most_common;  // of the component's ".alpha" tensors
-  std::optional<double> metadata;     // lora_alpha of lora_adapter_metadata
+  bool has_metadata = false;          // lora_adapter_metadata names the component
+  double metadata = 8;                // its lora_alpha (peft's LoraConfig default: 8)
   nlohmann::json alpha_pattern = nlohmann::json::object();
+  bool rslora = false;     // its use_rslora: peft scales by alpha / sqrt(rank)
   int64_t first_rank = 0;  // of the component's first lora_B in key order
 };
 
@@ -53,15 +55,21 @@ bool pattern_matches(const std::string& pattern, const std::string& path) {
 }
 
 double alpha_of(const PeftModule& m, const ComponentAlphas& c) {
-  if (m.alpha.defined()) return m.alpha.to(at::kDouble).item<double>();
-  if (c.most_common) return *c.most_common;
-  if (c.metadata) {
+  if (c.has_metadata) {
     for (const auto& [pattern, value] : c.alpha_pattern.items()) {
       if (value.is_number() && pattern_matches(pattern, m.path)) return value.get<double>();
     }
-    return *c.metadata;
+    return c.metadata;
   }
+  if (m.alpha.defined()) return m.alpha.to(at::kDouble).item<double>();
+  if (c.most_common) return *c.most_common;
   return static_cast<double>(c.first_rank);
+}
+
+// What the module's B(A(x)) is multiplied by: alpha / rank, or alpha / sqrt(rank) (rsLoRA).
+double scale_of(const PeftModule& m, const ComponentAlphas& c) {
+  const auto rank = static_cast<double>(m.a.size(0));
+  return alpha_of(m, c) / (c.rslora ? std::sqrt(rank) : rank);
 }
 
 }  // namespace
@@ -134,11 +142,22 @@ std::map<std::string, at::Tensor> kohya_lora_from_peft(
       throw InputError(file + ": its lora_adapter_metadata is not a JSON object");
     }
     for (auto& [component, c] : components) {
-      if (const auto a = meta.find(component + ".lora_alpha"); a != meta.end() && a->is_number()) {
+      const std::string prefix = component + ".";
+      for (const auto& [key, value] : meta.items()) c.has_metadata |= key.rfind(prefix, 0) == 0;
+      if (!c.has_metadata) continue;
+      if (c.most_common) {  // as diffusers refuses network alphas beside metadata
+        throw InputError(file + ": component " + component +
+                         " has both .alpha tensors and lora_adapter_metadata; diffusers refuses "
+                         "such a file too");
+      }
+      if (const auto a = meta.find(prefix + "lora_alpha"); a != meta.end() && a->is_number()) {
         c.metadata = a->get<double>();
       }
-      if (const auto p = meta.find(component + ".alpha_pattern"); p != meta.end() && p->is_object()) {
+      if (const auto p = meta.find(prefix + "alpha_pattern"); p != meta.end() && p->is_object()) {
         c.alpha_pattern = *p;
+      }
+      if (const auto r = meta.find(prefix + "use_rslora"); r != meta.end() && r->is_boolean()) {
+        c.rslora = r->get<bool>();
       }
     }
   }
@@ -194,8 +213,9 @@ std::map<std::string, at::Tensor> kohya_lora_from_peft(
       const PeftModule& m = *slots[0];
       out[name + ".lora_down.weight"] = m.a.to(at::kFloat);
       out[name + ".lora_up.weight"] = m.b.to(at::kFloat);
-      out[name + ".alpha"] =
-          at::scalar_tensor(alpha_of(m, components.at(m.component)), at::kFloat);
+      // kohya's alpha for the same scale: scale x rank.
+      out[name + ".alpha"] = at::scalar_tensor(
+          scale_of(m, components.at(m.component)) * static_cast<double>(m.a.size(0)), at::kFloat);
       continue;
     }
     // One module for the fused layer: [A_1; A_2; ...] and the ups on the diagonal, each part's
@@ -203,7 +223,14 @@ std::map<std::string, at::Tensor> kohya_lora_from_peft(
     std::vector<at::Tensor> downs;
     int64_t rank = 0;
     for (const PeftModule* m : slots) {
-      if (m != nullptr) downs.push_back(m->a.to(at::kFloat)), rank += m->a.size(0);
+      if (m == nullptr) continue;
+      if (m->a.dim() < 2 || m->a.size(1) != target->in_features()) {
+        throw InputError(file + ": module " + m->component + "." + m->path + " has lora_A of " +
+                         std::to_string(m->a.dim() < 2 ? 0 : m->a.size(1)) +
+                         " inputs, where its layer has " + std::to_string(target->in_features()));
+      }
+      downs.push_back(m->a.to(at::kFloat));
+      rank += m->a.size(0);
     }
     const at::Tensor down = at::cat(downs, 0);
     std::vector<int64_t> up_shape{target->out_features(), rank};
@@ -222,8 +249,7 @@ std::map<std::string, at::Tensor> kohya_lora_from_peft(
                            std::to_string(rows) + " rows and the module rank " +
                            std::to_string(m->a.size(0)));
         }
-        const double scale =
-            alpha_of(*m, components.at(m->component)) / static_cast<double>(m->a.size(0));
+        const double scale = scale_of(*m, components.at(m->component));
         up.narrow(0, row, rows).narrow(1, column, m->a.size(0)).copy_(m->b.to(at::kFloat) * scale);
         column += m->a.size(0);
       }

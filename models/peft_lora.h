@@ -2,15 +2,18 @@
 // LoRA files in diffusers' PEFT naming, as diffusers' save_lora_weights writes them and
 // ai-toolkit, SimpleTuner and diffusers' training scripts share them:
 // "<component>.<module path>.lora_A.weight" and ".lora_B.weight", the component "unet" or
-// "transformer" (also peft's own "base_model.model"), "text_encoder" or "text_encoder_2". Read
-// into kohya's modules of the model's LoRA targets (models/lora_target.h), so the rest of
-// lorapipe sees one naming.
+// "transformer", "text_encoder" or "text_encoder_2". Read into kohya's modules of the model's
+// LoRA targets (models/lora_target.h), so the rest of lorapipe sees one naming.
 //
-// A module's scale alpha / rank is the one diffusers' load_lora_weights gives it: its own
-// ".alpha" tensor (diffusers' FLUX.1 loader takes those; a module without one gets the most
-// common alpha of its component); else the file's lora_adapter_metadata (peft's LoraConfig of
-// the component: lora_alpha, alpha_pattern); else diffusers' default, alpha = the rank of the
-// component's first lora_B in key order (1 for every module of a file of one rank).
+// A module's scale is the one diffusers' load_lora_weights gives it, alpha / rank:
+//  - where the file's lora_adapter_metadata names the component, peft's LoraConfig from it
+//    alone: lora_alpha (peft's default 8), alpha_pattern, use_rslora (alpha / sqrt(rank));
+//  - else the module's own ".alpha" tensor, as diffusers' FLUX.1 loader takes them (a module
+//    without one: the most common alpha of its component). diffusers' SD loaders ignore such
+//    tensors in this naming; lorapipe takes them as the file's word for every family;
+//  - else diffusers' default, alpha = the rank of the component's first lora_B in key order (1
+//    for every module of a file of one rank).
+// Both .alpha tensors and metadata for one component are refused, as diffusers refuses them.
 //
 // A layer the reference splits and lorapipe fuses (FLUX.1's qkv from to_q, to_k, to_v) gets one
 // module: its downs stacked, its ups block-diagonal, each part's scale folded into its up rows,

@@ -321,8 +321,8 @@ TEST_F(PlanTest, PlanCommandNamesBadValues) {
 // encoding every step: the plan counts their weights (SD1.5's in bf16, and in float8 with
 // --fp8_base, the sampler's measured bytes: predict_preview_share's), and says so;
 // --network_train_unet_only leaves them off. FLUX.1's settings train the transformer alone, as
-// kohya's small-card recipes do (T5-XXL would stay on the card): its recommended command says
-// --network_train_unet_only.
+// kohya's small-card recipes do (CLIP-L would stay on the card, T5-XXL's states cached): its
+// recommended command says --network_train_unet_only.
 TEST_F(PlanTest, PlanCountsTheTextEncodersATextEncoderLoraKeepsOnTheCard) {
   const Bench sd = bench("full", {"--steps", "0"}, "sd15");
   const auto explain = [&](std::vector<std::string> extra) {
@@ -375,6 +375,14 @@ TEST_F(PlanTest, PlanCountsTheTextEncodersATextEncoderLoraKeepsOnTheCard) {
   EXPECT_NE(online.find("T5-XXL (4.8 B parameters) and CLIP-L stay on the card"),
             std::string::npos)
       << online;
+  // A CLIP-L LoRA the run asks for by name keeps CLIP-L alone there: T5-XXL's states come from
+  // the cache (the trainer's partial caching).
+  const std::string clip = run("lorapipe", {"plan", "--model=" + flux.structure,
+                                            "--network_train_text_encoder_only",
+                                            "--vram_budget=12GB"});
+  EXPECT_NE(clip.find("CLIP-L stays on the card, encoding every step"), std::string::npos)
+      << clip;
+  EXPECT_EQ(clip.find("T5-XXL (4.8 B parameters) and CLIP-L stay"), std::string::npos) << clip;
 }
 
 TEST_F(PlanTest, PlanBudgetGivesTheRunTheRecommendation) {

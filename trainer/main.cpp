@@ -28,6 +28,7 @@
 #include "trainer/trainer.h"
 #include "runtime/exit_code.h"
 #include "runtime/flags.h"
+#include "models/family.h"
 #include "models/tensor_memory.h"
 
 // Model, data and output.
@@ -770,6 +771,12 @@ int main(int argc, char** argv) {
     // Ctrl-C or a launcher's SIGTERM: finish the step, save the LoRA and a state, exit 130.
     std::signal(SIGINT, [](int) { lorapipe::trainer::request_stop(); });
     std::signal(SIGTERM, [](int) { lorapipe::trainer::request_stop(); });
+    // Refused before the data and the model load (the launcher's --check_flags says it sooner).
+    if (o.cache_text_encoder_outputs && o.network.train_text_encoder && !o.model.empty()) {
+      t::check_cached_text_with_lora(
+          o, lorapipe::models::model_family(
+                 lorapipe::models::detect_family(o.model, o.model_family).family));
+    }
     const t::Summary summary = t::train(o);
     if (summary.dataset_only) {
       std::printf("trainer: --debug_dataset: %lld steps of %lld epochs shown; nothing trained\n",

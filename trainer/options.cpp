@@ -186,7 +186,7 @@ void apply_network_args(Options& options) {
   }
 }
 
-void detail::check_cached_text_with_lora(const Options& o, const models::ModelFamily& family) {
+void check_cached_text_with_lora(const Options& o, const models::ModelFamily& family) {
   if (!o.cache_text_encoder_outputs || !o.network.train_text_encoder) return;
   if (!family.text.untrained_encoders.empty()) return;  // partial caching
   throw InputError("--cache_text_encoder_outputs with a text-encoder LoRA: cached text cannot "
@@ -224,7 +224,7 @@ void check_options(const Options& o) {
     const models::ModelFamily& family =
         models::model_family(models::detect_family(o.model, o.model_family).family);
     TrainingStep::check(o.step, family);
-    detail::check_cached_text_with_lora(o, family);
+    check_cached_text_with_lora(o, family);
   }
   // The optimizer's type and arguments, over a stand-in tensor: its real groups come with the
   // model.

@@ -73,9 +73,6 @@ std::string number(double v);
 std::string step_stem(const std::string& output_name, int64_t step);
 std::string epoch_stem(const std::string& output_name, int64_t epoch);
 std::string last_stem(const std::string& output_name);
-// kohya's --cache_text_encoder_outputs with a text-encoder LoRA: InputError unless `family` caches
-// the encoders its LoRA leaves untrained (kohya refuses it for SD and SDXL) (options.cpp).
-void check_cached_text_with_lora(const Options& o, const models::ModelFamily& family);
 
 struct PreparedBatch {
   int64_t epoch = 0;

@@ -333,6 +333,9 @@ void Run::load_model() {
                                 "skip, max_token_length or T5 setting: captions are encoded "
                                 "online (run the cacher again to cache them)";
     }
+    // Partial caching: the trained encoders encode from the weights as loaded, not from those
+    // a dtype above was tried on (placement converts them once).
+    if (cached_text_ && partly_cached && loaded) loaded->restore();
   }
   if (cached_text_ && train_te) {
     partial_text_ = true;

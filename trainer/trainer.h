@@ -189,4 +189,8 @@ void apply_network_args(Options& options);
 // --check_flags runs, so that lorapipe run refuses a bad trainer flag before any data is cached.
 void check_options(const Options& options);
 
+// kohya's --cache_text_encoder_outputs with a text-encoder LoRA: InputError unless `family`
+// caches the encoders its LoRA leaves untrained (FLUX.1's T5; kohya refuses it for SD and SDXL).
+void check_cached_text_with_lora(const Options& options, const models::ModelFamily& family);
+
 }  // namespace lorapipe::trainer

@@ -13,6 +13,7 @@ rank 2) and proj_out; on CLIP-L, q_proj and fc1. Saved by FluxPipeline.save_lora
   plain.safetensors          the same tensors without it (diffusers: alpha = the first rank)
   alphas.safetensors         the same tensors with a `.alpha` of 2 on each module but proj_mlp's
                              (diffusers gives those the most common alpha)
+  rslora.safetensors         with_metadata's, the transformer's with use_rslora (alpha / sqrt(r))
 OUT_DIR/reference.safetensors: latents, sigma and the T5 states (prompt_embeds) of a denoiser
 call; for each file NAME, pooled_NAME (CLIP-L's pooled output of PROMPTS) and velocity_NAME (the
 transformer's unpacked output on those inputs, guidance 3.5) with the file loaded; pooled_base
@@ -81,13 +82,17 @@ def main() -> None:
                                    text_encoder_lora_adapter_metadata=text_meta)
     FluxPipeline.save_lora_weights(out, transformer_lora_layers=transformer_state,
                                    text_encoder_lora_layers=text_state, weight_name="plain.safetensors")
+    FluxPipeline.save_lora_weights(out, transformer_lora_layers=transformer_state,
+                                   text_encoder_lora_layers=text_state, weight_name="rslora.safetensors",
+                                   transformer_lora_adapter_metadata={**transformer_meta, "use_rslora": True},
+                                   text_encoder_lora_adapter_metadata=text_meta)
     tensors = load_file(os.path.join(out, "plain.safetensors"))
     for key in list(tensors):
         if key.endswith(".lora_A.weight") and "proj_mlp" not in key:
             tensors[key.replace(".lora_A.weight", ".alpha")] = torch.tensor(2.0)
     save_file(tensors, os.path.join(out, "alphas.safetensors"))
 
-    for name in ("with_metadata", "plain", "alphas"):
+    for name in ("with_metadata", "plain", "alphas", "rslora"):
         fresh = FluxPipeline.from_pretrained(folder)
         fresh.load_lora_weights(os.path.join(out, name + ".safetensors"))
         embeds, pooled, velocity = outputs(fresh, latents, sigma)
