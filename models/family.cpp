@@ -87,6 +87,9 @@ ModelFamily make_flux(bool dev) {
   // CLIP-L's pooled output. kohya's Flux ignores --clip_skip.
   f.text = {"t5+clip-l", dev ? 512 : 256, 4096, /*uses_pooled=*/true, /*default_clip_skip=*/1};
   f.text.untrained_encoders = "T5-XXL";  // networks.lora_flux: CLIP-L's LoRA, never T5's
+  f.text.weighted_captions = false;
+  f.text.long_prompts = false;
+  f.cpu_offload_checkpointing = true;
   f.objective = ObjectiveKind::kFlowMatching;
   // FLUX.1's scheduler_config.json: dev shifts by resolution, schnell not at all.
   f.flow.dynamic_shifting = dev;

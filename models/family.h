@@ -24,6 +24,12 @@ struct TextConditioning {
   // cache while the others train, encoded at every step (DiffusionModel::encode_trained_text).
   // Empty: the LoRA adapts every encoder.
   std::string untrained_encoders;
+  // kohya's --weighted_captions: "(word:1.2)" weighs its tokens' states (SD, SDXL). kohya's
+  // FLUX.1 trainer has no such option.
+  bool weighted_captions = true;
+  // kohya's --max_token_length 150/225: a long caption in chunks of max_length (SD, SDXL).
+  // FLUX.1's T5 takes its own length (--t5xxl_max_token_length) and kohya ignores the flag there.
+  bool long_prompts = true;
 };
 
 // The discrete noise schedule a DDPM family trains and samples with: diffusers'
@@ -118,6 +124,9 @@ struct ModelFamily {
   // A preview's steps where its prompt gives no --s: kohya's 30 for Stable Diffusion and 20 for
   // FLUX.1 [dev]; the 4 FLUX.1 [schnell] is distilled for, as its reference pipeline renders.
   int default_sample_steps = 30;
+  // kohya's --cpu_offload_checkpointing (checkpointed block inputs in host memory): FLUX.1's, as
+  // kohya offers it for FLUX.1 and SD3 alone.
+  bool cpu_offload_checkpointing = false;
   TextConditioning text;
   ObjectiveKind objective = ObjectiveKind::kDdpm;
   DdpmSchedule schedule;  // the DDPM families' table (trainer and sampler alike)

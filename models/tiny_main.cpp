@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "models/tiny.h"
+#include "runtime/exit_code.h"
 
 int main(int argc, char** argv) {
   bool sdxl = false;
@@ -44,6 +45,6 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lorapipe-make-tiny-model: %s\n", e.what());
-    return 1;
+    return lorapipe::runtime::kExitError;  // a failure, as every stage's
   }
 }

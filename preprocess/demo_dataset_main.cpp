@@ -3,6 +3,7 @@
 #include <exception>
 
 #include "preprocess/demo_dataset.h"
+#include "runtime/exit_code.h"
 
 int main(int argc, char** argv) {
   if (argc != 2) {
@@ -16,6 +17,6 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "lorapipe-demo-dataset: %s\n", e.what());
-    return 1;
+    return lorapipe::runtime::kExitError;  // a failure, as every stage's
   }
 }

@@ -2039,8 +2039,8 @@ TEST_F(TrainRunTest, BadFlagsAreRefusedByName) {
   // What --check_flags (lorapipe run's check before any stage starts) cannot know: these need the
   // cache, the model's groups or a file the check does not read.
   const std::set<std::string> beyond_the_flags = {"--dataset_id=nope", "--dataset_id=dmeo",
-                                                  "--optimizer_type=Prodigy", "--blocks_to_swap=99",
-                                                  "--cpu_offload_checkpointing"};
+                                                  "--optimizer_type=Prodigy",
+                                                  "--blocks_to_swap=99"};
   // Its own message for a file that is not there (the run's comes from the loader).
   const std::map<std::string, std::string> check_says = {
       {"--vae=/m/vae.safetensors", "/m/vae.safetensors (--vae): no such file or folder"},

@@ -313,6 +313,22 @@ TEST_F(FluxTrainParity, NoiseKohyasFluxTrainerDoesNotDrawIsRefusedBeforeCaching)
   }
   huber.step.objective.huber_schedule = "exponential";
   EXPECT_NO_THROW(check_options(huber));
+  // kohya's FLUX.1 trainer has no --weighted_captions: refused here, not at the first batch after
+  // T5 has cached every caption. --cpu_offload_checkpointing is FLUX.1's and taken.
+  Options weighted = options();
+  weighted.weighted_captions = true;
+  try {
+    check_options(weighted);
+    ADD_FAILURE() << "--weighted_captions was taken";
+  } catch (const InputError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("--weighted_captions: FLUX.1", 0), 0u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("captions carry no attention weights"), std::string::npos)
+        << e.what();
+  }
+  Options offload = options();
+  offload.step.cpu_offload_checkpointing = true;
+  offload.step.gradient_checkpointing = true;
+  EXPECT_NO_THROW(check_options(offload));
 }
 
 // in_dims as kohya reads it ("[2,4,0,3,2]" or without brackets), and refused where the list is

@@ -772,8 +772,8 @@ int main(int argc, char** argv) {
     std::signal(SIGINT, [](int) { lorapipe::trainer::request_stop(); });
     std::signal(SIGTERM, [](int) { lorapipe::trainer::request_stop(); });
     // Refused before the data and the model load (the launcher's --check_flags says it sooner).
-    if (o.cache_text_encoder_outputs && o.network.train_text_encoder && !o.model.empty()) {
-      t::check_cached_text_with_lora(
+    if (!o.model.empty()) {
+      t::check_family_options(
           o, lorapipe::models::model_family(
                  lorapipe::models::detect_family(o.model, o.model_family).family));
     }

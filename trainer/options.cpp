@@ -186,13 +186,24 @@ void apply_network_args(Options& options) {
   }
 }
 
-void check_cached_text_with_lora(const Options& o, const models::ModelFamily& family) {
-  if (!o.cache_text_encoder_outputs || !o.network.train_text_encoder) return;
-  if (!family.text.untrained_encoders.empty()) return;  // partial caching
-  throw InputError("--cache_text_encoder_outputs with a text-encoder LoRA: cached text cannot "
-                   "train " + family.display_name + "'s text encoders (kohya refuses it too); "
-                   "add --network_train_unet_only, or leave the flag out to train the text "
-                   "encoders' LoRA with the text encoded at every step");
+void check_family_options(const Options& o, const models::ModelFamily& family) {
+  if (o.cache_text_encoder_outputs && o.network.train_text_encoder &&
+      family.text.untrained_encoders.empty()) {  // else partial caching
+    throw InputError("--cache_text_encoder_outputs with a text-encoder LoRA: cached text cannot "
+                     "train " + family.display_name + "'s text encoders (kohya refuses it too); "
+                     "add --network_train_unet_only, or leave the flag out to train the text "
+                     "encoders' LoRA with the text encoded at every step");
+  }
+  if (o.weighted_captions && !family.text.weighted_captions) {
+    throw InputError("--weighted_captions: " + family.display_name +
+                     " captions carry no attention weights (kohya's trainer for it has no such "
+                     "option); leave the flag out");
+  }
+  if (o.step.cpu_offload_checkpointing && !family.cpu_offload_checkpointing) {
+    throw InputError("--cpu_offload_checkpointing: " + family.display_name +
+                     " has no offloaded checkpoints (kohya offers them for FLUX.1 and SD3 "
+                     "alone); --gradient_checkpointing, --fp8_base and --blocks_to_swap fit it");
+  }
 }
 
 void check_options(const Options& o) {
@@ -224,7 +235,7 @@ void check_options(const Options& o) {
     const models::ModelFamily& family =
         models::model_family(models::detect_family(o.model, o.model_family).family);
     TrainingStep::check(o.step, family);
-    check_cached_text_with_lora(o, family);
+    check_family_options(o, family);
   }
   // The optimizer's type and arguments, over a stand-in tensor: its real groups come with the
   // model.

@@ -285,7 +285,13 @@ void Run::load_model() {
   // output the cache holds; the trained ones (CLIP-L) encode at every step.
   const std::string& untrained = model.model_family().text.untrained_encoders;
   const bool partly_cached = train_te && !untrained.empty();
-  check_cached_text_with_lora(o_, model.model_family());
+  check_family_options(o_, model.model_family());
+  if (o_.max_token_length != 75 && !model.model_family().text.long_prompts) {
+    LP_LOG(kWarning, kLog) << "--max_token_length=" << o_.max_token_length << ": "
+                           << model.model_family().display_name
+                           << "'s text encoders take their own length (kohya ignores the "
+                              "flag there too)";
+  }
   if (o_.weighted_captions) {
     LP_LOG(kInfo, kLog) << "--weighted_captions: captions are encoded online, their attention "
                            "syntax weighing their tokens";

@@ -189,8 +189,12 @@ void apply_network_args(Options& options);
 // --check_flags runs, so that lorapipe run refuses a bad trainer flag before any data is cached.
 void check_options(const Options& options);
 
-// kohya's --cache_text_encoder_outputs with a text-encoder LoRA: InputError unless `family`
-// caches the encoders its LoRA leaves untrained (FLUX.1's T5; kohya refuses it for SD and SDXL).
-void check_cached_text_with_lora(const Options& options, const models::ModelFamily& family);
+// The flags `family` cannot train with, refused by name (InputError) before any data is cached
+// or loaded: --check_flags, the trainer before its data, and again with the loaded model's family.
+//  - --cache_text_encoder_outputs with a text-encoder LoRA, unless `family` caches the encoders
+//    its LoRA leaves untrained (FLUX.1's T5; kohya refuses it for SD and SDXL);
+//  - --weighted_captions where its captions have no attention weights (FLUX.1, as kohya's);
+//  - --cpu_offload_checkpointing where the family has no offloaded checkpoints (SD, SDXL).
+void check_family_options(const Options& options, const models::ModelFamily& family);
 
 }  // namespace lorapipe::trainer
