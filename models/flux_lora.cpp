@@ -33,6 +33,7 @@ std::vector<LoraTarget> flux_lora_targets(const FluxTransformer& model,
       target.linear = std::dynamic_pointer_cast<LinearImpl>(item.value());
       if (!target.linear) continue;
       target.module_path = item.key();
+      target.comfy_path = "diffusion_model." + item.key();
       target.name = std::string(kLoraUnetPrefix) + "." + item.key();
       std::replace(target.name.begin(), target.name.end(), '.', '_');
       if (target.name.find(filter) == std::string::npos) continue;

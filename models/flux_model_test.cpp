@@ -179,22 +179,46 @@ TEST_F(FluxPipelineParity, PartialCachingEncodesClipLOverCachedT5States) {
 // from the file's lora_adapter_metadata, from `.alpha` tensors, or diffusers' default. In the
 // layers' slots and merged, CLIP-L's pooled output and the velocity within 1e-4 of the
 // reference's scale (both fp32; the LoRA changes them by 40% to 230%), and the base is restored.
-// rsLoRA's alpha / sqrt(rank) is read from the metadata.
+// rsLoRA's alpha / sqrt(rank) is read from the metadata. A LoRA in ComfyUI's naming (the
+// original layout's paths under diffusion_model. and text_encoders.clip_l.transformer.) applies
+// as diffusers reads it too; the same LoRA as ComfyUI's lora_A / lora_B without alphas
+// (diffusion-pipe's files), its scale folded into B, gives the same outputs.
 TEST_F(FluxPipelineParity, DiffusersPeftLoraAppliesAsFluxPipelineLoadsIt) {
   const fs::path peft =
       testing::cached_reference("models/reference/peft_lora_reference.py", {ref_ / "flux"});
   const auto ref = testing::read_all(peft / "reference.safetensors");
+  {
+    std::map<std::string, at::Tensor> ab;
+    const auto comfy = testing::read_all(peft / "comfy.safetensors");
+    for (const auto& [key, t] : comfy) {
+      const std::string down = ".lora_down.weight", up = ".lora_up.weight";
+      if (key.ends_with(down)) {
+        ab[key.substr(0, key.size() - down.size()) + ".lora_A.weight"] = t;
+      } else if (key.ends_with(up)) {
+        const std::string layer = key.substr(0, key.size() - up.size());
+        const auto alpha = comfy.find(layer + ".alpha");
+        const double scale =
+            alpha == comfy.end() ? 1.0 : alpha->second.item<double>() / static_cast<double>(t.size(1));
+        ab[layer + ".lora_B.weight"] = t * scale;
+      }
+    }
+    testing::write_all(dir_ / "comfy_ab.safetensors", ab);
+  }
   FluxModel model = load();
   torch::NoGradGuard no_grad;
   const at::Tensor base_pooled = model.encode_prompts(prompts(), 1).pooled;
   expect_close("flux pooled, no LoRA", base_pooled, ref.at("pooled_base"), 1e-4);
-  for (const std::string name : {"with_metadata", "plain", "alphas", "rslora"}) {
+  for (const std::string file :
+       {"with_metadata", "plain", "alphas", "rslora", "comfy", "comfy_ab"}) {
+    const std::string name = file == "comfy_ab" ? "comfy" : file;
+    const fs::path path =
+        file == "comfy_ab" ? dir_ / (file + ".safetensors") : peft / (file + ".safetensors");
     for (auto application :
          {MergedLora::Application::kInSlots, MergedLora::Application::kMergedRestorable}) {
       const bool slots = application == MergedLora::Application::kInSlots;
-      MergedLora lora(model, peft / (name + ".safetensors"), 1.0, application);
+      MergedLora lora(model, path, 1.0, application);
       EXPECT_TRUE(lora.changes_text_encoder()) << name;
-      expect_close("peft " + name + (slots ? " in slots" : " merged") + ": pooled",
+      expect_close("lora " + file + (slots ? " in slots" : " merged") + ": pooled",
                    model.encode_prompts(prompts(), 1).pooled, ref.at("pooled_" + name), 1e-4);
       Conditioning c;
       c.hidden_states = ref.at("prompt_embeds");
@@ -204,7 +228,7 @@ TEST_F(FluxPipelineParity, DiffusersPeftLoraAppliesAsFluxPipelineLoadsIt) {
       input.time = ref.at("sigma");
       input.conditioning = &c;
       input.guidance = 3.5;
-      expect_close("peft " + name + (slots ? " in slots" : " merged") + ": velocity",
+      expect_close("lora " + file + (slots ? " in slots" : " merged") + ": velocity",
                    model.denoise(input), ref.at("velocity_" + name), 1e-4);
     }
   }

@@ -137,7 +137,7 @@ std::string family_line(const fs::path& path) {
 }
 
 std::string guess_kind(const SafetensorsFile& file) {
-  bool kohya_lora = false, peft_lora = false, ldm_unet = false, sdxl = false, flux = false;
+  bool kohya_lora = false, peft_lora = false, comfy_lora = false, ldm_unet = false, sdxl = false, flux = false;
   bool flux_guidance = false, diffusers_unet = false, diffusers_vae = false, clip_text = false;
   bool t5 = false;
   int64_t context_dim = 0;
@@ -145,6 +145,8 @@ std::string guess_kind(const SafetensorsFile& file) {
     const std::string& k = t.name;
     kohya_lora |= starts_with(k, "lora_unet_") || starts_with(k, "lora_te");
     peft_lora |= k.find(".lora_A.") != std::string::npos || k.find(".lora.down.") != std::string::npos;
+    comfy_lora |= (starts_with(k, "diffusion_model.") || starts_with(k, "text_encoders.")) &&
+                  (ends_with(k, ".lora_down.weight") || ends_with(k, ".lora_A.weight"));
     ldm_unet |= starts_with(k, "model.diffusion_model.");
     sdxl |= starts_with(k, "conditioner.embedders.");
     // Flux.1's transformer with or without the original checkpoint's prefix; dev has the
@@ -161,6 +163,7 @@ std::string guess_kind(const SafetensorsFile& file) {
       context_dim = t.shape[1];
     }
   }
+  if (comfy_lora) return "LoRA (ComfyUI names)";
   if (kohya_lora) return "LoRA (kohya names)";
   if (peft_lora) return "LoRA (diffusers/PEFT names)";
   if (flux) {

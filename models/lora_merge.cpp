@@ -14,6 +14,7 @@
 #include "models/float8.h"
 #include "models/flux_lora.h"
 #include "models/linear.h"
+#include "models/comfy_lora.h"
 #include "models/peft_lora.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
@@ -91,6 +92,10 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
     // A preview shows the LoRA as it was trained, as kohya's previews during training do (its
     // live network); merged into the base for good (--base_weights), it acts as kohya's merge.
     const auto meta = opened.metadata();
+    if (is_comfy_lora(tensors)) {  // ComfyUI's naming: the same layers, under their paths
+      tensors = kohya_lora_from_comfy(
+          tensors, model.lora_targets(/*text_encoder=*/true, /*conv_kxk=*/true), file.string());
+    }
     const bool peft = is_peft_lora(tensors);
     if (peft) {  // diffusers' naming: read into kohya's, every part's scale folded in
       const auto adapter = meta.find("lora_adapter_metadata");
@@ -126,12 +131,12 @@ MergedLora::MergedLora(DiffusionModel& model, const std::filesystem::path& file,
       m.alpha = tensor;
     } else if (key.ends_with("lora_down.weight") || key.ends_with("lora_up.weight") ||
                key.ends_with("lora.down.weight") || key.ends_with("lora.up.weight")) {
-      // A plain LoRA in module paths with dots ("diffusion_model.double_blocks.0.img_attn.qkv.
-      // lora_down.weight", "unet....to_q_lora.down.weight"): not an unknown kind.
+      // A plain LoRA in module paths with dots of no naming read above (older diffusers'
+      // "unet....to_q_lora.down.weight"): not an unknown kind.
       throw InputError(file.string() + ": key '" + key +
-                       "' names its layer by a dotted module path (ComfyUI's or older diffusers' "
-                       "naming), which is not read yet: give a LoRA in kohya's naming "
-                       "(lora_unet_..._lora_down.weight, as kohya's scripts and ComfyUI save)");
+                       "' names its layer by a dotted module path lorapipe does not read (older "
+                       "diffusers' attention-processor naming?): give a LoRA in kohya's, "
+                       "diffusers' PEFT or ComfyUI's naming");
     } else {
       throw InputError(file.string() + ": key '" + key +
                        "' is not plain LoRA or LoCon (lora_down / lora_up / alpha); other kinds "

@@ -30,6 +30,12 @@ struct LoraTarget {
   // attn.to_v; img_attn.proj: attn.to_out.0). Empty: module_path is the reference's own layer.
   // A LoRA file in the reference's PEFT naming is read through it (models/peft_lora.h).
   std::vector<std::pair<std::string, int64_t>> reference_parts;
+  // The layer as ComfyUI names it: its module path in the family's original single file under
+  // ComfyUI's component prefix ("diffusion_model.input_blocks.1.1.proj_in",
+  // "diffusion_model.double_blocks.0.img_attn.qkv",
+  // "text_encoders.clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj"). LoRA files
+  // named so (ComfyUI's, diffusion-pipe's) are read through it (models/comfy_lora.h).
+  std::string comfy_path;
   bool text_encoder = false;
   // Which text encoder (0: the first; SDXL's second is 1), for text-encoder targets.
   int encoder = 0;

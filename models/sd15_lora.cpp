@@ -6,7 +6,10 @@
 #include <regex>
 #include <set>
 
+#include "common/error.h"
+#include "models/loading.h"
 #include "models/lora_collect.h"
+#include "models/sd15_keys.h"
 
 namespace lorapipe::models {
 namespace {
@@ -40,6 +43,12 @@ std::vector<LoraTarget> collect_lora_targets(
       if (!seen.insert(child.value().get()).second) continue;
       target.module_path = item.key() + "." + child.key();
       target.name = kohya_name(prefix, target.module_path);
+      // ComfyUI's text encoders are clip_l and clip_g around transformers' layout; a denoiser's
+      // own path is its single file's unless the family renames it (unet_lora_targets).
+      target.comfy_path = text_encoder ? std::string("text_encoders.clip_") +
+                                             (encoder == 0 ? "l" : "g") + ".transformer." +
+                                             target.module_path
+                                       : "diffusion_model." + target.module_path;
       target.text_encoder = text_encoder;
       target.encoder = text_encoder ? encoder : 0;
       target.block = text_encoder ? -1 : block_of(target.name);
@@ -84,7 +93,7 @@ std::shared_ptr<LoraAdapter>& LoraTarget::slot() const {
 
 std::vector<LoraTarget> unet_lora_targets(const UNet& unet, bool conv_kxk) {
   using namespace unet_blocks;
-  return collect_lora_targets(
+  std::vector<LoraTarget> targets = collect_lora_targets(
       *unet, kLoraUnetPrefix, /*text_encoder=*/false,
       [conv_kxk](const torch::nn::Module& m) {
         if (is<Transformer2DImpl>(m)) return true;
@@ -92,6 +101,16 @@ std::vector<LoraTarget> unet_lora_targets(const UNet& unet, bool conv_kxk) {
                (is<ResnetBlock2DImpl>(m) || is<Downsample2DImpl>(m) || is<Upsample2DImpl>(m));
       },
       sd15_kohya_block_index);
+  // ComfyUI names the U-Net's layers by the single file's (ldm) paths.
+  const KeyMap map = sd15_unet_key_map(layout_of(unet->config()));
+  for (LoraTarget& t : targets) {
+    const std::optional<std::string> ldm = map.to_ldm(t.module_path + ".weight");
+    if (!ldm) throw Error("U-Net LoRA: no single-file name for " + t.module_path);
+    t.comfy_path = "diffusion_model." + ldm->substr(kLdmUnetPrefix.size(),
+                                                    ldm->size() - kLdmUnetPrefix.size() -
+                                                        std::string(".weight").size());
+  }
+  return targets;
 }
 
 std::vector<LoraTarget> text_encoder_lora_targets(const ClipTextModel& text_encoder,

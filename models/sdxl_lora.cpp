@@ -2,23 +2,16 @@
 
 #include <algorithm>
 
-#include "common/error.h"
-#include "models/loading.h"
-#include "models/sd15_keys.h"
 #include "models/sd15_lora.h"
 
 namespace lorapipe::models {
 
 std::vector<LoraTarget> sdxl_unet_lora_targets(const UNet& unet, bool conv_kxk) {
-  // The diffusers paths of the SD1.x rule, renamed through the single-file key table: the SAI
-  // path of a layer is its weight's ldm key without the prefix and the ".weight".
-  const KeyMap map = sd15_unet_key_map(layout_of(unet->config()));
+  // The diffusers paths of the SD1.x rule, renamed to the SAI path: the layer's path in the
+  // single file (ComfyUI's name for it without "diffusion_model.").
   std::vector<LoraTarget> targets = unet_lora_targets(unet, conv_kxk);
   for (LoraTarget& t : targets) {
-    const std::optional<std::string> ldm = map.to_ldm(t.module_path + ".weight");
-    if (!ldm) throw Error("SDXL LoRA: no single-file name for " + t.module_path);
-    std::string path = ldm->substr(kLdmUnetPrefix.size());
-    path.resize(path.size() - std::string(".weight").size());
+    std::string path = t.comfy_path.substr(std::string("diffusion_model.").size());
     std::replace(path.begin(), path.end(), '.', '_');
     t.alias = t.name;  // the SD1.x rule's name: diffusers' module path
     t.name = std::string(kLoraUnetPrefix) + "_" + path;

@@ -28,6 +28,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "common/error.h"
@@ -227,6 +228,65 @@ TEST_F(SamplerParityRender, PromptConditioningIsPlainWithoutWeights) {
   EXPECT_GT((w.hidden_states[1] - a.hidden_states[1]).abs().max().item<double>(), 1e-3);
 }
 
+// A LoRA in ComfyUI's naming (its layers by the single file's ldm paths under diffusion_model.,
+// CLIP-L's under text_encoders.clip_l.transformer.) is the kohya file the diffusers renders above
+// check, renamed: half of its modules as lora_down / lora_up / alpha, the rest as lora_A / lora_B
+// with no alpha and the scale folded into B (diffusion-pipe's files; alpha = rank). Merged, every
+// weight equals the kohya file's merge: bit for bit where the tensors are the same, within 1e-6
+// relative where B carries the scale (fp32 rounds a scaled product and a product scaled apart).
+TEST_F(SamplerParityRender, LoraInComfyUiNamingMergesAsItsKohyaNaming) {
+  const auto owned = models::load_model(tiny_.diffusers);
+  models::DiffusionModel& model = *owned;
+  const auto kohya = models::testing::read_all(ref_ / "lora.safetensors");
+  std::map<std::string, torch::Tensor> comfy;
+  std::set<std::string> folded;
+  size_t index = 0, text = 0;
+  for (const models::LoraTarget& t : model.lora_targets(true, true)) {
+    if (!kohya.count(t.name + ".lora_down.weight")) continue;
+    const torch::Tensor down = kohya.at(t.name + ".lora_down.weight");
+    const torch::Tensor up = kohya.at(t.name + ".lora_up.weight");
+    const torch::Tensor alpha = kohya.at(t.name + ".alpha");
+    text += t.text_encoder;
+    EXPECT_TRUE(t.comfy_path.starts_with(t.text_encoder ? "text_encoders.clip_l.transformer.text_model."
+                                                        : "diffusion_model."))
+        << t.comfy_path;
+    if (index++ % 2 == 0) {
+      comfy[t.comfy_path + ".lora_down.weight"] = down;
+      comfy[t.comfy_path + ".lora_up.weight"] = up;
+      comfy[t.comfy_path + ".alpha"] = alpha;
+    } else {
+      comfy[t.comfy_path + ".lora_A.weight"] = down;
+      comfy[t.comfy_path + ".lora_B.weight"] =
+          up * (alpha.item<double>() / static_cast<double>(down.size(0)));
+      folded.insert(t.name);
+    }
+    if (t.module_path == "down_blocks.0.attentions.0.proj_in") {
+      EXPECT_EQ(t.comfy_path, "diffusion_model.input_blocks.1.1.proj_in");
+    }
+  }
+  ASSERT_EQ(index * 3, kohya.size()) << "every module of the kohya file renamed";
+  ASSERT_GT(text, 0u) << "the reference LoRA adapts the text encoder";
+  models::testing::write_all(dir_ / "comfy.safetensors", comfy);
+
+  std::map<std::string, torch::Tensor> expected;
+  {
+    MergedLora lora(model, ref_ / "lora.safetensors", 0.8, MergedLora::Application::kMergedRestorable);
+    for (const models::LoraTarget& t : model.lora_targets(true, true)) {
+      expected[t.name] = t.weight().clone();
+    }
+  }
+  MergedLora lora(model, dir_ / "comfy.safetensors", 0.8, MergedLora::Application::kMergedRestorable);
+  EXPECT_TRUE(lora.changes_text_encoder());
+  EXPECT_EQ(lora.module_count(), index);
+  for (const models::LoraTarget& t : model.lora_targets(true, true)) {
+    if (folded.count(t.name)) {
+      EXPECT_TRUE(torch::allclose(t.weight(), expected.at(t.name), 1e-6, 1e-7)) << t.name;
+    } else {
+      EXPECT_TRUE(torch::equal(t.weight(), expected.at(t.name))) << t.name;
+    }
+  }
+}
+
 TEST_F(SamplerParityRender, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothing) {
   const auto owned = models::load_model(tiny_.diffusers);
   models::DiffusionModel& model = *owned;
@@ -253,10 +313,14 @@ TEST_F(SamplerParityRender, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothin
               std::string::npos)
         << e.what();
   }
-  // A LoRA in dotted module paths (ComfyUI's, older diffusers'): named as such, not as LoHa.
-  for (const char* key : {"diffusion_model.input_blocks.1.1.proj_in.lora_down.weight",
-                          "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.processor."
-                          "to_q_lora.down.weight"}) {
+  // A LoRA in dotted module paths: ComfyUI's with a weight missing, and older diffusers' (not
+  // read): each named as such, not as LoHa.
+  for (const auto& [key, says] :
+       {std::pair{"diffusion_model.input_blocks.1.1.proj_in.lora_down.weight",
+                  "layer diffusion_model.input_blocks.1.1.proj_in lacks its up"},
+        std::pair{"unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.processor."
+                  "to_q_lora.down.weight",
+                  "by a dotted module path lorapipe does not read (older diffusers'"}}) {
     const torch::Tensor down = torch::zeros({4, 8});
     models::write_safetensors(
         dir_ / "dotted.safetensors",
@@ -266,10 +330,7 @@ TEST_F(SamplerParityRender, LoraForAnotherModelOrBrokenIsRefusedAndChangesNothin
       MergedLora lora(model, dir_ / "dotted.safetensors", 1.0);
       FAIL() << "merged a LoRA of dotted names";
     } catch (const InputError& e) {
-      EXPECT_NE(std::string(e.what()).find("by a dotted module path (ComfyUI's or older "
-                                           "diffusers' naming)"),
-                std::string::npos)
-          << e.what();
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
     }
   }
   // Half written: named, nothing merged.

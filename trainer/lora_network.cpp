@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "models/flux_lora.h"
+#include "models/comfy_lora.h"
 #include "models/peft_lora.h"
 #include "models/safetensors.h"
 #include "models/weights.h"
@@ -579,6 +580,12 @@ void LoraNetwork::load(const std::filesystem::path& file) {
 }
 
 void LoraNetwork::load(const std::map<std::string, at::Tensor>& tensors, const std::string& source) {
+  if (models::is_comfy_lora(tensors)) {
+    throw InputError(source +
+                     ": a LoRA in ComfyUI's naming (diffusion_model.<layer>, text_encoders.<...>): "
+                     "training continues from kohya's naming alone (lora_unet_... / lora_te_...); "
+                     "previews, --base_weights and lorapipe-sampler read this one");
+  }
   if (models::is_peft_lora(tensors)) {
     // Its fused layers would come out at the parts' summed rank, which is no --network_dim.
     throw InputError(source +

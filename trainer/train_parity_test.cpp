@@ -1272,6 +1272,16 @@ TEST_F(TrainLora, AlphaZeroOrAMissingAlphaMeansTheRank) {
               std::string::npos)
         << e.what();
   }
+  // So is one in ComfyUI's naming, lora_A / lora_B or not.
+  try {
+    zeroed.load({{"diffusion_model.input_blocks.1.1.proj_in.lora_A.weight", torch::zeros({4, 4})}},
+                "comfy.safetensors");
+    ADD_FAILURE() << "continued from a ComfyUI-named file";
+  } catch (const lorapipe::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("comfy.safetensors: a LoRA in ComfyUI's naming"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // --mixed_precision fp16's loss scale, kept as torch's GradScaler keeps it (kohya's, through

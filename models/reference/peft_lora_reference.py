@@ -14,6 +14,14 @@ rank 2) and proj_out; on CLIP-L, q_proj and fc1. Saved by FluxPipeline.save_lora
   alphas.safetensors         the same tensors with a `.alpha` of 2 on each module but proj_mlp's
                              (diffusers gives those the most common alpha)
   rslora.safetensors         with_metadata's, the transformer's with use_rslora (alpha / sqrt(r))
+  comfy.safetensors          a LoRA in ComfyUI's naming (diffusion_model.double_blocks.0.img_attn.qkv
+                             .lora_down.weight, text_encoders.clip_l.transformer.text_model....):
+                             qkv, proj, txt_mlp.0, img_mod.lin, linear2, modulation.lin and CLIP-L's
+                             fc1 and fc2, rank 4, an `.alpha` of 2 on the double blocks' and
+                             none (alpha = rank) on the others. Not linear1: diffusers' reader
+                             splits it at FLUX.1's full widths alone. Not CLIP-L's attention:
+                             diffusers 0.36 drops those modules of this naming ("unexpected
+                             keys ... self_attn.to_q_lora"), so it is no reference for them.
 OUT_DIR/reference.safetensors: latents, sigma and the T5 states (prompt_embeds) of a denoiser
 call; for each file NAME, pooled_NAME (CLIP-L's pooled output of PROMPTS) and velocity_NAME (the
 transformer's unpacked output on those inputs, guidance 3.5) with the file loaded; pooled_base
@@ -46,6 +54,33 @@ def adapt(model, targets, gen, rank_pattern):
     state = get_peft_model_state_dict(model)
     metadata = {k: v for k, v in config.to_dict().items() if k in CONFIG_KEYS}
     return state, metadata
+
+
+def comfy_lora(pipe, gen):
+    """Seeded LoRA weights under ComfyUI's names: the original FLUX.1 layout's paths."""
+    config = pipe.transformer.config
+    inner = config.num_attention_heads * config.attention_head_dim
+    mlp = inner * 4
+    text = pipe.text_encoder.config
+    layers = {}
+    for i in range(config.num_layers):
+        for path, rows, cols in (("img_attn.qkv", 3 * inner, inner), ("img_attn.proj", inner, inner),
+                                 ("txt_mlp.0", mlp, inner), ("img_mod.lin", 6 * inner, inner)):
+            layers[f"diffusion_model.double_blocks.{i}.{path}"] = (rows, cols, 2.0)
+    for i in range(config.num_single_layers):
+        for path, rows, cols in (("linear2", inner, inner + mlp), ("modulation.lin", 3 * inner, inner)):
+            layers[f"diffusion_model.single_blocks.{i}.{path}"] = (rows, cols, None)
+    for i in range(text.num_hidden_layers):
+        prefix = f"text_encoders.clip_l.transformer.text_model.encoder.layers.{i}"
+        layers[prefix + ".mlp.fc1"] = (text.intermediate_size, text.hidden_size, None)
+        layers[prefix + ".mlp.fc2"] = (text.hidden_size, text.intermediate_size, None)
+    tensors = {}
+    for path, (rows, cols, alpha) in layers.items():
+        tensors[path + ".lora_down.weight"] = torch.randn(4, cols, generator=gen) * 0.3
+        tensors[path + ".lora_up.weight"] = torch.randn(rows, 4, generator=gen) * 0.3
+        if alpha is not None:
+            tensors[path + ".alpha"] = torch.tensor(alpha)
+    return tensors
 
 
 def outputs(pipe, latents, sigma):
@@ -92,7 +127,9 @@ def main() -> None:
             tensors[key.replace(".lora_A.weight", ".alpha")] = torch.tensor(2.0)
     save_file(tensors, os.path.join(out, "alphas.safetensors"))
 
-    for name in ("with_metadata", "plain", "alphas", "rslora"):
+    save_file(comfy_lora(pipe, gen), os.path.join(out, "comfy.safetensors"))
+
+    for name in ("with_metadata", "plain", "alphas", "rslora", "comfy"):
         fresh = FluxPipeline.from_pretrained(folder)
         fresh.load_lora_weights(os.path.join(out, name + ".safetensors"))
         embeds, pooled, velocity = outputs(fresh, latents, sigma)
