@@ -14,6 +14,7 @@
 #include "trainer/adafactor_optimizer.h"
 #include "trainer/adamw8bit_optimizer.h"
 #include "trainer/dadapt_optimizer.h"
+#include "trainer/came_optimizer.h"
 #include "trainer/lion_optimizer.h"
 #include "trainer/prodigy_optimizer.h"
 
@@ -243,7 +244,9 @@ int64_t parse_whole(const std::string& arg, const std::string& text, int64_t lea
   return static_cast<int64_t>(v);
 }
 
-enum class Type { kAdamW, kAdamW8bit, kPagedAdamW8bit, kProdigy, kDAdaptAdam, kLion, kAdafactor };
+enum class Type {
+  kAdamW, kAdamW8bit, kPagedAdamW8bit, kProdigy, kDAdaptAdam, kLion, kAdafactor, kCame
+};
 
 struct Kind {
   Type type;
@@ -284,6 +287,11 @@ const std::vector<Kind>& kinds() {
        "Adafactor",
        {"weight_decay", "eps", "clip_threshold", "decay_rate", "beta1", "scale_parameter",
         "relative_step", "warmup_init"}},
+      // kohya loads it by its class path (--optimizer_type=came_pytorch.CAME).
+      {Type::kCame,
+       {"came", "came_pytorch.came", "came_pytorch.came.came"},
+       "CAME",
+       {"weight_decay", "betas", "eps", "clip_threshold"}},
   };
   return k;
 }
@@ -306,11 +314,14 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
       options.weight_decay = parse_number(arg, value);
     } else if (key == "betas") {
       const std::vector<double> b = parse_numbers(arg, value);
-      if (b.size() != 2) {
-        throw InputError("--optimizer_args '" + arg + "': betas wants two numbers, b1,b2");
+      if (b.size() != 2 && b.size() != 3) {
+        throw InputError("--optimizer_args '" + arg + "': betas wants two numbers, b1,b2 (three "
+                         "for CAME)");
       }
       options.beta1 = b[0];
       options.beta2 = b[1];
+      options.beta3.reset();
+      if (b.size() == 3) options.beta3 = b[2];
       options.betas_given = true;
     } else if (key == "eps") {  // one number; Adafactor's is a pair
       const std::vector<double> e = parse_numbers(arg, value);
@@ -416,8 +427,20 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
   if (kind->type == Type::kAdafactor && single_eps) {
     throw InputError("--optimizer_args eps: Adafactor's is a pair, eps=1e-30,1e-3");
   }
-  if (kind->type != Type::kAdafactor && options.adafactor_eps_pair) {
+  if (kind->type == Type::kCame && single_eps) {
+    throw InputError("--optimizer_args eps: CAME's is a pair, eps=1e-30,1e-16");
+  }
+  const bool eps_pair = kind->type == Type::kAdafactor || kind->type == Type::kCame;
+  if (!eps_pair && options.adafactor_eps_pair) {
     throw InputError("--optimizer_args eps: " + kind->display + " takes one number");
+  }
+  // came-pytorch indexes three betas: two would fail there at the first step.
+  if (kind->type == Type::kCame && options.betas_given && !options.beta3) {
+    throw InputError("--optimizer_args betas: CAME's are three, b1,b2,b3 (came-pytorch's "
+                     "default 0.9,0.999,0.9999)");
+  }
+  if (kind->type != Type::kCame && options.beta3) {
+    throw InputError("--optimizer_args betas: " + kind->display + " takes two, b1,b2");
   }
   switch (kind->type) {
     case Type::kAdamW:
@@ -434,6 +457,8 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
       return make_lion(options, std::move(groups));
     case Type::kAdafactor:
       return make_adafactor(options, std::move(groups));
+    case Type::kCame:
+      return make_came(options, std::move(groups));
   }
   throw Error("unreachable optimizer type");
 }

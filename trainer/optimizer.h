@@ -22,6 +22,7 @@ struct ParamGroup {
 struct OptimizerOptions {
   std::string type = "AdamW";  // --optimizer_type, case-insensitive (kohya's names)
   double beta1 = 0.9, beta2 = 0.999;  // unless given, each optimizer's own (Lion: 0.9, 0.99)
+  std::optional<double> beta3;  // a third beta (CAME's only: its instability's average)
   bool betas_given = false;
   double eps = 1e-8;
   // Unset: the optimizer's own default, which kohya keeps (torch's and bitsandbytes' AdamW 0.01,
@@ -43,7 +44,9 @@ struct OptimizerOptions {
     int64_t slice_p = 1;               // estimate d from every slice_p-th element
   } prodigy;
   bool decouple_given = false;
-  // Adafactor only: transformers' arguments, with its defaults (kohya's: relative_step True).
+  // Adafactor's: transformers' arguments, with its defaults (kohya's: relative_step True). CAME
+  // takes eps (its defaults 1e-30, 1e-16: added to grad^2 and to the instability) and
+  // clip_threshold from here too.
   struct AdafactorOptions {
     double eps1 = 1e-30, eps2 = 1e-3;  // eps=(1e-30,1e-3): added to grad^2; the RMS floor
     double clip_threshold = 1.0;       // the update's RMS is clipped to this
@@ -101,7 +104,9 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
 //   DAdaptAdam      dadaptation's D-Adaptation Adam, 12 bytes of state
 //                   per parameter, run with a learning rate near 1;
 //   Lion            lion-pytorch's sign-momentum optimizer, 4 bytes of state per parameter;
-//   Adafactor       transformers' Adafactor, factored second moments (rows + columns).
+//   Adafactor       transformers' Adafactor, factored second moments (rows + columns);
+//   CAME            came-pytorch's CAME (kohya's came_pytorch.CAME): Adafactor's factored
+//                   moments, a first moment, and a factored confidence scaling the step.
 // Throws InputError naming an unknown type (and saying which are known).
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                                           std::vector<ParamGroup> groups);

@@ -1,5 +1,6 @@
-// ProdigyParity, LionParity: lorapipe's Prodigy and Lion against the PyPI packages kohya loads for
-// them, prodigyopt and lion-pytorch (trainer/reference/optimizer_reference.py), on the same
+// ProdigyParity, LionParity, AdafactorParity, DAdaptAdamParity, CameParity: lorapipe's ports
+// against the PyPI packages kohya loads for them (prodigyopt, lion-pytorch, transformers,
+// dadaptation, came-pytorch) (trainer/reference/optimizer_reference.py), on the same
 // parameters, gradients and learning-rate schedule. Tolerance: none. The ports run the same
 // LibTorch kernels on the same fp32 tensors in the same order, and keep the packages' Python
 // floats as doubles, so every parameter (and Prodigy's every step-size estimate) must be equal
@@ -11,6 +12,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <tuple>
 
 #include "common/error.h"
 #include "kernels/cuda_device.h"
@@ -204,6 +206,49 @@ TEST(AdafactorParity, RelativeStepMatchesTransformersBitForBit) {
   run_case(c, "adafactor_warmup");
 }
 
+// came-pytorch's CAME as kohya loads it (--optimizer_type=came_pytorch.CAME) with the arguments
+// its users give it (weight decay 0.04, came-pytorch's betas and eps spelled out), factored
+// moments for the matrices and the conv kernel, a whole one for the vector; then its defaults
+// with a group at lr 0 and a tighter clip.
+TEST(CameParity, MatchesCamePytorchBitForBit) {
+  OptimizerCase c;
+  c.type = "came_pytorch.CAME";
+  c.reference = "CAME";
+  c.args = {"weight_decay=0.04", "betas=0.9,0.999,0.9999", "eps=1e-30,1e-16"};
+  c.kwargs = {{"weight_decay", 0.04}, {"betas", {0.9, 0.999, 0.9999}}, {"eps", {1e-30, 1e-16}}};
+  c.lr = 1e-4;
+  run_case(c, "came");
+  c.args = {"clip_threshold=0.5"};
+  c.kwargs = {{"clip_threshold", 0.5}};
+  c.second_group_frozen = true;
+  run_case(c, "came_defaults");
+
+  // kohya's ss_optimizer: the class's module path and the arguments as given.
+  auto make = [](const std::string& type, std::vector<std::string> args) {
+    OptimizerOptions o;
+    o.type = type;
+    apply_optimizer_args(o, args);
+    return make_optimizer(o, {ParamGroup{{torch::zeros({2}).requires_grad_()}, 1e-4, "unet"}});
+  };
+  EXPECT_EQ(make("came_pytorch.CAME", {"weight_decay=0.04", "eps=1e-30,1e-16"})->describe(),
+            "came_pytorch.CAME.CAME(weight_decay=0.04,eps=(1e-30, 1e-16))");
+  // What came-pytorch cannot take is refused by name before a step: two betas (it indexes
+  // three), one eps (it indexes two); and a third beta to an optimizer of two.
+  for (const auto& [type, args, says] :
+       std::vector<std::tuple<std::string, std::vector<std::string>, std::string>>{
+           {"CAME", {"betas=0.9,0.999"}, "CAME's are three, b1,b2,b3"},
+           {"CAME", {"eps=1e-30"}, "CAME's is a pair, eps=1e-30,1e-16"},
+           {"CAME", {"betas=0.9,0.999,1.5"}, "CAME's must lie in [0, 1]"},
+           {"AdamW", {"betas=0.9,0.999,0.9999"}, "AdamW takes two, b1,b2"}}) {
+    try {
+      make(type, args);
+      ADD_FAILURE() << type << " took " << args[0];
+    } catch (const InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+    }
+  }
+}
+
 // dadaptation's DAdaptAdam: decoupled decay with bias correction; then decay in the gradient
 // (its default form), a growth limit, d0 given and a group at lr 0.
 TEST(DAdaptAdamParity, MatchesDadaptationBitForBit) {
@@ -287,7 +332,8 @@ TEST(OptimizerState, StateOfAnotherOptimizerOrSettingIsRefusedNamingTheFile) {
   make("Prodigy", {})->save(file);
   EXPECT_NO_THROW(make("Prodigy", {})->load(file));
   for (const auto& [type, args] : std::vector<std::pair<std::string, std::vector<std::string>>>{
-           {"Lion", {}}, {"Prodigy", {"slice_p=3"}}, {"DAdaptAdam", {}}, {"Adafactor", {}}}) {
+           {"Lion", {}}, {"Prodigy", {"slice_p=3"}}, {"DAdaptAdam", {}}, {"Adafactor", {}},
+           {"CAME", {}}}) {
     try {
       make(type, args)->load(file);
       ADD_FAILURE() << type << " took Prodigy's state";
@@ -304,7 +350,7 @@ TEST(OptimizerState, StateOfAnotherOptimizerOrSettingIsRefusedNamingTheFile) {
 // used: a second step after zero_grad moves the weights again.
 TEST(OptimizerState, ZeroGradFreesTheGradientsOfEveryOptimizer) {
   for (const std::string type : {"AdamW", "AdamW8bit", "PagedAdamW8bit", "Prodigy", "DAdaptAdam",
-                                 "Lion", "Adafactor"}) {
+                                 "Lion", "Adafactor", "CAME"}) {
     OptimizerOptions options;
     options.type = type;
     torch::manual_seed(5);
@@ -356,7 +402,7 @@ TEST(OptimizerState, AParameterWithoutAGradientForAStepIsLeftAlone) {
   if (torch::cuda::is_available()) devices.emplace_back(c10::kCUDA, 0);
   for (const c10::Device& device : devices) {
     for (const std::string type : {"AdamW", "AdamW8bit", "PagedAdamW8bit", "Prodigy",
-                                   "DAdaptAdam", "Lion", "Adafactor"}) {
+                                   "DAdaptAdam", "Lion", "Adafactor", "CAME"}) {
       const std::string what = type + " on " + device.str();
       OptimizerOptions options;
       options.type = type;

@@ -1,6 +1,6 @@
 """Reference runs of the PyPI optimizers kohya sd-scripts loads (prodigyopt's Prodigy for
 --optimizer_type=Prodigy, dadaptation's DAdaptAdam for DAdaptAdam, lion-pytorch's Lion for
-Lion, transformers' Adafactor for Adafactor)
+Lion, transformers' Adafactor for Adafactor, came-pytorch's CAME for came_pytorch.CAME)
 for lorapipe's optimizer parity tests.
 
     python optimizer_reference.py --inputs IN.safetensors --config CONFIG.json --out OUT.safetensors
@@ -8,7 +8,7 @@ for lorapipe's optimizer parity tests.
 IN      param.<i> the initial parameters (fp32); grad.<s>.<i> the gradient of parameter i at step
         s (absent: no gradient that step, as a parameter the loss did not reach); lr.<g> [S] the
         learning rate of group g at each step (as kohya's schedule sets it).
-CONFIG  optimizer: "Prodigy", "DAdaptAdam", "Lion" or "Adafactor"; groups: [[parameter indices], ...]; steps;
+CONFIG  optimizer: "Prodigy", "DAdaptAdam", "Lion", "Adafactor" or "CAME"; groups: [[parameter indices], ...]; steps;
         kwargs: the keyword arguments given to its constructor (betas, eps as lists). Adafactor
         with relative_step (its default, and kohya's) is built as kohya builds it: lr=None, the
         groups without rates, none set per step.
@@ -19,13 +19,15 @@ import argparse
 import json
 
 import torch
+from came_pytorch import CAME
 from dadaptation import DAdaptAdam
 from lion_pytorch import Lion
 from prodigyopt import Prodigy
 from safetensors.torch import load_file, save_file
 from transformers.optimization import Adafactor
 
-OPTIMIZERS = {"Prodigy": Prodigy, "DAdaptAdam": DAdaptAdam, "Lion": Lion, "Adafactor": Adafactor}
+OPTIMIZERS = {"Prodigy": Prodigy, "DAdaptAdam": DAdaptAdam, "Lion": Lion, "Adafactor": Adafactor,
+              "CAME": CAME}
 
 
 def main():
