@@ -206,10 +206,12 @@ double optimizer_bytes_per_param(const std::string& optimizer) {
   if (o == "adafactor") return 0.1;  // factored second moments: rows + columns, no first
   // a first moment, and two factored second ones (squared gradient, instability)
   if (o == "came" || o == "came_pytorch.came" || o == "came_pytorch.came.came") return 4.2;
+  if (o.ends_with("adamwschedulefree")) return 8;  // z and the second moment
   if (o == "sgdnesterov" || o == "sgd") return 4;
   throw InputError("lorapipe plan: --optimizer_type=" + optimizer +
                    ": the plan knows AdamW, PagedAdamW, PagedAdamW32bit, AdamW8bit, PagedAdamW8bit, "
-                   "Lion, Lion8bit, Adafactor, CAME, Prodigy, DAdaptAdam and SGDNesterov");
+                   "Lion, Lion8bit, Adafactor, CAME, AdamWScheduleFree, Prodigy, DAdaptAdam and "
+                   "SGDNesterov");
 }
 
 std::string gib(double bytes, int digits = 2) {

@@ -16,6 +16,7 @@
 #include "trainer/dadapt_optimizer.h"
 #include "trainer/came_optimizer.h"
 #include "trainer/lion_optimizer.h"
+#include "trainer/schedulefree_optimizer.h"
 #include "trainer/prodigy_optimizer.h"
 
 namespace lorapipe::trainer {
@@ -245,7 +246,8 @@ int64_t parse_whole(const std::string& arg, const std::string& text, int64_t lea
 }
 
 enum class Type {
-  kAdamW, kAdamW8bit, kPagedAdamW8bit, kProdigy, kDAdaptAdam, kLion, kAdafactor, kCame
+  kAdamW, kAdamW8bit, kPagedAdamW8bit, kProdigy, kDAdaptAdam, kLion, kAdafactor, kCame,
+  kAdamWScheduleFree
 };
 
 struct Kind {
@@ -292,6 +294,11 @@ const std::vector<Kind>& kinds() {
        {"came", "came_pytorch.came", "came_pytorch.came.came"},
        "CAME",
        {"weight_decay", "betas", "eps", "clip_threshold"}},
+      {Type::kAdamWScheduleFree,
+       {"adamwschedulefree", "schedulefree.adamwschedulefree",
+        "schedulefree.adamw_schedulefree.adamwschedulefree"},
+       "AdamWScheduleFree",
+       {"weight_decay", "betas", "eps", "warmup_steps", "r", "weight_lr_power"}},
   };
   return k;
 }
@@ -355,6 +362,12 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
       prodigy.beta3 = parse_number(arg, value);
     } else if (key == "slice_p") {
       prodigy.slice_p = parse_whole(arg, value, 1);
+    } else if (key == "warmup_steps") {
+      options.schedulefree.warmup_steps = parse_whole(arg, value, 0);
+    } else if (key == "r") {
+      options.schedulefree.r = parse_number(arg, value);
+    } else if (key == "weight_lr_power") {
+      options.schedulefree.weight_lr_power = parse_number(arg, value);
     } else if (key == "clip_threshold") {
       adafactor.clip_threshold = parse_number(arg, value);
     } else if (key == "decay_rate") {
@@ -459,6 +472,8 @@ std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
       return make_adafactor(options, std::move(groups));
     case Type::kCame:
       return make_came(options, std::move(groups));
+    case Type::kAdamWScheduleFree:
+      return make_adamw_schedulefree(options, std::move(groups));
   }
   throw Error("unreachable optimizer type");
 }

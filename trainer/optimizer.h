@@ -57,6 +57,12 @@ struct OptimizerOptions {
     bool warmup_init = false;          // a step size growing from 1e-6 (needs relative_step)
   } adafactor;
   bool adafactor_eps_pair = false;  // eps given as a pair (Adafactor's form)
+  // AdamWScheduleFree's: schedulefree's arguments, with its defaults.
+  struct ScheduleFreeOptions {
+    int64_t warmup_steps = 0;      // its own linear warm-up of the rate, in steps
+    double r = 0;                  // the average's weights grow as step^r
+    double weight_lr_power = 2.0;  // ... and as the largest rate so far to this power
+  } schedulefree;
   // --optimizer_args as given (for kohya's ss_optimizer, "name(key=value,...)"), and their keys
   // (each optimizer refuses, by name, one it does not take).
   std::vector<std::string> given_args;
@@ -79,6 +85,13 @@ class Optimizer {
   virtual void load(const std::filesystem::path& file) = 0;
   // kohya's ss_optimizer value, e.g. "torch.optim.adamw.AdamW(weight_decay=0.01)".
   virtual std::string describe() const = 0;
+  // A schedule-free optimizer's parameters hold the point its gradients are taken at while it
+  // trains, and its average, the model, once eval() puts that there (kohya's
+  // optimizer_eval_fn / optimizer_train_fn). The trainer calls eval() before anything reads the
+  // weights as the model (a LoRA file, a validation), and train() before each step. Both
+  // idempotent; nothing for the other optimizers.
+  virtual void eval() {}
+  virtual void train() {}
 };
 
 // kohya's ss_optimizer: the optimizer's class path, then the --optimizer_args as kohya's
@@ -106,7 +119,8 @@ void apply_optimizer_args(OptimizerOptions& options, const std::vector<std::stri
 //   Lion            lion-pytorch's sign-momentum optimizer, 4 bytes of state per parameter;
 //   Adafactor       transformers' Adafactor, factored second moments (rows + columns);
 //   CAME            came-pytorch's CAME (kohya's came_pytorch.CAME): Adafactor's factored
-//                   moments, a first moment, and a factored confidence scaling the step.
+//                   moments, a first moment, and a factored confidence scaling the step;
+//   AdamWScheduleFree  schedulefree's schedule-free AdamW, 8 bytes of state per parameter.
 // Throws InputError naming an unknown type (and saying which are known).
 std::unique_ptr<Optimizer> make_optimizer(const OptimizerOptions& options,
                                           std::vector<ParamGroup> groups);

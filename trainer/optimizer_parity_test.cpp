@@ -1,6 +1,6 @@
-// ProdigyParity, LionParity, AdafactorParity, DAdaptAdamParity, CameParity: lorapipe's ports
-// against the PyPI packages kohya loads for them (prodigyopt, lion-pytorch, transformers,
-// dadaptation, came-pytorch) (trainer/reference/optimizer_reference.py), on the same
+// ProdigyParity, LionParity, AdafactorParity, DAdaptAdamParity, CameParity, ScheduleFreeParity:
+// lorapipe's ports against the PyPI packages kohya loads for them (prodigyopt, lion-pytorch,
+// transformers, dadaptation, came-pytorch, schedulefree) (trainer/reference/optimizer_reference.py), on the same
 // parameters, gradients and learning-rate schedule. Tolerance: none. The ports run the same
 // LibTorch kernels on the same fp32 tensors in the same order, and keep the packages' Python
 // floats as doubles, so every parameter (and Prodigy's every step-size estimate) must be equal
@@ -42,6 +42,7 @@ struct OptimizerCase {
 // down) in two groups; gradients drawn for each step, one parameter left without a gradient at
 // step 3; a warm-up then a cosine-like decay of the rate, as kohya's schedule sets it.
 void run_case(const OptimizerCase& c, const std::string& tag) {
+  SCOPED_TRACE(tag);
   constexpr int kSteps = 12;
   torch::manual_seed(5);
   std::vector<torch::Tensor> initial{torch::randn({4, 32}) * 0.1, torch::zeros({48, 4}),
@@ -131,6 +132,19 @@ void run_case(const OptimizerCase& c, const std::string& tag) {
       EXPECT_FALSE(torch::equal(params[i].detach(), initial[i])) << "param " << i << " never moved";
     }
   }
+  // A schedule-free optimizer's average (eval()), and its training point again (train()).
+  for (const std::string mode : {"eval", "train"}) {
+    if (!reference.count(mode + ".0")) continue;
+    mode == "eval" ? optimizer->eval() : optimizer->train();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const torch::Tensor& expected = reference.at(mode + "." + std::to_string(i));
+      EXPECT_TRUE(torch::equal(params[i].detach(), expected))
+          << "param " << i << " after " << mode << "(): max |difference| "
+          << (params[i].detach() - expected).abs().max().item<double>();
+    }
+  }
+  EXPECT_EQ(reference.count("eval.0") > 0, c.type == "AdamWScheduleFree")
+      << "only the schedule-free optimizer switches its weights";
   if (!::testing::Test::HasFailure()) {
     std::printf("[%s] %s: %d steps, every parameter bit-identical\n", c.type.c_str(),
                 tag.c_str(), kSteps);
@@ -249,6 +263,64 @@ TEST(CameParity, MatchesCamePytorchBitForBit) {
   }
 }
 
+// schedulefree's AdamWScheduleFree as kohya builds it (put in train mode at once): its own
+// warm-up and weight decay taken at y, as kohya's users give it; then its defaults with another
+// average weighting (r, weight_lr_power), other betas and a group at lr 0. The parameters after
+// the steps (y), after eval() (x, the model kohya saves) and after train() again.
+TEST(ScheduleFreeParity, MatchesSchedulefreeBitForBit) {
+  OptimizerCase c;
+  c.type = "AdamWScheduleFree";
+  c.args = {"weight_decay=0.01", "warmup_steps=4"};
+  c.kwargs = {{"weight_decay", 0.01}, {"warmup_steps", 4}};
+  c.lr = 1e-3;
+  run_case(c, "schedulefree");
+  c.args = {"r=1", "weight_lr_power=1", "betas=0.95,0.99", "eps=1e-6"};
+  c.kwargs = {{"r", 1.0}, {"weight_lr_power", 1.0}, {"betas", {0.95, 0.99}}, {"eps", 1e-6}};
+  c.second_group_frozen = true;
+  run_case(c, "schedulefree_weighting");
+}
+
+// A state saved with the average in the weights (as every save leaves them) resumes exactly:
+// the resumed optimizer's train() and steps give what the run that saved it gives, bit for bit.
+// A step in eval mode is refused rather than taken at the average.
+TEST(ScheduleFreeParity, StateSavedAtTheAverageResumesExactly) {
+  auto make = [](std::vector<at::Tensor> params) {
+    OptimizerOptions options;
+    options.type = "AdamWScheduleFree";
+    apply_optimizer_args(options, {"warmup_steps=2", "weight_decay=0.1"});
+    return make_optimizer(options, {ParamGroup{std::move(params), 1e-2, "unet"}});
+  };
+  torch::manual_seed(8);
+  std::vector<at::Tensor> grads;
+  for (int s = 0; s < 6; ++s) grads.push_back(torch::randn({4, 16}));
+  at::Tensor p = (torch::randn({4, 16}) * 0.1).requires_grad_(true);
+  const std::unique_ptr<Optimizer> run = make({p});
+  auto step = [&](Optimizer& o, at::Tensor& param, int s) {
+    o.train();
+    param.mutable_grad() = grads[s].clone();
+    o.step();
+    o.zero_grad();
+  };
+  for (int s = 0; s < 3; ++s) step(*run, p, s);
+  run->eval();
+  const fs::path dir = models::testing::make_temp_dir("optimizer-schedulefree");
+  run->save(dir / "optimizer.pt");
+  at::Tensor saved = p.detach().clone().requires_grad_(true);
+  EXPECT_THROW({
+    p.mutable_grad() = grads[3].clone();
+    run->step();
+  }, Error);
+  p.mutable_grad() = at::Tensor();
+  for (int s = 3; s < 6; ++s) step(*run, p, s);
+
+  const std::unique_ptr<Optimizer> resumed = make({saved});
+  resumed->load(dir / "optimizer.pt");
+  for (int s = 3; s < 6; ++s) step(*resumed, saved, s);
+  EXPECT_TRUE(torch::equal(saved.detach(), p.detach()))
+      << "max |difference| " << (saved.detach() - p.detach()).abs().max().item<double>();
+  fs::remove_all(dir);
+}
+
 // dadaptation's DAdaptAdam: decoupled decay with bias correction; then decay in the gradient
 // (its default form), a growth limit, d0 given and a group at lr 0.
 TEST(DAdaptAdamParity, MatchesDadaptationBitForBit) {
@@ -333,7 +405,7 @@ TEST(OptimizerState, StateOfAnotherOptimizerOrSettingIsRefusedNamingTheFile) {
   EXPECT_NO_THROW(make("Prodigy", {})->load(file));
   for (const auto& [type, args] : std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"Lion", {}}, {"Prodigy", {"slice_p=3"}}, {"DAdaptAdam", {}}, {"Adafactor", {}},
-           {"CAME", {}}}) {
+           {"CAME", {}}, {"AdamWScheduleFree", {}}}) {
     try {
       make(type, args)->load(file);
       ADD_FAILURE() << type << " took Prodigy's state";
@@ -350,7 +422,7 @@ TEST(OptimizerState, StateOfAnotherOptimizerOrSettingIsRefusedNamingTheFile) {
 // used: a second step after zero_grad moves the weights again.
 TEST(OptimizerState, ZeroGradFreesTheGradientsOfEveryOptimizer) {
   for (const std::string type : {"AdamW", "AdamW8bit", "PagedAdamW8bit", "Prodigy", "DAdaptAdam",
-                                 "Lion", "Adafactor", "CAME"}) {
+                                 "Lion", "Adafactor", "CAME", "AdamWScheduleFree"}) {
     OptimizerOptions options;
     options.type = type;
     torch::manual_seed(5);
@@ -402,7 +474,8 @@ TEST(OptimizerState, AParameterWithoutAGradientForAStepIsLeftAlone) {
   if (torch::cuda::is_available()) devices.emplace_back(c10::kCUDA, 0);
   for (const c10::Device& device : devices) {
     for (const std::string type : {"AdamW", "AdamW8bit", "PagedAdamW8bit", "Prodigy",
-                                   "DAdaptAdam", "Lion", "Adafactor", "CAME"}) {
+                                   "DAdaptAdam", "Lion", "Adafactor", "CAME",
+                                   "AdamWScheduleFree"}) {
       const std::string what = type + " on " + device.str();
       OptimizerOptions options;
       options.type = type;

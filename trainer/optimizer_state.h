@@ -1,5 +1,6 @@
 #pragma once
-// What the optimizers ported from Python packages (Prodigy, DAdaptAdam, Lion, Adafactor) share:
+// What the optimizers ported from Python packages (Prodigy, DAdaptAdam, Lion, Adafactor, CAME,
+// AdamWScheduleFree) share:
 // their parameter groups, the checks of the D-Adaptation family, and per-parameter state in one
 // LibTorch archive per save, parameter `index` of group `group` keeping each tensor under
 // "g<group>_<index>_<name>". For .cpp files that already include LibTorch.
@@ -70,6 +71,7 @@ class GroupedOptimizer : public Optimizer {
       for (size_t k = 0; k < targets.size(); ++k) {
         *targets[k] = values[static_cast<int64_t>(k)].item<double>();
       }
+      loaded_scalars();
       load_states(archive, [&](const at::Tensor& p, const State& s) { check_loaded(p, s); });
     });
   }
@@ -77,8 +79,10 @@ class GroupedOptimizer : public Optimizer {
  protected:
   // For errors: "Prodigy", ...
   virtual std::string name() const = 0;
-  // The optimizer's own numbers that are state (a step-size estimate, a step count).
+  // The optimizer's own numbers that are state (a step-size estimate, a step count), as doubles;
+  // loaded_scalars() then turns those it keeps otherwise back into their own form.
   virtual std::vector<double*> scalars() { return {}; }
+  virtual void loaded_scalars() {}
   // Throws c10::Error when a loaded state does not fit its parameter.
   virtual void check_loaded(const at::Tensor& /*param*/, const State& /*state*/) const {}
 

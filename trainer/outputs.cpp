@@ -33,6 +33,9 @@ std::string last_stem(const std::string& output_name) {
 }
 
 void Run::save_lora(const fs::path& path, int64_t step, bool final, int64_t epoch) {
+  // A schedule-free optimizer's average is the model (kohya's optimizer_eval_fn before a save),
+  // on every rank alike: the next step's train() moves each rank's weights back the same way.
+  step_->optimizer().eval();
   if (!main_) return;  // every rank holds the same LoRA; rank 0 writes it
   fs::create_directories(path.parent_path());
   const WrittenLora written = write_lora_file(

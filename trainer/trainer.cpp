@@ -298,6 +298,9 @@ Summary Run::train_steps() {
         return summary;
       }
       const auto step_started = Clock::now();
+      // Gradients at a schedule-free optimizer's training point (kohya's optimizer_train_fn),
+      // after a save or validation put its average in the weights, or a state saved so resumed.
+      step_->optimizer().train();
       start_epoch = epoch_, start_index = next_index_;
       double wait_ms = 0;
       double loss_sum = 0, share_sum = 0;

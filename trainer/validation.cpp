@@ -41,6 +41,7 @@ void Run::prepare_validation() {
 
 double Run::validation_loss() {
   if (validation_.empty()) return -1;
+  step_->optimizer().eval();  // the model a schedule-free optimizer averages, as kohya validates
   torch::NoGradGuard no_grad;
   network_->set_training(false);
   double sum = 0;

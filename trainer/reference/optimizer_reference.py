@@ -1,6 +1,7 @@
 """Reference runs of the PyPI optimizers kohya sd-scripts loads (prodigyopt's Prodigy for
 --optimizer_type=Prodigy, dadaptation's DAdaptAdam for DAdaptAdam, lion-pytorch's Lion for
-Lion, transformers' Adafactor for Adafactor, came-pytorch's CAME for came_pytorch.CAME)
+Lion, transformers' Adafactor for Adafactor, came-pytorch's CAME for came_pytorch.CAME,
+schedulefree's AdamWScheduleFree for AdamWScheduleFree)
 for lorapipe's optimizer parity tests.
 
     python optimizer_reference.py --inputs IN.safetensors --config CONFIG.json --out OUT.safetensors
@@ -8,12 +9,13 @@ for lorapipe's optimizer parity tests.
 IN      param.<i> the initial parameters (fp32); grad.<s>.<i> the gradient of parameter i at step
         s (absent: no gradient that step, as a parameter the loss did not reach); lr.<g> [S] the
         learning rate of group g at each step (as kohya's schedule sets it).
-CONFIG  optimizer: "Prodigy", "DAdaptAdam", "Lion", "Adafactor" or "CAME"; groups: [[parameter indices], ...]; steps;
+CONFIG  optimizer: "Prodigy", "DAdaptAdam", "Lion", "Adafactor", "CAME" or "AdamWScheduleFree"; groups: [[parameter indices], ...]; steps;
         kwargs: the keyword arguments given to its constructor (betas, eps as lists). Adafactor
         with relative_step (its default, and kohya's) is built as kohya builds it: lr=None, the
         groups without rates, none set per step.
 OUT     param.<i> after the last step; for Prodigy and DAdaptAdam, d [S], the step-size estimate
-        after each step (float64).
+        after each step (float64); for AdamWScheduleFree (put in train mode once built, as kohya
+        does), eval.<i> after eval() and train.<i> after train() again.
 """
 import argparse
 import json
@@ -24,10 +26,11 @@ from dadaptation import DAdaptAdam
 from lion_pytorch import Lion
 from prodigyopt import Prodigy
 from safetensors.torch import load_file, save_file
+from schedulefree import AdamWScheduleFree
 from transformers.optimization import Adafactor
 
 OPTIMIZERS = {"Prodigy": Prodigy, "DAdaptAdam": DAdaptAdam, "Lion": Lion, "Adafactor": Adafactor,
-              "CAME": CAME}
+              "CAME": CAME, "AdamWScheduleFree": AdamWScheduleFree}
 
 
 def main():
@@ -56,6 +59,9 @@ def main():
     # relative-step Adafactor).
     optimizer = OPTIMIZERS[cfg["optimizer"]](groups, lr=None if relative else groups[0]["lr"],
                                              **kwargs)
+    schedule_free = hasattr(optimizer, "eval")
+    if schedule_free:
+        optimizer.train()
     ds = []
     for step in range(cfg["steps"]):
         for n, group in enumerate(optimizer.param_groups):
@@ -67,9 +73,14 @@ def main():
         optimizer.step()
         if "d" in optimizer.param_groups[0]:
             ds.append(optimizer.param_groups[0]["d"])
-    out = {f"param.{i}": p.detach().contiguous() for i, p in params.items()}
+    out = {f"param.{i}": p.detach().clone().contiguous() for i, p in params.items()}
     if ds:
         out["d"] = torch.tensor(ds, dtype=torch.float64)
+    if schedule_free:
+        optimizer.eval()
+        out.update({f"eval.{i}": p.detach().clone().contiguous() for i, p in params.items()})
+        optimizer.train()
+        out.update({f"train.{i}": p.detach().clone().contiguous() for i, p in params.items()})
     save_file(out, args.out)
 
 
