@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -261,14 +262,25 @@ TEST(SdxlLora, TinyTargetsAreNamedAndNumberedAsKohya) {
   const auto model = load_model(tiny.diffusers);
   size_t unet = 0, te1 = 0, te2 = 0;
   for (const LoraTarget& t : model->lora_targets(/*text_encoder=*/true, /*conv_kxk=*/false)) {
+    // ComfyUI's name for the layer (models/comfy_lora.h): SDXL's encoders are its clip_l and
+    // clip_g, the U-Net's layers their single-file paths, which kohya's names spell with '_'.
+    std::string comfy = t.comfy_path;
+    std::replace(comfy.begin(), comfy.end(), '.', '_');
     if (t.text_encoder) {
       (t.encoder == 0 ? te1 : te2) += 1;
       EXPECT_EQ(t.name.rfind(t.encoder == 0 ? "lora_te1_text_model_encoder_layers_"
                                             : "lora_te2_text_model_encoder_layers_", 0), 0u)
           << t.name;
+      EXPECT_EQ(t.comfy_path.rfind(t.encoder == 0 ? "text_encoders.clip_l.transformer.text_model."
+                                                  : "text_encoders.clip_g.transformer.text_model.",
+                                   0),
+                0u)
+          << t.comfy_path;
       continue;
     }
     ++unet;
+    EXPECT_EQ("lora_unet_" + comfy.substr(std::string("diffusion_model_").size()), t.name)
+        << t.comfy_path;
     EXPECT_TRUE(t.name.rfind("lora_unet_input_blocks_", 0) == 0 ||
                 t.name.rfind("lora_unet_middle_block_1_", 0) == 0 ||
                 t.name.rfind("lora_unet_output_blocks_", 0) == 0)
